@@ -1,0 +1,106 @@
+"""The one error hierarchy of moestream.
+
+Every failure a user can cause or meet is one of these; boundaries (file I/O, GGUF parsing,
+CuPy) translate low-level errors into them with the context a user needs: the path, the
+layer and expert, the byte offset. The CLI prints ``str(error)`` on one line and exits with
+``error.exit_code``::
+
+    MoestreamError
+    ├── UsageError                 bad option or argument value (exit 2)
+    ├── ModelFileError             the model file cannot be used (exit 2)
+    │   ├── NotGGUFError           wrong magic or unsupported version
+    │   ├── TruncatedFileError     header or tensor data past the end of the file
+    │   └── ExpertLayoutError      expert tensors missing, inconsistent or of mixed types
+    ├── TraceError                 a routing trace or log that does not fit the model (exit 2)
+    ├── StageError                 a pipeline stage failed while running (exit 1)
+    │   ├── ReadError              a read failed or came back short
+    │   ├── UploadError            a host-to-device copy failed
+    │   └── DeviceMemoryError      device or pinned allocation failed
+    ├── ResidencyError             mincore / mlock / fadvise refused (exit 1)
+    └── VerificationError          consumed bytes differ from the file's bytes (exit 3)
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "DeviceMemoryError",
+    "ExpertLayoutError",
+    "ModelFileError",
+    "MoestreamError",
+    "NotGGUFError",
+    "ReadError",
+    "ResidencyError",
+    "StageError",
+    "TraceError",
+    "TruncatedFileError",
+    "UploadError",
+    "UsageError",
+    "VerificationError",
+]
+
+
+class MoestreamError(Exception):
+    """Base of every error moestream raises on purpose."""
+
+    exit_code = 1
+
+
+class UsageError(MoestreamError):
+    """An option or argument has a value that cannot be used."""
+
+    exit_code = 2
+
+
+class ModelFileError(MoestreamError):
+    """The model file cannot be used; the message names the file and the problem."""
+
+    exit_code = 2
+
+    def __init__(self, path: object, problem: str) -> None:
+        super().__init__(f"{path}: {problem}")
+        self.path = path
+        self.problem = problem
+
+
+class NotGGUFError(ModelFileError):
+    """Wrong magic number or unsupported GGUF version."""
+
+
+class TruncatedFileError(ModelFileError):
+    """The header or some tensor data lies past the end of the file."""
+
+
+class ExpertLayoutError(ModelFileError):
+    """Routed-expert tensors are missing, inconsistent, or of mixed types."""
+
+
+class TraceError(MoestreamError):
+    """A routing trace or log does not fit the model or is malformed."""
+
+    exit_code = 2
+
+
+class StageError(MoestreamError):
+    """A pipeline stage failed while running."""
+
+
+class ReadError(StageError):
+    """A read of expert bytes failed or came back short."""
+
+
+class UploadError(StageError):
+    """A host-to-device copy failed."""
+
+
+class DeviceMemoryError(StageError):
+    """Device or pinned host memory could not be allocated."""
+
+
+class ResidencyError(MoestreamError):
+    """A page-residency call (mincore, mlock, fadvise) was refused."""
+
+
+class VerificationError(MoestreamError):
+    """Bytes the decoder consumed differ from the model file's bytes."""
+
+    exit_code = 3
