@@ -1,0 +1,1 @@
+"""moestream device side: backends (CuPy, host), expert cache, buffer pool, kernels."""

@@ -1,0 +1,1 @@
+"""moestream pipeline: run loop, config, controller, model file and expert table, logging."""

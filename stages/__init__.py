@@ -1,0 +1,1 @@
+"""moestream stages: prefetch (reads), staging (pinned ring), upload (H2D streams), install."""
