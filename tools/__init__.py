@@ -1,0 +1,1 @@
+"""Command-line tools: model maker, warm-up, log analysis, benchmarks."""
