@@ -250,12 +250,16 @@ class CacheIndex:
         self._policy.advance_token()
 
     def access_layer(
-        self, keys: Sequence[ExpertKey], nbytes: Sequence[int]
+        self,
+        keys: Sequence[ExpertKey],
+        nbytes: Sequence[int],
+        pinned: Collection[ExpertKey] = (),
     ) -> LayerOutcome:
         """Look up one layer's experts, then admit its misses with the layer protected.
 
         This is the exact decision sequence the live cache follows for a layer, which the
-        what-if simulator replays.
+        what-if simulator replays. ``pinned`` adds keys that must not be evicted either
+        (experts still in use or in flight elsewhere).
         """
         hits: list[ExpertKey] = []
         misses: list[tuple[ExpertKey, int]] = []
@@ -265,7 +269,7 @@ class CacheIndex:
             else:
                 misses.append((key, size))
         evicted: list[ExpertKey] = []
-        protected = set(keys)
+        protected = set(keys).union(pinned)
         for key, size in misses:
             _, out = self.admit(key, size, protected)
             evicted.extend(out)

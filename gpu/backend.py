@@ -1,0 +1,139 @@
+"""The device-backend interface, and the choice between CuPy and the host stand-in.
+
+Everything above ``gpu/`` talks to a ``Backend``: page-aligned (pinned, on a GPU) host
+buffers for staging, device buffers for the cache, streams, events, asynchronous
+host-to-device copies, and the few kernels decode needs. ``CupyBackend`` does this on a CUDA
+device; ``HostBackend`` does the same work in host memory (real copies, events that complete
+when the copy has), so every stage and every test runs on machines without a GPU.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import numpy as np
+import numpy.typing as npt
+import structlog
+
+from pipeline.errors import UsageError
+
+__all__ = [
+    "Backend",
+    "DeviceBuffer",
+    "Event",
+    "HostBuffer",
+    "Stream",
+    "aligned_host_array",
+    "select_backend",
+]
+
+PAGE = 4096
+_log = structlog.get_logger("moestream.gpu")
+
+
+def aligned_host_array(nbytes: int, align: int = PAGE) -> npt.NDArray[np.uint8]:
+    """A uint8 array of ``nbytes`` whose first byte is ``align``-aligned (O_DIRECT needs it).
+
+    The array keeps its over-allocated base alive; dropping the array frees it.
+    """
+    raw = np.empty(nbytes + align, dtype=np.uint8)
+    skip = (-raw.ctypes.data) % align
+    return raw[skip : skip + nbytes]
+
+
+class Event(Protocol):
+    """Marks a point in a stream; done once everything queued before it has run."""
+
+    def done(self) -> bool: ...
+
+    def synchronize(self) -> None: ...
+
+
+class Stream(Protocol):
+    """An ordered queue of device work."""
+
+    def wait(self, event: Event) -> None:
+        """Make later work on this stream wait for ``event`` (device side, host never blocks)."""
+
+    def record(self) -> Event:
+        """An event that completes when the work queued so far has run."""
+
+    def synchronize(self) -> None: ...
+
+
+class HostBuffer(Protocol):
+    """Page-aligned host memory (pinned on a GPU). ``array`` must stay alive while in use."""
+
+    nbytes: int
+    array: npt.NDArray[np.uint8]
+
+    def close(self) -> None: ...
+
+
+class DeviceBuffer(Protocol):
+    """Device memory holding one cached expert."""
+
+    nbytes: int
+
+    def close(self) -> None: ...
+
+
+class Backend(Protocol):
+    """What the pipeline needs from a device."""
+
+    name: str
+    device_name: str
+
+    def alloc_host(self, nbytes: int) -> HostBuffer: ...
+
+    def alloc_device(self, nbytes: int) -> DeviceBuffer: ...
+
+    def device_free_bytes(self) -> int: ...
+
+    def new_stream(self) -> Stream: ...
+
+    def copy_h2d(
+        self, dst: DeviceBuffer, dst_offset: int, src: npt.NDArray[np.uint8], stream: Stream
+    ) -> None:
+        """Queue a copy of ``src`` (pinned or registered host memory) into ``dst``.
+
+        ``src`` must stay alive and unchanged until an event recorded after this completes.
+        """
+
+    def register_host(self, array: npt.NDArray[np.uint8]) -> bool:
+        """Page-lock ``array`` (read-only) so copies DMA straight from it; False if refused."""
+
+    def unregister_host(self, array: npt.NDArray[np.uint8]) -> None: ...
+
+    def device_bytes(self, buf: DeviceBuffer, offset: int, nbytes: int) -> Any:
+        """A uint8 device array over part of ``buf`` (no copy)."""
+
+    def to_host(self, arr: Any) -> npt.NDArray[Any]:
+        """Copy a device array to host (synchronizing); for small results only."""
+
+    def synchronize(self) -> None:
+        """Wait for the whole device; only at shutdown."""
+
+    def close(self) -> None: ...
+
+
+def select_backend(name: str = "auto") -> Backend:
+    """``cupy`` when a CUDA device answers (or when asked), else ``host``.
+
+    Raises:
+        UsageError: ``cupy`` was asked for but no CUDA device is usable.
+    """
+    if name not in ("auto", "host", "cupy"):
+        raise UsageError(f"unknown backend {name!r} (expected auto, host or cupy)")
+    if name in ("auto", "cupy"):
+        from gpu import cuda
+
+        reason = cuda.unavailable_reason()
+        if reason is None:
+            return cuda.CupyBackend()
+        if name == "cupy":
+            raise UsageError(f"--backend cupy: no usable CUDA device ({reason})")
+        _log.info("backend_fallback", backend="host", reason=reason)
+    from gpu.host import HostBackend
+
+    return HostBackend()

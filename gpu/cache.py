@@ -1,0 +1,251 @@
+"""The per-(layer, expert) device cache with a byte-accurate budget.
+
+Decisions (hit, miss, which key to evict) are made by ``gpu.policy.CacheIndex``; this module
+holds the buffers behind them. The contract:
+
+- live entry bytes + bytes parked in the pool never exceed the budget, counted at each
+  entry's real size (the ds4 lesson: counting "entries x nominal size" let a 100 GB budget
+  reach ~121 GB);
+- an entry is visible to compute only through its upload event: compute streams wait on
+  it, and the entry is marked ready once the event has completed;
+- an entry pinned by the layer being computed (or by a load in flight) is never evicted;
+- a buffer that is evicted or recycled is not overwritten before the last compute that
+  read it has finished (its ``last_use`` event).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import structlog
+
+from gpu.backend import Backend, DeviceBuffer, Event
+from gpu.policy import CacheIndex, ExpertKey, make_policy
+from gpu.pool import BufferPool
+from pipeline.errors import DeviceMemoryError, UsageError
+
+__all__ = ["CacheCounters", "DeviceCache", "Entry", "LayerPlan"]
+
+_log = structlog.get_logger("moestream.cache")
+
+
+@dataclass(slots=True, eq=False)
+class Entry:
+    """One cached expert: its device buffer and the events that order its use.
+
+    ``reuse_after``: the upload into ``buffer`` must wait for it (the previous owner's last
+    compute). ``upload``: completes when all bytes are on the device. ``last_use``: the
+    last compute queued on this entry; the buffer outlives it.
+    """
+
+    key: ExpertKey
+    buffer: DeviceBuffer
+    nbytes: int
+    reuse_after: Event | None = None
+    upload: Event | None = None
+    last_use: Event | None = None
+    ready: bool = False
+    pins: int = 0
+    loaded: asyncio.Future[None] | None = None
+
+
+@dataclass(slots=True)
+class CacheCounters:
+    """Running totals; the run loop takes per-token deltas."""
+
+    lookups: int = 0
+    hits: int = 0
+    misses: int = 0
+    evictions: int = 0
+    bytes_from_cache: int = 0
+    bytes_from_file: int = 0
+    allocations: int = 0
+    frees: int = 0
+    peak_device_bytes: int = 0
+
+
+@dataclass(slots=True)
+class LayerPlan:
+    """One layer's lookup: entries already cached (or in flight), and new ones to load."""
+
+    hits: list[Entry] = field(default_factory=list)
+    misses: list[Entry] = field(default_factory=list)
+    evicted: int = 0
+
+
+class DeviceCache:
+    """Experts on the device under a byte budget.
+
+    Args:
+        backend: allocates device buffers.
+        budget_bytes: the most device bytes entries and parked buffers may hold.
+        policy: eviction policy name (``lru`` or ``freq``).
+        min_entry_bytes: one layer's worth of experts; a smaller budget cannot decode.
+    """
+
+    def __init__(
+        self, backend: Backend, budget_bytes: int, policy: str = "lru", *, min_bytes: int = 0
+    ) -> None:
+        free = backend.device_free_bytes()
+        if budget_bytes > free:
+            _log.warning(
+                "budget_clamped", budget_bytes=budget_bytes, device_free_bytes=free,
+                reason="budget larger than free device memory",
+            )
+            budget_bytes = free
+        if budget_bytes < min_bytes:
+            raise UsageError(
+                f"cache budget of {budget_bytes} bytes cannot hold one layer's experts "
+                f"({min_bytes} bytes)"
+            )
+        self._backend = backend
+        self._index = CacheIndex(budget_bytes, make_policy(policy))
+        self._entries: dict[ExpertKey, Entry] = {}
+        self._pinned: set[ExpertKey] = set()
+        self.pool = BufferPool(backend)
+        self.counters = CacheCounters()
+
+    @property
+    def budget_bytes(self) -> int:
+        return self._index.capacity_bytes
+
+    @property
+    def live_bytes(self) -> int:
+        return self._index.live_bytes
+
+    @property
+    def device_bytes(self) -> int:
+        """Bytes of device memory held: live entries plus parked buffers."""
+        return self._index.live_bytes + self.pool.parked_bytes
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._entries
+
+    def get(self, key: ExpertKey) -> Entry | None:
+        return self._entries.get(key)
+
+    def plan_layer(self, keys: Sequence[ExpertKey], sizes: Sequence[int]) -> LayerPlan:
+        """Look up a layer's experts, reserve buffers for its misses, pin all of them.
+
+        Misses get an entry at once (so a second request for the key finds it in flight and
+        waits on ``entry.loaded`` instead of reading again), but are ready only after their
+        upload. Raises ``DeviceMemoryError`` if the device refuses an allocation; the
+        lookup's reservations are then undone.
+        """
+        outcome = self._index.access_layer(keys, sizes, self._pinned)
+        plan = LayerPlan(evicted=len(outcome.evicted))
+        for key in outcome.evicted:
+            victim = self._entries.pop(key)
+            self.pool.park(victim.buffer, victim.last_use)
+        size_of = dict(zip(keys, sizes, strict=True))
+        try:
+            for key in outcome.misses:
+                if key not in self._index:
+                    raise UsageError(f"expert {key} does not fit the cache budget")
+                buffer, reuse_after = self._buffer_for(size_of[key])
+                self._entries[key] = Entry(key, buffer, size_of[key], reuse_after=reuse_after)
+        except BaseException:
+            for key in outcome.misses:
+                self.drop(key)
+            raise
+        for key in outcome.hits:
+            plan.hits.append(self._entries[key])
+        plan.misses = [self._entries[key] for key in outcome.misses]
+        for entry in (*plan.hits, *plan.misses):
+            entry.pins += 1
+            self._pinned.add(entry.key)
+        c = self.counters
+        c.lookups += len(keys)
+        c.hits += len(plan.hits)
+        c.misses += len(plan.misses)
+        c.evictions += plan.evicted
+        c.bytes_from_cache += sum(e.nbytes for e in plan.hits)
+        c.bytes_from_file += sum(e.nbytes for e in plan.misses)
+        c.peak_device_bytes = max(c.peak_device_bytes, self.device_bytes)
+        return plan
+
+    def _buffer_for(self, nbytes: int) -> tuple[DeviceBuffer, Event | None]:
+        """A parked buffer of this size, or a new one after trimming the pool to fit."""
+        parked = self.pool.pop(nbytes)
+        if parked is not None:
+            return parked
+        # live already includes this entry (the index admitted it): parked must fit the rest
+        self.pool.trim(self.budget_bytes - self._index.live_bytes)
+        try:
+            buffer = self.pool.allocate(nbytes)
+        except DeviceMemoryError:
+            self.counters.allocations = self.pool.allocations
+            raise
+        self.counters.allocations = self.pool.allocations
+        self.counters.frees = self.pool.frees
+        return buffer, None
+
+    def release(self, entries: Sequence[Entry], last_use: Event | None) -> None:
+        """Unpin a layer's entries after its compute was queued; ``last_use`` ends it."""
+        for entry in entries:
+            entry.pins -= 1
+            if last_use is not None:
+                entry.last_use = last_use
+            if entry.pins == 0:
+                self._pinned.discard(entry.key)
+
+    def mark_ready(self, entry: Entry) -> None:
+        """The entry's bytes are all on the device; wake anyone waiting for it."""
+        entry.ready = True
+        if entry.loaded is not None and not entry.loaded.done():
+            entry.loaded.set_result(None)
+
+    def drop(self, key: ExpertKey) -> None:
+        """Forget ``key`` (a failed load): its buffer goes back to the pool, never installed."""
+        entry = self._entries.pop(key, None)
+        if entry is None:
+            return
+        if key in self._index:
+            self._index.remove(key)
+        self._pinned.discard(key)
+        self.pool.park(entry.buffer, entry.last_use or entry.reuse_after)
+        self.pool.trim(self.budget_bytes - self._index.live_bytes)
+        if entry.loaded is not None and not entry.loaded.done():
+            entry.loaded.cancel()
+
+    def advance_token(self) -> None:
+        self._index.advance_token()
+
+    def resize(self, budget_bytes: int) -> None:
+        """Change the budget: trim parked buffers first, then evict unpinned entries."""
+        evicted = self._index.resize(budget_bytes, self._pinned)
+        for key in evicted:
+            victim = self._entries.pop(key)
+            self.pool.free(victim.buffer, victim.last_use)
+            self.counters.evictions += 1
+        self.pool.trim(max(0, budget_bytes - self._index.live_bytes))
+        self.counters.frees = self.pool.frees
+        _log.info("budget_changed", budget_bytes=budget_bytes, live_bytes=self.live_bytes,
+                  evicted=len(evicted))
+
+    def clear(self) -> None:
+        """Drop every unpinned entry and give all buffers back to the device."""
+        for key in [k for k in self._entries if k not in self._pinned]:
+            entry = self._entries.pop(key)
+            self._index.remove(key)
+            self.pool.free(entry.buffer, entry.last_use)
+        self.pool.close()
+        self.counters.frees = self.pool.frees
+
+    def close(self) -> None:
+        """Release everything, pinned or not (the run is over)."""
+        self._pinned.clear()
+        for entry in self._entries.values():
+            entry.pins = 0
+        self.clear()
+
+    def __enter__(self) -> DeviceCache:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

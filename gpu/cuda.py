@@ -1,0 +1,194 @@
+"""The CuPy backend: pinned host memory, cudaMalloc'd cache buffers, streams and events.
+
+Device buffers come straight from ``cudaMalloc`` (``cupy.cuda.Memory``), not from CuPy's
+memory pool: the cache budget counts every byte, and a pool that keeps freed blocks would
+hide them. Staging buffers come from ``cudaHostAlloc`` (page-aligned, so O_DIRECT can read
+into them). ``register_host`` page-locks a read-only file mapping
+(``cudaHostRegisterReadOnly``) so uploads DMA from the page cache with no CPU copy.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import structlog
+
+from gpu.backend import PAGE, Event
+from pipeline.errors import DeviceMemoryError, UploadError
+
+__all__ = ["CupyBackend", "unavailable_reason"]
+
+_log = structlog.get_logger("moestream.gpu")
+_HOST_REGISTER_READ_ONLY = 0x08  # cudaHostRegisterReadOnly
+
+
+def unavailable_reason() -> str | None:
+    """None when CuPy imports and a CUDA device answers; else why not, in a few words."""
+    try:
+        import cupy
+    except ImportError:
+        return "cupy is not installed"
+    try:
+        if cupy.cuda.runtime.getDeviceCount() < 1:
+            return "no CUDA device"
+    except Exception as exc:  # CUDARuntimeError; its type lives in a module cupy may lack
+        return f"CUDA unavailable: {exc}"
+    return None
+
+
+class CudaEvent:
+    """A CUDA event recorded on a stream."""
+
+    __slots__ = ("_event",)
+
+    def __init__(self, event: Any) -> None:
+        self._event = event
+
+    def done(self) -> bool:
+        return bool(self._event.done)
+
+    def synchronize(self) -> None:
+        self._event.synchronize()
+
+    @property
+    def raw(self) -> Any:
+        return self._event
+
+
+class CudaStream:
+    """A non-blocking CUDA stream."""
+
+    __slots__ = ("raw",)
+
+    def __init__(self) -> None:
+        import cupy
+
+        self.raw = cupy.cuda.Stream(non_blocking=True)
+
+    def wait(self, event: Event) -> None:
+        if isinstance(event, CudaEvent):
+            self.raw.wait_event(event.raw)
+
+    def record(self) -> CudaEvent:
+        import cupy
+
+        event = cupy.cuda.Event(block=False, disable_timing=True)
+        event.record(self.raw)
+        return CudaEvent(event)
+
+    def synchronize(self) -> None:
+        self.raw.synchronize()
+
+
+class CudaPinned:
+    """Pinned, page-aligned host memory from cudaHostAlloc."""
+
+    __slots__ = ("_mem", "array", "nbytes")
+
+    def __init__(self, nbytes: int) -> None:
+        import cupy
+
+        try:
+            self._mem: Any = cupy.cuda.PinnedMemory(nbytes + PAGE)
+        except Exception as exc:
+            raise DeviceMemoryError(
+                f"pinned host allocation of {nbytes} bytes failed: {exc}"
+            ) from exc
+        pointer = cupy.cuda.PinnedMemoryPointer(self._mem, 0)
+        raw = np.frombuffer(pointer, dtype=np.uint8, count=nbytes + PAGE)
+        skip = (-raw.ctypes.data) % PAGE
+        self.array: npt.NDArray[np.uint8] = raw[skip : skip + nbytes]
+        self.nbytes = nbytes
+
+    def close(self) -> None:
+        self.array = np.empty(0, dtype=np.uint8)
+        self._mem = None
+
+
+class CudaDeviceBuffer:
+    """One cudaMalloc allocation."""
+
+    __slots__ = ("mem", "nbytes", "ptr")
+
+    def __init__(self, nbytes: int) -> None:
+        import cupy
+
+        try:
+            self.mem: Any = cupy.cuda.Memory(nbytes)
+        except cupy.cuda.memory.OutOfMemoryError as exc:
+            raise DeviceMemoryError(f"device allocation of {nbytes} bytes failed: {exc}") from exc
+        self.ptr = int(self.mem.ptr)
+        self.nbytes = nbytes
+
+    def close(self) -> None:
+        self.mem = None
+        self.ptr = 0
+
+
+class CupyBackend:
+    """A ``gpu.backend.Backend`` on CUDA device 0 through CuPy."""
+
+    name = "cupy"
+
+    def __init__(self) -> None:
+        import cupy
+
+        self._cp = cupy
+        props = cupy.cuda.runtime.getDeviceProperties(0)
+        raw_name = props["name"]
+        self.device_name = raw_name.decode() if isinstance(raw_name, bytes) else str(raw_name)
+
+    def alloc_host(self, nbytes: int) -> CudaPinned:
+        return CudaPinned(nbytes)
+
+    def alloc_device(self, nbytes: int) -> CudaDeviceBuffer:
+        return CudaDeviceBuffer(nbytes)
+
+    def device_free_bytes(self) -> int:
+        free, _total = self._cp.cuda.runtime.memGetInfo()
+        return int(free)
+
+    def new_stream(self) -> CudaStream:
+        return CudaStream()
+
+    def copy_h2d(
+        self, dst: Any, dst_offset: int, src: npt.NDArray[np.uint8], stream: Any
+    ) -> None:
+        rt = self._cp.cuda.runtime
+        try:
+            rt.memcpyAsync(
+                dst.ptr + dst_offset, src.ctypes.data, src.size, rt.memcpyHostToDevice,
+                stream.raw.ptr,
+            )
+        except Exception as exc:
+            raise UploadError(f"host-to-device copy of {src.size} bytes failed: {exc}") from exc
+
+    def register_host(self, array: npt.NDArray[np.uint8]) -> bool:
+        try:
+            self._cp.cuda.runtime.hostRegister(
+                array.ctypes.data, array.size, _HOST_REGISTER_READ_ONLY
+            )
+        except Exception as exc:
+            _log.warning("host_register_refused", nbytes=array.size, reason=str(exc))
+            return False
+        return True
+
+    def unregister_host(self, array: npt.NDArray[np.uint8]) -> None:
+        self._cp.cuda.runtime.hostUnregister(array.ctypes.data)
+
+    def device_bytes(self, buf: Any, offset: int, nbytes: int) -> Any:
+        cp = self._cp
+        pointer = cp.cuda.MemoryPointer(buf.mem, offset)
+        return cp.ndarray((nbytes,), dtype=cp.uint8, memptr=pointer)
+
+    def to_host(self, arr: Any) -> npt.NDArray[Any]:
+        result: npt.NDArray[Any] = self._cp.asnumpy(arr)
+        return result
+
+    def synchronize(self) -> None:
+        self._cp.cuda.runtime.deviceSynchronize()
+
+    def close(self) -> None:
+        self.synchronize()

@@ -1,0 +1,118 @@
+"""The host backend: the device is host memory, copies are real memcpy, events are eager.
+
+It exists so the whole pipeline (staging ring, uploads, install, cache, budget) runs and is
+tested on machines without a GPU. Copies happen when queued, so an event recorded after
+them is already complete; the ordering contracts of the stages hold trivially here and are
+exercised for real by the CuPy backend.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import psutil
+
+from gpu.backend import Event, aligned_host_array
+
+__all__ = ["HostBackend", "HostDeviceBuffer", "HostEvent", "HostStream"]
+
+
+class HostEvent:
+    """Complete from birth: host copies finish before ``copy_h2d`` returns."""
+
+    __slots__ = ()
+
+    def done(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        pass
+
+
+_DONE = HostEvent()
+
+
+class HostStream:
+    """Work on the host runs when queued; waits are therefore no-ops."""
+
+    __slots__ = ()
+
+    def wait(self, event: Event) -> None:
+        pass
+
+    def record(self) -> Event:
+        return _DONE
+
+    def synchronize(self) -> None:
+        pass
+
+
+class HostPinned:
+    """A page-aligned host buffer (the host stand-in for pinned memory)."""
+
+    __slots__ = ("array", "nbytes")
+
+    def __init__(self, nbytes: int) -> None:
+        self.nbytes = nbytes
+        self.array = aligned_host_array(nbytes)
+
+    def close(self) -> None:
+        self.array = np.empty(0, dtype=np.uint8)
+
+
+class HostDeviceBuffer:
+    """Host memory standing in for device memory."""
+
+    __slots__ = ("array", "nbytes")
+
+    def __init__(self, nbytes: int) -> None:
+        self.nbytes = nbytes
+        self.array = aligned_host_array(nbytes, 256)
+
+    def close(self) -> None:
+        self.array = np.empty(0, dtype=np.uint8)
+
+
+class HostBackend:
+    """A ``gpu.backend.Backend`` over host memory."""
+
+    name = "host"
+    device_name = "host"
+
+    def alloc_host(self, nbytes: int) -> HostPinned:
+        return HostPinned(nbytes)
+
+    def alloc_device(self, nbytes: int) -> HostDeviceBuffer:
+        return HostDeviceBuffer(nbytes)
+
+    def device_free_bytes(self) -> int:
+        return int(psutil.virtual_memory().available)
+
+    def new_stream(self) -> HostStream:
+        return HostStream()
+
+    def copy_h2d(
+        self, dst: Any, dst_offset: int, src: npt.NDArray[np.uint8], stream: Any
+    ) -> None:
+        dst.array[dst_offset : dst_offset + src.size] = src
+
+    def register_host(self, array: npt.NDArray[np.uint8]) -> bool:
+        return True
+
+    def unregister_host(self, array: npt.NDArray[np.uint8]) -> None:
+        pass
+
+    def device_bytes(self, buf: Any, offset: int, nbytes: int) -> npt.NDArray[np.uint8]:
+        view: npt.NDArray[np.uint8] = buf.array[offset : offset + nbytes]
+        return view
+
+    def to_host(self, arr: Any) -> npt.NDArray[Any]:
+        return np.asarray(arr)
+
+    def synchronize(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,158 @@
+"""The decode kernels, on the host (numpy) and on CUDA (CuPy raw kernels).
+
+Three kinds of work consume cached experts:
+- ``digest``: reads every byte of a range and produces the two sums of ``pipeline.digest``
+  (verification, and the ``--compute digest`` decoder);
+- ``busy``: keeps the device busy for a fixed time (``--compute fixed:MS``), emulating an
+  engine's per-layer compute;
+- ``swiglu``: a real SwiGLU expert on a hidden state, for F16 experts.
+
+Digest results are written into a results array and read back once per token, so the host
+never waits per expert.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from pipeline.digest import mix_digest
+
+__all__ = ["CudaKernels", "HostKernels", "make_kernels"]
+
+_CUDA_SOURCE = r"""
+extern "C" __global__ void digest_u32(const unsigned char* data, unsigned long long nbytes,
+                                      unsigned long long* out) {
+    unsigned long long n = nbytes / 4;
+    const unsigned int* w = (const unsigned int*)data;
+    unsigned long long s1 = 0, s2 = 0;
+    unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
+    for (unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x;
+         i < n; i += stride) {
+        unsigned long long v = w[i];
+        s1 += v;
+        s2 += v * (i + 1);
+    }
+    if (blockIdx.x == 0 && threadIdx.x == 0 && (nbytes & 3)) {
+        unsigned long long v = 0;
+        for (unsigned long long b = n * 4; b < nbytes; ++b)
+            v |= ((unsigned long long)data[b]) << (8 * (b - n * 4));
+        s1 += v;
+        s2 += v * (n + 1);
+    }
+    for (int o = 16; o > 0; o >>= 1) {
+        s1 += __shfl_down_sync(0xffffffffu, s1, o);
+        s2 += __shfl_down_sync(0xffffffffu, s2, o);
+    }
+    if ((threadIdx.x & 31) == 0) {
+        atomicAdd(&out[0], s1);
+        atomicAdd(&out[1], s2);
+    }
+}
+
+extern "C" __global__ void busy_ns(unsigned long long ns) {
+    unsigned long long start, now;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
+    do {
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+    } while (now - start < ns);
+}
+"""
+
+
+class HostKernels:
+    """numpy versions; results land in host arrays at once."""
+
+    def new_results(self, n: int) -> npt.NDArray[np.uint64]:
+        return np.zeros((n, 2), dtype=np.uint64)
+
+    def digest(self, data: npt.NDArray[np.uint8], results: npt.NDArray[np.uint64], row: int,
+               stream: Any) -> None:
+        tail = data.size % 4
+        words = data[: data.size - tail].view("<u4").astype(np.uint64)
+        weights = np.arange(1, words.size + 1, dtype=np.uint64)
+        s1 = words.sum(dtype=np.uint64)
+        s2 = (words * weights).sum(dtype=np.uint64)
+        if tail:
+            last = int.from_bytes(data[data.size - tail :].tobytes(), "little")
+            s1 = s1 + np.uint64(last)
+            s2 = s2 + np.uint64(last) * np.uint64(words.size + 1)
+        results[row, 0] = s1
+        results[row, 1] = s2
+
+    def read_results(self, results: npt.NDArray[np.uint64], n: int) -> list[int]:
+        return [mix_digest(int(a), int(b)) for a, b in results[:n]]
+
+    def busy(self, ms: float, data: npt.NDArray[np.uint8], stream: Any) -> None:
+        """Real CPU work on the expert's bytes for ``ms`` milliseconds (no sleeping)."""
+        end = time.perf_counter() + ms / 1000.0
+        words = data[: data.size - data.size % 8].view(np.uint64)
+        acc = np.uint64(0)
+        while time.perf_counter() < end:
+            acc ^= np.bitwise_xor.reduce(words[:4096]) if words.size else acc
+
+    def swiglu(self, x: Any, gate: Any, up: Any, down: Any, stream: Any) -> Any:
+        g = gate.astype(np.float32) @ x
+        u = up.astype(np.float32) @ x
+        return down.astype(np.float32) @ (g / (1.0 + np.exp(-g)) * u)
+
+    def as_f16(self, data: Any, rows: int, cols: int) -> Any:
+        return data.view(np.float16).reshape(rows, cols)
+
+    def zeros(self, n: int) -> Any:
+        return np.zeros(n, dtype=np.float32)
+
+
+class CudaKernels:
+    """CuPy raw kernels, queued on the given stream."""
+
+    def __init__(self) -> None:
+        import cupy
+
+        self._cp = cupy
+        module = cupy.RawModule(code=_CUDA_SOURCE)
+        self._digest = module.get_function("digest_u32")
+        self._busy = module.get_function("busy_ns")
+
+    def new_results(self, n: int) -> Any:
+        results = self._cp.zeros((n, 2), dtype=self._cp.uint64)
+        # zeroed on the legacy stream, which non-blocking streams do not order with
+        self._cp.cuda.Stream.null.synchronize()
+        return results
+
+    def digest(self, data: Any, results: Any, row: int, stream: Any) -> None:
+        nbytes = int(data.size)
+        blocks = max(1, min(1024, (nbytes // 4 + 255) // 256))
+        with stream.raw:
+            self._digest(
+                (blocks,), (256,), (data, np.uint64(nbytes), results[row])
+            )
+
+    def read_results(self, results: Any, n: int) -> list[int]:
+        host = self._cp.asnumpy(results[:n])
+        return [mix_digest(int(a), int(b)) for a, b in host]
+
+    def busy(self, ms: float, data: Any, stream: Any) -> None:
+        with stream.raw:
+            self._busy((1,), (1,), (np.uint64(int(ms * 1e6)),))
+
+    def swiglu(self, x: Any, gate: Any, up: Any, down: Any, stream: Any) -> Any:
+        cp = self._cp
+        with stream.raw:
+            g = gate.astype(cp.float32) @ x
+            u = up.astype(cp.float32) @ x
+            return down.astype(cp.float32) @ (g / (1.0 + cp.exp(-g)) * u)
+
+    def as_f16(self, data: Any, rows: int, cols: int) -> Any:
+        return data.view(self._cp.float16).reshape(rows, cols)
+
+    def zeros(self, n: int) -> Any:
+        return self._cp.zeros(n, dtype=self._cp.float32)
+
+
+def make_kernels(backend_name: str) -> HostKernels | CudaKernels:
+    """The kernels matching a backend's name."""
+    return CudaKernels() if backend_name == "cupy" else HostKernels()

@@ -1,0 +1,293 @@
+"""The residency controller: direct-I/O or page-cache-resident mode, chosen from live RAM.
+
+When RAM holds the whole model, O_DIRECT ties decode to SSD speed while RAM sits idle; when
+RAM is short, O_DIRECT is right and leaves memory to other processes. The controller samples
+the machine on a background task (and at token boundaries) and switches while running:
+
+- resident when the RAM it may use covers the model plus a safety margin, direct otherwise;
+- separate enter and leave thresholds and a minimum dwell time, so it never flaps, except
+  that real pressure (RAM below the model itself) leaves at once, within one sample;
+- entering resident maps the model for zero-copy uploads and warms the rest of it in the
+  background, throttled; leaving unregisters, unmaps, then drops our pages.
+
+"RAM it may use" is available RAM plus the model pages we have pinned ourselves (registered
+pages are locked, so the kernel no longer counts them as available); pages that are merely
+cached are already inside "available", and counting them again would overstate it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Literal, Protocol
+
+import structlog
+
+from pipeline.config import RunConfig
+from pipeline.logs import RunLog
+from pipeline.machine import read_machine
+from pipeline.table import ExpertTable
+
+__all__ = [
+    "ControllerReadings",
+    "ModeController",
+    "ModeDecider",
+    "Thresholds",
+    "default_margin",
+]
+
+_log = structlog.get_logger("moestream.controller")
+Mode = Literal["direct", "resident"]
+GIB = 1 << 30
+
+
+def default_margin(ram_total_bytes: int) -> int:
+    """The safety margin when none is given: max(2 GiB, 5% of RAM)."""
+    return max(2 * GIB, ram_total_bytes // 20)
+
+
+@dataclass(frozen=True, slots=True)
+class ControllerReadings:
+    """What a decision is based on (logged with every decision and switch)."""
+
+    ram_available_bytes: int
+    ram_total_bytes: int
+    model_bytes: int
+    model_resident_bytes: int
+    pinned_bytes: int
+    storage_read_bytes: int
+    disk_read_bytes: int
+
+    @property
+    def usable_bytes(self) -> int:
+        return self.ram_available_bytes + self.pinned_bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Thresholds:
+    """Enter resident at ``model + enter_margin``; leave below ``model + leave_margin``."""
+
+    enter_margin_bytes: int
+    leave_margin_bytes: int
+    min_dwell_s: float = 2.0
+
+    def __post_init__(self) -> None:
+        if self.leave_margin_bytes > self.enter_margin_bytes:
+            raise ValueError("the leave threshold must not be above the enter threshold")
+
+
+class ModeDecider:
+    """Pure decision logic with hysteresis and dwell; fed readings and a clock.
+
+    Args:
+        thresholds: enter/leave margins and dwell.
+        initial: the mode to start in.
+        now: the time of the initial mode (seconds, any monotonic clock).
+    """
+
+    def __init__(self, thresholds: Thresholds, initial: Mode, now: float) -> None:
+        self.thresholds = thresholds
+        self.mode: Mode = initial
+        self._since = now
+
+    def decide(self, r: ControllerReadings, now: float) -> tuple[Mode, str]:
+        """The mode to be in now and the reason, in words."""
+        th = self.thresholds
+        usable = r.usable_bytes
+        enter_at = r.model_bytes + th.enter_margin_bytes
+        leave_at = r.model_bytes + th.leave_margin_bytes
+        dwelt = now - self._since >= th.min_dwell_s
+        if self.mode == "direct":
+            if usable >= enter_at and dwelt:
+                return self._switch("resident", now), (
+                    f"usable RAM {usable} >= model + enter margin {enter_at}"
+                )
+            return "direct", f"usable RAM {usable} < model + enter margin {enter_at}" if (
+                usable < enter_at) else "dwell time not yet passed"
+        if usable < r.model_bytes:
+            return self._switch("direct", now), (
+                f"pressure: usable RAM {usable} < model {r.model_bytes}"
+            )
+        if usable < leave_at and dwelt:
+            return self._switch("direct", now), (
+                f"usable RAM {usable} < model + leave margin {leave_at}"
+            )
+        return "resident", f"usable RAM {usable} >= model + leave margin {leave_at}"
+
+    def _switch(self, mode: Mode, now: float) -> Mode:
+        self.mode = mode
+        self._since = now
+        return mode
+
+
+class Sampler(Protocol):
+    """Produces readings; tests feed their own. ``full`` also counts resident pages."""
+
+    def __call__(self, full: bool) -> ControllerReadings: ...
+
+
+class MachineSampler:
+    """Readings from psutil, /proc/self/io and mincore, capped by ``--ram-limit``.
+
+    Args:
+        table: the model (its path and size).
+        pinned_bytes: how many model bytes we hold page-locked right now.
+        ram_limit: the RAM the controller may believe in, at most.
+        mincore: also count the model's resident pages (slower on huge files).
+    """
+
+    def __init__(
+        self,
+        table: ExpertTable,
+        pinned_bytes: Callable[[], int],
+        ram_limit: int | None,
+    ) -> None:
+        self._table = table
+        self._pinned = pinned_bytes
+        self._limit = ram_limit
+        self._resident = -1
+
+    def __call__(self, full: bool) -> ControllerReadings:
+        m = read_machine()
+        total, available = m.ram_total_bytes, m.ram_available_bytes
+        if self._limit is not None and self._limit < total:
+            available = max(0, available - (total - self._limit))
+            total = self._limit
+        if full or self._resident < 0:
+            from pipeline.residency import Residency
+
+            self._resident = Residency.of_file(self._table.path).file_resident_bytes
+        return ControllerReadings(
+            ram_available_bytes=available,
+            ram_total_bytes=total,
+            model_bytes=self._table.file_bytes,
+            model_resident_bytes=self._resident,
+            pinned_bytes=self._pinned(),
+            storage_read_bytes=m.process_read_bytes,
+            disk_read_bytes=m.disk_read_bytes,
+        )
+
+
+class ModeController:
+    """Chooses and switches the streamer's I/O mode while the run goes on.
+
+    Args:
+        config: ``mode``, ``sample_ms``, ``ram_limit`` and ``margin_bytes`` matter here.
+        table: the model.
+        streamer: whose mode is switched (``set_mode``, ``pinned_bytes``).
+        runlog: where decisions and switches are logged.
+        sampler: readings source (default: the machine).
+        clock: monotonic seconds (tests pass their own).
+    """
+
+    def __init__(
+        self,
+        config: RunConfig,
+        table: ExpertTable,
+        streamer: object,
+        runlog: RunLog,
+        *,
+        sampler: Sampler | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._cfg = config
+        self._table = table
+        self._streamer = streamer
+        self._runlog = runlog
+        self._clock = clock
+        self._sampler: Sampler = sampler or MachineSampler(
+            table, lambda: int(getattr(streamer, "pinned_bytes", 0)), config.ram_limit
+        )
+        self._decider: ModeDecider | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._lock = asyncio.Lock()
+        self.switches = 0
+        self.tokens_in_mode: dict[str, int] = {}
+        self.last_ram_available = 0
+        self.token = 0
+
+    @property
+    def forced(self) -> bool:
+        return self._cfg.mode != "auto"
+
+    async def start(self) -> None:
+        """Choose the initial mode and start sampling (auto mode only)."""
+        readings = self._sampler(True)
+        self.last_ram_available = readings.ram_available_bytes
+        margin = self._cfg.margin_bytes or default_margin(readings.ram_total_bytes)
+        thresholds = Thresholds(margin, margin // 2)
+        if self.forced:
+            initial: Mode = "resident" if self._cfg.mode == "resident" else "direct"
+            reason = f"forced by --mode {self._cfg.mode}"
+        else:
+            enough = readings.usable_bytes >= readings.model_bytes + thresholds.enter_margin_bytes
+            initial = "resident" if enough else "direct"
+            reason = "initial: usable RAM " + (
+                ">=" if enough else "<") + " model + enter margin"
+        self._decider = ModeDecider(thresholds, initial, self._clock() - thresholds.min_dwell_s)
+        self._runlog.emit("controller_decision", mode=initial, reason=reason,
+                          readings=asdict(readings), token=0)
+        await self._apply(initial, reason, readings, initial_switch=True)
+        if not self.forced:
+            self._task = asyncio.get_running_loop().create_task(self._watch())
+
+    async def _watch(self) -> None:
+        period = self._cfg.sample_ms / 1000.0
+        while True:
+            await asyncio.sleep(period)
+            await self.sample(full=True)
+
+    async def sample(self, *, full: bool = False) -> None:
+        """Take a reading and act on it (auto mode); ``full`` runs mincore off the loop."""
+        if self._decider is None or self.forced:
+            return
+        async with self._lock:
+            if full:
+                loop = asyncio.get_running_loop()
+                readings = await loop.run_in_executor(None, self._sampler, True)
+            else:
+                readings = self._sampler(False)
+            self.last_ram_available = readings.ram_available_bytes
+            before = self._decider.mode
+            mode, reason = self._decider.decide(readings, self._clock())
+            if mode != before:
+                await self._apply(mode, reason, readings)
+
+    async def _apply(
+        self, mode: Mode, reason: str, readings: ControllerReadings, *, initial_switch: bool = False
+    ) -> None:
+        t0 = time.perf_counter()
+        set_mode = getattr(self._streamer, "set_mode", None)
+        if set_mode is not None:
+            result = set_mode(mode)
+            if asyncio.iscoroutine(result):
+                await result
+        took_ms = (time.perf_counter() - t0) * 1000.0
+        if not initial_switch:
+            self.switches += 1
+            _log.info("mode_switch", to=mode, reason=reason, took_ms=round(took_ms, 1))
+            self._runlog.emit(
+                "mode_switch", to=mode, reason=reason, readings=asdict(readings),
+                token=self.token, took_ms=round(took_ms, 3),
+                **{"from": "direct" if mode == "resident" else "resident"},
+            )
+
+    async def at_token(self, token: int) -> None:
+        """Token boundary: count the mode, and take a cheap (RAM-only) reading."""
+        self.token = token + 1
+        mode = getattr(self._streamer, "mode", "direct")
+        self.tokens_in_mode[mode] = self.tokens_in_mode.get(mode, 0) + 1
+        if not self.forced:
+            await self.sample(full=False)
+        else:
+            self.last_ram_available = read_machine().ram_available_bytes
+
+    async def aclose(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None

@@ -1,0 +1,224 @@
+"""Decode: consume each layer's experts on a compute stream, hits first, misses as they land.
+
+Compute for a layer is queued on one stream: hit experts at once, each miss as soon as its
+upload is queued, after a device-side wait on that expert's upload event (never a
+device-wide synchronize). At the end of the layer one event is recorded: it unpins the
+layer's experts (their buffers outlive it) and the host waits for it, as an engine waits for
+the router's output before it can choose the next layer's experts.
+
+What "compute" is: ``real`` runs a SwiGLU expert on a hidden state (F16 experts), ``digest``
+reads every byte of every used expert and checks it against the file, ``fixed:MS`` keeps the
+device busy MS milliseconds per layer, like an engine's kernels would.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import structlog
+from gguf import GGMLQuantizationType
+
+from gpu.backend import Backend
+from gpu.cache import DeviceCache, Entry
+from pipeline.config import ComputeSpec
+from pipeline.errors import StageError
+from pipeline.streamer import ExpertStreamer
+from pipeline.table import ExpertTable
+
+__all__ = ["Decoder", "LayerResult"]
+
+_log = structlog.get_logger("moestream.decode")
+
+
+@dataclass(slots=True)
+class LayerResult:
+    """What one layer cost and found."""
+
+    hits: int
+    misses: int
+    evictions: int
+    stall_ms: float
+    compute_ms: float
+
+
+class Decoder:
+    """Runs a model's MoE layers over the cache, one token at a time.
+
+    Args:
+        compute: what to do with each expert.
+        table: the model's expert table.
+        backend: the device.
+        kernels: the backend's kernels.
+        cache: the device cache.
+        streamer: loads misses.
+        seed: the initial hidden state's seed.
+    """
+
+    def __init__(
+        self,
+        compute: ComputeSpec,
+        table: ExpertTable,
+        backend: Backend,
+        kernels: Any,
+        cache: DeviceCache,
+        streamer: ExpertStreamer,
+        seed: int = 0,
+    ) -> None:
+        self._table = table
+        self._backend = backend
+        self._kernels = kernels
+        self._cache = cache
+        self._streamer = streamer
+        self.stream = backend.new_stream()
+        layer = next(iter(table.layers.values()))
+        f16 = GGMLQuantizationType.F16
+        if compute.kind == "real" and not (layer.gate_up_type == f16 and layer.down_type == f16):
+            _log.warning(
+                "compute_fallback", requested="real", using="digest",
+                reason=f"experts are {layer.gate_up_type.name}/{layer.down_type.name}; "
+                "real SwiGLU needs F16",
+            )
+            compute = ComputeSpec("digest")
+        self.compute = compute
+        self._hidden = self._initial_hidden(seed) if compute.kind == "real" else None
+        self.use_digests: Any = None
+        self.use_keys: list[tuple[int, int]] = []
+
+    def _initial_hidden(self, seed: int) -> Any:
+        rng = np.random.default_rng([seed, 0x5EED])
+        x = rng.standard_normal(self._table.hidden).astype(np.float32)
+        x /= np.sqrt(np.mean(x * x))
+        if self._backend.name == "cupy":
+            import cupy
+
+            return cupy.asarray(x)
+        return x
+
+    @property
+    def hidden(self) -> Any:
+        return self._hidden
+
+    def begin_token(self, max_uses: int) -> None:
+        """Fresh rows for this token's consumption digests (``digest`` compute)."""
+        if self.compute.kind == "digest":
+            self.use_digests = self._kernels.new_results(max_uses * 3)
+        self.use_keys = []
+
+    def take_use_digests(self) -> list[tuple[tuple[int, int], int, int]]:
+        """(key, matrix, digest) of every expert consumed this token (``digest`` compute)."""
+        if self.compute.kind != "digest" or not self.use_keys:
+            return []
+        self.stream.synchronize()
+        values = self._kernels.read_results(self.use_digests, len(self.use_keys) * 3)
+        return [
+            (key, m, values[i * 3 + m]) for i, key in enumerate(self.use_keys) for m in range(3)
+        ]
+
+    def _views(self, entry: Entry) -> list[Any]:
+        layout = self._streamer.layout(entry.key)
+        return [
+            self._backend.device_bytes(entry.buffer, s.device_offset, s.nbytes)
+            for s in layout.ranges
+        ]
+
+    def _consume(self, entry: Entry, weight: float, acc: Any, layer_ms: float) -> None:
+        """Queue the compute of one expert on the compute stream."""
+        if not entry.ready and entry.upload is not None:
+            self.stream.wait(entry.upload)
+        views = self._views(entry)
+        kind = self.compute.kind
+        if kind == "real":
+            hidden, ffn = self._table.layers[entry.key[0]].shape
+            k = self._kernels
+            out = k.swiglu(
+                self._hidden,
+                k.as_f16(views[0], ffn, hidden),
+                k.as_f16(views[1], ffn, hidden),
+                k.as_f16(views[2], hidden, ffn),
+                self.stream,
+            )
+            acc += weight * out
+        elif kind == "digest":
+            row = len(self.use_keys) * 3
+            self.use_keys.append(entry.key)
+            for m, view in enumerate(views):
+                self._kernels.digest(view, self.use_digests, row + m, self.stream)
+        else:
+            self._kernels.busy(layer_ms, views[2], self.stream)
+
+    async def run_layer(
+        self, layer: int, experts: Sequence[int], weights: Sequence[float]
+    ) -> LayerResult:
+        """Load and consume one MoE layer's selected experts.
+
+        Raises:
+            StageError: a miss could not be loaded; the layer's other experts are unpinned,
+                the failed ones dropped from the cache (never installed).
+        """
+        load = self._streamer.start_layer(layer, experts)
+        weight_of = {int(e): float(w) for e, w in zip(experts, weights, strict=True)}
+        per_expert_ms = self.compute.layer_ms / max(1, len(experts))
+        acc = self._kernels.zeros(self._table.hidden) if self.compute.kind == "real" else None
+        compute_s = 0.0
+        stall_s = 0.0
+        ctx = self._stream_ctx()
+        t0 = time.perf_counter()
+        with ctx:
+            for entry in load.plan.hits:
+                self._consume(entry, weight_of[entry.key[1]], acc, per_expert_ms)
+        compute_s += time.perf_counter() - t0
+        failures: list[tuple[Entry, BaseException]] = []
+        for _ in range(load.pending):
+            t_wait = time.perf_counter()
+            entry, error = await load.arrived.get()
+            t_got = time.perf_counter()
+            stall_s += t_got - t_wait
+            if error is not None:
+                failures.append((entry, error))
+                continue
+            with ctx:
+                self._consume(entry, weight_of[entry.key[1]], acc, per_expert_ms)
+            compute_s += time.perf_counter() - t_got
+        t0 = time.perf_counter()
+        if acc is not None and not failures:
+            with ctx:
+                x = self._hidden + acc
+                self._hidden = x / (self._kernels_sqrt_mean_sq(x) + 1e-6)
+        done = self.stream.record()
+        entries = [*load.plan.hits, *load.plan.misses]
+        self._cache.release(entries, done)
+        for entry, _ in failures:
+            self._cache.drop(entry.key)
+        if failures:
+            key, error = failures[0][0].key, failures[0][1]
+            raise StageError(f"layer {key[0]} expert {key[1]}: {error}") from error
+        done.synchronize()
+        compute_s += time.perf_counter() - t0
+        return LayerResult(
+            hits=len(load.plan.hits),
+            misses=len(load.plan.misses),
+            evictions=load.plan.evicted,
+            stall_ms=stall_s * 1000.0,
+            compute_ms=compute_s * 1000.0,
+        )
+
+    def _kernels_sqrt_mean_sq(self, x: Any) -> Any:
+        xp: Any = np
+        if self._backend.name == "cupy":
+            import cupy
+
+            xp = cupy
+        return xp.sqrt(xp.mean(x * x))
+
+    def _stream_ctx(self) -> Any:
+        """Make the compute stream current for array code (CuPy); a no-op on the host."""
+        raw = getattr(self.stream, "raw", None)
+        if raw is not None:
+            return raw
+        import contextlib
+
+        return contextlib.nullcontext()

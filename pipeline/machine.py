@@ -1,0 +1,75 @@
+"""Live readings of the machine: RAM, this process's storage reads, disk counters.
+
+The controller, the log and the run summary all read the machine through here, so tests
+can substitute readings in one place.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+
+__all__ = ["MachineReadings", "disk_of", "machine_info", "process_read_bytes", "read_machine"]
+
+
+def process_read_bytes() -> int:
+    """Bytes this process pulled from storage (page-cache hits do not count)."""
+    try:
+        with open("/proc/self/io", "rb") as f:
+            for line in f:
+                if line.startswith(b"read_bytes:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    io = psutil.Process().io_counters()
+    return int(getattr(io, "read_bytes", 0))
+
+
+@dataclass(frozen=True, slots=True)
+class MachineReadings:
+    """One sample of the machine."""
+
+    ram_available_bytes: int
+    ram_total_bytes: int
+    process_read_bytes: int
+    disk_read_bytes: int
+
+
+def read_machine() -> MachineReadings:
+    """Sample RAM (psutil), this process's storage reads and the system's disk reads."""
+    vm = psutil.virtual_memory()
+    disk = psutil.disk_io_counters()
+    return MachineReadings(
+        ram_available_bytes=int(vm.available),
+        ram_total_bytes=int(vm.total),
+        process_read_bytes=process_read_bytes(),
+        disk_read_bytes=int(disk.read_bytes) if disk is not None else 0,
+    )
+
+
+def disk_of(path: Path) -> str | None:
+    """The device the file lives on (e.g. /dev/nvme0n1p2), if psutil can tell."""
+    try:
+        target = os.path.realpath(path)
+        best = None
+        for part in psutil.disk_partitions(all=False):
+            if target.startswith(part.mountpoint) and (
+                best is None or len(part.mountpoint) > len(best.mountpoint)
+            ):
+                best = part
+        return best.device if best else None
+    except OSError:
+        return None
+
+
+def machine_info(path: Path, gpu: str | None) -> dict[str, object]:
+    """The run header's description of the machine."""
+    return {
+        "gpu": gpu,
+        "ram_total_bytes": int(psutil.virtual_memory().total),
+        "cpu_count": os.cpu_count(),
+        "disk": disk_of(path),
+    }

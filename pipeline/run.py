@@ -1,0 +1,442 @@
+"""``python -m pipeline.run``: decode a MoE model while streaming its experts.
+
+With no arguments it makes (once) the embedded tiny model, decodes a few tokens on
+synthetic routing calibrated to real models, prints a summary and a verification line.
+Errors print one line and exit non-zero (2 for bad input, 1 for a failed stage, 3 for a
+verification mismatch); ``--debug`` shows the traceback instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import structlog
+import uvloop
+
+from gpu.backend import select_backend
+from gpu.cache import DeviceCache
+from gpu.kernels import make_kernels
+from pipeline.config import RunConfig, parse_budget, parse_compute, parse_size
+from pipeline.controller import ModeController
+from pipeline.decode import Decoder
+from pipeline.digest import digest_bytes
+from pipeline.errors import MoestreamError, VerificationError
+from pipeline.logs import RunLog, configure_console
+from pipeline.machine import machine_info, read_machine
+from pipeline.streamer import ExpertStreamer
+from pipeline.table import ExpertTable, open_table
+from pipeline.trace import Trace, load_trace, save_trace
+
+__all__ = ["RunSummary", "build_parser", "config_from_args", "main", "run"]
+
+_log = structlog.get_logger("moestream.run")
+
+
+@dataclass(slots=True)
+class RunSummary:
+    """The run's totals (also the ``run_end`` log event and ``--json`` output)."""
+
+    tokens: int = 0
+    elapsed_s: float = 0.0
+    hits: int = 0
+    misses: int = 0
+    evictions: int = 0
+    file_bytes: int = 0
+    cache_bytes: int = 0
+    storage_bytes: int = 0
+    verified: int = 0
+    mismatches: int = 0
+    peak_device_bytes: int = 0
+    budget_bytes: int = 0
+    allocations: int = 0
+    frees: int = 0
+    mode: str = "direct"
+    switches: int = 0
+    backend: str = "host"
+    device: str = "host"
+    model: str = ""
+    exit: str = "ok"
+    first_mismatch: str = ""
+    stall_ms: float = 0.0
+    compute_ms: float = 0.0
+    modes: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.elapsed_s if self.elapsed_s > 0 else 0.0
+
+    @property
+    def hit_rate(self) -> float:
+        total = self.hits + self.misses
+        return self.hits / total if total else 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "tokens": self.tokens,
+            "elapsed_s": round(self.elapsed_s, 4),
+            "tokens_per_s": round(self.tokens_per_s, 3),
+            "hits": self.hits,
+            "misses": self.misses,
+            "hit_rate": round(self.hit_rate, 4),
+            "evictions": self.evictions,
+            "file_bytes": self.file_bytes,
+            "cache_bytes": self.cache_bytes,
+            "storage_bytes": self.storage_bytes,
+            "verified": self.verified,
+            "mismatches": self.mismatches,
+            "peak_device_bytes": self.peak_device_bytes,
+            "budget_bytes": self.budget_bytes,
+            "allocations": self.allocations,
+            "frees": self.frees,
+            "stall_ms": round(self.stall_ms, 3),
+            "compute_ms": round(self.compute_ms, 3),
+            "mode": self.mode,
+            "modes": self.modes,
+            "switches": self.switches,
+            "backend": self.backend,
+            "device": self.device,
+            "model": self.model,
+            "exit": self.exit,
+        }
+
+
+class Verifier:
+    """Compares device digests of consumed experts with the file's own digests.
+
+    Files made by ``tools.make_model`` carry the digests in their metadata; for any other
+    file the expected digest is computed once per (expert, matrix) from a plain buffered
+    read of the file, a path independent of the pipeline's.
+    """
+
+    def __init__(self, table: ExpertTable, read_range: Any) -> None:
+        self._table = table
+        self._read_range = read_range
+        self._expected: dict[tuple[tuple[int, int], int], int] = {}
+        self.verified = 0
+        self.mismatches = 0
+        self.first_mismatch = ""
+
+    def expected(self, key: tuple[int, int], matrix: int) -> int:
+        cached = self._expected.get((key, matrix))
+        if cached is not None:
+            return cached
+        recorded = self._table.expected_digests(key)
+        if recorded is not None:
+            value = recorded[matrix]
+        else:
+            r = self._table.slices(key).ranges[matrix]
+            value = digest_bytes(self._read_range(r.offset, r.nbytes))
+        self._expected[(key, matrix)] = value
+        return value
+
+    def check(self, digests: Sequence[tuple[tuple[int, int], int, int]]) -> None:
+        """Count each (key, matrix, digest); an expert verifies when its three matrices do."""
+        bad: set[tuple[int, int]] = set()
+        keys: list[tuple[int, int]] = []
+        for key, matrix, value in digests:
+            if matrix == 0:
+                keys.append(key)
+            if value != self.expected(key, matrix):
+                bad.add(key)
+                if not self.first_mismatch:
+                    name = ("gate", "up", "down")[matrix]
+                    self.first_mismatch = f"layer {key[0]} expert {key[1]} {name}"
+        self.mismatches += len(bad)
+        self.verified += len(keys) - len(bad)
+
+
+def _routing(cfg: RunConfig, table: ExpertTable) -> Trace:
+    n_layers = len(table.layers)
+    if cfg.trace is not None:
+        trace = load_trace(cfg.trace)
+    else:
+        from tools.make_trace import synthetic_trace
+
+        trace = synthetic_trace(
+            cfg.routing_preset, cfg.tokens, seed=cfg.seed, n_layers=n_layers,
+            n_experts=table.n_experts, top_k=table.top_k,
+        )
+    trace.check_fits(n_layers, table.n_experts, table.top_k)
+    return trace
+
+
+async def run(cfg: RunConfig) -> RunSummary:
+    """Decode ``cfg.tokens`` tokens; returns the summary (raises MoestreamError subclasses)."""
+    if cfg.model is None:
+        from tools.make_model import ensure_default_model
+
+        model = ensure_default_model()
+    else:
+        model = cfg.model
+    table = open_table(model)
+    trace = _routing(cfg, table)
+    backend = select_backend(cfg.backend)
+    kernels = make_kernels(backend.name)
+    summary = RunSummary(backend=backend.name, device=backend.device_name, model=str(model))
+    runlog = RunLog(cfg.log)
+    await runlog.open()
+    streamer: ExpertStreamer | None = None
+    cache: DeviceCache | None = None
+    controller: ModeController | None = None
+    try:
+        layers = table.moe_layers
+        device_sizes = {layer: 0 for layer in layers}
+        cache_budget = _budget_bytes(cfg, table)
+        # the cache is built after the streamer knows the device layout of an expert
+        from stages.prefetch import plan_expert
+
+        for layer in layers:
+            device_sizes[layer] = plan_expert(table.slices((layer, 0))).device_bytes
+        if cfg.budget is not None:
+            cache_budget = cfg.budget.resolve(max(device_sizes.values()))
+        min_bytes = table.top_k * max(device_sizes.values())
+        cache = DeviceCache(backend, cache_budget, cfg.policy, min_bytes=min_bytes)
+        streamer = ExpertStreamer(cfg, table, backend, cache, kernels)
+        decoder = Decoder(cfg.compute, table, backend, kernels, cache, streamer, cfg.seed)
+        verifier = Verifier(table, streamer.reader.read_range)
+        controller = ModeController(cfg, table, streamer, runlog)
+        await controller.start()
+        summary.budget_bytes = cache.budget_bytes
+        runlog.emit(
+            "run_start",
+            config=cfg.describe(),
+            model={**table.summary(), "expert_bytes": [device_sizes[l] for l in layers]},
+            machine=machine_info(table.path, backend.device_name if backend.name == "cupy"
+                                 else None),
+            budget_bytes=cache.budget_bytes,
+            policy=cfg.policy,
+            compute=str(decoder.compute),
+            backend=backend.name,
+        )
+        max_rows = len(layers) * table.top_k * 3
+        started = time.perf_counter()
+        for t in range(cfg.tokens):
+            await _decode_token(t, cfg, trace, table, cache, streamer, decoder, verifier,
+                                controller, runlog, summary, max_rows)
+        summary.elapsed_s = time.perf_counter() - started
+        summary.exit = "ok"
+    except asyncio.CancelledError:
+        summary.exit = "cancelled"
+        raise
+    except MoestreamError as exc:
+        summary.exit = str(exc)
+        raise
+    finally:
+        if controller is not None:
+            await controller.aclose()
+            summary.switches = controller.switches
+            summary.modes = controller.tokens_in_mode
+        if streamer is not None:
+            await streamer.aclose()
+        if cache is not None:
+            c = cache.counters
+            summary.peak_device_bytes = c.peak_device_bytes
+            summary.allocations = c.allocations
+            summary.frees = cache.pool.frees
+            cache.close()
+            summary.frees = cache.pool.frees
+        runlog.emit("run_end", **summary.as_dict(), hit_rate_final=summary.hit_rate)
+        await runlog.aclose()
+        if cfg.record_trace is not None and summary.tokens:
+            save_trace(
+                Trace(trace.experts[: summary.tokens % trace.n_tokens or trace.n_tokens],
+                      trace.weights[: summary.tokens % trace.n_tokens or trace.n_tokens],
+                      trace.n_experts, "recorded"),
+                cfg.record_trace,
+            )
+    return summary
+
+
+def _budget_bytes(cfg: RunConfig, table: ExpertTable) -> int:
+    """Default budget: every routed expert (plus device alignment padding)."""
+    return table.routed_bytes + len(table.layers) * table.n_experts * 3 * 256
+
+
+async def _decode_token(
+    t: int,
+    cfg: RunConfig,
+    trace: Trace,
+    table: ExpertTable,
+    cache: DeviceCache,
+    streamer: ExpertStreamer,
+    decoder: Decoder,
+    verifier: Verifier,
+    controller: ModeController,
+    runlog: RunLog,
+    summary: RunSummary,
+    max_rows: int,
+) -> None:
+    """One token: every MoE layer through the cache, then verification and the log event."""
+    t0 = time.perf_counter()
+    reads_before = read_machine().process_read_bytes
+    row = t % trace.n_tokens
+    streamer.begin_token(max_rows)
+    decoder.begin_token(len(table.layers) * table.top_k)
+    before = (cache.counters.hits, cache.counters.misses, cache.counters.evictions,
+              cache.counters.bytes_from_file, cache.counters.bytes_from_cache)
+    stall_ms = compute_ms = 0.0
+    used: list[list[int]] = []
+    for i, layer in enumerate(table.moe_layers):
+        experts = trace.experts[row, i]
+        result = await decoder.run_layer(layer, experts.tolist(), trace.weights[row, i].tolist())
+        stall_ms += result.stall_ms
+        compute_ms += result.compute_ms
+        used.append(experts.tolist())
+        if cfg.log_level == "debug":
+            runlog.emit("layer", token=t, layer=layer, hits=result.hits, misses=result.misses,
+                        stall_ms=round(result.stall_ms, 3))
+    streamer.poll_installs()
+    cache.advance_token()
+    if cfg.verify:
+        verifier.check(streamer.take_digests())
+    verifier.check(decoder.take_use_digests())
+    mode = streamer.mode
+    await controller.at_token(t)
+    c = cache.counters
+    hits, misses, evictions = c.hits - before[0], c.misses - before[1], c.evictions - before[2]
+    file_bytes, cache_bytes = c.bytes_from_file - before[3], c.bytes_from_cache - before[4]
+    storage = read_machine().process_read_bytes - reads_before
+    times = streamer.take_times()
+    wall_ms = (time.perf_counter() - t0) * 1000.0
+    summary.tokens += 1
+    summary.hits += hits
+    summary.misses += misses
+    summary.evictions += evictions
+    summary.file_bytes += file_bytes
+    summary.cache_bytes += cache_bytes
+    summary.storage_bytes += storage
+    summary.verified = verifier.verified
+    summary.mismatches = verifier.mismatches
+    summary.first_mismatch = verifier.first_mismatch
+    summary.stall_ms += stall_ms
+    summary.compute_ms += compute_ms
+    summary.mode = mode
+    runlog.emit(
+        "token", token=t, wall_ms=round(wall_ms, 3), read_ms=round(times.read_ms, 3),
+        stage_ms=round(times.stage_ms, 3), upload_ms=round(times.upload_ms, 3),
+        install_ms=round(times.install_ms, 3), stall_ms=round(stall_ms, 3),
+        compute_ms=round(compute_ms, 3), hits=hits, misses=misses, evictions=evictions,
+        file_bytes=file_bytes, cache_bytes=cache_bytes, storage_bytes=storage, mode=mode,
+        ram_available_bytes=controller.last_ram_available, cache_live_bytes=cache.live_bytes,
+        cache_parked_bytes=cache.pool.parked_bytes, experts=used,
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m pipeline.run",
+        description="Decode a MoE model while streaming its routed experts into a device cache.",
+    )
+    p.add_argument("-m", "--model", type=Path, help="GGUF model (default: the embedded tiny model)")
+    p.add_argument("-n", "--tokens", type=int, default=32, help="tokens to decode (32)")
+    p.add_argument("--cache-budget", help="device cache: N experts or a size (11GB, 20GiB); "
+                   "default holds every expert")
+    p.add_argument("--mode", default="auto", choices=["auto", "direct", "resident"],
+                   help="I/O mode; auto lets the controller choose from live RAM (auto)")
+    p.add_argument("--policy", default="lru", choices=["lru", "freq"],
+                   help="eviction: lru, or freq (route hotness with decay) (lru)")
+    p.add_argument("--compute", default="real",
+                   help="real (SwiGLU on F16 experts), digest, or fixed:MS per layer (real)")
+    p.add_argument("--backend", default="auto", choices=["auto", "host", "cupy"])
+    p.add_argument("--queue-depth", type=int, default=8, help="reads in flight (8)")
+    p.add_argument("--chunk", default="4MiB", help="largest read request (4MiB)")
+    p.add_argument("--staging-slots", type=int, default=16, help="pinned staging slots (16)")
+    p.add_argument("--streams", type=int, default=2, help="upload streams (2)")
+    p.add_argument("--no-verify", action="store_true", help="skip install-time verification")
+    p.add_argument("--seed", type=int, default=0, help="routing seed (0)")
+    p.add_argument("--trace", type=Path, help="replay this routing trace (.npz or .jsonl)")
+    p.add_argument("--record-trace", type=Path, help="write the routing used here")
+    p.add_argument("--routing", default="ds4-flash", help="synthetic routing preset (ds4-flash)")
+    p.add_argument("--log", type=Path, help="JSON-lines log, one event per token")
+    p.add_argument("--log-level", default="info", choices=["info", "debug"])
+    p.add_argument("--ram-limit", help="cap the RAM the controller believes it has (e.g. 8GiB)")
+    p.add_argument("--sample-ms", type=float, default=250.0, help="controller period (250)")
+    p.add_argument("--margin", help="controller safety margin (default max(2GiB, 5%% of RAM))")
+    p.add_argument("--json", action="store_true", help="print the summary as JSON")
+    p.add_argument("--debug", action="store_true", help="show tracebacks and debug events")
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> RunConfig:
+    return RunConfig(
+        model=args.model,
+        tokens=args.tokens,
+        budget=parse_budget(args.cache_budget) if args.cache_budget else None,
+        mode=args.mode,
+        policy=args.policy,
+        compute=parse_compute(args.compute),
+        backend=args.backend,
+        queue_depth=args.queue_depth,
+        chunk_bytes=parse_size(args.chunk),
+        staging_slots=args.staging_slots,
+        upload_streams=args.streams,
+        verify=not args.no_verify,
+        seed=args.seed,
+        trace=args.trace,
+        record_trace=args.record_trace,
+        routing_preset=args.routing,
+        log=args.log,
+        log_level=args.log_level,
+        ram_limit=parse_size(args.ram_limit) if args.ram_limit else None,
+        sample_ms=args.sample_ms,
+        margin_bytes=parse_size(args.margin) if args.margin else None,
+        json=args.json,
+        debug=args.debug,
+    )
+
+
+def _print_summary(summary: RunSummary, as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(summary.as_dict(), indent=2))
+        return
+    gib = 1 << 30
+    print(
+        f"model      {summary.model}\n"
+        f"backend    {summary.backend} ({summary.device}), mode {summary.mode}"
+        f"{f', {summary.switches} switches' if summary.switches else ''}\n"
+        f"decoded    {summary.tokens} tokens in {summary.elapsed_s:.2f} s: "
+        f"{summary.tokens_per_s:.2f} tok/s\n"
+        f"cache      hit rate {summary.hit_rate:.3f} ({summary.hits} hits, {summary.misses} "
+        f"misses, {summary.evictions} evictions), budget {summary.budget_bytes / gib:.2f} GiB,"
+        f" peak {summary.peak_device_bytes / gib:.2f} GiB\n"
+        f"bytes      {summary.file_bytes / gib:.3f} GiB read from file, "
+        f"{summary.cache_bytes / gib:.3f} GiB served from cache, "
+        f"{summary.storage_bytes / gib:.3f} GiB from storage\n"
+        f"verified: {summary.verified} experts, {summary.mismatches} mismatches"
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """CLI entry point; returns the exit code."""
+    args = build_parser().parse_args(argv)
+    configure_console(debug=args.debug)
+    try:
+        cfg = config_from_args(args)
+        summary = uvloop.run(run(cfg))
+    except MoestreamError as exc:
+        if args.debug:
+            raise
+        print(f"moestream: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print("moestream: interrupted", file=sys.stderr)
+        return 130
+    _print_summary(summary, args.json)
+    if summary.mismatches:
+        err = VerificationError(f"{summary.mismatches} experts differ from the file, first: "
+                                f"{summary.first_mismatch}")
+        print(f"moestream: error: {err}", file=sys.stderr)
+        return err.exit_code
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,354 @@
+"""The expert streamer: one layer's misses from the file into the device cache.
+
+Per layer the run loop asks ``start_layer``; the cache decides hits and misses, and every
+miss is started at once:
+
+- direct mode: a staging slot is taken from the ring, the expert's aligned covers are split
+  into chunks and handed to the reader pool (``queue_depth`` reads in flight); the worker
+  that finishes an expert's last chunk queues its upload on the next stream and records its
+  event, then tells the loop (``call_soon_threadsafe``), which returns the slot with that
+  event and hands the entry to decode;
+- resident mode: one pool job per expert copies straight from the page-cache mapping
+  (registered with the device, so the copy engine reads it with no CPU copy).
+
+Scheduling cost stays per layer: one task launches a layer's misses; chunks are executor
+jobs, not asyncio tasks. Decode waits on each expert's upload event on the device.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import numpy as np
+import numpy.typing as npt
+import structlog
+
+from gpu.backend import Backend, Event, Stream
+from gpu.cache import DeviceCache, Entry, LayerPlan
+from pipeline.config import RunConfig
+from pipeline.errors import StageError
+from pipeline.table import ExpertTable
+from stages.install import Installer
+from stages.prefetch import ExpertLayout, ModelMapping, ModelReader, iter_chunks, plan_expert
+from stages.staging import StagingRing, StagingSlot
+from stages.upload import Uploader
+
+__all__ = ["ExpertStreamer", "LayerLoad", "StageTimes"]
+
+_log = structlog.get_logger("moestream.streamer")
+IOMode = Literal["direct", "resident"]
+
+
+@dataclass(slots=True)
+class StageTimes:
+    """Busy milliseconds per stage, summed over workers (may exceed wall time)."""
+
+    read_ms: float = 0.0
+    stage_ms: float = 0.0
+    upload_ms: float = 0.0
+    install_ms: float = 0.0
+
+    def add(self, other: StageTimes) -> None:
+        self.read_ms += other.read_ms
+        self.stage_ms += other.stage_ms
+        self.upload_ms += other.upload_ms
+        self.install_ms += other.install_ms
+
+
+@dataclass(slots=True)
+class LayerLoad:
+    """A layer in flight: its plan, and a queue yielding misses as their uploads are queued."""
+
+    plan: LayerPlan
+    arrived: asyncio.Queue[tuple[Entry, BaseException | None]]
+    launcher: asyncio.Task[None] | None = None
+    pending: int = 0
+
+
+@dataclass(slots=True, eq=False)
+class _Job:
+    """One expert being loaded; ``remaining`` chunks count down on worker threads."""
+
+    entry: Entry
+    layout: ExpertLayout
+    stream: Stream
+    load: LayerLoad
+    mode: IOMode
+    slot: StagingSlot | None = None
+    remaining: int = 0
+    error: BaseException | None = None
+    digest_rows: int = -1
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+class ExpertStreamer:
+    """Owns the reader, mapping, staging ring, upload streams and the reader pool.
+
+    Args:
+        config: the run's configuration.
+        table: the model's expert table.
+        backend: the device.
+        cache: the device cache the experts go into.
+        kernels: decode kernels (used here for install-time verification digests).
+    """
+
+    def __init__(
+        self,
+        config: RunConfig,
+        table: ExpertTable,
+        backend: Backend,
+        cache: DeviceCache,
+        kernels: Any,
+    ) -> None:
+        self._cfg = config
+        self._table = table
+        self._backend = backend
+        self._cache = cache
+        self._kernels = kernels
+        self._layouts: dict[tuple[int, int], ExpertLayout] = {}
+        slot_bytes = max(self.layout((l, 0)).slot_bytes for l in table.layers) + 2 * 4096
+        self.reader = ModelReader(table.path, direct=True)
+        self.ring = StagingRing(backend, config.staging_slots, slot_bytes)
+        self.uploader = Uploader(backend, config.upload_streams)
+        self.installer = Installer(cache)
+        self._pool = ThreadPoolExecutor(config.queue_depth, thread_name_prefix="moestream-read")
+        self._mapping: ModelMapping | None = None
+        self._zero_copy = True
+        self._resident_inflight = 0
+        self._resident_idle = asyncio.Event()
+        self.mode: IOMode = "direct"
+        self.times = StageTimes()
+        self._times_lock = threading.Lock()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.digests: Any = None
+        self.digest_keys: list[tuple[tuple[int, int], int]] = []
+
+    def layout(self, key: tuple[int, int]) -> ExpertLayout:
+        """The staging/device layout of an expert (cached: offsets never change)."""
+        layout = self._layouts.get(key)
+        if layout is None:
+            layout = plan_expert(self._table.slices(key))
+            self._layouts[key] = layout
+        return layout
+
+    def device_bytes(self, layer: int) -> int:
+        return self.layout((layer, 0)).device_bytes
+
+    # -- mode ------------------------------------------------------------------------------
+
+    async def set_mode(self, mode: IOMode) -> None:
+        """Switch I/O mode for misses started from now on; in-flight ones finish as begun.
+
+        Leaving resident mode waits for in-flight loads from the mapping, then unregisters,
+        unmaps and drops the model's pages, in that order: registered or mapped pages
+        survive DONTNEED.
+        """
+        if mode == self.mode:
+            return
+        if mode == "resident":
+            if self._mapping is None:
+                self._mapping = ModelMapping(self._table.path, self._backend)
+            self._zero_copy = True
+            self.mode = "resident"
+            return
+        self.mode = "direct"
+        while self._resident_inflight:
+            self._resident_idle.clear()
+            await self._resident_idle.wait()
+        mapping, self._mapping = self._mapping, None
+        if mapping is not None:
+            loop = asyncio.get_running_loop()
+            await loop.run_in_executor(None, self._release, mapping)
+
+    def _release(self, mapping: ModelMapping) -> None:
+        """Worker: unregister and unmap, then drop the file's pages."""
+        self.uploader.synchronize()  # no copy may still read the registered pages
+        mapping.close()
+        self.reader.drop_pages()
+
+    @property
+    def pinned_bytes(self) -> int:
+        """Model bytes page-locked by us right now (registered mapping windows)."""
+        mapping = self._mapping
+        return mapping.registered_bytes if mapping is not None else 0
+
+    @property
+    def mapping(self) -> ModelMapping | None:
+        return self._mapping
+
+    # -- per-token verification rows -------------------------------------------------------
+
+    def begin_token(self, max_rows: int) -> None:
+        """Fresh digest rows for this token's installs (read back by ``end_token``)."""
+        self.digests = self._kernels.new_results(max_rows) if self._cfg.verify else None
+        self.digest_keys = []
+
+    def take_digests(self) -> list[tuple[tuple[int, int], int, int]]:
+        """(key, matrix, digest) of every expert installed this token."""
+        if self.digests is None or not self.digest_keys:
+            return []
+        self.uploader.synchronize()
+        values = self._kernels.read_results(self.digests, len(self.digest_keys) * 3)
+        out = []
+        for (key, row), _ in zip(self.digest_keys, range(len(self.digest_keys)), strict=True):
+            for m in range(3):
+                out.append((key, m, values[row + m]))
+        return out
+
+    # -- loading ---------------------------------------------------------------------------
+
+    def start_layer(self, layer: int, experts: Sequence[int]) -> LayerLoad:
+        """Plan a layer in the cache and start loading its misses (returns at once)."""
+        loop = asyncio.get_running_loop()
+        self._loop = loop
+        keys = [(layer, int(e)) for e in experts]
+        size = self.device_bytes(layer)
+        plan = self._cache.plan_layer(keys, [size] * len(keys))
+        load = LayerLoad(plan, asyncio.Queue(), pending=len(plan.misses))
+        for entry in plan.misses:
+            entry.loaded = loop.create_future()
+        if plan.misses:
+            load.launcher = loop.create_task(self._launch(load))
+        return load
+
+    async def _launch(self, load: LayerLoad) -> None:
+        """Start every miss of a layer: take slots (direct) and hand work to the pool."""
+        mode = self.mode
+        for entry in load.plan.misses:
+            layout = self.layout(entry.key)
+            job = _Job(entry, layout, self.uploader.next_stream(), load, mode)
+            if self.digests is not None:
+                job.digest_rows = len(self.digest_keys) * 3
+                self.digest_keys.append((entry.key, job.digest_rows))
+            if mode == "resident" and self._zero_copy:
+                self._resident_inflight += 1
+                self._pool.submit(self._resident_job, job)
+                continue
+            t0 = time.perf_counter()
+            job.slot = await self.ring.acquire()
+            self._add_time("stage_ms", t0)
+            chunks = [
+                (staged, off, n)
+                for staged in layout.ranges
+                for off, n in iter_chunks(staged.cover_start, staged.cover_bytes,
+                                          self._cfg.chunk_bytes)
+            ]
+            job.remaining = len(chunks)
+            for staged, off, n in chunks:
+                dst_at = staged.slot_offset + (off - staged.cover_start)
+                self._pool.submit(self._read_chunk, job, off, dst_at, n)
+
+    def _add_time(self, name: str, since: float) -> None:
+        elapsed = (time.perf_counter() - since) * 1000.0
+        with self._times_lock:
+            setattr(self.times, name, getattr(self.times, name) + elapsed)
+
+    def _read_chunk(self, job: _Job, file_offset: int, slot_offset: int, nbytes: int) -> None:
+        """Worker: one chunk into the job's slot; the last chunk of a job uploads it."""
+        assert job.slot is not None
+        try:
+            if job.error is None:
+                t0 = time.perf_counter()
+                job.slot.wait_reusable()
+                self._add_time("stage_ms", t0)
+                t0 = time.perf_counter()
+                dst = job.slot.array[slot_offset : slot_offset + nbytes]
+                self.reader.read_into(dst, file_offset, direct=job.mode == "direct")
+                self._add_time("read_ms", t0)
+        except BaseException as exc:  # handed to the loop; the expert is never installed
+            job.error = job.error or exc
+        with job.lock:
+            job.remaining -= 1
+            last = job.remaining == 0
+        if last:
+            self._finish(job)
+
+    def _finish(self, job: _Job) -> None:
+        """Worker: upload a fully read (or failed) expert and tell the loop."""
+        event: Event | None = None
+        if job.error is None:
+            try:
+                assert job.slot is not None
+                slot = job.slot.array
+                sources = [
+                    slot[s.slot_offset + s.skip : s.slot_offset + s.skip + s.nbytes]
+                    for s in job.layout.ranges
+                ]
+                event = self._upload(job, sources)
+            except BaseException as exc:
+                job.error = exc
+        self._notify(job, event)
+
+    def _resident_job(self, job: _Job) -> None:
+        """Worker: copy an expert straight from the (registered) page-cache mapping."""
+        event: Event | None = None
+        try:
+            mapping = self._mapping
+            if mapping is None:
+                raise StageError("resident load started after the mapping was closed")
+            t0 = time.perf_counter()
+            for s in job.layout.ranges:
+                if not mapping.ensure_registered(s.file_offset, s.nbytes):
+                    self._zero_copy = False  # later misses go through staging
+            self._add_time("read_ms", t0)
+            sources = [mapping.view(s.file_offset, s.nbytes) for s in job.layout.ranges]
+            event = self._upload(job, sources)
+        except BaseException as exc:
+            job.error = exc
+        self._notify(job, event)
+
+    def _upload(self, job: _Job, sources: list[npt.NDArray[np.uint8]]) -> Event:
+        t0 = time.perf_counter()
+        event = self.uploader.upload(job.entry, job.layout, sources, job.stream)
+        if job.digest_rows >= 0 and self.digests is not None:
+            for m, s in enumerate(job.layout.ranges):
+                view = self._backend.device_bytes(job.entry.buffer, s.device_offset, s.nbytes)
+                self._kernels.digest(view, self.digests, job.digest_rows + m, job.stream)
+        self._add_time("upload_ms", t0)
+        return event
+
+    def _notify(self, job: _Job, event: Event | None) -> None:
+        assert self._loop is not None
+        self._loop.call_soon_threadsafe(self._arrived, job, event)
+
+    def _arrived(self, job: _Job, event: Event | None) -> None:
+        """Loop: return the slot (busy until the upload is done) and pass the entry on."""
+        if job.slot is not None:
+            self.ring.release(job.slot, event)
+        else:
+            self._resident_inflight -= 1
+            if self._resident_inflight == 0:
+                self._resident_idle.set()
+        if job.error is None:
+            self.installer.submit(job.entry)
+        job.load.arrived.put_nowait((job.entry, job.error))
+
+    def poll_installs(self) -> None:
+        t0 = time.perf_counter()
+        self.installer.poll()
+        self._add_time("install_ms", t0)
+
+    def take_times(self) -> StageTimes:
+        with self._times_lock:
+            times, self.times = self.times, StageTimes()
+        return times
+
+    # -- lifetime --------------------------------------------------------------------------
+
+    async def aclose(self) -> None:
+        """Let in-flight work finish, then release threads, slots, streams and mapping."""
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        await asyncio.sleep(0)  # deliver the workers' last notifications
+        self.uploader.close()
+        self.installer.drain()
+        self.ring.close()
+        self.reader.close()
+        if self._mapping is not None:
+            self._mapping.close()
+            self._mapping = None

@@ -1,0 +1,74 @@
+"""Upload: queue an expert's host bytes onto a CUDA stream and record its event.
+
+Uploads go round-robin over at least two non-default streams, so the copy of one expert
+overlaps the read of the next. Before writing into a recycled device buffer the stream
+waits (on the device, the host never blocks) for the last compute that read it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from collections.abc import Sequence
+
+import numpy as np
+import numpy.typing as npt
+
+from gpu.backend import Backend, Event, Stream
+from gpu.cache import Entry
+from stages.prefetch import ExpertLayout
+
+__all__ = ["Uploader"]
+
+
+class Uploader:
+    """Host-to-device copies on a set of streams.
+
+    Args:
+        backend: the device.
+        n_streams: upload streams used in turn (at least 2 on a GPU).
+    """
+
+    def __init__(self, backend: Backend, n_streams: int = 2) -> None:
+        if n_streams < 1:
+            raise ValueError(f"need at least one upload stream, got {n_streams}")
+        self._backend = backend
+        self.streams: list[Stream] = [backend.new_stream() for _ in range(n_streams)]
+        self._turn = itertools.cycle(range(n_streams))
+        self._lock = threading.Lock()
+        self.bytes_uploaded = 0
+        self.copies = 0
+
+    def next_stream(self) -> Stream:
+        with self._lock:
+            return self.streams[next(self._turn)]
+
+    def upload(
+        self,
+        entry: Entry,
+        layout: ExpertLayout,
+        sources: Sequence[npt.NDArray[np.uint8]],
+        stream: Stream,
+    ) -> Event:
+        """Queue ``sources`` (one host view per range, pinned or registered) into the entry.
+
+        The sources must stay unchanged until the returned event completes. Thread-safe:
+        workers call it for their own entries.
+        """
+        if entry.reuse_after is not None:
+            stream.wait(entry.reuse_after)
+        for staged, src in zip(layout.ranges, sources, strict=True):
+            self._backend.copy_h2d(entry.buffer, staged.device_offset, src, stream)
+        event = stream.record()
+        entry.upload = event
+        with self._lock:
+            self.bytes_uploaded += sum(int(s.size) for s in sources)
+            self.copies += len(sources)
+        return event
+
+    def synchronize(self) -> None:
+        for stream in self.streams:
+            stream.synchronize()
+
+    def close(self) -> None:
+        self.synchronize()
