@@ -83,6 +83,8 @@ class Backend(Protocol):
 
     name: str
     device_name: str
+    async_copies: bool
+    """True when ``copy_h2d`` only queues the copy (CUDA); False when it copies at once."""
 
     def alloc_host(self, nbytes: int) -> HostBuffer: ...
 

@@ -131,6 +131,7 @@ class CupyBackend:
     """A ``gpu.backend.Backend`` on CUDA device 0 through CuPy."""
 
     name = "cupy"
+    async_copies = True
 
     def __init__(self) -> None:
         import cupy

@@ -80,6 +80,7 @@ class HostBackend:
 
     name = "host"
     device_name = "host"
+    async_copies = False
 
     def alloc_host(self, nbytes: int) -> HostPinned:
         return HostPinned(nbytes)

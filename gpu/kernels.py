@@ -14,6 +14,7 @@ never waits per expert.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -24,8 +25,15 @@ from pipeline.digest import mix_digest
 __all__ = ["CudaKernels", "HostKernels", "make_kernels"]
 
 _CUDA_SOURCE = r"""
-extern "C" __global__ void digest_u32(const unsigned char* data, unsigned long long nbytes,
-                                      unsigned long long* out) {
+extern "C" __global__ void digest3(const unsigned char* base,
+                                   unsigned long long off0, unsigned long long n0,
+                                   unsigned long long off1, unsigned long long n1,
+                                   unsigned long long off2, unsigned long long n2,
+                                   unsigned long long* out) {
+    // blockIdx.y picks the matrix: out[2*y] += sum(w), out[2*y+1] += sum(w * (i + 1))
+    unsigned long long off = blockIdx.y == 0 ? off0 : (blockIdx.y == 1 ? off1 : off2);
+    unsigned long long nbytes = blockIdx.y == 0 ? n0 : (blockIdx.y == 1 ? n1 : n2);
+    const unsigned char* data = base + off;
     unsigned long long n = nbytes / 4;
     const unsigned int* w = (const unsigned int*)data;
     unsigned long long s1 = 0, s2 = 0;
@@ -48,8 +56,8 @@ extern "C" __global__ void digest_u32(const unsigned char* data, unsigned long l
         s2 += __shfl_down_sync(0xffffffffu, s2, o);
     }
     if ((threadIdx.x & 31) == 0) {
-        atomicAdd(&out[0], s1);
-        atomicAdd(&out[1], s2);
+        atomicAdd(&out[2 * blockIdx.y], s1);
+        atomicAdd(&out[2 * blockIdx.y + 1], s2);
     }
 }
 
@@ -69,8 +77,14 @@ class HostKernels:
     def new_results(self, n: int) -> npt.NDArray[np.uint64]:
         return np.zeros((n, 2), dtype=np.uint64)
 
-    def digest(self, data: npt.NDArray[np.uint8], results: npt.NDArray[np.uint64], row: int,
-               stream: Any) -> None:
+    def digest3(self, buf: Any, ranges: Sequence[tuple[int, int]],
+                results: npt.NDArray[np.uint64], row: int, stream: Any) -> None:
+        """Digest sums of three (offset, nbytes) ranges of a device buffer into 3 rows."""
+        for m, (offset, nbytes) in enumerate(ranges):
+            self._digest(buf.array[offset : offset + nbytes], results, row + m)
+
+    def _digest(self, data: npt.NDArray[np.uint8], results: npt.NDArray[np.uint64],
+                row: int) -> None:
         tail = data.size % 4
         words = data[: data.size - tail].view("<u4").astype(np.uint64)
         weights = np.arange(1, words.size + 1, dtype=np.uint64)
@@ -86,9 +100,10 @@ class HostKernels:
     def read_results(self, results: npt.NDArray[np.uint64], n: int) -> list[int]:
         return [mix_digest(int(a), int(b)) for a, b in results[:n]]
 
-    def busy(self, ms: float, data: npt.NDArray[np.uint8], stream: Any) -> None:
+    def busy(self, ms: float, buf: Any, stream: Any) -> None:
         """Real CPU work on the expert's bytes for ``ms`` milliseconds (no sleeping)."""
         end = time.perf_counter() + ms / 1000.0
+        data = buf.array
         words = data[: data.size - data.size % 8].view(np.uint64)
         acc = np.uint64(0)
         while time.perf_counter() < end:
@@ -114,7 +129,7 @@ class CudaKernels:
 
         self._cp = cupy
         module = cupy.RawModule(code=_CUDA_SOURCE)
-        self._digest = module.get_function("digest_u32")
+        self._digest = module.get_function("digest3")
         self._busy = module.get_function("busy_ns")
 
     def new_results(self, n: int) -> Any:
@@ -123,19 +138,21 @@ class CudaKernels:
         self._cp.cuda.Stream.null.synchronize()
         return results
 
-    def digest(self, data: Any, results: Any, row: int, stream: Any) -> None:
-        nbytes = int(data.size)
-        blocks = max(1, min(1024, (nbytes // 4 + 255) // 256))
+    def digest3(self, buf: Any, ranges: Sequence[tuple[int, int]], results: Any, row: int,
+                stream: Any) -> None:
+        """One launch for an expert's three matrices (blockIdx.y picks the range)."""
+        largest = max(n for _, n in ranges)
+        blocks = max(1, min(256, (largest // 4 + 255) // 256))
+        args = [np.uint64(v) for r in ranges for v in r]
+        out = results[row : row + 3]
         with stream.raw:
-            self._digest(
-                (blocks,), (256,), (data, np.uint64(nbytes), results[row])
-            )
+            self._digest((blocks, 3), (256,), (np.uint64(buf.ptr), *args, out))
 
     def read_results(self, results: Any, n: int) -> list[int]:
         host = self._cp.asnumpy(results[:n])
         return [mix_digest(int(a), int(b)) for a, b in host]
 
-    def busy(self, ms: float, data: Any, stream: Any) -> None:
+    def busy(self, ms: float, buf: Any, stream: Any) -> None:
         with stream.raw:
             self._busy((1,), (1,), (np.uint64(int(ms * 1e6)),))
 

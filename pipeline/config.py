@@ -113,6 +113,9 @@ class RunConfig:
         staging_slots: experts that can be staged in pinned memory at once.
         upload_streams: CUDA streams used in turn for uploads.
         verify: check every installed expert against the file's bytes.
+        prefetch: ``none``, or ``oracle``: start loads of the next layers early from the
+            routing, which a trace or the synthetic generator knows ahead.
+        lookahead: how many layers ahead ``oracle`` prefetch runs.
         seed: synthetic routing seed.
         trace: a routing trace to replay instead of synthetic routing.
         record_trace: write the routing this run used here.
@@ -138,6 +141,8 @@ class RunConfig:
     staging_slots: int = 16
     upload_streams: int = 2
     verify: bool = True
+    prefetch: str = "none"
+    lookahead: int = 1
     seed: int = 0
     trace: Path | None = None
     record_trace: Path | None = None
@@ -162,6 +167,8 @@ class RunConfig:
             (self.policy in ("lru", "freq"), f"unknown --policy {self.policy!r}"),
             (self.log_level in ("info", "debug"), f"unknown --log-level {self.log_level!r}"),
             (self.sample_ms > 0, f"--sample-ms must be > 0, got {self.sample_ms}"),
+            (self.prefetch in ("none", "oracle"), f"unknown --prefetch {self.prefetch!r}"),
+            (self.lookahead >= 0, f"--lookahead must be >= 0, got {self.lookahead}"),
         ]
         for ok, message in checks:
             if not ok:

@@ -26,8 +26,9 @@ from gpu.backend import Backend
 from gpu.cache import DeviceCache, Entry
 from pipeline.config import ComputeSpec
 from pipeline.errors import StageError
-from pipeline.streamer import ExpertStreamer
+from pipeline.streamer import ExpertStreamer, LayerLoad
 from pipeline.table import ExpertTable
+from pipeline.verify import DigestRows
 
 __all__ = ["Decoder", "LayerResult"]
 
@@ -85,8 +86,7 @@ class Decoder:
             compute = ComputeSpec("digest")
         self.compute = compute
         self._hidden = self._initial_hidden(seed) if compute.kind == "real" else None
-        self.use_digests: Any = None
-        self.use_keys: list[tuple[int, int]] = []
+        self.use_digests = DigestRows(kernels, len(table.layers) * table.top_k)
 
     def _initial_hidden(self, seed: int) -> Any:
         rng = np.random.default_rng([seed, 0x5EED])
@@ -102,21 +102,9 @@ class Decoder:
     def hidden(self) -> Any:
         return self._hidden
 
-    def begin_token(self, max_uses: int) -> None:
-        """Fresh rows for this token's consumption digests (``digest`` compute)."""
-        if self.compute.kind == "digest":
-            self.use_digests = self._kernels.new_results(max_uses * 3)
-        self.use_keys = []
-
     def take_use_digests(self) -> list[tuple[tuple[int, int], int, int]]:
-        """(key, matrix, digest) of every expert consumed this token (``digest`` compute)."""
-        if self.compute.kind != "digest" or not self.use_keys:
-            return []
-        self.stream.synchronize()
-        values = self._kernels.read_results(self.use_digests, len(self.use_keys) * 3)
-        return [
-            (key, m, values[i * 3 + m]) for i, key in enumerate(self.use_keys) for m in range(3)
-        ]
+        """(key, matrix, digest) of every expert consumed since the last call (``digest``)."""
+        return self.use_digests.take(self.stream.synchronize)
 
     def _views(self, entry: Entry) -> list[Any]:
         layout = self._streamer.layout(entry.key)
@@ -129,9 +117,9 @@ class Decoder:
         """Queue the compute of one expert on the compute stream."""
         if not entry.ready and entry.upload is not None:
             self.stream.wait(entry.upload)
-        views = self._views(entry)
         kind = self.compute.kind
         if kind == "real":
+            views = self._views(entry)
             hidden, ffn = self._table.layers[entry.key[0]].shape
             k = self._kernels
             out = k.swiglu(
@@ -143,23 +131,21 @@ class Decoder:
             )
             acc += weight * out
         elif kind == "digest":
-            row = len(self.use_keys) * 3
-            self.use_keys.append(entry.key)
-            for m, view in enumerate(views):
-                self._kernels.digest(view, self.use_digests, row + m, self.stream)
-        else:
-            self._kernels.busy(layer_ms, views[2], self.stream)
+            results, row = self.use_digests.reserve(entry.key)
+            ranges = [(s.device_offset, s.nbytes) for s in self._streamer.layout(entry.key).ranges]
+            self._kernels.digest3(entry.buffer, ranges, results, row, self.stream)
+        elif layer_ms > 0:
+            self._kernels.busy(layer_ms, entry.buffer, self.stream)
 
     async def run_layer(
-        self, layer: int, experts: Sequence[int], weights: Sequence[float]
+        self, load: LayerLoad, experts: Sequence[int], weights: Sequence[float]
     ) -> LayerResult:
-        """Load and consume one MoE layer's selected experts.
+        """Consume one MoE layer's selected experts as ``load`` delivers them.
 
         Raises:
             StageError: a miss could not be loaded; the layer's other experts are unpinned,
                 the failed ones dropped from the cache (never installed).
         """
-        load = self._streamer.start_layer(layer, experts)
         weight_of = {int(e): float(w) for e, w in zip(experts, weights, strict=True)}
         per_expert_ms = self.compute.layer_ms / max(1, len(experts))
         acc = self._kernels.zeros(self._table.hidden) if self.compute.kind == "real" else None

@@ -11,6 +11,7 @@ hot path, and ``aclose`` flushes what is left.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import sys
 from pathlib import Path
@@ -111,10 +112,8 @@ class RunLog:
         """Stop the writer and write everything still collected."""
         if self._writer is not None:
             self._writer.cancel()
-            try:
+            with contextlib.suppress(asyncio.CancelledError):
                 await self._writer
-            except asyncio.CancelledError:
-                pass
             self._writer = None
         if self._file is not None:
             await self._flush()

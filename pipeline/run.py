@@ -27,13 +27,13 @@ from gpu.kernels import make_kernels
 from pipeline.config import RunConfig, parse_budget, parse_compute, parse_size
 from pipeline.controller import ModeController
 from pipeline.decode import Decoder
-from pipeline.digest import digest_bytes
 from pipeline.errors import MoestreamError, VerificationError
 from pipeline.logs import RunLog, configure_console
-from pipeline.machine import machine_info, read_machine
-from pipeline.streamer import ExpertStreamer
+from pipeline.machine import machine_info, process_read_bytes
+from pipeline.streamer import ExpertStreamer, LayerLoad
 from pipeline.table import ExpertTable, open_table
 from pipeline.trace import Trace, load_trace, save_trace
+from pipeline.verify import Verifier
 
 __all__ = ["RunSummary", "build_parser", "config_from_args", "main", "run"]
 
@@ -108,51 +108,6 @@ class RunSummary:
         }
 
 
-class Verifier:
-    """Compares device digests of consumed experts with the file's own digests.
-
-    Files made by ``tools.make_model`` carry the digests in their metadata; for any other
-    file the expected digest is computed once per (expert, matrix) from a plain buffered
-    read of the file, a path independent of the pipeline's.
-    """
-
-    def __init__(self, table: ExpertTable, read_range: Any) -> None:
-        self._table = table
-        self._read_range = read_range
-        self._expected: dict[tuple[tuple[int, int], int], int] = {}
-        self.verified = 0
-        self.mismatches = 0
-        self.first_mismatch = ""
-
-    def expected(self, key: tuple[int, int], matrix: int) -> int:
-        cached = self._expected.get((key, matrix))
-        if cached is not None:
-            return cached
-        recorded = self._table.expected_digests(key)
-        if recorded is not None:
-            value = recorded[matrix]
-        else:
-            r = self._table.slices(key).ranges[matrix]
-            value = digest_bytes(self._read_range(r.offset, r.nbytes))
-        self._expected[(key, matrix)] = value
-        return value
-
-    def check(self, digests: Sequence[tuple[tuple[int, int], int, int]]) -> None:
-        """Count each (key, matrix, digest); an expert verifies when its three matrices do."""
-        bad: set[tuple[int, int]] = set()
-        keys: list[tuple[int, int]] = []
-        for key, matrix, value in digests:
-            if matrix == 0:
-                keys.append(key)
-            if value != self.expected(key, matrix):
-                bad.add(key)
-                if not self.first_mismatch:
-                    name = ("gate", "up", "down")[matrix]
-                    self.first_mismatch = f"layer {key[0]} expert {key[1]} {name}"
-        self.mismatches += len(bad)
-        self.verified += len(keys) - len(bad)
-
-
 def _routing(cfg: RunConfig, table: ExpertTable) -> Trace:
     n_layers = len(table.layers)
     if cfg.trace is not None:
@@ -197,7 +152,8 @@ async def run(cfg: RunConfig) -> RunSummary:
             device_sizes[layer] = plan_expert(table.slices((layer, 0))).device_bytes
         if cfg.budget is not None:
             cache_budget = cfg.budget.resolve(max(device_sizes.values()))
-        min_bytes = table.top_k * max(device_sizes.values())
+        pinned_layers = 1 + (cfg.lookahead if cfg.prefetch == "oracle" else 0)
+        min_bytes = pinned_layers * table.top_k * max(device_sizes.values())
         cache = DeviceCache(backend, cache_budget, cfg.policy, min_bytes=min_bytes)
         streamer = ExpertStreamer(cfg, table, backend, cache, kernels)
         decoder = Decoder(cfg.compute, table, backend, kernels, cache, streamer, cfg.seed)
@@ -216,11 +172,10 @@ async def run(cfg: RunConfig) -> RunSummary:
             compute=str(decoder.compute),
             backend=backend.name,
         )
-        max_rows = len(layers) * table.top_k * 3
         started = time.perf_counter()
         for t in range(cfg.tokens):
             await _decode_token(t, cfg, trace, table, cache, streamer, decoder, verifier,
-                                controller, runlog, summary, max_rows)
+                                controller, runlog, summary)
         summary.elapsed_s = time.perf_counter() - started
         summary.exit = "ok"
     except asyncio.CancelledError:
@@ -272,24 +227,26 @@ async def _decode_token(
     controller: ModeController,
     runlog: RunLog,
     summary: RunSummary,
-    max_rows: int,
 ) -> None:
     """One token: every MoE layer through the cache, then verification and the log event."""
     t0 = time.perf_counter()
-    reads_before = read_machine().process_read_bytes
+    reads_before = process_read_bytes()
     row = t % trace.n_tokens
-    streamer.begin_token(max_rows)
-    decoder.begin_token(len(table.layers) * table.top_k)
-    before = (cache.counters.hits, cache.counters.misses, cache.counters.evictions,
-              cache.counters.bytes_from_file, cache.counters.bytes_from_cache)
+    c = cache.counters
+    before = (c.hits, c.misses, c.evictions, c.bytes_from_file, c.bytes_from_cache)
     stall_ms = compute_ms = 0.0
-    used: list[list[int]] = []
-    for i, layer in enumerate(table.moe_layers):
-        experts = trace.experts[row, i]
-        result = await decoder.run_layer(layer, experts.tolist(), trace.weights[row, i].tolist())
+    layers = table.moe_layers
+    ahead = cfg.lookahead if cfg.prefetch == "oracle" else 0
+    loads: dict[int, LayerLoad] = {}
+    used: list[list[int]] = [trace.experts[row, i].tolist() for i in range(len(layers))]
+    for i, layer in enumerate(layers):
+        # oracle prefetch: the trace names the next layers' experts, start them now
+        for j in range(i, min(len(layers), i + 1 + ahead)):
+            if j not in loads:
+                loads[j] = streamer.start_layer(layers[j], used[j])
+        result = await decoder.run_layer(loads.pop(i), used[i], trace.weights[row, i].tolist())
         stall_ms += result.stall_ms
         compute_ms += result.compute_ms
-        used.append(experts.tolist())
         if cfg.log_level == "debug":
             runlog.emit("layer", token=t, layer=layer, hits=result.hits, misses=result.misses,
                         stall_ms=round(result.stall_ms, 3))
@@ -300,10 +257,9 @@ async def _decode_token(
     verifier.check(decoder.take_use_digests())
     mode = streamer.mode
     await controller.at_token(t)
-    c = cache.counters
     hits, misses, evictions = c.hits - before[0], c.misses - before[1], c.evictions - before[2]
     file_bytes, cache_bytes = c.bytes_from_file - before[3], c.bytes_from_cache - before[4]
-    storage = read_machine().process_read_bytes - reads_before
+    storage = process_read_bytes() - reads_before
     times = streamer.take_times()
     wall_ms = (time.perf_counter() - t0) * 1000.0
     summary.tokens += 1
@@ -350,6 +306,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chunk", default="4MiB", help="largest read request (4MiB)")
     p.add_argument("--staging-slots", type=int, default=16, help="pinned staging slots (16)")
     p.add_argument("--streams", type=int, default=2, help="upload streams (2)")
+    p.add_argument("--prefetch", default="none", choices=["none", "oracle"],
+                   help="start later layers' loads early: oracle reads the routing ahead")
+    p.add_argument("--lookahead", type=int, default=1, help="layers prefetched ahead (1)")
     p.add_argument("--no-verify", action="store_true", help="skip install-time verification")
     p.add_argument("--seed", type=int, default=0, help="routing seed (0)")
     p.add_argument("--trace", type=Path, help="replay this routing trace (.npz or .jsonl)")
@@ -379,6 +338,8 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         staging_slots=args.staging_slots,
         upload_streams=args.streams,
         verify=not args.no_verify,
+        prefetch=args.prefetch,
+        lookahead=args.lookahead,
         seed=args.seed,
         trace=args.trace,
         record_trace=args.record_trace,

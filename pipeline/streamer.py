@@ -34,6 +34,7 @@ from gpu.cache import DeviceCache, Entry, LayerPlan
 from pipeline.config import RunConfig
 from pipeline.errors import StageError
 from pipeline.table import ExpertTable
+from pipeline.verify import DigestRows
 from stages.install import Installer
 from stages.prefetch import ExpertLayout, ModelMapping, ModelReader, iter_chunks, plan_expert
 from stages.staging import StagingRing, StagingSlot
@@ -83,7 +84,8 @@ class _Job:
     slot: StagingSlot | None = None
     remaining: int = 0
     error: BaseException | None = None
-    digest_rows: int = -1
+    digest_row: int = -1
+    digest_results: Any = None
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
@@ -126,8 +128,8 @@ class ExpertStreamer:
         self.times = StageTimes()
         self._times_lock = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
-        self.digests: Any = None
-        self.digest_keys: list[tuple[tuple[int, int], int]] = []
+        capacity = len(table.layers) * table.top_k
+        self.digests = DigestRows(kernels, capacity) if config.verify else None
 
     def layout(self, key: tuple[int, int]) -> ExpertLayout:
         """The staging/device layout of an expert (cached: offsets never change)."""
@@ -182,24 +184,13 @@ class ExpertStreamer:
     def mapping(self) -> ModelMapping | None:
         return self._mapping
 
-    # -- per-token verification rows -------------------------------------------------------
-
-    def begin_token(self, max_rows: int) -> None:
-        """Fresh digest rows for this token's installs (read back by ``end_token``)."""
-        self.digests = self._kernels.new_results(max_rows) if self._cfg.verify else None
-        self.digest_keys = []
+    # -- verification -----------------------------------------------------------------------
 
     def take_digests(self) -> list[tuple[tuple[int, int], int, int]]:
-        """(key, matrix, digest) of every expert installed this token."""
-        if self.digests is None or not self.digest_keys:
+        """(key, matrix, digest) of every expert installed since the last call."""
+        if self.digests is None:
             return []
-        self.uploader.synchronize()
-        values = self._kernels.read_results(self.digests, len(self.digest_keys) * 3)
-        out = []
-        for (key, row), _ in zip(self.digest_keys, range(len(self.digest_keys)), strict=True):
-            for m in range(3):
-                out.append((key, m, values[row + m]))
-        return out
+        return self.digests.take(self.uploader.synchronize)
 
     # -- loading ---------------------------------------------------------------------------
 
@@ -224,9 +215,15 @@ class ExpertStreamer:
             layout = self.layout(entry.key)
             job = _Job(entry, layout, self.uploader.next_stream(), load, mode)
             if self.digests is not None:
-                job.digest_rows = len(self.digest_keys) * 3
-                self.digest_keys.append((entry.key, job.digest_rows))
+                job.digest_results, job.digest_row = self.digests.reserve(entry.key)
             if mode == "resident" and self._zero_copy:
+                mapping = self._mapping
+                if mapping is not None and self._backend.async_copies and all(
+                    mapping.is_registered(s.file_offset, s.nbytes) for s in layout.ranges
+                ):
+                    # registered already: queuing the copies costs microseconds, no hop
+                    self._arrived(job, self._resident_upload(job, mapping), counted=False)
+                    continue
                 self._resident_inflight += 1
                 self._pool.submit(self._resident_job, job)
                 continue
@@ -276,11 +273,12 @@ class ExpertStreamer:
             try:
                 assert job.slot is not None
                 slot = job.slot.array
-                sources = [
-                    slot[s.slot_offset + s.skip : s.slot_offset + s.skip + s.nbytes]
+                pieces = [
+                    (s.device_offset,
+                     slot[s.slot_offset + s.skip : s.slot_offset + s.skip + s.nbytes])
                     for s in job.layout.ranges
                 ]
-                event = self._upload(job, sources)
+                event = self._upload(job, pieces)
             except BaseException as exc:
                 job.error = exc
         self._notify(job, event)
@@ -297,19 +295,32 @@ class ExpertStreamer:
                 if not mapping.ensure_registered(s.file_offset, s.nbytes):
                     self._zero_copy = False  # later misses go through staging
             self._add_time("read_ms", t0)
-            sources = [mapping.view(s.file_offset, s.nbytes) for s in job.layout.ranges]
-            event = self._upload(job, sources)
+            event = self._resident_upload(job, mapping)
         except BaseException as exc:
             job.error = exc
         self._notify(job, event)
 
-    def _upload(self, job: _Job, sources: list[npt.NDArray[np.uint8]]) -> Event:
+    def _resident_upload(self, job: _Job, mapping: ModelMapping) -> Event | None:
+        """Queue the copies of an expert straight from the mapping (any thread)."""
+        pieces = [
+            (s.device_offset + at, view)
+            for s in job.layout.ranges
+            for at, view in mapping.pieces(s.file_offset, s.nbytes)
+        ]
+        try:
+            return self._upload(job, pieces)
+        except BaseException as exc:
+            job.error = exc
+            return None
+
+    def _upload(self, job: _Job, pieces: list[tuple[int, npt.NDArray[np.uint8]]]) -> Event:
         t0 = time.perf_counter()
-        event = self.uploader.upload(job.entry, job.layout, sources, job.stream)
-        if job.digest_rows >= 0 and self.digests is not None:
-            for m, s in enumerate(job.layout.ranges):
-                view = self._backend.device_bytes(job.entry.buffer, s.device_offset, s.nbytes)
-                self._kernels.digest(view, self.digests, job.digest_rows + m, job.stream)
+        event = self.uploader.upload(job.entry, pieces, job.stream)
+        if job.digest_row >= 0:
+            ranges = [(s.device_offset, s.nbytes) for s in job.layout.ranges]
+            self._kernels.digest3(
+                job.entry.buffer, ranges, job.digest_results, job.digest_row, job.stream
+            )
         self._add_time("upload_ms", t0)
         return event
 
@@ -317,11 +328,11 @@ class ExpertStreamer:
         assert self._loop is not None
         self._loop.call_soon_threadsafe(self._arrived, job, event)
 
-    def _arrived(self, job: _Job, event: Event | None) -> None:
+    def _arrived(self, job: _Job, event: Event | None, *, counted: bool = True) -> None:
         """Loop: return the slot (busy until the upload is done) and pass the entry on."""
         if job.slot is not None:
             self.ring.release(job.slot, event)
-        else:
+        elif counted:
             self._resident_inflight -= 1
             if self._resident_inflight == 0:
                 self._resident_idle.set()

@@ -261,8 +261,25 @@ class ModelMapping:
                     ok = False
         return ok
 
-    def view(self, offset: int, nbytes: int) -> npt.NDArray[np.uint8]:
-        return self.array[offset : offset + nbytes]
+    def is_registered(self, offset: int, nbytes: int) -> bool:
+        """Every window covering the range is registered (a lock-free read)."""
+        first = offset // self._window
+        last = (offset + nbytes - 1) // self._window
+        return all(w in self._registered for w in range(first, last + 1))
+
+    def pieces(self, offset: int, nbytes: int) -> list[tuple[int, npt.NDArray[np.uint8]]]:
+        """(offset within the range, view) pieces of a range, split at window boundaries.
+
+        One copy may not span two registrations, so each piece lies in one window.
+        """
+        out = []
+        at = offset
+        end = offset + nbytes
+        while at < end:
+            stop = min(end, (at // self._window + 1) * self._window)
+            out.append((at - offset, self.array[at:stop]))
+            at = stop
+        return out
 
     def close(self) -> None:
         """Unregister every window, then unmap."""

@@ -16,7 +16,6 @@ import numpy.typing as npt
 
 from gpu.backend import Backend, Event, Stream
 from gpu.cache import Entry
-from stages.prefetch import ExpertLayout
 
 __all__ = ["Uploader"]
 
@@ -46,24 +45,25 @@ class Uploader:
     def upload(
         self,
         entry: Entry,
-        layout: ExpertLayout,
-        sources: Sequence[npt.NDArray[np.uint8]],
+        pieces: Sequence[tuple[int, npt.NDArray[np.uint8]]],
         stream: Stream,
     ) -> Event:
-        """Queue ``sources`` (one host view per range, pinned or registered) into the entry.
+        """Queue ``pieces`` (device offset, host view: pinned or registered) into the entry.
 
-        The sources must stay unchanged until the returned event completes. Thread-safe:
-        workers call it for their own entries.
+        The host views must stay unchanged until the returned event completes. A view must
+        not span two separately registered host regions (CUDA rejects such a copy), so
+        resident-mode callers split at registration windows. Thread-safe: workers call it
+        for their own entries.
         """
         if entry.reuse_after is not None:
             stream.wait(entry.reuse_after)
-        for staged, src in zip(layout.ranges, sources, strict=True):
-            self._backend.copy_h2d(entry.buffer, staged.device_offset, src, stream)
+        for device_offset, src in pieces:
+            self._backend.copy_h2d(entry.buffer, device_offset, src, stream)
         event = stream.record()
         entry.upload = event
         with self._lock:
-            self.bytes_uploaded += sum(int(s.size) for s in sources)
-            self.copies += len(sources)
+            self.bytes_uploaded += sum(int(src.size) for _, src in pieces)
+            self.copies += len(pieces)
         return event
 
     def synchronize(self) -> None:
