@@ -42,6 +42,8 @@ class LayerResult:
     hits: int
     misses: int
     evictions: int
+    file_bytes: int
+    cache_bytes: int
     stall_ms: float
     compute_ms: float
 
@@ -134,6 +136,7 @@ class Decoder:
             results, row = self.use_digests.reserve(entry.key)
             ranges = [(s.device_offset, s.nbytes) for s in self._streamer.layout(entry.key).ranges]
             self._kernels.digest3(entry.buffer, ranges, results, row, self.stream)
+            self.use_digests.complete(results, row)
         elif layer_ms > 0:
             self._kernels.busy(layer_ms, entry.buffer, self.stream)
 
@@ -159,6 +162,7 @@ class Decoder:
         compute_s += time.perf_counter() - t0
         failures: list[tuple[Entry, BaseException]] = []
         for _ in range(load.pending):
+            assert load.arrived is not None
             t_wait = time.perf_counter()
             entry, error = await load.arrived.get()
             t_got = time.perf_counter()
@@ -188,6 +192,8 @@ class Decoder:
             hits=len(load.plan.hits),
             misses=len(load.plan.misses),
             evictions=load.plan.evicted,
+            file_bytes=sum(e.nbytes for e in load.plan.misses),
+            cache_bytes=sum(e.nbytes for e in load.plan.hits),
             stall_ms=stall_s * 1000.0,
             compute_ms=compute_s * 1000.0,
         )

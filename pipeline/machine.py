@@ -12,7 +12,14 @@ from pathlib import Path
 
 import psutil
 
-__all__ = ["MachineReadings", "disk_of", "machine_info", "process_read_bytes", "read_machine"]
+__all__ = [
+    "MachineReadings",
+    "disk_of",
+    "machine_info",
+    "process_read_bytes",
+    "ram_available_bytes",
+    "read_machine",
+]
 
 
 def process_read_bytes() -> int:
@@ -26,6 +33,11 @@ def process_read_bytes() -> int:
         pass
     io = psutil.Process().io_counters()
     return int(getattr(io, "read_bytes", 0))
+
+
+def ram_available_bytes() -> int:
+    """Available RAM alone (the cheap reading, for token boundaries)."""
+    return int(psutil.virtual_memory().available)
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import structlog
 import uvloop
 
@@ -29,8 +30,9 @@ from pipeline.controller import ModeController
 from pipeline.decode import Decoder
 from pipeline.errors import MoestreamError, VerificationError
 from pipeline.logs import RunLog, configure_console
-from pipeline.machine import machine_info, process_read_bytes
-from pipeline.streamer import ExpertStreamer, LayerLoad
+from pipeline.loop import DecodeLoop, TokenTotals
+from pipeline.machine import machine_info
+from pipeline.streamer import ExpertStreamer
 from pipeline.table import ExpertTable, open_table
 from pipeline.trace import Trace, load_trace, save_trace
 from pipeline.verify import Verifier
@@ -68,6 +70,19 @@ class RunSummary:
     stall_ms: float = 0.0
     compute_ms: float = 0.0
     modes: dict[str, int] = field(default_factory=dict)
+
+    def add(self, totals: TokenTotals, storage_bytes: int, mode: str) -> None:
+        """Count one decoded token."""
+        self.tokens += 1
+        self.hits += totals.hits
+        self.misses += totals.misses
+        self.evictions += totals.evictions
+        self.file_bytes += totals.file_bytes
+        self.cache_bytes += totals.cache_bytes
+        self.storage_bytes += storage_bytes
+        self.stall_ms += totals.stall_ms
+        self.compute_ms += totals.compute_ms
+        self.mode = mode
 
     @property
     def tokens_per_s(self) -> float:
@@ -164,7 +179,7 @@ async def run(cfg: RunConfig) -> RunSummary:
         runlog.emit(
             "run_start",
             config=cfg.describe(),
-            model={**table.summary(), "expert_bytes": [device_sizes[l] for l in layers]},
+            model={**table.summary(), "expert_bytes": [device_sizes[n] for n in layers]},
             machine=machine_info(table.path, backend.device_name if backend.name == "cupy"
                                  else None),
             budget_bytes=cache.budget_bytes,
@@ -172,10 +187,15 @@ async def run(cfg: RunConfig) -> RunSummary:
             compute=str(decoder.compute),
             backend=backend.name,
         )
+        loop = DecodeLoop(cfg, table, trace, cache=cache, streamer=streamer, decoder=decoder,
+                          verifier=verifier, controller=controller, runlog=runlog)
         started = time.perf_counter()
         for t in range(cfg.tokens):
-            await _decode_token(t, cfg, trace, table, cache, streamer, decoder, verifier,
-                                controller, runlog, summary)
+            totals = await loop.token(t)
+            summary.add(totals, loop.storage_bytes, streamer.mode)
+            summary.verified = verifier.verified
+            summary.mismatches = verifier.mismatches
+            summary.first_mismatch = verifier.first_mismatch
         summary.elapsed_s = time.perf_counter() - started
         summary.exit = "ok"
     except asyncio.CancelledError:
@@ -201,89 +221,15 @@ async def run(cfg: RunConfig) -> RunSummary:
         runlog.emit("run_end", **summary.as_dict(), hit_rate_final=summary.hit_rate)
         await runlog.aclose()
         if cfg.record_trace is not None and summary.tokens:
-            save_trace(
-                Trace(trace.experts[: summary.tokens % trace.n_tokens or trace.n_tokens],
-                      trace.weights[: summary.tokens % trace.n_tokens or trace.n_tokens],
-                      trace.n_experts, "recorded"),
-                cfg.record_trace,
-            )
+            rows = np.arange(summary.tokens) % trace.n_tokens
+            save_trace(Trace(trace.experts[rows], trace.weights[rows], trace.n_experts,
+                             "recorded"), cfg.record_trace)
     return summary
 
 
 def _budget_bytes(cfg: RunConfig, table: ExpertTable) -> int:
     """Default budget: every routed expert (plus device alignment padding)."""
     return table.routed_bytes + len(table.layers) * table.n_experts * 3 * 256
-
-
-async def _decode_token(
-    t: int,
-    cfg: RunConfig,
-    trace: Trace,
-    table: ExpertTable,
-    cache: DeviceCache,
-    streamer: ExpertStreamer,
-    decoder: Decoder,
-    verifier: Verifier,
-    controller: ModeController,
-    runlog: RunLog,
-    summary: RunSummary,
-) -> None:
-    """One token: every MoE layer through the cache, then verification and the log event."""
-    t0 = time.perf_counter()
-    reads_before = process_read_bytes()
-    row = t % trace.n_tokens
-    c = cache.counters
-    before = (c.hits, c.misses, c.evictions, c.bytes_from_file, c.bytes_from_cache)
-    stall_ms = compute_ms = 0.0
-    layers = table.moe_layers
-    ahead = cfg.lookahead if cfg.prefetch == "oracle" else 0
-    loads: dict[int, LayerLoad] = {}
-    used: list[list[int]] = [trace.experts[row, i].tolist() for i in range(len(layers))]
-    for i, layer in enumerate(layers):
-        # oracle prefetch: the trace names the next layers' experts, start them now
-        for j in range(i, min(len(layers), i + 1 + ahead)):
-            if j not in loads:
-                loads[j] = streamer.start_layer(layers[j], used[j])
-        result = await decoder.run_layer(loads.pop(i), used[i], trace.weights[row, i].tolist())
-        stall_ms += result.stall_ms
-        compute_ms += result.compute_ms
-        if cfg.log_level == "debug":
-            runlog.emit("layer", token=t, layer=layer, hits=result.hits, misses=result.misses,
-                        stall_ms=round(result.stall_ms, 3))
-    streamer.poll_installs()
-    cache.advance_token()
-    if cfg.verify:
-        verifier.check(streamer.take_digests())
-    verifier.check(decoder.take_use_digests())
-    mode = streamer.mode
-    await controller.at_token(t)
-    hits, misses, evictions = c.hits - before[0], c.misses - before[1], c.evictions - before[2]
-    file_bytes, cache_bytes = c.bytes_from_file - before[3], c.bytes_from_cache - before[4]
-    storage = process_read_bytes() - reads_before
-    times = streamer.take_times()
-    wall_ms = (time.perf_counter() - t0) * 1000.0
-    summary.tokens += 1
-    summary.hits += hits
-    summary.misses += misses
-    summary.evictions += evictions
-    summary.file_bytes += file_bytes
-    summary.cache_bytes += cache_bytes
-    summary.storage_bytes += storage
-    summary.verified = verifier.verified
-    summary.mismatches = verifier.mismatches
-    summary.first_mismatch = verifier.first_mismatch
-    summary.stall_ms += stall_ms
-    summary.compute_ms += compute_ms
-    summary.mode = mode
-    runlog.emit(
-        "token", token=t, wall_ms=round(wall_ms, 3), read_ms=round(times.read_ms, 3),
-        stage_ms=round(times.stage_ms, 3), upload_ms=round(times.upload_ms, 3),
-        install_ms=round(times.install_ms, 3), stall_ms=round(stall_ms, 3),
-        compute_ms=round(compute_ms, 3), hits=hits, misses=misses, evictions=evictions,
-        file_bytes=file_bytes, cache_bytes=cache_bytes, storage_bytes=storage, mode=mode,
-        ram_available_bytes=controller.last_ram_available, cache_live_bytes=cache.live_bytes,
-        cache_parked_bytes=cache.pool.parked_bytes, experts=used,
-    )
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -67,9 +67,10 @@ class LayerLoad:
     """A layer in flight: its plan, and a queue yielding misses as their uploads are queued."""
 
     plan: LayerPlan
-    arrived: asyncio.Queue[tuple[Entry, BaseException | None]]
+    arrived: asyncio.Queue[tuple[Entry, BaseException | None]] | None = None
     launcher: asyncio.Task[None] | None = None
     pending: int = 0
+    launched: int = 0
 
 
 @dataclass(slots=True, eq=False)
@@ -128,7 +129,8 @@ class ExpertStreamer:
         self.times = StageTimes()
         self._times_lock = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
-        capacity = len(table.layers) * table.top_k
+        ahead = config.lookahead if config.prefetch == "oracle" else 0
+        capacity = (len(table.layers) + ahead) * table.top_k
         self.digests = DigestRows(kernels, capacity) if config.verify else None
 
     def layout(self, key: tuple[int, int]) -> ExpertLayout:
@@ -201,15 +203,30 @@ class ExpertStreamer:
         keys = [(layer, int(e)) for e in experts]
         size = self.device_bytes(layer)
         plan = self._cache.plan_layer(keys, [size] * len(keys))
-        load = LayerLoad(plan, asyncio.Queue(), pending=len(plan.misses))
-        for entry in plan.misses:
-            entry.loaded = loop.create_future()
-        if plan.misses:
+        load = LayerLoad(plan, pending=len(plan.misses))
+        if plan.misses:  # all-hit layers (the common case when warm) create nothing more
+            load.arrived = asyncio.Queue()
+            for entry in plan.misses:
+                entry.loaded = loop.create_future()
             load.launcher = loop.create_task(self._launch(load))
         return load
 
     async def _launch(self, load: LayerLoad) -> None:
-        """Start every miss of a layer: take slots (direct) and hand work to the pool."""
+        """Start every miss of a layer: take slots (direct) and hand work to the pool.
+
+        Whatever stops the launch (a refused allocation, cancellation) is reported for each
+        miss not yet started, so the decoder waiting on the layer never waits forever.
+        """
+        try:
+            await self._launch_misses(load)
+        except BaseException as exc:
+            assert load.arrived is not None
+            for entry in load.plan.misses[load.launched :]:
+                load.arrived.put_nowait((entry, exc))
+            if not isinstance(exc, Exception):
+                raise
+
+    async def _launch_misses(self, load: LayerLoad) -> None:
         mode = self.mode
         for entry in load.plan.misses:
             layout = self.layout(entry.key)
@@ -222,9 +239,11 @@ class ExpertStreamer:
                     mapping.is_registered(s.file_offset, s.nbytes) for s in layout.ranges
                 ):
                     # registered already: queuing the copies costs microseconds, no hop
+                    load.launched += 1
                     self._arrived(job, self._resident_upload(job, mapping), counted=False)
                     continue
                 self._resident_inflight += 1
+                load.launched += 1
                 self._pool.submit(self._resident_job, job)
                 continue
             t0 = time.perf_counter()
@@ -237,6 +256,7 @@ class ExpertStreamer:
                                           self._cfg.chunk_bytes)
             ]
             job.remaining = len(chunks)
+            load.launched += 1
             for staged, off, n in chunks:
                 dst_at = staged.slot_offset + (off - staged.cover_start)
                 self._pool.submit(self._read_chunk, job, off, dst_at, n)
@@ -330,6 +350,8 @@ class ExpertStreamer:
 
     def _arrived(self, job: _Job, event: Event | None, *, counted: bool = True) -> None:
         """Loop: return the slot (busy until the upload is done) and pass the entry on."""
+        if self.digests is not None and job.digest_row >= 0 and job.error is None:
+            self.digests.complete(job.digest_results, job.digest_row)
         if job.slot is not None:
             self.ring.release(job.slot, event)
         elif counted:
@@ -338,6 +360,7 @@ class ExpertStreamer:
                 self._resident_idle.set()
         if job.error is None:
             self.installer.submit(job.entry)
+        assert job.load.arrived is not None
         job.load.arrived.put_nowait((job.entry, job.error))
 
     def poll_installs(self) -> None:

@@ -21,39 +21,77 @@ Digest = tuple[ExpertKey, int, int]
 """(expert key, matrix 0/1/2 for gate/up/down, digest)."""
 
 
+class _Generation:
+    """One results array and the keys whose digests go into it, three rows each."""
+
+    def __init__(self, results: Any) -> None:
+        self.results = results
+        self.keys: list[ExpertKey] = []
+        self.done: list[bool] = []
+        self.taken = 0
+
+
 class DigestRows:
-    """Rows of digest sums for one token, allocated on first use (most tokens need none).
+    """Rows of digest sums, handed to loads and read back once their kernels were queued.
+
+    A load reserves three rows when it starts and calls ``complete`` once its digest work
+    is queued; ``take`` returns only completed digests, so loads still in flight (started
+    ahead by prefetch) are read in a later call, never as zeros. Arrays are allocated on
+    first use (most warm tokens need none) and dropped once all their rows were taken.
 
     Args:
         kernels: the backend's kernels (``new_results``, ``read_results``).
-        capacity: most experts digested per token.
+        capacity: experts per results array.
     """
 
     def __init__(self, kernels: Any, capacity: int) -> None:
         self._kernels = kernels
         self._capacity = capacity
-        self._results: Any = None
-        self.keys: list[ExpertKey] = []
+        self._generations: list[_Generation] = []
 
     def reserve(self, key: ExpertKey) -> tuple[Any, int]:
         """The results array and the first of three rows for ``key``'s digests."""
-        if self._results is None:
-            self._results = self._kernels.new_results(self._capacity * 3)
-        if len(self.keys) >= self._capacity:
-            raise RuntimeError(f"more than {self._capacity} digests in one token")
-        self.keys.append(key)
-        return self._results, (len(self.keys) - 1) * 3
+        if not self._generations or len(self._generations[-1].keys) >= self._capacity:
+            self._generations.append(_Generation(self._kernels.new_results(self._capacity * 3)))
+        gen = self._generations[-1]
+        gen.keys.append(key)
+        gen.done.append(False)
+        return gen.results, (len(gen.keys) - 1) * 3
+
+    def complete(self, results: Any, row: int) -> None:
+        """The digest work for the rows at ``row`` is queued (or done, on the host)."""
+        for gen in self._generations:
+            if gen.results is results:
+                gen.done[row // 3] = True
+                return
 
     def take(self, synchronize: Callable[[], None]) -> list[Digest]:
-        """Read back this token's digests (after ``synchronize``) and start afresh."""
-        if not self.keys:
-            return []
-        synchronize()
-        values = self._kernels.read_results(self._results, len(self.keys) * 3)
-        out = [(key, m, values[i * 3 + m]) for i, key in enumerate(self.keys) for m in range(3)]
-        self.keys = []
-        self._results = None
+        """Digests completed since the last call (after ``synchronize``)."""
+        out: list[Digest] = []
+        synced = False
+        for gen in self._generations:
+            ready = 0
+            while gen.taken + ready < len(gen.keys) and gen.done[gen.taken + ready]:
+                ready += 1
+            if not ready:
+                continue
+            if not synced:
+                synchronize()
+                synced = True
+            stop = (gen.taken + ready) * 3
+            values = self._kernels.read_results(gen.results, stop)
+            for i in range(gen.taken, gen.taken + ready):
+                out.extend((gen.keys[i], m, values[i * 3 + m]) for m in range(3))
+            gen.taken += ready
+        self._generations = [
+            g for g in self._generations
+            if g.taken < len(g.keys) or (g is self._generations[-1] and len(g.keys) < self._capacity)
+        ]
         return out
+
+    @property
+    def pending(self) -> int:
+        return sum(len(g.keys) - g.taken for g in self._generations)
 
 
 class Verifier:

@@ -17,6 +17,7 @@ import ctypes
 import errno
 import os
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +30,7 @@ from gpu.backend import PAGE, Backend
 from pipeline.errors import ModelFileError, ReadError
 from pipeline.residency import libc
 from pipeline.table import ExpertSlices
+from stages.faults import FaultPlan
 
 __all__ = [
     "ExpertLayout",
@@ -115,8 +117,9 @@ class ModelReader:
         direct: try O_DIRECT (direct mode); False reads through the page cache.
     """
 
-    def __init__(self, path: Path, *, direct: bool = True) -> None:
+    def __init__(self, path: Path, *, direct: bool = True, faults: FaultPlan | None = None) -> None:
         self.path = path
+        self._faults = faults or FaultPlan()
         try:
             self._buffered_fd = os.open(path, os.O_RDONLY)
         except OSError as exc:
@@ -160,7 +163,11 @@ class ModelReader:
         while got < need:
             use_fd = fd if fd is not None else self._buffered_fd
             try:
+                if self._faults:
+                    self._inject(fd is not None)
                 n = os.preadv(use_fd, [dst[got:].data], offset + got)
+                if self._faults and n > 0 and self._faults.hit("short") is not None:
+                    n = 0
             except OSError as exc:
                 if fd is not None and exc.errno in _DIRECT_REFUSED:
                     self._refuse_direct(f"O_DIRECT read refused: {exc.strerror}")
@@ -180,6 +187,17 @@ class ModelReader:
             # buffered stand-in for a direct read: leave no page behind
             os.posix_fadvise(self._buffered_fd, offset, need, os.POSIX_FADV_DONTNEED)
         return got
+
+    def _inject(self, direct: bool) -> None:
+        """Raise or delay as the fault plan says (tests and ``--inject`` only)."""
+        plan = self._faults
+        if direct and plan.hit("odirect_einval") is not None:
+            raise OSError(errno.EINVAL, "Invalid argument (injected)")
+        if plan.hit("read_eio") is not None:
+            raise OSError(errno.EIO, "Input/output error (injected)")
+        delay_ms = plan.hit("slow_ms")
+        if delay_ms is not None:
+            time.sleep(delay_ms / 1000.0)  # an injected latency spike, by request
 
     def drop_pages(self) -> None:
         """Ask the kernel to drop the file's cached pages (those not mapped or locked)."""

@@ -1,0 +1,139 @@
+"""The decode loop: tokens through every MoE layer, with accounting, verification and log.
+
+Per layer the loop starts the layer's loads (and, with oracle prefetch, those of the next
+``lookahead`` layers, across token boundaries, since the routing is known ahead), lets the
+decoder consume it, and adds up what the layer cost. At each token's end it checks the
+digests of everything installed or consumed, lets the controller look at the machine, and
+writes the token's log event.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from gpu.cache import DeviceCache
+from pipeline.config import RunConfig
+from pipeline.controller import ModeController
+from pipeline.decode import Decoder
+from pipeline.logs import RunLog
+from pipeline.machine import process_read_bytes
+from pipeline.streamer import ExpertStreamer, LayerLoad
+from pipeline.table import ExpertTable
+from pipeline.trace import Trace
+from pipeline.verify import Verifier
+
+__all__ = ["DecodeLoop", "TokenTotals"]
+
+
+@dataclass(slots=True)
+class TokenTotals:
+    """What one token did, summed over its layers."""
+
+    hits: int = 0
+    misses: int = 0
+    evictions: int = 0
+    file_bytes: int = 0
+    cache_bytes: int = 0
+    stall_ms: float = 0.0
+    compute_ms: float = 0.0
+
+
+class DecodeLoop:
+    """Runs tokens; owns nothing, closes nothing (``pipeline.run`` does).
+
+    Args:
+        config: prefetch, lookahead, verify, log level.
+        table: the model.
+        trace: the routing, replayed cyclically.
+        cache, streamer, decoder, verifier, controller, runlog: the run's parts.
+    """
+
+    def __init__(
+        self,
+        config: RunConfig,
+        table: ExpertTable,
+        trace: Trace,
+        *,
+        cache: DeviceCache,
+        streamer: ExpertStreamer,
+        decoder: Decoder,
+        verifier: Verifier,
+        controller: ModeController,
+        runlog: RunLog,
+    ) -> None:
+        self._cfg = config
+        self._layers = table.moe_layers
+        self._trace = trace
+        self._cache = cache
+        self._streamer = streamer
+        self._decoder = decoder
+        self._verifier = verifier
+        self._controller = controller
+        self._runlog = runlog
+        self._ahead = config.lookahead if config.prefetch == "oracle" else 0
+        self._end = config.tokens * len(self._layers)
+        self._loads: dict[int, LayerLoad] = {}
+        self._read_bytes = process_read_bytes()
+        self.prefetched = 0
+        self.storage_bytes = 0
+
+    def _experts(self, token: int, i: int) -> list[int]:
+        row: list[int] = self._trace.experts[token % self._trace.n_tokens, i].tolist()
+        return row
+
+    def _start(self, position: int) -> LayerLoad:
+        token, i = divmod(position, len(self._layers))
+        return self._streamer.start_layer(self._layers[i], self._experts(token, i))
+
+    async def token(self, t: int) -> TokenTotals:
+        """Decode token ``t``; returns its totals (and logs its event)."""
+        t0 = time.perf_counter()
+        n = len(self._layers)
+        totals = TokenTotals()
+        row = t % self._trace.n_tokens
+        for i, layer in enumerate(self._layers):
+            position = t * n + i
+            for q in range(position, min(self._end, position + 1 + self._ahead)):
+                if q not in self._loads:
+                    self._loads[q] = self._start(q)
+                    self.prefetched += q != position
+            load = self._loads.pop(position)
+            result = await self._decoder.run_layer(
+                load, self._experts(t, i), self._trace.weights[row, i].tolist()
+            )
+            totals.hits += result.hits
+            totals.misses += result.misses
+            totals.evictions += result.evictions
+            totals.file_bytes += result.file_bytes
+            totals.cache_bytes += result.cache_bytes
+            totals.stall_ms += result.stall_ms
+            totals.compute_ms += result.compute_ms
+            if self._cfg.log_level == "debug":
+                self._runlog.emit("layer", token=t, layer=layer, hits=result.hits,
+                                  misses=result.misses, stall_ms=round(result.stall_ms, 3),
+                                  compute_ms=round(result.compute_ms, 3))
+        self._streamer.poll_installs()
+        self._cache.advance_token()
+        self._verifier.check(self._streamer.take_digests())
+        self._verifier.check(self._decoder.take_use_digests())
+        mode = self._streamer.mode
+        await self._controller.at_token(t)
+        read_bytes = process_read_bytes()
+        storage, self._read_bytes = read_bytes - self._read_bytes, read_bytes
+        times = self._streamer.take_times()
+        self._runlog.emit(
+            "token", token=t, wall_ms=round((time.perf_counter() - t0) * 1000.0, 3),
+            read_ms=round(times.read_ms, 3), stage_ms=round(times.stage_ms, 3),
+            upload_ms=round(times.upload_ms, 3), install_ms=round(times.install_ms, 3),
+            stall_ms=round(totals.stall_ms, 3), compute_ms=round(totals.compute_ms, 3),
+            hits=totals.hits, misses=totals.misses, evictions=totals.evictions,
+            file_bytes=totals.file_bytes, cache_bytes=totals.cache_bytes,
+            storage_bytes=storage, mode=mode,
+            ram_available_bytes=self._controller.last_ram_available,
+            cache_live_bytes=self._cache.live_bytes,
+            cache_parked_bytes=self._cache.pool.parked_bytes,
+            experts=[self._experts(t, i) for i in range(n)],
+        )
+        self.storage_bytes = storage
+        return totals

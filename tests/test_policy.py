@@ -1,0 +1,95 @@
+"""Tests for gpu.policy: eviction orders and the byte-capacity index."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from gpu.policy import CacheIndex, FreqDecayPolicy, LRUPolicy, make_policy
+
+
+class TestLRU:
+    """LRU evicts the least recently used unprotected key."""
+
+    def test_order_follows_use(self) -> None:
+        p = LRUPolicy()
+        for k in [(0, 1), (0, 2), (0, 3)]:
+            p.insert(k)
+        p.touch((0, 1))
+        assert p.victim(set()) == (0, 2)
+        assert p.victim({(0, 2)}) == (0, 3)
+        assert p.victim({(0, 1), (0, 2), (0, 3)}) is None
+
+
+class TestFreqDecay:
+    """Route hotness: frequent keys survive, old heat decays, ties fall back to LRU."""
+
+    def test_hot_key_survives(self) -> None:
+        p = FreqDecayPolicy(half_life_tokens=8)
+        p.insert((0, 1))
+        p.insert((0, 2))
+        for _ in range(5):
+            p.touch((0, 1))
+        assert p.victim(set()) == (0, 2)
+
+    def test_heat_decays(self) -> None:
+        p = FreqDecayPolicy(half_life_tokens=1)
+        p.insert((0, 1))
+        for _ in range(3):
+            p.touch((0, 1))  # score 4 at token 0
+        for _ in range(10):
+            p.advance_token()
+        p.insert((0, 2))  # score 2**10 at token 10
+        assert p.victim(set()) == (0, 1)
+
+    def test_tie_breaks_by_recency(self) -> None:
+        p = FreqDecayPolicy()
+        p.insert((0, 1))
+        p.insert((0, 2))
+        assert p.victim(set()) == (0, 1)
+
+    def test_rejects_bad_half_life(self) -> None:
+        with pytest.raises(ValueError):
+            FreqDecayPolicy(0)
+
+
+class TestCacheIndex:
+    """Byte capacity is never exceeded and protected keys are never evicted."""
+
+    @given(
+        st.sampled_from(["lru", "freq"]),
+        st.integers(6, 40),
+        st.lists(st.lists(st.integers(0, 31), min_size=1, max_size=6, unique=True),
+                 min_size=1, max_size=60),
+    )
+    def test_capacity_and_protection(self, policy: str, capacity: int,
+                                     layers: list[list[int]]) -> None:
+        sizes = {0: 1, 1: 2}  # two size classes
+        index = CacheIndex(capacity, make_policy(policy))
+        for n, experts in enumerate(layers):
+            layer = n % 2
+            keys = [(layer, e) for e in experts]
+            outcome = index.access_layer(keys, [sizes[layer]] * len(keys))
+            assert index.live_bytes <= index.capacity_bytes
+            assert not set(outcome.evicted) & set(keys)
+            assert len(outcome.hits) + len(outcome.misses) == len(keys)
+            assert index.live_bytes == sum(sizes[k[0]] for k in index.keys())
+            index.advance_token()
+
+    def test_entry_larger_than_capacity_is_not_admitted(self) -> None:
+        index = CacheIndex(10, LRUPolicy())
+        assert index.admit((0, 0), 11, ()) == (False, [])
+        assert len(index) == 0
+
+    def test_resize_evicts_unprotected(self) -> None:
+        index = CacheIndex(10, LRUPolicy())
+        for e in range(5):
+            index.admit((0, e), 2, ())
+        evicted = index.resize(4, {(0, 0)})
+        assert (0, 0) in index and (0, 0) not in evicted
+        assert index.live_bytes <= 4
+
+    def test_unknown_policy(self) -> None:
+        with pytest.raises(ValueError, match="unknown eviction policy"):
+            make_policy("mru")
