@@ -115,7 +115,7 @@ class ExpertStreamer:
         self._cache = cache
         self._kernels = kernels
         self._layouts: dict[tuple[int, int], ExpertLayout] = {}
-        slot_bytes = max(self.layout((l, 0)).slot_bytes for l in table.layers) + 2 * 4096
+        slot_bytes = max(self.layout((n, 0)).slot_bytes for n in table.layers) + 2 * 4096
         self.reader = ModelReader(table.path, direct=True)
         self.ring = StagingRing(backend, config.staging_slots, slot_bytes)
         self.uploader = Uploader(backend, config.upload_streams)

@@ -83,9 +83,10 @@ class DigestRows:
             for i in range(gen.taken, gen.taken + ready):
                 out.extend((gen.keys[i], m, values[i * 3 + m]) for m in range(3))
             gen.taken += ready
+        last = self._generations[-1] if self._generations else None
         self._generations = [
             g for g in self._generations
-            if g.taken < len(g.keys) or (g is self._generations[-1] and len(g.keys) < self._capacity)
+            if g.taken < len(g.keys) or (g is last and len(g.keys) < self._capacity)
         ]
         return out
 
