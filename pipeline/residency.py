@@ -281,7 +281,7 @@ class Residency:
         if not live.any():
             return out
         s, e = start[live], end[live]
-        res = self.pages.astype(np.int64)
+        res = self.pages
         cum = self._cumulative()
         first, last = s // PAGE_BYTES, (e - 1) // PAGE_BYTES
         one = first == last
