@@ -76,12 +76,10 @@ def _problem(experts: np.ndarray, weights: np.ndarray, n_experts: int) -> str | 
         return (
             f"expert id {bad} out of range [0, {n_experts}) at token {where[0]}, layer {where[1]}"
         )
-    if top_k > 1:
-        ordered = np.sort(experts, axis=2)
-        repeated = ordered[:, :, 1:] == ordered[:, :, :-1]
-        if repeated.any():
-            token, layer, _ = np.argwhere(repeated)[0]
-            return f"expert id repeated within token {token}, layer {layer}"
+    repeated = _repeated_within_row(experts)
+    if repeated is not None:
+        token, layer = repeated
+        return f"expert id repeated within token {token}, layer {layer}"
     if not np.isfinite(weights).all():
         token, layer, _ = np.argwhere(~np.isfinite(weights))[0]
         return f"non-finite weight at token {token}, layer {layer}"
@@ -94,6 +92,26 @@ def _problem(experts: np.ndarray, weights: np.ndarray, n_experts: int) -> str | 
         token, layer = np.argwhere(off)[0]
         return f"weights at token {token}, layer {layer} sum to {sums[token, layer]:.6g}, not 1"
     return None
+
+
+def _repeated_within_row(experts: np.ndarray) -> tuple[int, int] | None:
+    """The first (token, layer) whose row repeats an id, or None.
+
+    Comparing each pair of columns is much cheaper than sorting rows when top_k is small.
+    """
+    top_k = experts.shape[2]
+    if top_k > 16:
+        ordered = np.sort(experts, axis=2)
+        repeated = (ordered[:, :, 1:] == ordered[:, :, :-1]).any(axis=2)
+    else:
+        repeated = np.zeros(experts.shape[:2], dtype=bool)
+        for i in range(top_k):
+            for j in range(i + 1, top_k):
+                repeated |= experts[:, :, i] == experts[:, :, j]
+    if not repeated.any():
+        return None
+    token, layer = np.argwhere(repeated)[0]
+    return int(token), int(layer)
 
 
 @dataclass(frozen=True, eq=False)
@@ -252,7 +270,7 @@ def load_trace(path: str | os.PathLike[str]) -> Trace:
         raise TraceError(f"{source}: cannot read trace: {exc.strerror or exc}") from exc
     if head.startswith(_NPZ_MAGIC):
         experts, weights, n_experts, preset = _read_npz(path, source)
-    elif head.lstrip().startswith(b"{"):
+    elif head.lstrip().startswith((b"{", b"[")):
         experts, weights, n_experts, preset = _read_jsonl(path, source)
     else:
         raise TraceError(f"{source}: neither an .npz archive nor a JSON-lines trace")
