@@ -106,7 +106,7 @@ class Decoder:
 
     def take_use_digests(self) -> list[tuple[tuple[int, int], int, int]]:
         """(key, matrix, digest) of every expert consumed since the last call (``digest``)."""
-        return self.use_digests.take(self.stream.synchronize)
+        return self.use_digests.take()
 
     def _views(self, entry: Entry) -> list[Any]:
         layout = self._streamer.layout(entry.key)
@@ -136,7 +136,7 @@ class Decoder:
             results, row = self.use_digests.reserve(entry.key)
             ranges = [(s.device_offset, s.nbytes) for s in self._streamer.layout(entry.key).ranges]
             self._kernels.digest3(entry.buffer, ranges, results, row, self.stream)
-            self.use_digests.complete(results, row)
+            self.use_digests.complete(results, row, self.stream.record())
         elif layer_ms > 0:
             self._kernels.busy(layer_ms, entry.buffer, self.stream)
 

@@ -192,7 +192,7 @@ class ExpertStreamer:
         """(key, matrix, digest) of every expert installed since the last call."""
         if self.digests is None:
             return []
-        return self.digests.take(self.uploader.synchronize)
+        return self.digests.take()
 
     # -- loading ---------------------------------------------------------------------------
 
@@ -335,12 +335,16 @@ class ExpertStreamer:
 
     def _upload(self, job: _Job, pieces: list[tuple[int, npt.NDArray[np.uint8]]]) -> Event:
         t0 = time.perf_counter()
-        event = self.uploader.upload(job.entry, pieces, job.stream)
+        digest = None
         if job.digest_row >= 0:
             ranges = [(s.device_offset, s.nbytes) for s in job.layout.ranges]
-            self._kernels.digest3(
-                job.entry.buffer, ranges, job.digest_results, job.digest_row, job.stream
-            )
+
+            def digest(stream: Stream) -> None:
+                self._kernels.digest3(
+                    job.entry.buffer, ranges, job.digest_results, job.digest_row, stream
+                )
+
+        event = self.uploader.upload(job.entry, pieces, job.stream, digest)
         self._add_time("upload_ms", t0)
         return event
 
@@ -351,7 +355,7 @@ class ExpertStreamer:
     def _arrived(self, job: _Job, event: Event | None, *, counted: bool = True) -> None:
         """Loop: return the slot (busy until the upload is done) and pass the entry on."""
         if self.digests is not None and job.digest_row >= 0 and job.error is None:
-            self.digests.complete(job.digest_results, job.digest_row)
+            self.digests.complete(job.digest_results, job.digest_row, event)
         if job.slot is not None:
             self.ring.release(job.slot, event)
         elif counted:

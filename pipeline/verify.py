@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from gpu.backend import Event
 from gpu.policy import ExpertKey
 from pipeline.digest import digest_bytes
 from pipeline.table import ExpertTable
@@ -27,7 +28,7 @@ class _Generation:
     def __init__(self, results: Any) -> None:
         self.results = results
         self.keys: list[ExpertKey] = []
-        self.done: list[bool] = []
+        self.done: list[Event | bool] = []
         self.taken = 0
 
 
@@ -58,26 +59,29 @@ class DigestRows:
         gen.done.append(False)
         return gen.results, (len(gen.keys) - 1) * 3
 
-    def complete(self, results: Any, row: int) -> None:
-        """The digest work for the rows at ``row`` is queued (or done, on the host)."""
+    def complete(self, results: Any, row: int, event: Event | None) -> None:
+        """The digest work for the rows at ``row`` is queued; ``event`` follows it."""
         for gen in self._generations:
             if gen.results is results:
-                gen.done[row // 3] = True
+                gen.done[row // 3] = event if event is not None else True
                 return
 
-    def take(self, synchronize: Callable[[], None]) -> list[Digest]:
-        """Digests completed since the last call (after ``synchronize``)."""
+    def take(self) -> list[Digest]:
+        """Digests whose work was queued since the last call, once that work has run.
+
+        Waits only on those rows' own events, never on a whole stream: loads started
+        ahead keep flowing meanwhile.
+        """
         out: list[Digest] = []
-        synced = False
         for gen in self._generations:
             ready = 0
             while gen.taken + ready < len(gen.keys) and gen.done[gen.taken + ready]:
+                mark = gen.done[gen.taken + ready]
+                if not isinstance(mark, bool):
+                    mark.synchronize()
                 ready += 1
             if not ready:
                 continue
-            if not synced:
-                synchronize()
-                synced = True
             stop = (gen.taken + ready) * 3
             values = self._kernels.read_results(gen.results, stop)
             for i in range(gen.taken, gen.taken + ready):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import itertools
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import numpy.typing as npt
@@ -47,18 +47,22 @@ class Uploader:
         entry: Entry,
         pieces: Sequence[tuple[int, npt.NDArray[np.uint8]]],
         stream: Stream,
+        then: Callable[[Stream], None] | None = None,
     ) -> Event:
         """Queue ``pieces`` (device offset, host view: pinned or registered) into the entry.
 
         The host views must stay unchanged until the returned event completes. A view must
         not span two separately registered host regions (CUDA rejects such a copy), so
-        resident-mode callers split at registration windows. Thread-safe: workers call it
-        for their own entries.
+        resident-mode callers split at registration windows. ``then`` queues more work
+        on the stream (the install digest) before the event, so the event covers it.
+        Thread-safe: workers call it for their own entries.
         """
         if entry.reuse_after is not None:
             stream.wait(entry.reuse_after)
         for device_offset, src in pieces:
             self._backend.copy_h2d(entry.buffer, device_offset, src, stream)
+        if then is not None:
+            then(stream)
         event = stream.record()
         entry.upload = event
         with self._lock:
