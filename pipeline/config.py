@@ -125,6 +125,8 @@ class RunConfig:
         ram_limit: cap on the RAM the controller believes it has.
         sample_ms: controller sampling period.
         margin_bytes: the controller's safety margin (None: max(2 GiB, 5% of RAM)).
+        warmup: in resident mode, warm the model's missing pages in the background.
+        dwell_s: least time between two mode switches (pressure overrides it).
         json: print the summary as JSON.
         debug: show tracebacks.
     """
@@ -152,6 +154,8 @@ class RunConfig:
     ram_limit: int | None = None
     sample_ms: float = 250.0
     margin_bytes: int | None = None
+    warmup: bool = True
+    dwell_s: float = 2.0
     json: bool = False
     debug: bool = False
 

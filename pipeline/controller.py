@@ -22,14 +22,14 @@ import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol
 
 import structlog
 
 from pipeline.config import RunConfig
 from pipeline.logs import RunLog
 from pipeline.machine import ram_available_bytes, read_machine
-from pipeline.table import ExpertTable
+from pipeline.table import ByteRange, ExpertTable
 
 __all__ = [
     "ControllerReadings",
@@ -210,6 +210,8 @@ class ModeController:
         self.last_ram_available = 0
         self.token = 0
         self._last_sample = float("-inf")
+        self._warm_task: asyncio.Task[None] | None = None
+        self._warm_engine: Any = None
 
     @property
     def forced(self) -> bool:
@@ -220,7 +222,7 @@ class ModeController:
         readings = self._sampler(True)
         self.last_ram_available = readings.ram_available_bytes
         margin = self._cfg.margin_bytes or default_margin(readings.ram_total_bytes)
-        thresholds = Thresholds(margin, margin // 2)
+        thresholds = Thresholds(margin, margin // 2, self._cfg.dwell_s)
         if self.forced:
             initial: Mode = "resident" if self._cfg.mode == "resident" else "direct"
             reason = f"forced by --mode {self._cfg.mode}"
@@ -261,12 +263,18 @@ class ModeController:
     async def _apply(
         self, mode: Mode, reason: str, readings: ControllerReadings, *, initial_switch: bool = False
     ) -> None:
+        """Switch the streamer; resident also starts the background warm-up, direct stops it
+        first (then the streamer unregisters, unmaps and drops the pages)."""
         t0 = time.perf_counter()
+        if mode == "direct":
+            await self._stop_warmup()
         set_mode = getattr(self._streamer, "set_mode", None)
         if set_mode is not None:
             result = set_mode(mode)
             if asyncio.iscoroutine(result):
                 await result
+        if mode == "resident" and self._cfg.warmup:
+            await self._start_warmup()
         took_ms = (time.perf_counter() - t0) * 1000.0
         if not initial_switch:
             self.switches += 1
@@ -295,9 +303,52 @@ class ModeController:
         else:
             self.last_ram_available = ram_available_bytes()
 
+    async def _start_warmup(self) -> None:
+        """Warm the model's non-resident pages in the background, after decode's reads."""
+        from pipeline.residency import Residency, WarmEngine
+
+        if self._warm_task is not None:
+            return
+        path = self._table.path
+        loop = asyncio.get_running_loop()
+        missing = await loop.run_in_executor(
+            None, lambda: Residency.of_file(path).missing([ByteRange(0, self._table.file_bytes)])
+        )
+        if not missing:
+            return
+        engine = WarmEngine(path, threads=8)
+        self._warm_engine = engine
+        setattr(self._streamer, "warm_gate", engine)  # noqa: B010  (streamer-like object)
+        self._warm_task = loop.create_task(self._warm(engine, missing))
+
+    async def _warm(self, engine: Any, missing: list[Any]) -> None:
+        total = sum(r.nbytes for r in missing)
+        self._runlog.emit("warmup_start", bytes=total, token=self.token)
+        try:
+            result = await engine.warm(missing)
+        except asyncio.CancelledError:
+            self._runlog.emit("warmup_stopped", token=self.token)
+            raise
+        _log.info("warmup_done", bytes=result.bytes_read, seconds=round(result.seconds, 2))
+        self._runlog.emit("warmup_done", bytes=result.bytes_read,
+                          seconds=round(result.seconds, 3),
+                          token=self.token)
+
+    async def _stop_warmup(self) -> None:
+        task, self._warm_task = self._warm_task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        engine, self._warm_engine = self._warm_engine, None
+        if engine is not None:
+            setattr(self._streamer, "warm_gate", None)  # noqa: B010
+            await engine.aclose()
+
     async def aclose(self) -> None:
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
             self._task = None
+        await self._stop_warmup()

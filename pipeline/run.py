@@ -26,7 +26,7 @@ from gpu.backend import select_backend
 from gpu.cache import DeviceCache
 from gpu.kernels import make_kernels
 from pipeline.config import RunConfig, parse_budget, parse_compute, parse_size
-from pipeline.controller import ModeController
+from pipeline.controller import ModeController, Sampler
 from pipeline.decode import Decoder
 from pipeline.errors import MoestreamError, VerificationError
 from pipeline.logs import RunLog, configure_console
@@ -138,8 +138,13 @@ def _routing(cfg: RunConfig, table: ExpertTable) -> Trace:
     return trace
 
 
-async def run(cfg: RunConfig) -> RunSummary:
-    """Decode ``cfg.tokens`` tokens; returns the summary (raises MoestreamError subclasses)."""
+async def run(cfg: RunConfig, *, sampler: Sampler | None = None) -> RunSummary:
+    """Decode ``cfg.tokens`` tokens; returns the summary (raises MoestreamError subclasses).
+
+    Args:
+        cfg: the run's configuration.
+        sampler: machine readings for the controller (tests feed their own).
+    """
     if cfg.model is None:
         from tools.make_model import ensure_default_model
 
@@ -173,7 +178,7 @@ async def run(cfg: RunConfig) -> RunSummary:
         streamer = ExpertStreamer(cfg, table, backend, cache, kernels)
         decoder = Decoder(cfg.compute, table, backend, kernels, cache, streamer, cfg.seed)
         verifier = Verifier(table, streamer.reader.read_range)
-        controller = ModeController(cfg, table, streamer, runlog)
+        controller = ModeController(cfg, table, streamer, runlog, sampler=sampler)
         await controller.start()
         summary.budget_bytes = cache.budget_bytes
         runlog.emit(

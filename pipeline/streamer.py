@@ -23,7 +23,7 @@ import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -43,6 +43,14 @@ from stages.upload import Uploader
 __all__ = ["ExpertStreamer", "LayerLoad", "StageTimes"]
 
 _log = structlog.get_logger("moestream.streamer")
+
+
+class WarmGate(Protocol):
+    """Something that reads in the background and yields to decode (a ``WarmEngine``)."""
+
+    def pause(self) -> None: ...
+
+    def resume(self) -> None: ...
 IOMode = Literal["direct", "resident"]
 
 
@@ -71,6 +79,8 @@ class LayerLoad:
     launcher: asyncio.Task[None] | None = None
     pending: int = 0
     launched: int = 0
+    delivered: int = 0
+    gate: WarmGate | None = None
 
 
 @dataclass(slots=True, eq=False)
@@ -124,6 +134,7 @@ class ExpertStreamer:
         self._mapping: ModelMapping | None = None
         self._zero_copy = True
         self._resident_inflight = 0
+        self.warm_gate: WarmGate | None = None
         self._resident_idle = asyncio.Event()
         self.mode: IOMode = "direct"
         self.times = StageTimes()
@@ -205,6 +216,9 @@ class ExpertStreamer:
         plan = self._cache.plan_layer(keys, [size] * len(keys))
         load = LayerLoad(plan, pending=len(plan.misses))
         if plan.misses:  # all-hit layers (the common case when warm) create nothing more
+            load.gate = self.warm_gate
+            if load.gate is not None:
+                load.gate.pause()  # decode reads first: background warm-up waits
             load.arrived = asyncio.Queue()
             for entry in plan.misses:
                 entry.loaded = loop.create_future()
@@ -220,9 +234,8 @@ class ExpertStreamer:
         try:
             await self._launch_misses(load)
         except BaseException as exc:
-            assert load.arrived is not None
             for entry in load.plan.misses[load.launched :]:
-                load.arrived.put_nowait((entry, exc))
+                self._deliver(load, entry, exc)
             if not isinstance(exc, Exception):
                 raise
 
@@ -364,8 +377,15 @@ class ExpertStreamer:
                 self._resident_idle.set()
         if job.error is None:
             self.installer.submit(job.entry)
-        assert job.load.arrived is not None
-        job.load.arrived.put_nowait((job.entry, job.error))
+        self._deliver(job.load, job.entry, job.error)
+
+    def _deliver(self, load: LayerLoad, entry: Entry, error: BaseException | None) -> None:
+        """Loop: hand a miss (or its failure) to the decoder; the last one lifts the gate."""
+        assert load.arrived is not None
+        load.arrived.put_nowait((entry, error))
+        load.delivered += 1
+        if load.delivered == len(load.plan.misses) and load.gate is not None:
+            load.gate.resume()
 
     def poll_installs(self) -> None:
         t0 = time.perf_counter()

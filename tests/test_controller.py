@@ -1,0 +1,135 @@
+"""Tests for pipeline.controller: decisions with fed readings, and live switching."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from pipeline.config import Budget, ComputeSpec, RunConfig
+from pipeline.controller import (
+    ControllerReadings,
+    MachineSampler,
+    ModeDecider,
+    Thresholds,
+    default_margin,
+)
+from pipeline.residency import Residency, evict
+from pipeline.run import run
+from pipeline.table import ExpertTable
+
+GIB = 1 << 30
+MODEL = 40 * GIB
+
+
+def readings(available: int, pinned: int = 0) -> ControllerReadings:
+    return ControllerReadings(
+        ram_available_bytes=available, ram_total_bytes=128 * GIB, model_bytes=MODEL,
+        model_resident_bytes=0, pinned_bytes=pinned, storage_read_bytes=0, disk_read_bytes=0,
+    )
+
+
+class TestDecider:
+    """Thresholds, hysteresis, dwell and pressure."""
+
+    TH = Thresholds(enter_margin_bytes=4 * GIB, leave_margin_bytes=2 * GIB, min_dwell_s=2.0)
+
+    def test_enters_resident_with_margin(self) -> None:
+        d = ModeDecider(self.TH, "direct", now=-10)
+        assert d.decide(readings(MODEL + 3 * GIB), 0)[0] == "direct"
+        assert d.decide(readings(MODEL + 4 * GIB), 0)[0] == "resident"
+
+    def test_hysteresis_between_thresholds(self) -> None:
+        d = ModeDecider(self.TH, "resident", now=-10)
+        # between leave (model+2) and enter (model+4): stays resident
+        assert d.decide(readings(MODEL + 3 * GIB), 0)[0] == "resident"
+        assert d.decide(readings(MODEL + GIB), 0)[0] == "direct"
+        # and back in direct the same reading does not re-enter
+        assert d.decide(readings(MODEL + 3 * GIB), 10)[0] == "direct"
+
+    def test_dwell_blocks_flapping(self) -> None:
+        d = ModeDecider(self.TH, "direct", now=0)
+        assert d.decide(readings(MODEL + 5 * GIB), 1.0)[0] == "direct"
+        assert d.decide(readings(MODEL + 5 * GIB), 2.5)[0] == "resident"
+        assert d.decide(readings(MODEL + GIB), 3.0)[0] == "resident"  # dwell not passed
+        assert d.decide(readings(MODEL + GIB), 4.6)[0] == "direct"
+
+    def test_pressure_leaves_at_once(self) -> None:
+        d = ModeDecider(self.TH, "resident", now=0)
+        mode, reason = d.decide(readings(MODEL - GIB), 0.1)
+        assert mode == "direct" and "pressure" in reason
+
+    def test_pinned_pages_count_as_usable(self) -> None:
+        d = ModeDecider(self.TH, "resident", now=-10)
+        # our registered pages are not "available" but are ours to keep
+        assert d.decide(readings(8 * GIB, pinned=MODEL), 0)[0] == "resident"
+
+    def test_thresholds_must_be_ordered(self) -> None:
+        with pytest.raises(ValueError):
+            Thresholds(enter_margin_bytes=GIB, leave_margin_bytes=2 * GIB)
+
+    def test_default_margin(self) -> None:
+        assert default_margin(16 * GIB) == 2 * GIB
+        assert default_margin(128 * GIB) == int(6.4 * GIB)
+
+
+class TestMachineSampler:
+    """Real readings: mincore residency, and a RAM limit that caps what is believed."""
+
+    def test_ram_limit_caps(self, tiny_table: ExpertTable) -> None:
+        capped = MachineSampler(tiny_table, lambda: 0, ram_limit=1 * GIB)(True)
+        assert capped.ram_total_bytes == GIB
+        assert capped.ram_available_bytes <= GIB
+        assert capped.model_resident_bytes == Residency.of_file(tiny_table.path).file_resident_bytes
+
+    def test_dontneed_releases_pages(self, tiny_table: ExpertTable) -> None:
+        path = tiny_table.path
+        path.read_bytes()
+        evict(path)
+        after = MachineSampler(tiny_table, lambda: 0, ram_limit=None)(True)
+        assert after.model_resident_bytes < tiny_table.file_bytes // 10
+
+
+class FedSampler:
+    """Plenty of RAM for the first ``flip`` readings, then less than the model."""
+
+    def __init__(self, model_bytes: int, flip: int, back: int | None = None) -> None:
+        self.calls = 0
+        self.model = model_bytes
+        self.flip = flip
+        self.back = back
+
+    def __call__(self, full: bool) -> ControllerReadings:
+        self.calls += 1
+        low = self.calls > self.flip and (self.back is None or self.calls <= self.back)
+        available = self.model // 2 if low else self.model + 64 * GIB
+        return ControllerReadings(available, 256 * GIB, self.model, 0, 0, 0, 0)
+
+
+class TestLiveSwitching:
+    """A run switches mode mid-run on pressure and back, and still verifies."""
+
+    @pytest.mark.asyncio
+    async def test_switch_mid_run(self, tiny_model: Path, tmp_path: Path) -> None:
+        log = tmp_path / "run.jsonl"
+        cfg = RunConfig(model=tiny_model, tokens=40, budget=Budget(experts=12),
+                        compute=ComputeSpec("fixed", 0.5), backend="host", log=log,
+                        sample_ms=5.0, dwell_s=0.01)
+        sampler = FedSampler(tiny_model.stat().st_size, flip=6, back=30)
+        summary = await run(replace(cfg), sampler=sampler)
+        assert summary.mismatches == 0 and summary.verified > 0
+        events = [json.loads(x) for x in log.read_text().splitlines()]
+        switches = [e for e in events if e["event"] == "mode_switch"]
+        assert [s["to"] for s in switches][:2] == ["direct", "resident"]
+        assert all("readings" in s and "reason" in s for s in switches)
+        modes = {e["mode"] for e in events if e["event"] == "token"}
+        assert modes == {"direct", "resident"}
+
+    @pytest.mark.asyncio
+    async def test_forced_mode_never_switches(self, tiny_model: Path) -> None:
+        cfg = RunConfig(model=tiny_model, tokens=10, mode="direct", backend="host",
+                        compute=ComputeSpec("fixed", 0.2), sample_ms=5.0)
+        summary = await run(cfg, sampler=FedSampler(tiny_model.stat().st_size, flip=0))
+        assert summary.switches == 0 and summary.mode == "direct"
