@@ -85,6 +85,8 @@ class Backend(Protocol):
     device_name: str
     async_copies: bool
     """True when ``copy_h2d`` only queues the copy (CUDA); False when it copies at once."""
+    registers_host: bool
+    """True when host memory must be registered (page-locked) for direct device copies."""
 
     def alloc_host(self, nbytes: int) -> HostBuffer: ...
 

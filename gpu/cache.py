@@ -10,7 +10,11 @@ holds the buffers behind them. The contract:
   it, and the entry is marked ready once the event has completed;
 - an entry pinned by the layer being computed (or by a load in flight) is never evicted;
 - a buffer that is evicted or recycled is not overwritten before the last compute that
-  read it has finished (its ``last_use`` event).
+  read it has finished (its ``last_use`` event);
+- when the device refuses an allocation (out of memory), the budget shrinks to the bytes
+  the cache holds at that moment (the device evidently holds those), the figures are
+  logged (``device_oom_budget_shrunk``), and the layer is planned once more; a second
+  refusal, or a shrunk budget below one layer's experts, raises ``DeviceMemoryError``.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from gpu.backend import Backend, DeviceBuffer, Event
 from gpu.policy import CacheIndex, ExpertKey, make_policy
 from gpu.pool import BufferPool
 from pipeline.errors import DeviceMemoryError, UsageError
+from stages.faults import FaultPlan
 
 __all__ = ["CacheCounters", "DeviceCache", "Entry", "LayerPlan"]
 
@@ -64,6 +69,7 @@ class CacheCounters:
     allocations: int = 0
     frees: int = 0
     peak_device_bytes: int = 0
+    budget_shrinks: int = 0
 
 
 @dataclass(slots=True)
@@ -82,11 +88,18 @@ class DeviceCache:
         backend: allocates device buffers.
         budget_bytes: the most device bytes entries and parked buffers may hold.
         policy: eviction policy name (``lru`` or ``freq``).
-        min_entry_bytes: one layer's worth of experts; a smaller budget cannot decode.
+        min_bytes: one layer's worth of experts; a smaller budget cannot decode.
+        faults: injected faults (``device_oom``; tests and ``--inject`` only).
     """
 
     def __init__(
-        self, backend: Backend, budget_bytes: int, policy: str = "lru", *, min_bytes: int = 0
+        self,
+        backend: Backend,
+        budget_bytes: int,
+        policy: str = "lru",
+        *,
+        min_bytes: int = 0,
+        faults: FaultPlan | None = None,
     ) -> None:
         free = backend.device_free_bytes()
         if budget_bytes > free:
@@ -101,10 +114,11 @@ class DeviceCache:
                 f"({min_bytes} bytes)"
             )
         self._backend = backend
+        self._min_bytes = min_bytes
         self._index = CacheIndex(budget_bytes, make_policy(policy))
         self._entries: dict[ExpertKey, Entry] = {}
         self._pinned: set[ExpertKey] = set()
-        self.pool = BufferPool(backend)
+        self.pool = BufferPool(backend, faults)
         self.counters = CacheCounters()
 
     @property
@@ -134,9 +148,21 @@ class DeviceCache:
 
         Misses get an entry at once (so a second request for the key finds it in flight and
         waits on ``entry.loaded`` instead of reading again), but are ready only after their
-        upload. Raises ``DeviceMemoryError`` if the device refuses an allocation; the
-        lookup's reservations are then undone.
+        upload. If the device refuses an allocation, the lookup's reservations are undone,
+        the budget shrinks to what the cache holds (logged) and the layer is planned again,
+        once.
+
+        Raises:
+            DeviceMemoryError: the device refused again after the shrink, or the shrunk
+                budget cannot hold one layer's experts. Nothing of the lookup remains.
         """
+        try:
+            return self._plan_layer(keys, sizes)
+        except DeviceMemoryError as exc:
+            self._shrink_to_held(exc, sum(sizes))
+        return self._plan_layer(keys, sizes)
+
+    def _plan_layer(self, keys: Sequence[ExpertKey], sizes: Sequence[int]) -> LayerPlan:
         outcome = self._index.access_layer(keys, sizes, self._pinned)
         plan = LayerPlan(evicted=len(outcome.evicted))
         for key in outcome.evicted:
@@ -151,7 +177,10 @@ class DeviceCache:
                 self._entries[key] = Entry(key, buffer, size_of[key], reuse_after=reuse_after)
         except BaseException:
             for key in outcome.misses:
-                self.drop(key)
+                if key in self._entries:
+                    self.drop(key)
+                elif key in self._index:  # admitted, but no buffer was reserved for it
+                    self._index.remove(key)
             raise
         for key in outcome.hits:
             plan.hits.append(self._entries[key])
@@ -168,6 +197,29 @@ class DeviceCache:
         c.bytes_from_file += sum(e.nbytes for e in plan.misses)
         c.peak_device_bytes = max(c.peak_device_bytes, self.device_bytes)
         return plan
+
+    def _shrink_to_held(self, exc: DeviceMemoryError, layer_bytes: int) -> None:
+        """The device is full: hold no more than now (live + parked), or give up."""
+        old = self.budget_bytes
+        held = self.device_bytes
+        try:
+            free: int | None = self._backend.device_free_bytes()
+        except Exception:  # only a figure for the log; the decision does not use it
+            free = None
+        figures = {"old_budget_bytes": old, "new_budget_bytes": held,
+                   "live_bytes": self.live_bytes, "parked_bytes": self.pool.parked_bytes,
+                   "layer_bytes": layer_bytes, "min_bytes": self._min_bytes,
+                   "device_free_bytes": free, "reason": str(exc)}
+        if held < max(self._min_bytes, 1) or held >= old:
+            _log.error("device_oom_fatal", **figures)
+            raise DeviceMemoryError(
+                f"{exc}; the cache holds {held} bytes and cannot shrink to fit "
+                f"(one layer needs {self._min_bytes} bytes, budget was {old})"
+            ) from exc
+        _log.warning("device_oom_budget_shrunk", **figures,
+                     action="continue with the smaller budget")
+        self.resize(held)
+        self.counters.budget_shrinks += 1
 
     def _buffer_for(self, nbytes: int) -> tuple[DeviceBuffer, Event | None]:
         """A parked buffer of this size, or a new one after trimming the pool to fit."""

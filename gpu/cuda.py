@@ -132,6 +132,7 @@ class CupyBackend:
 
     name = "cupy"
     async_copies = True
+    registers_host = True
 
     def __init__(self) -> None:
         import cupy

@@ -81,6 +81,7 @@ class HostBackend:
     name = "host"
     device_name = "host"
     async_copies = False
+    registers_host = False
 
     def alloc_host(self, nbytes: int) -> HostPinned:
         return HostPinned(nbytes)
@@ -100,7 +101,7 @@ class HostBackend:
         dst.array[dst_offset : dst_offset + src.size] = src
 
     def register_host(self, array: npt.NDArray[np.uint8]) -> bool:
-        return True
+        return False  # host memory needs no registration (``registers_host`` is False)
 
     def unregister_host(self, array: npt.NDArray[np.uint8]) -> None:
         pass

@@ -14,6 +14,8 @@ from collections import OrderedDict
 import structlog
 
 from gpu.backend import Backend, DeviceBuffer, Event
+from pipeline.errors import DeviceMemoryError
+from stages.faults import FaultPlan
 
 __all__ = ["BufferPool"]
 
@@ -25,17 +27,25 @@ class BufferPool:
 
     Args:
         backend: allocates and frees the buffers.
+        faults: injected faults (``device_oom``; tests and ``--inject`` only).
     """
 
-    def __init__(self, backend: Backend) -> None:
+    def __init__(self, backend: Backend, faults: FaultPlan | None = None) -> None:
         self._backend = backend
+        self._faults = faults or FaultPlan()
         self._parked: OrderedDict[int, list[tuple[DeviceBuffer, Event | None]]] = OrderedDict()
         self.parked_bytes = 0
         self.allocations = 0
         self.frees = 0
 
     def allocate(self, nbytes: int) -> DeviceBuffer:
-        """A fresh buffer from the device (the caller has made room in the budget)."""
+        """A fresh buffer from the device (the caller has made room in the budget).
+
+        Raises:
+            DeviceMemoryError: the device refused (nothing was allocated or counted).
+        """
+        if self._faults and self._faults.hit("device_oom") is not None:
+            raise DeviceMemoryError(f"device allocation of {nbytes} bytes failed (injected)")
         buf = self._backend.alloc_device(nbytes)
         self.allocations += 1
         return buf

@@ -76,6 +76,7 @@ class RunLog:
         self._flush_s = flush_ms / 1000.0
         self._file: Any = None
         self._writer: asyncio.Task[None] | None = None
+        self._stopping = asyncio.Event()
         self.lines_written = 0
 
     @property
@@ -104,16 +105,18 @@ class RunLog:
         self.lines_written += len(lines)
 
     async def _write_loop(self) -> None:
-        while True:
-            await asyncio.sleep(self._flush_s)
+        # Never cancelled mid-write: aiofiles writes on a worker thread, and a cancelled
+        # await would let the final flush write concurrently and interleave lines.
+        while not self._stopping.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stopping.wait(), self._flush_s)
             await self._flush()
 
     async def aclose(self) -> None:
-        """Stop the writer and write everything still collected."""
+        """Stop the writer after its last flush, then close the file."""
         if self._writer is not None:
-            self._writer.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._writer
+            self._stopping.set()
+            await asyncio.shield(self._writer)
             self._writer = None
         if self._file is not None:
             await self._flush()

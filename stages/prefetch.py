@@ -5,6 +5,8 @@ staging slot (pinned on a GPU), in chunks spread over a thread pool: ``os.preadv
 the GIL, so the pool keeps ``queue_depth`` requests in flight. Where the filesystem refuses
 O_DIRECT (tmpfs: EINVAL at open or at the first read) the reader falls back to buffered
 reads, once and loudly, and drops the pages it read so direct mode still leaves RAM alone.
+Transient read errors are retried with backoff; a file truncated, modified or replaced
+under the run is detected after every read and stops it (``ModelReader``).
 
 Resident mode reads nothing: the file's read-only mapping is the source of the upload.
 ``ModelMapping`` maps the file and, on a GPU, page-locks it window by window
@@ -21,18 +23,21 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import numpy.typing as npt
 import structlog
 
 from gpu.backend import PAGE, Backend
-from pipeline.errors import ModelFileError, ReadError
+from pipeline.errors import ModelChangedError, ModelFileError, ReadError
 from pipeline.residency import libc
 from pipeline.table import ExpertSlices
 from stages.faults import FaultPlan
 
 __all__ = [
+    "READ_ATTEMPTS",
+    "RETRY_BACKOFF_MS",
     "ExpertLayout",
     "ModelMapping",
     "ModelReader",
@@ -44,6 +49,11 @@ __all__ = [
 _log = structlog.get_logger("moestream.prefetch")
 DEVICE_ALIGN = 256  # each matrix starts 256-aligned in the device buffer (kernels read words)
 _DIRECT_REFUSED = (errno.EINVAL, errno.EOPNOTSUPP, errno.EFAULT)
+READ_ATTEMPTS = 4
+"""Tries per read: a transient error is retried three times before it is a ReadError."""
+RETRY_BACKOFF_MS = 10.0
+"""The wait before the first retry; each later one waits 4x longer (10, 40, 160 ms)."""
+_PATH_CHECK_S = 0.5  # a stat of the path, to see a replacement, at most this often
 
 
 def aligned_cover(offset: int, nbytes: int, align: int = PAGE) -> tuple[int, int]:
@@ -112,22 +122,57 @@ class ModelReader:
 
     Thread-safe: the pool's workers call ``read_into`` concurrently on their own slots.
 
+    Failures are handled where they happen, on the reader thread:
+
+    - O_DIRECT refused (EINVAL at open or at a read): buffered reads for the rest of the
+      run, logged once;
+    - a transient error (EIO and other I/O errors, a read that comes back empty before the
+      end of the file): retried up to ``attempts`` times in all, with exponential backoff,
+      each retry logged (``read_retry``); then ``ReadError``;
+    - the file changed under the run (truncated, written, or its path now names another
+      file): ``ModelChangedError``, never retried. The file's identity (device, inode, size,
+      modification time) is compared with the one seen at open after every read, so bytes
+      read after a change are never returned; the path is checked on every failure and at
+      least every ``_PATH_CHECK_S`` seconds.
+
     Args:
         path: the model file.
         direct: try O_DIRECT (direct mode); False reads through the page cache.
+        faults: injected faults (tests and ``--inject`` only).
+        attempts: tries per read before a transient error becomes a ``ReadError``.
+        backoff_ms: the wait before the first retry; each later one waits 4x longer.
     """
 
-    def __init__(self, path: Path, *, direct: bool = True, faults: FaultPlan | None = None) -> None:
+    def __init__(
+        self,
+        path: Path,
+        *,
+        direct: bool = True,
+        faults: FaultPlan | None = None,
+        attempts: int = READ_ATTEMPTS,
+        backoff_ms: float = RETRY_BACKOFF_MS,
+    ) -> None:
+        if attempts < 1:
+            raise ValueError(f"need at least one read attempt, got {attempts}")
         self.path = path
         self._faults = faults or FaultPlan()
+        self.attempts = attempts
+        self.backoff_ms = backoff_ms
         try:
             self._buffered_fd = os.open(path, os.O_RDONLY)
         except OSError as exc:
             raise ModelFileError(path, f"cannot open: {exc.strerror}") from exc
-        self.file_bytes = os.fstat(self._buffered_fd).st_size
+        st = os.fstat(self._buffered_fd)
+        self.file_bytes = st.st_size
+        self._opened = _FileIdentity.of(st)
+        self._path_checked = time.monotonic()
         self._direct_fd: int | None = None
         self.direct_refused: str | None = None
         self._lock = threading.Lock()
+        self.retries = 0
+        # what injected ``truncate`` / ``replace`` make the reader believe (never the file)
+        self._seen_size: int | None = None
+        self._seen_replaced = False
         if direct:
             self._open_direct()
 
@@ -154,42 +199,69 @@ class ModelReader:
     def read_into(self, dst: npt.NDArray[np.uint8], offset: int, *, direct: bool) -> int:
         """Fill ``dst`` from ``offset`` (short only at end of file); returns bytes read.
 
-        ``dst`` and ``offset`` must be 4096-aligned for a direct read. Raises ReadError on
-        an I/O error or a read that comes back short before the end of the file.
+        ``dst`` and ``offset`` must be 4096-aligned for a direct read. Blocks (retries
+        sleep): call it on a reader thread, never on the event loop.
+
+        Raises:
+            ReadError: an I/O error or an early end of file that outlived the retries.
+            ModelChangedError: the file was truncated, modified or replaced.
         """
         need = min(dst.size, self.file_bytes - offset)
         fd = self._direct_fd if direct else None
         got = 0
+        failures = 0
         while got < need:
             use_fd = fd if fd is not None else self._buffered_fd
+            cause: OSError | None = None
             try:
                 if self._faults:
-                    self._inject(fd is not None)
-                n = os.preadv(use_fd, [dst[got:].data], offset + got)
-                if self._faults and n > 0 and self._faults.hit("short") is not None:
-                    n = 0
+                    n = self._faulty_preadv(use_fd, dst[got:], offset + got, fd is not None)
+                else:
+                    n = os.preadv(use_fd, [dst[got:].data], offset + got)
             except OSError as exc:
                 if fd is not None and exc.errno in _DIRECT_REFUSED:
                     self._refuse_direct(f"O_DIRECT read refused: {exc.strerror}")
                     fd = None
                     continue
+                if exc.errno == errno.EBADF:  # closed under us: a bug, never transient
+                    raise ReadError(f"{self.path}: read after the reader was closed") from exc
+                cause, reason = exc, str(exc.strerror)
+            else:
+                if n > 0:
+                    got += n
+                    continue
+                reason = f"short read: file ended early ({got} of {need} bytes)"
+            failures += 1
+            self.check_unchanged(path=True)  # a changed file is reported, not retried
+            if failures >= self.attempts:
                 raise ReadError(
-                    f"{self.path}: read of {dst.size} bytes at offset {offset + got} failed: "
-                    f"{exc.strerror}"
-                ) from exc
-            if n == 0:
-                raise ReadError(
-                    f"{self.path}: short read at offset {offset + got}: file ended "
-                    f"({got} of {need} bytes)"
-                )
-            got += n
+                    f"{self.path}: read of {need} bytes at offset {offset + got} failed after "
+                    f"{failures} attempts: {reason}"
+                ) from cause
+            self._backoff(failures, offset + got, reason)
         if fd is None and direct:
             # buffered stand-in for a direct read: leave no page behind
             os.posix_fadvise(self._buffered_fd, offset, need, os.POSIX_FADV_DONTNEED)
+        now = time.monotonic()
+        check_path = self._seen_replaced or now - self._path_checked >= _PATH_CHECK_S
+        self.check_unchanged(path=check_path)
+        if check_path:
+            self._path_checked = now
         return got
 
-    def _inject(self, direct: bool) -> None:
-        """Raise or delay as the fault plan says (tests and ``--inject`` only)."""
+    def _backoff(self, failures: int, offset: int, reason: str) -> None:
+        """Log a retry and wait before it (on the reader thread)."""
+        delay_ms = self.backoff_ms * 4 ** (failures - 1)
+        with self._lock:
+            self.retries += 1
+        _log.warning("read_retry", path=str(self.path), offset=offset, attempt=failures,
+                     attempts=self.attempts, backoff_ms=delay_ms, reason=reason)
+        time.sleep(delay_ms / 1000.0)
+
+    def _faulty_preadv(
+        self, fd: int, dst: npt.NDArray[np.uint8], offset: int, direct: bool
+    ) -> int:
+        """``os.preadv`` as the fault plan bends it (tests and ``--inject`` only)."""
         plan = self._faults
         if direct and plan.hit("odirect_einval") is not None:
             raise OSError(errno.EINVAL, "Invalid argument (injected)")
@@ -198,6 +270,42 @@ class ModelReader:
         delay_ms = plan.hit("slow_ms")
         if delay_ms is not None:
             time.sleep(delay_ms / 1000.0)  # an injected latency spike, by request
+        if plan.hit("truncate") is not None:
+            self._seen_size = offset  # the file now seems to end where this read starts
+        if plan.hit("replace") is not None:
+            self._seen_replaced = True
+        if self._seen_size is not None and offset >= self._seen_size:
+            return 0
+        n = os.preadv(fd, [dst.data], offset)
+        if n > 0 and plan.hit("short") is not None:
+            return 0
+        return n
+
+    def check_unchanged(self, *, path: bool = True) -> None:
+        """Raise ``ModelChangedError`` if the open file, or with ``path`` the file the path
+        names, is no longer the one opened (a ``fstat``, plus a ``stat`` with ``path``)."""
+        now = _FileIdentity.of(os.fstat(self._buffered_fd))
+        if self._seen_size is not None:
+            now = now._replace(size=min(now.size, self._seen_size), mtime_ns=now.mtime_ns + 1)
+        was = self._opened
+        if now.size < was.size:
+            raise ModelChangedError(
+                self.path, f"truncated while running ({now.size} bytes, was {was.size}); "
+                "no byte read after the change was used")
+        if now != was:
+            raise ModelChangedError(
+                self.path, f"modified while running (size {was.size} -> {now.size}, "
+                "modification time changed); no byte read after the change was used")
+        if not path:
+            return
+        try:
+            st = os.stat(self.path)
+        except FileNotFoundError:
+            raise ModelChangedError(self.path, "removed while running") from None
+        if (st.st_dev, st.st_ino) != (was.dev, was.ino) or self._seen_replaced:
+            raise ModelChangedError(
+                self.path, "replaced by another file while running; the run read only the "
+                "file it opened, and stops rather than decode a model that is gone")
 
     def drop_pages(self) -> None:
         """Ask the kernel to drop the file's cached pages (those not mapped or locked)."""
@@ -207,7 +315,9 @@ class ModelReader:
         """A plain buffered read (references and verification of foreign files)."""
         data = os.pread(self._buffered_fd, nbytes, offset)
         if len(data) != nbytes:
+            self.check_unchanged(path=True)
             raise ReadError(f"{self.path}: short read of {nbytes} bytes at offset {offset}")
+        self.check_unchanged(path=False)
         return data
 
     def close(self) -> None:
@@ -223,6 +333,19 @@ class ModelReader:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class _FileIdentity(NamedTuple):
+    """What must not change while a run reads a file."""
+
+    dev: int
+    ino: int
+    size: int
+    mtime_ns: int
+
+    @classmethod
+    def of(cls, st: os.stat_result) -> _FileIdentity:
+        return cls(st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
 
 
 class ModelMapping:
@@ -259,6 +382,8 @@ class ModelMapping:
 
     def ensure_registered(self, offset: int, nbytes: int) -> bool:
         """Register the windows covering the range; False if the device refused one."""
+        if not self._backend.registers_host:
+            return True
         first = offset // self._window
         last = (offset + nbytes - 1) // self._window
         ok = True
@@ -281,6 +406,8 @@ class ModelMapping:
 
     def is_registered(self, offset: int, nbytes: int) -> bool:
         """Every window covering the range is registered (a lock-free read)."""
+        if not self._backend.registers_host:
+            return True
         first = offset // self._window
         last = (offset + nbytes - 1) // self._window
         return all(w in self._registered for w in range(first, last + 1))

@@ -121,7 +121,13 @@ class TestModelMapping:
         assert data == _read(path, offset, nbytes)
 
     def test_registration_is_per_window(self, tiny_model: Path) -> None:
-        with ModelMapping(tiny_model, HostBackend(), window_bytes=1 << 20) as mapping:
+        class Registering(HostBackend):
+            registers_host = True
+
+            def register_host(self, array: np.ndarray) -> bool:
+                return True
+
+        with ModelMapping(tiny_model, Registering(), window_bytes=1 << 20) as mapping:
             assert mapping.ensure_registered(100, 3 << 20)
             assert mapping.is_registered(0, 4 << 20)
             assert not mapping.is_registered(5 << 20, 10)
