@@ -276,6 +276,17 @@ class TestWarmEngine:
         res = Residency.of_file(cold)
         assert set(np.flatnonzero(res.pages)) == page_set(ranges)
 
+    @pytest.mark.parametrize("loader", ["sendfile", "preadv"])
+    async def test_large_stretches_are_streamed(self, cold: Path, loader: Loader) -> None:
+        ranges = [ByteRange(100, 6 * MIB), ByteRange(6 * MIB + 100, 10 * MIB),  # touching
+                  ByteRange(20 * MIB, MIB)]
+        async with WarmEngine(cold, threads=4, piece_bytes=MIB, stream_min_bytes=8 * MIB,
+                              stream_piece_bytes=4 * MIB, loader=loader) as engine:
+            result = await engine.warm(ranges)
+        assert result.pieces == 4 + 1  # 16 MiB streamed in 4 MiB pieces, 1 MiB exactly
+        assert result.bytes_read == 17 * MIB
+        assert Residency.of_file(cold).resident_bytes(ranges) == 17 * MIB
+
     async def test_falls_back_to_preadv_once(
         self, cold: Path, monkeypatch: pytest.MonkeyPatch
     ) -> None:

@@ -12,9 +12,10 @@ before every timed run (``posix_fadvise(DONTNEED)`` over the whole file, plus
 - ``vmtouch``: ``vmtouch -qt FILE``, when installed;
 - ``cat``: ``cat FILE > /dev/null``;
 
-each ``--runs`` times (median reported), in an order rotated every round so no method
-always follows the same one. It then times the residency report on the resident file.
-Disk throughput on shared machines swings run to run: read the ratios, not the GB/s.
+each ``--runs`` times (median reported, with the CPU time each took), in an order rotated
+and reversed every other round so no method always follows the same one. It then times
+the residency report on the resident file. Disk throughput on shared machines swings run
+to run: read the ratios, not the GB/s.
 
     python -m tools.bench_warmup                    # generate a ~4 GiB GGUF, bench, delete
     python -m tools.bench_warmup --file MODEL.gguf --runs 5
@@ -30,6 +31,7 @@ import json
 import math
 import os
 import platform
+import resource
 import shutil
 import socket
 import statistics
@@ -201,18 +203,30 @@ def _methods(path: Path, threads: int | None, gguf: bool) -> dict[str, _Method]:
     return methods
 
 
+def _cpu_seconds() -> float:
+    """CPU time of this process and its waited-for children, user and system."""
+    own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(
+        resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+
+
 def _time_cold(
     path: Path, methods: dict[str, _Method], runs: int
 ) -> tuple[dict[str, dict[str, Any]], bool]:
     """Median-of-``runs`` cold timings per method; also whether every drop wrote drop_caches."""
     size = path.stat().st_size
     out: dict[str, dict[str, Any]] = {
-        name: {"seconds": [], "resident_before": [], "resident_after": []} for name in methods
+        name: {"seconds": [], "cpu_s": [], "resident_before": [], "resident_after": []}
+        for name in methods
     }
     names = list(methods)
     dropped_caches: list[bool] = []
     for round_ in range(runs):
+        # Rotate, and reverse every other round, so each method follows different ones:
+        # on VMs the storage is faster right after another read of the same file.
         order = names[round_ % len(names):] + names[: round_ % len(names)]
+        if round_ % 2:
+            order.reverse()
         for name in order:
             before, wrote = drop_file_pages(path)
             dropped_caches.append(wrote)
@@ -222,19 +236,23 @@ def _time_cold(
             prepare, run = methods[name]
             if prepare is not None:
                 prepare()
+            cpu_before = _cpu_seconds()
             started = time.perf_counter()
             run()
             seconds = time.perf_counter() - started
+            cpu = _cpu_seconds() - cpu_before
             after = Residency.of_file(path).fraction
             rec = out[name]
             rec["seconds"].append(round(seconds, 4))
+            rec["cpu_s"].append(round(cpu, 3))
             rec["resident_before"].append(round(before, 4))
             rec["resident_after"].append(round(after, 4))
             _say(f"  round {round_ + 1}: {name:<14} {size / seconds / 1e9:6.2f} GB/s "
-                 f"({seconds:.2f} s, resident after {after:.1%})")
+                 f"({seconds:.2f} s, CPU {cpu:.2f} s, resident after {after:.1%})")
     for rec in out.values():
         rec["median_s"] = statistics.median(rec["seconds"])
         rec["gb_per_s"] = round(size / rec["median_s"] / 1e9, 3)
+        rec["cpu_median_s"] = statistics.median(rec["cpu_s"])
     return out, all(dropped_caches)
 
 

@@ -29,12 +29,10 @@ from pathlib import Path
 from typing import Any, NoReturn, Protocol
 
 import numpy as np
-from tqdm import tqdm
 
 from pipeline.config import parse_size
 from pipeline.errors import MoestreamError, TraceError, UsageError
 from pipeline.logs import configure_console
-from pipeline.machine import read_machine
 from pipeline.residency import (
     PageLock,
     Residency,
@@ -44,7 +42,6 @@ from pipeline.residency import (
     lock_pages,
 )
 from pipeline.table import ByteRange, ExpertTable, open_table
-from tools.logread import read_log
 
 __all__ = [
     "HotLog",
@@ -113,9 +110,13 @@ class PsutilMemory:
     """The machine's memory as ``pipeline.machine`` reads it (psutil)."""
 
     def available_bytes(self) -> int:
+        from pipeline.machine import read_machine  # psutil: only when the guard runs
+
         return read_machine().ram_available_bytes
 
     def total_bytes(self) -> int:
+        from pipeline.machine import read_machine
+
         return read_machine().ram_total_bytes
 
 
@@ -181,6 +182,8 @@ def read_hot_log(path: Path, table: ExpertTable) -> HotLog:
         TraceError: the file cannot be read, is not a moestream run log, or does not fit the
             model (a layer that is not a MoE layer of it, an expert id out of range).
     """
+    from tools.logread import read_log  # only --hot needs it; keep start-up short
+
     _check_starts_a_run(path)
     run = read_log(path)
     if run.header is None or not run.header.moe_layers:
@@ -411,6 +414,8 @@ def format_report(report: dict[str, Any]) -> str:
 
 def _warm(path: Path, ranges: list[ByteRange], threads: int | None) -> tuple[int, float]:
     """Load ``ranges`` with a progress bar; returns bytes read and seconds."""
+    from tqdm import tqdm  # imported here: start-up time counts against every warm-up
+
     total = sum(r.nbytes for r in ranges)
     bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1000, file=sys.stderr,
                desc="warming", dynamic_ncols=True, disable=None)
