@@ -10,9 +10,12 @@ the machine on a background task (and at token boundaries) and switches while ru
 - entering resident maps the model for zero-copy uploads and warms the rest of it in the
   background, throttled; leaving unregisters, unmaps, then drops our pages.
 
-"RAM it may use" is available RAM plus the model pages we have pinned ourselves (registered
-pages are locked, so the kernel no longer counts them as available); pages that are merely
-cached are already inside "available", and counting them again would overstate it.
+"RAM it may use" is the kernel's available RAM. The model's cached pages are already inside
+it, and so, measured on the H200 machine, are the pages we registered with CUDA: the kernel
+still counts those file pages as reclaimable though they are pinned. Adding resident or
+pinned bytes on top would count them twice and keep us resident under a balloon until the
+machine runs out; so the readings log resident and pinned bytes, and the decision uses
+available RAM alone.
 """
 
 from __future__ import annotations
@@ -64,7 +67,7 @@ class ControllerReadings:
 
     @property
     def usable_bytes(self) -> int:
-        return self.ram_available_bytes + self.pinned_bytes
+        return self.ram_available_bytes
 
 
 @dataclass(frozen=True, slots=True)
@@ -330,6 +333,9 @@ class ModeController:
             self._runlog.emit("warmup_stopped", token=self.token)
             raise
         _log.info("warmup_done", bytes=result.bytes_read, seconds=round(result.seconds, 2))
+        register = getattr(self._streamer, "register_resident", None)
+        if register is not None:
+            register()  # the whole file is resident now: register what is left
         self._runlog.emit("warmup_done", bytes=result.bytes_read,
                           seconds=round(result.seconds, 3),
                           token=self.token)

@@ -18,6 +18,7 @@ jobs, not asyncio tasks. Decode waits on each expert's upload event on the devic
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
 from collections.abc import Sequence
@@ -35,6 +36,7 @@ from pipeline.config import RunConfig
 from pipeline.errors import StageError
 from pipeline.table import ExpertTable
 from pipeline.verify import DigestRows
+from stages.faults import FaultPlan
 from stages.install import Installer
 from stages.prefetch import ExpertLayout, ModelMapping, ModelReader, iter_chunks, plan_expert
 from stages.staging import StagingRing, StagingSlot
@@ -109,6 +111,8 @@ class ExpertStreamer:
         backend: the device.
         cache: the device cache the experts go into.
         kernels: decode kernels (used here for install-time verification digests).
+        faults: injected faults for the reader, staging ring and uploader (tests and
+            ``--inject`` only); None injects nothing.
     """
 
     def __init__(
@@ -118,6 +122,7 @@ class ExpertStreamer:
         backend: Backend,
         cache: DeviceCache,
         kernels: Any,
+        faults: FaultPlan | None = None,
     ) -> None:
         self._cfg = config
         self._table = table
@@ -126,13 +131,16 @@ class ExpertStreamer:
         self._kernels = kernels
         self._layouts: dict[tuple[int, int], ExpertLayout] = {}
         slot_bytes = max(self.layout((n, 0)).slot_bytes for n in table.layers) + 2 * 4096
-        self.reader = ModelReader(table.path, direct=True)
-        self.ring = StagingRing(backend, config.staging_slots, slot_bytes)
-        self.uploader = Uploader(backend, config.upload_streams)
+        self.faults = faults
+        self.reader = ModelReader(table.path, direct=True, faults=faults)
+        self.ring = StagingRing(backend, config.staging_slots, slot_bytes, faults)
+        self.uploader = Uploader(backend, config.upload_streams, faults)
         self.installer = Installer(cache)
         self._pool = ThreadPoolExecutor(config.queue_depth, thread_name_prefix="moestream-read")
         self._mapping: ModelMapping | None = None
-        self._zero_copy = True
+        self._registering: asyncio.Future[int] | None = None
+        self._register_stop = threading.Event()
+        self._register_again = False
         self._resident_inflight = 0
         self.warm_gate: WarmGate | None = None
         self._resident_idle = asyncio.Event()
@@ -169,10 +177,11 @@ class ExpertStreamer:
         if mode == "resident":
             if self._mapping is None:
                 self._mapping = ModelMapping(self._table.path, self._backend)
-            self._zero_copy = True
             self.mode = "resident"
+            self.register_resident()
             return
         self.mode = "direct"
+        await self._stop_registering()
         while self._resident_inflight:
             self._resident_idle.clear()
             await self._resident_idle.wait()
@@ -180,6 +189,43 @@ class ExpertStreamer:
         if mapping is not None:
             loop = asyncio.get_running_loop()
             await loop.run_in_executor(None, self._release, mapping)
+
+    def register_resident(self) -> None:
+        """Register, in the background, every mapping window whose pages are all resident.
+
+        Registering a window that is not resident would fault it in from storage at disk
+        speed while holding up the misses that wait on it (a cold first token of many
+        seconds), so only resident windows are registered; the warm-up calls this again
+        once it has loaded the rest.
+        """
+        mapping = self._mapping
+        if mapping is None or not self._backend.registers_host:
+            return
+        if self._registering is not None and not self._registering.done():
+            self._register_again = True
+            return
+        self._register_stop.clear()
+        loop = asyncio.get_running_loop()
+        self._registering = loop.run_in_executor(None, self._register_windows, mapping)
+        self._registering.add_done_callback(self._registered)
+
+    def _register_windows(self, mapping: ModelMapping) -> int:
+        return mapping.register_resident_windows(self._register_stop)
+
+    def _registered(self, future: asyncio.Future[int]) -> None:
+        if not future.cancelled() and future.exception() is not None:
+            _log.warning("register_failed", reason=str(future.exception()))
+        if self._register_again and self.mode == "resident":
+            self._register_again = False
+            self.register_resident()
+
+    async def _stop_registering(self) -> None:
+        self._register_again = False
+        self._register_stop.set()
+        if self._registering is not None:
+            with contextlib.suppress(Exception):
+                await self._registering
+            self._registering = None
 
     def _release(self, mapping: ModelMapping) -> None:
         """Worker: unregister and unmap, then drop the file's pages."""
@@ -246,19 +292,21 @@ class ExpertStreamer:
             job = _Job(entry, layout, self.uploader.next_stream(), load, mode)
             if self.digests is not None:
                 job.digest_results, job.digest_row = self.digests.reserve(entry.key)
-            if mode == "resident" and self._zero_copy:
-                mapping = self._mapping
-                if mapping is not None and self._backend.async_copies and all(
-                    mapping.is_registered(s.file_offset, s.nbytes) for s in layout.ranges
-                ):
-                    # registered already: queuing the copies costs microseconds, no hop
+            mapping = self._mapping
+            if mode == "resident" and mapping is not None:
+                if not self._backend.registers_host:
+                    # host backend: the mapping is read directly, on a worker
+                    self._resident_inflight += 1
+                    load.launched += 1
+                    self._pool.submit(self._resident_job, job)
+                    continue
+                if all(mapping.is_registered(s.file_offset, s.nbytes) for s in layout.ranges):
+                    # registered: queuing the copies costs microseconds, no thread hop
                     load.launched += 1
                     self._arrived(job, self._resident_upload(job, mapping), counted=False)
                     continue
-                self._resident_inflight += 1
-                load.launched += 1
-                self._pool.submit(self._resident_job, job)
-                continue
+                # not registered yet (cold or still being registered): a buffered read
+                # through the page cache into staging; it never waits on a whole window
             t0 = time.perf_counter()
             job.slot = await self.ring.acquire()
             self._add_time("stage_ms", t0)
@@ -317,18 +365,15 @@ class ExpertStreamer:
         self._notify(job, event)
 
     def _resident_job(self, job: _Job) -> None:
-        """Worker: copy an expert straight from the (registered) page-cache mapping."""
+        """Worker (host backend): copy an expert straight from the page-cache mapping."""
         event: Event | None = None
         try:
             mapping = self._mapping
             if mapping is None:
                 raise StageError("resident load started after the mapping was closed")
             t0 = time.perf_counter()
-            for s in job.layout.ranges:
-                if not mapping.ensure_registered(s.file_offset, s.nbytes):
-                    self._zero_copy = False  # later misses go through staging
-            self._add_time("read_ms", t0)
             event = self._resident_upload(job, mapping)
+            self._add_time("read_ms", t0)
         except BaseException as exc:
             job.error = exc
         self._notify(job, event)
@@ -401,6 +446,7 @@ class ExpertStreamer:
 
     async def aclose(self) -> None:
         """Let in-flight work finish, then release threads, slots, streams and mapping."""
+        await self._stop_registering()
         self._pool.shutdown(wait=True, cancel_futures=True)
         await asyncio.sleep(0)  # deliver the workers' last notifications
         self.uploader.close()

@@ -364,6 +364,7 @@ class ModelMapping:
     def __init__(self, path: Path, backend: Backend, window_bytes: int = 256 << 20) -> None:
         self._backend = backend
         self._window = window_bytes
+        self._path = path
         fd = os.open(path, os.O_RDONLY)
         try:
             self.file_bytes = os.fstat(fd).st_size
@@ -380,29 +381,39 @@ class ModelMapping:
         self._lock = threading.Lock()
         self.registered_bytes = 0
 
-    def ensure_registered(self, offset: int, nbytes: int) -> bool:
-        """Register the windows covering the range; False if the device refused one."""
+    def register_resident_windows(self, stop: threading.Event | None = None) -> int:
+        """Register every window whose pages are all resident; returns how many were new.
+
+        A window with any page missing is skipped (registering it would read it from
+        storage first); ``stop`` ends the pass early. Thread-safe.
+        """
+        from pipeline.residency import Residency
+
         if not self._backend.registers_host:
-            return True
-        first = offset // self._window
-        last = (offset + nbytes - 1) // self._window
-        ok = True
-        for w in range(first, last + 1):
-            if w in self._registered:
+            return 0
+        pages = Residency.of_file(self._path).pages
+        per_window = self._window // PAGE
+        added = 0
+        n_windows = (self.file_bytes + self._window - 1) // self._window
+        for w in range(n_windows):
+            if stop is not None and stop.is_set():
+                break
+            if w in self._registered or w in self._refused:
+                continue
+            if not pages[w * per_window : (w + 1) * per_window].all():
                 continue
             with self._lock:
-                if w in self._registered or w in self._refused:
-                    ok = ok and w in self._registered
-                    continue
+                if self.array.size == 0:
+                    break  # closed meanwhile
                 start = w * self._window
                 window = self.array[start : min(start + self._window, self.file_bytes)]
                 if self._backend.register_host(window):
                     self._registered[w] = window
                     self.registered_bytes += window.size
+                    added += 1
                 else:
                     self._refused.add(w)
-                    ok = False
-        return ok
+        return added
 
     def is_registered(self, offset: int, nbytes: int) -> bool:
         """Every window covering the range is registered (a lock-free read)."""

@@ -27,7 +27,7 @@ class TestKernels:
         from gpu.cuda import CudaDeviceBuffer, CudaStream
         from gpu.kernels import CudaKernels
 
-        data = np.random.default_rng(nbytes).integers(0, 256, 3 * nbytes + 512, np.uint8)
+        data = np.random.default_rng(nbytes).integers(0, 256, 3 * nbytes + 1024, np.uint8)
         buf = CudaDeviceBuffer(data.size)
         import cupy
 
@@ -35,7 +35,10 @@ class TestKernels:
                                  cupy.cuda.runtime.memcpyHostToDevice)
         k = CudaKernels()
         results = k.new_results(3)
-        ranges = [(0, nbytes), (nbytes + 256, nbytes), (2 * nbytes + 512, nbytes - 1)]
+        # device buffers hold each matrix 256-aligned (the kernel reads 4-byte words)
+        second = (nbytes + 255) // 256 * 256
+        third = (second + nbytes + 255) // 256 * 256
+        ranges = [(0, nbytes), (second, nbytes), (third, nbytes - 1)]
         stream = CudaStream()
         k.digest3(buf, ranges, results, 0, stream)
         stream.synchronize()

@@ -14,7 +14,8 @@ from structlog.testing import capture_logs
 from gpu.backend import aligned_host_array
 from gpu.host import HostBackend
 from pipeline.errors import ReadError
-from pipeline.table import ExpertTable
+from pipeline.residency import evict
+from pipeline.table import ByteRange, ExpertTable
 from stages.faults import parse_faults
 from stages.prefetch import (
     DEVICE_ALIGN,
@@ -97,10 +98,12 @@ class TestModelReader:
         assert "O_DIRECT read refused" in fallbacks[0]["reason"]
         assert buf.tobytes() == _read(tiny_model, 8192, 8192)
 
-    @pytest.mark.parametrize("fault", ["read_eio@1", "short@1"])
+    @pytest.mark.parametrize("fault", ["read_eio@1+", "short@1+"])
     def test_read_faults_raise_read_error(self, tiny_model: Path, fault: str) -> None:
+        """Persistent faults outlive the retries (transient ones: tests/test_faults.py)."""
         buf = aligned_host_array(8192)
-        with ModelReader(tiny_model, direct=True, faults=parse_faults(fault)) as reader:
+        with ModelReader(tiny_model, direct=True, faults=parse_faults(fault),
+                         backoff_ms=0.1) as reader:
             with pytest.raises(ReadError, match=str(tiny_model)):
                 reader.read_into(buf, 0, direct=True)
 
@@ -120,17 +123,18 @@ class TestModelMapping:
             assert [at for at, _ in pieces][0] == 0
         assert data == _read(path, offset, nbytes)
 
-    def test_registration_is_per_window(self, tiny_model: Path) -> None:
+    def test_only_resident_windows_are_registered(self, tiny_model: Path) -> None:
         class Registering(HostBackend):
             registers_host = True
 
             def register_host(self, array: np.ndarray) -> bool:
                 return True
 
+        tiny_model.read_bytes()  # every page resident
+        evict(tiny_model, [ByteRange(3 << 20, 1 << 20)])  # but window 3
         with ModelMapping(tiny_model, Registering(), window_bytes=1 << 20) as mapping:
-            assert mapping.ensure_registered(100, 3 << 20)
-            assert mapping.is_registered(0, 4 << 20)
-            assert not mapping.is_registered(5 << 20, 10)
-            assert mapping.registered_bytes == 4 << 20
+            added = mapping.register_resident_windows()
+            assert mapping.is_registered(0, 3 << 20)
+            assert not mapping.is_registered(3 << 20, 10)
+            assert added >= 3 and mapping.registered_bytes == mapping.file_bytes - (1 << 20)
         assert mapping.registered_bytes == 0
-        np.testing.assert_equal(mapping.array.size, 0)
