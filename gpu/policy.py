@@ -104,6 +104,17 @@ class FreqDecayPolicy:
         self._log_score[key] = score
         self._stamp[key] = self._seq
         heapq.heappush(self._heap, (score, self._seq, key))
+        if len(self._heap) > 4 * len(self._stamp) + 64:
+            self._compact()
+
+    def _compact(self) -> None:
+        """Drop stale heap entries (every touch leaves one behind), keeping memory bounded."""
+        self._heap = [
+            (self._log_score[key], seq, key)
+            for _, seq, key in self._heap
+            if self._stamp.get(key) == seq
+        ]
+        heapq.heapify(self._heap)
 
     def insert(self, key: ExpertKey) -> None:
         self._bump(key)

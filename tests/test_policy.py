@@ -93,3 +93,16 @@ class TestCacheIndex:
     def test_unknown_policy(self) -> None:
         with pytest.raises(ValueError, match="unknown eviction policy"):
             make_policy("mru")
+
+
+class TestFreqDecayMemory:
+    """Stale heap entries are compacted away, so memory follows the live keys."""
+
+    def test_heap_stays_bounded(self) -> None:
+        p = FreqDecayPolicy()
+        for k in range(10):
+            p.insert((0, k))
+        for _ in range(10_000):
+            p.touch((0, 3))
+        assert len(p._heap) <= 4 * 10 + 64 + 1  # noqa: SLF001
+        assert p.victim(set()) == (0, 0)
