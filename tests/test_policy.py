@@ -74,7 +74,7 @@ class TestCacheIndex:
             assert index.live_bytes <= index.capacity_bytes
             assert not set(outcome.evicted) & set(keys)
             assert len(outcome.hits) + len(outcome.misses) == len(keys)
-            assert index.live_bytes == sum(sizes[k[0]] for k in index.keys())
+            assert index.live_bytes == sum(sizes[k[0]] for k in index.keys())  # noqa: SIM118
             index.advance_token()
 
     def test_entry_larger_than_capacity_is_not_admitted(self) -> None:
@@ -104,5 +104,5 @@ class TestFreqDecayMemory:
             p.insert((0, k))
         for _ in range(10_000):
             p.touch((0, 3))
-        assert len(p._heap) <= 4 * 10 + 64 + 1  # noqa: SLF001
+        assert len(p._heap) <= 4 * 10 + 64 + 1
         assert p.victim(set()) == (0, 0)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 from pathlib import Path
 
@@ -43,7 +44,7 @@ class TestAlignment:
         assert pieces[0][0] == start
         assert sum(n for _, n in pieces) == length
         assert all(n <= chunk for _, n in pieces)
-        assert all(a + n == b for (a, n), (b, _) in zip(pieces, pieces[1:], strict=False))
+        assert all(a + n == b for (a, n), (b, _) in itertools.pairwise(pieces))
 
     def test_expert_layout(self, tiny_table: ExpertTable) -> None:
         layout = plan_expert(tiny_table.slices((1, 3)))
@@ -103,9 +104,8 @@ class TestModelReader:
         """Persistent faults outlive the retries (transient ones: tests/test_faults.py)."""
         buf = aligned_host_array(8192)
         with ModelReader(tiny_model, direct=True, faults=parse_faults(fault),
-                         backoff_ms=0.1) as reader:
-            with pytest.raises(ReadError, match=str(tiny_model)):
-                reader.read_into(buf, 0, direct=True)
+                         backoff_ms=0.1) as reader, pytest.raises(ReadError, match=str(tiny_model)):
+            reader.read_into(buf, 0, direct=True)
 
 
 class TestModelMapping:
@@ -120,7 +120,7 @@ class TestModelMapping:
             pieces = mapping.pieces(offset, nbytes)
             data = b"".join(view.tobytes() for _, view in pieces)
             assert all(v.size <= 65536 for _, v in pieces)
-            assert [at for at, _ in pieces][0] == 0
+            assert pieces[0][0] == 0
         assert data == _read(path, offset, nbytes)
 
     def test_only_resident_windows_are_registered(self, tiny_model: Path) -> None:
