@@ -48,7 +48,8 @@ SCHEMA_VERSION = 1
 """The log schema this reader understands."""
 
 KNOWN_EVENTS = frozenset(
-    {"run_start", "token", "layer", "controller_decision", "mode_switch", "run_end"}
+    {"run_start", "token", "layer", "controller_decision", "mode_switch", "run_end",
+     "warmup_start", "warmup_done", "warmup_stopped"}
 )
 """Event types of schema 1."""
 
@@ -85,6 +86,9 @@ _FIELDS: dict[str, frozenset[str]] = {
     "layer": frozenset({"token", "layer", "hits", "misses", "read_ms", "stall_ms"}),
     "controller_decision": frozenset({"mode", "readings", "reason", "token"}),
     "mode_switch": frozenset({"from", "to", "reason", "readings", "token", "took_ms"}),
+    "warmup_start": frozenset({"bytes", "token"}),
+    "warmup_done": frozenset({"bytes", "seconds", "token"}),
+    "warmup_stopped": frozenset({"token"}),
     "run_end": frozenset(
         {
             "tokens", "elapsed_s", "tokens_per_s", "hits", "misses", "hit_rate",
@@ -102,6 +106,9 @@ _REQUIRED: dict[str, frozenset[str]] = {
     "layer": _FIELDS["layer"] - {"read_ms"},
     "controller_decision": frozenset({"mode", "readings", "reason"}),
     "mode_switch": _FIELDS["mode_switch"] - {"took_ms"},
+    "warmup_start": _FIELDS["warmup_start"],
+    "warmup_done": _FIELDS["warmup_done"],
+    "warmup_stopped": _FIELDS["warmup_stopped"],
     "run_end": frozenset(
         {
             "tokens", "elapsed_s", "tokens_per_s", "hits", "misses", "hit_rate",
