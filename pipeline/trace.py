@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 import zipfile
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -36,6 +35,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from pipeline.atomic import atomic_output
 from pipeline.errors import TraceError
 
 __all__ = ["TRACE_FORMAT", "TRACE_VERSION", "Trace", "load_trace", "save_trace"]
@@ -202,28 +202,20 @@ def save_trace(trace: Trace, path: str | os.PathLike[str]) -> None:
         path: the destination; its parent directory must exist.
     """
     target = Path(path)
-    fd, tmp_name = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as out:
-            if target.suffix == ".jsonl":
-                for line in _jsonl_lines(trace):
-                    out.write(line.encode("utf-8"))
-            else:
-                np.savez(
-                    out,
-                    format=np.array(TRACE_FORMAT),
-                    version=np.array(TRACE_VERSION, dtype=np.int64),
-                    n_experts=np.array(trace.n_experts, dtype=np.int64),
-                    preset=np.array(trace.preset),
-                    experts=trace.experts,
-                    weights=trace.weights,
-                )
-            out.flush()
-            os.fsync(out.fileno())
-        os.replace(tmp_name, target)
-    except BaseException:
-        Path(tmp_name).unlink(missing_ok=True)
-        raise
+    with atomic_output(target) as out:
+        if target.suffix == ".jsonl":
+            for line in _jsonl_lines(trace):
+                out.write(line.encode("utf-8"))
+        else:
+            np.savez(
+                out,
+                format=np.array(TRACE_FORMAT),
+                version=np.array(TRACE_VERSION, dtype=np.int64),
+                n_experts=np.array(trace.n_experts, dtype=np.int64),
+                preset=np.array(trace.preset),
+                experts=trace.experts,
+                weights=trace.weights,
+            )
 
 
 def _jsonl_lines(trace: Trace) -> Iterator[str]:

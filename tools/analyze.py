@@ -27,9 +27,7 @@ import itertools
 import json
 import logging
 import math
-import os
 import sys
-import tempfile
 import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -38,6 +36,7 @@ from typing import Any
 import numpy as np
 import structlog
 
+from pipeline.atomic import write_atomic
 from pipeline.errors import MoestreamError, UsageError
 from tools.logread import RunLog, read_log
 from tools.whatif import POLICIES, AccessTrace, WhatIfReport, default_budgets, parse_budget, what_if
@@ -330,21 +329,6 @@ def _csv_cell(value: Value) -> str:
     return str(value)
 
 
-def _write_atomic(path: Path, data: bytes) -> None:
-    """Write via a temporary file in the same directory, fsync, then rename."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "wb") as out:
-            out.write(data)
-            out.flush()
-            os.fsync(out.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def write_csv(path: Path, runs: Sequence[RunLog], interval: int) -> int:
     """Write the interval rows of every run to one CSV file; returns the number of rows."""
     buffer = io.StringIO()
@@ -356,7 +340,7 @@ def write_csv(path: Path, runs: Sequence[RunLog], interval: int) -> int:
             writer.writerow([_csv_cell(row[c]) for c in CSV_COLUMNS])
             count += 1
     try:
-        _write_atomic(path, buffer.getvalue().encode("utf-8"))
+        write_atomic(path, buffer.getvalue())
     except OSError as exc:
         raise UsageError(f"{path}: cannot write CSV ({exc.strerror or exc})") from exc
     return count

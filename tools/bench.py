@@ -23,7 +23,6 @@ import argparse
 import json
 import os
 import platform
-import subprocess
 import sys
 import tempfile
 import time
@@ -41,6 +40,7 @@ from pipeline.run import RunSummary, run
 from pipeline.table import ExpertTable, open_table
 from pipeline.trace import Trace, save_trace
 from stages.prefetch import aligned_cover, iter_chunks
+from tools.results import git_commit, write_result
 
 __all__ = ["main"]
 
@@ -269,14 +269,6 @@ class Bench:
         return summary, events
 
 
-def _git_commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                              check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def _phase(name: str, results: dict[str, Any], fn: Callable[[], Any]) -> Any:
     t0 = time.perf_counter()
     value = fn()
@@ -315,7 +307,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     results: dict[str, Any] = {
         "machine": {"host": platform.node(), "cpus": os.cpu_count(), "device": backend.device_name,
                     "python": sys.version.split()[0]},
-        "commit": _git_commit(),
+        "commit": git_commit(),
         "command": "python -m tools.bench " + " ".join(argv if argv is not None else sys.argv[1:]),
         "model": table.summary(),
         "settings": {k2: (str(v) if isinstance(v, Path) else v) for k2, v in vars(args).items()},
@@ -395,7 +387,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     results["figures"] = figures
     out = args.out or Path("bench/results") / f"pipeline-{platform.node()}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2, default=float) + "\n")
+    write_result(out, results)
     print("\nfigures:")
     for name, value in figures.items():
         print(f"  {name}: {value}")

@@ -33,6 +33,7 @@ import numpy.typing as npt
 
 from gpu.policy import CacheIndex, make_policy
 from pipeline.errors import MoestreamError, UsageError
+from tools.results import git_commit, write_result
 
 __all__ = ["SyntheticRun", "main", "routing", "write_synthetic_log"]
 
@@ -218,15 +219,6 @@ def _timed(command: list[str]) -> tuple[float, str]:
     return seconds, done.stdout
 
 
-def _git_commit() -> str:
-    try:
-        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=_REPO, capture_output=True,
-                              text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-    return head
-
-
 def _machine() -> dict[str, Any]:
     ram = None
     try:
@@ -239,20 +231,6 @@ def _machine() -> dict[str, Any]:
     return {"host": socket.gethostname(), "platform": platform.platform(),
             "python": platform.python_version(), "cpu_count": os.cpu_count(),
             "ram_total_bytes": ram}
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as out:
-            out.write(text)
-            out.flush()
-            os.fsync(out.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -289,7 +267,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         result = {
             "benchmark": "analyze",
             "machine": _machine(),
-            "commit": _git_commit(),
+            "commit": git_commit(),
             "command": " ".join(["python -m tools.bench_analyze", *(argv or sys.argv[1:])]),
             "log": {"tokens": run.tokens, "moe_layers": run.moe_layers, "top_k": run.top_k,
                     "n_experts": run.n_experts, "mb": round(log_mb, 1),
@@ -311,7 +289,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.stderr.write(f"bench_analyze: {exc}\n")
         return exc.exit_code
     target = args.out / f"analyze-{result['machine']['host']}.json"
-    _write_atomic(target, json.dumps(result, indent=2) + "\n")
+    write_result(target, result)
     sys.stdout.write(json.dumps(result["seconds"]) + f"\nwrote {target}\n")
     return 0
 

@@ -35,8 +35,9 @@ from pipeline.config import Budget, ComputeSpec, RunConfig, parse_size
 from pipeline.run import run
 from pipeline.table import open_table
 from pipeline.trace import save_trace
-from tools.bench import _git_commit, drop_caches
+from tools.bench import drop_caches
 from tools.make_trace import synthetic_trace
+from tools.results import git_commit, write_result
 
 __all__ = ["main"]
 
@@ -110,7 +111,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     results: dict[str, Any] = {
         "machine": {"host": platform.node(), "cpus": psutil.cpu_count(),
                     "ram_total_bytes": psutil.virtual_memory().total},
-        "commit": _git_commit(),
+        "commit": git_commit(),
         "command": "python -m tools.bench_controller " + " ".join(
             argv if argv is not None else sys.argv[1:]),
         "model": {"path": str(args.model), "file_bytes": table.file_bytes,
@@ -150,7 +151,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     results["figures"] = _figures(results)
     out = args.out or Path("bench/results") / f"controller-{platform.node()}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2) + "\n")
+    write_result(out, results)
     print(json.dumps(results["figures"], indent=2))
     print(f"written: {out}")
     return 0

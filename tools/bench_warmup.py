@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import math
 import os
 import platform
@@ -50,6 +49,7 @@ from pipeline.errors import MoestreamError, UsageError
 from pipeline.logs import configure_console
 from pipeline.residency import Residency, WarmEngine, evict
 from pipeline.table import ByteRange, open_table
+from tools.results import git_commit, write_result
 
 __all__ = ["drop_file_pages", "main", "make_bench_file"]
 
@@ -59,18 +59,6 @@ _DROP_CACHES = Path("/proc/sys/vm/drop_caches")
 
 def _say(text: str) -> None:
     print(text, flush=True)
-
-
-def _git_commit() -> str:
-    try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=_REPO, capture_output=True,
-                             text=True, check=True)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--", "pipeline/residency.py",
-                                "tools/warmup.py", "tools/bench_warmup.py"], cwd=_REPO,
-                               capture_output=True, text=True, check=True)
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-    return out.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
 
 
 def _machine() -> dict[str, Any]:
@@ -296,20 +284,6 @@ def _ratios(cold: dict[str, dict[str, Any]]) -> dict[str, float]:
     return out
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m tools.bench_warmup",
                                 description=(__doc__ or "").split("\n")[0])
@@ -367,7 +341,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     result = {
         "benchmark": "warmup",
         "machine": _machine(),
-        "commit": _git_commit(),
+        "commit": git_commit(),
         "command": "python -m tools.bench_warmup " + " ".join(
             sys.argv[1:] if argv is None else list(argv)),
         "file": {"path": str(path), "bytes": size, "gguf": gguf,
@@ -382,7 +356,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "report": report,
     }
     out = args.out or _REPO / "bench" / "results" / f"warmup-{socket.gethostname()}.json"
-    _write_atomic(out, json.dumps(result, indent=2) + "\n")
+    write_result(out, result)
     _say("median GB/s: " + ", ".join(f"{n} {r['gb_per_s']:.2f}" for n, r in cold.items()))
     _say("ratios: " + ", ".join(f"{n} {v:.2f}x" for n, v in ratios.items()))
     _say(f"report on the resident file: mincore {report['mincore_median_s']:.3f} s"
