@@ -143,6 +143,10 @@ class DeviceCache:
     def get(self, key: ExpertKey) -> Entry | None:
         return self._entries.get(key)
 
+    def entries(self) -> list[Entry]:
+        """Every entry held now, ready or still loading (a snapshot)."""
+        return list(self._entries.values())
+
     def plan_layer(self, keys: Sequence[ExpertKey], sizes: Sequence[int]) -> LayerPlan:
         """Look up a layer's experts, reserve buffers for its misses, pin all of them.
 

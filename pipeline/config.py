@@ -129,6 +129,8 @@ class RunConfig:
         dwell_s: least time between two mode switches (pressure overrides it).
         json: print the summary as JSON.
         debug: show tracebacks.
+        faults: injected faults, ``kind[=value]@N[+]`` items (``stages.faults``); empty
+            (the default) injects nothing. A test facility.
     """
 
     model: Path | None = None
@@ -158,6 +160,7 @@ class RunConfig:
     dwell_s: float = 2.0
     json: bool = False
     debug: bool = False
+    faults: str = ""
 
     def __post_init__(self) -> None:
         checks = [
@@ -177,6 +180,10 @@ class RunConfig:
         for ok, message in checks:
             if not ok:
                 raise UsageError(message)
+        if self.faults:
+            from stages.faults import parse_faults
+
+            parse_faults(self.faults)  # a malformed spec fails here, with its reason
 
     def describe(self) -> dict[str, object]:
         """JSON-ready options, for the log header."""

@@ -10,7 +10,8 @@ layer and expert, the byte offset. The CLI prints ``str(error)`` on one line and
     ├── ModelFileError             the model file cannot be used (exit 2)
     │   ├── NotGGUFError           wrong magic or unsupported version
     │   ├── TruncatedFileError     header or tensor data past the end of the file
-    │   └── ExpertLayoutError      expert tensors missing, inconsistent or of mixed types
+    │   ├── ExpertLayoutError      expert tensors missing, inconsistent or of mixed types
+    │   └── ModelChangedError      truncated, modified or replaced while running
     ├── TraceError                 a routing trace or log that does not fit the model (exit 2)
     ├── StageError                 a pipeline stage failed while running (exit 1)
     │   ├── ReadError              a read failed or came back short
@@ -25,6 +26,7 @@ from __future__ import annotations
 __all__ = [
     "DeviceMemoryError",
     "ExpertLayoutError",
+    "ModelChangedError",
     "ModelFileError",
     "MoestreamError",
     "NotGGUFError",
@@ -72,6 +74,14 @@ class TruncatedFileError(ModelFileError):
 
 class ExpertLayoutError(ModelFileError):
     """Routed-expert tensors are missing, inconsistent, or of mixed types."""
+
+
+class ModelChangedError(ModelFileError):
+    """The file was truncated, modified or replaced while the run was reading it.
+
+    Bytes read after the change are never installed: the reader checks the file's identity
+    (device, inode, size, modification time) after every read and raises this instead.
+    """
 
 
 class TraceError(MoestreamError):

@@ -9,6 +9,7 @@ writes the token's log event.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass
 
@@ -88,6 +89,10 @@ class DecodeLoop:
 
     async def token(self, t: int) -> TokenTotals:
         """Decode token ``t``; returns its totals (and logs its event)."""
+        # A token whose experts all hit never suspends: yield once per token, before it
+        # starts, so signals (cancellation), the log writer and the controller's sampler
+        # still run, and a cancelled run has counted exactly the tokens it decoded.
+        await asyncio.sleep(0)
         t0 = time.perf_counter()
         n = len(self._layers)
         totals = TokenTotals()

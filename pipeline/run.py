@@ -3,7 +3,11 @@
 With no arguments it makes (once) the embedded tiny model, decodes a few tokens on
 synthetic routing calibrated to real models, prints a summary and a verification line.
 Errors print one line and exit non-zero (2 for bad input, 1 for a failed stage, 3 for a
-verification mismatch); ``--debug`` shows the traceback instead.
+verification mismatch); ``--debug`` shows the traceback instead. A run that stopped part way
+also prints its summary. SIGINT or SIGTERM stops the run at once, cleanly: in-flight reads
+finish, uploads are synchronized, pinned and device memory released, the log closed with its
+``run_end`` event; the exit status is 130 (SIGINT) or 143 (SIGTERM). A second SIGINT exits
+at once, without cleaning up. ``--inject`` turns on fault injection (``stages.faults``).
 """
 
 from __future__ import annotations
@@ -11,6 +15,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
+import signal
 import sys
 import time
 from collections.abc import Sequence
@@ -36,6 +42,7 @@ from pipeline.streamer import ExpertStreamer
 from pipeline.table import ExpertTable, open_table
 from pipeline.trace import Trace, load_trace, save_trace
 from pipeline.verify import Verifier
+from stages.faults import FaultPlan, parse_faults
 
 __all__ = ["RunSummary", "build_parser", "config_from_args", "main", "run"]
 
@@ -138,13 +145,27 @@ def _routing(cfg: RunConfig, table: ExpertTable) -> Trace:
     return trace
 
 
-async def run(cfg: RunConfig, *, sampler: Sampler | None = None) -> RunSummary:
+async def run(
+    cfg: RunConfig,
+    *,
+    sampler: Sampler | None = None,
+    faults: FaultPlan | None = None,
+    summary: RunSummary | None = None,
+) -> RunSummary:
     """Decode ``cfg.tokens`` tokens; returns the summary (raises MoestreamError subclasses).
+
+    Cancelling the coroutine stops the run with the same cleanup as an error: everything is
+    closed and the log ends with ``run_end`` (``exit: cancelled``); CancelledError is raised.
 
     Args:
         cfg: the run's configuration.
         sampler: machine readings for the controller (tests feed their own).
+        faults: injected faults (default: those ``cfg.faults`` names, usually none).
+        summary: filled in as the run goes, so a caller has the totals even when the run
+            raises or is cancelled (default: a new one).
     """
+    if faults is None:
+        faults = parse_faults(cfg.faults)
     if cfg.model is None:
         from tools.make_model import ensure_default_model
 
@@ -155,7 +176,9 @@ async def run(cfg: RunConfig, *, sampler: Sampler | None = None) -> RunSummary:
     trace = _routing(cfg, table)
     backend = select_backend(cfg.backend)
     kernels = make_kernels(backend.name)
-    summary = RunSummary(backend=backend.name, device=backend.device_name, model=str(model))
+    if summary is None:
+        summary = RunSummary()
+    summary.backend, summary.device, summary.model = backend.name, backend.device_name, str(model)
     runlog = RunLog(cfg.log)
     await runlog.open()
     streamer: ExpertStreamer | None = None
@@ -174,8 +197,9 @@ async def run(cfg: RunConfig, *, sampler: Sampler | None = None) -> RunSummary:
             cache_budget = cfg.budget.resolve(max(device_sizes.values()))
         pinned_layers = 1 + (cfg.lookahead if cfg.prefetch == "oracle" else 0)
         min_bytes = pinned_layers * table.top_k * max(device_sizes.values())
-        cache = DeviceCache(backend, cache_budget, cfg.policy, min_bytes=min_bytes)
-        streamer = ExpertStreamer(cfg, table, backend, cache, kernels)
+        cache = DeviceCache(backend, cache_budget, cfg.policy, min_bytes=min_bytes,
+                            faults=faults)
+        streamer = ExpertStreamer(cfg, table, backend, cache, kernels, faults)
         decoder = Decoder(cfg.compute, table, backend, kernels, cache, streamer, cfg.seed)
         verifier = Verifier(table, streamer.reader.read_range)
         controller = ModeController(cfg, table, streamer, runlog, sampler=sampler)
@@ -198,6 +222,7 @@ async def run(cfg: RunConfig, *, sampler: Sampler | None = None) -> RunSummary:
         for t in range(cfg.tokens):
             totals = await loop.token(t)
             summary.add(totals, loop.storage_bytes, streamer.mode)
+            summary.elapsed_s = time.perf_counter() - started  # right even if stopped later
             summary.verified = verifier.verified
             summary.mismatches = verifier.mismatches
             summary.first_mismatch = verifier.first_mismatch
@@ -272,6 +297,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--margin", help="controller safety margin (default max(2GiB, 5%% of RAM))")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p.add_argument("--debug", action="store_true", help="show tracebacks and debug events")
+    p.add_argument("--inject", default="", metavar="SPEC",
+                   help="fault injection, a test facility: kind[=value]@N[+],... e.g. "
+                   "read_eio@3,device_oom@10 (kinds: see stages/faults.py)")
     return p
 
 
@@ -302,6 +330,7 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         margin_bytes=parse_size(args.margin) if args.margin else None,
         json=args.json,
         debug=args.debug,
+        faults=args.inject,
     )
 
 
@@ -326,22 +355,105 @@ def _print_summary(summary: RunSummary, as_json: bool) -> None:
     )
 
 
+_SIGNAL_EXIT: dict[int, int] = {signal.SIGINT: 130, signal.SIGTERM: 143}
+
+
+def _exit_at_once(signum: int, frame: object) -> None:
+    """The second SIGINT: leave now, cleanup or not (a plain handler, so it runs even while
+    cleanup blocks the event loop's thread, e.g. joining reader threads)."""
+    os.write(2, b"moestream: second interrupt: exiting at once\n")
+    os._exit(_SIGNAL_EXIT[signal.SIGINT])
+
+
+@dataclass(slots=True)
+class _Interrupt:
+    """The signal that stopped the run, if one did."""
+
+    signum: int | None = None
+
+
+async def _run_until_signal(
+    cfg: RunConfig, faults: FaultPlan, summary: RunSummary, interrupt: _Interrupt
+) -> None:
+    """Run, cancelling the run's task on the first SIGINT or SIGTERM (cleanup still runs);
+    returns normally when a signal stopped it, with ``interrupt.signum`` set."""
+    loop = asyncio.get_running_loop()
+    task = loop.create_task(run(cfg, faults=faults, summary=summary))
+
+    def on_signal(signum: int) -> None:
+        if interrupt.signum is not None:
+            _log.warning("signal_during_cleanup", signal=signal.Signals(signum).name,
+                         action="cleanup continues; a second SIGINT exits at once")
+            return
+        interrupt.signum = signum
+        _log.warning("stopping", signal=signal.Signals(signum).name,
+                     action="cancel the run, finish or abandon in-flight work, release all")
+        signal.signal(signal.SIGINT, _exit_at_once)
+        task.cancel()
+
+    installed: list[int] = []
+    for signum in _SIGNAL_EXIT:
+        try:
+            loop.add_signal_handler(signum, on_signal, signum)
+            installed.append(signum)
+        except (ValueError, RuntimeError, NotImplementedError) as exc:  # not the main thread
+            _log.warning("signal_handler_unavailable", signal=signal.Signals(signum).name,
+                         reason=str(exc))
+    try:
+        await task
+    except asyncio.CancelledError:
+        if interrupt.signum is None or not task.cancelled():
+            raise
+    finally:
+        for signum in installed:
+            loop.remove_signal_handler(signum)  # back to the default handlers
+        if interrupt.signum is not None and installed:
+            signal.signal(signal.SIGINT, _exit_at_once)  # still stopping: main restores it
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """CLI entry point; returns the exit code."""
     args = build_parser().parse_args(argv)
     configure_console(debug=args.debug)
+    previous_sigint = signal.getsignal(signal.SIGINT)
+    try:
+        return _main(args)
+    finally:
+        if signal.getsignal(signal.SIGINT) is not previous_sigint:
+            signal.signal(signal.SIGINT, previous_sigint)
+
+
+def _main(args: argparse.Namespace) -> int:
+    summary = RunSummary()
+    interrupt = _Interrupt()
+    faults = FaultPlan()
+    error: MoestreamError | None = None
     try:
         cfg = config_from_args(args)
-        summary = uvloop.run(run(cfg))
+        faults = parse_faults(cfg.faults)
+        if faults:
+            _log.warning("fault_injection_on", spec=str(faults))
+        uvloop.run(_run_until_signal(cfg, faults, summary, interrupt))
     except MoestreamError as exc:
         if args.debug:
             raise
-        print(f"moestream: error: {exc}", file=sys.stderr)
-        return exc.exit_code
-    except KeyboardInterrupt:
+        error = exc
+    except KeyboardInterrupt:  # before the handlers were installed
         print("moestream: interrupted", file=sys.stderr)
-        return 130
+        return _SIGNAL_EXIT[signal.SIGINT]
+    if faults:
+        _log.warning("faults_injected", spec=str(faults), fired=dict(faults.fired))
+    if error is not None:
+        if summary.budget_bytes:  # decoding had started: say how far it got
+            _print_summary(summary, args.json)
+        print(f"moestream: error: {error}", file=sys.stderr)
+        return error.exit_code
     _print_summary(summary, args.json)
+    if interrupt.signum is not None and summary.exit == "cancelled":
+        name = signal.Signals(interrupt.signum).name
+        print(f"moestream: interrupted by {name} after {summary.tokens} tokens; "
+              "in-flight work finished or abandoned, memory released", file=sys.stderr)
+        return _SIGNAL_EXIT[interrupt.signum]
     if summary.mismatches:
         err = VerificationError(f"{summary.mismatches} experts differ from the file, first: "
                                 f"{summary.first_mismatch}")

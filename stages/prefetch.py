@@ -167,6 +167,7 @@ class ModelReader:
         self._opened = _FileIdentity.of(st)
         self._path_checked = time.monotonic()
         self._direct_fd: int | None = None
+        self._retired_fd: int | None = None  # a refused direct fd, closed only in close()
         self.direct_refused: str | None = None
         self._lock = threading.Lock()
         self.retries = 0
@@ -189,8 +190,9 @@ class ModelReader:
                 _log.warning("o_direct_fallback", path=str(self.path), reason=reason,
                              action="buffered reads for the rest of the run")
             if self._direct_fd is not None:
-                os.close(self._direct_fd)
-                self._direct_fd = None
+                # not closed yet: other workers may be reading with it right now, and a
+                # closed number can be reused by the next open (a read of another file)
+                self._retired_fd, self._direct_fd = self._direct_fd, None
 
     @property
     def direct(self) -> bool:
@@ -321,9 +323,10 @@ class ModelReader:
         return data
 
     def close(self) -> None:
-        if self._direct_fd is not None:
-            os.close(self._direct_fd)
-            self._direct_fd = None
+        for fd in (self._direct_fd, self._retired_fd):
+            if fd is not None:
+                os.close(fd)
+        self._direct_fd = self._retired_fd = None
         if self._buffered_fd >= 0:
             os.close(self._buffered_fd)
             self._buffered_fd = -1

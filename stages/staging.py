@@ -3,6 +3,11 @@
 A slot is handed out again only after the upload that read it has completed: the slot
 keeps that upload's event, and the next user waits on it before writing. Reuse is never
 inferred from counts (flashpack's habit: safe only while two numbers happen to match).
+
+Slots are allocated up front. If pinned memory runs out part way, the ring keeps the slots
+it got (fewer reads in flight, logged once); with none at all it raises
+``DeviceMemoryError``. Closing the ring wakes every task still waiting for a slot with a
+``StageError``, so no waiter outlives it.
 """
 
 from __future__ import annotations
@@ -12,10 +17,15 @@ from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
+import structlog
 
 from gpu.backend import Backend, Event, HostBuffer
+from pipeline.errors import DeviceMemoryError, StageError
+from stages.faults import FaultPlan
 
 __all__ = ["StagingRing", "StagingSlot"]
+
+_log = structlog.get_logger("moestream.staging")
 
 
 @dataclass(slots=True, eq=False)
@@ -46,18 +56,41 @@ class StagingRing:
 
     Args:
         backend: allocates the (pinned) host memory.
-        n_slots: how many experts can be staged at once.
+        n_slots: how many experts can be staged at once (fewer if pinned memory runs out).
         slot_bytes: the largest aligned cover of one expert.
+        faults: injected faults (``staging_oom``; tests and ``--inject`` only).
+
+    Raises:
+        DeviceMemoryError: not even one slot could be allocated.
     """
 
-    def __init__(self, backend: Backend, n_slots: int, slot_bytes: int) -> None:
+    def __init__(
+        self, backend: Backend, n_slots: int, slot_bytes: int, faults: FaultPlan | None = None
+    ) -> None:
         if n_slots < 1:
             raise ValueError(f"need at least one staging slot, got {n_slots}")
         self.slot_bytes = slot_bytes
-        self._slots = [StagingSlot(i, backend.alloc_host(slot_bytes)) for i in range(n_slots)]
-        self._free: asyncio.Queue[StagingSlot] = asyncio.Queue()
+        self.requested_slots = n_slots
+        self._slots: list[StagingSlot] = []
+        for i in range(n_slots):
+            try:
+                if faults and faults.hit("staging_oom") is not None:
+                    raise DeviceMemoryError(
+                        f"pinned host allocation of {slot_bytes} bytes failed (injected)")
+                buffer = backend.alloc_host(slot_bytes)
+            except (DeviceMemoryError, MemoryError) as exc:
+                if not self._slots:
+                    raise DeviceMemoryError(f"staging ring: no slot could be allocated: {exc}"
+                                            ) from exc
+                _log.warning("staging_shrunk", requested_slots=n_slots, slots=i,
+                             slot_bytes=slot_bytes, reason=str(exc),
+                             action="fewer reads in flight for the rest of the run")
+                break
+            self._slots.append(StagingSlot(i, buffer))
+        self._free: asyncio.Queue[StagingSlot | None] = asyncio.Queue()
         for slot in self._slots:
             self._free.put_nowait(slot)
+        self._waiting = 0
         self._closed = False
 
     @property
@@ -69,10 +102,21 @@ class StagingRing:
         return self._free.qsize()
 
     async def acquire(self) -> StagingSlot:
-        """The next free slot; it may still be read by an upload (see ``wait_reusable``)."""
+        """The next free slot; it may still be read by an upload (see ``wait_reusable``).
+
+        Raises:
+            StageError: the ring is closed, or closed while this call waited.
+        """
         if self._closed:
-            raise RuntimeError("staging ring is closed")
-        return await self._free.get()
+            raise StageError("staging ring is closed")
+        self._waiting += 1
+        try:
+            slot = await self._free.get()
+        finally:
+            self._waiting -= 1
+        if slot is None:  # the wake-up ``close`` sends each waiter
+            raise StageError("staging ring closed while waiting for a slot")
+        return slot
 
     def release(self, slot: StagingSlot, busy_until: Event | None) -> None:
         """Return ``slot``; it stays unwritable until ``busy_until`` completes.
@@ -83,8 +127,15 @@ class StagingRing:
         self._free.put_nowait(slot)
 
     def close(self) -> None:
-        """Wait for uploads still reading the slots, then free the memory."""
+        """Wait for uploads still reading the slots, then free the memory.
+
+        Tasks waiting in ``acquire`` are woken with a ``StageError``. Idempotent.
+        """
+        if self._closed:
+            return
         self._closed = True
+        for _ in range(self._waiting):
+            self._free.put_nowait(None)
         for slot in self._slots:
             slot.wait_reusable()
             slot.buffer.close()

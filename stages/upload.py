@@ -3,6 +3,9 @@
 Uploads go round-robin over at least two non-default streams, so the copy of one expert
 overlaps the read of the next. Before writing into a recycled device buffer the stream
 waits (on the device, the host never blocks) for the last compute that read it.
+
+A failed upload leaves no copy running: the stream is synchronized before the error is
+raised, so the entry's buffer (dropped, never installed) can be reused safely.
 """
 
 from __future__ import annotations
@@ -13,11 +16,16 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 import numpy.typing as npt
+import structlog
 
 from gpu.backend import Backend, Event, Stream
 from gpu.cache import Entry
+from pipeline.errors import MoestreamError, UploadError
+from stages.faults import FaultPlan
 
 __all__ = ["Uploader"]
+
+_log = structlog.get_logger("moestream.upload")
 
 
 class Uploader:
@@ -26,12 +34,16 @@ class Uploader:
     Args:
         backend: the device.
         n_streams: upload streams used in turn (at least 2 on a GPU).
+        faults: injected faults (``upload``; tests and ``--inject`` only).
     """
 
-    def __init__(self, backend: Backend, n_streams: int = 2) -> None:
+    def __init__(
+        self, backend: Backend, n_streams: int = 2, faults: FaultPlan | None = None
+    ) -> None:
         if n_streams < 1:
             raise ValueError(f"need at least one upload stream, got {n_streams}")
         self._backend = backend
+        self._faults = faults or FaultPlan()
         self.streams: list[Stream] = [backend.new_stream() for _ in range(n_streams)]
         self._turn = itertools.cycle(range(n_streams))
         self._lock = threading.Lock()
@@ -56,19 +68,42 @@ class Uploader:
         resident-mode callers split at registration windows. ``then`` queues more work
         on the stream (the install digest) before the event, so the event covers it.
         Thread-safe: workers call it for their own entries.
+
+        Raises:
+            UploadError: a copy failed; the copies queued before it have finished (the
+                stream was synchronized), and ``entry.upload`` is left unset.
         """
-        if entry.reuse_after is not None:
-            stream.wait(entry.reuse_after)
-        for device_offset, src in pieces:
-            self._backend.copy_h2d(entry.buffer, device_offset, src, stream)
-        if then is not None:
-            then(stream)
-        event = stream.record()
+        try:
+            if entry.reuse_after is not None:
+                stream.wait(entry.reuse_after)
+            for i, (device_offset, src) in enumerate(pieces):
+                self._backend.copy_h2d(entry.buffer, device_offset, src, stream)
+                if i == 0 and self._faults and self._faults.hit("upload") is not None:
+                    raise UploadError(f"copy of {sum(int(s.size) for _, s in pieces)} bytes "
+                                      "to the device failed (injected)")
+            if then is not None:
+                then(stream)
+            event = stream.record()
+        except BaseException as exc:
+            self._settle(stream, entry)
+            if isinstance(exc, MoestreamError) or not isinstance(exc, Exception):
+                raise
+            raise UploadError(f"copy to the device failed: {exc}") from exc
         entry.upload = event
         with self._lock:
             self.bytes_uploaded += sum(int(src.size) for _, src in pieces)
             self.copies += len(pieces)
         return event
+
+    @staticmethod
+    def _settle(stream: Stream, entry: Entry) -> None:
+        """After a failed upload: wait for the copies already queued, so none still writes
+        into the buffer once it is dropped and reused."""
+        try:
+            stream.synchronize()
+        except Exception as exc:  # the stream is broken too: the run is stopping anyway
+            _log.error("upload_stream_unusable", key=entry.key, reason=str(exc),
+                       action="buffer may still be written by queued copies; run stops")
 
     def synchronize(self) -> None:
         for stream in self.streams:
