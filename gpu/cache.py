@@ -69,6 +69,8 @@ class CacheCounters:
     allocations: int = 0
     frees: int = 0
     peak_device_bytes: int = 0
+    prefetched: int = 0
+    bytes_prefetched: int = 0
     budget_shrinks: int = 0
 
 
@@ -202,6 +204,42 @@ class DeviceCache:
         c.peak_device_bytes = max(c.peak_device_bytes, self.device_bytes)
         return plan
 
+    def prefetch(self, keys: Sequence[ExpertKey], sizes: Sequence[int]) -> LayerPlan:
+        """Admit guessed experts ahead of their layer: only the absent ones, only if room.
+
+        Not a lookup (no hit or miss is counted); admission evicts by the same policy and
+        never touches pinned entries or the guessed keys already held. The new entries are
+        pinned until released, like a layer's. A guess that does not fit, or whose buffer
+        the device refuses, is simply not prefetched.
+        """
+        plan = LayerPlan()
+        guessed = set(keys)
+        for key, size in zip(keys, sizes, strict=True):
+            if key in self._index:
+                continue
+            admitted, evicted = self._index.admit(key, size, self._pinned | guessed)
+            if not admitted:
+                continue
+            for victim_key in evicted:
+                victim = self._entries.pop(victim_key)
+                self.pool.park(victim.buffer, victim.last_use)
+            plan.evicted += len(evicted)
+            try:
+                buffer, reuse_after = self._buffer_for(size)
+            except DeviceMemoryError:
+                self._index.remove(key)
+                break
+            entry = Entry(key, buffer, size, reuse_after=reuse_after, pins=1)
+            self._entries[key] = entry
+            self._pinned.add(key)
+            plan.misses.append(entry)
+        c = self.counters
+        c.evictions += plan.evicted
+        c.prefetched += len(plan.misses)
+        c.bytes_prefetched += sum(e.nbytes for e in plan.misses)
+        c.peak_device_bytes = max(c.peak_device_bytes, self.device_bytes)
+        return plan
+
     def _shrink_to_held(self, exc: DeviceMemoryError, layer_bytes: int) -> None:
         """The device is full: hold no more than now (live + parked), or give up."""
         old = self.budget_bytes
@@ -251,10 +289,8 @@ class DeviceCache:
                 self._pinned.discard(entry.key)
 
     def mark_ready(self, entry: Entry) -> None:
-        """The entry's bytes are all on the device; wake anyone waiting for it."""
+        """The entry's upload event has completed: compute need not wait on it any more."""
         entry.ready = True
-        if entry.loaded is not None and not entry.loaded.done():
-            entry.loaded.set_result(None)
 
     def drop(self, key: ExpertKey) -> None:
         """Forget ``key`` (a failed load): its buffer goes back to the pool, never installed."""

@@ -18,10 +18,16 @@ __all__ = ["atomic_output", "write_atomic"]
 
 
 @contextlib.contextmanager
-def atomic_output(path: str | os.PathLike[str]) -> Iterator[BinaryIO]:
-    """A binary file to write; it replaces ``path`` when the block ends without error."""
+def atomic_output(
+    path: str | os.PathLike[str], *, make_parents: bool = False
+) -> Iterator[BinaryIO]:
+    """A binary file to write; it replaces ``path`` when the block ends without error.
+
+    The parent directory must exist unless ``make_parents``.
+    """
     target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
+    if make_parents:
+        target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as out:
@@ -34,7 +40,9 @@ def atomic_output(path: str | os.PathLike[str]) -> Iterator[BinaryIO]:
         raise
 
 
-def write_atomic(path: str | os.PathLike[str], data: bytes | str) -> None:
+def write_atomic(
+    path: str | os.PathLike[str], data: bytes | str, *, make_parents: bool = False
+) -> None:
     """Write ``data`` (text is UTF-8 encoded) to ``path`` atomically."""
-    with atomic_output(path) as out:
+    with atomic_output(path, make_parents=make_parents) as out:
         out.write(data.encode("utf-8") if isinstance(data, str) else data)

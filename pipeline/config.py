@@ -113,8 +113,11 @@ class RunConfig:
         staging_slots: experts that can be staged in pinned memory at once.
         upload_streams: CUDA streams used in turn for uploads.
         verify: check every installed expert against the file's bytes.
-        prefetch: ``none``, or ``oracle``: start loads of the next layers early from the
-            routing, which a trace or the synthetic generator knows ahead.
+        prefetch: ``none``; ``predict``: while a layer computes, load the experts the next
+            layer is guessed to pick; ``oracle``: start loads of the next layers early from
+            the routing, which a trace knows ahead (the upper bound).
+        router: ``trace`` replays the trace (or synthetic routing); ``live`` applies the
+            model's router tensors to the hidden state.
         lookahead: how many layers ahead ``oracle`` prefetch runs.
         seed: synthetic routing seed.
         trace: a routing trace to replay instead of synthetic routing.
@@ -147,6 +150,7 @@ class RunConfig:
     verify: bool = True
     prefetch: str = "none"
     lookahead: int = 1
+    router: str = "trace"
     seed: int = 0
     trace: Path | None = None
     record_trace: Path | None = None
@@ -174,7 +178,11 @@ class RunConfig:
             (self.policy in ("lru", "freq"), f"unknown --policy {self.policy!r}"),
             (self.log_level in ("info", "debug"), f"unknown --log-level {self.log_level!r}"),
             (self.sample_ms > 0, f"--sample-ms must be > 0, got {self.sample_ms}"),
-            (self.prefetch in ("none", "oracle"), f"unknown --prefetch {self.prefetch!r}"),
+            (self.prefetch in ("none", "oracle", "predict"),
+             f"unknown --prefetch {self.prefetch!r}"),
+            (self.router in ("trace", "live"), f"unknown --router {self.router!r}"),
+            (not (self.router == "live" and self.prefetch == "oracle"),
+             "--prefetch oracle needs the routing ahead: a trace, not --router live"),
             (self.lookahead >= 0, f"--lookahead must be >= 0, got {self.lookahead}"),
         ]
         for ok, message in checks:

@@ -13,6 +13,7 @@ device busy MS milliseconds per layer, like an engine's kernels would.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -104,6 +105,11 @@ class Decoder:
     def hidden(self) -> Any:
         return self._hidden
 
+    def set_hidden(self, hidden: Any) -> None:
+        """Start a token from this hidden state (the live router's token embedding)."""
+        if self.compute.kind == "real":
+            self._hidden = hidden
+
     def take_use_digests(self) -> list[tuple[tuple[int, int], int, int]]:
         """(key, matrix, digest) of every expert consumed since the last call (``digest``)."""
         return self.use_digests.take()
@@ -141,9 +147,17 @@ class Decoder:
             self._kernels.busy(layer_ms, entry.buffer, self.stream)
 
     async def run_layer(
-        self, load: LayerLoad, experts: Sequence[int], weights: Sequence[float]
+        self,
+        load: LayerLoad,
+        experts: Sequence[int],
+        weights: Sequence[float],
+        prefetched: LayerLoad | None = None,
     ) -> LayerResult:
         """Consume one MoE layer's selected experts as ``load`` delivers them.
+
+        Hits whose load is still in flight (started by a prefetch) are consumed once their
+        upload is queued; ``prefetched`` (the guess made for this layer) is unpinned at the
+        end, used or not.
 
         Raises:
             StageError: a miss could not be loaded; the layer's other experts are unpinned,
@@ -155,12 +169,29 @@ class Decoder:
         compute_s = 0.0
         stall_s = 0.0
         ctx = self._stream_ctx()
+        in_flight = [e for e in load.plan.hits if e.upload is None and e.loaded is not None]
         t0 = time.perf_counter()
         with ctx:
             for entry in load.plan.hits:
-                self._consume(entry, weight_of[entry.key[1]], acc, per_expert_ms)
+                if entry not in in_flight:
+                    self._consume(entry, weight_of[entry.key[1]], acc, per_expert_ms)
         compute_s += time.perf_counter() - t0
         failures: list[tuple[Entry, BaseException]] = []
+        for entry in in_flight:
+            assert entry.loaded is not None
+            t_wait = time.perf_counter()
+            try:
+                await asyncio.shield(entry.loaded)
+            except (StageError, asyncio.CancelledError) as exc:
+                if isinstance(exc, asyncio.CancelledError) and not entry.loaded.cancelled():
+                    raise
+                failures.append((entry, exc))
+                continue
+            t_got = time.perf_counter()
+            stall_s += t_got - t_wait
+            with ctx:
+                self._consume(entry, weight_of[entry.key[1]], acc, per_expert_ms)
+            compute_s += time.perf_counter() - t_got
         for _ in range(load.pending):
             assert load.arrived is not None
             t_wait = time.perf_counter()
@@ -180,6 +211,8 @@ class Decoder:
                 self._hidden = x / (self._kernels_sqrt_mean_sq(x) + 1e-6)
         done = self.stream.record()
         entries = [*load.plan.hits, *load.plan.misses]
+        if prefetched is not None:
+            entries += prefetched.plan.misses
         self._cache.release(entries, done)
         for entry, _ in failures:
             self._cache.drop(entry.key)

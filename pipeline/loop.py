@@ -19,9 +19,9 @@ from pipeline.controller import ModeController
 from pipeline.decode import Decoder
 from pipeline.logs import RunLog
 from pipeline.machine import process_read_bytes
+from pipeline.routing import LiveRouter, Routing
 from pipeline.streamer import ExpertStreamer, LayerLoad
 from pipeline.table import ExpertTable
-from pipeline.trace import Trace
 from pipeline.verify import Verifier
 
 __all__ = ["DecodeLoop", "TokenTotals"]
@@ -38,6 +38,9 @@ class TokenTotals:
     cache_bytes: int = 0
     stall_ms: float = 0.0
     compute_ms: float = 0.0
+    predicted: int = 0
+    correct: int = 0
+    wasted_bytes: int = 0
 
 
 class DecodeLoop:
@@ -46,7 +49,7 @@ class DecodeLoop:
     Args:
         config: prefetch, lookahead, verify, log level.
         table: the model.
-        trace: the routing, replayed cyclically.
+        routing: where each layer's experts come from (a trace, or the live router).
         cache, streamer, decoder, verifier, controller, runlog: the run's parts.
     """
 
@@ -54,7 +57,7 @@ class DecodeLoop:
         self,
         config: RunConfig,
         table: ExpertTable,
-        trace: Trace,
+        routing: Routing,
         *,
         cache: DeviceCache,
         streamer: ExpertStreamer,
@@ -65,7 +68,8 @@ class DecodeLoop:
     ) -> None:
         self._cfg = config
         self._layers = table.moe_layers
-        self._trace = trace
+        self._routing = routing
+        self._live = isinstance(routing, LiveRouter)
         self._cache = cache
         self._streamer = streamer
         self._decoder = decoder
@@ -73,19 +77,17 @@ class DecodeLoop:
         self._controller = controller
         self._runlog = runlog
         self._ahead = config.lookahead if config.prefetch == "oracle" else 0
+        self._predict = config.prefetch == "predict"
         self._end = config.tokens * len(self._layers)
         self._loads: dict[int, LayerLoad] = {}
         self._read_bytes = process_read_bytes()
-        self.prefetched = 0
         self.storage_bytes = 0
-
-    def _experts(self, token: int, i: int) -> list[int]:
-        row: list[int] = self._trace.experts[token % self._trace.n_tokens, i].tolist()
-        return row
+        self.recorded: list[tuple[list[list[int]], list[list[float]]]] = []
 
     def _start(self, position: int) -> LayerLoad:
         token, i = divmod(position, len(self._layers))
-        return self._streamer.start_layer(self._layers[i], self._experts(token, i))
+        experts, _ = self._routing.route(token, i, None)
+        return self._streamer.start_layer(self._layers[i], experts)
 
     async def token(self, t: int) -> TokenTotals:
         """Decode token ``t``; returns its totals (and logs its event)."""
@@ -96,17 +98,36 @@ class DecodeLoop:
         t0 = time.perf_counter()
         n = len(self._layers)
         totals = TokenTotals()
-        row = t % self._trace.n_tokens
+        used: list[list[int]] = []
+        used_weights: list[list[float]] = []
+        guesses: dict[int, tuple[list[int], LayerLoad]] = {}
+        if self._live:
+            self._decoder.set_hidden(self._routing.embedding(t))  # type: ignore[attr-defined]
         for i, layer in enumerate(self._layers):
+            experts, weights = self._routing.route(t, i, self._decoder.hidden)
+            used.append(experts)
+            used_weights.append(weights)
             position = t * n + i
-            for q in range(position, min(self._end, position + 1 + self._ahead)):
-                if q not in self._loads:
+            for q in range(position + 1, min(self._end, position + 1 + self._ahead)):
+                if q not in self._loads:  # oracle: the trace names later layers' experts
                     self._loads[q] = self._start(q)
-                    self.prefetched += q != position
-            load = self._loads.pop(position)
-            result = await self._decoder.run_layer(
-                load, self._experts(t, i), self._trace.weights[row, i].tolist()
-            )
+            load = self._loads.pop(position, None)
+            if load is None:
+                load = self._streamer.start_layer(layer, experts)
+            if self._predict and i + 1 < n:
+                # guess the next layer from the hidden state before this layer runs, so
+                # its loads overlap this layer's compute
+                guess = self._routing.predict(t, i + 1, self._decoder.hidden)
+                guesses[i + 1] = (guess, self._streamer.start_prefetch(self._layers[i + 1],
+                                                                      guess))
+            guess_load = guesses.get(i, (None, None))[1]
+            result = await self._decoder.run_layer(load, experts, weights, guess_load)
+            if i in guesses:
+                guess, guess_load = guesses[i]
+                totals.predicted += len(guess)
+                totals.correct += len(set(guess) & set(experts))
+                totals.wasted_bytes += sum(e.nbytes for e in guess_load.plan.misses
+                                           if e.key[1] not in experts)
             totals.hits += result.hits
             totals.misses += result.misses
             totals.evictions += result.evictions
@@ -138,7 +159,11 @@ class DecodeLoop:
             ram_available_bytes=self._controller.last_ram_available,
             cache_live_bytes=self._cache.live_bytes,
             cache_parked_bytes=self._cache.pool.parked_bytes,
-            experts=[self._experts(t, i) for i in range(n)],
+            experts=used,
+            **({"prefetch": {"predicted": totals.predicted, "correct": totals.correct,
+                             "wasted_bytes": totals.wasted_bytes}} if self._predict else {}),
         )
         self.storage_bytes = storage
+        if self._cfg.record_trace is not None:
+            self.recorded.append((used, used_weights))
         return totals

@@ -34,10 +34,11 @@ from gpu.kernels import make_kernels
 from pipeline.config import RunConfig, parse_budget, parse_compute, parse_size
 from pipeline.controller import ModeController, Sampler
 from pipeline.decode import Decoder
-from pipeline.errors import MoestreamError, VerificationError
+from pipeline.errors import MoestreamError, TraceError, VerificationError
 from pipeline.logs import RunLog, configure_console
 from pipeline.loop import DecodeLoop, TokenTotals
 from pipeline.machine import machine_info
+from pipeline.routing import LiveRouter, Routing, TraceRouting
 from pipeline.streamer import ExpertStreamer
 from pipeline.table import ExpertTable, open_table
 from pipeline.trace import Trace, load_trace, save_trace
@@ -142,6 +143,9 @@ def _routing(cfg: RunConfig, table: ExpertTable) -> Trace:
             n_experts=table.n_experts, top_k=table.top_k,
         )
     trace.check_fits(n_layers, table.n_experts, table.top_k)
+    if trace.n_layers < n_layers:
+        raise TraceError(f"{cfg.trace}: the trace routes {trace.n_layers} MoE layers, "
+                         f"the model has {n_layers}")
     return trace
 
 
@@ -173,7 +177,7 @@ async def run(
     else:
         model = cfg.model
     table = open_table(model)
-    trace = _routing(cfg, table)
+    trace = _routing(cfg, table) if cfg.router == "trace" else None
     backend = select_backend(cfg.backend)
     kernels = make_kernels(backend.name)
     if summary is None:
@@ -182,6 +186,7 @@ async def run(
     runlog = RunLog(cfg.log)
     await runlog.open()
     streamer: ExpertStreamer | None = None
+    loop: DecodeLoop | None = None
     cache: DeviceCache | None = None
     controller: ModeController | None = None
     try:
@@ -195,7 +200,7 @@ async def run(
             device_sizes[layer] = plan_expert(table.slices((layer, 0))).device_bytes
         if cfg.budget is not None:
             cache_budget = cfg.budget.resolve(max(device_sizes.values()))
-        pinned_layers = 1 + (cfg.lookahead if cfg.prefetch == "oracle" else 0)
+        pinned_layers = 1 + {"oracle": cfg.lookahead, "predict": 1}.get(cfg.prefetch, 0)
         min_bytes = pinned_layers * table.top_k * max(device_sizes.values())
         cache = DeviceCache(backend, cache_budget, cfg.policy, min_bytes=min_bytes,
                             faults=faults)
@@ -203,7 +208,6 @@ async def run(
         decoder = Decoder(cfg.compute, table, backend, kernels, cache, streamer, cfg.seed)
         verifier = Verifier(table, streamer.reader.read_range)
         controller = ModeController(cfg, table, streamer, runlog, sampler=sampler)
-        await controller.start()
         summary.budget_bytes = cache.budget_bytes
         runlog.emit(
             "run_start",
@@ -216,7 +220,10 @@ async def run(
             compute=str(decoder.compute),
             backend=backend.name,
         )
-        loop = DecodeLoop(cfg, table, trace, cache=cache, streamer=streamer, decoder=decoder,
+        await controller.start()  # its first decision follows the header
+        routing: Routing = (TraceRouting(trace) if trace is not None
+                            else LiveRouter(table, backend, cfg.seed))
+        loop = DecodeLoop(cfg, table, routing, cache=cache, streamer=streamer, decoder=decoder,
                           verifier=verifier, controller=controller, runlog=runlog)
         started = time.perf_counter()
         for t in range(cfg.tokens):
@@ -250,10 +257,10 @@ async def run(
             summary.frees = cache.pool.frees
         runlog.emit("run_end", **summary.as_dict(), hit_rate_final=summary.hit_rate)
         await runlog.aclose()
-        if cfg.record_trace is not None and summary.tokens:
-            rows = np.arange(summary.tokens) % trace.n_tokens
-            save_trace(Trace(trace.experts[rows], trace.weights[rows], trace.n_experts,
-                             "recorded"), cfg.record_trace)
+        if cfg.record_trace is not None and loop is not None and loop.recorded:
+            experts = np.array([e for e, _ in loop.recorded], dtype=np.int32)
+            weights = np.array([w for _, w in loop.recorded], dtype=np.float32)
+            save_trace(Trace(experts, weights, table.n_experts, "recorded"), cfg.record_trace)
     return summary
 
 
@@ -282,8 +289,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chunk", default="4MiB", help="largest read request (4MiB)")
     p.add_argument("--staging-slots", type=int, default=16, help="pinned staging slots (16)")
     p.add_argument("--streams", type=int, default=2, help="upload streams (2)")
-    p.add_argument("--prefetch", default="none", choices=["none", "oracle"],
-                   help="start later layers' loads early: oracle reads the routing ahead")
+    p.add_argument("--router", default="trace", choices=["trace", "live"],
+                   help="trace: replay --trace or synthetic routing; live: the model's router")
+    p.add_argument("--prefetch", default="none", choices=["none", "predict", "oracle"],
+                   help="predict: load the next layer's guessed experts during this one; "
+                   "oracle: read the routing ahead (upper bound)")
     p.add_argument("--lookahead", type=int, default=1, help="layers prefetched ahead (1)")
     p.add_argument("--no-verify", action="store_true", help="skip install-time verification")
     p.add_argument("--seed", type=int, default=0, help="routing seed (0)")
@@ -322,6 +332,7 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         seed=args.seed,
         trace=args.trace,
         record_trace=args.record_trace,
+        router=args.router,
         routing_preset=args.routing,
         log=args.log,
         log_level=args.log_level,

@@ -83,6 +83,7 @@ class LayerLoad:
     launched: int = 0
     delivered: int = 0
     gate: WarmGate | None = None
+    prefetch: bool = False
 
 
 @dataclass(slots=True, eq=False)
@@ -210,7 +211,11 @@ class ExpertStreamer:
         self._registering.add_done_callback(self._registered)
 
     def _register_windows(self, mapping: ModelMapping) -> int:
-        return mapping.register_resident_windows(self._register_stop)
+        t0 = time.perf_counter()
+        added = mapping.register_resident_windows(self._register_stop)
+        _log.info("windows_registered", added=added, registered_bytes=mapping.registered_bytes,
+                  seconds=round(time.perf_counter() - t0, 3))
+        return added
 
     def _registered(self, future: asyncio.Future[int]) -> None:
         if not future.cancelled() and future.exception() is not None:
@@ -255,11 +260,21 @@ class ExpertStreamer:
 
     def start_layer(self, layer: int, experts: Sequence[int]) -> LayerLoad:
         """Plan a layer in the cache and start loading its misses (returns at once)."""
-        loop = asyncio.get_running_loop()
-        self._loop = loop
         keys = [(layer, int(e)) for e in experts]
         size = self.device_bytes(layer)
-        plan = self._cache.plan_layer(keys, [size] * len(keys))
+        return self._start(self._cache.plan_layer(keys, [size] * len(keys)))
+
+    def start_prefetch(self, layer: int, experts: Sequence[int]) -> LayerLoad:
+        """Start loading guessed experts of a later layer (those absent and fitting)."""
+        keys = [(layer, int(e)) for e in experts]
+        size = self.device_bytes(layer)
+        load = self._start(self._cache.prefetch(keys, [size] * len(keys)))
+        load.prefetch = True
+        return load
+
+    def _start(self, plan: LayerPlan) -> LayerLoad:
+        loop = asyncio.get_running_loop()
+        self._loop = loop
         load = LayerLoad(plan, pending=len(plan.misses))
         if plan.misses:  # all-hit layers (the common case when warm) create nothing more
             load.gate = self.warm_gate
@@ -428,6 +443,15 @@ class ExpertStreamer:
         """Loop: hand a miss (or its failure) to the decoder; the last one lifts the gate."""
         assert load.arrived is not None
         load.arrived.put_nowait((entry, error))
+        if entry.loaded is not None and not entry.loaded.done():
+            # a later layer's lookup may be waiting on this load (prefetch, dedup)
+            if error is None:
+                entry.loaded.set_result(None)
+            else:
+                entry.loaded.set_exception(StageError(f"load of {entry.key} failed: {error}"))
+                entry.loaded.exception()  # retrieved here too: no "never retrieved" warning
+        if error is not None and load.prefetch and self._cache.get(entry.key) is entry:
+            self._cache.drop(entry.key)  # a failed guess: nobody else will drop it
         load.delivered += 1
         if load.delivered == len(load.plan.misses) and load.gate is not None:
             load.gate.resume()

@@ -1,8 +1,9 @@
 """Install: an expert becomes a ready cache entry once its upload event has completed.
 
 Compute never needs to wait for this (it waits on the upload event on the device); install
-is the cache's own bookkeeping, so that a later lookup can skip the event wait and so that
-waiters on an in-flight load (``entry.loaded``) wake only when the bytes are really there.
+is the cache's own bookkeeping, so that a later lookup can skip the device-side event wait.
+A lookup that finds a load still in flight waits on ``entry.loaded`` (set once the upload is
+queued) and then on the upload event, never reading the expert again.
 """
 
 from __future__ import annotations

@@ -43,6 +43,23 @@ class CacheMachine(RuleBasedStateMachine):
         else:
             self.cache.release([*plan.hits, *plan.misses], None)
 
+    @rule(layer=st.sampled_from(sorted(SIZES)),
+          experts=st.lists(st.integers(0, 15), min_size=1, max_size=3, unique=True))
+    def prefetch(self, layer: int, experts: list[int]) -> None:
+        """A guess for a later layer: admitted only where room allows, never evicting pins."""
+        pinned_keys = {e.key for group in self.pinned for e in group}
+        before = {k: self.cache.get(k) for k in pinned_keys}
+        plan = self.cache.prefetch([(layer, e) for e in experts], [SIZES[layer]] * len(experts))
+        for key, entry in before.items():
+            assert self.cache.get(key) is entry, "a prefetch evicted a pinned entry"
+        assert not plan.hits
+        for entry in plan.misses:
+            self.cache.mark_ready(entry)
+        if len(self.pinned) < 2:
+            self.pinned.append(plan.misses)
+        else:
+            self.cache.release(plan.misses, None)
+
     @rule()
     def unpin(self) -> None:
         if self.pinned:

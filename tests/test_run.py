@@ -57,6 +57,44 @@ class TestModesAndCompute:
         assert code == 0 and json.loads(out)["mismatches"] == 0
 
 
+class TestRoutingAndPrefetch:
+    """The live router and predicted prefetch decode, verify and log their accuracy."""
+
+    @pytest.mark.parametrize("args", [
+        ["--router", "live"],
+        ["--router", "live", "--prefetch", "predict"],
+        ["--prefetch", "predict", "--mode", "direct"],
+    ])
+    def test_verified_and_logged(self, capsys: pytest.CaptureFixture[str], tiny_model: Path,
+                                 tmp_path: Path, args: list[str]) -> None:
+        log = tmp_path / "run.jsonl"
+        code, out, _ = _run(capsys, "-m", str(tiny_model), "-n", "8", "--cache-budget", "12",
+                            "--json", "--backend", "host", "--log", str(log), *args)
+        summary = json.loads(out)
+        assert code == 0 and summary["mismatches"] == 0
+        assert summary["peak_device_bytes"] <= summary["budget_bytes"]
+        tokens = [json.loads(x) for x in log.read_text().splitlines() if '"token"' in x]
+        if "predict" in args:
+            stats = [e["prefetch"] for e in tokens if e.get("event") == "token"]
+            assert all(s["correct"] <= s["predicted"] for s in stats)
+            assert sum(s["predicted"] for s in stats) > 0
+
+    def test_live_routing_round_trips_as_a_trace(self, capsys: pytest.CaptureFixture[str],
+                                                 tiny_model: Path, tmp_path: Path) -> None:
+        trace = tmp_path / "live.npz"
+        base = ["-m", str(tiny_model), "-n", "6", "--cache-budget", "12", "--json",
+                "--backend", "host"]
+        _, a, _ = _run(capsys, *base, "--router", "live", "--record-trace", str(trace))
+        _, b, _ = _run(capsys, *base, "--trace", str(trace))
+        assert json.loads(a)["hits"] == json.loads(b)["hits"]
+
+    def test_oracle_needs_a_trace(self, capsys: pytest.CaptureFixture[str],
+                                  tiny_model: Path) -> None:
+        code, _, err = _run(capsys, "-m", str(tiny_model), "--router", "live", "--prefetch",
+                            "oracle", "--backend", "host")
+        assert code == 2 and "oracle" in err
+
+
 class TestLog:
     """The JSON-lines log has a header, one event per token and a closing summary."""
 

@@ -340,7 +340,7 @@ def write_csv(path: Path, runs: Sequence[RunLog], interval: int) -> int:
             writer.writerow([_csv_cell(row[c]) for c in CSV_COLUMNS])
             count += 1
     try:
-        write_atomic(path, buffer.getvalue())
+        write_atomic(path, buffer.getvalue(), make_parents=True)
     except OSError as exc:
         raise UsageError(f"{path}: cannot write CSV ({exc.strerror or exc})") from exc
     return count

@@ -28,4 +28,4 @@ def git_commit() -> str:
 
 def write_result(path: Path, result: dict[str, Any]) -> None:
     """Write a benchmark result as indented JSON, atomically."""
-    write_atomic(path, json.dumps(result, indent=2, default=float) + "\n")
+    write_atomic(path, json.dumps(result, indent=2, default=float) + "\n", make_parents=True)

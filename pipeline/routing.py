@@ -1,0 +1,134 @@
+"""Where each token's experts come from, and guesses of the next layer's experts.
+
+Two sources of routing:
+
+- ``TraceRouting`` replays a trace (recorded, or the calibrated synthetic one). It knows
+  the future, which the ``oracle`` prefetch uses as an upper bound; its honest guess of
+  layer L+1 is the previous token's choice at L+1 (routing is strongly recurrent).
+- ``LiveRouter`` routes like the model: it applies each MoE layer's router
+  (``blk.N.ffn_gate_inp.weight``) to the hidden state flowing through the MoE layers (an
+  FFN-only decode proxy; the token's row of ``token_embd.weight`` starts it), top-k with
+  softmax weights. Hash-routed layers, which have no router, pick experts from the token id.
+  Its guess of layer L+1 applies L+1's router to the hidden state *before* layer L runs
+  (the Mixtral-offloading technique), so the loads of L+1 can overlap L's compute.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import numpy as np
+import numpy.typing as npt
+from gguf import GGMLQuantizationType
+
+from gpu.backend import Backend
+from pipeline.errors import ExpertLayoutError
+from pipeline.table import ExpertTable, TensorInfo
+from pipeline.trace import Trace
+
+__all__ = ["LiveRouter", "Routing", "TraceRouting"]
+
+
+class Routing(Protocol):
+    """Routing decisions for the decode loop."""
+
+    def route(self, token: int, i: int, hidden: Any) -> tuple[list[int], list[float]]:
+        """Experts and weights of MoE layer position ``i`` for ``token``."""
+
+    def predict(self, token: int, i: int, hidden: Any) -> list[int]:
+        """A guess of ``route(token, i, ...)`` made one layer early."""
+
+
+class TraceRouting:
+    """Replays ``trace`` cyclically; predicts from the previous token."""
+
+    def __init__(self, trace: Trace) -> None:
+        self.trace = trace
+
+    def route(self, token: int, i: int, hidden: Any) -> tuple[list[int], list[float]]:
+        row = token % self.trace.n_tokens
+        experts: list[int] = self.trace.experts[row, i].tolist()
+        weights: list[float] = self.trace.weights[row, i].tolist()
+        return experts, weights
+
+    def predict(self, token: int, i: int, hidden: Any) -> list[int]:
+        if token == 0:
+            return []
+        return self.route(token - 1, i, hidden)[0]
+
+
+def _read_f32(table: ExpertTable, info: TensorInfo, count: int) -> npt.NDArray[np.float32]:
+    if info.type_name != GGMLQuantizationType.F32.name:
+        raise ExpertLayoutError(table.path, f"{info.name} is {info.type_name}; the live "
+                                "router reads F32 routers")
+    with table.path.open("rb") as f:
+        f.seek(info.offset)
+        data = np.frombuffer(f.read(count * 4), dtype="<f4")
+    if data.size != count:
+        raise ExpertLayoutError(table.path, f"{info.name} is cut short")
+    return data.astype(np.float32)
+
+
+class LiveRouter:
+    """Routes with the model's own router tensors.
+
+    Args:
+        table: the model (router tensors, token embeddings, shape).
+        backend: where the routers live (device arrays on CuPy).
+        seed: seeds the hash-routed layers' choice.
+    """
+
+    def __init__(self, table: ExpertTable, backend: Backend, seed: int = 0) -> None:
+        self._table = table
+        self._layers = table.moe_layers
+        self._k = table.top_k
+        self._seed = seed
+        self._xp: Any = np
+        if backend.name == "cupy":
+            import cupy
+
+            self._xp = cupy
+        self._routers: dict[int, Any] = {}
+        for layer in self._layers:
+            info = table.layers[layer].router
+            if info is not None:
+                w = _read_f32(table, info, table.n_experts * table.hidden)
+                self._routers[layer] = self._xp.asarray(w.reshape(table.n_experts, table.hidden))
+        if not self._routers and table.hash_routed < len(self._layers):
+            raise ExpertLayoutError(table.path, "no router tensors (ffn_gate_inp) to route live")
+        self._embed = next((t for t in table.non_routed if t.name == "token_embd.weight"), None)
+
+    def embedding(self, token: int) -> Any:
+        """The hidden state a token starts with: its row of ``token_embd`` (F16), normalized;
+        a seeded random vector when the file has no F16 embedding."""
+        h = self._table.hidden
+        emb = self._embed
+        if emb is not None and emb.type_name == GGMLQuantizationType.F16.name:
+            vocab = emb.nbytes // (2 * h)
+            with self._table.path.open("rb") as f:
+                f.seek(emb.offset + (token % vocab) * 2 * h)
+                x = np.frombuffer(f.read(2 * h), dtype="<f2").astype(np.float32)
+        else:
+            x = np.random.default_rng([self._seed, token]).standard_normal(h).astype(np.float32)
+        x /= float(np.sqrt(np.mean(x * x))) + 1e-6
+        return self._xp.asarray(x)
+
+    def _top_k(self, layer: int, token: int, hidden: Any) -> tuple[list[int], list[float]]:
+        router = self._routers.get(layer)
+        if router is None:  # hash-routed: the token id picks
+            rng = np.random.default_rng([self._seed, token, layer])
+            experts = rng.choice(self._table.n_experts, self._k, replace=False)
+            return [int(e) for e in experts], [1.0 / self._k] * self._k
+        logits = router @ hidden
+        if self._xp is not np:
+            logits = self._xp.asnumpy(logits)
+        top = np.argpartition(-logits, self._k - 1)[: self._k]
+        top = top[np.argsort(-logits[top])]
+        z = np.exp(logits[top] - logits[top].max())
+        return [int(e) for e in top], (z / z.sum()).astype(np.float32).tolist()
+
+    def route(self, token: int, i: int, hidden: Any) -> tuple[list[int], list[float]]:
+        return self._top_k(self._layers[i], token, hidden)
+
+    def predict(self, token: int, i: int, hidden: Any) -> list[int]:
+        return self._top_k(self._layers[i], token, hidden)[0]
