@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device lease, every GPU figure: GPU tests, the pipeline bench, the controller bench
-# and the warm-up bench. Writes everything under $OUT. Usage (on the GPU machine, repo root):
-#   bash bench/gpu_session.sh [pipeline,controller,warmup,tests]
+# and the warm-up bench. Writes everything under $OUT. Usage (on the GPU machine, repo root;
+# the tree arrives there without .git, so pass the commit being measured):
+#   MOESTREAM_COMMIT=<sha> bash bench/gpu_session.sh [pipeline,controller,warmup,tests]
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>/dev/null
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 PATH=$PWD/.whl:$PATH

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -15,7 +16,13 @@ _REPO = Path(__file__).resolve().parent.parent
 
 
 def git_commit() -> str:
-    """HEAD of this checkout, ``+dirty`` when tracked files differ; ``unknown`` outside git."""
+    """HEAD of this checkout, ``+dirty`` when tracked files differ.
+
+    Outside a git checkout (the GPU machine receives the tree without ``.git``) the
+    ``MOESTREAM_COMMIT`` environment variable names it; else ``unknown``.
+    """
+    if os.environ.get("MOESTREAM_COMMIT"):
+        return os.environ["MOESTREAM_COMMIT"]
     try:
         head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=_REPO, capture_output=True,
                               text=True, check=True).stdout.strip()
