@@ -308,7 +308,8 @@ class ModeController:
 
     async def _start_warmup(self) -> None:
         """Warm the model's non-resident pages in the background, after decode's reads."""
-        from pipeline.residency import Residency, WarmEngine
+        from pipeline.residency import Residency
+        from pipeline.warm import WarmEngine
 
         if self._warm_task is not None:
             return

@@ -1,4 +1,4 @@
-"""Tests of pipeline.residency on real files: mincore, evict, hints, warm-up, mlock."""
+"""Tests of pipeline.residency and pipeline.warm on real files: mincore, evict, mlock, warm."""
 
 from __future__ import annotations
 
@@ -18,10 +18,7 @@ from pipeline import residency as residency_module
 from pipeline.errors import ResidencyError, UsageError
 from pipeline.residency import (
     PAGE_BYTES,
-    Loader,
     Residency,
-    TokenBucket,
-    WarmEngine,
     coalesce,
     evict,
     hint_willneed,
@@ -29,6 +26,7 @@ from pipeline.residency import (
     resident_pages,
 )
 from pipeline.table import ByteRange
+from pipeline.warm import Loader, TokenBucket, WarmEngine
 
 MIB = 1 << 20
 

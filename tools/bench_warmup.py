@@ -47,8 +47,9 @@ import psutil
 
 from pipeline.errors import MoestreamError, UsageError
 from pipeline.logs import configure_console
-from pipeline.residency import Residency, WarmEngine, evict
+from pipeline.residency import Residency, evict
 from pipeline.table import ByteRange, open_table
+from pipeline.warm import WarmEngine
 from tools.results import git_commit, write_result
 
 __all__ = ["drop_file_pages", "main", "make_bench_file"]

@@ -4,7 +4,8 @@ Why: resident mode is only as good as the page cache behind it. Before a run (or
 machine where RAM >= model) an operator wants the file, or just the non-routed tensors and
 the hottest experts of a past run, loaded as fast as the disk allows; wants to see what is
 resident per part of the model; and wants to drop or pin it for experiments. Everything the
-kernel is asked goes through ``pipeline.residency``, the engine the controller uses too.
+kernel is asked goes through ``pipeline.residency`` and ``pipeline.warm``, the engine the
+controller uses too.
 
     python -m tools.warmup MODEL                   # preload the whole file
     python -m tools.warmup MODEL --report --per-expert
@@ -36,12 +37,12 @@ from pipeline.logs import configure_console
 from pipeline.residency import (
     PageLock,
     Residency,
-    WarmEngine,
     coalesce,
     evict,
     lock_pages,
 )
 from pipeline.table import ByteRange, ExpertTable, open_table
+from pipeline.warm import WarmEngine
 
 __all__ = [
     "HotLog",
