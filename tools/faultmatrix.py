@@ -197,16 +197,17 @@ class CaseResult:
         }
 
 
-def case_config(case: FaultCase, model: Path, tokens: int = 6) -> RunConfig:
+def case_config(case: FaultCase, model: Path, tokens: int = 6,
+                backend: str = "host") -> RunConfig:
     """The run a case makes: digest compute (every consumed expert verified), a budget of
     12 of the model's experts per cache, four staging slots, four readers."""
     return RunConfig(model=model, tokens=tokens, budget=Budget(experts=12),
                      mode=case.mode,  # type: ignore[arg-type]
-                     compute=ComputeSpec("digest"), backend="host", faults=case.spec,
+                     compute=ComputeSpec("digest"), backend=backend, faults=case.spec,
                      queue_depth=4, staging_slots=4, chunk_bytes=64 << 10)
 
 
-def run_case(case: FaultCase, model: Path, tokens: int = 6) -> CaseResult:
+def run_case(case: FaultCase, model: Path, tokens: int = 6, backend: str = "host") -> CaseResult:
     """Run one case in this process (its own event loop) and observe it."""
     plan = parse_faults(case.spec)
     summary = RunSummary()
@@ -215,7 +216,8 @@ def run_case(case: FaultCase, model: Path, tokens: int = 6) -> CaseResult:
     t0 = time.perf_counter()
     with observe() as seen:
         try:
-            asyncio.run(run(case_config(case, model, tokens), faults=plan, summary=summary))
+            asyncio.run(run(case_config(case, model, tokens, backend), faults=plan,
+                            summary=summary))
         except MoestreamError as exc:
             exit_code, error = exc.exit_code, str(exc)
             m = _FAILED.match(error)
@@ -249,18 +251,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m tools.faultmatrix", description=__doc__)
     p.add_argument("--model", type=Path, help="model (default: a 4-layer, 16-expert tiny one)")
     p.add_argument("--tokens", type=int, default=6)
+    p.add_argument("--backend", default="host", choices=["host", "cupy"])
     p.add_argument("--json", type=Path, help="also write the results here")
     args = p.parse_args(argv)
     import structlog
 
-    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(40))  # errors only
+    structlog.configure(  # the injected faults' events would drown the table: errors only
+        wrapper_class=structlog.make_filtering_bound_logger(40),
+        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+    )
     with tempfile.TemporaryDirectory() as tmp:
         model = args.model
         if model is None:
             from tools.make_model import spec_for, write_model
 
             model = write_model(spec_for("tiny", layers=4, experts=16), Path(tmp) / "tiny.gguf")
-        results = [run_case(case, model, args.tokens) for case in CASES]
+        results = [run_case(case, model, args.tokens, args.backend) for case in CASES]
     print(markdown(results))
     if args.json is not None:
         args.json.write_text(json.dumps([r.row() for r in results], indent=2) + "\n")
