@@ -1,4 +1,4 @@
-"""Tests for tools.make_trace: calibration to published figures, the generator, the CLI."""
+"""Tests for tools.make_trace and tools.calibrate: calibration, the generator, the CLI."""
 
 from __future__ import annotations
 
@@ -16,17 +16,15 @@ from hypothesis import strategies as st
 from gpu.policy import CacheIndex, LRUPolicy
 from pipeline.errors import UsageError
 from pipeline.trace import Trace, load_trace
-from tools.make_trace import (
+from tools.calibrate import (
     CALIBRATION,
-    PRESETS,
     calibration_table,
     consecutive_overlap,
-    main,
     per_layer_lru_hit_rates,
     shared_lru_hit_rate,
-    synthetic_trace,
     unbounded_hit_rate,
 )
+from tools.make_trace import PRESETS, main, synthetic_trace
 
 POINTS = 0.05
 """How close a synthetic trace must come to a published figure: 5 points."""
