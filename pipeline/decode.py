@@ -26,7 +26,7 @@ from gguf import GGMLQuantizationType
 from gpu.backend import Backend
 from gpu.cache import DeviceCache, Entry
 from pipeline.config import ComputeSpec
-from pipeline.errors import StageError
+from pipeline.errors import MoestreamError, StageError
 from pipeline.streamer import ExpertStreamer, LayerLoad
 from pipeline.table import ExpertTable
 from pipeline.verify import DigestRows
@@ -218,6 +218,8 @@ class Decoder:
             self._cache.drop(entry.key)
         if failures:
             key, error = failures[0][0].key, failures[0][1]
+            if isinstance(error, MoestreamError) and not isinstance(error, StageError):
+                raise error  # e.g. the model file changed: its own class and exit code
             raise StageError(f"layer {key[0]} expert {key[1]}: {error}") from error
         done.synchronize()
         compute_s += time.perf_counter() - t0

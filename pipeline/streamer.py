@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import threading
 import time
 from collections.abc import Sequence
@@ -134,8 +135,12 @@ class ExpertStreamer:
         slot_bytes = max(self.layout((n, 0)).slot_bytes for n in table.layers) + 2 * 4096
         self.faults = faults
         self.reader = ModelReader(table.path, direct=True, faults=faults)
-        self.ring = StagingRing(backend, config.staging_slots, slot_bytes, faults)
-        self.uploader = Uploader(backend, config.upload_streams, faults)
+        try:
+            self.ring = StagingRing(backend, config.staging_slots, slot_bytes, faults)
+            self.uploader = Uploader(backend, config.upload_streams, faults)
+        except BaseException:
+            self.reader.close()  # nobody else holds the streamer yet to close it
+            raise
         self.installer = Installer(cache)
         self._pool = ThreadPoolExecutor(config.queue_depth, thread_name_prefix="moestream-read")
         self._mapping: ModelMapping | None = None
@@ -143,6 +148,7 @@ class ExpertStreamer:
         self._register_stop = threading.Event()
         self._register_again = False
         self._resident_inflight = 0
+        self._staged_jobs: set[_Job] = set()
         self.warm_gate: WarmGate | None = None
         self._resident_idle = asyncio.Event()
         self.mode: IOMode = "direct"
@@ -324,6 +330,7 @@ class ExpertStreamer:
                 # through the page cache into staging; it never waits on a whole window
             t0 = time.perf_counter()
             job.slot = await self.ring.acquire()
+            self._staged_jobs.add(job)
             self._add_time("stage_ms", t0)
             chunks = [
                 (staged, off, n)
@@ -430,6 +437,7 @@ class ExpertStreamer:
         if self.digests is not None and job.digest_row >= 0 and job.error is None:
             self.digests.complete(job.digest_results, job.digest_row, event)
         if job.slot is not None:
+            self._staged_jobs.discard(job)
             self.ring.release(job.slot, event)
         elif counted:
             self._resident_inflight -= 1
@@ -471,8 +479,17 @@ class ExpertStreamer:
     async def aclose(self) -> None:
         """Let in-flight work finish, then release threads, slots, streams and mapping."""
         await self._stop_registering()
-        self._pool.shutdown(wait=True, cancel_futures=True)
+        # joining the readers blocks: do it off the loop, which keeps serving signals and
+        # the workers' last notifications meanwhile
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(
+            None, functools.partial(self._pool.shutdown, wait=True, cancel_futures=True)
+        )
         await asyncio.sleep(0)  # deliver the workers' last notifications
+        for job in list(self._staged_jobs):  # reads dropped by the shutdown never finished
+            assert job.slot is not None
+            self.ring.release(job.slot, None)
+        self._staged_jobs.clear()
         self.uploader.close()
         self.installer.drain()
         self.ring.close()
