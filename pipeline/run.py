@@ -66,6 +66,7 @@ class RunSummary:
     mismatches: int = 0
     peak_device_bytes: int = 0
     budget_bytes: int = 0
+    final_budget_bytes: int = 0
     allocations: int = 0
     frees: int = 0
     mode: str = "direct"
@@ -117,6 +118,7 @@ class RunSummary:
             "mismatches": self.mismatches,
             "peak_device_bytes": self.peak_device_bytes,
             "budget_bytes": self.budget_bytes,
+            "final_budget_bytes": self.final_budget_bytes,
             "allocations": self.allocations,
             "frees": self.frees,
             "stall_ms": round(self.stall_ms, 3),
@@ -242,26 +244,48 @@ async def run(
         summary.exit = str(exc)
         raise
     finally:
-        if controller is not None:
-            await controller.aclose()
-            summary.switches = controller.switches
-            summary.modes = controller.tokens_in_mode
-        if streamer is not None:
-            await streamer.aclose()
-        if cache is not None:
-            c = cache.counters
-            summary.peak_device_bytes = c.peak_device_bytes
-            summary.allocations = c.allocations
-            summary.frees = cache.pool.frees
-            cache.close()
-            summary.frees = cache.pool.frees
-        runlog.emit("run_end", **summary.as_dict(), hit_rate_final=summary.hit_rate)
-        await runlog.aclose()
-        if cfg.record_trace is not None and loop is not None and loop.recorded:
-            experts = np.array([e for e, _ in loop.recorded], dtype=np.int32)
-            weights = np.array([w for _, w in loop.recorded], dtype=np.float32)
-            save_trace(Trace(experts, weights, table.n_experts, "recorded"), cfg.record_trace)
+        # Closing must finish even if the caller cancels again meanwhile: it runs as its own
+        # task, and a second cancellation waits for it before propagating.
+        closing = asyncio.ensure_future(
+            _close(cfg, table, summary, runlog, controller, streamer, cache, loop)
+        )
+        try:
+            await asyncio.shield(closing)
+        except asyncio.CancelledError:
+            await closing
+            raise
     return summary
+
+
+async def _close(
+    cfg: RunConfig,
+    table: ExpertTable,
+    summary: RunSummary,
+    runlog: RunLog,
+    controller: ModeController | None,
+    streamer: ExpertStreamer | None,
+    cache: DeviceCache | None,
+    loop: DecodeLoop | None,
+) -> None:
+    """Release everything the run holds, in order, then write the closing log event."""
+    if controller is not None:
+        await controller.aclose()
+        summary.switches = controller.switches
+        summary.modes = controller.tokens_in_mode
+    if streamer is not None:
+        await streamer.aclose()
+    if cache is not None:
+        summary.peak_device_bytes = cache.counters.peak_device_bytes
+        summary.allocations = cache.counters.allocations
+        summary.final_budget_bytes = cache.budget_bytes  # smaller after a device-OOM shrink
+        cache.close()
+        summary.frees = cache.pool.frees
+    runlog.emit("run_end", **summary.as_dict(), hit_rate_final=summary.hit_rate)
+    await runlog.aclose()
+    if cfg.record_trace is not None and loop is not None and loop.recorded:
+        experts = np.array([e for e, _ in loop.recorded], dtype=np.int32)
+        weights = np.array([w for _, w in loop.recorded], dtype=np.float32)
+        save_trace(Trace(experts, weights, table.n_experts, "recorded"), cfg.record_trace)
 
 
 def _budget_bytes(cfg: RunConfig, table: ExpertTable) -> int:

@@ -96,7 +96,7 @@ _FIELDS: dict[str, frozenset[str]] = {
             "peak_device_bytes", "budget_bytes", "exit",
             # optional, informative
             "evictions", "allocations", "frees", "stall_ms", "compute_ms", "mode", "modes",
-            "switches", "backend", "device", "model", "hit_rate_final",
+            "switches", "backend", "device", "model", "hit_rate_final", "final_budget_bytes",
         }
     ),
 }
