@@ -6,8 +6,8 @@ each token's expert bytes came from (device cache, page cache, storage), how muc
 token's time was spent waiting for I/O, how long each I/O mode was in force and why it
 switched. One log gives a summary table; several give a before/after comparison; ``--csv``
 gives per-interval rows in ds4-bench's column style for spreadsheets; ``--plot`` draws the
-same over time; ``--what-if`` replays the run's accesses under other budgets and policies
-(``tools.whatif``).
+same over time (``tools.plots``); ``--what-if`` replays the run's accesses under other
+budgets and policies (``tools.whatif``).
 
 Usage::
 
@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import csv
 import io
-import itertools
 import json
 import logging
 import math
@@ -41,8 +40,8 @@ from pipeline.errors import MoestreamError, UsageError
 from tools.logread import RunLog, read_log
 from tools.whatif import POLICIES, AccessTrace, WhatIfReport, default_budgets, parse_budget, what_if
 
-__all__ = ["Summary", "compare_table", "interval_rows", "main", "summarize", "summary_table",
-           "write_csv", "write_plots"]
+__all__ = ["STAGE_COLUMNS", "Summary", "compare_table", "interval_rows", "main", "summarize",
+           "summary_table", "write_csv"]
 
 Value = float | int | str | bool | None
 Summary = dict[str, Value]
@@ -50,12 +49,12 @@ Summary = dict[str, Value]
 
 _MB = 1e6
 _GB = 1e9
-_STAGES = ("read_ms", "stage_ms", "upload_ms", "install_ms", "stall_ms", "compute_ms")
+STAGE_COLUMNS = ("read_ms", "stage_ms", "upload_ms", "install_ms", "stall_ms", "compute_ms")
 
 CSV_COLUMNS = (
     "ctx_tokens", "gen_tokens", "gen_tps", "latency_p50_ms", "latency_p95_ms", "hit_rate",
     "hits", "misses", "evictions", "file_mb_per_token", "cache_mb_per_token",
-    "storage_mb_per_token", "storage_gbps", *_STAGES, "stall_share", "mode",
+    "storage_mb_per_token", "storage_gbps", *STAGE_COLUMNS, "stall_share", "mode",
     "ram_available_gb", "cache_live_gb", "run",
 )
 """Columns of ``--csv``, in order (docs/LOG_SCHEMA.md, "Derived CSV columns")."""
@@ -146,7 +145,7 @@ def summarize(run: RunLog) -> Summary:
         "storage_gbps": _ratio(storage_b / _GB, wall_total / 1000.0),
         "stall_share": _ratio(cols.total("stall_ms"), wall_total),
     }
-    for stage in _STAGES:
+    for stage in STAGE_COLUMNS:
         summary[stage] = _ratio(cols.total(stage), n)
     for mode in cols.mode_names:
         summary[f"mode_s.{mode}"] = float(np.nansum(wall[cols.mode_mask(mode)])) / 1000.0
@@ -293,7 +292,7 @@ def interval_rows(run: RunLog, interval: int) -> list[dict[str, Value]]:
             "storage_mb_per_token": sums("storage_bytes") / _MB / counts,
             "storage_gbps": sums("storage_bytes") / _GB / (wall / 1000.0),
             "stall_share": sums("stall_ms") / wall,
-            **{stage: sums(stage) / counts for stage in _STAGES},
+            **{stage: sums(stage) / counts for stage in STAGE_COLUMNS},
         }
     ends = np.append(starts[1:], n)
     rows: list[dict[str, Value]] = []
@@ -344,110 +343,6 @@ def write_csv(path: Path, runs: Sequence[RunLog], interval: int) -> int:
     except OSError as exc:
         raise UsageError(f"{path}: cannot write CSV ({exc.strerror or exc})") from exc
     return count
-
-
-def write_plots(runs: Sequence[RunLog], directory: Path, interval: int) -> list[Path]:
-    """Draw the run(s) over time into PNG files in ``directory``; returns their paths.
-
-    Files: ``latency.png`` (token latency and its interval median), ``hit_rate.png``,
-    ``bytes_per_token.png`` (device cache / page cache / storage, stacked),
-    ``mode_timeline.png`` (mode in force, available RAM, switches) and ``stages.png``
-    (mean ms per token by stage against wall time; stages overlap, so they are lines).
-    Several runs share the line plots and get one panel each in the stacked ones.
-    """
-    # matplotlib is heavy (about a second to import) and optional: import only when asked.
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    try:
-        directory.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise UsageError(f"{directory}: cannot create plot directory ({exc.strerror})") from exc
-    rows = [interval_rows(run, interval) for run in runs]
-    x = [np.array([r["ctx_tokens"] for r in rs], dtype=np.float64) for rs in rows]
-
-    def col(i: int, name: str) -> np.ndarray[Any, np.dtype[np.float64]]:
-        return np.array([np.nan if r[name] is None else r[name] for r in rows[i]],
-                        dtype=np.float64)
-
-    written: list[Path] = []
-
-    def save(fig: Any, name: str) -> None:
-        path = directory / name
-        fig.tight_layout()
-        try:
-            fig.savefig(path, dpi=100)
-        except OSError as exc:
-            raise UsageError(f"{path}: cannot write plot ({exc.strerror})") from exc
-        finally:
-            plt.close(fig)
-        written.append(path)
-
-    fig, ax = plt.subplots(figsize=(10, 4))
-    for i, run in enumerate(runs):
-        wall = run.tokens["wall_ms"]
-        ax.plot(np.arange(wall.size), wall, ",", alpha=0.3, color=f"C{i}")
-        ax.plot(x[i], col(i, "latency_p50_ms"), color=f"C{i}", label=f"{run.name} p50")
-    ax.set(xlabel="token", ylabel="token latency, ms", title="token latency")
-    ax.legend(loc="upper right")
-    save(fig, "latency.png")
-
-    fig, ax = plt.subplots(figsize=(10, 4))
-    for i, run in enumerate(runs):
-        ax.plot(x[i], col(i, "hit_rate"), color=f"C{i}", label=run.name)
-    ax.set(xlabel="token", ylabel="hit rate", ylim=(0, 1.02),
-           title=f"cache hit rate per {interval} tokens")
-    ax.legend(loc="lower right")
-    save(fig, "hit_rate.png")
-
-    fig, axes = plt.subplots(len(runs), 1, figsize=(10, 3.2 * len(runs)), squeeze=False)
-    for i, run in enumerate(runs):
-        storage = col(i, "storage_mb_per_token")
-        page = np.maximum(col(i, "file_mb_per_token") - storage, 0.0)
-        ax = axes[i][0]
-        ax.stackplot(x[i], np.nan_to_num(col(i, "cache_mb_per_token")), np.nan_to_num(page),
-                     np.nan_to_num(storage), labels=["device cache", "page cache", "storage"],
-                     colors=["C2", "C1", "C3"])
-        ax.set(xlabel="token", ylabel="MB per token", title=f"{run.name}: bytes by source")
-        ax.legend(loc="upper right")
-    save(fig, "bytes_per_token.png")
-
-    fig, axes = plt.subplots(len(runs), 1, figsize=(10, 2.8 * len(runs)), squeeze=False)
-    for i, run in enumerate(runs):
-        ax = axes[i][0]
-        codes = run.tokens.mode_codes
-        edges = np.flatnonzero(np.diff(codes)) + 1
-        bounds = [0, *edges.tolist(), codes.size]
-        for a, b in itertools.pairwise(bounds):
-            code = int(codes[a]) if b > a else -1
-            name = run.tokens.mode_names[code] if code >= 0 else "unknown"
-            color = {"direct": "C0", "resident": "C2"}.get(name, "C7")
-            ax.axvspan(a, b, color=color, alpha=0.25, lw=0, label=name)
-        for switch in run.switches:
-            if switch.token is not None:
-                ax.axvline(switch.token, color="k", lw=0.8)
-        ram = run.tokens["ram_available_bytes"] / _GB
-        ax.plot(np.arange(ram.size), ram, color="k", lw=1, label="RAM available")
-        handles, labels = ax.get_legend_handles_labels()
-        unique = dict(zip(labels, handles, strict=True))
-        ax.legend(unique.values(), unique.keys(), loc="upper right")
-        ax.set(xlabel="token", ylabel="RAM available, GB", title=f"{run.name}: I/O mode")
-    save(fig, "mode_timeline.png")
-
-    fig, axes = plt.subplots(len(runs), 1, figsize=(10, 3.2 * len(runs)), squeeze=False)
-    for i, run in enumerate(runs):
-        ax = axes[i][0]
-        for j, stage in enumerate(_STAGES):
-            ax.plot(x[i], col(i, stage), color=f"C{j}", label=stage.removesuffix("_ms"))
-        gen = col(i, "gen_tps")
-        with np.errstate(divide="ignore"):
-            ax.plot(x[i], 1000.0 / gen, "k--", lw=1, label="wall")
-        ax.set(xlabel="token", ylabel="ms per token", title=f"{run.name}: stages")
-        ax.legend(loc="upper right", ncol=4)
-    save(fig, "stages.png")
-    return written
 
 
 def _what_if_for(run: RunLog, budgets: list[str] | None, target: float,
@@ -586,6 +481,9 @@ def _run(args: argparse.Namespace) -> int:
         written["csv_rows"] = write_csv(args.csv, runs, args.interval)
         written["csv"] = str(args.csv)
     if args.plot:
+        # Imported here: tools.plots builds on this module's interval rows.
+        from tools.plots import write_plots
+
         written["plots"] = [str(p) for p in write_plots(runs, args.plot, args.interval)]
     if args.json:
         document: dict[str, Any] = {
