@@ -262,6 +262,8 @@ class ModeController:
             mode, reason = self._decider.decide(readings, self._clock())
             if mode != before:
                 await self._apply(mode, reason, readings)
+            if mode == "direct" and full:
+                await self._size_tier(readings)
 
     async def _apply(
         self, mode: Mode, reason: str, readings: ControllerReadings, *, initial_switch: bool = False
@@ -305,6 +307,19 @@ class ModeController:
             await self.sample(full=False)
         else:
             self.last_ram_available = ram_available_bytes()
+
+    async def _size_tier(self, readings: ControllerReadings) -> None:
+        """Partial residency: in direct mode, keep as many hot experts' pages as the RAM
+        above the margin allows (a host tier, shrunk as available RAM falls)."""
+        set_tier = getattr(self._streamer, "set_tier_bytes", None)
+        if set_tier is None or self._decider is None:
+            return
+        target = max(0, readings.ram_available_bytes - self._decider.thresholds.enter_margin_bytes)
+        before = int(getattr(self._streamer, "tier_bytes", 0))
+        got = await set_tier(target)
+        if abs(got - before) > max(before, got) // 20:
+            self._runlog.emit("host_tier", bytes=got, target_bytes=target,
+                              experts=len(getattr(self._streamer, "tier", ())), token=self.token)
 
     async def _start_warmup(self) -> None:
         """Warm the model's non-resident pages in the background, after decode's reads."""

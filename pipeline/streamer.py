@@ -55,6 +55,8 @@ class WarmGate(Protocol):
 
     def resume(self) -> None: ...
 IOMode = Literal["direct", "resident"]
+JobMode = Literal["direct", "resident", "tier"]
+"""How one expert is read: O_DIRECT, from the mapping, or buffered with pages kept."""
 
 
 @dataclass(slots=True)
@@ -95,7 +97,7 @@ class _Job:
     layout: ExpertLayout
     stream: Stream
     load: LayerLoad
-    mode: IOMode
+    mode: JobMode
     slot: StagingSlot | None = None
     remaining: int = 0
     error: BaseException | None = None
@@ -148,6 +150,9 @@ class ExpertStreamer:
         self._register_stop = threading.Event()
         self._register_again = False
         self._resident_inflight = 0
+        self.tier: frozenset[tuple[int, int]] = frozenset()
+        self.tier_bytes = 0
+        self.miss_counts: dict[tuple[int, int], int] = {}
         self._staged_jobs: set[_Job] = set()
         self.warm_gate: WarmGate | None = None
         self._resident_idle = asyncio.Event()
@@ -244,6 +249,28 @@ class ExpertStreamer:
         mapping.close()
         self.reader.drop_pages()
 
+    async def set_tier_bytes(self, nbytes: int) -> int:
+        """Size the host tier (direct mode): the experts missed most often, up to ``nbytes``
+        of file bytes, are read through the page cache and their pages kept; experts that
+        leave the tier have their pages dropped. Returns the tier's bytes."""
+        ranked = sorted(self.miss_counts, key=self.miss_counts.__getitem__, reverse=True)
+        chosen: list[tuple[int, int]] = []
+        total = 0
+        for key in ranked:
+            size = self._table.slices(key).nbytes
+            if total + size > nbytes:
+                break
+            chosen.append(key)
+            total += size
+        new = frozenset(chosen)
+        left = self.tier - new
+        self.tier, self.tier_bytes = new, total
+        if left:
+            ranges = [r for key in left for r in self._table.slices(key).ranges]
+            loop = asyncio.get_running_loop()
+            await loop.run_in_executor(None, self.reader.drop_ranges, ranges)
+        return total
+
     @property
     def pinned_bytes(self) -> int:
         """Model bytes page-locked by us right now (registered mapping windows)."""
@@ -310,7 +337,11 @@ class ExpertStreamer:
         mode = self.mode
         for entry in load.plan.misses:
             layout = self.layout(entry.key)
-            job = _Job(entry, layout, self.uploader.next_stream(), load, mode)
+            self.miss_counts[entry.key] = self.miss_counts.get(entry.key, 0) + 1
+            # host tier (partial residency): a hot expert is read through the page cache and
+            # its pages kept, the rest stays O_DIRECT
+            job_mode: JobMode = "tier" if mode == "direct" and entry.key in self.tier else mode
+            job = _Job(entry, layout, self.uploader.next_stream(), load, job_mode)
             if self.digests is not None:
                 job.digest_results, job.digest_row = self.digests.reserve(entry.key)
             mapping = self._mapping

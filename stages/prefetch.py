@@ -20,7 +20,7 @@ import errno
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
@@ -32,7 +32,7 @@ import structlog
 from gpu.backend import PAGE, Backend
 from pipeline.errors import ModelChangedError, ModelFileError, ReadError
 from pipeline.residency import libc
-from pipeline.table import ExpertSlices
+from pipeline.table import ByteRange, ExpertSlices
 from stages.faults import FaultPlan
 
 __all__ = [
@@ -308,6 +308,11 @@ class ModelReader:
             raise ModelChangedError(
                 self.path, "replaced by another file while running; the run read only the "
                 "file it opened, and stops rather than decode a model that is gone")
+
+    def drop_ranges(self, ranges: Sequence[ByteRange]) -> None:
+        """Drop the cached pages of these ranges (experts leaving the host tier)."""
+        for r in ranges:
+            os.posix_fadvise(self._buffered_fd, r.offset, r.nbytes, os.POSIX_FADV_DONTNEED)
 
     def drop_pages(self) -> None:
         """Ask the kernel to drop the file's cached pages (those not mapped or locked)."""

@@ -133,3 +133,59 @@ class TestLiveSwitching:
                         compute=ComputeSpec("fixed", 0.2), sample_ms=5.0)
         summary = await run(cfg, sampler=FedSampler(tiny_model.stat().st_size, flip=0))
         assert summary.switches == 0 and summary.mode == "direct"
+
+
+class TierSampler:
+    """Always RAM below the model but above the margin: direct mode with a host tier."""
+
+    def __init__(self, model_bytes: int) -> None:
+        self.model = model_bytes
+
+    def __call__(self, full: bool) -> ControllerReadings:
+        return ControllerReadings(self.model // 2, 256 * GIB, self.model, 0, 0, 0, 0)
+
+
+class TestHostTier:
+    """Partial residency: in direct mode the hottest experts' pages are kept."""
+
+    @pytest.mark.asyncio
+    async def test_tier_forms_and_verifies(self, tiny_model: Path, tmp_path: Path) -> None:
+        log = tmp_path / "run.jsonl"
+        size = tiny_model.stat().st_size
+        cfg = RunConfig(model=tiny_model, tokens=30, budget=Budget(experts=12),
+                        compute=ComputeSpec("fixed", 0.5), backend="host", log=log,
+                        sample_ms=5.0, margin_bytes=size // 8)
+        summary = await run(cfg, sampler=TierSampler(size))
+        assert summary.mismatches == 0 and summary.mode == "direct"
+        tiers = [json.loads(x) for x in log.read_text().splitlines() if "host_tier" in x]
+        assert tiers and all(t["bytes"] <= t["target_bytes"] for t in tiers)
+
+    @pytest.mark.asyncio
+    async def test_hottest_first_and_pages_dropped_on_leaving(
+        self, tiny_model: Path, tiny_table: ExpertTable
+    ) -> None:
+        from gpu.cache import DeviceCache
+        from gpu.host import HostBackend
+        from gpu.kernels import HostKernels
+        from pipeline.streamer import ExpertStreamer
+
+        backend = HostBackend()
+        cache = DeviceCache(backend, 1 << 30, "lru")
+        streamer = ExpertStreamer(RunConfig(model=tiny_model), tiny_table, backend, cache,
+                                  HostKernels())
+        layer = tiny_table.moe_layers[0]
+        one = tiny_table.slices((layer, 0)).nbytes
+        streamer.miss_counts.update({(layer, 1): 5, (layer, 2): 9, (layer, 3): 1})
+        try:
+            assert await streamer.set_tier_bytes(2 * one) == 2 * one
+            assert streamer.tier == {(layer, 1), (layer, 2)}
+            for key in streamer.tier:  # read through the page cache, as the tier does
+                for r in tiny_table.slices(key).ranges:
+                    streamer.reader.read_range(r.offset, r.nbytes)
+            await streamer.set_tier_bytes(one)
+            assert streamer.tier == {(layer, 2)}
+            left = tiny_table.slices((layer, 1)).ranges
+            assert Residency.of_file(tiny_model).resident_bytes(left) < one // 4
+        finally:
+            await streamer.aclose()
+            cache.close()

@@ -80,7 +80,7 @@ class Runner:
             model=self.args.model, tokens=tokens, trace=self.trace, mode=mode,  # type: ignore[arg-type]
             budget=self.budget, compute=ComputeSpec("fixed", self.args.layer_ms),
             backend=self.args.backend, queue_depth=16, chunk_bytes=1 << 20, staging_slots=32,
-            upload_streams=4, log=log, **extra,
+            upload_streams=4, log=log, verify=not self.args.no_verify, **extra,
         )
         t0 = time.perf_counter()
         summary = uvloop.run(run(cfg))
@@ -104,6 +104,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--balloon-after-s", type=float, default=5.0)
     p.add_argument("--balloon-tokens", type=int, default=600)
     p.add_argument("--skip", default="")
+    p.add_argument("--partial-ram", help="RAM the controller may use for the partial-"
+                   "residency runs (below the model, e.g. 20GiB); default: skip them")
+    p.add_argument("--margin", default="2GiB", help="controller margin for those runs")
+    p.add_argument("--no-verify", action="store_true",
+                   help="skip install digests (the host backend computes them on the CPU)")
     p.add_argument("--out", type=Path)
     args = p.parse_args(argv)
     skip = set(filter(None, args.skip.split(",")))
@@ -148,6 +153,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             results["forced_resident"] = _rate([e for e in ev if e["event"] == "token"])
         if "balloon" not in skip:
             results["balloon"] = _balloon(r, args)
+        if args.partial_ram:
+            results["partial"] = _partial(r, args)
     results["figures"] = _figures(results)
     out = args.out or Path("bench/results") / f"controller-{platform.node()}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -203,6 +210,28 @@ def _balloon(r: Runner, args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def _partial(r: Runner, args: argparse.Namespace) -> dict[str, Any]:
+    """RAM below the model: forced direct vs auto (direct plus a host tier of hot experts).
+
+    ``--partial-ram`` is the available RAM the controller should believe in; ``--ram-limit``
+    is derived from the machine's reading so that, alternately, each run starts cold.
+    """
+    vm = psutil.virtual_memory()
+    limit = vm.total - vm.available + parse_size(args.partial_ram)
+    out: dict[str, Any] = {"believed_available_bytes": parse_size(args.partial_ram)}
+    for rnd in range(2):
+        for mode in ("direct", "auto"):
+            drop_caches(args.model)
+            ev = r.run(f"partial_{mode}_{rnd}", mode, args.tokens, ram_limit=limit,
+                       margin_bytes=parse_size(args.margin))
+            tokens = [e for e in ev if e["event"] == "token"]
+            tiers = [e["bytes"] for e in ev if e["event"] == "host_tier"]
+            out.setdefault(mode, []).append(
+                {**_rate(tokens), "modes": sorted({e["mode"] for e in tokens}),
+                 "tier_bytes_last": tiers[-1] if tiers else 0})
+    return out
+
+
 def _step_before(steps: list[dict[str, Any]], switch: dict[str, Any] | None) -> dict[str, Any]:
     """The balloon's last step before the switch to direct: what it held, how long before."""
     if switch is None:
@@ -225,6 +254,14 @@ def _figures(r: dict[str, Any]) -> dict[str, Any]:
     auto = r.get("auto_cold", {}).get("after_warmup", {}).get("tokens_per_s")
     if auto and resident:
         fig["auto_after_warmup_over_resident"] = round(auto / resident, 3)
+    part = r.get("partial")
+    if part:
+        d = sorted(x["tokens_per_s"] for x in part["direct"])
+        a = sorted(x["tokens_per_s"] for x in part["auto"])
+        fig["partial_auto_over_direct"] = round(a[-1] / d[-1], 3) if d[-1] else None
+        fig["partial_storage_ratio"] = round(
+            sum(x["storage_gbps"] / x["tokens_per_s"] for x in part["auto"])
+            / max(1e-9, sum(x["storage_gbps"] / x["tokens_per_s"] for x in part["direct"])), 3)
     b = r.get("balloon")
     if b:
         fig["balloon_switches"] = [s["to"] for s in b["switches"]]

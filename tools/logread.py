@@ -49,7 +49,7 @@ SCHEMA_VERSION = 1
 
 KNOWN_EVENTS = frozenset(
     {"run_start", "token", "layer", "controller_decision", "mode_switch", "run_end",
-     "warmup_start", "warmup_done", "warmup_stopped"}
+     "warmup_start", "warmup_done", "warmup_stopped", "host_tier"}
 )
 """Event types of schema 1."""
 
@@ -89,6 +89,7 @@ _FIELDS: dict[str, frozenset[str]] = {
     "warmup_start": frozenset({"bytes", "token"}),
     "warmup_done": frozenset({"bytes", "seconds", "token"}),
     "warmup_stopped": frozenset({"token"}),
+    "host_tier": frozenset({"bytes", "target_bytes", "experts", "token"}),
     "run_end": frozenset(
         {
             "tokens", "elapsed_s", "tokens_per_s", "hits", "misses", "hit_rate",
@@ -109,6 +110,7 @@ _REQUIRED: dict[str, frozenset[str]] = {
     "warmup_start": _FIELDS["warmup_start"],
     "warmup_done": _FIELDS["warmup_done"],
     "warmup_stopped": _FIELDS["warmup_stopped"],
+    "host_tier": _FIELDS["host_tier"],
     "run_end": frozenset(
         {
             "tokens", "elapsed_s", "tokens_per_s", "hits", "misses", "hit_rate",
