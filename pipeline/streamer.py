@@ -257,7 +257,7 @@ class ExpertStreamer:
         chosen: list[tuple[int, int]] = []
         total = 0
         for key in ranked:
-            size = self._table.slices(key).nbytes
+            size = self._table.expert_bytes(key[0])  # per layer: no per-key objects
             if total + size > nbytes:
                 break
             chosen.append(key)
