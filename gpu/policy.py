@@ -78,6 +78,11 @@ class LRUPolicy:
 class FreqDecayPolicy:
     """Route hotness: exponentially decayed use count, least hot first, LRU on ties.
 
+    The default half-life of 4 tokens was chosen on the calibrated ds4-flash trace (300
+    tokens, one cache over 43 layers): at 1300 / 2522 / 5000 entries it hits 0.434 / 0.521 /
+    0.652 against LRU's 0.423 / 0.519 / 0.653; with 64 tokens, old heat kept new experts
+    out and it fell to 0.168 / 0.331 / 0.620.
+
     A use at token ``t`` adds ``2 ** (t / half_life_tokens)`` to the key's score; comparing
     scores at any later time is then the same as comparing decayed counts. Scores are kept
     as logarithms so they never overflow, in a heap with lazy deletion, so eviction costs
@@ -86,7 +91,7 @@ class FreqDecayPolicy:
 
     __slots__ = ("_heap", "_lambda", "_log_score", "_seq", "_stamp", "_token")
 
-    def __init__(self, half_life_tokens: float = 64.0) -> None:
+    def __init__(self, half_life_tokens: float = 4.0) -> None:
         if half_life_tokens <= 0:
             raise ValueError(f"half_life_tokens must be positive, got {half_life_tokens}")
         self._lambda = math.log(2.0) / half_life_tokens
