@@ -14,6 +14,7 @@ device busy MS milliseconds per layer, like an engine's kernels would.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -78,6 +79,14 @@ class Decoder:
         self._cache = cache
         self._streamer = streamer
         self.stream = backend.new_stream()
+        # array module and stream context, fixed for the run (looked up once, not per layer)
+        self._xp: Any = np
+        self._ctx: Any = contextlib.nullcontext()
+        if backend.name == "cupy":
+            import cupy
+
+            self._xp = cupy
+            self._ctx = getattr(self.stream, "raw", self._ctx)
         layer = next(iter(table.layers.values()))
         f16 = GGMLQuantizationType.F16
         if compute.kind == "real" and not (layer.gate_up_type == f16 and layer.down_type == f16):
@@ -95,11 +104,7 @@ class Decoder:
         rng = np.random.default_rng([seed, 0x5EED])
         x = rng.standard_normal(self._table.hidden).astype(np.float32)
         x /= np.sqrt(np.mean(x * x))
-        if self._backend.name == "cupy":
-            import cupy
-
-            return cupy.asarray(x)
-        return x
+        return self._xp.asarray(x)
 
     @property
     def hidden(self) -> Any:
@@ -168,7 +173,7 @@ class Decoder:
         acc = self._kernels.zeros(self._table.hidden) if self.compute.kind == "real" else None
         compute_s = 0.0
         stall_s = 0.0
-        ctx = self._stream_ctx()
+        ctx = self._ctx
         in_flight = [e for e in load.plan.hits if e.upload is None and e.loaded is not None]
         t0 = time.perf_counter()
         with ctx:
@@ -208,7 +213,7 @@ class Decoder:
         if acc is not None and not failures:
             with ctx:
                 x = self._hidden + acc
-                self._hidden = x / (self._kernels_sqrt_mean_sq(x) + 1e-6)
+                self._hidden = x / (self._xp.sqrt(self._xp.mean(x * x)) + 1e-6)
         done = self.stream.record()
         entries = [*load.plan.hits, *load.plan.misses]
         if prefetched is not None:
@@ -232,20 +237,3 @@ class Decoder:
             stall_ms=stall_s * 1000.0,
             compute_ms=compute_s * 1000.0,
         )
-
-    def _kernels_sqrt_mean_sq(self, x: Any) -> Any:
-        xp: Any = np
-        if self._backend.name == "cupy":
-            import cupy
-
-            xp = cupy
-        return xp.sqrt(xp.mean(x * x))
-
-    def _stream_ctx(self) -> Any:
-        """Make the compute stream current for array code (CuPy); a no-op on the host."""
-        raw = getattr(self.stream, "raw", None)
-        if raw is not None:
-            return raw
-        import contextlib
-
-        return contextlib.nullcontext()

@@ -44,6 +44,7 @@ from pipeline.table import ExpertTable, open_table
 from pipeline.trace import Trace, load_trace, save_trace
 from pipeline.verify import Verifier
 from stages.faults import FaultPlan, parse_faults
+from stages.prefetch import plan_expert
 
 __all__ = ["RunSummary", "build_parser", "config_from_args", "main", "run"]
 
@@ -193,15 +194,13 @@ async def run(
     controller: ModeController | None = None
     try:
         layers = table.moe_layers
-        device_sizes = {layer: 0 for layer in layers}
-        cache_budget = _budget_bytes(cfg, table)
-        # the cache is built after the streamer knows the device layout of an expert
-        from stages.prefetch import plan_expert
-
-        for layer in layers:
-            device_sizes[layer] = plan_expert(table.slices((layer, 0))).device_bytes
+        # device bytes of one expert per layer (256-aligned matrices), as the cache counts them
+        device_sizes = {n: plan_expert(table.slices((n, 0))).device_bytes for n in layers}
         if cfg.budget is not None:
             cache_budget = cfg.budget.resolve(max(device_sizes.values()))
+        else:  # default: every routed expert
+            cache_budget = sum(size * table.layers[n].n_experts
+                               for n, size in device_sizes.items())
         pinned_layers = 1 + {"oracle": cfg.lookahead, "predict": 1}.get(cfg.prefetch, 0)
         min_bytes = pinned_layers * table.top_k * max(device_sizes.values())
         cache = DeviceCache(backend, cache_budget, cfg.policy, min_bytes=min_bytes,
@@ -286,11 +285,6 @@ async def _close(
         experts = np.array([e for e, _ in loop.recorded], dtype=np.int32)
         weights = np.array([w for _, w in loop.recorded], dtype=np.float32)
         save_trace(Trace(experts, weights, table.n_experts, "recorded"), cfg.record_trace)
-
-
-def _budget_bytes(cfg: RunConfig, table: ExpertTable) -> int:
-    """Default budget: every routed expert (plus device alignment padding)."""
-    return table.routed_bytes + len(table.layers) * table.n_experts * 3 * 256
 
 
 def build_parser() -> argparse.ArgumentParser:

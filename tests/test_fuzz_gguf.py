@@ -33,6 +33,7 @@ from hypothesis import strategies as st
 from pipeline.digest import digest_bytes
 from pipeline.errors import ModelFileError, NotGGUFError, TruncatedFileError
 from pipeline.table import ExpertTable, open_table
+from tests.gguf_files import finish_gguf
 
 EXAMPLES = int(os.environ.get("MOESTREAM_FUZZ_EXAMPLES", "150"))
 HANG_S = 5.0  # far above the few milliseconds one open takes; only a hang reaches it
@@ -97,15 +98,7 @@ def _write_base(path: Path) -> Path:
         tensors[f"blk.{layer}.ffn_down_exps.weight"] = down
         for e in range(EXPERTS):
             digests += [digest_bytes(m[e].tobytes()) for m in (gate, up, down)]
-    writer.add_key_value("moestream.expert_digests", digests, GGUFValueType.ARRAY,
-                         sub_type=GGUFValueType.UINT64)
-    for name, array in tensors.items():
-        writer.add_tensor(name, array)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
+    return finish_gguf(writer, path, tensors, digests)
 
 
 @dataclass(frozen=True)

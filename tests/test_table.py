@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as QType
-from gguf import GGUFReader, GGUFValueType, GGUFWriter, ReaderTensor
+from gguf import GGUFReader, GGUFWriter, ReaderTensor
 
 from pipeline.digest import digest_bytes
 from pipeline.errors import (
@@ -28,6 +28,7 @@ from pipeline.errors import (
     TruncatedFileError,
 )
 from pipeline.table import ByteRange, open_table
+from tests.gguf_files import finish_gguf
 from tools.make_model import spec_for, write_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -204,16 +205,7 @@ def _write_gguf(path: Path, tensors: Tensors, meta: dict[str, int] | None = None
     writer = GGUFWriter(path, "deepseek2")
     for key, value in values.items():
         writer.add_uint32(key, value)
-    if digests is not None:
-        writer.add_key_value("moestream.expert_digests", digests, GGUFValueType.ARRAY,
-                             sub_type=GGUFValueType.UINT64)
-    for name, array in tensors.items():
-        writer.add_tensor(name, array)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
+    return finish_gguf(writer, path, tensors, digests)
 
 
 def _surgery(base: Path, out: Path, edit: Callable[[bytearray, GGUFReader], bytes]) -> Path:
