@@ -46,6 +46,8 @@ _log = structlog.get_logger("moestream.controller")
 Mode = Literal["direct", "resident"]
 GIB = 1 << 30
 _TOKEN_SAMPLE_S = 0.05
+_FULL_SAMPLE_S = 2.0
+"""How often the background task also counts the model's resident pages (mincore)."""
 
 
 def default_margin(ram_total_bytes: int) -> int:
@@ -160,7 +162,10 @@ class MachineSampler:
         if self._limit is not None and self._limit < total:
             available = max(0, available - (total - self._limit))
             total = self._limit
-        if full or self._resident < 0:
+        pinned = self._pinned()
+        if pinned >= self._table.file_bytes:
+            self._resident = pinned  # all page-locked: resident, no need to ask mincore
+        elif full or self._resident < 0:
             from pipeline.residency import Residency
 
             self._resident = Residency.of_file(self._table.path).file_resident_bytes
@@ -169,7 +174,7 @@ class MachineSampler:
             ram_total_bytes=total,
             model_bytes=self._table.file_bytes,
             model_resident_bytes=self._resident,
-            pinned_bytes=self._pinned(),
+            pinned_bytes=pinned,
             storage_read_bytes=m.process_read_bytes,
             disk_read_bytes=m.disk_read_bytes,
         )
@@ -242,10 +247,19 @@ class ModeController:
             self._task = asyncio.get_running_loop().create_task(self._watch())
 
     async def _watch(self) -> None:
+        """Sample RAM every period; count resident pages (mincore) only every
+        ``_FULL_SAMPLE_S``: the decision needs available RAM alone (the resident
+        pages are logged, not decided on), and mincore over a 34 GB model takes ~80 ms of
+        a core each time."""
         period = self._cfg.sample_ms / 1000.0
+        last_full = self._clock()
         while True:
             await asyncio.sleep(period)
-            await self.sample(full=True)
+            now = self._clock()
+            full = now - last_full >= _FULL_SAMPLE_S
+            if full:
+                last_full = now
+            await self.sample(full=full)
 
     async def sample(self, *, full: bool = False) -> None:
         """Take a reading and act on it (auto mode); ``full`` runs mincore off the loop."""
@@ -262,7 +276,7 @@ class ModeController:
             mode, reason = self._decider.decide(readings, self._clock())
             if mode != before:
                 await self._apply(mode, reason, readings)
-            if mode == "direct" and full:
+            if mode == "direct":
                 await self._size_tier(readings)
 
     async def _apply(
