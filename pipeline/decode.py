@@ -111,9 +111,12 @@ class Decoder:
         return self._hidden
 
     def set_hidden(self, hidden: Any) -> None:
-        """Start a token from this hidden state (the live router's token embedding)."""
-        if self.compute.kind == "real":
-            self._hidden = hidden
+        """Start a token from this hidden state (the live router's token embedding).
+
+        Only ``real`` compute changes it layer by layer; with ``digest`` or ``fixed`` the
+        live router routes every layer from the embedding itself.
+        """
+        self._hidden = hidden
 
     def take_use_digests(self) -> list[tuple[tuple[int, int], int, int]]:
         """(key, matrix, digest) of every expert consumed since the last call (``digest``)."""

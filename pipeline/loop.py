@@ -40,6 +40,7 @@ class TokenTotals:
     compute_ms: float = 0.0
     predicted: int = 0
     correct: int = 0
+    loaded: int = 0
     wasted_bytes: int = 0
 
 
@@ -126,6 +127,7 @@ class DecodeLoop:
                 guess, guess_load = guesses[i]
                 totals.predicted += len(guess)
                 totals.correct += len(set(guess) & set(experts))
+                totals.loaded += len(guess_load.plan.misses)  # guesses not already cached
                 totals.wasted_bytes += sum(e.nbytes for e in guess_load.plan.misses
                                            if e.key[1] not in experts)
             totals.hits += result.hits
@@ -161,7 +163,8 @@ class DecodeLoop:
             cache_parked_bytes=self._cache.pool.parked_bytes,
             experts=used,
             **({"prefetch": {"predicted": totals.predicted, "correct": totals.correct,
-                             "wasted_bytes": totals.wasted_bytes}} if self._predict else {}),
+                             "loaded": totals.loaded, "wasted_bytes": totals.wasted_bytes}}
+               if self._predict else {}),
         )
         self.storage_bytes = storage
         if self._cfg.record_trace is not None:

@@ -63,6 +63,8 @@ class TestRoutingAndPrefetch:
     @pytest.mark.parametrize("args", [
         ["--router", "live"],
         ["--router", "live", "--prefetch", "predict"],
+        ["--router", "live", "--prefetch", "predict", "--compute", "fixed:0.1"],
+        ["--router", "live", "--compute", "digest"],
         ["--prefetch", "predict", "--mode", "direct"],
     ])
     def test_verified_and_logged(self, capsys: pytest.CaptureFixture[str], tiny_model: Path,
@@ -77,6 +79,7 @@ class TestRoutingAndPrefetch:
         if "predict" in args:
             stats = [e["prefetch"] for e in tokens if e.get("event") == "token"]
             assert all(s["correct"] <= s["predicted"] for s in stats)
+            assert all(s["loaded"] <= s["predicted"] for s in stats)
             assert sum(s["predicted"] for s in stats) > 0
 
     def test_live_routing_round_trips_as_a_trace(self, capsys: pytest.CaptureFixture[str],
