@@ -9,6 +9,7 @@ when the copy has), so every stage and every test runs on machines without a GPU
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager
 from typing import Any, Protocol
 
 import numpy as np
@@ -25,6 +26,7 @@ __all__ = [
     "Stream",
     "aligned_host_array",
     "select_backend",
+    "visible_devices",
 ]
 
 PAGE = 4096
@@ -83,6 +85,8 @@ class Backend(Protocol):
 
     name: str
     device_name: str
+    device: int
+    """This backend's device index (one backend per device of a run)."""
     async_copies: bool
     """True when ``copy_h2d`` only queues the copy (CUDA); False when it copies at once."""
     registers_host: bool
@@ -118,14 +122,34 @@ class Backend(Protocol):
     def synchronize(self) -> None:
         """Wait for the whole device; only at shutdown."""
 
+    def activate(self) -> AbstractContextManager[Any]:
+        """Make this the current device for the calling thread (kernels, streams, arrays)."""
+
+    def adopt(self, arr: Any) -> Any:
+        """A copy on this device of a small array that may live on another device (the
+        activations a layer's devices exchange; a peer copy on GPUs)."""
+
     def close(self) -> None: ...
 
 
-def select_backend(name: str = "auto") -> Backend:
-    """``cupy`` when a CUDA device answers (or when asked), else ``host``.
+def visible_devices(name: str) -> int:
+    """How many devices the backend ``name`` (``host`` or ``cupy``) sees: one host."""
+    if name == "cupy":
+        import cupy
+
+        return int(cupy.cuda.runtime.getDeviceCount())
+    return 1
+
+
+def select_backend(name: str = "auto", device: int = 0) -> Backend:
+    """``cupy`` when a CUDA device answers (or when asked), else ``host``; on ``device``.
+
+    The host backend takes any device index: several host "devices" emulate a multi-GPU
+    run (each with its own buffers, streams and cache) on machines without GPUs.
 
     Raises:
-        UsageError: ``cupy`` was asked for but no CUDA device is usable.
+        UsageError: ``cupy`` was asked for but no CUDA device is usable, or ``device`` is
+            not one of the visible CUDA devices.
     """
     if name not in ("auto", "host", "cupy"):
         raise UsageError(f"unknown backend {name!r} (expected auto, host or cupy)")
@@ -134,10 +158,13 @@ def select_backend(name: str = "auto") -> Backend:
 
         reason = cuda.unavailable_reason()
         if reason is None:
-            return cuda.CupyBackend()
+            count = visible_devices("cupy")
+            if not 0 <= device < count:
+                raise UsageError(f"no CUDA device {device} (this machine has {count})")
+            return cuda.CupyBackend(device)
         if name == "cupy":
             raise UsageError(f"--backend cupy: no usable CUDA device ({reason})")
         _log.info("backend_fallback", backend="host", reason=reason)
     from gpu.host import HostBackend
 
-    return HostBackend()
+    return HostBackend(device)

@@ -132,6 +132,14 @@ class DeviceCache:
         return self._index.live_bytes
 
     @property
+    def device(self) -> int:
+        return self._backend.device
+
+    @property
+    def parked_bytes(self) -> int:
+        return self.pool.parked_bytes
+
+    @property
     def device_bytes(self) -> int:
         """Bytes of device memory held: live entries plus parked buffers."""
         return self._index.live_bytes + self.pool.parked_bytes

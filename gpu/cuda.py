@@ -4,7 +4,12 @@ Device buffers come straight from ``cudaMalloc`` (``cupy.cuda.Memory``), not fro
 memory pool: the cache budget counts every byte, and a pool that keeps freed blocks would
 hide them. Staging buffers come from ``cudaHostAlloc`` (page-aligned, so O_DIRECT can read
 into them). ``register_host`` page-locks a read-only file mapping
-(``cudaHostRegisterReadOnly``) so uploads DMA from the page cache with no CPU copy.
+(``cudaHostRegisterReadOnly``, portable: one registration serves every device) so uploads
+DMA from the page cache with no CPU copy.
+
+One backend drives one device: it makes that device current around everything it creates
+or queues, and ``activate()`` does the same for callers (decode's kernels, upload workers),
+since CUDA's current device is per thread.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from pipeline.errors import DeviceMemoryError, UploadError
 __all__ = ["CupyBackend", "unavailable_reason"]
 
 _log = structlog.get_logger("moestream.gpu")
-_HOST_REGISTER_READ_ONLY = 0x08  # cudaHostRegisterReadOnly
+_HOST_REGISTER_FLAGS = 0x01 | 0x08  # cudaHostRegisterPortable | cudaHostRegisterReadOnly
 
 
 def unavailable_reason() -> str | None:
@@ -128,49 +133,66 @@ class CudaDeviceBuffer:
 
 
 class CupyBackend:
-    """A ``gpu.backend.Backend`` on CUDA device 0 through CuPy."""
+    """A ``gpu.backend.Backend`` on one CUDA device through CuPy."""
 
     name = "cupy"
     async_copies = True
     registers_host = True
 
-    def __init__(self) -> None:
+    def __init__(self, device: int = 0) -> None:
         import cupy
 
         self._cp = cupy
-        props = cupy.cuda.runtime.getDeviceProperties(0)
+        self.device = device
+        props = cupy.cuda.runtime.getDeviceProperties(device)
         raw_name = props["name"]
         self.device_name = raw_name.decode() if isinstance(raw_name, bytes) else str(raw_name)
 
+    def activate(self) -> Any:
+        # a new Device each time: a Device keeps the devices it replaced in a list of its
+        # own, so one shared by threads (upload workers) would restore the wrong one
+        return self._cp.cuda.Device(self.device)
+
     def alloc_host(self, nbytes: int) -> CudaPinned:
-        return CudaPinned(nbytes)
+        with self.activate():
+            return CudaPinned(nbytes)
 
     def alloc_device(self, nbytes: int) -> CudaDeviceBuffer:
-        return CudaDeviceBuffer(nbytes)
+        with self.activate():
+            return CudaDeviceBuffer(nbytes)
 
     def device_free_bytes(self) -> int:
-        free, _total = self._cp.cuda.runtime.memGetInfo()
+        with self.activate():
+            free, _total = self._cp.cuda.runtime.memGetInfo()
         return int(free)
 
     def new_stream(self) -> CudaStream:
-        return CudaStream()
+        with self.activate():
+            return CudaStream()
 
     def copy_h2d(
         self, dst: Any, dst_offset: int, src: npt.NDArray[np.uint8], stream: Any
     ) -> None:
         rt = self._cp.cuda.runtime
         try:
-            rt.memcpyAsync(
-                dst.ptr + dst_offset, src.ctypes.data, src.size, rt.memcpyHostToDevice,
-                stream.raw.ptr,
-            )
+            with self.activate():
+                rt.memcpyAsync(
+                    dst.ptr + dst_offset, src.ctypes.data, src.size, rt.memcpyHostToDevice,
+                    stream.raw.ptr,
+                )
         except Exception as exc:
             raise UploadError(f"host-to-device copy of {src.size} bytes failed: {exc}") from exc
+
+    def adopt(self, arr: Any) -> Any:
+        with self.activate():
+            out = self._cp.empty_like(arr)
+            out.data.copy_from_device(arr.data, arr.nbytes)  # peer copy when arr is elsewhere
+        return out
 
     def register_host(self, array: npt.NDArray[np.uint8]) -> bool:
         try:
             self._cp.cuda.runtime.hostRegister(
-                array.ctypes.data, array.size, _HOST_REGISTER_READ_ONLY
+                array.ctypes.data, array.size, _HOST_REGISTER_FLAGS
             )
         except Exception as exc:
             _log.warning("host_register_refused", nbytes=array.size, reason=str(exc))
@@ -190,7 +212,8 @@ class CupyBackend:
         return result
 
     def synchronize(self) -> None:
-        self._cp.cuda.runtime.deviceSynchronize()
+        with self.activate():
+            self._cp.cuda.runtime.deviceSynchronize()
 
     def close(self) -> None:
         self.synchronize()

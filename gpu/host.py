@@ -8,6 +8,7 @@ exercised for real by the CuPy backend.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import numpy as np
@@ -76,12 +77,15 @@ class HostDeviceBuffer:
 
 
 class HostBackend:
-    """A ``gpu.backend.Backend`` over host memory."""
+    """A ``gpu.backend.Backend`` over host memory; ``device`` numbers an emulated device."""
 
     name = "host"
-    device_name = "host"
     async_copies = False
     registers_host = False
+
+    def __init__(self, device: int = 0) -> None:
+        self.device = device
+        self.device_name = "host" if device == 0 else f"host:{device}"
 
     def alloc_host(self, nbytes: int) -> HostPinned:
         return HostPinned(nbytes)
@@ -115,6 +119,12 @@ class HostBackend:
 
     def synchronize(self) -> None:
         pass
+
+    def activate(self) -> contextlib.nullcontext[None]:
+        return contextlib.nullcontext()
+
+    def adopt(self, arr: Any) -> Any:
+        return np.array(arr, copy=True)
 
     def close(self) -> None:
         pass

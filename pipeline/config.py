@@ -20,6 +20,7 @@ __all__ = [
     "RunConfig",
     "parse_budget",
     "parse_compute",
+    "parse_devices",
     "parse_size",
 ]
 
@@ -80,6 +81,19 @@ class ComputeSpec:
         return f"fixed:{self.layer_ms}" if self.kind == "fixed" else self.kind
 
 
+def parse_devices(text: str) -> tuple[int, ...]:
+    """``0,1`` -> (0, 1).
+
+    Raises:
+        UsageError: not a comma list of device indices.
+    """
+    try:
+        devices = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise UsageError(f"--devices takes device indices like 0,1, not {text!r}") from None
+    return devices
+
+
 def parse_compute(text: str) -> ComputeSpec:
     """``real``, ``digest``, ``fixed`` (0.57 ms per layer) or ``fixed:MS``."""
     if text in ("real", "digest"):
@@ -108,6 +122,8 @@ class RunConfig:
         policy: cache eviction policy (``lru`` or ``freq``).
         compute: what decode does with the experts.
         backend: ``auto``, ``host`` or ``cupy``.
+        devices: device indices to shard the experts over (None: every visible device;
+            on the host backend, indices emulate devices).
         queue_depth: reader threads (reads in flight at once).
         chunk_bytes: largest single read request.
         staging_slots: experts that can be staged in pinned memory at once.
@@ -143,6 +159,7 @@ class RunConfig:
     policy: str = "lru"
     compute: ComputeSpec = field(default_factory=lambda: ComputeSpec("real"))
     backend: str = "auto"
+    devices: tuple[int, ...] | None = None
     queue_depth: int = 8
     chunk_bytes: int = 4 << 20
     staging_slots: int = 16
@@ -184,6 +201,9 @@ class RunConfig:
             (not (self.router == "live" and self.prefetch == "oracle"),
              "--prefetch oracle needs the routing ahead: a trace, not --router live"),
             (self.lookahead >= 0, f"--lookahead must be >= 0, got {self.lookahead}"),
+            (self.devices is None or (len(self.devices) >= 1 and min(self.devices) >= 0
+                                      and len(set(self.devices)) == len(self.devices)),
+             f"--devices must name distinct device indices, got {self.devices}"),
         ]
         for ok, message in checks:
             if not ok:

@@ -317,6 +317,8 @@ class ModeController:
         if now - self._last_sample < _TOKEN_SAMPLE_S:
             return
         self._last_sample = now
+        if self._lock.locked():
+            return  # a switch is under way (a release takes seconds): decode goes on
         if not self.forced:
             await self.sample(full=False)
         else:

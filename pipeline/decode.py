@@ -50,6 +50,25 @@ class LayerResult:
     compute_ms: float
 
 
+class _OnDevice:
+    """Makes the backend's device and the compute stream current (loop thread only)."""
+
+    __slots__ = ("_backend", "_device", "_stream")
+
+    def __init__(self, backend: Backend, stream: Any) -> None:
+        self._backend, self._stream = backend, stream
+        self._device: Any = None
+
+    def __enter__(self) -> None:
+        self._device = self._backend.activate()
+        self._device.__enter__()
+        self._stream.__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        self._stream.__exit__(*exc)
+        self._device.__exit__(*exc)
+
+
 class Decoder:
     """Runs a model's MoE layers over the cache, one token at a time.
 
@@ -61,6 +80,9 @@ class Decoder:
         cache: the device cache.
         streamer: loads misses.
         seed: the initial hidden state's seed.
+        partial: one of several devices: ``run_layer`` leaves its weighted sum of expert
+            outputs in ``partial_sum`` for the combine (``pipeline.shards``) instead of
+            updating the hidden state itself.
     """
 
     def __init__(
@@ -72,21 +94,25 @@ class Decoder:
         cache: DeviceCache,
         streamer: ExpertStreamer,
         seed: int = 0,
+        *,
+        partial: bool = False,
     ) -> None:
         self._table = table
+        self._partial = partial
+        self.partial_sum: Any = None
         self._backend = backend
         self._kernels = kernels
         self._cache = cache
         self._streamer = streamer
         self.stream = backend.new_stream()
-        # array module and stream context, fixed for the run (looked up once, not per layer)
+        # array module and contexts (device, stream), fixed for the run: looked up once
         self._xp: Any = np
         self._ctx: Any = contextlib.nullcontext()
         if backend.name == "cupy":
             import cupy
 
             self._xp = cupy
-            self._ctx = getattr(self.stream, "raw", self._ctx)
+            self._ctx = _OnDevice(backend, self.stream.raw)  # type: ignore[attr-defined]
         layer = next(iter(table.layers.values()))
         f16 = GGMLQuantizationType.F16
         if compute.kind == "real" and not (layer.gate_up_type == f16 and layer.down_type == f16):
@@ -117,6 +143,16 @@ class Decoder:
         live router routes every layer from the embedding itself.
         """
         self._hidden = hidden
+
+    def advance(self, acc: Any) -> None:
+        """The residual step: hidden + the weighted expert outputs, RMS-normalized."""
+        with self._ctx:
+            x = self._hidden + acc
+            self._hidden = x / (self._xp.sqrt(self._xp.mean(x * x)) + 1e-6)
+
+    def take_device_counters(self) -> list[dict[str, Any]] | None:
+        """Per-device counters of the last token: none on one device (the token's own)."""
+        return None
 
     def take_use_digests(self) -> list[tuple[tuple[int, int], int, int]]:
         """(key, matrix, digest) of every expert consumed since the last call (``digest``)."""
@@ -172,7 +208,8 @@ class Decoder:
                 the failed ones dropped from the cache (never installed).
         """
         weight_of = {int(e): float(w) for e, w in zip(experts, weights, strict=True)}
-        per_expert_ms = self.compute.layer_ms / max(1, len(experts))
+        # a layer's fixed time is for its top-k experts, wherever they run
+        per_expert_ms = self.compute.layer_ms / self._table.top_k
         acc = self._kernels.zeros(self._table.hidden) if self.compute.kind == "real" else None
         compute_s = 0.0
         stall_s = 0.0
@@ -213,10 +250,10 @@ class Decoder:
                 self._consume(entry, weight_of[entry.key[1]], acc, per_expert_ms)
             compute_s += time.perf_counter() - t_got
         t0 = time.perf_counter()
-        if acc is not None and not failures:
-            with ctx:
-                x = self._hidden + acc
-                self._hidden = x / (self._xp.sqrt(self._xp.mean(x * x)) + 1e-6)
+        if self._partial:
+            self.partial_sum = acc
+        elif acc is not None and not failures:
+            self.advance(acc)
         done = self.stream.record()
         entries = [*load.plan.hits, *load.plan.misses]
         if prefetched is not None:

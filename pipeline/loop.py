@@ -11,20 +11,68 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any, Protocol
 
-from gpu.cache import DeviceCache
 from pipeline.config import RunConfig
 from pipeline.controller import ModeController
-from pipeline.decode import Decoder
+from pipeline.decode import LayerResult
 from pipeline.logs import RunLog
 from pipeline.machine import process_read_bytes
 from pipeline.routing import LiveRouter, Routing
-from pipeline.streamer import ExpertStreamer, LayerLoad
+from pipeline.streamer import StageTimes
 from pipeline.table import ExpertTable
 from pipeline.verify import Verifier
 
 __all__ = ["DecodeLoop", "TokenTotals"]
+
+Digests = list[tuple[tuple[int, int], int, int]]
+
+
+class Streamer(Protocol):
+    """What the loop uses of one device's ``ExpertStreamer`` or a ``StreamerGroup``."""
+
+    @property
+    def mode(self) -> str: ...
+
+    def start_layer(self, layer: int, experts: Sequence[int]) -> Any: ...
+
+    def start_prefetch(self, layer: int, experts: Sequence[int]) -> Any: ...
+
+    def poll_installs(self) -> None: ...
+
+    def take_digests(self) -> Digests: ...
+
+    def take_times(self) -> StageTimes: ...
+
+
+class Decoding(Protocol):
+    """What the loop uses of a ``Decoder`` or a ``ShardedDecoder``."""
+
+    @property
+    def hidden(self) -> Any: ...
+
+    def set_hidden(self, hidden: Any) -> None: ...
+
+    async def run_layer(self, load: Any, experts: Sequence[int], weights: Sequence[float],
+                        prefetched: Any = None) -> LayerResult: ...
+
+    def take_use_digests(self) -> Digests: ...
+
+    def take_device_counters(self) -> list[dict[str, Any]] | None: ...
+
+
+class Cache(Protocol):
+    """What the loop uses of a ``DeviceCache`` or a ``CacheGroup``."""
+
+    @property
+    def live_bytes(self) -> int: ...
+
+    @property
+    def parked_bytes(self) -> int: ...
+
+    def advance_token(self) -> None: ...
 
 
 @dataclass(slots=True)
@@ -60,9 +108,9 @@ class DecodeLoop:
         table: ExpertTable,
         routing: Routing,
         *,
-        cache: DeviceCache,
-        streamer: ExpertStreamer,
-        decoder: Decoder,
+        cache: Cache,
+        streamer: Streamer,
+        decoder: Decoding,
         verifier: Verifier,
         controller: ModeController,
         runlog: RunLog,
@@ -80,12 +128,12 @@ class DecodeLoop:
         self._ahead = config.lookahead if config.prefetch == "oracle" else 0
         self._predict = config.prefetch == "predict"
         self._end = config.tokens * len(self._layers)
-        self._loads: dict[int, LayerLoad] = {}
+        self._loads: dict[int, Any] = {}  # oracle loads started ahead, by position
         self._read_bytes = process_read_bytes()
         self.storage_bytes = 0
         self.recorded: list[tuple[list[list[int]], list[list[float]]]] = []
 
-    def _start(self, position: int) -> LayerLoad:
+    def _start(self, position: int) -> Any:
         token, i = divmod(position, len(self._layers))
         experts, _ = self._routing.route(token, i, None)
         return self._streamer.start_layer(self._layers[i], experts)
@@ -101,7 +149,7 @@ class DecodeLoop:
         totals = TokenTotals()
         used: list[list[int]] = []
         used_weights: list[list[float]] = []
-        guesses: dict[int, tuple[list[int], LayerLoad]] = {}
+        guesses: dict[int, tuple[list[int], Any]] = {}
         if self._live:
             self._decoder.set_hidden(self._routing.embedding(t))  # type: ignore[attr-defined]
         for i, layer in enumerate(self._layers):
@@ -150,6 +198,7 @@ class DecodeLoop:
         read_bytes = process_read_bytes()
         storage, self._read_bytes = read_bytes - self._read_bytes, read_bytes
         times = self._streamer.take_times()
+        devices = self._decoder.take_device_counters()
         self._runlog.emit(
             "token", token=t, wall_ms=round((time.perf_counter() - t0) * 1000.0, 3),
             read_ms=round(times.read_ms, 3), stage_ms=round(times.stage_ms, 3),
@@ -160,8 +209,9 @@ class DecodeLoop:
             storage_bytes=storage, mode=mode,
             ram_available_bytes=self._controller.last_ram_available,
             cache_live_bytes=self._cache.live_bytes,
-            cache_parked_bytes=self._cache.pool.parked_bytes,
+            cache_parked_bytes=self._cache.parked_bytes,
             experts=used,
+            **({"devices": devices} if devices is not None else {}),
             **({"prefetch": {"predicted": totals.predicted, "correct": totals.correct,
                              "loaded": totals.loaded, "wasted_bytes": totals.wasted_bytes}}
                if self._predict else {}),

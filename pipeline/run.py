@@ -28,10 +28,11 @@ import numpy as np
 import structlog
 import uvloop
 
-from gpu.backend import select_backend
+from gpu.backend import Backend, select_backend, visible_devices
 from gpu.cache import DeviceCache
 from gpu.kernels import make_kernels
-from pipeline.config import RunConfig, parse_budget, parse_compute, parse_size
+from gpu.placement import balanced_placement, split_budget
+from pipeline.config import RunConfig, parse_budget, parse_compute, parse_devices, parse_size
 from pipeline.controller import ModeController, Sampler
 from pipeline.decode import Decoder
 from pipeline.errors import MoestreamError, TraceError, VerificationError
@@ -39,6 +40,7 @@ from pipeline.logs import RunLog, configure_console
 from pipeline.loop import DecodeLoop, TokenTotals
 from pipeline.machine import machine_info
 from pipeline.routing import LiveRouter, Routing, TraceRouting
+from pipeline.shards import CacheGroup, Shard, ShardedDecoder, StreamerGroup
 from pipeline.streamer import ExpertStreamer
 from pipeline.table import ExpertTable, open_table
 from pipeline.trace import Trace, load_trace, save_trace
@@ -80,6 +82,7 @@ class RunSummary:
     stall_ms: float = 0.0
     compute_ms: float = 0.0
     modes: dict[str, int] = field(default_factory=dict)
+    devices: list[dict[str, int]] = field(default_factory=list)
 
     def add(self, totals: TokenTotals, storage_bytes: int, mode: str) -> None:
         """Count one decoded token."""
@@ -131,6 +134,7 @@ class RunSummary:
             "device": self.device,
             "model": self.model,
             "exit": self.exit,
+            "devices": self.devices,
         }
 
 
@@ -150,6 +154,35 @@ def _routing(cfg: RunConfig, table: ExpertTable) -> Trace:
         raise TraceError(f"{cfg.trace}: the trace routes {trace.n_layers} MoE layers, "
                          f"the model has {n_layers}")
     return trace
+
+
+def _backends(cfg: RunConfig) -> list[Backend]:
+    """One backend per device of the run, the home device (the first named) first."""
+    home = select_backend(cfg.backend, cfg.devices[0] if cfg.devices else 0)
+    devices = cfg.devices or tuple(range(visible_devices(home.name)))
+    return [home, *(select_backend(home.name, d) for d in devices[1:])]
+
+
+@dataclass(slots=True)
+class _Parts:
+    """The cache, streamer and decoder the loop and the controller see."""
+
+    cache: Any
+    streamer: Any
+    decoder: Any
+
+
+def _as_one(shards: Sequence[Shard], table: ExpertTable, weights: Sequence[float]) -> _Parts:
+    """One device's own objects; several devices' behind the group classes."""
+    if len(shards) == 1:
+        only = shards[0]
+        return _Parts(only.cache, only.streamer, only.decoder)
+    sizes = {n: (info.n_experts, plan_expert(table.slices((n, 0))).device_bytes)
+             for n, info in table.layers.items() if n in table.moe_layers}
+    placement = balanced_placement(sizes, weights)
+    return _Parts(CacheGroup([s.cache for s in shards]),
+                  StreamerGroup([s.streamer for s in shards], placement),
+                  ShardedDecoder(shards))
 
 
 async def run(
@@ -181,16 +214,17 @@ async def run(
         model = cfg.model
     table = open_table(model)
     trace = _routing(cfg, table) if cfg.router == "trace" else None
-    backend = select_backend(cfg.backend)
-    kernels = make_kernels(backend.name)
+    backends = _backends(cfg)
+    home = backends[0]
     if summary is None:
         summary = RunSummary()
-    summary.backend, summary.device, summary.model = backend.name, backend.device_name, str(model)
+    summary.backend, summary.model = home.name, str(model)
+    summary.device = " + ".join(b.device_name for b in backends)
     runlog = RunLog(cfg.log)
     await runlog.open()
-    streamer: ExpertStreamer | None = None
+    streamers: list[ExpertStreamer] = []
+    caches: list[DeviceCache] = []
     loop: DecodeLoop | None = None
-    cache: DeviceCache | None = None
     controller: ModeController | None = None
     try:
         layers = table.moe_layers
@@ -202,34 +236,50 @@ async def run(
             cache_budget = sum(size * table.layers[n].n_experts
                                for n, size in device_sizes.items())
         pinned_layers = 1 + {"oracle": cfg.lookahead, "predict": 1}.get(cfg.prefetch, 0)
+        # a layer's experts may all live on one device: each holds a layer's worth
         min_bytes = pinned_layers * table.top_k * max(device_sizes.values())
-        cache = DeviceCache(backend, cache_budget, cfg.policy, min_bytes=min_bytes,
-                            faults=faults)
-        streamer = ExpertStreamer(cfg, table, backend, cache, kernels, faults)
-        decoder = Decoder(cfg.compute, table, backend, kernels, cache, streamer, cfg.seed)
-        verifier = Verifier(table, streamer.reader.read_range)
-        controller = ModeController(cfg, table, streamer, runlog, sampler=sampler)
-        summary.budget_bytes = cache.budget_bytes
+        weights = [float(b.device_free_bytes()) for b in backends]
+        shards: list[Shard] = []
+        for backend, budget in zip(backends, split_budget(cache_budget, weights), strict=True):
+            with backend.activate():
+                kernels = make_kernels(backend.name)
+                cache = DeviceCache(backend, budget, cfg.policy, min_bytes=min_bytes,
+                                    faults=faults)
+                caches.append(cache)
+                streamer = ExpertStreamer(cfg, table, backend, cache, kernels, faults,
+                                          primary=streamers[0] if streamers else None)
+                streamers.append(streamer)
+                decoder = Decoder(cfg.compute, table, backend, kernels, cache, streamer,
+                                  cfg.seed, partial=len(backends) > 1)
+            shards.append(Shard(backend, kernels, cache, streamer, decoder))
+        parts = _as_one(shards, table, weights)
+        verifier = Verifier(table, streamers[0].reader.read_range)
+        controller = ModeController(cfg, table, parts.streamer, runlog, sampler=sampler)
+        summary.budget_bytes = sum(c.budget_bytes for c in caches)
         runlog.emit(
             "run_start",
             config=cfg.describe(),
             model={**table.summary(), "expert_bytes": [device_sizes[n] for n in layers]},
-            machine=machine_info(table.path, backend.device_name if backend.name == "cupy"
+            machine=machine_info(table.path, home.device_name if home.name == "cupy"
                                  else None),
-            budget_bytes=cache.budget_bytes,
+            budget_bytes=summary.budget_bytes,
+            devices=[{"device": b.device, "name": b.device_name, "budget_bytes": c.budget_bytes}
+                     for b, c in zip(backends, caches, strict=True)],
             policy=cfg.policy,
-            compute=str(decoder.compute),
-            backend=backend.name,
+            compute=str(shards[0].decoder.compute),
+            backend=home.name,
         )
         await controller.start()  # its first decision follows the header
-        routing: Routing = (TraceRouting(trace) if trace is not None
-                            else LiveRouter(table, backend, cfg.seed))
-        loop = DecodeLoop(cfg, table, routing, cache=cache, streamer=streamer, decoder=decoder,
-                          verifier=verifier, controller=controller, runlog=runlog)
+        with home.activate():
+            routing: Routing = (TraceRouting(trace) if trace is not None
+                                else LiveRouter(table, home, cfg.seed))
+        loop = DecodeLoop(cfg, table, routing, cache=parts.cache, streamer=parts.streamer,
+                          decoder=parts.decoder, verifier=verifier, controller=controller,
+                          runlog=runlog)
         started = time.perf_counter()
         for t in range(cfg.tokens):
             totals = await loop.token(t)
-            summary.add(totals, loop.storage_bytes, streamer.mode)
+            summary.add(totals, loop.storage_bytes, parts.streamer.mode)
             summary.elapsed_s = time.perf_counter() - started  # right even if stopped later
             summary.verified = verifier.verified
             summary.mismatches = verifier.mismatches
@@ -246,7 +296,7 @@ async def run(
         # Closing must finish even if the caller cancels again meanwhile: it runs as its own
         # task, and a second cancellation waits for it before propagating.
         closing = asyncio.ensure_future(
-            _close(cfg, table, summary, runlog, controller, streamer, cache, loop)
+            _close(cfg, table, summary, runlog, controller, streamers, caches, loop)
         )
         try:
             await asyncio.shield(closing)
@@ -262,8 +312,8 @@ async def _close(
     summary: RunSummary,
     runlog: RunLog,
     controller: ModeController | None,
-    streamer: ExpertStreamer | None,
-    cache: DeviceCache | None,
+    streamers: Sequence[ExpertStreamer],
+    caches: Sequence[DeviceCache],
     loop: DecodeLoop | None,
 ) -> None:
     """Release everything the run holds, in order, then write the closing log event."""
@@ -271,14 +321,20 @@ async def _close(
         await controller.aclose()
         summary.switches = controller.switches
         summary.modes = controller.tokens_in_mode
-    if streamer is not None:
+    for streamer in reversed(streamers):  # the home device's, which owns the mapping, last
         await streamer.aclose()
-    if cache is not None:
-        summary.peak_device_bytes = cache.counters.peak_device_bytes
-        summary.allocations = cache.counters.allocations
-        summary.final_budget_bytes = cache.budget_bytes  # smaller after a device-OOM shrink
+    for cache in caches:
+        final_budget = cache.budget_bytes  # smaller after a device-OOM shrink
         cache.close()
-        summary.frees = cache.pool.frees
+        c = cache.counters
+        summary.devices.append({"device": cache.device, "budget_bytes": final_budget,
+                                "peak_device_bytes": c.peak_device_bytes,
+                                "allocations": c.allocations, "frees": c.frees})
+    # several devices: each one's peak is within its own budget; the sum bounds the total
+    summary.peak_device_bytes = sum(d["peak_device_bytes"] for d in summary.devices)
+    summary.allocations = sum(d["allocations"] for d in summary.devices)
+    summary.frees = sum(d["frees"] for d in summary.devices)
+    summary.final_budget_bytes = sum(d["budget_bytes"] for d in summary.devices)
     runlog.emit("run_end", **summary.as_dict(), hit_rate_final=summary.hit_rate)
     await runlog.aclose()
     if cfg.record_trace is not None and loop is not None and loop.recorded:
@@ -303,6 +359,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compute", default="real",
                    help="real (SwiGLU on F16 experts), digest, or fixed:MS per layer (real)")
     p.add_argument("--backend", default="auto", choices=["auto", "host", "cupy"])
+    p.add_argument("--devices", help="devices to shard the experts over, e.g. 0,1 (default: "
+                   "every visible GPU; with --backend host, indices emulate devices)")
     p.add_argument("--queue-depth", type=int, default=8, help="reads in flight (8)")
     p.add_argument("--chunk", default="4MiB", help="largest read request (4MiB)")
     p.add_argument("--staging-slots", type=int, default=16, help="pinned staging slots (16)")
@@ -340,6 +398,7 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         policy=args.policy,
         compute=parse_compute(args.compute),
         backend=args.backend,
+        devices=parse_devices(args.devices) if args.devices else None,
         queue_depth=args.queue_depth,
         chunk_bytes=parse_size(args.chunk),
         staging_slots=args.staging_slots,

@@ -117,6 +117,9 @@ class ExpertStreamer:
         kernels: decode kernels (used here for install-time verification digests).
         faults: injected faults for the reader, staging ring and uploader (tests and
             ``--inject`` only); None injects nothing.
+        primary: on a run over several devices, the first device's streamer: it owns the
+            model mapping (registered once, portable, for every device), and this one
+            borrows it in resident mode.
     """
 
     def __init__(
@@ -127,8 +130,10 @@ class ExpertStreamer:
         cache: DeviceCache,
         kernels: Any,
         faults: FaultPlan | None = None,
+        primary: ExpertStreamer | None = None,
     ) -> None:
         self._cfg = config
+        self._primary = primary
         self._table = table
         self._backend = backend
         self._cache = cache
@@ -191,6 +196,13 @@ class ExpertStreamer:
         """
         if mode == self.mode:
             return
+        if self._primary is not None:  # the mapping is the primary's: switched around us
+            if mode == "direct":
+                self.mode = "direct"
+                await self._resident_drained()
+            else:
+                self.mode = "resident"
+            return
         if mode == "resident":
             if self._mapping is None:
                 self._mapping = ModelMapping(self._table.path, self._backend)
@@ -202,13 +214,17 @@ class ExpertStreamer:
             return
         self.mode = "direct"
         await self._stop_registering()
-        while self._resident_inflight:
-            self._resident_idle.clear()
-            await self._resident_idle.wait()
+        await self._resident_drained()
         mapping, self._mapping = self._mapping, None
         if mapping is not None:
             loop = asyncio.get_running_loop()
             await loop.run_in_executor(None, self._release, mapping)
+
+    async def _resident_drained(self) -> None:
+        """Wait until no load reads from the mapping on a worker (host backend)."""
+        while self._resident_inflight:
+            self._resident_idle.clear()
+            await self._resident_idle.wait()
 
     def register_resident(self) -> None:
         """Register, in the background, every mapping window whose pages are all resident.
@@ -287,7 +303,7 @@ class ExpertStreamer:
 
     @property
     def mapping(self) -> ModelMapping | None:
-        return self._mapping
+        return self._primary.mapping if self._primary is not None else self._mapping
 
     # -- verification -----------------------------------------------------------------------
 
@@ -342,8 +358,10 @@ class ExpertStreamer:
                 raise
 
     async def _launch_misses(self, load: LayerLoad) -> None:
-        mode = self.mode
         for entry in load.plan.misses:
+            # read per miss: a switch to direct during this launch (it awaits slots) must
+            # not send later misses to a mapping that is being released
+            mode = self.mode
             layout = self.layout(entry.key)
             self.miss_counts[entry.key] = self.miss_counts.get(entry.key, 0) + 1
             # host tier (partial residency): a hot expert is read through the page cache and
@@ -352,7 +370,7 @@ class ExpertStreamer:
             job = _Job(entry, layout, self.uploader.next_stream(), load, job_mode)
             if self.digests is not None:
                 job.digest_results, job.digest_row = self.digests.reserve(entry.key)
-            mapping = self._mapping
+            mapping = self.mapping
             if mode == "resident" and mapping is not None:
                 if not self._backend.registers_host:
                     # host backend: the mapping is read directly, on a worker
@@ -429,7 +447,7 @@ class ExpertStreamer:
         """Worker (host backend): copy an expert straight from the page-cache mapping."""
         event: Event | None = None
         try:
-            mapping = self._mapping
+            mapping = self.mapping
             if mapping is None:
                 raise StageError("resident load started after the mapping was closed")
             t0 = time.perf_counter()
@@ -463,7 +481,8 @@ class ExpertStreamer:
                     job.entry.buffer, ranges, job.digest_results, job.digest_row, stream
                 )
 
-        event = self.uploader.upload(job.entry, pieces, job.stream, digest)
+        with self._backend.activate():  # workers: CUDA's current device is per thread
+            event = self.uploader.upload(job.entry, pieces, job.stream, digest)
         self._add_time("upload_ms", t0)
         return event
 

@@ -1,0 +1,294 @@
+"""Several devices as one: each device owns a share of the experts, and the run sees one
+streamer, one decoder and one cache.
+
+A ``Shard`` is one device's full pipeline: its backend, cache (its part of the budget),
+streamer (reader pool, staging ring, upload streams) and decoder (compute stream). A
+placement (``gpu.placement``) names the device of every (layer, expert); a layer's experts
+load and run where they live, concurrently, and their outputs are combined on the first
+device (the home), which keeps the hidden state: each other device's weighted sum of its
+experts' outputs is copied over (a few KiB, a peer copy on GPUs), added, and the new hidden
+state is copied back to every device for the next layer.
+
+The group classes offer what the decode loop, the controller and ``pipeline.run`` use of a
+single device's objects, so a one-device run uses those objects themselves, unchanged.
+Resident mode maps the model once: the home streamer owns the mapping (registered portable,
+for every device) and the others borrow it; so entering resident switches the home first,
+and leaving switches it last.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from gpu.backend import Backend
+from gpu.cache import DeviceCache, LayerPlan
+from gpu.placement import Placement
+from pipeline.decode import Decoder, LayerResult
+from pipeline.streamer import ExpertStreamer, IOMode, LayerLoad, StageTimes, WarmGate
+from stages.prefetch import ModelReader
+
+__all__ = ["CacheGroup", "DeviceCounters", "Shard", "ShardedDecoder", "ShardedLoad",
+           "StreamerGroup"]
+
+
+@dataclass(slots=True)
+class Shard:
+    """One device's part of the run."""
+
+    backend: Backend
+    kernels: Any
+    cache: DeviceCache
+    streamer: ExpertStreamer
+    decoder: Decoder
+
+
+@dataclass(slots=True)
+class ShardedLoad:
+    """A layer in flight on every device: each device's load, and the merged plan."""
+
+    plan: LayerPlan
+    parts: list[LayerLoad]
+
+
+@dataclass(slots=True)
+class DeviceCounters:
+    """One device's share of a token (the token event's ``devices`` list)."""
+
+    hits: int = 0
+    misses: int = 0
+    file_bytes: int = 0
+    stall_ms: float = 0.0
+    compute_ms: float = 0.0
+
+    def add(self, r: LayerResult) -> None:
+        self.hits += r.hits
+        self.misses += r.misses
+        self.file_bytes += r.file_bytes
+        self.stall_ms += r.stall_ms
+        self.compute_ms += r.compute_ms
+
+
+def _merged(parts: Sequence[LayerLoad]) -> LayerPlan:
+    plan = LayerPlan()
+    for part in parts:
+        plan.hits += part.plan.hits
+        plan.misses += part.plan.misses
+        plan.evicted += part.plan.evicted
+    return plan
+
+
+class StreamerGroup:
+    """Every device's streamer behind one: loads split by placement, modes switched in order.
+
+    Args:
+        streamers: one per device, the home (mapping owner) first.
+        placement: (layer, expert) -> index into ``streamers``.
+    """
+
+    def __init__(self, streamers: Sequence[ExpertStreamer], placement: Placement) -> None:
+        self._all = list(streamers)
+        self._place = placement
+
+    def _split(self, layer: int, experts: Sequence[int]) -> list[list[int]]:
+        parts: list[list[int]] = [[] for _ in self._all]
+        for e in experts:
+            parts[self._place((layer, int(e)))].append(int(e))
+        return parts
+
+    def start_layer(self, layer: int, experts: Sequence[int]) -> ShardedLoad:
+        loads = [s.start_layer(layer, part)
+                 for s, part in zip(self._all, self._split(layer, experts), strict=True)]
+        return ShardedLoad(_merged(loads), loads)
+
+    def start_prefetch(self, layer: int, experts: Sequence[int]) -> ShardedLoad:
+        loads = [s.start_prefetch(layer, part)
+                 for s, part in zip(self._all, self._split(layer, experts), strict=True)]
+        return ShardedLoad(_merged(loads), loads)
+
+    @property
+    def mode(self) -> IOMode:
+        return self._all[0].mode
+
+    @property
+    def reader(self) -> ModelReader:
+        return self._all[0].reader
+
+    @property
+    def pinned_bytes(self) -> int:
+        return self._all[0].pinned_bytes  # one mapping, registered once
+
+    @property
+    def warm_gate(self) -> WarmGate | None:
+        return self._all[0].warm_gate
+
+    @warm_gate.setter
+    def warm_gate(self, gate: WarmGate | None) -> None:
+        for s in self._all:
+            s.warm_gate = gate
+
+    @property
+    def tier_bytes(self) -> int:
+        return sum(s.tier_bytes for s in self._all)
+
+    @property
+    def tier(self) -> frozenset[tuple[int, int]]:
+        return frozenset().union(*(s.tier for s in self._all))
+
+    async def set_mode(self, mode: IOMode) -> None:
+        home, others = self._all[0], self._all[1:]
+        if mode == "resident":
+            await home.set_mode(mode)
+        for s in others:
+            await s.set_mode(mode)
+        if mode == "direct":
+            await home.set_mode(mode)
+
+    def register_resident(self) -> None:
+        self._all[0].register_resident()
+
+    async def set_tier_bytes(self, nbytes: int) -> int:
+        """Each device's tier gets an equal share (the placement balances bytes)."""
+        share = nbytes // len(self._all)
+        return sum([await s.set_tier_bytes(share) for s in self._all])
+
+    def poll_installs(self) -> None:
+        for s in self._all:
+            s.poll_installs()
+
+    def take_digests(self) -> list[tuple[tuple[int, int], int, int]]:
+        return [d for s in self._all for d in s.take_digests()]
+
+    def take_times(self) -> StageTimes:
+        total = StageTimes()
+        for s in self._all:
+            total.add(s.take_times())
+        return total
+
+    async def aclose(self) -> None:
+        for s in reversed(self._all):  # the home, which owns the mapping, last
+            await s.aclose()
+
+
+class ShardedDecoder:
+    """Runs each layer on the devices its experts live on and combines on the home device.
+
+    Args:
+        shards: one per device, the home first; their decoders made with ``partial=True``.
+    """
+
+    def __init__(self, shards: Sequence[Shard]) -> None:
+        self._shards = list(shards)
+        self._home = self._shards[0].decoder
+        self.compute = self._home.compute
+        self.counters = [DeviceCounters() for _ in self._shards]
+
+    @property
+    def hidden(self) -> Any:
+        return self._home.hidden
+
+    def set_hidden(self, hidden: Any) -> None:
+        self._home.set_hidden(hidden)
+        for shard in self._shards[1:]:
+            shard.decoder.set_hidden(None if hidden is None else shard.backend.adopt(hidden))
+
+    def take_use_digests(self) -> list[tuple[tuple[int, int], int, int]]:
+        return [d for s in self._shards for d in s.decoder.take_use_digests()]
+
+    def take_device_counters(self) -> list[dict[str, Any]]:
+        out = [{"device": s.backend.device, "hits": c.hits, "misses": c.misses,
+                "file_bytes": c.file_bytes, "stall_ms": round(c.stall_ms, 3),
+                "compute_ms": round(c.compute_ms, 3),
+                "cache_live_bytes": s.cache.live_bytes}
+               for s, c in zip(self._shards, self.counters, strict=True)]
+        self.counters = [DeviceCounters() for _ in self._shards]
+        return out
+
+    async def run_layer(
+        self,
+        load: ShardedLoad,
+        experts: Sequence[int],
+        weights: Sequence[float],
+        prefetched: ShardedLoad | None = None,
+    ) -> LayerResult:
+        """Every device with work in this layer (experts, or guesses to release) runs its
+        part concurrently; then the partial sums are combined on the home device.
+
+        Raises:
+            StageError (or the failed device's own error): after every device finished
+                its part, so no device keeps pins or loads of this layer.
+        """
+        weight_of = {int(e): float(w) for e, w in zip(experts, weights, strict=True)}
+        runs = []
+        used = []
+        for i, (shard, part) in enumerate(zip(self._shards, load.parts, strict=True)):
+            guess = prefetched.parts[i] if prefetched is not None else None
+            mine = [e.key[1] for e in (*part.plan.hits, *part.plan.misses)]
+            if not mine and (guess is None or not guess.plan.misses):
+                continue
+            runs.append(shard.decoder.run_layer(part, mine, [weight_of[e] for e in mine],
+                                                guess))
+            used.append(i)
+        results = await asyncio.gather(*runs, return_exceptions=True)
+        for r in results:
+            if isinstance(r, BaseException):
+                raise r
+        merged = LayerResult(0, 0, 0, 0, 0, 0.0, 0.0)
+        for i, r in zip(used, results, strict=True):
+            assert isinstance(r, LayerResult)
+            self.counters[i].add(r)
+            merged.hits += r.hits
+            merged.misses += r.misses
+            merged.evictions += r.evictions
+            merged.file_bytes += r.file_bytes
+            merged.cache_bytes += r.cache_bytes
+            merged.stall_ms = max(merged.stall_ms, r.stall_ms)  # the devices waited together
+            merged.compute_ms = max(merged.compute_ms, r.compute_ms)
+        self._combine(used)
+        return merged
+
+    def _combine(self, used: Sequence[int]) -> None:
+        home = self._shards[0].backend
+        total: Any = None
+        for i in used:
+            part = self._shards[i].decoder.partial_sum
+            if part is None:
+                continue  # digest or fixed compute: no hidden state to carry
+            part = part if i == 0 else home.adopt(part)
+            total = part if total is None else total + part
+        if total is None:
+            return
+        self._home.advance(total)
+        hidden = self._home.hidden
+        for shard in self._shards[1:]:
+            shard.decoder.set_hidden(shard.backend.adopt(hidden))
+
+
+class CacheGroup:
+    """Every device's cache, summed for the loop's log and the run's summary."""
+
+    def __init__(self, caches: Sequence[DeviceCache]) -> None:
+        self.caches = list(caches)
+
+    def advance_token(self) -> None:
+        for c in self.caches:
+            c.advance_token()
+
+    @property
+    def live_bytes(self) -> int:
+        return sum(c.live_bytes for c in self.caches)
+
+    @property
+    def parked_bytes(self) -> int:
+        return sum(c.parked_bytes for c in self.caches)
+
+    @property
+    def budget_bytes(self) -> int:
+        return sum(c.budget_bytes for c in self.caches)
+
+    def close(self) -> None:
+        for c in self.caches:
+            c.close()
+
