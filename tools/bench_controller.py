@@ -203,7 +203,12 @@ def _balloon(r: Runner, args: argparse.Namespace) -> dict[str, Any]:
         "switches": [{"to": s["to"], "token": s["token"], "took_ms": s.get("took_ms"),
                       "reason": s["reason"], "t": _ts(s)} for s in switches],
         "balloon_full_t": full,
-        "switch_after_balloon_full_s": round(_ts(to_direct) - full, 3)
+        # the switch event is written once the release (unregister, unmap, drop) is done;
+        # the decision came took_ms earlier (negative: before the balloon was full)
+        "switch_logged_after_balloon_full_s": round(_ts(to_direct) - full, 3)
+        if to_direct is not None and full is not None else None,
+        "switch_decided_after_balloon_full_s":
+            round(_ts(to_direct) - to_direct.get("took_ms", 0.0) / 1000.0 - full, 3)
         if to_direct is not None and full is not None else None,
         "phases": {k: _rate(v) for k, v in phases.items()},
         **_step_before(steps, to_direct),
@@ -233,15 +238,16 @@ def _partial(r: Runner, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _step_before(steps: list[dict[str, Any]], switch: dict[str, Any] | None) -> dict[str, Any]:
-    """The balloon's last step before the switch to direct: what it held, how long before."""
+    """The balloon's last step before the decision to switch to direct: what it held, and
+    how long before the decision (the event is logged after the release, took_ms later)."""
     if switch is None:
         return {}
-    t = _ts(switch)
+    t = _ts(switch) - switch.get("took_ms", 0.0) / 1000.0
     before = [s for s in steps if "held_bytes" in s and s["t"] <= t]
     if not before:
         return {}
     return {"held_bytes_at_switch": before[-1]["held_bytes"],
-            "switch_after_last_step_s": round(t - before[-1]["t"], 3)}
+            "decision_after_last_step_s": round(t - before[-1]["t"], 3)}
 
 
 def _figures(r: dict[str, Any]) -> dict[str, Any]:
