@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device lease, every GPU figure: GPU tests, the pipeline bench, the controller bench,
-# the warm-up bench and the prefetch bench. Writes everything under $OUT. Usage (on the GPU
-# machine, repo root; the tree arrives there without .git, so pass the commit being measured):
+# the warm-up bench and the prefetch bench (Q2 trace runs, then live-router runs on a
+# temporary F16 model when 20 GiB of disk are free). Writes everything under $OUT. Usage (on
+# the GPU machine, repo root; the tree arrives there without .git, so pass the commit):
 #   MOESTREAM_COMMIT=<sha> bash bench/gpu_session.sh [pipeline,controller,warmup,prefetch,tests]
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>/dev/null
@@ -30,7 +31,23 @@ if [[ $steps == *warmup* ]]; then
     --out $OUT/warmup-h200.json > $OUT/warmup-h200.log 2>&1; tail -8 $OUT/warmup-h200.log
 fi
 if [[ $steps == *prefetch* ]]; then
-  # 3 direct runs of 24 tokens (~2.6 tok/s at disk speed) and 4 resident runs of 96 tokens
-  timeout 200 python3 -m tools.bench_prefetch --model $M --backend cupy \
+  # Whole step <= 240 s. Q2, trace routing: 3 direct runs of 24 tokens (~3 tok/s at disk
+  # speed) and 4 resident runs of 96 tokens, ~65 s.
+  timeout 90 python3 -m tools.bench_prefetch --model $M --backend cupy \
     --out $OUT/prefetch-h200.json > $OUT/prefetch-h200.log 2>&1; tail -20 $OUT/prefetch-h200.log
+  # Live router with real compute needs F16 experts: ds4-flash-f16, 8 layers x 48 experts
+  # (~18.4 GiB, ~18 s at ~1.1 GB/s); live none + predict, direct 12 tokens (48 MiB misses at
+  # ~1.3 GB/s) and resident 64 tokens, ~75 s. SIGINT lets make_model remove its temp file.
+  F=$PWD/bench-f16.gguf
+  free_gib=$(df -BG --output=avail "$PWD" | tail -1 | tr -dc 0-9)
+  if (( free_gib >= 20 )); then
+    timeout -s INT -k 5 40 python3 -m tools.make_model $F --preset ds4-flash-f16 --layers 8 \
+      --experts 48 --force > $OUT/make-f16.log 2>&1 \
+      && timeout 110 python3 -m tools.bench_prefetch --live-only --live-model $F \
+        --backend cupy --out $OUT/prefetch-live-h200.json > $OUT/prefetch-live-h200.log 2>&1
+    tail -1 $OUT/make-f16.log; tail -12 $OUT/prefetch-live-h200.log 2>/dev/null
+    rm -f $F $PWD/.bench-f16.gguf.*.tmp
+  else
+    echo "prefetch live: skipped, ${free_gib} GiB free (needs 20)" | tee $OUT/prefetch-live-h200.log
+  fi
 fi

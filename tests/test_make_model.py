@@ -16,6 +16,7 @@ from gguf import GGUFReader, ReaderTensor, quants
 
 from pipeline.digest import digest_bytes
 from pipeline.errors import ModelFileError, UsageError
+from pipeline.table import open_table
 from tools import make_model
 from tools.make_model import PRESETS, ModelSpec, ensure_default_model, main, spec_for, write_model
 
@@ -88,6 +89,15 @@ class TestSpecs:
         spec = PRESETS["ds4-flash-q4"]
         assert spec.matrix_bytes == (int(4.5 * MiB),) * 3
         assert spec.expert_bytes == int(13.5 * MiB)
+
+    def test_f16_sizes(self) -> None:
+        spec = PRESETS["ds4-flash-f16"]
+        q2 = PRESETS["ds4-flash-q2"]
+        assert spec.expert_bytes == 3 * 4096 * 2048 * 2 == 48 * MiB
+        assert spec.gate_up_type == spec.down_type == QType.F16
+        shape = ("n_layers", "leading_dense", "hash_routed", "n_experts", "top_k", "hidden",
+                 "expert_ffn")
+        assert [getattr(spec, f) for f in shape] == [getattr(q2, f) for f in shape]
 
     def test_tiny_shape(self) -> None:
         spec = PRESETS["tiny"]
@@ -200,6 +210,27 @@ class TestWrittenFile:
             assert values.size == spec.hidden * spec.expert_ffn
             assert np.isfinite(values).all()
             assert 0 < np.abs(values).max() < 100
+
+
+class TestF16Preset:
+    """A scaled-down ds4-flash-f16 file opens as an expert table with F16 experts and a
+    router: what real compute and the live router need."""
+
+    def test_opens_with_f16_experts_and_a_router(self, tmp_path: Path) -> None:
+        # 4 layers is the fewest with a router (the first 3 MoE layers are hash-routed);
+        # 2 experts keep the file at ~0.6 GiB (48 MiB experts and shared experts)
+        spec = spec_for("ds4-flash-f16", layers=4, experts=2)
+        table = open_table(write_model(spec, tmp_path / "f16.gguf"))
+        assert table.moe_layers == [0, 1, 2, 3] and table.hash_routed == 3
+        assert (table.n_experts, table.top_k, table.hidden) == (2, 2, 4096)
+        for n, layer in table.layers.items():
+            assert layer.gate_up_type == layer.down_type == QType.F16
+            assert layer.expert_bytes == 48 * MiB and layer.shape == (4096, 2048)
+            assert (layer.router is not None) == (n >= 3)
+        router = table.layers[3].router
+        assert router is not None and router.type_name == QType.F32.name
+        assert router.nbytes == 2 * 4096 * 4
+        assert table.digests is not None
 
 
 class TestDeterminism:

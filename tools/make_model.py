@@ -6,6 +6,8 @@ model to a 34 GiB benchmark file, without shipping or downloading weights. The f
 real GGUF (header, KV and tensor info written by ``gguf.GGUFWriter``), named as llama.cpp
 names DeepSeek tensors, and hold deterministic random expert bytes: F16 values of a small
 magnitude (so compute can run a real SwiGLU) or valid quantized blocks with finite scales.
+Presets: ``tiny`` (F16), ``ds4-flash-q2`` and ``ds4-flash-q4`` (the quantizations people
+run) and ``ds4-flash-f16`` (the same shape with 48 MiB F16 experts, for real-compute runs).
 
 ``moestream.expert_digests`` holds one ``pipeline.digest.digest_bytes`` per (MoE layer,
 expert, matrix in order gate, up, down), so a run can prove that what compute consumed is
@@ -130,6 +132,10 @@ PRESETS: dict[str, ModelSpec] = {
                               QType.IQ2_XXS, QType.Q2_K),
     "ds4-flash-q4": ModelSpec("ds4-flash-q4", 43, 0, 3, 256, 6, 4096, 2048,
                               QType.Q4_K, QType.Q4_K),
+    # F16 experts (48 MiB each): the only type real compute (SwiGLU) runs on, so the only
+    # ds4-shaped model whose hidden state, and so live routing, changes layer by layer.
+    "ds4-flash-f16": ModelSpec("ds4-flash-f16", 43, 0, 3, 256, 6, 4096, 2048,
+                               QType.F16, QType.F16),
 }
 
 
