@@ -7,7 +7,9 @@ token's time was spent waiting for I/O, how long each I/O mode was in force and 
 switched. One log gives a summary table; several give a before/after comparison; ``--csv``
 gives per-interval rows in ds4-bench's column style for spreadsheets; ``--plot`` draws the
 same over time (``tools.plots``); ``--what-if`` replays the run's accesses under other
-budgets and policies (``tools.whatif``).
+budgets and policies (``tools.whatif``). A run over several devices also gets a per-device
+table: each device's hits, file bytes, stall, budget and peak, and how evenly the file
+bytes were spread.
 
 Usage::
 
@@ -40,8 +42,8 @@ from pipeline.errors import MoestreamError, UsageError
 from tools.logread import RunLog, read_log
 from tools.whatif import POLICIES, AccessTrace, WhatIfReport, default_budgets, parse_budget, what_if
 
-__all__ = ["STAGE_COLUMNS", "Summary", "compare_table", "interval_rows", "main", "summarize",
-           "summary_table", "write_csv"]
+__all__ = ["STAGE_COLUMNS", "Summary", "compare_table", "device_balance", "device_rows",
+           "device_table", "interval_rows", "main", "summarize", "summary_table", "write_csv"]
 
 Value = float | int | str | bool | None
 Summary = dict[str, Value]
@@ -256,6 +258,136 @@ def compare_table(summaries: Sequence[Summary]) -> str:
         row += list(changes[0]) if pair else [pct for _, pct in changes]
         rows.append(row)
     return _table(rows)
+
+
+def _device_order(run: RunLog) -> list[int]:
+    """Devices as run_start lists them (home first), then any only the tokens or run_end name."""
+    order: list[int] = [d.device for d in run.header.devices] if run.header else []
+    ended = [d.device for d in run.end.devices] if run.end else []
+    for device in [*run.tokens.devices, *ended]:
+        if device not in order:
+            order.append(device)
+    return order
+
+
+def _has_devices(run: RunLog) -> bool:
+    return bool(run.tokens.devices) or (run.header is not None and len(run.header.devices) > 1)
+
+
+def device_rows(run: RunLog) -> list[dict[str, Value]]:
+    """Per-device figures of a run over several devices; empty for a one-device log.
+
+    Token figures (hits, misses, file bytes, stall and compute per token) come from the
+    tokens' ``devices`` lists, budget from ``run_start.devices`` and peak, allocations and
+    frees from ``run_end.devices``; a figure whose source is absent is None.
+    ``file_share`` is the device's part of the file bytes of all devices (what its misses,
+    and prefetches, read); ``peak_within_budget`` compares the peak with the budget at the
+    start (a device out-of-memory can shrink the budget later: ``final_budget_bytes``).
+    """
+    if not _has_devices(run):
+        return []
+    cols = run.tokens
+    starts = {d.device: d for d in run.header.devices} if run.header else {}
+    ends = {d.device: d for d in run.end.devices} if run.end else {}
+    file_all = sum(cols.device_total(d, "file_bytes") for d in cols.devices)
+    rows: list[dict[str, Value]] = []
+    for device in _device_order(run):
+        start, end = starts.get(device), ends.get(device)
+        row: dict[str, Value] = {"device": device, "name": start.name if start else None}
+        if device in cols.devices:
+            tokens = int(np.count_nonzero(~np.isnan(cols.devices[device]["hits"])))
+            hits, misses, file_b = (cols.device_total(device, k)
+                                    for k in ("hits", "misses", "file_bytes"))
+            row.update({
+                "tokens": tokens, "hits": int(hits), "misses": int(misses),
+                "hit_rate": _ratio(hits, hits + misses), "file_bytes": int(file_b),
+                "file_share": _ratio(file_b, file_all),
+                "stall_ms_per_token": _ratio(cols.device_total(device, "stall_ms"), tokens),
+                "compute_ms_per_token": _ratio(cols.device_total(device, "compute_ms"),
+                                               tokens),
+            })
+        else:
+            row.update(dict.fromkeys(("tokens", "hits", "misses", "hit_rate", "file_bytes",
+                                      "file_share", "stall_ms_per_token",
+                                      "compute_ms_per_token")))
+        budget = start.budget_bytes if start else None
+        peak = end.peak_device_bytes if end else None
+        row.update({
+            "budget_bytes": budget,
+            "final_budget_bytes": end.budget_bytes if end else None,
+            "peak_device_bytes": peak,
+            "peak_within_budget": None if budget is None or peak is None else peak <= budget,
+            "allocations": end.allocations if end else None,
+            "frees": end.frees if end else None,
+        })
+        rows.append(row)
+    return rows
+
+
+def device_balance(rows: Sequence[dict[str, Value]]) -> float | None:
+    """Largest device file bytes over the devices' mean (1.0: even); None without data."""
+    read = [float(r["file_bytes"]) for r in rows if isinstance(r["file_bytes"], int)]
+    if not read:
+        return None
+    return _ratio(max(read), sum(read) / len(read))
+
+
+def _cell(value: Value, digits: int, scale: float = 1.0) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return "yes" if value else "NO"
+    if isinstance(value, str):
+        return value
+    if isinstance(value, int) and scale == 1.0:
+        return f"{value:,}"
+    return f"{value / scale:,.{digits}f}"
+
+
+def device_table(run: RunLog) -> str:
+    """The per-device section of a run over several devices ("" for one device).
+
+    One row per device and a ``run`` row with the run's own totals (token lines, run_start,
+    run_end) for comparison: hits, misses and file bytes of the devices add up to it; stall
+    and compute do not, since on every layer the devices wait and compute together.
+    """
+    rows = device_rows(run)
+    if not rows:
+        return ""
+    balance = device_balance(rows)
+    table = [["device", "name", "hits", "misses", "hit rate", "file GB", "file share",
+              "stall ms/token", "compute ms/token", "budget GB", "peak GB", "peak <= budget"]]
+    for r in rows:
+        table.append([str(r["device"]), _cell(r["name"], 0), _cell(r["hits"], 0),
+                      _cell(r["misses"], 0), _cell(r["hit_rate"], 4),
+                      _cell(r["file_bytes"], 3, _GB), _cell(r["file_share"], 3),
+                      _cell(r["stall_ms_per_token"], 2), _cell(r["compute_ms_per_token"], 2),
+                      _cell(r["budget_bytes"], 3, _GB), _cell(r["peak_device_bytes"], 3, _GB),
+                      _cell(r["peak_within_budget"], 0)])
+    cols, end = run.tokens, run.end
+    n = len(cols)
+    hits, misses = cols.total("hits"), cols.total("misses")
+    budget = run.header.budget_bytes if run.header else None
+    peak = end.peak_device_bytes if end else None
+    table.append(["run", "-", _cell(int(hits), 0), _cell(int(misses), 0),
+                  _cell(_ratio(hits, hits + misses), 4),
+                  _cell(cols.total("file_bytes"), 3, _GB), "-",
+                  _cell(_ratio(cols.total("stall_ms"), n), 2),
+                  _cell(_ratio(cols.total("compute_ms"), n), 2),
+                  _cell(budget, 3, _GB), _cell(peak, 3, _GB),
+                  _cell(None if budget is None or peak is None else peak <= budget, 0)])
+    title = (f"devices: {len(rows)}; file bytes balance (max/mean)"
+             f" {_cell(balance, 3)}\n")
+    notes = ["run stall and compute ms/token: per layer the slowest device's, so not the sum"]
+    for r in rows:
+        final, start = r["final_budget_bytes"], r["budget_bytes"]
+        if isinstance(final, int) and isinstance(start, int) and final != start:
+            notes.append(f"device {r['device']}: budget {_size(start)} at the start,"
+                         f" {_size(final)} at the end")
+        if r["allocations"] is not None and r["allocations"] != r["frees"]:
+            notes.append(f"device {r['device']}: {r['allocations']} allocations,"
+                         f" {_cell(r['frees'], 0)} frees")
+    return title + _table(table) + "".join(f"  {note}\n" for note in notes)
 
 
 def _mode_label(codes: np.ndarray[Any, Any], names: tuple[str, ...]) -> str:
@@ -487,7 +619,8 @@ def _run(args: argparse.Namespace) -> int:
         written["plots"] = [str(p) for p in write_plots(runs, args.plot, args.interval)]
     if args.json:
         document: dict[str, Any] = {
-            "runs": [{**s, "lines": run.counts.as_dict(), "problems": list(run.problems)}
+            "runs": [{**s, "lines": run.counts.as_dict(), "problems": list(run.problems),
+                      **_devices_json(run)}
                      for s, run in zip(summaries, runs, strict=True)],
             "what_if": [what_if_json(r, run) for r, run in zip(reports, runs, strict=False)],
             **written,
@@ -496,12 +629,19 @@ def _run(args: argparse.Namespace) -> int:
         return 0
     if len(runs) == 1:
         out.write(summary_table(summaries[0], runs[0]))
+        devices = device_table(runs[0])
+        if devices:
+            out.write("\n" + devices)
     else:
         out.write(compare_table(summaries))
         for run in runs:
             notes = _notes(run)
             if notes:
                 out.write(f"{run.name}:\n{notes}")
+        for run in runs:
+            devices = device_table(run)
+            if devices:
+                out.write(f"\n{run.name}:\n{devices}")
     for report, run in zip(reports, runs, strict=False):
         out.write("\n" + what_if_text(run, report))
     if "csv" in written:
@@ -509,6 +649,12 @@ def _run(args: argparse.Namespace) -> int:
     for plot in written.get("plots", []):
         out.write(f"wrote {plot}\n")
     return 0
+
+
+def _devices_json(run: RunLog) -> dict[str, Any]:
+    """``devices`` and ``device_balance`` for a run's JSON entry; nothing for one device."""
+    rows = device_rows(run)
+    return {"devices": rows, "device_balance": device_balance(rows)} if rows else {}
 
 
 def _json_default(value: object) -> object:

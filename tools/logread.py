@@ -29,10 +29,13 @@ import structlog
 from pipeline.errors import TraceError
 
 __all__ = [
+    "DEVICE_COLUMNS",
     "KNOWN_EVENTS",
     "SCHEMA_VERSION",
     "TOKEN_COLUMNS",
     "ControllerDecision",
+    "DeviceEnd",
+    "DeviceStart",
     "LineCounts",
     "ModeSwitch",
     "RunEnd",
@@ -78,11 +81,26 @@ TOKEN_COLUMNS: tuple[str, ...] = (
 
 _PREFETCH_COLUMNS = ("predicted", "correct", "wasted_bytes")
 
+DEVICE_COLUMNS: tuple[str, ...] = (
+    "hits",
+    "misses",
+    "file_bytes",
+    "stall_ms",
+    "compute_ms",
+    "cache_live_bytes",
+)
+"""Numeric fields of one entry of a ``token`` line's ``devices`` list, one column each."""
+
+# The tuples ``_Reader._devices`` collects, in this order; ``row`` is the token line's index.
+_DEVICE_ROW = ("row", "device", *DEVICE_COLUMNS)
+_DEVICE_SUMS = ("hits", "misses", "file_bytes")  # per token, the devices' add up to these
+
 _FIELDS: dict[str, frozenset[str]] = {
     "run_start": frozenset(
-        {"config", "model", "machine", "budget_bytes", "policy", "compute", "backend"}
+        {"config", "model", "machine", "budget_bytes", "policy", "compute", "backend",
+         "devices"}
     ),
-    "token": frozenset(TOKEN_COLUMNS) | {"mode", "experts", "prefetch", "per_device"},
+    "token": frozenset(TOKEN_COLUMNS) | {"mode", "experts", "prefetch", "devices"},
     "layer": frozenset({"token", "layer", "hits", "misses", "read_ms", "stall_ms"}),
     "controller_decision": frozenset({"mode", "readings", "reason", "token"}),
     "mode_switch": frozenset({"from", "to", "reason", "readings", "token", "took_ms"}),
@@ -98,6 +116,7 @@ _FIELDS: dict[str, frozenset[str]] = {
             # optional, informative
             "evictions", "allocations", "frees", "stall_ms", "compute_ms", "mode", "modes",
             "switches", "backend", "device", "model", "hit_rate_final", "final_budget_bytes",
+            "devices",
         }
     ),
 }
@@ -151,6 +170,49 @@ def _mapping(value: object) -> Mapping[str, Any]:
     return value if isinstance(value, dict) else {}
 
 
+def _device_objects(value: object) -> list[Mapping[str, Any]]:
+    """The entries of a ``devices`` list that are objects with an int ``device``."""
+    if not isinstance(value, list):
+        return []
+    return [entry for entry in value
+            if isinstance(entry, dict) and _int_or_none(entry.get("device")) is not None]
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceStart:
+    """One entry of ``run_start.devices``: one device of the run.
+
+    Attributes:
+        device: the device index (as ``--devices`` named it).
+        name: the backend's name for it (``host:1``, ``NVIDIA H200``), if logged.
+        budget_bytes: this device's share of the expert-cache budget.
+    """
+
+    device: int
+    name: str | None
+    budget_bytes: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceEnd:
+    """One entry of ``run_end.devices``; ``None`` fields were absent or of the wrong type.
+
+    Attributes:
+        device: the device index.
+        budget_bytes: this device's budget at the end (smaller than at the start after a
+            device out-of-memory shrink).
+        peak_device_bytes: highest cache entries + parked bytes seen on this device.
+        allocations: device buffer allocations.
+        frees: device buffer frees.
+    """
+
+    device: int
+    budget_bytes: int | None
+    peak_device_bytes: int | None
+    allocations: int | None
+    frees: int | None
+
+
 @dataclass(frozen=True, slots=True)
 class RunHeader:
     """What ``run_start`` says about the run, the model and the machine.
@@ -168,6 +230,8 @@ class RunHeader:
         config: the run's options, free-form.
         machine: the ``machine`` object, free-form.
         ts: when the run started (ISO 8601 string), if logged.
+        devices: the run's devices (``run_start.devices``) in the writer's order, the home
+            device first; one on a one-device run, empty in logs that predate the field.
     """
 
     model_path: str | None
@@ -182,6 +246,7 @@ class RunHeader:
     config: Mapping[str, Any]
     machine: Mapping[str, Any]
     ts: str | None
+    devices: tuple[DeviceStart, ...] = ()
 
     @classmethod
     def from_event(cls, obj: Mapping[str, Any]) -> RunHeader:
@@ -200,6 +265,14 @@ class RunHeader:
             config=_mapping(obj.get("config")),
             machine=_mapping(obj.get("machine")),
             ts=_str_or_none(obj.get("ts")),
+            devices=tuple(
+                DeviceStart(
+                    device=entry["device"],
+                    name=_str_or_none(entry.get("name")),
+                    budget_bytes=_int_or_none(entry.get("budget_bytes")),
+                )
+                for entry in _device_objects(obj.get("devices"))
+            ),
         )
 
 
@@ -236,7 +309,11 @@ class ModeSwitch:
 
 @dataclass(frozen=True, slots=True)
 class RunEnd:
-    """The ``run_end`` line; ``None`` fields were absent or of the wrong type."""
+    """The ``run_end`` line; ``None`` fields were absent or of the wrong type.
+
+    ``devices`` holds the per-device entries, one per device of the run (empty in logs
+    that predate the field).
+    """
 
     tokens: int | None
     elapsed_s: float | None
@@ -252,6 +329,7 @@ class RunEnd:
     peak_device_bytes: int | None
     budget_bytes: int | None
     exit: str | None
+    devices: tuple[DeviceEnd, ...] = ()
 
     @classmethod
     def from_event(cls, obj: Mapping[str, Any]) -> RunEnd:
@@ -274,6 +352,16 @@ class RunEnd:
             peak_device_bytes=_int_or_none(obj.get("peak_device_bytes")),
             budget_bytes=_int_or_none(obj.get("budget_bytes")),
             exit=_str_or_none(obj.get("exit")),
+            devices=tuple(
+                DeviceEnd(
+                    device=entry["device"],
+                    budget_bytes=_int_or_none(entry.get("budget_bytes")),
+                    peak_device_bytes=_int_or_none(entry.get("peak_device_bytes")),
+                    allocations=_int_or_none(entry.get("allocations")),
+                    frees=_int_or_none(entry.get("frees")),
+                )
+                for entry in _device_objects(obj.get("devices"))
+            ),
         )
 
 
@@ -289,14 +377,17 @@ class TokenColumns:
         mode_names: the distinct modes, in order of first appearance.
         experts: ``(tokens, layers, width)`` expert ids, -1 padded (width is ``top_k``
             unless some list was longer; absent or short lists leave -1).
-        per_device: device -> {"hits", "misses", "live_bytes" (last seen)} totals.
+        devices: device index -> one float64 column per name in ``DEVICE_COLUMNS``, one row
+            per token like ``values``, from the tokens' ``devices`` lists (runs over several
+            devices); NaN where a token had no entry for that device. Devices in order of
+            first appearance (the home device first); empty for one-device and older logs.
     """
 
     values: Mapping[str, FloatArray]
     mode_codes: npt.NDArray[np.int8]
     mode_names: tuple[str, ...]
     experts: npt.NDArray[np.int32]
-    per_device: Mapping[str, Mapping[str, int]]
+    devices: Mapping[int, Mapping[str, FloatArray]]
 
     def __len__(self) -> int:
         return int(self.mode_codes.shape[0])
@@ -310,6 +401,11 @@ class TokenColumns:
     def total(self, name: str) -> float:
         """Sum of a column, ignoring NaN (0.0 for an empty or all-NaN column)."""
         column = self.values[name]
+        return float(np.nansum(column)) if column.size else 0.0
+
+    def device_total(self, device: int, name: str) -> float:
+        """Sum of one device's column, ignoring NaN (0.0 for an empty or all-NaN column)."""
+        column = self.devices[device][name]
         return float(np.nansum(column)) if column.size else 0.0
 
     def mode_mask(self, mode: str) -> npt.NDArray[np.bool_]:
@@ -493,7 +589,8 @@ class _Reader:
         self.prefetch_rows: list[tuple[Any, ...]] = []
         self.prefetch_seen = False
         self.layer_rows: list[tuple[Any, ...]] = []
-        self.per_device: dict[str, dict[str, int]] = {}
+        self.device_rows: list[tuple[Any, ...]] = []
+        self.bad_device_entries = 0
         self.problems: list[str] = []
         self.ragged_tokens = 0
         self._size_hint = size_hint
@@ -528,6 +625,7 @@ class _Reader:
         elif event == "run_start":
             self.header = RunHeader.from_event(obj)
             self._check_header(self.header)
+            self._check_device_list(event, obj, self.header.devices)
         elif event == "controller_decision":
             self.decisions.append(
                 ControllerDecision(
@@ -551,6 +649,17 @@ class _Reader:
             )
         elif event == "run_end":
             self.end = RunEnd.from_event(obj)
+            self._check_device_list(event, obj, self.end.devices)
+
+    def _check_device_list(self, event: str, obj: Mapping[str, Any], kept: tuple[Any, ...]) -> None:
+        devices = obj.get("devices")
+        if devices is None:
+            return
+        given = len(devices) if isinstance(devices, list) else 1
+        if given != len(kept):
+            self._problem(
+                f"{event}: {given - len(kept)} devices entries are not objects with an int device"
+            )
 
     def _check_header(self, header: RunHeader) -> None:
         if len(header.expert_bytes) != len(header.moe_layers):
@@ -576,29 +685,63 @@ class _Reader:
         else:
             row = (math.nan, math.nan, math.nan)
         self.prefetch_rows.append(row)
-        devices = obj.get("per_device")
-        if isinstance(devices, list):
-            self._per_device(devices)
+        devices = obj.get("devices")
+        if devices is not None:
+            self._devices(devices)
 
     def _shape_text(self) -> str:
         if self.header is None:
             return "the expected"
         return f"{len(self.header.moe_layers)} x top-{self.header.top_k}"
 
-    def _per_device(self, devices: list[Any]) -> None:
+    def _devices(self, devices: object) -> None:
+        # Like ``prefetch``: keep raw tuples now, turn them into columns once in ``build``;
+        # device ids are checked there, vectorized.
+        if not isinstance(devices, list):
+            self.bad_device_entries += 1
+            return
+        row = len(self.token_rows) - 1
+        nan = math.nan
         for entry in devices:
-            if not isinstance(entry, dict):
-                continue
-            totals = self.per_device.setdefault(
-                str(entry.get("device")), {"hits": 0, "misses": 0, "live_bytes": 0}
-            )
-            for name in ("hits", "misses"):
-                value = _int_or_none(entry.get(name))
-                if value is not None:
-                    totals[name] += value
-            live = _int_or_none(entry.get("live_bytes"))
-            if live is not None:
-                totals["live_bytes"] = live
+            if isinstance(entry, dict):
+                get = entry.get  # spelled out: a generator here costs a third of the read
+                self.device_rows.append(
+                    (row, get("device", nan), get("hits", nan), get("misses", nan),
+                     get("file_bytes", nan), get("stall_ms", nan), get("compute_ms", nan),
+                     get("cache_live_bytes", nan))
+                )
+            else:
+                self.bad_device_entries += 1
+
+    def _device_columns(self, tokens: int) -> dict[int, dict[str, FloatArray]]:
+        """Scatter the collected entries into one column set per device."""
+        if not self.device_rows:
+            if self.bad_device_entries:
+                self._problem(f"{self.bad_device_entries} token devices entries are not objects")
+            return {}
+        table = _float_columns(self.device_rows, _DEVICE_ROW)
+        rows = table["row"].astype(np.int64)
+        ids = table["device"]
+        valid = np.isfinite(ids) & (ids == np.round(ids))
+        bad = self.bad_device_entries + int((~valid).sum())
+        if bad:
+            self._problem(f"{bad} token devices entries without an int device")
+        seen, first = np.unique(ids[valid], return_index=True)
+        out: dict[int, dict[str, FloatArray]] = {}
+        duplicated = 0
+        for device in seen[np.argsort(first)].tolist():
+            mask = ids == device
+            picked = rows[mask]
+            duplicated += picked.size - np.unique(picked).size
+            columns: dict[str, FloatArray] = {}
+            for name in DEVICE_COLUMNS:
+                column = np.full(tokens, math.nan, dtype=np.float64)
+                column[picked] = table[name][mask]  # a repeated entry: the last one counts
+                columns[name] = column
+            out[int(device)] = columns
+        if duplicated:
+            self._problem(f"{duplicated} token devices entries repeat a device of their token")
+        return out
 
     def build(self) -> RunLog:
         values = _float_columns(self.token_rows, TOKEN_COLUMNS)
@@ -623,7 +766,7 @@ class _Reader:
             mode_codes=codes,
             mode_names=tuple(names),
             experts=experts,
-            per_device=self.per_device,
+            devices=self._device_columns(len(self.modes)),
         )
         self._check_tokens(tokens)
         return RunLog(
@@ -661,6 +804,23 @@ class _Reader:
                 self._problem(f"{int(outside.sum())} expert ids >= n_experts")
         if self.ragged_tokens:
             self._problem(f"{self.ragged_tokens} tokens with experts of an unexpected shape")
+        if tokens.devices:
+            self._check_devices(tokens)
+
+    def _check_devices(self, tokens: TokenColumns) -> None:
+        """Per token, the devices' hits, misses and file bytes add up to the token's."""
+        present = np.zeros(len(tokens), dtype=bool)
+        for columns in tokens.devices.values():
+            present |= ~np.isnan(columns["hits"])
+        for name in _DEVICE_SUMS:
+            summed = np.nansum([c[name] for c in tokens.devices.values()], axis=0)
+            logged = tokens[name]
+            differs = np.flatnonzero(present & ~np.isnan(logged) & (summed != logged))
+            if differs.size:
+                self._problem(
+                    f"{differs.size} tokens have devices' {name} that do not add up to the"
+                    f" token's (first: token {int(tokens['token'][differs[0]])})"
+                )
 
 
 def _float_columns(rows: list[tuple[Any, ...]], names: tuple[str, ...]) -> dict[str, FloatArray]:
