@@ -51,16 +51,16 @@ class LayerResult:
 
 
 class _OnDevice:
-    """Makes the backend's device and the compute stream current (loop thread only)."""
+    """Makes the backend's device and the compute stream current. Used on the loop thread
+    only, never nested, so one device context serves every layer."""
 
-    __slots__ = ("_backend", "_device", "_stream")
+    __slots__ = ("_device", "_stream")
 
     def __init__(self, backend: Backend, stream: Any) -> None:
-        self._backend, self._stream = backend, stream
-        self._device: Any = None
+        self._device: Any = backend.activate()
+        self._stream = stream
 
     def __enter__(self) -> None:
-        self._device = self._backend.activate()
         self._device.__enter__()
         self._stream.__enter__()
 

@@ -12,6 +12,7 @@ from pipeline.config import Budget, ComputeSpec, RunConfig
 from pipeline.controller import (
     ControllerReadings,
     MachineSampler,
+    ModeController,
     ModeDecider,
     Thresholds,
     default_margin,
@@ -189,3 +190,49 @@ class TestHostTier:
         finally:
             await streamer.aclose()
             cache.close()
+
+
+class RegisterCounter:
+    """A streamer stand-in that counts the controller's register passes."""
+
+    def __init__(self) -> None:
+        self.mode = "direct"
+        self.registers = 0
+        self.warm_gate: object = None
+
+    async def set_mode(self, mode: str) -> None:
+        self.mode = mode
+
+    def register_resident(self) -> None:
+        self.registers += 1
+
+
+class TestBackgroundWarmup:
+    """Resident mode warms what is missing and registers windows as the warm-up goes."""
+
+    @pytest.mark.asyncio
+    async def test_registers_during_warmup(self, tiny_model: Path, tiny_table: ExpertTable,
+                                           tmp_path: Path,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+        import pipeline.controller as controller_module
+        from pipeline.logs import RunLog
+
+        size = tiny_model.stat().st_size
+        monkeypatch.setattr(controller_module, "_REGISTER_EVERY", size // 4)
+        evict(tiny_model)
+        log = tmp_path / "ctl.jsonl"
+        runlog = RunLog(log)
+        await runlog.open()
+        streamer = RegisterCounter()
+        cfg = RunConfig(model=tiny_model, mode="resident")
+        ctl = ModeController(cfg, tiny_table, streamer, runlog,
+                             sampler=FedSampler(size, flip=10**6))
+        await ctl.start()
+        assert ctl._warm_task is not None
+        await ctl._warm_task
+        await ctl.aclose()
+        await runlog.aclose()
+        events = [json.loads(x)["event"] for x in log.read_text().splitlines()]
+        assert "warmup_done" in events
+        assert streamer.registers >= 3  # during the warm-up, then once at its end
+        assert Residency.of_file(tiny_model).file_resident_bytes == size

@@ -40,27 +40,13 @@ from pipeline.run import RunSummary, run
 from pipeline.table import ExpertTable, open_table
 from pipeline.trace import Trace, save_trace
 from stages.prefetch import aligned_cover, iter_chunks
+from tools.benchkit import drop_caches, make_resident
 from tools.results import git_commit, write_result
 
 __all__ = ["main"]
 
 GB = 1e9
 MIB = 1 << 20
-
-
-def drop_caches(path: Path) -> None:
-    """Make the next read of ``path`` come from storage."""
-    os.sync()
-    try:
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-    except OSError:
-        pass
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
 
 
 def sweep_trace(n_layers: int, n_experts: int, top_k: int, n_tokens: int, start: int) -> Trace:
@@ -323,6 +309,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         cyc = 2 * args.sweep_tokens
         if "warm" not in skip:
             print("warm (file in page cache):", flush=True)
+            results["warm_file"] = _phase("make_resident", {},
+                                          lambda: make_resident(table.path))
             _phase("page_cache_read_gbps", ref, lambda: raw_read_gbps(
                 table.path, ranges_other, args.queue_depth, args.chunk_mib * MIB, direct=False))
             if gpu:

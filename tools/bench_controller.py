@@ -31,11 +31,11 @@ from typing import Any
 import psutil
 import uvloop
 
-from pipeline.config import Budget, ComputeSpec, RunConfig, parse_size
+from pipeline.config import ComputeSpec, RunConfig, parse_size
 from pipeline.run import run
 from pipeline.table import open_table
 from pipeline.trace import save_trace
-from tools.bench import drop_caches
+from tools.benchkit import budget_for, drop_caches
 from tools.make_trace import synthetic_trace
 from tools.results import git_commit, write_result
 
@@ -70,9 +70,7 @@ class Runner:
         self.args = args
         self.scratch = scratch
         self.trace = trace_path
-        table = open_table(args.model)
-        per_layer = max(table.top_k, round(args.budget_share * table.n_experts))
-        self.budget = Budget(experts=per_layer * len(table.layers))
+        self.budget = budget_for(open_table(args.model), args.budget_share)
 
     def run(self, name: str, mode: str, tokens: int, **extra: Any) -> list[dict[str, Any]]:
         log = self.scratch / f"{name}.jsonl"

@@ -58,25 +58,21 @@ import psutil
 import uvloop
 from gguf import GGMLQuantizationType
 
-from pipeline.config import Budget, ComputeSpec, Mode, RunConfig
+from pipeline.config import ComputeSpec, Mode, RunConfig
 from pipeline.errors import MoestreamError, UsageError
 from pipeline.logs import configure_console
 from pipeline.machine import machine_info
-from pipeline.residency import Residency
 from pipeline.run import RunSummary, run
-from pipeline.table import ByteRange, ExpertTable, open_table
-from pipeline.warm import WarmEngine
+from pipeline.table import ExpertTable, open_table
 from tools.bench import token_events, window_rate
+from tools.benchkit import budget_for, make_resident
 from tools.results import git_commit, write_result
-from tools.warmup import PsutilMemory, check_ram
 
 __all__ = [
     "RunSpec",
-    "budget_for",
     "gain_figures",
     "guess_loads",
     "main",
-    "make_resident",
     "prefetch_figures",
     "routing_agreement",
 ]
@@ -103,34 +99,6 @@ class RunSpec:
     @property
     def name(self) -> str:
         return f"{self.mode}_{self.prefetch}" + ("_live" if self.router == "live" else "")
-
-
-def budget_for(table: ExpertTable, share: float) -> Budget:
-    """``share`` of each layer's experts (at least top-k), over all MoE layers."""
-    per_layer = max(table.top_k, round(share * table.n_experts))
-    return Budget(experts=per_layer * len(table.layers))
-
-
-def make_resident(path: Path, file_bytes: int) -> dict[str, Any]:
-    """Read the file's non-resident pages once, so a resident run starts warm.
-
-    Raises:
-        UsageError: the missing pages do not fit in available RAM minus a margin.
-    """
-    missing = Residency.of_file(path).missing([ByteRange(0, file_bytes)])
-    check_ram(sum(r.nbytes for r in missing), PsutilMemory(), "warm")
-
-    async def warm() -> int:
-        async with WarmEngine(path) as engine:
-            return (await engine.warm(missing)).bytes_read
-
-    t0 = time.perf_counter()
-    read_bytes = uvloop.run(warm()) if missing else 0
-    return {
-        "read_bytes": read_bytes,
-        "seconds": round(time.perf_counter() - t0, 3),
-        "resident_share": round(Residency.of_file(path).fraction, 4),
-    }
 
 
 def prefetch_figures(events: Sequence[dict[str, Any]],
@@ -613,12 +581,12 @@ def _trace_runs(bench: PrefetchBench, modes: list[Mode], warmup: dict[str, Any],
         print(f"{mode} ({tokens} tokens, first {skip} left out):", flush=True)
         for prefetch in PREFETCHES:
             if mode == "resident":
-                warmup[f"before_{prefetch}"] = make_resident(table.path, table.file_bytes)
+                warmup[f"before_{prefetch}"] = make_resident(table.path)
             lookahead = args.lookahead if prefetch == "oracle" else 1
             bench.run(RunSpec(mode, prefetch, tokens, skip, lookahead))
         if mode == live_mode and live:
             if mode == "resident":
-                warmup["before_live"] = make_resident(table.path, table.file_bytes)
+                warmup["before_live"] = make_resident(table.path)
             trace_live = _run_live(bench, RunSpec(mode, "predict", tokens, skip, router="live"),
                                    _live_compute(table, bench.compute))
     return trace_live
@@ -635,8 +603,7 @@ def _live_runs(bench: PrefetchBench, modes: list[Mode], warmup: dict[str, Any]) 
                  for prefetch in LIVE_PREFETCHES]
         for spec in specs:
             if mode == "resident":
-                warmup[f"before_live_{spec.prefetch}"] = make_resident(table.path,
-                                                                       table.file_bytes)
+                warmup[f"before_live_{spec.prefetch}"] = make_resident(table.path)
             _run_live(bench, spec, bench.compute)
         none, predict = (bench.runs[s.name] for s in specs)
         if "error" not in none and "error" not in predict:

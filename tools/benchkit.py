@@ -1,0 +1,71 @@
+"""What the benchmark commands share: cold and warm file states, and the cache budget.
+
+Every benchmark compares runs against references measured on the same file in the same
+state, so putting a file in a known state (nothing cached, or all of it resident) and
+sizing the budget the same way belong in one place.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import uvloop
+
+from pipeline.config import Budget
+from pipeline.residency import Residency
+from pipeline.table import ByteRange, ExpertTable
+from pipeline.warm import WarmEngine
+
+__all__ = ["budget_for", "drop_caches", "make_resident"]
+
+
+def drop_caches(path: Path) -> None:
+    """Make the next read of ``path`` come from storage."""
+    os.sync()
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+    except OSError:
+        pass
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def make_resident(path: Path) -> dict[str, Any]:
+    """Read the file's non-resident pages once, so a resident run starts warm.
+
+    Returns what it read, how long it took and the resident share after.
+
+    Raises:
+        UsageError: the missing pages do not fit in available RAM minus a margin.
+    """
+    from tools.warmup import PsutilMemory, check_ram
+
+    size = path.stat().st_size
+    missing = Residency.of_file(path).missing([ByteRange(0, size)])
+    check_ram(sum(r.nbytes for r in missing), PsutilMemory(), "warm")
+
+    async def warm() -> int:
+        async with WarmEngine(path) as engine:
+            return (await engine.warm(missing)).bytes_read
+
+    t0 = time.perf_counter()
+    read_bytes = uvloop.run(warm()) if missing else 0
+    return {
+        "read_bytes": read_bytes,
+        "seconds": round(time.perf_counter() - t0, 3),
+        "resident_share": round(Residency.of_file(path).fraction, 4),
+    }
+
+
+def budget_for(table: ExpertTable, share: float) -> Budget:
+    """``share`` of each layer's experts (at least top-k), over all MoE layers: the report's
+    16 GB card held ~15% of each layer's experts."""
+    per_layer = max(table.top_k, round(share * table.n_experts))
+    return Budget(experts=per_layer * len(table.layers))
