@@ -186,9 +186,9 @@ class ExpertStreamer:
         """Switch I/O mode for misses started from now on; in-flight ones finish as begun.
 
         Entering resident mode returns once the windows already resident are registered:
-        registration runs at ~55 GB/s on the H200 (0.7 s for 34 GB) but slows the copies
-        queued meanwhile to a quarter (``tools.bench_register``), so a run that starts on a
-        warm file pays it once before its first token rather than beside decode.
+        registering the 34 GiB model took 3.0-3.7 s on the H200 and slows the copies queued
+        meanwhile to a quarter (``tools.bench_register``), so a run that starts on a warm
+        file pays it once before its first token rather than beside decode.
 
         Leaving resident mode waits for in-flight loads from the mapping, then unregisters,
         unmaps and drops the model's pages, in that order: registered or mapped pages
@@ -197,11 +197,11 @@ class ExpertStreamer:
         if mode == self.mode:
             return
         if self._primary is not None:  # the mapping is the primary's: switched around us
-            if mode == "direct":
-                self.mode = "direct"
+            self.mode = mode
+            if mode == "direct":  # nothing of ours may read the mapping once it is released
                 await self._resident_drained()
-            else:
-                self.mode = "resident"
+                loop = asyncio.get_running_loop()
+                await loop.run_in_executor(None, self.uploader.synchronize)
             return
         if mode == "resident":
             if self._mapping is None:
