@@ -14,34 +14,32 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import signal
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import structlog
 import uvloop
 
-from gpu.backend import Backend, select_backend, visible_devices
 from gpu.cache import DeviceCache
 from gpu.kernels import make_kernels
-from gpu.placement import balanced_placement, split_budget
+from gpu.placement import split_budget
 from pipeline.config import RunConfig, parse_budget, parse_compute, parse_devices, parse_size
 from pipeline.controller import ModeController, Sampler
 from pipeline.decode import Decoder
 from pipeline.errors import MoestreamError, TraceError, VerificationError
 from pipeline.logs import RunLog, configure_console
-from pipeline.loop import DecodeLoop, TokenTotals
+from pipeline.loop import DecodeLoop
 from pipeline.machine import machine_info
 from pipeline.routing import LiveRouter, Routing, TraceRouting
-from pipeline.shards import CacheGroup, Shard, ShardedDecoder, StreamerGroup
+from pipeline.shards import Shard, as_one, open_backends
 from pipeline.streamer import ExpertStreamer
+from pipeline.summary import RunSummary, print_summary
 from pipeline.table import ExpertTable, open_table
 from pipeline.trace import Trace, load_trace, save_trace
 from pipeline.verify import Verifier
@@ -51,91 +49,6 @@ from stages.prefetch import plan_expert
 __all__ = ["RunSummary", "build_parser", "config_from_args", "main", "run"]
 
 _log = structlog.get_logger("moestream.run")
-
-
-@dataclass(slots=True)
-class RunSummary:
-    """The run's totals (also the ``run_end`` log event and ``--json`` output)."""
-
-    tokens: int = 0
-    elapsed_s: float = 0.0
-    hits: int = 0
-    misses: int = 0
-    evictions: int = 0
-    file_bytes: int = 0
-    cache_bytes: int = 0
-    storage_bytes: int = 0
-    verified: int = 0
-    mismatches: int = 0
-    peak_device_bytes: int = 0
-    budget_bytes: int = 0
-    final_budget_bytes: int = 0
-    allocations: int = 0
-    frees: int = 0
-    mode: str = "direct"
-    switches: int = 0
-    backend: str = "host"
-    device: str = "host"
-    model: str = ""
-    exit: str = "ok"
-    first_mismatch: str = ""
-    stall_ms: float = 0.0
-    compute_ms: float = 0.0
-    modes: dict[str, int] = field(default_factory=dict)
-    devices: list[dict[str, int]] = field(default_factory=list)
-
-    def add(self, totals: TokenTotals, storage_bytes: int, mode: str) -> None:
-        """Count one decoded token."""
-        self.tokens += 1
-        self.hits += totals.hits
-        self.misses += totals.misses
-        self.evictions += totals.evictions
-        self.file_bytes += totals.file_bytes
-        self.cache_bytes += totals.cache_bytes
-        self.storage_bytes += storage_bytes
-        self.stall_ms += totals.stall_ms
-        self.compute_ms += totals.compute_ms
-        self.mode = mode
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.tokens / self.elapsed_s if self.elapsed_s > 0 else 0.0
-
-    @property
-    def hit_rate(self) -> float:
-        total = self.hits + self.misses
-        return self.hits / total if total else 0.0
-
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "tokens": self.tokens,
-            "elapsed_s": round(self.elapsed_s, 4),
-            "tokens_per_s": round(self.tokens_per_s, 3),
-            "hits": self.hits,
-            "misses": self.misses,
-            "hit_rate": round(self.hit_rate, 4),
-            "evictions": self.evictions,
-            "file_bytes": self.file_bytes,
-            "cache_bytes": self.cache_bytes,
-            "storage_bytes": self.storage_bytes,
-            "verified": self.verified,
-            "mismatches": self.mismatches,
-            "peak_device_bytes": self.peak_device_bytes,
-            "budget_bytes": self.budget_bytes,
-            "final_budget_bytes": self.final_budget_bytes,
-            "allocations": self.allocations,
-            "frees": self.frees,
-            "stall_ms": round(self.stall_ms, 3),
-            "compute_ms": round(self.compute_ms, 3),
-            "mode": self.mode,
-            "modes": self.modes,
-            "switches": self.switches,
-            "backend": self.backend,
-            "device": self.device,
-            "model": self.model,
-            "exit": self.exit,
-            "devices": self.devices,
-        }
 
 
 def _routing(cfg: RunConfig, table: ExpertTable) -> Trace:
@@ -154,35 +67,6 @@ def _routing(cfg: RunConfig, table: ExpertTable) -> Trace:
         raise TraceError(f"{cfg.trace}: the trace routes {trace.n_layers} MoE layers, "
                          f"the model has {n_layers}")
     return trace
-
-
-def _backends(cfg: RunConfig) -> list[Backend]:
-    """One backend per device of the run, the home device (the first named) first."""
-    home = select_backend(cfg.backend, cfg.devices[0] if cfg.devices else 0)
-    devices = cfg.devices or tuple(range(visible_devices(home.name)))
-    return [home, *(select_backend(home.name, d) for d in devices[1:])]
-
-
-@dataclass(slots=True)
-class _Parts:
-    """The cache, streamer and decoder the loop and the controller see."""
-
-    cache: Any
-    streamer: Any
-    decoder: Any
-
-
-def _as_one(shards: Sequence[Shard], table: ExpertTable, weights: Sequence[float]) -> _Parts:
-    """One device's own objects; several devices' behind the group classes."""
-    if len(shards) == 1:
-        only = shards[0]
-        return _Parts(only.cache, only.streamer, only.decoder)
-    sizes = {n: (info.n_experts, plan_expert(table.slices((n, 0))).device_bytes)
-             for n, info in table.layers.items() if n in table.moe_layers}
-    placement = balanced_placement(sizes, weights)
-    return _Parts(CacheGroup([s.cache for s in shards]),
-                  StreamerGroup([s.streamer for s in shards], placement),
-                  ShardedDecoder(shards))
 
 
 async def run(
@@ -214,7 +98,7 @@ async def run(
         model = cfg.model
     table = open_table(model)
     trace = _routing(cfg, table) if cfg.router == "trace" else None
-    backends = _backends(cfg)
+    backends = open_backends(cfg)
     home = backends[0]
     if summary is None:
         summary = RunSummary()
@@ -252,7 +136,7 @@ async def run(
                 decoder = Decoder(cfg.compute, table, backend, kernels, cache, streamer,
                                   cfg.seed, partial=len(backends) > 1)
             shards.append(Shard(backend, kernels, cache, streamer, decoder))
-        parts = _as_one(shards, table, weights)
+        parts = as_one(shards, table, weights)
         verifier = Verifier(table, streamers[0].reader.read_range)
         controller = ModeController(cfg, table, parts.streamer, runlog, sampler=sampler)
         summary.budget_bytes = sum(c.budget_bytes for c in caches)
@@ -422,27 +306,6 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
     )
 
 
-def _print_summary(summary: RunSummary, as_json: bool) -> None:
-    if as_json:
-        print(json.dumps(summary.as_dict(), indent=2))
-        return
-    gib = 1 << 30
-    print(
-        f"model      {summary.model}\n"
-        f"backend    {summary.backend} ({summary.device}), mode {summary.mode}"
-        f"{f', {summary.switches} switches' if summary.switches else ''}\n"
-        f"decoded    {summary.tokens} tokens in {summary.elapsed_s:.2f} s: "
-        f"{summary.tokens_per_s:.2f} tok/s\n"
-        f"cache      hit rate {summary.hit_rate:.3f} ({summary.hits} hits, {summary.misses} "
-        f"misses, {summary.evictions} evictions), budget {summary.budget_bytes / gib:.2f} GiB,"
-        f" peak {summary.peak_device_bytes / gib:.2f} GiB\n"
-        f"bytes      {summary.file_bytes / gib:.3f} GiB read from file, "
-        f"{summary.cache_bytes / gib:.3f} GiB served from cache, "
-        f"{summary.storage_bytes / gib:.3f} GiB from storage\n"
-        f"verified: {summary.verified} experts, {summary.mismatches} mismatches"
-    )
-
-
 _SIGNAL_EXIT: dict[int, int] = {signal.SIGINT: 130, signal.SIGTERM: 143}
 
 
@@ -533,10 +396,10 @@ def _main(args: argparse.Namespace) -> int:
         _log.warning("faults_injected", spec=str(faults), fired=dict(faults.fired))
     if error is not None:
         if summary.budget_bytes:  # decoding had started: say how far it got
-            _print_summary(summary, args.json)
+            print_summary(summary, args.json)
         print(f"moestream: error: {error}", file=sys.stderr)
         return error.exit_code
-    _print_summary(summary, args.json)
+    print_summary(summary, args.json)
     if interrupt.signum is not None and summary.exit == "cancelled":
         name = signal.Signals(interrupt.signum).name
         print(f"moestream: interrupted by {name} after {summary.tokens} tokens; "

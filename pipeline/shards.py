@@ -10,7 +10,8 @@ experts' outputs is copied over (a few KiB, a peer copy on GPUs), added, and the
 state is copied back to every device for the next layer.
 
 The group classes offer what the decode loop, the controller and ``pipeline.run`` use of a
-single device's objects, so a one-device run uses those objects themselves, unchanged.
+single device's objects, so a one-device run uses those objects themselves, unchanged
+(``as_one`` chooses; ``open_backends`` opens one backend per device of the run).
 Resident mode maps the model once: the home streamer owns the mapping (registered portable,
 for every device) and the others borrow it; so entering resident switches the home first,
 and leaving switches it last.
@@ -23,15 +24,17 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from gpu.backend import Backend
+from gpu.backend import Backend, select_backend, visible_devices
 from gpu.cache import DeviceCache, LayerPlan
-from gpu.placement import Placement
+from gpu.placement import Placement, balanced_placement
+from pipeline.config import RunConfig
 from pipeline.decode import Decoder, LayerResult
 from pipeline.streamer import ExpertStreamer, IOMode, LayerLoad, StageTimes, WarmGate
-from stages.prefetch import ModelReader
+from pipeline.table import ExpertTable
+from stages.prefetch import ModelReader, plan_expert
 
-__all__ = ["CacheGroup", "DeviceCounters", "Shard", "ShardedDecoder", "ShardedLoad",
-           "StreamerGroup"]
+__all__ = ["Assembly", "CacheGroup", "DeviceCounters", "Shard", "ShardedDecoder",
+           "ShardedLoad", "StreamerGroup", "as_one", "open_backends"]
 
 
 @dataclass(slots=True)
@@ -292,3 +295,31 @@ class CacheGroup:
         for c in self.caches:
             c.close()
 
+
+def open_backends(cfg: RunConfig) -> list[Backend]:
+    """One backend per device of the run, the home device (the first named) first."""
+    home = select_backend(cfg.backend, cfg.devices[0] if cfg.devices else 0)
+    devices = cfg.devices or tuple(range(visible_devices(home.name)))
+    return [home, *(select_backend(home.name, d) for d in devices[1:])]
+
+
+@dataclass(slots=True)
+class Assembly:
+    """The cache, streamer and decoder the loop and the controller see."""
+
+    cache: Any
+    streamer: Any
+    decoder: Any
+
+
+def as_one(shards: Sequence[Shard], table: ExpertTable, weights: Sequence[float]) -> Assembly:
+    """One device's own objects; several devices' behind the group classes."""
+    if len(shards) == 1:
+        only = shards[0]
+        return Assembly(only.cache, only.streamer, only.decoder)
+    sizes = {n: (info.n_experts, plan_expert(table.slices((n, 0))).device_bytes)
+             for n, info in table.layers.items() if n in table.moe_layers}
+    placement = balanced_placement(sizes, weights)
+    return Assembly(CacheGroup([s.cache for s in shards]),
+                  StreamerGroup([s.streamer for s in shards], placement),
+                  ShardedDecoder(shards))

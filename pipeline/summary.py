@@ -1,0 +1,117 @@
+"""A run's totals: what ``pipeline.run`` returns, logs as ``run_end`` and prints."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from pipeline.loop import TokenTotals
+
+__all__ = ["RunSummary", "print_summary"]
+
+
+@dataclass(slots=True)
+class RunSummary:
+    """The run's totals (also the ``run_end`` log event and ``--json`` output)."""
+
+    tokens: int = 0
+    elapsed_s: float = 0.0
+    hits: int = 0
+    misses: int = 0
+    evictions: int = 0
+    file_bytes: int = 0
+    cache_bytes: int = 0
+    storage_bytes: int = 0
+    verified: int = 0
+    mismatches: int = 0
+    peak_device_bytes: int = 0
+    budget_bytes: int = 0
+    final_budget_bytes: int = 0
+    allocations: int = 0
+    frees: int = 0
+    mode: str = "direct"
+    switches: int = 0
+    backend: str = "host"
+    device: str = "host"
+    model: str = ""
+    exit: str = "ok"
+    first_mismatch: str = ""
+    stall_ms: float = 0.0
+    compute_ms: float = 0.0
+    modes: dict[str, int] = field(default_factory=dict)
+    devices: list[dict[str, int]] = field(default_factory=list)
+
+    def add(self, totals: TokenTotals, storage_bytes: int, mode: str) -> None:
+        """Count one decoded token."""
+        self.tokens += 1
+        self.hits += totals.hits
+        self.misses += totals.misses
+        self.evictions += totals.evictions
+        self.file_bytes += totals.file_bytes
+        self.cache_bytes += totals.cache_bytes
+        self.storage_bytes += storage_bytes
+        self.stall_ms += totals.stall_ms
+        self.compute_ms += totals.compute_ms
+        self.mode = mode
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.elapsed_s if self.elapsed_s > 0 else 0.0
+
+    @property
+    def hit_rate(self) -> float:
+        total = self.hits + self.misses
+        return self.hits / total if total else 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "tokens": self.tokens,
+            "elapsed_s": round(self.elapsed_s, 4),
+            "tokens_per_s": round(self.tokens_per_s, 3),
+            "hits": self.hits,
+            "misses": self.misses,
+            "hit_rate": round(self.hit_rate, 4),
+            "evictions": self.evictions,
+            "file_bytes": self.file_bytes,
+            "cache_bytes": self.cache_bytes,
+            "storage_bytes": self.storage_bytes,
+            "verified": self.verified,
+            "mismatches": self.mismatches,
+            "peak_device_bytes": self.peak_device_bytes,
+            "budget_bytes": self.budget_bytes,
+            "final_budget_bytes": self.final_budget_bytes,
+            "allocations": self.allocations,
+            "frees": self.frees,
+            "stall_ms": round(self.stall_ms, 3),
+            "compute_ms": round(self.compute_ms, 3),
+            "mode": self.mode,
+            "modes": self.modes,
+            "switches": self.switches,
+            "backend": self.backend,
+            "device": self.device,
+            "model": self.model,
+            "exit": self.exit,
+            "devices": self.devices,
+        }
+
+
+def print_summary(summary: RunSummary, as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(summary.as_dict(), indent=2))
+        return
+    gib = 1 << 30
+    print(
+        f"model      {summary.model}\n"
+        f"backend    {summary.backend} ({summary.device}), mode {summary.mode}"
+        f"{f', {summary.switches} switches' if summary.switches else ''}\n"
+        f"decoded    {summary.tokens} tokens in {summary.elapsed_s:.2f} s: "
+        f"{summary.tokens_per_s:.2f} tok/s\n"
+        f"cache      hit rate {summary.hit_rate:.3f} ({summary.hits} hits, {summary.misses} "
+        f"misses, {summary.evictions} evictions), budget {summary.budget_bytes / gib:.2f} GiB,"
+        f" peak {summary.peak_device_bytes / gib:.2f} GiB\n"
+        f"bytes      {summary.file_bytes / gib:.3f} GiB read from file, "
+        f"{summary.cache_bytes / gib:.3f} GiB served from cache, "
+        f"{summary.storage_bytes / gib:.3f} GiB from storage\n"
+        f"verified: {summary.verified} experts, {summary.mismatches} mismatches"
+    )
