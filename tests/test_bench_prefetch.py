@@ -1,4 +1,5 @@
-"""Tests for tools.bench_prefetch: every run on a tiny model, its figures, and bad input."""
+"""Tests for tools.bench_prefetch (every run on a tiny model, and bad input) and
+tools.prefetch_figures (the figures read from the runs' logs)."""
 
 from __future__ import annotations
 
@@ -10,14 +11,14 @@ from typing import Any, ClassVar
 import pytest
 from gguf import GGMLQuantizationType as QType
 
-from tools.bench_prefetch import (
+from tools.bench_prefetch import main
+from tools.make_model import ModelSpec, spec_for, write_model
+from tools.prefetch_figures import (
     gain_figures,
     guess_loads,
-    main,
     prefetch_figures,
     routing_agreement,
 )
-from tools.make_model import ModelSpec, spec_for, write_model
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
