@@ -4,6 +4,8 @@
 # temporary F16 model when 20 GiB of disk are free). Writes everything under $OUT. Usage (on
 # the GPU machine, repo root; the tree arrives there without .git, so pass the commit):
 #   MOESTREAM_COMMIT=<sha> bash bench/gpu_session.sh [pipeline,controller,warmup,prefetch,tests]
+# Step devices (not in the default list: it needs 2 GPUs) compares devices 0,1 with device 0
+# alone: host-to-device copy bandwidth, and tokens/s in direct and resident modes.
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>/dev/null
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 PATH=$PWD/.whl:$PATH
@@ -49,5 +51,15 @@ if [[ $steps == *prefetch* ]]; then
     rm -f $F $PWD/.bench-f16.gguf.*.tmp
   else
     echo "prefetch live: skipped, ${free_gib} GiB free (needs 20)" | tee $OUT/prefetch-live-h200.log
+  fi
+fi
+if [[ $steps == *devices* ]]; then
+  # Copies ~5 s; decode: 2 direct runs of 24 tokens (~3 tok/s at disk speed), reading the
+  # file into the page cache once (~34 GiB), 2 resident runs of 96 tokens; ~90 s.
+  if [ "$(nvidia-smi -L | wc -l)" -lt 2 ]; then
+    echo "devices: needs 2 GPUs, this machine has $(nvidia-smi -L | wc -l)" | tee $OUT/devices.log
+  else
+    timeout 300 python3 -m tools.bench_devices --model $M --backend cupy --devices 0,1 \
+      --out $OUT/devices-h200x2.json > $OUT/devices.log 2>&1; tail -20 $OUT/devices.log
   fi
 fi
