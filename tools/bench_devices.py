@@ -46,14 +46,13 @@ import uvloop
 
 from gpu.backend import Backend, DeviceBuffer, HostBuffer, Stream, select_backend
 from pipeline.config import Budget, ComputeSpec, Mode, RunConfig, parse_devices
-from pipeline.errors import MoestreamError, UsageError
-from pipeline.logs import configure_console
+from pipeline.errors import UsageError
 from pipeline.machine import machine_info
 from pipeline.run import RunSummary, run
 from pipeline.table import ExpertTable, open_table
 from tools.analyze import device_balance
 from tools.bench import window_rate
-from tools.benchkit import budget_for, drop_caches, make_resident
+from tools.benchkit import budget_for, drop_caches, make_resident, parse_modes, run_command
 from tools.results import git_commit, write_result
 
 __all__ = ["DeviceCopier", "RunSpec", "device_window", "h2d_figures", "main"]
@@ -375,17 +374,9 @@ def mode_figures(runs: dict[str, dict[str, Any]], n_devices: int) -> dict[str, A
     return out
 
 
-def _modes(text: str) -> list[Mode]:
-    modes = [m for m in text.split(",") if m]
-    bad = [m for m in modes if m not in ("direct", "resident")]
-    if not modes or bad:
-        raise UsageError(f"--modes takes direct and/or resident, not {text!r}")
-    return modes  # type: ignore[return-value]  # checked just above
-
-
 def _check(args: argparse.Namespace) -> tuple[list[Mode], tuple[int, ...]]:
     """The modes and devices, once every option is checked."""
-    modes = _modes(args.modes)
+    modes = parse_modes(args.modes)
     devices = parse_devices(args.devices)
     if len(devices) < 2 or len(set(devices)) != len(devices) or min(devices) < 0:
         raise UsageError(f"--devices needs at least two distinct device indices (two devices "
@@ -567,16 +558,7 @@ def _bench(args: argparse.Namespace, argv: Sequence[str]) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Command line entry point; returns the exit code (2 for bad input)."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    args = _parser().parse_args(argv)
-    configure_console(debug=args.debug)
-    try:
-        return _bench(args, argv)
-    except MoestreamError as exc:
-        if args.debug:
-            raise
-        print(f"{PROG}: error: {exc}", file=sys.stderr)
-        return exc.exit_code
+    return run_command(PROG, _parser(), _bench, argv)
 
 
 if __name__ == "__main__":

@@ -54,11 +54,10 @@ from typing import Any
 import psutil
 
 from pipeline.config import ComputeSpec, Mode
-from pipeline.errors import MoestreamError, UsageError
-from pipeline.logs import configure_console
+from pipeline.errors import UsageError
 from pipeline.machine import machine_info
 from pipeline.table import ExpertTable, open_table
-from tools.benchkit import make_resident
+from tools.benchkit import make_resident, parse_modes, run_command
 from tools.prefetch_figures import PREFETCHES, gain_figures
 from tools.prefetch_live import live_compute, live_notes, live_runs, open_live_model, run_live
 from tools.prefetch_runs import MIB, PrefetchBench, RunSpec, has_router, run_tokens
@@ -193,18 +192,10 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _modes(text: str, option: str) -> list[Mode]:
-    modes = [m for m in text.split(",") if m]
-    bad = [m for m in modes if m not in ("direct", "resident")]
-    if not modes or bad:
-        raise UsageError(f"{option} takes direct and/or resident, not {text!r}")
-    return modes  # type: ignore[return-value]  # checked just above
-
-
 def _check(args: argparse.Namespace) -> tuple[list[Mode], list[Mode]]:
     """The trace and live modes, once every option is checked."""
-    modes = _modes(args.modes, "--modes")
-    live_modes = _modes(args.live_modes, "--live-modes")
+    modes = parse_modes(args.modes)
+    live_modes = parse_modes(args.live_modes, "--live-modes")
     if args.live_only and (args.live_model is None or args.no_live):
         raise UsageError("--live-only needs --live-model (and no --no-live)")
     if args.model is None and not args.live_only:
@@ -315,16 +306,7 @@ def _bench(args: argparse.Namespace, argv: Sequence[str]) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Command line entry point; returns the exit code (2 for bad input)."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    args = _parser().parse_args(argv)
-    configure_console(debug=args.debug)
-    try:
-        return _bench(args, argv)
-    except MoestreamError as exc:
-        if args.debug:
-            raise
-        print(f"{PROG}: error: {exc}", file=sys.stderr)
-        return exc.exit_code
+    return run_command(PROG, _parser(), _bench, argv)
 
 
 if __name__ == "__main__":

@@ -7,19 +7,24 @@ sizing the budget the same way belong in one place.
 
 from __future__ import annotations
 
+import argparse
 import os
+import sys
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import uvloop
 
-from pipeline.config import Budget
+from pipeline.config import Budget, Mode
+from pipeline.errors import MoestreamError, UsageError
+from pipeline.logs import configure_console
 from pipeline.residency import Residency
 from pipeline.table import ByteRange, ExpertTable
 from pipeline.warm import WarmEngine
 
-__all__ = ["budget_for", "drop_caches", "make_resident"]
+__all__ = ["budget_for", "drop_caches", "make_resident", "parse_modes", "run_command"]
 
 
 def drop_caches(path: Path) -> None:
@@ -69,3 +74,36 @@ def budget_for(table: ExpertTable, share: float) -> Budget:
     16 GB card held ~15% of each layer's experts."""
     per_layer = max(table.top_k, round(share * table.n_experts))
     return Budget(experts=per_layer * len(table.layers))
+
+
+def parse_modes(text: str, option: str = "--modes") -> list[Mode]:
+    """``direct,resident`` -> the I/O modes to bench (forced modes only, no ``auto``).
+
+    Raises:
+        UsageError: empty, or a name that is not ``direct`` or ``resident``.
+    """
+    modes = [m for m in text.split(",") if m]
+    bad = [m for m in modes if m not in ("direct", "resident")]
+    if not modes or bad:
+        raise UsageError(f"{option} takes direct and/or resident, not {text!r}")
+    return modes  # type: ignore[return-value]  # checked just above
+
+
+def run_command(
+    prog: str,
+    parser: argparse.ArgumentParser,
+    bench: Callable[[argparse.Namespace, list[str]], int],
+    argv: Sequence[str] | None,
+) -> int:
+    """A bench command's entry point: parse, run, and turn a MoestreamError into one line
+    and its exit code (2 for bad input), unless ``--debug`` asks for the traceback."""
+    args_list = list(sys.argv[1:] if argv is None else argv)
+    args = parser.parse_args(args_list)
+    configure_console(debug=args.debug)
+    try:
+        return bench(args, args_list)
+    except MoestreamError as exc:
+        if args.debug:
+            raise
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        return exc.exit_code
