@@ -9,7 +9,8 @@ from typing import Any
 import pytest
 
 from gpu.host import HostBackend
-from tools.bench_devices import DeviceCopier, device_window, h2d_figures, main
+from tools.bench_devices import device_window, main
+from tools.h2d_copies import DeviceCopier, h2d_figures
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
