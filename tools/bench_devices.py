@@ -3,8 +3,9 @@
 Two parts, each a ratio against a reference measured in the same run:
 
 - **host-to-device copies** (``tools.h2d_copies``; CuPy only; on the host backend the part
-  is skipped with a note, its "copies" being memcpy): per device, a pinned host buffer allocated under that device
-  (``Backend.alloc_host``, so it is page-locked for that device's context) and a device
+  is skipped with a note, its "copies" being memcpy): per device, a pinned host buffer
+  allocated under that device (``Backend.alloc_host``, so it is page-locked for that
+  device's context) and a device
   buffer of the same size; ``--h2d-copies`` copies of it queued on one stream of that device
   and synchronized, first on each device alone, then on every device at once, one thread
   per device started together by a barrier. Aggregate GB/s is all devices' bytes over the
