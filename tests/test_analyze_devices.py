@@ -19,8 +19,11 @@ import structlog
 from pipeline.config import Budget, RunConfig
 from pipeline.run import run
 from tests.test_analyze import header, token, write
-from tools.analyze import Value, device_balance, device_rows, main, summarize, summary_table
-from tools.logread import DEVICE_COLUMNS, read_log
+from tools.analyze import main, summarize, summary_table
+from tools.device_report import device_balance, device_rows
+from tools.logdevices import DEVICE_COLUMNS
+from tools.logread import read_log
+from tools.report_text import Value
 
 
 @pytest.fixture(autouse=True)

@@ -7,9 +7,9 @@ token's time was spent waiting for I/O, how long each I/O mode was in force and 
 switched. One log gives a summary table; several give a before/after comparison; ``--csv``
 gives per-interval rows in ds4-bench's column style for spreadsheets; ``--plot`` draws the
 same over time (``tools.plots``); ``--what-if`` replays the run's accesses under other
-budgets and policies (``tools.whatif``). A run over several devices also gets a per-device
-table: each device's hits, file bytes, stall, budget and peak, and how evenly the file
-bytes were spread.
+budgets and policies (``tools.whatif``, reported by ``tools.whatif_report``). A run over
+several devices also gets a per-device table (``tools.device_report``): each device's hits,
+file bytes, stall, budget and peak, and how evenly the file bytes were spread.
 
 Usage::
 
@@ -39,18 +39,20 @@ import structlog
 
 from pipeline.atomic import write_atomic
 from pipeline.errors import MoestreamError, UsageError
+from tools.device_report import device_balance, device_rows, device_table, devices_json
 from tools.logread import RunLog, read_log
-from tools.whatif import POLICIES, AccessTrace, WhatIfReport, default_budgets, parse_budget, what_if
+from tools.report_text import GB, MB, Value, ratio, text_table
+from tools.whatif import POLICIES
+from tools.whatif_report import run_what_if, what_if_json, what_if_text
 
+# device_balance, device_rows and device_table live in tools.device_report; they stay in this
+# list because they were public here (tools/bench_devices.py imports device_balance from here).
 __all__ = ["STAGE_COLUMNS", "Summary", "compare_table", "device_balance", "device_rows",
            "device_table", "interval_rows", "main", "summarize", "summary_table", "write_csv"]
 
-Value = float | int | str | bool | None
 Summary = dict[str, Value]
 """Metric name -> value for one run; keys as in ``_ROWS`` plus ``mode_s.<mode>``."""
 
-_MB = 1e6
-_GB = 1e9
 STAGE_COLUMNS = ("read_ms", "stage_ms", "upload_ms", "install_ms", "stall_ms", "compute_ms")
 
 CSV_COLUMNS = (
@@ -112,10 +114,6 @@ _ROWS: tuple[tuple[str, str, Callable[[Value], str]], ...] = (
 )
 
 
-def _ratio(num: float, den: float) -> float | None:
-    return num / den if den > 0 and math.isfinite(num) else None
-
-
 def summarize(run: RunLog) -> Summary:
     """The run's headline figures (see ``_ROWS`` for names and meanings)."""
     cols = run.tokens
@@ -131,37 +129,37 @@ def summarize(run: RunLog) -> Summary:
     summary: Summary = {
         "log": run.name,
         "tokens": n,
-        "tokens_per_s": _ratio(n * 1000.0, wall_total),
+        "tokens_per_s": ratio(n * 1000.0, wall_total),
         "run_end_tokens_per_s": end.tokens_per_s if end else None,
         "latency_p50_ms": None if pct[0] is None else float(pct[0]),
         "latency_p95_ms": None if pct[1] is None else float(pct[1]),
         "latency_p99_ms": None if pct[2] is None else float(pct[2]),
-        "hit_rate": _ratio(hits, hits + misses),
+        "hit_rate": ratio(hits, hits + misses),
         "hits": int(hits),
         "misses": int(misses),
         "evictions": int(cols.total("evictions")),
-        "cache_mb_per_token": _ratio(cache_b / _MB, n),
-        "file_mb_per_token": _ratio(file_b / _MB, n),
-        "page_cache_mb_per_token": _ratio(max(file_b - storage_b, 0.0) / _MB, n),
-        "storage_mb_per_token": _ratio(storage_b / _MB, n),
-        "storage_gbps": _ratio(storage_b / _GB, wall_total / 1000.0),
-        "stall_share": _ratio(cols.total("stall_ms"), wall_total),
+        "cache_mb_per_token": ratio(cache_b / MB, n),
+        "file_mb_per_token": ratio(file_b / MB, n),
+        "page_cache_mb_per_token": ratio(max(file_b - storage_b, 0.0) / MB, n),
+        "storage_mb_per_token": ratio(storage_b / MB, n),
+        "storage_gbps": ratio(storage_b / GB, wall_total / 1000.0),
+        "stall_share": ratio(cols.total("stall_ms"), wall_total),
     }
     for stage in STAGE_COLUMNS:
-        summary[stage] = _ratio(cols.total(stage), n)
+        summary[stage] = ratio(cols.total(stage), n)
     for mode in cols.mode_names:
         summary[f"mode_s.{mode}"] = float(np.nansum(wall[cols.mode_mask(mode)])) / 1000.0
     predicted = cols.total("prefetch_predicted") if "prefetch_predicted" in cols else 0.0
     summary.update({
         "switches": len(run.switches),
         "decisions": len(run.decisions),
-        "prefetch_accuracy": _ratio(cols.total("prefetch_correct"), predicted)
+        "prefetch_accuracy": ratio(cols.total("prefetch_correct"), predicted)
         if predicted else None,
-        "prefetch_wasted_mb_per_token": _ratio(cols.total("prefetch_wasted_bytes") / _MB, n)
+        "prefetch_wasted_mb_per_token": ratio(cols.total("prefetch_wasted_bytes") / MB, n)
         if "prefetch_wasted_bytes" in cols else None,
-        "peak_device_gb": end.peak_device_bytes / _GB
+        "peak_device_gb": end.peak_device_bytes / GB
         if end and end.peak_device_bytes is not None else None,
-        "budget_gb": run.header.budget_bytes / _GB
+        "budget_gb": run.header.budget_bytes / GB
         if run.header and run.header.budget_bytes is not None else None,
         "verified": end.verified if end else None,
         "mismatches": end.mismatches if end else None,
@@ -182,25 +180,13 @@ def _row_specs(summaries: Sequence[Summary]) -> list[tuple[str, str, Callable[[V
     return specs
 
 
-def _table(rows: list[list[str]]) -> str:
-    widths = [max(len(row[c]) for row in rows) for c in range(len(rows[0]))]
-    lines = []
-    for i, row in enumerate(rows):
-        cells = [row[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(row[1:], widths[1:],
-                                                                           strict=True)]
-        lines.append("  ".join(cells).rstrip())
-        if i == 0:
-            lines.append("  ".join("-" * w for w in widths))
-    return "\n".join(lines) + "\n"
-
-
 def summary_table(summary: Summary, run: RunLog | None = None) -> str:
     """One run's summary as an aligned two-column table, with the skipped-line detail."""
     rows = [["metric", str(summary["log"])]]
     for key, label, render in _row_specs([summary]):
         value = summary.get(key)
         rows.append([label, "-" if value is None else render(value)])
-    text = _table(rows)
+    text = text_table(rows)
     if run is not None:
         text += _notes(run)
     return text
@@ -257,137 +243,7 @@ def compare_table(summaries: Sequence[Summary]) -> str:
         changes = [_change(values[0], v) for v in values[1:]]
         row += list(changes[0]) if pair else [pct for _, pct in changes]
         rows.append(row)
-    return _table(rows)
-
-
-def _device_order(run: RunLog) -> list[int]:
-    """Devices as run_start lists them (home first), then any only the tokens or run_end name."""
-    order: list[int] = [d.device for d in run.header.devices] if run.header else []
-    ended = [d.device for d in run.end.devices] if run.end else []
-    for device in [*run.tokens.devices, *ended]:
-        if device not in order:
-            order.append(device)
-    return order
-
-
-def _has_devices(run: RunLog) -> bool:
-    return bool(run.tokens.devices) or (run.header is not None and len(run.header.devices) > 1)
-
-
-def device_rows(run: RunLog) -> list[dict[str, Value]]:
-    """Per-device figures of a run over several devices; empty for a one-device log.
-
-    Token figures (hits, misses, file bytes, stall and compute per token) come from the
-    tokens' ``devices`` lists, budget from ``run_start.devices`` and peak, allocations and
-    frees from ``run_end.devices``; a figure whose source is absent is None.
-    ``file_share`` is the device's part of the file bytes of all devices (what its misses,
-    and prefetches, read); ``peak_within_budget`` compares the peak with the budget at the
-    start (a device out-of-memory can shrink the budget later: ``final_budget_bytes``).
-    """
-    if not _has_devices(run):
-        return []
-    cols = run.tokens
-    starts = {d.device: d for d in run.header.devices} if run.header else {}
-    ends = {d.device: d for d in run.end.devices} if run.end else {}
-    file_all = sum(cols.device_total(d, "file_bytes") for d in cols.devices)
-    rows: list[dict[str, Value]] = []
-    for device in _device_order(run):
-        start, end = starts.get(device), ends.get(device)
-        row: dict[str, Value] = {"device": device, "name": start.name if start else None}
-        if device in cols.devices:
-            tokens = int(np.count_nonzero(~np.isnan(cols.devices[device]["hits"])))
-            hits, misses, file_b = (cols.device_total(device, k)
-                                    for k in ("hits", "misses", "file_bytes"))
-            row.update({
-                "tokens": tokens, "hits": int(hits), "misses": int(misses),
-                "hit_rate": _ratio(hits, hits + misses), "file_bytes": int(file_b),
-                "file_share": _ratio(file_b, file_all),
-                "stall_ms_per_token": _ratio(cols.device_total(device, "stall_ms"), tokens),
-                "compute_ms_per_token": _ratio(cols.device_total(device, "compute_ms"),
-                                               tokens),
-            })
-        else:
-            row.update(dict.fromkeys(("tokens", "hits", "misses", "hit_rate", "file_bytes",
-                                      "file_share", "stall_ms_per_token",
-                                      "compute_ms_per_token")))
-        budget = start.budget_bytes if start else None
-        peak = end.peak_device_bytes if end else None
-        row.update({
-            "budget_bytes": budget,
-            "final_budget_bytes": end.budget_bytes if end else None,
-            "peak_device_bytes": peak,
-            "peak_within_budget": None if budget is None or peak is None else peak <= budget,
-            "allocations": end.allocations if end else None,
-            "frees": end.frees if end else None,
-        })
-        rows.append(row)
-    return rows
-
-
-def device_balance(rows: Sequence[dict[str, Value]]) -> float | None:
-    """Largest device file bytes over the devices' mean (1.0: even); None without data."""
-    read = [float(r["file_bytes"]) for r in rows if isinstance(r["file_bytes"], int)]
-    if not read:
-        return None
-    return _ratio(max(read), sum(read) / len(read))
-
-
-def _cell(value: Value, digits: int, scale: float = 1.0) -> str:
-    if value is None:
-        return "-"
-    if isinstance(value, bool):
-        return "yes" if value else "NO"
-    if isinstance(value, str):
-        return value
-    if isinstance(value, int) and scale == 1.0:
-        return f"{value:,}"
-    return f"{value / scale:,.{digits}f}"
-
-
-def device_table(run: RunLog) -> str:
-    """The per-device section of a run over several devices ("" for one device).
-
-    One row per device and a ``run`` row with the run's own totals (token lines, run_start,
-    run_end) for comparison: hits, misses and file bytes of the devices add up to it; stall
-    and compute do not, since on every layer the devices wait and compute together.
-    """
-    rows = device_rows(run)
-    if not rows:
-        return ""
-    balance = device_balance(rows)
-    table = [["device", "name", "hits", "misses", "hit rate", "file GB", "file share",
-              "stall ms/token", "compute ms/token", "budget GB", "peak GB", "peak <= budget"]]
-    for r in rows:
-        table.append([str(r["device"]), _cell(r["name"], 0), _cell(r["hits"], 0),
-                      _cell(r["misses"], 0), _cell(r["hit_rate"], 4),
-                      _cell(r["file_bytes"], 3, _GB), _cell(r["file_share"], 3),
-                      _cell(r["stall_ms_per_token"], 2), _cell(r["compute_ms_per_token"], 2),
-                      _cell(r["budget_bytes"], 3, _GB), _cell(r["peak_device_bytes"], 3, _GB),
-                      _cell(r["peak_within_budget"], 0)])
-    cols, end = run.tokens, run.end
-    n = len(cols)
-    hits, misses = cols.total("hits"), cols.total("misses")
-    budget = run.header.budget_bytes if run.header else None
-    peak = end.peak_device_bytes if end else None
-    table.append(["run", "-", _cell(int(hits), 0), _cell(int(misses), 0),
-                  _cell(_ratio(hits, hits + misses), 4),
-                  _cell(cols.total("file_bytes"), 3, _GB), "-",
-                  _cell(_ratio(cols.total("stall_ms"), n), 2),
-                  _cell(_ratio(cols.total("compute_ms"), n), 2),
-                  _cell(budget, 3, _GB), _cell(peak, 3, _GB),
-                  _cell(None if budget is None or peak is None else peak <= budget, 0)])
-    title = (f"devices: {len(rows)}; file bytes balance (max/mean)"
-             f" {_cell(balance, 3)}\n")
-    notes = ["run stall and compute ms/token: per layer the slowest device's, so not the sum"]
-    for r in rows:
-        final, start = r["final_budget_bytes"], r["budget_bytes"]
-        if isinstance(final, int) and isinstance(start, int) and final != start:
-            notes.append(f"device {r['device']}: budget {_size(start)} at the start,"
-                         f" {_size(final)} at the end")
-        if r["allocations"] is not None and r["allocations"] != r["frees"]:
-            notes.append(f"device {r['device']}: {r['allocations']} allocations,"
-                         f" {_cell(r['frees'], 0)} frees")
-    return title + _table(table) + "".join(f"  {note}\n" for note in notes)
+    return text_table(rows)
 
 
 def _mode_label(codes: np.ndarray[Any, Any], names: tuple[str, ...]) -> str:
@@ -419,10 +275,10 @@ def interval_rows(run: RunLog, interval: int) -> list[dict[str, Value]]:
         derived = {
             "gen_tps": counts * 1000.0 / wall,
             "hit_rate": hits / (hits + misses),
-            "file_mb_per_token": sums("file_bytes") / _MB / counts,
-            "cache_mb_per_token": sums("cache_bytes") / _MB / counts,
-            "storage_mb_per_token": sums("storage_bytes") / _MB / counts,
-            "storage_gbps": sums("storage_bytes") / _GB / (wall / 1000.0),
+            "file_mb_per_token": sums("file_bytes") / MB / counts,
+            "cache_mb_per_token": sums("cache_bytes") / MB / counts,
+            "storage_mb_per_token": sums("storage_bytes") / MB / counts,
+            "storage_gbps": sums("storage_bytes") / GB / (wall / 1000.0),
             "stall_share": sums("stall_ms") / wall,
             **{stage: sums(stage) / counts for stage in STAGE_COLUMNS},
         }
@@ -442,8 +298,8 @@ def interval_rows(run: RunLog, interval: int) -> list[dict[str, Value]]:
             "misses": int(misses[i]),
             "evictions": int(evictions[i]),
             "mode": _mode_label(cols.mode_codes[start:end], cols.mode_names),
-            "ram_available_gb": float(cols["ram_available_bytes"][last]) / _GB,
-            "cache_live_gb": float(cols["cache_live_bytes"][last]) / _GB,
+            "ram_available_gb": float(cols["ram_available_bytes"][last]) / GB,
+            "cache_live_gb": float(cols["cache_live_bytes"][last]) / GB,
             "run": run.name,
         }
         for key, array in derived.items():
@@ -475,77 +331,6 @@ def write_csv(path: Path, runs: Sequence[RunLog], interval: int) -> int:
     except OSError as exc:
         raise UsageError(f"{path}: cannot write CSV ({exc.strerror or exc})") from exc
     return count
-
-
-def _what_if_for(run: RunLog, budgets: list[str] | None, target: float,
-                 policies: list[str], jobs: int | None) -> WhatIfReport:
-    trace = AccessTrace.from_log(run)
-    header = run.header
-    run_budget = header.budget_bytes if header else None
-    if budgets:
-        capacities = [parse_budget(b, trace.max_expert_bytes) for b in budgets]
-    else:
-        capacities = default_budgets(trace, run_budget)
-    return what_if(trace, capacities, policies, target, run_budget,
-                   header.policy if header else None, jobs)
-
-
-def _size(nbytes: int) -> str:
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if nbytes >= scale:
-            return f"{nbytes / scale:,.2f} {unit}"
-    return f"{nbytes} B"
-
-
-def what_if_text(run: RunLog, report: WhatIfReport) -> str:
-    """The what-if report as text: hit rate per budget and policy, exactness, target."""
-    unit = report.expert_unit_bytes
-    run_budget = run.header.budget_bytes if run.header else None
-    lines = [f"what-if: {run.name} ({len(run.tokens):,} tokens; 1 expert = {_size(unit)})\n"]
-    rows = [["budget", "experts", *report.policies]]
-    for budget in report.budgets:
-        mark = " *" if budget == run_budget else ""
-        rows.append([_size(budget) + mark, f"{budget / unit:,.0f}",
-                     *(f"{report.rate(p, budget):.4f}" for p in report.policies)])
-    lines.append(_table(rows))
-    if run_budget in report.budgets:
-        lines.append("  * the run's budget\n")
-    exact = report.exact
-    if exact is not None and report.logged_hits is not None:
-        verdict = ("exact" if report.first_divergence is None
-                   else f"DIVERGES from token {report.first_divergence}")
-        lines.append(f"replay check: {exact.policy} at the run's budget: {exact.hits:,} hits,"
-                     f" log {report.logged_hits:,}: {verdict}\n")
-    for policy, best in report.smallest.items():
-        if best is None:
-            lines.append(f"{policy}: no budget tried reaches hit rate {report.target:g}\n")
-        else:
-            lines.append(f"{policy}: smallest budget reaching {report.target:g}:"
-                         f" {_size(best.capacity_bytes)} ({best.capacity_bytes / unit:,.0f}"
-                         f" experts, hit rate {best.hit_rate:.4f})\n")
-    return "".join(lines)
-
-
-def what_if_json(report: WhatIfReport, run: RunLog) -> dict[str, Any]:
-    """The what-if report as plain JSON."""
-    exact = report.exact
-    return {
-        "log": run.name,
-        "expert_unit_bytes": report.expert_unit_bytes,
-        "results": [{"policy": r.policy, "budget_bytes": r.capacity_bytes,
-                     "hit_rate": r.hit_rate, "hits": r.hits, "misses": r.misses,
-                     "evictions": r.evictions} for r in report.results],
-        "exact": None if exact is None else {
-            "policy": exact.policy, "budget_bytes": exact.capacity_bytes,
-            "replay_hits": exact.hits, "log_hits": report.logged_hits,
-            "hit_rate": exact.hit_rate,
-            "matches": report.logged_hits == exact.hits and report.first_divergence is None,
-            "first_divergence": report.first_divergence},
-        "target": report.target,
-        "smallest": {p: None if r is None else {"budget_bytes": r.capacity_bytes,
-                                                "hit_rate": r.hit_rate}
-                     for p, r in report.smallest.items()},
-    }
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -607,7 +392,7 @@ def _run(args: argparse.Namespace) -> int:
     out = sys.stdout
     reports = []
     if args.what_if:
-        reports = [_what_if_for(run, budgets, target, policies, args.jobs) for run in runs]
+        reports = [run_what_if(run, budgets, target, policies, args.jobs) for run in runs]
     written: dict[str, Any] = {}
     if args.csv:
         written["csv_rows"] = write_csv(args.csv, runs, args.interval)
@@ -620,7 +405,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.json:
         document: dict[str, Any] = {
             "runs": [{**s, "lines": run.counts.as_dict(), "problems": list(run.problems),
-                      **_devices_json(run)}
+                      **devices_json(run)}
                      for s, run in zip(summaries, runs, strict=True)],
             "what_if": [what_if_json(r, run) for r, run in zip(reports, runs, strict=False)],
             **written,
@@ -649,12 +434,6 @@ def _run(args: argparse.Namespace) -> int:
     for plot in written.get("plots", []):
         out.write(f"wrote {plot}\n")
     return 0
-
-
-def _devices_json(run: RunLog) -> dict[str, Any]:
-    """``devices`` and ``device_balance`` for a run's JSON entry; nothing for one device."""
-    rows = device_rows(run)
-    return {"devices": rows, "device_balance": device_balance(rows)} if rows else {}
 
 
 def _json_default(value: object) -> object:
