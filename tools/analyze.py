@@ -39,16 +39,14 @@ import structlog
 
 from pipeline.atomic import write_atomic
 from pipeline.errors import MoestreamError, UsageError
-from tools.device_report import device_balance, device_rows, device_table, devices_json
+from tools.device_report import device_table, devices_json
 from tools.logread import RunLog, read_log
 from tools.report_text import GB, MB, Value, ratio, text_table
 from tools.whatif import POLICIES
 from tools.whatif_report import run_what_if, what_if_json, what_if_text
 
-# device_balance, device_rows and device_table live in tools.device_report; they stay in this
-# list because they were public here (tools/bench_devices.py imports device_balance from here).
-__all__ = ["STAGE_COLUMNS", "Summary", "compare_table", "device_balance", "device_rows",
-           "device_table", "interval_rows", "main", "summarize", "summary_table", "write_csv"]
+__all__ = ["STAGE_COLUMNS", "Summary", "compare_table", "interval_rows", "main", "summarize",
+           "summary_table", "write_csv"]
 
 Summary = dict[str, Value]
 """Metric name -> value for one run; keys as in ``_ROWS`` plus ``mode_s.<mode>``."""

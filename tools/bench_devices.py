@@ -49,9 +49,9 @@ from pipeline.errors import UsageError
 from pipeline.machine import machine_info
 from pipeline.run import RunSummary, run
 from pipeline.table import ExpertTable, open_table
-from tools.analyze import device_balance
 from tools.bench import window_rate
 from tools.benchkit import budget_for, drop_caches, make_resident, parse_modes, run_command
+from tools.device_report import device_balance
 from tools.h2d_copies import H2D_TARGET, h2d_figures
 from tools.results import git_commit, write_result
 
