@@ -22,14 +22,14 @@ if [[ $steps == *pipeline* ]]; then
     --out $OUT/pipeline-h200.json > $OUT/pipeline-h200.log 2>&1; tail -14 $OUT/pipeline-h200.log
 fi
 if [[ $steps == *controller* ]]; then
-  timeout 240 python3 -m tools.bench_controller --model $M --backend cupy \
-    --out $OUT/controller-h200.json > $OUT/controller-h200.log 2>&1
+  timeout 420 python3 -m tools.bench_controller --model $M --backend cupy \
+    --partial-ram 20GiB --out $OUT/controller-h200.json > $OUT/controller-h200.log 2>&1
   grep -v "warm\.\|\[debug" $OUT/controller-h200.log | tail -22
 fi
 if [[ $steps == *warmup* ]]; then
   python3 -m tools.warmup $M > /dev/null 2>&1
   python3 -c "import subprocess, sys, time; t = time.perf_counter(); subprocess.run([sys.executable, '-m', 'tools.warmup', '$M', '--report', '--json'], stdout=open('$OUT/report.json', 'w'), check=True); print(f'report on resident model: {time.perf_counter() - t:.2f} s')" | tee $OUT/report-time.log
-  timeout 150 python3 -m tools.bench_warmup --size-gib 8 --random --runs 2 --dir $PWD \
+  timeout 240 python3 -m tools.bench_warmup --size-gib 8 --random --runs 5 --dir $PWD \
     --out $OUT/warmup-h200.json > $OUT/warmup-h200.log 2>&1; tail -8 $OUT/warmup-h200.log
 fi
 if [[ $steps == *prefetch* ]]; then

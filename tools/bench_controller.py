@@ -93,14 +93,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--model", type=Path, required=True)
     p.add_argument("--backend", default="auto")
     p.add_argument("--tokens", type=int, default=48, help="tokens per direct run")
-    p.add_argument("--resident-tokens", type=int, default=200)
+    p.add_argument("--resident-tokens", type=int, default=400,
+                   help="tokens of the resident and auto runs (400: the auto run's ~25 s of "
+                   "warm-up take ~60 of them)")
     p.add_argument("--layer-ms", type=float, default=0.57)
     p.add_argument("--budget-share", type=float, default=0.15)
     p.add_argument("--ram-limit", default="64GiB", help="RAM the controller believes in")
     p.add_argument("--balloon-gib", type=int, default=32)
     p.add_argument("--balloon-hold-s", type=float, default=15.0)
     p.add_argument("--balloon-after-s", type=float, default=5.0)
-    p.add_argument("--balloon-tokens", type=int, default=600)
+    p.add_argument("--balloon-tokens", type=int, default=1500,
+                   help="tokens of the balloon run (1500: at ~40 tok/s resident, 600 ended "
+                   "before the balloon was full)")
     p.add_argument("--skip", default="")
     p.add_argument("--partial-ram", help="RAM the controller may use for the partial-"
                    "residency runs (below the model, e.g. 20GiB); default: skip them")
