@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import sys
 from pathlib import Path
 from typing import Any
 
 import aiofiles
+import aiofiles.threadpool
 import structlog
 
 __all__ = ["SCHEMA_VERSION", "RunLog", "configure_console"]
@@ -51,6 +53,12 @@ class _LineSink:
         self.lines.append(message)
 
     info = debug = warning = error = msg
+
+
+def _close_opened(opening: asyncio.Future[Any]) -> None:
+    """Close the file an abandoned open made (the run was cancelled while it ran)."""
+    if not opening.cancelled() and opening.exception() is None:
+        opening.result().close()
 
 
 class RunLog:
@@ -87,7 +95,17 @@ class RunLog:
         """Open the file and start the background writer."""
         if self.path is None:
             return
-        self._file = await aiofiles.open(self.path, "w", encoding="utf-8")
+        # the open runs on a worker thread and finishes even if this run is cancelled
+        # meanwhile; then nobody would own the file it made, so close it right there
+        loop = asyncio.get_running_loop()
+        opening = loop.run_in_executor(None, functools.partial(open, self.path, "w",
+                                                               encoding="utf-8"))
+        try:
+            raw = await asyncio.shield(opening)
+        except asyncio.CancelledError:
+            opening.add_done_callback(_close_opened)
+            raise
+        self._file = aiofiles.threadpool.wrap(raw, loop=loop)
         self._writer = asyncio.get_running_loop().create_task(self._write_loop())
 
     def emit(self, event: str, **fields: Any) -> None:

@@ -204,7 +204,7 @@ class TestLibraryCancel:
     @pytest.mark.filterwarnings("ignore::ResourceWarning")
     async def test_cancel_while_the_log_opens(self, tiny_model: Path, tmp_path: Path) -> None:
         """The open, on an executor thread, completes after the cancel; the file it made is
-        dropped, and so closed, as soon as it does."""
+        closed as soon as it does (not left to the garbage collector)."""
         fds = _open_fds()
         task = asyncio.ensure_future(run(self._cfg(tiny_model, tmp_path / "run.jsonl")))
         await asyncio.sleep(0)
