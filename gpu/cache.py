@@ -20,6 +20,7 @@ holds the buffers behind them. The contract:
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -295,6 +296,20 @@ class DeviceCache:
                 entry.last_use = last_use
             if entry.pins == 0:
                 self._pinned.discard(entry.key)
+
+    def release_guess(self, entries: Sequence[Entry]) -> None:
+        """Unpin prefetched entries that their layer did not use. One still loading keeps
+        its pin until its load lands, then ends with its upload event: its buffer is never
+        handed to another expert while a read or copy still writes into it."""
+        for entry in entries:
+            if entry.loaded is None or entry.loaded.done():
+                self.release([entry], entry.upload)
+            else:
+                entry.loaded.add_done_callback(functools.partial(self._guess_landed, entry))
+
+    def _guess_landed(self, entry: Entry, _loaded: asyncio.Future[None]) -> None:
+        if self._entries.get(entry.key) is entry:  # a failed guess was dropped already
+            self.release([entry], entry.upload)
 
     def mark_ready(self, entry: Entry) -> None:
         """The entry's upload event has completed: compute need not wait on it any more."""

@@ -201,7 +201,7 @@ class Decoder:
 
         Hits whose load is still in flight (started by a prefetch) are consumed once their
         upload is queued; ``prefetched`` (the guess made for this layer) is unpinned at the
-        end, used or not.
+        end, used or not (a wrong guess still loading keeps its pin until it lands).
 
         Raises:
             StageError: a miss could not be loaded; the layer's other experts are unpinned,
@@ -255,10 +255,12 @@ class Decoder:
         elif acc is not None and not failures:
             self.advance(acc)
         done = self.stream.record()
-        entries = [*load.plan.hits, *load.plan.misses]
+        self._cache.release([*load.plan.hits, *load.plan.misses], done)
         if prefetched is not None:
-            entries += prefetched.plan.misses
-        self._cache.release(entries, done)
+            used = [e for e in prefetched.plan.misses if e.key[1] in weight_of]
+            self._cache.release(used, None)  # hits of this layer too: their last use is done
+            self._cache.release_guess([e for e in prefetched.plan.misses
+                                       if e.key[1] not in weight_of])
         for entry, _ in failures:
             self._cache.drop(entry.key)
         if failures:

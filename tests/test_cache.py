@@ -151,3 +151,42 @@ class TestDeviceCache:
         cache.drop((0, 1))
         assert (0, 1) not in cache
         assert cache.plan_layer([(0, 1)], [4096]).misses  # read again, not served
+
+
+class TestWrongGuess:
+    """A wrong prefetch guess still loading is never evicted, so its buffer is never
+    written by two loads at once; it becomes evictable once its load lands."""
+
+    @pytest.mark.asyncio
+    async def test_pinned_until_its_load_lands(self) -> None:
+        import asyncio
+
+        cache = DeviceCache(HostBackend(), 4 * 4096, "lru", min_bytes=4096)
+        guess = cache.prefetch([(0, 9)], [4096]).misses[0]
+        guess.loaded = asyncio.get_running_loop().create_future()
+        cache.release_guess([guess])  # its layer is over; the load is not
+        for e in range(6):  # fill the cache over and over: the guess must survive
+            cache.release(cache.plan_layer([(0, e)], [4096]).misses, None)
+        assert cache.get((0, 9)) is guess
+        guess.loaded.set_result(None)
+        await asyncio.sleep(0)  # the done callback runs
+        for e in range(20, 26):
+            cache.release(cache.plan_layer([(0, e)], [4096]).misses, None)
+        assert (0, 9) not in cache
+        cache.close()
+
+    @pytest.mark.asyncio
+    async def test_a_failed_guess_dropped_meanwhile_is_left_alone(self) -> None:
+        import asyncio
+
+        cache = DeviceCache(HostBackend(), 4 * 4096, "lru", min_bytes=4096)
+        guess = cache.prefetch([(0, 9)], [4096]).misses[0]
+        guess.loaded = asyncio.get_running_loop().create_future()
+        cache.release_guess([guess])
+        cache.drop((0, 9))  # the load failed: the streamer drops a failed guess
+        again = cache.plan_layer([(0, 9)], [4096]).misses[0]  # read afresh, pinned
+        guess.loaded.cancel()
+        await asyncio.sleep(0)
+        assert again.pins == 1 and cache.get((0, 9)) is again
+        cache.release([again], None)
+        cache.close()
