@@ -1,4 +1,5 @@
-"""Tests of the warm-up CLI (tools.warmup) on a real, small GGUF model."""
+"""Tests of the warm-up CLI (tools.warmup, with tools.warmup_select, tools.warmup_report and
+tools.ram_guard) on a real, small GGUF model."""
 
 from __future__ import annotations
 
@@ -15,11 +16,11 @@ from pipeline.errors import UsageError
 from pipeline.residency import PAGE_BYTES, Residency, evict
 from pipeline.table import ByteRange, ExpertTable, open_table
 from tools.make_model import spec_for, write_model
-from tools.warmup import (
+from tools.ram_guard import check_ram
+from tools.warmup import main
+from tools.warmup_select import (
     HotLog,
     build_selection,
-    check_ram,
-    main,
     non_routed_ranges,
     parse_index_list,
     read_hot_log,

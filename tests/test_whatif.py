@@ -1,4 +1,4 @@
-"""Tests for tools.whatif: exact replay, Belady's ceiling, budgets."""
+"""Tests for tools.whatif and tools.whatif_replay: exact replay, Belady's ceiling, budgets."""
 
 from __future__ import annotations
 
@@ -17,17 +17,8 @@ from pipeline.errors import TraceError, UsageError
 from tools.analyze import main
 from tools.bench_analyze import SyntheticRun, write_synthetic_log
 from tools.logread import read_log
-from tools.whatif import (
-    NEVER,
-    AccessTrace,
-    BeladyPolicy,
-    default_budgets,
-    next_use_positions,
-    parse_budget,
-    replay,
-    smallest_budget,
-    what_if,
-)
+from tools.whatif import default_budgets, parse_budget, smallest_budget, what_if
+from tools.whatif_replay import NEVER, AccessTrace, BeladyPolicy, next_use_positions, replay
 
 UNIT = 1000  # bytes of one expert in the small logs
 

@@ -42,7 +42,7 @@ from pipeline.errors import MoestreamError, UsageError
 from tools.device_report import device_table, devices_json
 from tools.logread import RunLog, read_log
 from tools.report_text import GB, MB, Value, ratio, text_table
-from tools.whatif import POLICIES
+from tools.whatif_replay import POLICIES
 from tools.whatif_report import run_what_if, what_if_json, what_if_text
 
 __all__ = ["STAGE_COLUMNS", "Summary", "compare_table", "interval_rows", "main", "summarize",

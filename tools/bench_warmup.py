@@ -247,7 +247,7 @@ def _time_cold(
 
 def _time_report(path: Path, gguf: bool, runs: int) -> dict[str, Any]:
     """Seconds for the residency report on the (now resident) file."""
-    from tools.warmup import residency_report
+    from tools.warmup_report import residency_report
 
     table = open_table(path) if gguf else None
     mincore_s, report_s, cli_s = [], [], []

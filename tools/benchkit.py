@@ -50,7 +50,7 @@ def make_resident(path: Path) -> dict[str, Any]:
     Raises:
         UsageError: the missing pages do not fit in available RAM minus a margin.
     """
-    from tools.warmup import PsutilMemory, check_ram
+    from tools.ram_guard import PsutilMemory, check_ram
 
     size = path.stat().st_size
     missing = Residency.of_file(path).missing([ByteRange(0, size)])

@@ -12,7 +12,8 @@ from typing import Any
 
 from tools.logread import RunLog
 from tools.report_text import size_text, text_table
-from tools.whatif import AccessTrace, WhatIfReport, default_budgets, parse_budget, what_if
+from tools.whatif import WhatIfReport, default_budgets, parse_budget, what_if
+from tools.whatif_replay import AccessTrace
 
 __all__ = ["run_what_if", "what_if_json", "what_if_text"]
 
@@ -25,7 +26,7 @@ def run_what_if(run: RunLog, budgets: list[str] | None, target: float,
         run: the run whose accesses are replayed.
         budgets: budgets as given on the command line (sizes or expert counts), or None.
         target: the hit rate whose smallest budget is reported.
-        policies: the policies to replay (names in ``tools.whatif.POLICIES``).
+        policies: the policies to replay (names in ``tools.whatif_replay.POLICIES``).
         jobs: worker processes, or None for the default.
     """
     trace = AccessTrace.from_log(run)
