@@ -105,7 +105,8 @@ class Backend(Protocol):
     ) -> None:
         """Queue a copy of ``src`` (pinned or registered host memory) into ``dst``.
 
-        ``src`` must stay alive and unchanged until an event recorded after this completes.
+        Called under ``activate()`` (CUDA's current device is per thread); ``src`` must stay
+        alive and unchanged until an event recorded after this completes.
         """
 
     def register_host(self, array: npt.NDArray[np.uint8]) -> bool:

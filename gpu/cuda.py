@@ -7,9 +7,9 @@ into them). ``register_host`` page-locks a read-only file mapping
 (``cudaHostRegisterReadOnly``, portable: one registration serves every device) so uploads
 DMA from the page cache with no CPU copy.
 
-One backend drives one device: it makes that device current around everything it creates
-or queues, and ``activate()`` does the same for callers (decode's kernels, upload workers),
-since CUDA's current device is per thread.
+One backend drives one device: it makes that device current around everything it creates,
+and ``activate()`` does the same for callers (decode's kernels, upload workers, once per
+expert around its copies), since CUDA's current device is per thread.
 """
 
 from __future__ import annotations
@@ -174,12 +174,11 @@ class CupyBackend:
         self, dst: Any, dst_offset: int, src: npt.NDArray[np.uint8], stream: Any
     ) -> None:
         rt = self._cp.cuda.runtime
-        try:
-            with self.activate():
-                rt.memcpyAsync(
-                    dst.ptr + dst_offset, src.ctypes.data, src.size, rt.memcpyHostToDevice,
-                    stream.raw.ptr,
-                )
+        try:  # the caller made this device current (per expert, not per piece)
+            rt.memcpyAsync(
+                dst.ptr + dst_offset, src.ctypes.data, src.size, rt.memcpyHostToDevice,
+                stream.raw.ptr,
+            )
         except Exception as exc:
             raise UploadError(f"host-to-device copy of {src.size} bytes failed: {exc}") from exc
 

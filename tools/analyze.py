@@ -40,7 +40,8 @@ import structlog
 from pipeline.atomic import write_atomic
 from pipeline.errors import MoestreamError, UsageError
 from tools.device_report import device_table, devices_json
-from tools.logread import RunLog, read_log
+from tools.logread import read_log
+from tools.logrecords import RunLog
 from tools.report_text import GB, MB, Value, ratio, text_table
 from tools.whatif_replay import POLICIES
 from tools.whatif_report import run_what_if, what_if_json, what_if_text

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from tools.logread import RunLog
+from tools.logrecords import RunLog
 from tools.report_text import GB, Value, ratio, size_text, text_table
 
 __all__ = ["device_balance", "device_rows", "device_table", "devices_json"]

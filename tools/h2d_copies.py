@@ -65,8 +65,9 @@ class DeviceCopier:
     def _copy(self, lane: _CopyLane, copies: int) -> tuple[float, float]:
         """Queue ``copies`` copies on the lane's stream and wait for them: (start, end)."""
         start = time.perf_counter()
-        for _ in range(copies):
-            lane.backend.copy_h2d(lane.device, 0, lane.host.array, lane.stream)
+        with lane.backend.activate():
+            for _ in range(copies):
+                lane.backend.copy_h2d(lane.device, 0, lane.host.array, lane.stream)
         lane.stream.synchronize()
         return start, time.perf_counter()
 

@@ -41,19 +41,7 @@ from tools.logrecords import (
 )
 from tools.logvalues import FloatArray, float_columns, int_or_none, mapping, str_or_none
 
-__all__ = [
-    "KNOWN_EVENTS",
-    "SCHEMA_VERSION",
-    "TOKEN_COLUMNS",
-    "ControllerDecision",
-    "LineCounts",
-    "ModeSwitch",
-    "RunEnd",
-    "RunHeader",
-    "RunLog",
-    "TokenColumns",
-    "read_log",
-]
+__all__ = ["KNOWN_EVENTS", "SCHEMA_VERSION", "TOKEN_COLUMNS", "read_log"]
 
 log = structlog.get_logger(__name__)
 

@@ -17,7 +17,7 @@ import numpy as np
 
 from pipeline.errors import UsageError
 from tools.analyze import STAGE_COLUMNS, interval_rows
-from tools.logread import RunLog
+from tools.logrecords import RunLog
 
 __all__ = ["write_plots"]
 

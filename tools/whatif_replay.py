@@ -26,7 +26,7 @@ import structlog
 
 from gpu.policy import CacheIndex, EvictionPolicy, ExpertKey, make_policy
 from pipeline.errors import TraceError, UsageError
-from tools.logread import RunLog
+from tools.logrecords import RunLog
 
 __all__ = [
     "NEVER",

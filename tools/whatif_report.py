@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tools.logread import RunLog
+from tools.logrecords import RunLog
 from tools.report_text import size_text, text_table
 from tools.whatif import WhatIfReport, default_budgets, parse_budget, what_if
 from tools.whatif_replay import AccessTrace
