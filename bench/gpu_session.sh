@@ -23,7 +23,9 @@ if [[ $steps == *pipeline* ]]; then
 fi
 if [[ $steps == *controller* ]]; then
   timeout 420 python3 -m tools.bench_controller --model $M --backend cupy \
-    --partial-ram 20GiB --out $OUT/controller-h200.json > $OUT/controller-h200.log 2>&1
+    --partial-ram 20GiB --keep-logs $OUT/controller-logs --out $OUT/controller-h200.json \
+    > $OUT/controller-h200.log 2>&1
+  gzip -q $OUT/controller-logs/*.jsonl
   grep -v "warm\.\|\[debug" $OUT/controller-h200.log | tail -22
 fi
 if [[ $steps == *warmup* ]]; then

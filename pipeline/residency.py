@@ -117,6 +117,16 @@ class _Libc:
             )
         return int(addr)
 
+    def all_resident(self, addr: int, length: int, what: str) -> bool:
+        """Whether every page of an existing mapping (page-aligned ``addr``) is in the page
+        cache: ``mincore`` on the caller's mapping, no new one, so a check of one window
+        costs only that window's page lookups."""
+        vec = np.empty(-(-length // PAGE_BYTES), dtype=np.uint8)
+        if self.mincore(addr, length, vec.ctypes.data) != 0:
+            err = ctypes.get_errno()
+            raise ResidencyError(f"{what}: mincore of a mapping: {os.strerror(err)}")
+        return bool((vec & 1).all())
+
 
 _libc = _Libc()
 libc = _libc  # public: stages.prefetch maps the model through it

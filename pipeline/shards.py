@@ -152,6 +152,9 @@ class StreamerGroup:
     def register_resident(self) -> None:
         self._all[0].register_resident()
 
+    async def registered(self) -> None:
+        await self._all[0].registered()
+
     async def set_tier_bytes(self, nbytes: int) -> int:
         """Each device's tier gets an equal share (the placement balances bytes)."""
         share = nbytes // len(self._all)

@@ -208,9 +208,7 @@ class ExpertStreamer:
                 self._mapping = ModelMapping(self._table.path, self._backend)
             self.mode = "resident"
             self.register_resident()
-            if self._registering is not None:
-                with contextlib.suppress(Exception):  # a failure is logged by _registered
-                    await asyncio.shield(self._registering)
+            await self.registered()
             return
         self.mode = "direct"
         await self._stop_registering()
@@ -244,6 +242,13 @@ class ExpertStreamer:
         loop = asyncio.get_running_loop()
         self._registering = loop.run_in_executor(None, self._register_windows, mapping)
         self._registering.add_done_callback(self._registered)
+
+    async def registered(self) -> None:
+        """Wait for the registration pass under way, and for any pass asked for meanwhile
+        (``_registered`` starts it before this wakes)."""
+        while self._registering is not None and not self._registering.done():
+            with contextlib.suppress(Exception):  # a failure is logged by _registered
+                await asyncio.shield(self._registering)
 
     def _register_windows(self, mapping: ModelMapping) -> int:
         t0 = time.perf_counter()

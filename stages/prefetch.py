@@ -393,14 +393,12 @@ class ModelMapping:
         """Register every window whose pages are all resident; returns how many were new.
 
         A window with any page missing is skipped (registering it would read it from
-        storage first); ``stop`` ends the pass early. Thread-safe.
+        storage first); only windows not yet registered are checked, so a pass once all
+        are costs nothing (a whole-file ``mincore`` took 0.33 s on the 34 GiB model).
+        ``stop`` ends the pass early. Thread-safe.
         """
-        from pipeline.residency import Residency
-
         if not self._backend.registers_host:
             return 0
-        pages = Residency.of_file(self._path).pages
-        per_window = self._window // PAGE
         added = 0
         n_windows = (self.file_bytes + self._window - 1) // self._window
         for w in range(n_windows):
@@ -408,13 +406,14 @@ class ModelMapping:
                 break
             if w in self._registered or w in self._refused:
                 continue
-            if not pages[w * per_window : (w + 1) * per_window].all():
-                continue
             with self._lock:
                 if self.array.size == 0:
                     break  # closed meanwhile
                 start = w * self._window
-                window = self.array[start : min(start + self._window, self.file_bytes)]
+                length = min(self._window, self.file_bytes - start)
+                if not libc.all_resident(self._addr + start, length, str(self._path)):
+                    continue
+                window = self.array[start : start + length]
                 if self._backend.register_host(window):
                     self._registered[w] = window
                     self.registered_bytes += window.size

@@ -15,7 +15,7 @@ from structlog.testing import capture_logs
 from gpu.backend import aligned_host_array
 from gpu.host import HostBackend
 from pipeline.errors import ReadError
-from pipeline.residency import evict
+from pipeline.residency import evict, libc
 from pipeline.table import ByteRange, ExpertTable
 from stages.faults import parse_faults
 from stages.prefetch import (
@@ -123,7 +123,9 @@ class TestModelMapping:
             assert pieces[0][0] == 0
         assert data == _read(path, offset, nbytes)
 
-    def test_only_resident_windows_are_registered(self, tiny_model: Path) -> None:
+    def test_only_resident_windows_are_registered(
+        self, tiny_model: Path, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
         class Registering(HostBackend):
             registers_host = True
 
@@ -137,4 +139,13 @@ class TestModelMapping:
             assert mapping.is_registered(0, 3 << 20)
             assert not mapping.is_registered(3 << 20, 10)
             assert added >= 3 and mapping.registered_bytes == mapping.file_bytes - (1 << 20)
+            _read(tiny_model, 3 << 20, 1 << 20)  # window 3 resident again
+            assert mapping.register_resident_windows() == 1
+            assert mapping.registered_bytes == mapping.file_bytes
+
+            def no_check(*_: object) -> bool:
+                raise AssertionError("a registered window was checked again")
+
+            monkeypatch.setattr(libc, "all_resident", no_check)
+            assert mapping.register_resident_windows() == 0
         assert mapping.registered_bytes == 0
