@@ -23,9 +23,10 @@ if [[ $steps == *pipeline* ]]; then
 fi
 if [[ $steps == *controller* ]]; then
   timeout 420 python3 -m tools.bench_controller --model $M --backend cupy \
-    --partial-ram 20GiB --keep-logs $OUT/controller-logs --out $OUT/controller-h200.json \
+    --partial-ram 20GiB --keep-logs $PWD/controller-logs --out $OUT/controller-h200.json \
     > $OUT/controller-h200.log 2>&1
-  gzip -q $OUT/controller-logs/*.jsonl
+  # one archive: a folder of logs did not come back from the lease
+  tar -czf $OUT/controller-logs.tgz controller-logs && rm -rf controller-logs
   grep -v "warm\.\|\[debug" $OUT/controller-h200.log | tail -22
 fi
 if [[ $steps == *warmup* ]]; then
