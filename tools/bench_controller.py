@@ -164,7 +164,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.partial_ram:
             results["partial"] = _partial(r, args)
         if "direct" not in skip:
-            # the virtio disk's speed drifts by 10-16% between runs a minute apart: a second reference at the end makes the phase ratios less a coin toss
+            # the virtio disk's speed drifts by 10-16% between runs a minute apart: a
+            # second reference at the end makes the phase ratios less a coin toss
             print("forced direct, cold, again:", flush=True)
             drop_caches(args.model)
             ev = r.run("direct_again", "direct", args.tokens)
