@@ -2,7 +2,6 @@
 # A/B of all-cached decode between this tree (.) and an older one unpacked in .old
 # (git archive <sha> | tar -x -C .old), on a GPU lease after bench/gpu_session.sh made
 # bench-model.gguf. Prints steady-state ms per token (tokens 80+) for each, twice.
-# all-cached decode at HEAD (.) vs 9034a2a (.old): steady-state ms per token after token 80
 M=$PWD/bench-model.gguf
 timeout 60 python3 -m tools.warmup $M > /dev/null 2>&1
 for i in 1 2; do for t in . .old; do

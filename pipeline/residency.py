@@ -117,14 +117,18 @@ class _Libc:
             )
         return int(addr)
 
+    def mincore_into(self, addr: int, length: int, out_addr: int, what: str) -> None:
+        """``mincore`` of a mapping into the vector at ``out_addr``, raising on failure."""
+        if self.mincore(addr, length, out_addr) != 0:
+            err = ctypes.get_errno()
+            raise ResidencyError(f"{what}: mincore: {os.strerror(err)}")
+
     def all_resident(self, addr: int, length: int, what: str) -> bool:
         """Whether every page of an existing mapping (page-aligned ``addr``) is in the page
         cache: ``mincore`` on the caller's mapping, no new one, so a check of one window
         costs only that window's page lookups."""
         vec = np.empty(-(-length // PAGE_BYTES), dtype=np.uint8)
-        if self.mincore(addr, length, vec.ctypes.data) != 0:
-            err = ctypes.get_errno()
-            raise ResidencyError(f"{what}: mincore of a mapping: {os.strerror(err)}")
+        self.mincore_into(addr, length, vec.ctypes.data, what)
         return bool((vec & 1).all())
 
 
@@ -173,9 +177,7 @@ def _mincore_window(fd: int, start: int, length: int, out_addr: int, what: str) 
     """``mincore`` of one window of the file into the vector at ``out_addr``."""
     addr = _libc.map_read(fd, start, length, what)
     try:
-        if _libc.mincore(addr, length, out_addr) != 0:
-            err = ctypes.get_errno()
-            raise ResidencyError(f"{what}: mincore at offset {start}: {os.strerror(err)}")
+        _libc.mincore_into(addr, length, out_addr, f"{what} at offset {start}")
     finally:
         _libc.munmap(addr, length)
 

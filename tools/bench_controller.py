@@ -139,10 +139,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         r = Runner(args, scratch, trace_path)
         results["budget"] = str(r.budget)
         if "direct" not in skip:
-            print("forced direct, cold:", flush=True)
-            drop_caches(args.model)
-            ev = r.run("direct", "direct", args.tokens)
-            results["forced_direct"] = _rate([e for e in ev if e["event"] == "token"])
+            results["forced_direct"] = _forced_direct(r, "direct")
         if "auto" not in skip:
             print("auto from cold (resident + background warm-up):", flush=True)
             drop_caches(args.model)
@@ -166,10 +163,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if "direct" not in skip:
             # the virtio disk's speed drifts by 10-16% between runs a minute apart: a
             # second reference at the end makes the phase ratios less a coin toss
-            print("forced direct, cold, again:", flush=True)
-            drop_caches(args.model)
-            ev = r.run("direct_again", "direct", args.tokens)
-            results["forced_direct_again"] = _rate([e for e in ev if e["event"] == "token"])
+            results["forced_direct_again"] = _forced_direct(r, "direct_again")
         if args.keep_logs:
             args.keep_logs.mkdir(parents=True, exist_ok=True)
             for log in scratch.glob("*.jsonl"):
@@ -181,6 +175,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(json.dumps(results["figures"], indent=2))
     print(f"written: {out}")
     return 0
+
+
+def _forced_direct(r: Runner, name: str) -> dict[str, float]:
+    """A forced-direct reference run from a cold page cache."""
+    print(f"forced direct, cold ({name}):", flush=True)
+    drop_caches(r.args.model)
+    ev = r.run(name, "direct", r.args.tokens)
+    return _rate([e for e in ev if e["event"] == "token"])
 
 
 def _balloon(r: Runner, args: argparse.Namespace) -> dict[str, Any]:
