@@ -39,7 +39,14 @@ from pipeline.table import ExpertTable
 from pipeline.verify import DigestRows
 from stages.faults import FaultPlan
 from stages.install import Installer
-from stages.prefetch import ExpertLayout, ModelMapping, ModelReader, iter_chunks, plan_expert
+from stages.prefetch import (
+    ExpertLayout,
+    ModelMapping,
+    ModelReader,
+    iter_chunks,
+    largest_slot_bytes,
+    plan_expert,
+)
 from stages.staging import StagingRing, StagingSlot
 from stages.upload import Uploader
 
@@ -139,7 +146,7 @@ class ExpertStreamer:
         self._cache = cache
         self._kernels = kernels
         self._layouts: dict[tuple[int, int], ExpertLayout] = {}
-        slot_bytes = max(self.layout((n, 0)).slot_bytes for n in table.layers) + 2 * 4096
+        slot_bytes = largest_slot_bytes(table)
         self.faults = faults
         self.reader = ModelReader(table.path, direct=True, faults=faults)
         try:
@@ -390,6 +397,10 @@ class ExpertStreamer:
                     continue
                 # not registered yet (cold or still being registered): a buffered read
                 # through the page cache into staging; it never waits on a whole window
+            if layout.slot_bytes > self.ring.slot_bytes:  # never cut a copy short
+                raise StageError(f"layer {entry.key[0]} expert {entry.key[1]}: its cover needs "
+                                 f"{layout.slot_bytes} bytes, staging slots hold "
+                                 f"{self.ring.slot_bytes}")
             t0 = time.perf_counter()
             job.slot = await self.ring.acquire()
             self._staged_jobs.add(job)

@@ -32,7 +32,7 @@ import structlog
 from gpu.backend import PAGE, Backend
 from pipeline.errors import ModelChangedError, ModelFileError, ReadError
 from pipeline.residency import libc
-from pipeline.table import ByteRange, ExpertSlices
+from pipeline.table import ByteRange, ExpertSlices, ExpertTable
 from stages.faults import FaultPlan
 
 __all__ = [
@@ -106,6 +106,22 @@ def plan_expert(slices: ExpertSlices, align: int = PAGE) -> ExpertLayout:
         slot_at += length
         device_at += r.nbytes + (-r.nbytes) % DEVICE_ALIGN
     return ExpertLayout(tuple(staged), slot_at, device_at)
+
+
+def largest_slot_bytes(table: ExpertTable, align: int = PAGE) -> int:
+    """The largest staging slot any expert of ``table`` needs (exact, not estimated).
+
+    An expert's cover depends only on where its three slices start within a page, and
+    expert ``e``'s slices start at ``base + e * stride``: the page offsets repeat with a
+    period that divides ``align``, so the first ``align`` experts of a layer hold its
+    largest cover. Expert 0 alone is not enough: an expert whose slices each straddle one
+    more page needs up to three pages more (real files put slices at any offset).
+    """
+    return max(
+        plan_expert(moe.slices(expert), align).slot_bytes
+        for moe in table.layers.values()
+        for expert in range(min(moe.n_experts, align))
+    )
 
 
 def iter_chunks(start: int, length: int, chunk_bytes: int) -> Iterator[tuple[int, int]]:
