@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 from pipeline.run import main
 from pipeline.table import open_table
 from stages.prefetch import PAGE, largest_slot_bytes, plan_expert
+from tests.conftest import BACKENDS
 from tests.gguf_files import finish_gguf
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
@@ -98,6 +99,20 @@ class TestModesDeliverTheFileBytes:
                      "--backend", "host", "--json"])
         out, _ = capsys.readouterr()
         summary = json.loads(out)
+        assert code == 0
+        assert summary["mismatches"] == 0 and summary["verified"] > 0
+
+    @pytest.mark.parametrize("backend", BACKENDS)
+    @pytest.mark.parametrize("mode", ["direct", "resident"])
+    def test_reported_file_on_each_backend(self, tmp_path: Path,
+                                           capsys: pytest.CaptureFixture[str], backend: str,
+                                           mode: str) -> None:
+        """The reported file, on the host backend and on CuPy (staging, streams, events)."""
+        path = _write_model(tmp_path / "m.gguf", hidden=32, ffn=32, experts=16,
+                            pad_elems=REPORTED_PAD, alignment=32, seed=1)
+        code = main(["-m", str(path), "-n", "8", "--mode", mode, "--compute", "digest",
+                     "--cache-budget", "6", "--backend", backend, "--json"])
+        summary = json.loads(capsys.readouterr()[0])
         assert code == 0
         assert summary["mismatches"] == 0 and summary["verified"] > 0
 
