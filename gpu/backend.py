@@ -1,4 +1,4 @@
-"""The device-backend interface, and the choice between CuPy and the host stand-in.
+"""The device-backend interface (``gpu.selection`` chooses between CuPy and the host).
 
 Everything above ``gpu/`` talks to a ``Backend``: page-aligned (pinned, on a GPU) host
 buffers for staging, device buffers for the cache, streams, events, asynchronous
@@ -14,9 +14,6 @@ from typing import Any, Protocol
 
 import numpy as np
 import numpy.typing as npt
-import structlog
-
-from pipeline.errors import UsageError
 
 __all__ = [
     "Backend",
@@ -25,12 +22,9 @@ __all__ = [
     "HostBuffer",
     "Stream",
     "aligned_host_array",
-    "select_backend",
-    "visible_devices",
 ]
 
 PAGE = 4096
-_log = structlog.get_logger("moestream.gpu")
 
 
 def aligned_host_array(nbytes: int, align: int = PAGE) -> npt.NDArray[np.uint8]:
@@ -131,41 +125,3 @@ class Backend(Protocol):
         activations a layer's devices exchange; a peer copy on GPUs)."""
 
     def close(self) -> None: ...
-
-
-def visible_devices(name: str) -> int:
-    """How many devices the backend ``name`` (``host`` or ``cupy``) sees: one host."""
-    if name == "cupy":
-        import cupy
-
-        return int(cupy.cuda.runtime.getDeviceCount())
-    return 1
-
-
-def select_backend(name: str = "auto", device: int = 0) -> Backend:
-    """``cupy`` when a CUDA device answers (or when asked), else ``host``; on ``device``.
-
-    The host backend takes any device index: several host "devices" emulate a multi-GPU
-    run (each with its own buffers, streams and cache) on machines without GPUs.
-
-    Raises:
-        UsageError: ``cupy`` was asked for but no CUDA device is usable, or ``device`` is
-            not one of the visible CUDA devices.
-    """
-    if name not in ("auto", "host", "cupy"):
-        raise UsageError(f"unknown backend {name!r} (expected auto, host or cupy)")
-    if name in ("auto", "cupy"):
-        from gpu import cuda
-
-        reason = cuda.unavailable_reason()
-        if reason is None:
-            count = visible_devices("cupy")
-            if not 0 <= device < count:
-                raise UsageError(f"no CUDA device {device} (this machine has {count})")
-            return cuda.CupyBackend(device)
-        if name == "cupy":
-            raise UsageError(f"--backend cupy: no usable CUDA device ({reason})")
-        _log.info("backend_fallback", backend="host", reason=reason)
-    from gpu.host import HostBackend
-
-    return HostBackend(device)

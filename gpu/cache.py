@@ -29,8 +29,8 @@ import structlog
 from gpu.backend import Backend, DeviceBuffer, Event
 from gpu.policy import CacheIndex, ExpertKey, make_policy
 from gpu.pool import BufferPool
-from pipeline.errors import DeviceMemoryError, UsageError
-from stages.faults import FaultPlan
+from pipeline.foundation.errors import DeviceMemoryError, UsageError
+from pipeline.foundation.faults import FaultPlan
 
 __all__ = ["CacheCounters", "DeviceCache", "Entry", "LayerPlan"]
 

@@ -21,7 +21,7 @@ import numpy.typing as npt
 import structlog
 
 from gpu.backend import PAGE, Event
-from pipeline.errors import DeviceMemoryError, UploadError
+from pipeline.foundation.errors import DeviceMemoryError, UploadError
 
 __all__ = ["CupyBackend", "unavailable_reason"]
 

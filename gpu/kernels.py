@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from pipeline.digest import mix_digest
+from pipeline.foundation.digest import mix_digest
 
 __all__ = ["CudaKernels", "HostKernels", "make_kernels"]
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 
 from gpu.policy import ExpertKey
-from pipeline.errors import UsageError
+from pipeline.foundation.errors import UsageError
 
 __all__ = ["Placement", "balanced_placement", "split_budget"]
 

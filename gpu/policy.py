@@ -13,7 +13,9 @@ import math
 from collections import OrderedDict
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Protocol, TypeAlias
+from typing import Protocol
+
+from pipeline.foundation.table import ExpertKey
 
 __all__ = [
     "CacheIndex",
@@ -25,8 +27,6 @@ __all__ = [
     "make_policy",
 ]
 
-ExpertKey: TypeAlias = tuple[int, int]
-"""(layer index in the model, expert index in that layer)."""
 
 
 class EvictionPolicy(Protocol):

@@ -14,8 +14,8 @@ from collections import OrderedDict
 import structlog
 
 from gpu.backend import Backend, DeviceBuffer, Event
-from pipeline.errors import DeviceMemoryError
-from stages.faults import FaultPlan
+from pipeline.foundation.errors import DeviceMemoryError
+from pipeline.foundation.faults import FaultPlan
 
 __all__ = ["BufferPool"]
 

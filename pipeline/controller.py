@@ -29,10 +29,10 @@ from typing import Any, Literal, Protocol
 
 import structlog
 
-from pipeline.config import RunConfig
+from pipeline.foundation.config import RunConfig
+from pipeline.foundation.table import ByteRange, ExpertTable
 from pipeline.logs import RunLog
 from pipeline.machine import ram_available_bytes, read_machine
-from pipeline.table import ByteRange, ExpertTable
 
 __all__ = [
     "ControllerReadings",
@@ -168,7 +168,7 @@ class MachineSampler:
         if pinned >= self._table.file_bytes:
             self._resident = pinned  # all page-locked: resident, no need to ask mincore
         elif full or self._resident < 0:
-            from pipeline.residency import Residency
+            from stages.residency import Residency
 
             self._resident = Residency.of_file(self._table.path).file_resident_bytes
         return ControllerReadings(
@@ -341,8 +341,8 @@ class ModeController:
 
     async def _start_warmup(self) -> None:
         """Warm the model's non-resident pages in the background, after decode's reads."""
-        from pipeline.residency import Residency
         from pipeline.warm import WarmEngine
+        from stages.residency import Residency
 
         if self._warm_task is not None:
             return

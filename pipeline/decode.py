@@ -26,10 +26,10 @@ from gguf import GGMLQuantizationType
 
 from gpu.backend import Backend
 from gpu.cache import DeviceCache, Entry
-from pipeline.config import ComputeSpec
-from pipeline.errors import MoestreamError, StageError
+from pipeline.foundation.config import ComputeSpec
+from pipeline.foundation.errors import MoestreamError, StageError
+from pipeline.foundation.table import ExpertTable
 from pipeline.streamer import ExpertStreamer, LayerLoad
-from pipeline.table import ExpertTable
 from pipeline.verify import DigestRows
 
 __all__ = ["Decoder", "LayerResult"]

@@ -15,14 +15,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from pipeline.config import RunConfig
 from pipeline.controller import ModeController
 from pipeline.decode import LayerResult
+from pipeline.foundation.config import RunConfig
+from pipeline.foundation.table import ExpertTable
 from pipeline.logs import RunLog
 from pipeline.machine import process_read_bytes
 from pipeline.routing import LiveRouter, Routing
 from pipeline.streamer import StageTimes
-from pipeline.table import ExpertTable
 from pipeline.verify import Verifier
 
 __all__ = ["DecodeLoop", "TokenTotals"]

@@ -22,8 +22,8 @@ import numpy.typing as npt
 from gguf import GGMLQuantizationType
 
 from gpu.backend import Backend
-from pipeline.errors import ExpertLayoutError
-from pipeline.table import ExpertTable, TensorInfo
+from pipeline.foundation.errors import ExpertLayoutError
+from pipeline.foundation.table import ExpertTable, TensorInfo
 from pipeline.trace import Trace
 
 __all__ = ["LiveRouter", "Routing", "TraceRouting"]

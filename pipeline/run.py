@@ -29,10 +29,18 @@ import uvloop
 from gpu.cache import DeviceCache
 from gpu.kernels import make_kernels
 from gpu.placement import split_budget
-from pipeline.config import RunConfig, parse_budget, parse_compute, parse_devices, parse_size
 from pipeline.controller import ModeController, Sampler
 from pipeline.decode import Decoder
-from pipeline.errors import MoestreamError, TraceError, VerificationError
+from pipeline.foundation.config import (
+    RunConfig,
+    parse_budget,
+    parse_compute,
+    parse_devices,
+    parse_size,
+)
+from pipeline.foundation.errors import MoestreamError, TraceError, VerificationError
+from pipeline.foundation.faults import FaultPlan, parse_faults
+from pipeline.foundation.table import ExpertTable, open_table
 from pipeline.logs import RunLog, configure_console
 from pipeline.loop import DecodeLoop
 from pipeline.machine import machine_info
@@ -40,10 +48,8 @@ from pipeline.routing import LiveRouter, Routing, TraceRouting
 from pipeline.shards import Shard, as_one, open_backends
 from pipeline.streamer import ExpertStreamer
 from pipeline.summary import RunSummary, print_summary
-from pipeline.table import ExpertTable, open_table
 from pipeline.trace import Trace, load_trace, save_trace
 from pipeline.verify import Verifier
-from stages.faults import FaultPlan, parse_faults
 from stages.prefetch import plan_expert
 
 __all__ = ["RunSummary", "build_parser", "config_from_args", "main", "run"]
@@ -269,7 +275,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--debug", action="store_true", help="show tracebacks and debug events")
     p.add_argument("--inject", default="", metavar="SPEC",
                    help="fault injection, a test facility: kind[=value]@N[+],... e.g. "
-                   "read_eio@3,device_oom@10 (kinds: see stages/faults.py)")
+                   "read_eio@3,device_oom@10 (kinds: see pipeline/foundation/faults.py)")
     return p
 
 

@@ -24,13 +24,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from gpu.backend import Backend, select_backend, visible_devices
+from gpu.backend import Backend
 from gpu.cache import DeviceCache, LayerPlan
 from gpu.placement import Placement, balanced_placement
-from pipeline.config import RunConfig
+from gpu.selection import select_backend, visible_devices
 from pipeline.decode import Decoder, LayerResult
+from pipeline.foundation.config import RunConfig
+from pipeline.foundation.table import ExpertTable
 from pipeline.streamer import ExpertStreamer, IOMode, LayerLoad, StageTimes, WarmGate
-from pipeline.table import ExpertTable
 from stages.prefetch import ModelReader, plan_expert
 
 __all__ = ["Assembly", "CacheGroup", "DeviceCounters", "Shard", "ShardedDecoder",

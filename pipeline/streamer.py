@@ -33,11 +33,11 @@ import structlog
 
 from gpu.backend import Backend, Event, Stream
 from gpu.cache import DeviceCache, Entry, LayerPlan
-from pipeline.config import RunConfig
-from pipeline.errors import StageError
-from pipeline.table import ExpertTable
+from pipeline.foundation.config import RunConfig
+from pipeline.foundation.errors import StageError
+from pipeline.foundation.faults import FaultPlan
+from pipeline.foundation.table import ExpertTable
 from pipeline.verify import DigestRows
-from stages.faults import FaultPlan
 from stages.install import Installer
 from stages.prefetch import (
     ExpertLayout,
@@ -194,7 +194,7 @@ class ExpertStreamer:
 
         Entering resident mode returns once the windows already resident are registered:
         registering the 34 GiB model took 3.0-3.7 s on the H200 and slows the copies queued
-        meanwhile to a quarter (``tools.bench_register``), so a run that starts on a warm
+        meanwhile to a quarter (``bench.register``), so a run that starts on a warm
         file pays it once before its first token rather than beside decode.
 
         Leaving resident mode waits for in-flight loads from the mapping, then unregisters,

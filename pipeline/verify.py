@@ -13,8 +13,8 @@ from typing import Any
 
 from gpu.backend import Event
 from gpu.policy import ExpertKey
-from pipeline.digest import digest_bytes
-from pipeline.table import ExpertTable
+from pipeline.foundation.digest import digest_bytes
+from pipeline.foundation.table import ExpertTable
 
 __all__ = ["DigestRows", "Verifier"]
 

@@ -34,9 +34,9 @@ from typing import Literal
 
 import structlog
 
-from pipeline.errors import ReadError, ResidencyError, UsageError
-from pipeline.residency import PAGE_BYTES, RangeLike, hint_willneed
-from pipeline.table import ByteRange
+from pipeline.foundation.errors import ReadError, ResidencyError, UsageError
+from pipeline.foundation.table import ByteRange
+from stages.residency import PAGE_BYTES, RangeLike, hint_willneed
 
 __all__ = [
     "Loader",

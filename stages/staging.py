@@ -20,8 +20,8 @@ import numpy.typing as npt
 import structlog
 
 from gpu.backend import Backend, Event, HostBuffer
-from pipeline.errors import DeviceMemoryError, StageError
-from stages.faults import FaultPlan
+from pipeline.foundation.errors import DeviceMemoryError, StageError
+from pipeline.foundation.faults import FaultPlan
 
 __all__ = ["StagingRing", "StagingSlot"]
 

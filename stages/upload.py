@@ -20,8 +20,8 @@ import structlog
 
 from gpu.backend import Backend, Event, Stream
 from gpu.cache import Entry
-from pipeline.errors import MoestreamError, UploadError
-from stages.faults import FaultPlan
+from pipeline.foundation.errors import MoestreamError, UploadError
+from pipeline.foundation.faults import FaultPlan
 
 __all__ = ["Uploader"]
 

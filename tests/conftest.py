@@ -11,7 +11,7 @@ import structlog
 from gpu.backend import Backend
 from gpu.cuda import unavailable_reason
 from gpu.host import HostBackend
-from pipeline.table import ExpertTable, open_table
+from pipeline.foundation.table import ExpertTable, open_table
 from tools.make_model import spec_for, write_model
 
 _NO_CUDA = unavailable_reason()

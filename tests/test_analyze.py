@@ -12,10 +12,10 @@ from typing import Any
 import pytest
 import structlog
 
-from pipeline.errors import TraceError
-from tools.analyze import CSV_COLUMNS, interval_rows, main, summarize
-from tools.bench_analyze import SyntheticRun, write_synthetic_log
-from tools.logread import read_log
+from bench.analyze import SyntheticRun, write_synthetic_log
+from pipeline.foundation.errors import TraceError
+from tools.analyze.cli import CSV_COLUMNS, interval_rows, main, summarize
+from tools.analyze.logread import read_log
 
 UNIT = 1000
 

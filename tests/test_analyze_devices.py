@@ -16,14 +16,14 @@ from typing import Any
 import pytest
 import structlog
 
-from pipeline.config import Budget, RunConfig
+from pipeline.foundation.config import Budget, RunConfig
 from pipeline.run import run
 from tests.test_analyze import header, token, write
-from tools.analyze import main, summarize, summary_table
-from tools.device_report import device_balance, device_rows
-from tools.logdevices import DEVICE_COLUMNS
-from tools.logread import read_log
-from tools.report_text import Value
+from tools.analyze.cli import main, summarize, summary_table
+from tools.analyze.device_report import device_balance, device_rows
+from tools.analyze.logdevices import DEVICE_COLUMNS
+from tools.analyze.logread import read_log
+from tools.analyze.report_text import Value
 
 
 @pytest.fixture(autouse=True)

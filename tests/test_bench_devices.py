@@ -8,9 +8,9 @@ from typing import Any
 
 import pytest
 
+from bench.devices import device_window, main
+from bench.h2d_copies import DeviceCopier, h2d_figures
 from gpu.host import HostBackend
-from tools.bench_devices import device_window, main
-from tools.h2d_copies import DeviceCopier, h2d_figures
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
@@ -90,7 +90,7 @@ class TestBench:
             assert fig["hit_rate_one"] == result["runs"][f"{mode}_1dev"]["hit_rate"]
             assert set(fig["device_hit_rates"]) == {"0", "1"}
         assert result["machine"]["devices"] == {"0": "host", "1": "host:1"}
-        assert result["command"].startswith("python -m tools.bench_devices")
+        assert result["command"].startswith("python -m bench.devices")
         assert result["commit"]
 
 

@@ -11,14 +11,14 @@ from typing import Any, ClassVar
 import pytest
 from gguf import GGMLQuantizationType as QType
 
-from tools.bench_prefetch import main
-from tools.make_model import ModelSpec, spec_for, write_model
-from tools.prefetch_figures import (
+from bench.prefetch import main
+from bench.prefetch_figures import (
     gain_figures,
     guess_loads,
     prefetch_figures,
     routing_agreement,
 )
+from tools.make_model import ModelSpec, spec_for, write_model
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
@@ -94,7 +94,7 @@ class TestBench:
         assert loads["loaded"] == loads["used"] + loads["wasted"]
         assert loads["wasted"] * result["model"]["expert_bytes"] == live["run_wasted_bytes"]
         assert result["figures"]["budget_never_exceeded"] is True
-        assert result["commit"] and result["command"].startswith("python -m tools.bench_prefetch")
+        assert result["commit"] and result["command"].startswith("python -m bench.prefetch")
         assert result["warmup"]["before_none"]["resident_share"] == 1.0
         out = capsys.readouterr().out
         assert "direct_predict" in out and "written: " in out

@@ -10,7 +10,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 from gpu.backend import Backend
 from gpu.cache import DeviceCache
 from gpu.host import HostBackend
-from pipeline.errors import UsageError
+from pipeline.foundation.errors import UsageError
 
 SIZES = {0: 4096, 1: 6144, 2: 4096}  # layers of two size classes
 

@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.config import Budget, ComputeSpec, RunConfig
 from pipeline.controller import (
     ControllerReadings,
     MachineSampler,
@@ -18,9 +17,10 @@ from pipeline.controller import (
     Thresholds,
     default_margin,
 )
-from pipeline.residency import Residency, evict
+from pipeline.foundation.config import Budget, ComputeSpec, RunConfig
+from pipeline.foundation.table import ExpertTable
 from pipeline.run import run
-from pipeline.table import ExpertTable
+from stages.residency import Residency, evict
 
 GIB = 1 << 30
 MODEL = 40 * GIB

@@ -22,11 +22,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from structlog.testing import capture_logs
 
+from bench.faultmatrix import CASES, FaultCase, case_config, observe, run_case
 from gpu.backend import aligned_host_array
 from gpu.cache import DeviceCache
 from gpu.host import HostBackend
-from pipeline.config import Budget
-from pipeline.errors import (
+from pipeline.foundation.config import Budget
+from pipeline.foundation.errors import (
     DeviceMemoryError,
     ModelChangedError,
     ReadError,
@@ -34,13 +35,12 @@ from pipeline.errors import (
     UploadError,
     UsageError,
 )
+from pipeline.foundation.faults import KINDS, STAGES, FaultPlan, parse_faults
 from pipeline.run import RunSummary, main, run
 from stages import prefetch
-from stages.faults import KINDS, STAGES, FaultPlan, parse_faults
 from stages.prefetch import ModelReader
 from stages.staging import StagingRing
 from stages.upload import Uploader
-from tools.faultmatrix import CASES, FaultCase, case_config, observe, run_case
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from gpu.cuda import unavailable_reason
-from pipeline.config import Budget, ComputeSpec, RunConfig
-from pipeline.digest import digest_bytes
+from pipeline.foundation.config import Budget, ComputeSpec, RunConfig
+from pipeline.foundation.digest import digest_bytes
 from pipeline.run import run
 
 pytestmark = [

@@ -14,9 +14,9 @@ import structlog
 from gguf import GGMLQuantizationType as QType
 from gguf import GGUFReader, ReaderTensor, quants
 
-from pipeline.digest import digest_bytes
-from pipeline.errors import ModelFileError, UsageError
-from pipeline.table import open_table
+from pipeline.foundation.digest import digest_bytes
+from pipeline.foundation.errors import ModelFileError, UsageError
+from pipeline.foundation.table import open_table
 from tools import make_model
 from tools.make_model import PRESETS, ModelSpec, ensure_default_model, main, spec_for, write_model
 

@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gpu.policy import CacheIndex, LRUPolicy
-from pipeline.errors import UsageError
+from pipeline.foundation.errors import UsageError
 from pipeline.trace import Trace, load_trace
 from tools.calibrate import (
     CALIBRATION,

@@ -20,10 +20,10 @@ import pytest
 from gpu.cache import DeviceCache
 from gpu.host import HostBackend
 from gpu.kernels import HostKernels
-from pipeline.config import ComputeSpec, RunConfig
 from pipeline.decode import Decoder
+from pipeline.foundation.config import ComputeSpec, RunConfig
+from pipeline.foundation.table import ExpertTable
 from pipeline.streamer import ExpertStreamer
-from pipeline.table import ExpertTable
 from pipeline.verify import Verifier
 from stages.prefetch import plan_expert
 from stages.staging import StagingSlot
@@ -128,7 +128,7 @@ class TestOrdering:
     """No use before the upload event; no staging slot reused before its upload ran."""
 
     def _cfg(self, model: Path, compute: str) -> RunConfig:
-        from pipeline.config import Budget
+        from pipeline.foundation.config import Budget
 
         return RunConfig(model=model, staging_slots=1, queue_depth=4, chunk_bytes=16384,
                          budget=Budget(experts=12), compute=ComputeSpec(compute))  # type: ignore[arg-type]

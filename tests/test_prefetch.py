@@ -14,10 +14,9 @@ from structlog.testing import capture_logs
 
 from gpu.backend import aligned_host_array
 from gpu.host import HostBackend
-from pipeline.errors import ReadError
-from pipeline.residency import evict, libc
-from pipeline.table import ByteRange, ExpertTable
-from stages.faults import parse_faults
+from pipeline.foundation.errors import ReadError
+from pipeline.foundation.faults import parse_faults
+from pipeline.foundation.table import ByteRange, ExpertTable
 from stages.prefetch import (
     DEVICE_ALIGN,
     ModelMapping,
@@ -26,6 +25,7 @@ from stages.prefetch import (
     iter_chunks,
     plan_expert,
 )
+from stages.residency import evict, libc
 
 
 class TestAlignment:

@@ -14,9 +14,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from structlog.testing import capture_logs
 
-from pipeline import residency as residency_module
-from pipeline.errors import ResidencyError, UsageError
-from pipeline.residency import (
+from pipeline.foundation.errors import ResidencyError, UsageError
+from pipeline.foundation.table import ByteRange
+from pipeline.warm import Loader, TokenBucket, WarmEngine
+from stages import residency as residency_module
+from stages.residency import (
     PAGE_BYTES,
     Residency,
     coalesce,
@@ -25,8 +27,6 @@ from pipeline.residency import (
     lock_pages,
     resident_pages,
 )
-from pipeline.table import ByteRange
-from pipeline.warm import Loader, TokenBucket, WarmEngine
 
 MIB = 1 << 20
 

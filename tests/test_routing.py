@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from gpu.backend import Backend
+from pipeline.foundation.table import ExpertTable
 from pipeline.routing import LiveRouter, TraceRouting
-from pipeline.table import ExpertTable
 from tools.make_trace import synthetic_trace
 
 

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from pipeline.foundation.table import open_table
 from pipeline.run import main
-from pipeline.table import open_table
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 

@@ -18,8 +18,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gpu.placement import balanced_placement, split_budget
-from pipeline.config import Budget, ComputeSpec, RunConfig
-from pipeline.errors import UsageError
+from pipeline.foundation.config import Budget, ComputeSpec, RunConfig
+from pipeline.foundation.errors import UsageError
 from pipeline.run import run
 from pipeline.trace import load_trace
 from tests.test_controller import FedSampler

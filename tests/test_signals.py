@@ -22,10 +22,10 @@ from typing import Any
 
 import pytest
 
+from bench.faultmatrix import observe
 from gpu.host import HostBackend
-from pipeline.config import Budget, ComputeSpec, RunConfig
+from pipeline.foundation.config import Budget, ComputeSpec, RunConfig
 from pipeline.run import RunSummary, run
-from tools.faultmatrix import observe
 
 REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")

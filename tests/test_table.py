@@ -20,14 +20,14 @@ import pytest
 from gguf import GGMLQuantizationType as QType
 from gguf import GGUFReader, GGUFWriter, ReaderTensor
 
-from pipeline.digest import digest_bytes
-from pipeline.errors import (
+from pipeline.foundation.digest import digest_bytes
+from pipeline.foundation.errors import (
     ExpertLayoutError,
     ModelFileError,
     NotGGUFError,
     TruncatedFileError,
 )
-from pipeline.table import ByteRange, open_table
+from pipeline.foundation.table import ByteRange, open_table
 from tests.gguf_files import finish_gguf
 from tools.make_model import spec_for, write_model
 

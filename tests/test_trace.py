@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipeline.errors import TraceError
+from pipeline.foundation.errors import TraceError
 from pipeline.trace import TRACE_FORMAT, TRACE_VERSION, Trace, load_trace, save_trace
 
 

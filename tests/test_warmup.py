@@ -12,13 +12,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pipeline.errors import UsageError
-from pipeline.residency import PAGE_BYTES, Residency, evict
-from pipeline.table import ByteRange, ExpertTable, open_table
+from pipeline.foundation.errors import UsageError
+from pipeline.foundation.table import ByteRange, ExpertTable, open_table
+from stages.residency import PAGE_BYTES, Residency, evict
 from tools.make_model import spec_for, write_model
-from tools.ram_guard import check_ram
-from tools.warmup import main
-from tools.warmup_select import (
+from tools.warmup.cli import main
+from tools.warmup.ram_guard import check_ram
+from tools.warmup.select import (
     HotLog,
     build_selection,
     non_routed_ranges,

@@ -13,12 +13,12 @@ import structlog
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipeline.errors import TraceError, UsageError
-from tools.analyze import main
-from tools.bench_analyze import SyntheticRun, write_synthetic_log
-from tools.logread import read_log
-from tools.whatif import default_budgets, parse_budget, smallest_budget, what_if
-from tools.whatif_replay import NEVER, AccessTrace, BeladyPolicy, next_use_positions, replay
+from bench.analyze import SyntheticRun, write_synthetic_log
+from pipeline.foundation.errors import TraceError, UsageError
+from tools.analyze.cli import main
+from tools.analyze.logread import read_log
+from tools.analyze.whatif import default_budgets, parse_budget, smallest_budget, what_if
+from tools.analyze.whatif_replay import NEVER, AccessTrace, BeladyPolicy, next_use_positions, replay
 
 UNIT = 1000  # bytes of one expert in the small logs
 

@@ -42,8 +42,8 @@ from gguf import GGML_QUANT_SIZES, GGUFReader, GGUFValueType, GGUFWriter
 from gguf import GGMLQuantizationType as QType
 from tqdm import tqdm
 
-from pipeline.digest import digest_bytes
-from pipeline.errors import ModelFileError, MoestreamError, UsageError
+from pipeline.foundation.digest import digest_bytes
+from pipeline.foundation.errors import ModelFileError, MoestreamError, UsageError
 
 __all__ = ["PRESETS", "ModelSpec", "ensure_default_model", "main", "spec_for", "write_model"]
 

@@ -63,7 +63,7 @@ from typing import NoReturn, TypeAlias
 import numpy as np
 import numpy.typing as npt
 
-from pipeline.errors import MoestreamError, UsageError
+from pipeline.foundation.errors import MoestreamError, UsageError
 from pipeline.trace import Trace, save_trace
 
 __all__ = [

@@ -1,0 +1,1 @@
+"""Benchmarks: commands that measure moestream against in-run references. Not shipped."""

@@ -1,0 +1,109 @@
+"""What the benchmark commands share: cold and warm file states, and the cache budget.
+
+Every benchmark compares runs against references measured on the same file in the same
+state, so putting a file in a known state (nothing cached, or all of it resident) and
+sizing the budget the same way belong in one place.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import uvloop
+
+from pipeline.foundation.config import Budget, Mode
+from pipeline.foundation.errors import MoestreamError, UsageError
+from pipeline.foundation.table import ByteRange, ExpertTable
+from pipeline.logs import configure_console
+from pipeline.warm import WarmEngine
+from stages.residency import Residency
+
+__all__ = ["budget_for", "drop_caches", "make_resident", "parse_modes", "run_command"]
+
+
+def drop_caches(path: Path) -> None:
+    """Make the next read of ``path`` come from storage."""
+    os.sync()
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+    except OSError:
+        pass
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def make_resident(path: Path) -> dict[str, Any]:
+    """Read the file's non-resident pages once, so a resident run starts warm.
+
+    Returns what it read, how long it took and the resident share after.
+
+    Raises:
+        UsageError: the missing pages do not fit in available RAM minus a margin.
+    """
+    from tools.warmup.ram_guard import PsutilMemory, check_ram
+
+    size = path.stat().st_size
+    missing = Residency.of_file(path).missing([ByteRange(0, size)])
+    check_ram(sum(r.nbytes for r in missing), PsutilMemory(), "warm")
+
+    async def warm() -> int:
+        async with WarmEngine(path) as engine:
+            return (await engine.warm(missing)).bytes_read
+
+    t0 = time.perf_counter()
+    read_bytes = uvloop.run(warm()) if missing else 0
+    return {
+        "read_bytes": read_bytes,
+        "seconds": round(time.perf_counter() - t0, 3),
+        "resident_share": round(Residency.of_file(path).fraction, 4),
+    }
+
+
+def budget_for(table: ExpertTable, share: float) -> Budget:
+    """``share`` of each layer's experts (at least top-k), over all MoE layers: the report's
+    16 GB card held ~15% of each layer's experts."""
+    per_layer = max(table.top_k, round(share * table.n_experts))
+    return Budget(experts=per_layer * len(table.layers))
+
+
+def parse_modes(text: str, option: str = "--modes") -> list[Mode]:
+    """``direct,resident`` -> the I/O modes to bench (forced modes only, no ``auto``).
+
+    Raises:
+        UsageError: empty, or a name that is not ``direct`` or ``resident``.
+    """
+    modes = [m for m in text.split(",") if m]
+    bad = [m for m in modes if m not in ("direct", "resident")]
+    if not modes or bad:
+        raise UsageError(f"{option} takes direct and/or resident, not {text!r}")
+    return modes  # type: ignore[return-value]  # checked just above
+
+
+def run_command(
+    prog: str,
+    parser: argparse.ArgumentParser,
+    bench: Callable[[argparse.Namespace, list[str]], int],
+    argv: Sequence[str] | None,
+) -> int:
+    """A bench command's entry point: parse, run, and turn a MoestreamError into one line
+    and its exit code (2 for bad input), unless ``--debug`` asks for the traceback."""
+    args_list = list(sys.argv[1:] if argv is None else argv)
+    args = parser.parse_args(args_list)
+    configure_console(debug=args.debug)
+    try:
+        return bench(args, args_list)
+    except MoestreamError as exc:
+        if args.debug:
+            raise
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        return exc.exit_code

@@ -1,0 +1,421 @@
+"""``python -m bench.pipeline``: the streaming pipeline against its limits, in one run.
+
+Every figure is a ratio against references measured in the same run on the same file and
+the same expert ranges, because these machines are noisy:
+
+- raw O_DIRECT read of expert ranges at the pipeline's queue depth (cold);
+- parallel page-cache read of the same ranges (warm);
+- pinned host-to-device copy;
+- kvikio ``CuFile.pread`` of the same ranges into device buffers, when kvikio is installed;
+- a naive baseline: synchronous buffered read, pageable copy, no cache (what ds4's CUDA
+  path did before its cache was fixed);
+- the compute-only rate: the same per-layer kernels and syncs with no I/O at all.
+
+Pipeline runs go through ``pipeline.run.run`` with a log, and figures come from the log's
+token events. Miss throughput uses a cyclic sweep over distinct experts with an LRU budget
+of half the sweep, so every access in the second pass is a miss (LRU's cyclic worst case,
+used on purpose) and window registration happens in the first pass.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import uvloop
+
+from bench.kit import drop_caches, make_resident
+from bench.record import git_commit, write_result
+from gpu.backend import aligned_host_array
+from gpu.selection import select_backend
+from pipeline.foundation.config import Budget, ComputeSpec, RunConfig
+from pipeline.foundation.table import ExpertTable, open_table
+from pipeline.run import RunSummary, run
+from pipeline.trace import Trace, save_trace
+from stages.prefetch import aligned_cover, iter_chunks
+
+__all__ = ["main"]
+
+GB = 1e9
+MIB = 1 << 20
+
+
+def sweep_trace(n_layers: int, n_experts: int, top_k: int, n_tokens: int, start: int) -> Trace:
+    """Token t, layer l picks experts ``start + t*top_k .. +top_k`` (mod n): all distinct."""
+    base = (start + np.arange(n_tokens)[:, None] * top_k + np.arange(top_k)[None, :]) % n_experts
+    experts = np.broadcast_to(base[:, None, :], (n_tokens, n_layers, top_k)).astype(np.int32)
+    weights = np.full(experts.shape, 1.0 / top_k, dtype=np.float32)
+    return Trace(np.ascontiguousarray(experts), weights, n_experts, "sweep")
+
+
+def expert_ranges(table: ExpertTable, trace: Trace) -> list[tuple[int, int]]:
+    """(offset, nbytes) of every range of every expert the trace uses, once each."""
+    seen: set[tuple[int, int]] = set()
+    out: list[tuple[int, int]] = []
+    for t in range(trace.n_tokens):
+        for i, layer in enumerate(table.moe_layers):
+            for e in trace.experts[t, i]:
+                key = (layer, int(e))
+                if key not in seen:
+                    seen.add(key)
+                    out.extend((r.offset, r.nbytes) for r in table.slices(key).ranges)
+    return out
+
+
+def raw_read_gbps(path: Path, ranges: Sequence[tuple[int, int]], threads: int,
+                  chunk_bytes: int, direct: bool) -> float:
+    """Read the ranges' aligned covers in chunks on ``threads`` threads; GB/s of range bytes."""
+    flags = os.O_RDONLY | (os.O_DIRECT if direct else 0)
+    fd = os.open(path, flags)
+    jobs = [
+        piece
+        for off, n in ranges
+        for piece in iter_chunks(*aligned_cover(off, n), chunk_bytes)
+    ]
+    buffers: dict[int, np.ndarray] = {}
+
+    def read(job: tuple[int, int]) -> int:
+        import threading
+
+        ident = threading.get_ident()
+        buf = buffers.get(ident)
+        if buf is None:
+            buf = buffers[ident] = aligned_host_array(chunk_bytes)
+        return os.preadv(fd, [buf[: job[1]].data], job[0])
+
+    try:
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(threads) as pool:
+            list(pool.map(read, jobs))
+        elapsed = time.perf_counter() - t0
+    finally:
+        os.close(fd)
+    return sum(n for _, n in ranges) / elapsed / GB
+
+
+def pinned_h2d_gbps(nbytes: int = 1 << 30, repeats: int = 5) -> float:
+    """Pinned host -> device bandwidth (CuPy), median of ``repeats`` timed copies."""
+    import cupy
+
+    host = cupy.cuda.alloc_pinned_memory(nbytes)
+    src = np.frombuffer(host, dtype=np.uint8, count=nbytes)
+    src[:] = 1
+    dst = cupy.cuda.Memory(nbytes)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    times = []
+    for _ in range(repeats + 1):
+        start, end = cupy.cuda.Event(), cupy.cuda.Event()
+        start.record(stream)
+        cupy.cuda.runtime.memcpyAsync(dst.ptr, src.ctypes.data, nbytes,
+                                      cupy.cuda.runtime.memcpyHostToDevice, stream.ptr)
+        end.record(stream)
+        end.synchronize()
+        times.append(cupy.cuda.get_elapsed_time(start, end) / 1000.0)
+    return nbytes / float(np.median(times[1:])) / GB
+
+
+def kvikio_gbps(path: Path, ranges: Sequence[tuple[int, int]], threads: int) -> float | None:
+    """kvikio ``CuFile.pread`` of the ranges into device buffers, or None without kvikio."""
+    try:
+        import cupy
+        import kvikio
+        import kvikio.defaults
+    except ImportError:
+        return None
+    kvikio.defaults.set({"num_threads": threads})
+    largest = max(n for _, n in ranges)
+    bufs = [cupy.empty(largest, dtype=cupy.uint8) for _ in range(threads)]
+    t0 = time.perf_counter()
+    with kvikio.CuFile(path, "r") as f:
+        futures = []
+        for i, (off, n) in enumerate(ranges):
+            futures.append(f.pread(bufs[i % threads][:n], n, off))
+            if len(futures) >= threads:
+                futures.pop(0).get()
+        for fut in futures:
+            fut.get()
+    cupy.cuda.runtime.deviceSynchronize()
+    return sum(n for _, n in ranges) / (time.perf_counter() - t0) / GB
+
+
+def naive_tps(table: ExpertTable, trace: Trace, tokens: int, layer_ms: float) -> float:
+    """ds4's CUDA path before its cache fix: every selected expert read again on every use,
+    synchronously with O_DIRECT (queue depth 1), copied from pageable memory, no cache."""
+    import cupy
+
+    from gpu.cuda import CudaStream
+    from gpu.kernels import CudaKernels
+
+    kernels = CudaKernels()
+    stream = CudaStream()
+    fd = os.open(table.path, os.O_RDONLY | os.O_DIRECT)
+    largest = max(aligned_cover(r.offset, r.nbytes)[1]
+                  for r in table.slices((table.moe_layers[0], 0)).ranges)
+    bounce = aligned_host_array(largest)
+    try:
+        t0 = time.perf_counter()
+        for t in range(tokens):
+            for i, layer in enumerate(table.moe_layers):
+                for e in trace.experts[t % trace.n_tokens, i]:
+                    dev = []
+                    for r in table.slices((layer, int(e))).ranges:
+                        start, length = aligned_cover(r.offset, r.nbytes)
+                        os.preadv(fd, [bounce[:length].data], start)
+                        skip = r.offset - start
+                        pageable = np.array(bounce[skip : skip + r.nbytes])
+                        dev.append(cupy.asarray(pageable))
+                    kernels.busy(layer_ms / trace.top_k, dev[2], stream)
+                stream.synchronize()
+        return tokens / (time.perf_counter() - t0)
+    finally:
+        os.close(fd)
+
+
+def compute_only_tps(n_layers: int, top_k: int, layer_ms: float, tokens: int) -> float:
+    """The decoder's kernels and per-layer syncs with every expert already there, no I/O."""
+    import cupy
+
+    from gpu.cuda import CudaStream
+    from gpu.kernels import CudaKernels
+
+    kernels = CudaKernels()
+    stream = CudaStream()
+    dummy = cupy.zeros(16, dtype=cupy.uint8)
+    for warm in (True, False):
+        t0 = time.perf_counter()
+        for _ in range(2 if warm else tokens):
+            for _ in range(n_layers):
+                for _ in range(top_k):
+                    kernels.busy(layer_ms / top_k, dummy, stream)
+                stream.record().synchronize()
+    return tokens / (time.perf_counter() - t0)
+
+
+def token_events(log: Path) -> list[dict[str, Any]]:
+    with log.open() as f:
+        return [e for e in map(json.loads, f) if e.get("event") == "token"]
+
+
+def window_rate(events: Sequence[dict[str, Any]]) -> dict[str, float]:
+    """Tokens/s, delivered GB/s and hit rate over a window of token events."""
+    wall_s = sum(e["wall_ms"] for e in events) / 1000.0
+    file_bytes = sum(e["file_bytes"] for e in events)
+    hits = sum(e["hits"] for e in events)
+    misses = sum(e["misses"] for e in events)
+    return {
+        "tokens": len(events),
+        "tokens_per_s": len(events) / wall_s if wall_s else 0.0,
+        "delivered_gbps": file_bytes / wall_s / GB if wall_s else 0.0,
+        "hit_rate": hits / (hits + misses) if hits + misses else 0.0,
+        "stall_ms_per_token": sum(e["stall_ms"] for e in events) / max(1, len(events)),
+        "compute_ms_per_token": sum(e["compute_ms"] for e in events) / max(1, len(events)),
+        "wall_ms_per_token": wall_s * 1000.0 / max(1, len(events)),
+    }
+
+
+class Bench:
+    """Holds the model, the scratch directory and the common run options."""
+
+    def __init__(self, args: argparse.Namespace, table: ExpertTable, scratch: Path) -> None:
+        self.args = args
+        self.table = table
+        self.scratch = scratch
+        self.runs: dict[str, Any] = {}
+
+    def run(self, name: str, trace: Trace, tokens: int, *, mode: str, budget_bytes: int | None,
+            layer_ms: float, policy: str = "lru", lookahead: int = 0,
+            ) -> tuple[RunSummary, list[dict[str, Any]]]:
+        trace_path = self.scratch / f"{name}.npz"
+        save_trace(trace, trace_path)
+        log = self.scratch / f"{name}.jsonl"
+        cfg = RunConfig(
+            model=self.table.path, tokens=tokens, trace=trace_path, mode=mode,  # type: ignore[arg-type]
+            budget=Budget(nbytes=budget_bytes) if budget_bytes else None,
+            compute=ComputeSpec("fixed", layer_ms), backend=self.args.backend,
+            queue_depth=self.args.queue_depth, chunk_bytes=self.args.chunk_mib * MIB,
+            staging_slots=self.args.staging_slots, upload_streams=self.args.streams,
+            log=log, policy=policy, prefetch="oracle" if lookahead else "none",
+            lookahead=lookahead,
+        )
+        summary = uvloop.run(run(cfg))
+        events = token_events(log)
+        self.runs[name] = {
+            "summary": summary.as_dict(),
+            "budget_ok": summary.peak_device_bytes <= summary.budget_bytes,
+        }
+        return summary, events
+
+
+def _phase(name: str, results: dict[str, Any], fn: Callable[[], Any]) -> Any:
+    t0 = time.perf_counter()
+    value = fn()
+    print(f"  {name}: {value if not isinstance(value, float) else round(value, 3)} "
+          f"({time.perf_counter() - t0:.1f} s)", flush=True)
+    results[name] = value
+    return value
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.pipeline", description=__doc__.split("\n")[0])
+    p.add_argument("--model", type=Path, required=True, help="GGUF model (ds4-flash-q2 shaped)")
+    p.add_argument("--backend", default="auto")
+    p.add_argument("--queue-depth", type=int, default=16)
+    p.add_argument("--chunk-mib", type=int, default=1)
+    p.add_argument("--staging-slots", type=int, default=32)
+    p.add_argument("--streams", type=int, default=4)
+    p.add_argument("--lookahead", type=int, default=4,
+                   help="oracle prefetch depth for the miss-throughput runs (4)")
+    p.add_argument("--sweep-tokens", type=int, default=8, help="tokens per sweep pass")
+    p.add_argument("--tokens", type=int, default=64, help="tokens for the cache-vs-naive runs")
+    p.add_argument("--naive-tokens", type=int, default=16)
+    p.add_argument("--layer-ms", type=float, default=0.57)
+    p.add_argument("--hit50-experts", type=int, default=0,
+                   help="budget in experts for ~50%% hits (default 2522 scaled to the layers)")
+    p.add_argument("--out", type=Path,
+                   help="result JSON (default bench/results/pipeline-HOST.json)")
+    p.add_argument("--skip", default="", help="comma list of phases to skip: cold,warm,cache,all")
+    args = p.parse_args(argv)
+    skip = set(filter(None, args.skip.split(",")))
+    table = open_table(args.model)
+    backend = select_backend(args.backend)
+    gpu = backend.name == "cupy"
+    n_layers, n_exp, k = len(table.layers), table.n_experts, table.top_k
+    expert_bytes = next(iter(table.layers.values())).expert_bytes
+    results: dict[str, Any] = {
+        "machine": {"host": platform.node(), "cpus": os.cpu_count(), "device": backend.device_name,
+                    "python": sys.version.split()[0]},
+        "commit": git_commit(),
+        "command": "python -m bench.pipeline "
+                   + " ".join(argv if argv is not None else sys.argv[1:]),
+        "model": table.summary(),
+        "settings": {k2: (str(v) if isinstance(v, Path) else v) for k2, v in vars(args).items()},
+    }
+    ref: dict[str, Any] = {}
+    results["references"] = ref
+    with tempfile.TemporaryDirectory(prefix="moestream-bench-") as tmp:
+        bench = Bench(args, table, Path(tmp))
+        sweep = sweep_trace(n_layers, n_exp, k, args.sweep_tokens, 0)
+        other = sweep_trace(n_layers, n_exp, k, args.sweep_tokens, args.sweep_tokens * k)
+        sweep_budget = n_layers * k * args.sweep_tokens * expert_bytes // 2 + (64 << 20)
+        ranges_other = expert_ranges(table, other)
+        cyc = 2 * args.sweep_tokens
+        if "warm" not in skip:
+            print("warm (file in page cache):", flush=True)
+            results["warm_file"] = _phase("make_resident", {},
+                                          lambda: make_resident(table.path))
+            _phase("page_cache_read_gbps", ref, lambda: raw_read_gbps(
+                table.path, ranges_other, args.queue_depth, args.chunk_mib * MIB, direct=False))
+            if gpu:
+                _phase("pinned_h2d_gbps", ref, pinned_h2d_gbps)
+                _phase("kvikio_warm_gbps", ref, lambda: kvikio_gbps(
+                    table.path, ranges_other, args.queue_depth))
+            _, ev = bench.run("resident_sweep", sweep, cyc, mode="resident",
+                              budget_bytes=sweep_budget, layer_ms=0.0)
+            results["resident_miss_layer_by_layer"] = _phase(
+                "resident_miss_layer_by_layer", {}, lambda: window_rate(ev[args.sweep_tokens:]))
+            _, ev = bench.run("resident_sweep_ahead", sweep, cyc, mode="resident",
+                              budget_bytes=sweep_budget, layer_ms=0.0, lookahead=args.lookahead)
+            results["resident_miss"] = _phase("resident_miss", {},
+                                              lambda: window_rate(ev[args.sweep_tokens:]))
+        if "cold" not in skip:
+            print("cold (caches dropped):", flush=True)
+            drop_caches(table.path)
+            _phase("odirect_read_gbps", ref, lambda: raw_read_gbps(
+                table.path, ranges_other, args.queue_depth, args.chunk_mib * MIB, direct=True))
+            # the same ranges again: a storage layer below (a VM host's cache) shows here
+            _phase("odirect_reread_gbps", ref, lambda: raw_read_gbps(
+                table.path, ranges_other, args.queue_depth, args.chunk_mib * MIB, direct=True))
+            if gpu:
+                drop_caches(table.path)
+                _phase("kvikio_cold_gbps", ref, lambda: kvikio_gbps(
+                    table.path, ranges_other, args.queue_depth))
+            drop_caches(table.path)
+            _, ev = bench.run("direct_sweep", sweep, cyc, mode="direct",
+                              budget_bytes=sweep_budget, layer_ms=0.0)
+            results["direct_miss_layer_by_layer"] = _phase(
+                "direct_miss_layer_by_layer", {}, lambda: window_rate(ev[args.sweep_tokens:]))
+            drop_caches(table.path)
+            _, ev = bench.run("direct_sweep_ahead", sweep, cyc, mode="direct",
+                              budget_bytes=sweep_budget, layer_ms=0.0, lookahead=args.lookahead)
+            results["direct_miss"] = _phase("direct_miss", {},
+                                            lambda: window_rate(ev[args.sweep_tokens:]))
+        from tools.make_trace import synthetic_trace
+
+        calibrated = synthetic_trace("ds4-flash", args.tokens, seed=1, n_layers=n_layers,
+                                     n_experts=n_exp, top_k=k)
+        if "cache" not in skip and gpu:
+            print("cache vs naive (cold start, direct mode):", flush=True)
+            hit50 = args.hit50_experts or round(2522 * n_layers / 43)
+            drop_caches(table.path)
+            _phase("naive_tps", ref, lambda: naive_tps(table, calibrated, args.naive_tokens,
+                                                        args.layer_ms))
+            drop_caches(table.path)
+            _, ev = bench.run("cache_hit50", calibrated, args.tokens, mode="direct",
+                                    budget_bytes=hit50 * (expert_bytes + 1024),
+                                    layer_ms=args.layer_ms)
+            results["cache_hit50"] = _phase("cache_hit50", {}, lambda: window_rate(ev))
+        if "all" not in skip and gpu:
+            print("all cached (second pass of a replayed trace):", flush=True)
+            _phase("compute_only_tps", ref, lambda: compute_only_tps(
+                n_layers, k, args.layer_ms, args.tokens))
+            _, ev = bench.run("all_cached", calibrated, 2 * args.tokens, mode="resident",
+                                    budget_bytes=None, layer_ms=args.layer_ms)
+            results["all_cached"] = _phase("all_cached", {},
+                                           lambda: window_rate(ev[args.tokens:]))
+        results["runs"] = bench.runs
+    figures = _figures(results)
+    results["figures"] = figures
+    out = args.out or Path("bench/results") / f"pipeline-{platform.node()}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    write_result(out, results)
+    print("\nfigures:")
+    for name, value in figures.items():
+        print(f"  {name}: {value}")
+    print(f"written: {out}")
+    return 0
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return round(a / b, 3) if a and b else None
+
+
+def _figures(r: dict[str, Any]) -> dict[str, Any]:
+    ref = r["references"]
+    fig: dict[str, Any] = {}
+    if "direct_miss" in r:
+        fig["1_cold_direct_vs_odirect"] = _ratio(r["direct_miss"]["delivered_gbps"],
+                                                 ref.get("odirect_read_gbps"))
+        fig["1_cold_direct_vs_odirect_reread"] = _ratio(r["direct_miss"]["delivered_gbps"],
+                                                        ref.get("odirect_reread_gbps"))
+        fig["1_cold_direct_vs_kvikio"] = _ratio(r["direct_miss"]["delivered_gbps"],
+                                                ref.get("kvikio_cold_gbps"))
+    if "resident_miss" in r:
+        fig["2_warm_resident_vs_pinned_h2d"] = _ratio(r["resident_miss"]["delivered_gbps"],
+                                                      ref.get("pinned_h2d_gbps"))
+        fig["2_warm_resident_vs_kvikio"] = _ratio(r["resident_miss"]["delivered_gbps"],
+                                                  ref.get("kvikio_warm_gbps"))
+        fig["2_warm_resident_vs_page_cache_read"] = _ratio(
+            r["resident_miss"]["delivered_gbps"], ref.get("page_cache_read_gbps"))
+    if "cache_hit50" in r:
+        fig["3_cache_vs_naive_tps"] = _ratio(r["cache_hit50"]["tokens_per_s"],
+                                             ref.get("naive_tps"))
+        fig["3_hit_rate"] = round(r["cache_hit50"]["hit_rate"], 3)
+    if "all_cached" in r:
+        fig["4_all_cached_vs_compute_only"] = _ratio(r["all_cached"]["tokens_per_s"],
+                                                     ref.get("compute_only_tps"))
+    fig["5_budget_never_exceeded"] = all(run["budget_ok"] for run in r.get("runs", {}).values())
+    return fig
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,159 @@
+"""``python -m bench.register``: what registering a page-cache mapping with CUDA costs.
+
+Why: resident mode copies experts straight from the registered file mapping (zero-copy,
+about 4x a buffered page-cache read on the H200), but registering 34 GB takes time, and a
+registration running beside decode may hold up its copies. This measures, on one resident
+file in one run:
+
+- ``register_gbps``: cudaHostRegister (read-only) throughput for each window size;
+- ``h2d_registered_gbps`` / ``h2d_pinned_gbps``: copies from the registered mapping and from
+  cudaHostAlloc'd memory;
+- ``staged_gbps``: buffered ``preadv`` into pinned memory on ``--threads`` threads, then
+  copied (the path a miss takes while its window is not registered);
+- ``h2d_during_register_gbps``: copies from pinned memory on one thread while another
+  thread registers windows (does registration stall uploads?), with the longest single
+  copy's latency against the same copies with no registration running.
+
+CuPy only (a GPU machine). The result goes to ``--out`` with machine, commit and command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import platform
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from bench.record import git_commit, write_result
+from gpu.cuda import CudaPinned, CudaStream
+from stages.residency import libc
+
+__all__ = ["main"]
+
+GB = 1e9
+MIB = 1 << 20
+_READ_ONLY = 0x08
+
+
+def _make_file(path: Path, nbytes: int) -> None:
+    """Random-ish bytes written through the page cache (so the file ends up resident)."""
+    block = np.random.default_rng(1).integers(0, 256, 64 * MIB, dtype=np.uint8).tobytes()
+    with path.open("wb") as f:
+        for _ in range(nbytes // len(block)):
+            f.write(block)
+
+
+def _copies(cp: Any, src: np.ndarray, dst: Any, stream: CudaStream, piece: int,
+            rounds: int) -> tuple[float, float]:
+    """(GB/s, longest copy ms) of ``rounds`` passes of piece-sized copies of ``src``."""
+    rt = cp.cuda.runtime
+    longest = 0.0
+    t0 = time.perf_counter()
+    for _ in range(rounds):
+        for at in range(0, src.size, piece):
+            n = min(piece, src.size - at)
+            t1 = time.perf_counter()
+            rt.memcpyAsync(dst.data.ptr, src.ctypes.data + at, n, rt.memcpyHostToDevice,
+                           stream.raw.ptr)
+            stream.synchronize()
+            longest = max(longest, time.perf_counter() - t1)
+    return rounds * src.size / (time.perf_counter() - t0) / GB, longest * 1000.0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.register",
+                                description=__doc__.split("\n")[0])
+    p.add_argument("--dir", type=Path, default=Path("."), help="where the scratch file goes")
+    p.add_argument("--size-gib", type=float, default=8.0)
+    p.add_argument("--threads", type=int, default=8, help="staged-read threads (8)")
+    p.add_argument("--out", type=Path, required=True)
+    args = p.parse_args(argv)
+    import cupy as cp
+
+    path = args.dir / "moestream-register-probe.bin"
+    nbytes = int(args.size_gib * (1 << 30)) // (64 * MIB) * (64 * MIB)
+    result: dict[str, Any] = {
+        "machine": {"host": platform.node(), "cpus": os.cpu_count()},
+        "commit": git_commit(),
+        "command": "python -m bench.register " + " ".join(argv or sys.argv[1:]),
+        "file_bytes": nbytes,
+    }
+    _make_file(path, nbytes)
+    fd = os.open(path, os.O_RDONLY)
+    addr = libc.map_read(fd, 0, nbytes, str(path))
+    mapping = np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(addr))
+    rt = cp.cuda.runtime
+    stream = CudaStream()
+    piece = 8 * MIB
+    dst = cp.empty(piece, dtype=cp.uint8)
+    try:
+        register: dict[str, float] = {}
+        for window_mib in (64, 256):
+            w = window_mib * MIB
+            part = mapping[: 2 << 30]
+            t0 = time.perf_counter()
+            for at in range(0, part.size, w):
+                rt.hostRegister(part.ctypes.data + at, w, _READ_ONLY)
+            register[f"{window_mib}MiB"] = part.size / (time.perf_counter() - t0) / GB
+            result["h2d_registered_gbps"] = _copies(cp, part[: 1 << 30], dst, stream, piece, 2)[0]
+            for at in range(0, part.size, w):
+                rt.hostUnregister(part.ctypes.data + at)
+        result["register_gbps"] = register
+        pinned = CudaPinned(1 << 30)
+        pinned.array[:] = 1
+        result["h2d_pinned_gbps"], quiet_ms = _copies(cp, pinned.array, dst, stream, piece, 4)
+        result["longest_copy_ms_quiet"] = quiet_ms
+
+        def staged(at: int) -> None:
+            start = (at // piece) % ((1 << 30) // piece) * piece
+            os.preadv(fd, [pinned.array[start : start + piece]], at)  # type: ignore[list-item]
+
+        offsets = range(2 << 30, min(nbytes, 6 << 30), piece)
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(args.threads) as pool:
+            list(pool.map(staged, offsets))
+        result["staged_read_gbps"] = len(offsets) * piece / (time.perf_counter() - t0) / GB
+
+        w = 256 * MIB
+        part = mapping[2 << 30 : nbytes]
+        done = threading.Event()
+        reg_s: list[float] = []
+
+        def register_all() -> None:
+            t1 = time.perf_counter()
+            for at in range(0, part.size - w + 1, w):
+                rt.hostRegister(part.ctypes.data + at, w, _READ_ONLY)
+            reg_s.append(time.perf_counter() - t1)
+            done.set()
+
+        reg = threading.Thread(target=register_all)
+        reg.start()
+        gbps, busy_ms = _copies(cp, pinned.array, dst, stream, piece, 2)
+        reg.join()
+        result["h2d_during_register_gbps"] = gbps
+        result["longest_copy_ms_during_register"] = busy_ms
+        result["register_during_copies_gbps"] = part.size // w * w / reg_s[0] / GB
+        for at in range(0, part.size - w + 1, w):
+            rt.hostUnregister(part.ctypes.data + at)
+        pinned.close()
+    finally:
+        libc.munmap(addr, nbytes)
+        os.close(fd)
+        path.unlink()
+    for key, value in result.items():
+        print(f"{key}: {value}")
+    write_result(args.out, result)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

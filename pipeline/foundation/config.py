@@ -1,0 +1,224 @@
+"""The run's configuration: one frozen object built from the command line, passed down.
+
+Parsing helpers turn user text (``20GiB``, ``2522``, ``fixed:0.57``) into typed values and
+raise ``UsageError`` with a one-line reason for anything else.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from pipeline.foundation.errors import UsageError
+
+__all__ = [
+    "Budget",
+    "ComputeSpec",
+    "Mode",
+    "RunConfig",
+    "parse_budget",
+    "parse_compute",
+    "parse_devices",
+    "parse_size",
+]
+
+Mode = Literal["auto", "direct", "resident"]
+
+_UNITS = {
+    "": 1, "b": 1,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+}
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_size(text: str) -> int:
+    """Bytes from ``512``, ``11GB`` (10**9), ``20GiB`` (2**30), ``1.5G`` (2**30)."""
+    match = _SIZE.match(text)
+    if not match or match.group(2).lower() not in _UNITS:
+        raise UsageError(f"cannot read size {text!r} (examples: 4096, 11GB, 20GiB)")
+    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+@dataclass(frozen=True, slots=True)
+class Budget:
+    """A cache budget as ds4's ``--ssd-streaming-cache-experts`` takes it: N experts or bytes."""
+
+    experts: int | None = None
+    nbytes: int | None = None
+
+    def resolve(self, expert_bytes: int) -> int:
+        """The budget in bytes, given the size of one expert's device buffer."""
+        if self.nbytes is not None:
+            return self.nbytes
+        assert self.experts is not None
+        return self.experts * expert_bytes
+
+    def __str__(self) -> str:
+        return f"{self.experts} experts" if self.experts is not None else f"{self.nbytes} bytes"
+
+
+def parse_budget(text: str) -> Budget:
+    """``2522`` (experts) or a size with a unit (``11GB``, ``20GiB``)."""
+    stripped = text.strip()
+    if stripped.isdigit():
+        return Budget(experts=int(stripped))
+    return Budget(nbytes=parse_size(stripped))
+
+
+@dataclass(frozen=True, slots=True)
+class ComputeSpec:
+    """What decode does with the experts: ``real`` SwiGLU, ``digest`` every byte, or
+    ``fixed`` device-busy milliseconds per layer (an engine's compute, emulated)."""
+
+    kind: Literal["real", "digest", "fixed"]
+    layer_ms: float = 0.0
+
+    def __str__(self) -> str:
+        return f"fixed:{self.layer_ms}" if self.kind == "fixed" else self.kind
+
+
+def parse_devices(text: str) -> tuple[int, ...]:
+    """``0,1`` -> (0, 1).
+
+    Raises:
+        UsageError: not a comma list of device indices.
+    """
+    try:
+        devices = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise UsageError(f"--devices takes device indices like 0,1, not {text!r}") from None
+    return devices
+
+
+def parse_compute(text: str) -> ComputeSpec:
+    """``real``, ``digest``, ``fixed`` (0.57 ms per layer) or ``fixed:MS``."""
+    if text in ("real", "digest"):
+        return ComputeSpec(text)  # type: ignore[arg-type]
+    if text == "fixed":
+        return ComputeSpec("fixed", 0.57)
+    if text.startswith("fixed:"):
+        try:
+            ms = float(text.removeprefix("fixed:"))
+        except ValueError:
+            ms = -1.0
+        if ms >= 0:
+            return ComputeSpec("fixed", ms)
+    raise UsageError(f"cannot read --compute {text!r} (expected real, digest or fixed:MS)")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunConfig:
+    """Everything a run needs to know, fixed before it starts.
+
+    Attributes:
+        model: the GGUF file; None makes (once) and uses the embedded tiny model.
+        tokens: tokens to decode.
+        budget: device cache budget (experts or bytes); None holds every expert.
+        mode: ``auto`` lets the controller choose; ``direct``/``resident`` force it.
+        policy: cache eviction policy (``lru`` or ``freq``).
+        compute: what decode does with the experts.
+        backend: ``auto``, ``host`` or ``cupy``.
+        devices: device indices to shard the experts over (None: every visible device;
+            on the host backend, indices emulate devices).
+        queue_depth: reader threads (reads in flight at once).
+        chunk_bytes: largest single read request.
+        staging_slots: experts that can be staged in pinned memory at once.
+        upload_streams: CUDA streams used in turn for uploads.
+        verify: check every installed expert against the file's bytes.
+        prefetch: ``none``; ``predict``: while a layer computes, load the experts the next
+            layer is guessed to pick; ``oracle``: start loads of the next layers early from
+            the routing, which a trace knows ahead (the upper bound).
+        router: ``trace`` replays the trace (or synthetic routing); ``live`` applies the
+            model's router tensors to the hidden state.
+        lookahead: how many layers ahead ``oracle`` prefetch runs.
+        seed: synthetic routing seed.
+        trace: a routing trace to replay instead of synthetic routing.
+        record_trace: write the routing this run used here.
+        routing_preset: the synthetic generator's preset.
+        log: JSON-lines log file (one event per token).
+        log_level: ``info`` or ``debug`` (per-layer events).
+        ram_limit: cap on the RAM the controller believes it has.
+        sample_ms: controller sampling period.
+        margin_bytes: the controller's safety margin (None: max(2 GiB, 5% of RAM)).
+        warmup: in resident mode, warm the model's missing pages in the background.
+        dwell_s: least time between two mode switches (pressure overrides it).
+        json: print the summary as JSON.
+        debug: show tracebacks.
+        faults: injected faults, ``kind[=value]@N[+]`` items (``stages.faults``); empty
+            (the default) injects nothing. A test facility.
+    """
+
+    model: Path | None = None
+    tokens: int = 32
+    budget: Budget | None = None
+    mode: Mode = "auto"
+    policy: str = "lru"
+    compute: ComputeSpec = field(default_factory=lambda: ComputeSpec("real"))
+    backend: str = "auto"
+    devices: tuple[int, ...] | None = None
+    queue_depth: int = 8
+    chunk_bytes: int = 4 << 20
+    staging_slots: int = 16
+    upload_streams: int = 2
+    verify: bool = True
+    prefetch: str = "none"
+    lookahead: int = 1
+    router: str = "trace"
+    seed: int = 0
+    trace: Path | None = None
+    record_trace: Path | None = None
+    routing_preset: str = "ds4-flash"
+    log: Path | None = None
+    log_level: str = "info"
+    ram_limit: int | None = None
+    sample_ms: float = 250.0
+    margin_bytes: int | None = None
+    warmup: bool = True
+    dwell_s: float = 2.0
+    json: bool = False
+    debug: bool = False
+    faults: str = ""
+
+    def __post_init__(self) -> None:
+        checks = [
+            (self.tokens >= 1, f"--tokens must be >= 1, got {self.tokens}"),
+            (self.queue_depth >= 1, f"--queue-depth must be >= 1, got {self.queue_depth}"),
+            (self.chunk_bytes >= 4096 and self.chunk_bytes % 4096 == 0,
+             f"--chunk must be a multiple of 4096, got {self.chunk_bytes}"),
+            (self.staging_slots >= 1, f"--staging-slots must be >= 1, got {self.staging_slots}"),
+            (self.upload_streams >= 1, f"--streams must be >= 1, got {self.upload_streams}"),
+            (self.mode in ("auto", "direct", "resident"), f"unknown --mode {self.mode!r}"),
+            (self.policy in ("lru", "freq"), f"unknown --policy {self.policy!r}"),
+            (self.log_level in ("info", "debug"), f"unknown --log-level {self.log_level!r}"),
+            (self.sample_ms > 0, f"--sample-ms must be > 0, got {self.sample_ms}"),
+            (self.prefetch in ("none", "oracle", "predict"),
+             f"unknown --prefetch {self.prefetch!r}"),
+            (self.router in ("trace", "live"), f"unknown --router {self.router!r}"),
+            (not (self.router == "live" and self.prefetch == "oracle"),
+             "--prefetch oracle needs the routing ahead: a trace, not --router live"),
+            (self.lookahead >= 0, f"--lookahead must be >= 0, got {self.lookahead}"),
+            (self.devices is None or (len(self.devices) >= 1 and min(self.devices) >= 0
+                                      and len(set(self.devices)) == len(self.devices)),
+             f"--devices must name distinct device indices, got {self.devices}"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise UsageError(message)
+        if self.faults:
+            from pipeline.foundation.faults import parse_faults
+
+            parse_faults(self.faults)  # a malformed spec fails here, with its reason
+
+    def describe(self) -> dict[str, object]:
+        """JSON-ready options, for the log header."""
+        out = asdict(self)
+        for key, value in out.items():
+            if isinstance(value, Path):
+                out[key] = str(value)
+        out["budget"] = str(self.budget) if self.budget else None
+        out["compute"] = str(self.compute)
+        return out

@@ -1,0 +1,444 @@
+"""The expert table: where every routed expert's bytes live in a GGUF model file.
+
+Routed-expert tensors (``blk.N.ffn_{gate,up,down}_exps.weight`` or the fused
+``ffn_gate_up_exps``) are 3-D with the expert dimension outermost, so expert ``e`` of a
+tensor is one contiguous slice at ``offset + e * bytes_per_expert``. The table records, per
+MoE layer, the three slices of each expert; everything the streaming pipeline reads is
+described by it. The file is opened with gguf's reader (a memory map; nothing is read until
+touched) and validated here, so every later stage may trust the offsets; before the reader,
+``pipeline.gguf_header`` checks the header's structure within the file's bounds.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import re
+import stat
+import struct
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TypeAlias
+
+import numpy as np
+from gguf import (
+    GGML_QUANT_SIZES,
+    GGMLQuantizationType,
+    GGUFReader,
+    GGUFValueType,
+)
+from gguf.gguf_reader import ReaderTensor
+
+from pipeline.foundation.errors import ExpertLayoutError, ModelFileError, NotGGUFError
+from pipeline.foundation.gguf_header import SCALAR_BYTES, check_magic, walk_header
+
+__all__ = ["ByteRange", "ExpertKey", "ExpertSlices", "ExpertTable", "MoeLayer", "TensorInfo",
+           "open_table"]
+
+_EXPERT_TENSOR = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down|gate_up)_exps\.weight$")
+
+
+ExpertKey: TypeAlias = tuple[int, int]
+"""(layer index in the model, expert index in that layer)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ByteRange:
+    """A contiguous byte range of the model file."""
+
+    offset: int
+    nbytes: int
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.nbytes
+
+
+@dataclass(frozen=True, slots=True)
+class ExpertSlices:
+    """The gate, up and down byte ranges of one routed expert."""
+
+    key: ExpertKey
+    gate: ByteRange
+    up: ByteRange
+    down: ByteRange
+
+    @property
+    def ranges(self) -> tuple[ByteRange, ByteRange, ByteRange]:
+        return (self.gate, self.up, self.down)
+
+    @property
+    def nbytes(self) -> int:
+        return self.gate.nbytes + self.up.nbytes + self.down.nbytes
+
+
+@dataclass(frozen=True, slots=True)
+class TensorInfo:
+    """A tensor of the file that is not a routed expert (embeddings, attention, router...)."""
+
+    name: str
+    type_name: str
+    offset: int
+    nbytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class MoeLayer:
+    """One MoE layer: where its expert tensors start and how large one expert's slices are.
+
+    ``gate_offset``/``up_offset``/``down_offset`` are the file offsets of expert 0; expert
+    ``e`` starts ``e * <matrix>_bytes`` later. For the fused form, gate and up share one
+    tensor and ``up_offset = gate_offset + gate_bytes`` with a stride of both.
+    """
+
+    index: int
+    n_experts: int
+    gate_up_type: GGMLQuantizationType
+    down_type: GGMLQuantizationType
+    gate_offset: int
+    up_offset: int
+    down_offset: int
+    gate_bytes: int
+    up_bytes: int
+    down_bytes: int
+    gate_up_stride: int
+    fused_gate_up: bool
+    router: TensorInfo | None
+    shape: tuple[int, int]  # (hidden, expert_ffn)
+
+    @property
+    def expert_bytes(self) -> int:
+        return self.gate_bytes + self.up_bytes + self.down_bytes
+
+    def slices(self, expert: int) -> ExpertSlices:
+        """The byte ranges of ``expert`` in this layer."""
+        if not 0 <= expert < self.n_experts:
+            raise IndexError(f"layer {self.index} has {self.n_experts} experts, not {expert}")
+        return ExpertSlices(
+            key=(self.index, expert),
+            gate=ByteRange(self.gate_offset + expert * self.gate_up_stride, self.gate_bytes),
+            up=ByteRange(self.up_offset + expert * self.gate_up_stride, self.up_bytes),
+            down=ByteRange(self.down_offset + expert * self.down_bytes, self.down_bytes),
+        )
+
+
+@dataclass(frozen=True)
+class ExpertTable:
+    """Every routed expert of a model file, and what else the file holds.
+
+    Attributes:
+        path: the model file.
+        file_bytes: its size.
+        n_layers: all blocks of the model, dense and MoE.
+        layers: the MoE layers by model layer index, ascending.
+        top_k: experts selected per token per layer (from metadata; 6 when absent).
+        hash_routed: how many of the first MoE layers route by token id (no router tensor).
+        non_routed: every other tensor.
+        digests: per (MoE layer position, expert, matrix) the expected digest, when the file
+            carries ``moestream.expert_digests``; else None.
+    """
+
+    path: Path
+    file_bytes: int
+    n_layers: int
+    layers: dict[int, MoeLayer]
+    top_k: int
+    hash_routed: int
+    hidden: int
+    non_routed: tuple[TensorInfo, ...]
+    digests: np.ndarray | None
+
+    @property
+    def moe_layers(self) -> list[int]:
+        return list(self.layers)
+
+    @property
+    def n_experts(self) -> int:
+        return max(layer.n_experts for layer in self.layers.values())
+
+    @property
+    def routed_bytes(self) -> int:
+        return sum(layer.n_experts * layer.expert_bytes for layer in self.layers.values())
+
+    @property
+    def non_routed_bytes(self) -> int:
+        return sum(t.nbytes for t in self.non_routed)
+
+    def slices(self, key: ExpertKey) -> ExpertSlices:
+        """The byte ranges of expert ``key = (layer, expert)``."""
+        layer, expert = key
+        try:
+            return self.layers[layer].slices(expert)
+        except KeyError:
+            raise IndexError(f"layer {layer} is not a MoE layer of {self.path}") from None
+
+    def expert_bytes(self, layer: int) -> int:
+        return self.layers[layer].expert_bytes
+
+    def expected_digests(self, key: ExpertKey) -> tuple[int, int, int] | None:
+        """The file's recorded digests of the gate, up and down slices of ``key``."""
+        if self.digests is None:
+            return None
+        pos = self.moe_layers.index(key[0])
+        row = self.digests[pos, key[1]]
+        return (int(row[0]), int(row[1]), int(row[2]))
+
+    def iter_slices(self) -> Iterator[ExpertSlices]:
+        for layer in self.layers.values():
+            for expert in range(layer.n_experts):
+                yield layer.slices(expert)
+
+    def summary(self) -> dict[str, object]:
+        """A small JSON-ready description, for logs and the run header."""
+        return {
+            "path": str(self.path),
+            "file_bytes": self.file_bytes,
+            "n_layers": self.n_layers,
+            "moe_layers": self.moe_layers,
+            "n_experts": self.n_experts,
+            "top_k": self.top_k,
+            "hash_routed": self.hash_routed,
+            "expert_bytes": [layer.expert_bytes for layer in self.layers.values()],
+            "routed_bytes": self.routed_bytes,
+            "non_routed_bytes": self.non_routed_bytes,
+            "gate_up_type": next(iter(self.layers.values())).gate_up_type.name,
+            "down_type": next(iter(self.layers.values())).down_type.name,
+        }
+
+
+_INTEGER_TYPES = frozenset(SCALAR_BYTES) - {
+    GGUFValueType.BOOL, GGUFValueType.FLOAT32, GGUFValueType.FLOAT64}
+_DIGESTS_KEY = "moestream.expert_digests"
+
+
+def _one_line(text: str, limit: int = 160) -> str:
+    """``text`` cut to ``limit`` characters with control characters escaped."""
+    cut = text[:limit] + ("..." if len(text) > limit else "")
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in cut)
+
+
+# What gguf's reader may still raise after the walk: invalid UTF-8 in a key or tensor name
+# (UnicodeDecodeError is a ValueError), a duplicate key (KeyError) or tensor name (ValueError),
+# and, should the walk ever miss a case, its index and numpy errors.
+_READER_ERRORS = (ValueError, IndexError, KeyError, OverflowError, TypeError, struct.error)
+
+
+def _open_reader(path: Path) -> tuple[GGUFReader, int]:
+    """gguf's reader on ``path`` and the file's size, after the header walk.
+
+    Raises:
+        ModelFileError: missing, a directory, unreadable; or one of its subclasses for a
+            file that is not GGUF, is cut short, or is corrupt.
+    """
+    try:
+        info = path.stat()
+    except FileNotFoundError as exc:
+        raise ModelFileError(path, "no such file") from exc
+    except OSError as exc:
+        raise ModelFileError(path, f"cannot open: {exc.strerror or exc}") from exc
+    if stat.S_ISDIR(info.st_mode):
+        raise ModelFileError(path, "is a directory, not a GGUF file")
+    if not stat.S_ISREG(info.st_mode):
+        raise ModelFileError(path, "is not a regular file")
+    try:
+        with path.open("rb") as f:
+            check_magic(path, f.read(8))
+            with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+                layout = walk_header(path, buf)
+        reader = GGUFReader(path)
+    except OSError as exc:
+        raise ModelFileError(path, f"cannot read: {exc.strerror or exc}") from exc
+    except _READER_ERRORS as exc:
+        reason = _one_line(str(exc) or type(exc).__name__)
+        raise NotGGUFError(path, f"corrupt GGUF header ({reason})") from exc
+    if reader.data_offset != layout.data_offset or len(reader.tensors) != layout.n_tensors:
+        raise NotGGUFError(path, f"gguf's reader sees {len(reader.tensors)} tensors from byte "
+                                 f"{reader.data_offset}, the header walk {layout.n_tensors} "
+                                 f"from byte {layout.data_offset}")
+    return reader, int(reader.data.shape[0])
+
+
+def _metadata_int(path: Path, reader: GGUFReader, suffix: str) -> int | None:
+    """The integer value of the first key ending in ``suffix``; None when there is none."""
+    for name, field in reader.fields.items():
+        if name.endswith(suffix):
+            if len(field.types) != 1 or field.types[0] not in _INTEGER_TYPES:
+                kinds = "/".join(t.name for t in field.types)
+                raise ExpertLayoutError(path, f"metadata {name!r} is {kinds}, not an integer")
+            return int(field.parts[field.data[0]][0])
+    return None
+
+
+def _read_digests(path: Path, reader: GGUFReader, n_moe: int, n_experts: int) -> np.ndarray | None:
+    """The file's per-expert digests, shaped (MoE layer, expert, matrix); None when absent."""
+    field = reader.fields.get(_DIGESTS_KEY)
+    if field is None:
+        return None
+    expected = n_moe * n_experts * 3
+    if field.types != [GGUFValueType.ARRAY, GGUFValueType.UINT64] or len(field.data) != expected:
+        kinds = "/".join(t.name for t in field.types)
+        raise ExpertLayoutError(path, f"{_DIGESTS_KEY} holds {len(field.data)} values ({kinds}), "
+                                      f"expected {expected} UINT64: one per MoE layer, expert "
+                                      f"and matrix")
+    values = np.array([int(field.parts[i][0]) for i in field.data], dtype=np.uint64)
+    return values.reshape(n_moe, n_experts, 3)
+
+
+def open_table(path: str | os.PathLike[str]) -> ExpertTable:
+    """Open ``path`` with gguf's reader, validate it, and build its expert table.
+
+    Raises:
+        ModelFileError: the path is missing, a directory or unreadable; its subclasses
+            NotGGUFError, TruncatedFileError and ExpertLayoutError name the file's problem.
+    """
+    path = Path(path)
+    reader, file_bytes = _open_reader(path)
+
+    by_layer: dict[int, dict[str, ReaderTensor]] = {}
+    non_routed: list[TensorInfo] = []
+    routers: dict[int, TensorInfo] = {}
+    n_blocks = 0
+    for t in reader.tensors:
+        # The header walk has checked that every tensor's data lies inside the file.
+        info = TensorInfo(t.name, t.tensor_type.name, int(t.data_offset), int(t.n_bytes))
+        block = re.match(r"^blk\.(\d+)\.", t.name)
+        if block:
+            n_blocks = max(n_blocks, int(block.group(1)) + 1)
+        match = _EXPERT_TENSOR.match(t.name)
+        if match is None:
+            non_routed.append(info)
+            router = re.match(r"^blk\.(\d+)\.ffn_gate_inp\.weight$", t.name)
+            if router:
+                routers[int(router.group(1))] = info
+            continue
+        layer, part = int(match.group(1)), match.group(2)
+        # gguf order: ne0 (row length), ne1 (rows), ne2 (experts, outermost in memory)
+        if len(t.shape) != 3:
+            raise ExpertLayoutError(path, f"{t.name} is {len(t.shape)}-D, expected 3-D")
+        by_layer.setdefault(layer, {})[part] = t
+
+    if not by_layer:
+        raise ExpertLayoutError(path, "no routed expert tensors (blk.N.ffn_*_exps.weight)")
+
+    layers: dict[int, MoeLayer] = {}
+    for index in sorted(by_layer):
+        layers[index] = _build_layer(path, index, by_layer[index], routers.get(index))
+
+    counts = {layer.n_experts for layer in layers.values()}
+    if len(counts) != 1:
+        raise ExpertLayoutError(path, f"MoE layers disagree on the expert count: {sorted(counts)}")
+    hiddens = {layer.shape[0] for layer in layers.values()}
+    if len(hiddens) != 1:
+        raise ExpertLayoutError(path, f"MoE layers disagree on the hidden size: {sorted(hiddens)}")
+    n_experts = counts.pop()
+    top_k = _metadata_int(path, reader, ".expert_used_count")
+    if top_k is None:
+        top_k = min(6, n_experts)
+    elif not 0 < top_k <= n_experts:
+        raise ExpertLayoutError(path, f"expert_used_count {top_k} outside 1..{n_experts}")
+    hash_routed = _metadata_int(path, reader, "moestream.hash_routed_layer_count") or 0
+    if not 0 <= hash_routed <= len(layers):
+        raise ExpertLayoutError(path, f"moestream.hash_routed_layer_count {hash_routed} outside "
+                                      f"0..{len(layers)} (the MoE layer count)")
+    block_count = _metadata_int(path, reader, ".block_count")
+    if block_count is not None and block_count != n_blocks:
+        raise ExpertLayoutError(path, f"block_count is {block_count}, but the tensors name "
+                                      f"blocks 0..{n_blocks - 1}")
+    return ExpertTable(
+        path=path,
+        file_bytes=file_bytes,
+        n_layers=n_blocks,
+        layers=layers,
+        top_k=top_k,
+        hash_routed=hash_routed,
+        hidden=hiddens.pop(),
+        non_routed=tuple(non_routed),
+        digests=_read_digests(path, reader, len(layers), n_experts),
+    )
+
+
+def _experts_of(path: Path, index: int, t: ReaderTensor, name: str, n_experts: int) -> int:
+    """Bytes of one expert's slice of ``t``, checking its expert count divides evenly."""
+    if int(t.shape[2]) != n_experts:
+        raise ExpertLayoutError(
+            path, f"layer {index}: {name} has {int(t.shape[2])} experts, ffn_down_exps {n_experts}"
+        )
+    if int(t.n_bytes) % n_experts:
+        raise ExpertLayoutError(path, f"layer {index}: {name} size not divisible by experts")
+    return int(t.n_bytes) // n_experts
+
+
+def _matrix_shape(t: ReaderTensor) -> tuple[int, int]:
+    """One expert's (ne0, ne1) in gguf order: row length, then rows."""
+    return int(t.shape[0]), int(t.shape[1])
+
+
+def _build_layer(
+    path: Path, index: int, parts: dict[str, ReaderTensor], router: TensorInfo | None
+) -> MoeLayer:
+    """One MoE layer from its expert tensors (``parts`` maps gate/up/down/gate_up)."""
+    down = parts.get("down")
+    if down is None:
+        raise ExpertLayoutError(path, f"layer {index}: blk.{index}.ffn_down_exps.weight missing")
+    n_experts = int(down.shape[2])
+    if n_experts <= 0:
+        raise ExpertLayoutError(path, f"layer {index}: zero experts in ffn_down_exps")
+    down_bytes = _experts_of(path, index, down, "ffn_down_exps", n_experts)
+    fused = parts.get("gate_up")
+    if fused is not None:
+        if "gate" in parts or "up" in parts:
+            raise ExpertLayoutError(path, f"layer {index}: both fused and separate gate/up")
+        stride = _experts_of(path, index, fused, "ffn_gate_up_exps", n_experts)
+        if stride % 2 or int(fused.shape[1]) % 2:
+            raise ExpertLayoutError(path, f"layer {index}: fused gate_up has an odd row count")
+        gate_bytes = up_bytes = stride // 2
+        gate_offset = int(fused.data_offset)
+        up_offset = gate_offset + gate_bytes
+        gate_up_type = fused.tensor_type
+        hidden, ffn = int(fused.shape[0]), int(fused.shape[1]) // 2
+    else:
+        gate, up = parts.get("gate"), parts.get("up")
+        if gate is None or up is None:
+            missing = "ffn_gate_exps" if gate is None else "ffn_up_exps"
+            raise ExpertLayoutError(path, f"layer {index}: blk.{index}.{missing}.weight missing")
+        if gate.tensor_type != up.tensor_type:
+            raise ExpertLayoutError(
+                path,
+                f"layer {index}: gate is {gate.tensor_type.name} but up is "
+                f"{up.tensor_type.name}; they must share a type",
+            )
+        gate_bytes = _experts_of(path, index, gate, "ffn_gate_exps", n_experts)
+        up_bytes = _experts_of(path, index, up, "ffn_up_exps", n_experts)
+        if _matrix_shape(gate) != _matrix_shape(up):
+            raise ExpertLayoutError(path, f"layer {index}: gate experts are "
+                                          f"{_matrix_shape(gate)}, up experts {_matrix_shape(up)}")
+        stride = gate_bytes
+        gate_offset, up_offset = int(gate.data_offset), int(up.data_offset)
+        gate_up_type = gate.tensor_type
+        hidden, ffn = int(gate.shape[0]), int(gate.shape[1])
+    block, type_size = GGML_QUANT_SIZES[gate_up_type]
+    if hidden * ffn * type_size // block != gate_bytes:
+        raise ExpertLayoutError(path, f"layer {index}: gate slice size does not match its shape")
+    # down maps ffn back to hidden: ne0 = ffn, ne1 = hidden, the transpose of gate and up.
+    if _matrix_shape(down) != (ffn, hidden):
+        raise ExpertLayoutError(path, f"layer {index}: down experts are {_matrix_shape(down)}, "
+                                      f"expected {(ffn, hidden)} for gate/up of {(hidden, ffn)}")
+    if gate_bytes == 0 or down_bytes == 0:
+        raise ExpertLayoutError(path, f"layer {index}: empty expert matrices {(hidden, ffn)}")
+    return MoeLayer(
+        index=index,
+        n_experts=n_experts,
+        gate_up_type=gate_up_type,
+        down_type=down.tensor_type,
+        gate_offset=gate_offset,
+        up_offset=up_offset,
+        down_offset=int(down.data_offset),
+        gate_bytes=gate_bytes,
+        up_bytes=up_bytes,
+        down_bytes=down_bytes,
+        gate_up_stride=stride,
+        fused_gate_up=fused is not None,
+        router=router,
+        shape=(hidden, ffn),
+    )

@@ -1,0 +1,494 @@
+"""Page-cache residency of the model file: measure it, fill it, drop it, pin it.
+
+Resident mode (DESIGN.md section 3) only pays off when the model's pages really are in RAM,
+and the controller must know how much is, cheaply and often, on a 40+ GB file. This module
+is the one place that talks to the kernel about that; the residency controller and the
+``tools.warmup`` CLI both go through it:
+
+- ``Residency.of_file`` asks ``mincore`` over a read-only mapping of the file, mapped in
+  256 MiB windows (on a few threads) so any file size works, into one numpy vector (no
+  per-page Python loop): a fully resident 30 GB file is measured in well under a second.
+- ``evict`` drops pages with ``posix_fadvise(DONTNEED)`` and measures what actually left
+  (pages still mapped or pinned elsewhere stay).
+- ``hint_willneed`` issues ``WILLNEED`` in 8 MiB pieces, because the kernel loads only about
+  8 MiB per call.
+- ``lock_pages`` pins ranges with ``mlock`` on a mapping, like ``vmtouch -l``, and names
+  ``RLIMIT_MEMLOCK`` when the kernel refuses.
+
+Filling the cache in the background (``WarmEngine``: threads, byte rate, pause/resume)
+lives in ``pipeline.warm``, which builds on the hints here.
+
+Byte ranges are anything with ``offset`` and ``nbytes`` (``pipeline.table.ByteRange`` and
+``TensorInfo`` both fit). Ranges need not be page aligned; page-level answers count every
+page a range touches, byte-level answers (``resident_bytes``) count only the range's bytes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import mmap
+import os
+import resource
+from collections.abc import Iterable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Protocol
+
+import numpy as np
+import structlog
+
+from pipeline.foundation.errors import ResidencyError
+from pipeline.foundation.table import ByteRange
+
+__all__ = [
+    "HINT_BYTES",
+    "PAGE_BYTES",
+    "PageLock",
+    "RangeLike",
+    "Residency",
+    "coalesce",
+    "evict",
+    "hint_willneed",
+    "lock_pages",
+    "resident_pages",
+]
+
+PAGE_BYTES = mmap.PAGESIZE
+"""The kernel page size: the unit of residency."""
+
+HINT_BYTES = 8 << 20
+"""One ``WILLNEED`` call loads about this much; larger hints are split."""
+
+_WINDOW_BYTES = 256 << 20  # mincore mapping window: bounds address space, splits work
+_MINCORE_THREADS = min(8, os.cpu_count() or 1)
+_MAP_FAILED = ctypes.c_void_p(-1).value
+
+_log = structlog.get_logger("moestream.residency")
+
+
+class RangeLike(Protocol):
+    """A contiguous byte range of a file (``ByteRange``, ``TensorInfo``)."""
+
+    @property
+    def offset(self) -> int: ...
+
+    @property
+    def nbytes(self) -> int: ...
+
+
+FileRef = str | os.PathLike[str] | int
+"""A path, or an open file descriptor (which stays owned by the caller)."""
+
+
+class _Libc:
+    """The few libc calls Python's ``mmap`` module does not expose, with errno kept."""
+
+    def __init__(self) -> None:
+        libc = ctypes.CDLL(None, use_errno=True)
+        self.mmap = libc.mmap
+        self.mmap.restype = ctypes.c_void_p
+        self.mmap.argtypes = [
+            ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+            ctypes.c_long,
+        ]
+        self.munmap = libc.munmap
+        self.munmap.restype = ctypes.c_int
+        self.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+        self.mincore = libc.mincore
+        self.mincore.restype = ctypes.c_int
+        self.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+        self.mlock = libc.mlock
+        self.mlock.restype = ctypes.c_int
+        self.mlock.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+        self.munlock = libc.munlock
+        self.munlock.restype = ctypes.c_int
+        self.munlock.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+
+    def map_read(self, fd: int, offset: int, length: int, what: str) -> int:
+        """Map ``length`` bytes of ``fd`` at page-aligned ``offset``, read-only and shared."""
+        addr = self.mmap(None, length, mmap.PROT_READ, mmap.MAP_SHARED, fd, offset)
+        if addr is None or addr == _MAP_FAILED:
+            err = ctypes.get_errno()
+            raise ResidencyError(
+                f"{what}: mmap of {length} bytes at offset {offset} failed: {os.strerror(err)}"
+            )
+        return int(addr)
+
+    def mincore_into(self, addr: int, length: int, out_addr: int, what: str) -> None:
+        """``mincore`` of a mapping into the vector at ``out_addr``, raising on failure."""
+        if self.mincore(addr, length, out_addr) != 0:
+            err = ctypes.get_errno()
+            raise ResidencyError(f"{what}: mincore: {os.strerror(err)}")
+
+    def all_resident(self, addr: int, length: int, what: str) -> bool:
+        """Whether every page of an existing mapping (page-aligned ``addr``) is in the page
+        cache: ``mincore`` on the caller's mapping, no new one, so a check of one window
+        costs only that window's page lookups."""
+        vec = np.empty(-(-length // PAGE_BYTES), dtype=np.uint8)
+        self.mincore_into(addr, length, vec.ctypes.data, what)
+        return bool((vec & 1).all())
+
+
+_libc = _Libc()
+libc = _libc  # public: stages.prefetch maps the model through it
+
+
+def coalesce(ranges: Iterable[RangeLike]) -> list[ByteRange]:
+    """The union of ``ranges`` as sorted, disjoint, non-adjacent ``ByteRange``s.
+
+    Empty ranges are dropped.
+    """
+    spans = sorted((r.offset, r.offset + r.nbytes) for r in ranges if r.nbytes > 0)
+    merged: list[list[int]] = []
+    for start, end in spans:
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return [ByteRange(start, end - start) for start, end in merged]
+
+
+def _page_cover(r: RangeLike) -> tuple[int, int]:
+    """First page and one past the last page that range ``r`` touches."""
+    return r.offset // PAGE_BYTES, -(-(r.offset + r.nbytes) // PAGE_BYTES)
+
+
+@contextlib.contextmanager
+def _opened(target: FileRef) -> Iterator[tuple[int, str]]:
+    """An fd for ``target`` and a name for messages; closes only what it opened."""
+    if isinstance(target, int):
+        yield target, f"fd {target}"
+        return
+    name = os.fspath(target)
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError as exc:
+        raise ResidencyError(f"{name}: cannot open: {exc.strerror}") from None
+    try:
+        yield fd, name
+    finally:
+        os.close(fd)
+
+
+def _mincore_window(fd: int, start: int, length: int, out_addr: int, what: str) -> None:
+    """``mincore`` of one window of the file into the vector at ``out_addr``."""
+    addr = _libc.map_read(fd, start, length, what)
+    try:
+        _libc.mincore_into(addr, length, out_addr, f"{what} at offset {start}")
+    finally:
+        _libc.munmap(addr, length)
+
+
+def _mincore(fd: int, file_bytes: int, what: str) -> np.ndarray:
+    """One byte per page of the file from ``mincore``, window by window.
+
+    The kernel looks up every page (about 0.1 us each: 0.8 s for 30 GB on one core), and
+    ctypes releases the GIL during the call, so windows run on a few threads.
+    """
+    n_pages = -(-file_bytes // PAGE_BYTES)
+    vec = np.zeros(n_pages, dtype=np.uint8)
+    base = vec.ctypes.data
+    windows = [
+        (start, min(_WINDOW_BYTES, file_bytes - start))
+        for start in range(0, file_bytes, _WINDOW_BYTES)
+    ]
+    workers = min(len(windows), _MINCORE_THREADS)
+    if workers <= 1:
+        for start, length in windows:
+            _mincore_window(fd, start, length, base + start // PAGE_BYTES, what)
+        return vec
+    with ThreadPoolExecutor(workers, thread_name_prefix="moestream-mincore") as pool:
+        futures = [
+            pool.submit(_mincore_window, fd, start, length, base + start // PAGE_BYTES, what)
+            for start, length in windows
+        ]
+        for fut in futures:
+            fut.result()
+    return vec
+
+
+@dataclass(frozen=True, eq=False)
+class Residency:
+    """Which pages of a file were in the page cache when it was measured.
+
+    Attributes:
+        name: the path (or ``fd N``) measured, for messages.
+        file_bytes: the file's size then.
+        pages: one bool per page (``PAGE_BYTES``), True where resident.
+    """
+
+    name: str
+    file_bytes: int
+    pages: np.ndarray
+
+    @classmethod
+    def of_file(cls, target: FileRef) -> Residency:
+        """Measure ``target`` (a path or an open fd) with ``mincore``.
+
+        Raises:
+            ResidencyError: the file cannot be opened or mapped.
+        """
+        with _opened(target) as (fd, name):
+            file_bytes = os.fstat(fd).st_size
+            vec = _mincore(fd, file_bytes, name)
+        pages = (vec & 1).astype(bool)
+        return cls(name=name, file_bytes=file_bytes, pages=pages)
+
+    @property
+    def n_pages(self) -> int:
+        return int(self.pages.size)
+
+    @property
+    def resident_page_count(self) -> int:
+        return int(np.count_nonzero(self.pages))
+
+    @property
+    def file_resident_bytes(self) -> int:
+        """Resident bytes of the whole file (the last page counted up to the file's end)."""
+        if not self.n_pages:
+            return 0
+        tail = self.file_bytes - (self.n_pages - 1) * PAGE_BYTES
+        full = int(np.count_nonzero(self.pages[:-1])) * PAGE_BYTES
+        return full + (tail if self.pages[-1] else 0)
+
+    @property
+    def fraction(self) -> float:
+        return self.file_resident_bytes / self.file_bytes if self.file_bytes else 1.0
+
+    def _cumulative(self) -> np.ndarray:
+        cum = self.__dict__.get("_cum")
+        if cum is None:
+            cum = np.zeros(self.n_pages + 1, dtype=np.int64)
+            np.cumsum(self.pages, out=cum[1:])
+            object.__setattr__(self, "_cum", cum)
+        return cum
+
+    def resident_bytes_each(self, ranges: Sequence[RangeLike]) -> np.ndarray:
+        """Resident bytes of each range, counting only bytes inside it (vectorized).
+
+        Ranges are clipped to the file; overlapping ranges each count their own bytes.
+        """
+        if not ranges:
+            return np.zeros(0, dtype=np.int64)
+        start = np.fromiter((r.offset for r in ranges), dtype=np.int64, count=len(ranges))
+        size = np.fromiter((r.nbytes for r in ranges), dtype=np.int64, count=len(ranges))
+        end = np.minimum(start + size, self.file_bytes)
+        start = np.minimum(start, end)
+        out = np.zeros(len(ranges), dtype=np.int64)
+        live = end > start
+        if not live.any():
+            return out
+        s, e = start[live], end[live]
+        res = self.pages
+        cum = self._cumulative()
+        first, last = s // PAGE_BYTES, (e - 1) // PAGE_BYTES
+        one = first == last
+        head = np.where(one, e - s, (first + 1) * PAGE_BYTES - s) * res[first]
+        tail = np.where(one, 0, (e - last * PAGE_BYTES) * res[last])
+        middle = np.where(one, 0, (cum[last] - cum[np.minimum(first + 1, last)]) * PAGE_BYTES)
+        out[live] = head + tail + middle
+        return out
+
+    def resident_bytes(self, ranges: Iterable[RangeLike] | None = None) -> int:
+        """Resident bytes of the union of ``ranges`` (the whole file when None)."""
+        if ranges is None:
+            return self.file_resident_bytes
+        return int(self.resident_bytes_each(coalesce(ranges)).sum())
+
+    def page_mask(self, ranges: Iterable[RangeLike]) -> np.ndarray:
+        """A bool per page: True for every page some range touches."""
+        mask = np.zeros(self.n_pages, dtype=bool)
+        for r in coalesce(ranges):
+            first, stop = _page_cover(r)
+            mask[first:min(stop, self.n_pages)] = True
+        return mask
+
+    def resident_pages_in(self, ranges: Iterable[RangeLike]) -> int:
+        """Resident pages among the pages ``ranges`` touch (each page counted once)."""
+        return int(np.count_nonzero(self.pages & self.page_mask(ranges)))
+
+    def missing(self, ranges: Iterable[RangeLike]) -> list[ByteRange]:
+        """The parts of ``ranges`` on pages not resident, in the order of the ranges.
+
+        Each non-resident run of pages becomes one range clipped to the range it lies in,
+        so warming the result loads exactly what is absent. Overlaps are not merged.
+        """
+        out: list[ByteRange] = []
+        for r in ranges:
+            end = min(r.offset + r.nbytes, self.file_bytes)
+            if end <= r.offset:
+                continue
+            first, stop = _page_cover(ByteRange(r.offset, end - r.offset))
+            absent = ~self.pages[first:stop]
+            if not absent.any():
+                continue
+            edges = np.flatnonzero(np.diff(np.concatenate(([0], absent.view(np.int8), [0]))))
+            for run_start, run_stop in zip(edges[0::2], edges[1::2], strict=True):
+                lo = max(r.offset, (first + int(run_start)) * PAGE_BYTES)
+                hi = min(end, (first + int(run_stop)) * PAGE_BYTES)
+                out.append(ByteRange(lo, hi - lo))
+        return out
+
+
+def resident_pages(target: FileRef, ranges: Iterable[RangeLike] | None = None) -> int:
+    """Resident pages of ``target`` within ``ranges`` (the whole file when None)."""
+    residency = Residency.of_file(target)
+    if ranges is None:
+        return residency.resident_page_count
+    return residency.resident_pages_in(ranges)
+
+
+def _fadvise(fd: int, offset: int, length: int, advice: int, what: str) -> None:
+    try:
+        os.posix_fadvise(fd, offset, length, advice)
+    except OSError as exc:
+        raise ResidencyError(
+            f"{what}: posix_fadvise at offset {offset}, {length} bytes: {exc.strerror}"
+        ) from None
+
+
+def evict(
+    target: FileRef, ranges: Iterable[RangeLike] | None = None, *, sync: bool = True
+) -> int:
+    """Drop the pages of ``ranges`` (whole file when None) from the page cache.
+
+    Every page a range touches is dropped, so a page shared with a neighbouring range goes
+    too. Pages mapped by another process or pinned (``mlock``, ``cudaHostRegister``) stay;
+    the return value says what really left.
+
+    Args:
+        target: a path or an open fd.
+        ranges: what to drop.
+        sync: ``fdatasync`` first, because ``DONTNEED`` skips dirty pages (a model file
+            just written or copied has them; on a clean file the call is nearly free).
+
+    Returns:
+        Bytes (whole pages) that were resident before and are not after.
+    """
+    with _opened(target) as (fd, name):
+        if sync:
+            try:
+                os.fdatasync(fd)
+            except OSError as exc:
+                raise ResidencyError(f"{name}: fdatasync before evicting: {exc.strerror}") from None
+        before = Residency.of_file(fd)
+        spans = (
+            [ByteRange(0, before.file_bytes)] if ranges is None else coalesce(ranges)
+        )
+        asked = 0
+        for r in spans:
+            first, stop = _page_cover(r)
+            start, length = first * PAGE_BYTES, (stop - first) * PAGE_BYTES
+            asked += r.nbytes
+            _fadvise(fd, start, length, os.POSIX_FADV_DONTNEED, name)
+        after = Residency.of_file(fd)
+    n = min(before.n_pages, after.n_pages)
+    left = int(np.count_nonzero(before.pages[:n] & ~after.pages[:n])) * PAGE_BYTES
+    _log.info("residency.evict", path=name, asked_bytes=asked, left_bytes=left,
+              resident_after_bytes=after.file_resident_bytes)
+    return left
+
+
+def hint_willneed(fd: int, ranges: Iterable[RangeLike], *, piece_bytes: int = HINT_BYTES) -> int:
+    """Ask the kernel to start loading ``ranges``, one ``WILLNEED`` per ``piece_bytes``.
+
+    Returns:
+        The number of hint calls made.
+    """
+    calls = 0
+    for r in ranges:
+        for offset in range(r.offset, r.offset + r.nbytes, piece_bytes):
+            length = min(piece_bytes, r.offset + r.nbytes - offset)
+            _fadvise(fd, offset, length, os.POSIX_FADV_WILLNEED, f"fd {fd}")
+            calls += 1
+    return calls
+
+
+def _memlock_text(value: int) -> str:
+    if value == resource.RLIM_INFINITY:
+        return "unlimited"
+    return f"{value} bytes ({value / 2**20:.1f} MiB)"
+
+
+class PageLock:
+    """Pages of a file pinned in RAM with ``mlock``; they stay until ``unlock()``.
+
+    The mappings this object holds must stay alive while the pages are to stay pinned;
+    ``unlock()`` (or leaving the ``with`` block) unlocks and unmaps them.
+    """
+
+    def __init__(self, name: str, maps: list[tuple[int, int]]) -> None:
+        self.name = name
+        self._maps = maps
+
+    @property
+    def locked_bytes(self) -> int:
+        return sum(length for _, length in self._maps)
+
+    def unlock(self) -> None:
+        """Unlock and unmap every locked range (idempotent)."""
+        while self._maps:
+            addr, length = self._maps.pop()
+            _libc.munlock(addr, length)
+            _libc.munmap(addr, length)
+        _log.debug("residency.unlock", path=self.name)
+
+    def __enter__(self) -> PageLock:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.unlock()
+
+    def __repr__(self) -> str:
+        return f"PageLock(name={self.name!r}, locked_bytes={self.locked_bytes})"
+
+
+def lock_pages(target: FileRef, ranges: Iterable[RangeLike] | None = None) -> PageLock:
+    """Pin the pages of ``ranges`` (whole file when None) in RAM, loading them first.
+
+    Returns:
+        A ``PageLock``; the pages stay pinned until its ``unlock()``.
+
+    Raises:
+        ResidencyError: ``mlock`` refused (the message gives ``RLIMIT_MEMLOCK`` and the bytes
+            asked), or the file could not be mapped.
+    """
+    with _opened(target) as (fd, name):
+        file_bytes = os.fstat(fd).st_size
+        spans = [ByteRange(0, file_bytes)] if ranges is None else coalesce(ranges)
+        covers = []
+        for r in spans:
+            first, stop = _page_cover(r)
+            stop = min(stop, -(-file_bytes // PAGE_BYTES))
+            if stop > first:
+                covers.append((first * PAGE_BYTES, (stop - first) * PAGE_BYTES))
+        asked = sum(length for _, length in covers)
+        lock = PageLock(name, [])
+        try:
+            for offset, length in covers:
+                addr = _libc.map_read(fd, offset, length, name)
+                if _libc.mlock(addr, length) != 0:
+                    err = ctypes.get_errno()
+                    _libc.munmap(addr, length)
+                    soft, hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+                    code = errno.errorcode.get(err, str(err))
+                    raise ResidencyError(
+                        f"{name}: mlock of {asked} bytes ({asked / 2**30:.2f} GiB) refused "
+                        f"({code}: {os.strerror(err)}); RLIMIT_MEMLOCK is {_memlock_text(soft)} "
+                        f"(hard {_memlock_text(hard)}): raise it (ulimit -l) or run with "
+                        "CAP_IPC_LOCK"
+                    )
+                lock._maps.append((addr, length))
+        except BaseException:
+            lock.unlock()
+            raise
+    _log.info("residency.lock", path=name, locked_bytes=asked)
+    return lock

@@ -1,0 +1,468 @@
+"""``moestream-analyze``: what a run did, token by token, and what it could have done.
+
+A run log answers the questions the field reports on expert streaming kept asking by hand:
+how fast decode went and how steady (latency percentiles), how often the cache hit, where
+each token's expert bytes came from (device cache, page cache, storage), how much of a
+token's time was spent waiting for I/O, how long each I/O mode was in force and why it
+switched. One log gives a summary table; several give a before/after comparison; ``--csv``
+gives per-interval rows in ds4-bench's column style for spreadsheets; ``--plot`` draws the
+same over time (``tools.plots``); ``--what-if`` replays the run's accesses under other
+budgets and policies (``tools.whatif``, reported by ``tools.whatif_report``). A run over
+several devices also gets a per-device table (``tools.device_report``): each device's hits,
+file bytes, stall, budget and peak, and how evenly the file bytes were spread.
+
+Usage::
+
+    python -m tools.analyze LOG [LOG ...] [--csv FILE] [--plot DIR]
+        [--what-if [--budgets LIST] [--target X] [--policies LIST] [--jobs N]]
+        [--interval N] [--json] [--debug]
+
+Columns and units are documented in docs/LOG_SCHEMA.md ("Derived CSV columns").
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import json
+import logging
+import math
+import sys
+import traceback
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import structlog
+
+from pipeline.foundation.atomic import write_atomic
+from pipeline.foundation.errors import MoestreamError, UsageError
+from tools.analyze.device_report import device_table, devices_json
+from tools.analyze.logread import read_log
+from tools.analyze.logrecords import RunLog
+from tools.analyze.report_text import GB, MB, Value, ratio, text_table
+from tools.analyze.whatif_replay import POLICIES
+from tools.analyze.whatif_report import run_what_if, what_if_json, what_if_text
+
+__all__ = ["STAGE_COLUMNS", "Summary", "compare_table", "interval_rows", "main", "summarize",
+           "summary_table", "write_csv"]
+
+Summary = dict[str, Value]
+"""Metric name -> value for one run; keys as in ``_ROWS`` plus ``mode_s.<mode>``."""
+
+STAGE_COLUMNS = ("read_ms", "stage_ms", "upload_ms", "install_ms", "stall_ms", "compute_ms")
+
+CSV_COLUMNS = (
+    "ctx_tokens", "gen_tokens", "gen_tps", "latency_p50_ms", "latency_p95_ms", "hit_rate",
+    "hits", "misses", "evictions", "file_mb_per_token", "cache_mb_per_token",
+    "storage_mb_per_token", "storage_gbps", *STAGE_COLUMNS, "stall_share", "mode",
+    "ram_available_gb", "cache_live_gb", "run",
+)
+"""Columns of ``--csv``, in order (docs/LOG_SCHEMA.md, "Derived CSV columns")."""
+
+
+def _fmt(digits: int) -> Callable[[Value], str]:
+    def render(value: Value) -> str:
+        if isinstance(value, bool | str):
+            return str(value)
+        if isinstance(value, int):
+            return f"{value:,}"
+        assert value is not None
+        return f"{value:,.{digits}f}"
+
+    return render
+
+
+_ROWS: tuple[tuple[str, str, Callable[[Value], str]], ...] = (
+    ("tokens", "tokens", _fmt(0)),
+    ("tokens_per_s", "decode tokens/s (token wall_ms)", _fmt(3)),
+    ("run_end_tokens_per_s", "decode tokens/s (run_end)", _fmt(3)),
+    ("latency_p50_ms", "token latency p50, ms", _fmt(2)),
+    ("latency_p95_ms", "token latency p95, ms", _fmt(2)),
+    ("latency_p99_ms", "token latency p99, ms", _fmt(2)),
+    ("hit_rate", "cache hit rate", _fmt(4)),
+    ("hits", "hits", _fmt(0)),
+    ("misses", "misses", _fmt(0)),
+    ("evictions", "evictions", _fmt(0)),
+    ("cache_mb_per_token", "device cache MB/token", _fmt(2)),
+    ("file_mb_per_token", "file read MB/token", _fmt(2)),
+    ("page_cache_mb_per_token", "  from page cache MB/token", _fmt(2)),
+    ("storage_mb_per_token", "storage MB/token (/proc/self/io)", _fmt(2)),
+    ("storage_gbps", "storage GB/s during decode", _fmt(3)),
+    ("stall_share", "stall share of token time", _fmt(3)),
+    ("read_ms", "read ms/token", _fmt(2)),
+    ("stage_ms", "stage ms/token", _fmt(2)),
+    ("upload_ms", "upload ms/token", _fmt(2)),
+    ("install_ms", "install ms/token", _fmt(2)),
+    ("stall_ms", "stall ms/token", _fmt(2)),
+    ("compute_ms", "compute ms/token", _fmt(2)),
+    ("switches", "mode switches", _fmt(0)),
+    ("decisions", "controller decisions", _fmt(0)),
+    ("prefetch_accuracy", "prefetch accuracy", _fmt(3)),
+    ("prefetch_wasted_mb_per_token", "prefetch wasted MB/token", _fmt(2)),
+    ("peak_device_gb", "peak device GB (run_end)", _fmt(2)),
+    ("budget_gb", "budget GB", _fmt(2)),
+    ("verified", "verified", _fmt(0)),
+    ("mismatches", "mismatches", _fmt(0)),
+    ("exit", "exit", _fmt(0)),
+    ("lines_skipped", "log lines skipped", _fmt(0)),
+    ("unknown_fields", "unknown fields seen", _fmt(0)),
+    ("problems", "consistency problems", _fmt(0)),
+)
+
+
+def summarize(run: RunLog) -> Summary:
+    """The run's headline figures (see ``_ROWS`` for names and meanings)."""
+    cols = run.tokens
+    n = len(cols)
+    wall = cols["wall_ms"]
+    wall_total = cols.total("wall_ms")
+    hits, misses = cols.total("hits"), cols.total("misses")
+    file_b, cache_b, storage_b = (cols.total(k) for k in ("file_bytes", "cache_bytes",
+                                                          "storage_bytes"))
+    finite = wall[np.isfinite(wall)]
+    pct = np.percentile(finite, [50, 95, 99]) if finite.size else [None] * 3
+    end = run.end
+    summary: Summary = {
+        "log": run.name,
+        "tokens": n,
+        "tokens_per_s": ratio(n * 1000.0, wall_total),
+        "run_end_tokens_per_s": end.tokens_per_s if end else None,
+        "latency_p50_ms": None if pct[0] is None else float(pct[0]),
+        "latency_p95_ms": None if pct[1] is None else float(pct[1]),
+        "latency_p99_ms": None if pct[2] is None else float(pct[2]),
+        "hit_rate": ratio(hits, hits + misses),
+        "hits": int(hits),
+        "misses": int(misses),
+        "evictions": int(cols.total("evictions")),
+        "cache_mb_per_token": ratio(cache_b / MB, n),
+        "file_mb_per_token": ratio(file_b / MB, n),
+        "page_cache_mb_per_token": ratio(max(file_b - storage_b, 0.0) / MB, n),
+        "storage_mb_per_token": ratio(storage_b / MB, n),
+        "storage_gbps": ratio(storage_b / GB, wall_total / 1000.0),
+        "stall_share": ratio(cols.total("stall_ms"), wall_total),
+    }
+    for stage in STAGE_COLUMNS:
+        summary[stage] = ratio(cols.total(stage), n)
+    for mode in cols.mode_names:
+        summary[f"mode_s.{mode}"] = float(np.nansum(wall[cols.mode_mask(mode)])) / 1000.0
+    predicted = cols.total("prefetch_predicted") if "prefetch_predicted" in cols else 0.0
+    summary.update({
+        "switches": len(run.switches),
+        "decisions": len(run.decisions),
+        "prefetch_accuracy": ratio(cols.total("prefetch_correct"), predicted)
+        if predicted else None,
+        "prefetch_wasted_mb_per_token": ratio(cols.total("prefetch_wasted_bytes") / MB, n)
+        if "prefetch_wasted_bytes" in cols else None,
+        "peak_device_gb": end.peak_device_bytes / GB
+        if end and end.peak_device_bytes is not None else None,
+        "budget_gb": run.header.budget_bytes / GB
+        if run.header and run.header.budget_bytes is not None else None,
+        "verified": end.verified if end else None,
+        "mismatches": end.mismatches if end else None,
+        "exit": end.exit if end else "no run_end (killed?)",
+        "lines_skipped": run.counts.skipped,
+        "unknown_fields": sum(run.counts.unknown_fields.values()),
+        "problems": len(run.problems),
+    })
+    return summary
+
+
+def _row_specs(summaries: Sequence[Summary]) -> list[tuple[str, str, Callable[[Value], str]]]:
+    """``_ROWS`` with one "time in mode" row per mode seen, after the stage rows."""
+    modes = sorted({k for s in summaries for k in s if k.startswith("mode_s.")})
+    specs = list(_ROWS)
+    at = next(i for i, (key, _, _) in enumerate(specs) if key == "switches")
+    specs[at:at] = [(m, f"time in {m.split('.', 1)[1]} mode, s", _fmt(2)) for m in modes]
+    return specs
+
+
+def summary_table(summary: Summary, run: RunLog | None = None) -> str:
+    """One run's summary as an aligned two-column table, with the skipped-line detail."""
+    rows = [["metric", str(summary["log"])]]
+    for key, label, render in _row_specs([summary]):
+        value = summary.get(key)
+        rows.append([label, "-" if value is None else render(value)])
+    text = text_table(rows)
+    if run is not None:
+        text += _notes(run)
+    return text
+
+
+def _notes(run: RunLog) -> str:
+    counts = run.counts
+    notes = []
+    if counts.skipped or counts.blank:
+        detail = {k: v for k, v in counts.as_dict().items()
+                  if k in ("blank", "truncated", "malformed", "other_schema", "after_second_run")
+                  and v}
+        if counts.unknown_events:
+            detail["unknown events"] = sum(counts.unknown_events.values())
+        notes.append("lines: " + ", ".join(f"{k} {v}" for k, v in detail.items()))
+    if counts.unknown_events:
+        notes.append("unknown events: " + ", ".join(
+            f"{k} x{v}" for k, v in counts.unknown_events.most_common()))
+    if counts.unknown_fields:
+        notes.append("unknown fields: " + ", ".join(
+            f"{k} x{v}" for k, v in counts.unknown_fields.most_common(8)))
+    if counts.missing_fields:
+        notes.append("missing fields: " + ", ".join(
+            f"{k} x{v}" for k, v in counts.missing_fields.most_common(8)))
+    notes.extend(f"problem: {p}" for p in run.problems)
+    return "".join(f"  {note}\n" for note in notes)
+
+
+def _change(before: Value, after: Value) -> tuple[str, str]:
+    """(delta, percent change) of two values, as text; '-' when not numeric."""
+    numeric = (int, float)
+    if (isinstance(before, bool) or isinstance(after, bool)
+            or not isinstance(before, numeric) or not isinstance(after, numeric)):
+        return ("-", "-") if before == after else ("changed", "-")
+    delta = float(after) - float(before)
+    pct = f"{100.0 * delta / abs(before):+.1f}%" if before else "-"
+    return f"{delta:+,.4g}", pct
+
+
+def compare_table(summaries: Sequence[Summary]) -> str:
+    """Side-by-side table of several runs; deltas of each later run against the first.
+
+    With two runs the columns are before, after, delta and change; with more, every run and
+    then the percent change of each later run against the first.
+    """
+    names = [str(s["log"]) for s in summaries]
+    pair = len(summaries) == 2
+    header = ["metric", *names]
+    header += ["delta", "change"] if pair else [f"{name} vs {names[0]}" for name in names[1:]]
+    rows = [header]
+    for key, label, render in _row_specs(summaries):
+        values = [s.get(key) for s in summaries]
+        row = [label] + ["-" if v is None else render(v) for v in values]
+        changes = [_change(values[0], v) for v in values[1:]]
+        row += list(changes[0]) if pair else [pct for _, pct in changes]
+        rows.append(row)
+    return text_table(rows)
+
+
+def _mode_label(codes: np.ndarray[Any, Any], names: tuple[str, ...]) -> str:
+    seen: list[str] = []
+    for code in codes.tolist():
+        name = names[code] if code >= 0 else "?"
+        if not seen or seen[-1] != name:
+            seen.append(name)
+    return "/".join(seen)
+
+
+def interval_rows(run: RunLog, interval: int) -> list[dict[str, Value]]:
+    """Per-interval rows of ``CSV_COLUMNS`` (the last interval may be shorter)."""
+    if interval < 1:
+        raise UsageError(f"--interval must be >= 1, got {interval}")
+    cols = run.tokens
+    n = len(cols)
+    if n == 0:
+        return []
+    starts = np.arange(0, n, interval)
+    counts = np.diff(np.append(starts, n)).astype(np.float64)
+
+    def sums(name: str) -> np.ndarray[Any, np.dtype[np.float64]]:
+        return np.add.reduceat(np.nan_to_num(cols[name]), starts)
+
+    wall = sums("wall_ms")
+    hits, misses, evictions = sums("hits"), sums("misses"), sums("evictions")
+    with np.errstate(divide="ignore", invalid="ignore"):
+        derived = {
+            "gen_tps": counts * 1000.0 / wall,
+            "hit_rate": hits / (hits + misses),
+            "file_mb_per_token": sums("file_bytes") / MB / counts,
+            "cache_mb_per_token": sums("cache_bytes") / MB / counts,
+            "storage_mb_per_token": sums("storage_bytes") / MB / counts,
+            "storage_gbps": sums("storage_bytes") / GB / (wall / 1000.0),
+            "stall_share": sums("stall_ms") / wall,
+            **{stage: sums(stage) / counts for stage in STAGE_COLUMNS},
+        }
+    ends = np.append(starts[1:], n)
+    rows: list[dict[str, Value]] = []
+    for i, (start, end) in enumerate(zip(starts.tolist(), ends.tolist(), strict=True)):
+        lat = cols["wall_ms"][start:end]
+        lat = lat[np.isfinite(lat)]
+        p50, p95 = np.percentile(lat, [50, 95]).tolist() if lat.size else (math.nan, math.nan)
+        last = end - 1
+        row: dict[str, Value] = {
+            "ctx_tokens": end,
+            "gen_tokens": end - start,
+            "latency_p50_ms": p50,
+            "latency_p95_ms": p95,
+            "hits": int(hits[i]),
+            "misses": int(misses[i]),
+            "evictions": int(evictions[i]),
+            "mode": _mode_label(cols.mode_codes[start:end], cols.mode_names),
+            "ram_available_gb": float(cols["ram_available_bytes"][last]) / GB,
+            "cache_live_gb": float(cols["cache_live_bytes"][last]) / GB,
+            "run": run.name,
+        }
+        for key, array in derived.items():
+            row[key] = float(array[i])
+        rows.append(row)
+    return [{key: row[key] for key in CSV_COLUMNS} for row in rows]
+
+
+def _csv_cell(value: Value) -> str:
+    if value is None or (isinstance(value, float) and not math.isfinite(value)):
+        return ""
+    if isinstance(value, float):
+        return f"{value:.6g}"
+    return str(value)
+
+
+def write_csv(path: Path, runs: Sequence[RunLog], interval: int) -> int:
+    """Write the interval rows of every run to one CSV file; returns the number of rows."""
+    buffer = io.StringIO()
+    writer = csv.writer(buffer, lineterminator="\n")
+    writer.writerow(CSV_COLUMNS)
+    count = 0
+    for run in runs:
+        for row in interval_rows(run, interval):
+            writer.writerow([_csv_cell(row[c]) for c in CSV_COLUMNS])
+            count += 1
+    try:
+        write_atomic(path, buffer.getvalue(), make_parents=True)
+    except OSError as exc:
+        raise UsageError(f"{path}: cannot write CSV ({exc.strerror or exc})") from exc
+    return count
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="moestream-analyze",
+        description="Summarize, compare, export and plot moestream run logs; replay what-if"
+                    " cache simulations.")
+    parser.add_argument("logs", nargs="+", type=Path, metavar="LOG", help="run log(s)")
+    parser.add_argument("--csv", type=Path, metavar="FILE", help="write per-interval rows")
+    parser.add_argument("--plot", type=Path, metavar="DIR", help="write PNG plots into DIR")
+    parser.add_argument("--what-if", action="store_true",
+                        help="replay the accesses under other budgets and policies")
+    parser.add_argument("--budgets", metavar="LIST",
+                        help="comma-separated budgets: sizes (20GiB, 11GB) or expert counts")
+    parser.add_argument("--target", type=float, default=None, metavar="X",
+                        help="hit rate whose smallest budget is reported (default 0.8)")
+    parser.add_argument("--policies", metavar="LIST",
+                        help=f"comma-separated, among {','.join(POLICIES)} (default all)")
+    parser.add_argument("--jobs", type=int, default=None, metavar="N",
+                        help="what-if worker processes (default: CPU count for long logs)")
+    parser.add_argument("--interval", type=int, default=32, metavar="N",
+                        help="tokens per CSV row and plot point (default 32)")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    parser.add_argument("--debug", action="store_true",
+                        help="debug logging on stderr; tracebacks on errors")
+    return parser
+
+
+def _configure_logging(debug: bool) -> None:
+    """Library events go to stderr so they never mix with the report on stdout."""
+    if structlog.is_configured():
+        return
+    structlog.configure(
+        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
+        wrapper_class=structlog.make_filtering_bound_logger(
+            logging.DEBUG if debug else logging.WARNING),
+    )
+
+
+def _run(args: argparse.Namespace) -> int:
+    if not args.what_if and (args.budgets or args.target is not None or args.policies
+                             or args.jobs is not None):
+        raise UsageError("--budgets, --target, --policies and --jobs need --what-if")
+    if args.interval < 1:
+        raise UsageError(f"--interval must be >= 1, got {args.interval}")
+    policies = [p.strip() for p in args.policies.split(",")] if args.policies else list(POLICIES)
+    budgets = [b for b in args.budgets.split(",") if b.strip()] if args.budgets else None
+    target = 0.8 if args.target is None else args.target
+    if args.what_if:
+        bad = [p for p in policies if p not in POLICIES]
+        if bad:
+            raise UsageError(f"unknown policy {bad[0]!r} (expected {', '.join(POLICIES)})")
+        if not 0 < target <= 1:
+            raise UsageError(f"--target must be in (0, 1], got {target}")
+        if args.jobs is not None and args.jobs < 1:
+            raise UsageError(f"--jobs must be >= 1, got {args.jobs}")
+    runs = [read_log(path) for path in args.logs]
+    summaries = [summarize(run) for run in runs]
+    out = sys.stdout
+    reports = []
+    if args.what_if:
+        reports = [run_what_if(run, budgets, target, policies, args.jobs) for run in runs]
+    written: dict[str, Any] = {}
+    if args.csv:
+        written["csv_rows"] = write_csv(args.csv, runs, args.interval)
+        written["csv"] = str(args.csv)
+    if args.plot:
+        # Imported here: tools.plots builds on this module's interval rows.
+        from tools.analyze.plots import write_plots
+
+        written["plots"] = [str(p) for p in write_plots(runs, args.plot, args.interval)]
+    if args.json:
+        document: dict[str, Any] = {
+            "runs": [{**s, "lines": run.counts.as_dict(), "problems": list(run.problems),
+                      **devices_json(run)}
+                     for s, run in zip(summaries, runs, strict=True)],
+            "what_if": [what_if_json(r, run) for r, run in zip(reports, runs, strict=False)],
+            **written,
+        }
+        out.write(json.dumps(document, indent=2, default=_json_default) + "\n")
+        return 0
+    if len(runs) == 1:
+        out.write(summary_table(summaries[0], runs[0]))
+        devices = device_table(runs[0])
+        if devices:
+            out.write("\n" + devices)
+    else:
+        out.write(compare_table(summaries))
+        for run in runs:
+            notes = _notes(run)
+            if notes:
+                out.write(f"{run.name}:\n{notes}")
+        for run in runs:
+            devices = device_table(run)
+            if devices:
+                out.write(f"\n{run.name}:\n{devices}")
+    for report, run in zip(reports, runs, strict=False):
+        out.write("\n" + what_if_text(run, report))
+    if "csv" in written:
+        out.write(f"\nwrote {written['csv_rows']} rows to {written['csv']}\n")
+    for plot in written.get("plots", []):
+        out.write(f"wrote {plot}\n")
+    return 0
+
+
+def _json_default(value: object) -> object:
+    if isinstance(value, np.generic):
+        return value.item()
+    raise TypeError(f"not JSON serializable: {type(value).__name__}")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``moestream-analyze``; returns the exit status.
+
+    Errors print one line on stderr (with a traceback only under ``--debug``) and return
+    the error's exit code: 2 for a file that is not a moestream log or a bad option.
+    """
+    parser = _parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # argparse has printed its usage line; keep main() returning
+        return exc.code if isinstance(exc.code, int) else 2
+    _configure_logging(args.debug)
+    try:
+        return _run(args)
+    except MoestreamError as exc:
+        if args.debug:
+            traceback.print_exc()
+        sys.stderr.write(f"moestream-analyze: {exc}\n")
+        return exc.exit_code
+    except BrokenPipeError:
+        return 0  # the reader of stdout went away (`| head`): nothing left to report to
+
+
+if __name__ == "__main__":
+    sys.exit(main())

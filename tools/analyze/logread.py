@@ -1,0 +1,473 @@
+"""Read a moestream run log (docs/LOG_SCHEMA.md) into numpy columns, tolerantly.
+
+Logs are read after the fact, often from runs that were killed, so the reader accepts what a
+real file looks like (blank lines, a cut-off last line, fields and events from newer
+writers) and counts every line it could not use instead of failing or hiding it. Only a file
+that is not a moestream log at all is refused, with a ``TraceError`` that names the path.
+
+Per-token values become numpy columns so that summaries, intervals and plots over 100,000
+tokens are vector operations; the expert ids of every token become one ``(tokens, layers,
+top_k)`` array that the what-if simulator replays. Plain ``json`` parsing dominates the cost;
+reading is synchronous because there is nothing to overlap it with (a single sequential
+file read, CPU-bound parsing), so ``aiofiles`` would only add overhead.
+
+This module is the reading pass and the schema it checks lines against; the records it fills
+are in ``tools.logrecords`` (re-exported here, as the types ``read_log`` returns) and the
+per-device fields are read by ``tools.logdevices``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import structlog
+
+from pipeline.foundation.errors import TraceError
+from tools.analyze.logdevices import TokenDeviceRows, dropped_entries_problem, sum_problems
+from tools.analyze.logrecords import (
+    ControllerDecision,
+    LineCounts,
+    ModeSwitch,
+    RunEnd,
+    RunHeader,
+    RunLog,
+    TokenColumns,
+)
+from tools.analyze.logvalues import FloatArray, float_columns, int_or_none, mapping, str_or_none
+
+__all__ = ["KNOWN_EVENTS", "SCHEMA_VERSION", "TOKEN_COLUMNS", "read_log"]
+
+log = structlog.get_logger(__name__)
+
+SCHEMA_VERSION = 1
+"""The log schema this reader understands."""
+
+KNOWN_EVENTS = frozenset(
+    {"run_start", "token", "layer", "controller_decision", "mode_switch", "run_end",
+     "warmup_start", "warmup_done", "warmup_stopped", "host_tier"}
+)
+"""Event types of schema 1."""
+
+_ENVELOPE = frozenset({"event", "schema", "ts", "level"})
+
+TOKEN_COLUMNS: tuple[str, ...] = (
+    "token",
+    "wall_ms",
+    "read_ms",
+    "stage_ms",
+    "upload_ms",
+    "install_ms",
+    "stall_ms",
+    "compute_ms",
+    "hits",
+    "misses",
+    "evictions",
+    "file_bytes",
+    "cache_bytes",
+    "storage_bytes",
+    "ram_available_bytes",
+    "cache_live_bytes",
+    "cache_parked_bytes",
+)
+"""Required numeric fields of a ``token`` line, one float64 column each (NaN when absent)."""
+
+_PREFETCH_COLUMNS = ("predicted", "correct", "wasted_bytes")
+
+_FIELDS: dict[str, frozenset[str]] = {
+    "run_start": frozenset(
+        {"config", "model", "machine", "budget_bytes", "policy", "compute", "backend",
+         "devices"}
+    ),
+    "token": frozenset(TOKEN_COLUMNS) | {"mode", "experts", "prefetch", "devices"},
+    "layer": frozenset({"token", "layer", "hits", "misses", "read_ms", "stall_ms"}),
+    "controller_decision": frozenset({"mode", "readings", "reason", "token"}),
+    "mode_switch": frozenset({"from", "to", "reason", "readings", "token", "took_ms"}),
+    "warmup_start": frozenset({"bytes", "token"}),
+    "warmup_done": frozenset({"bytes", "seconds", "token"}),
+    "warmup_stopped": frozenset({"token"}),
+    "host_tier": frozenset({"bytes", "target_bytes", "experts", "token"}),
+    "run_end": frozenset(
+        {
+            "tokens", "elapsed_s", "tokens_per_s", "hits", "misses", "hit_rate",
+            "file_bytes", "cache_bytes", "storage_bytes", "verified", "mismatches",
+            "peak_device_bytes", "budget_bytes", "exit",
+            # optional, informative
+            "evictions", "allocations", "frees", "stall_ms", "compute_ms", "mode", "modes",
+            "switches", "backend", "device", "model", "hit_rate_final", "final_budget_bytes",
+            "devices",
+        }
+    ),
+}
+_REQUIRED: dict[str, frozenset[str]] = {
+    "run_start": frozenset({"config", "model", "machine", "budget_bytes", "policy"}),
+    "token": frozenset(TOKEN_COLUMNS) | {"mode", "experts"},
+    "layer": _FIELDS["layer"] - {"read_ms"},
+    "controller_decision": frozenset({"mode", "readings", "reason"}),
+    "mode_switch": _FIELDS["mode_switch"] - {"took_ms"},
+    "warmup_start": _FIELDS["warmup_start"],
+    "warmup_done": _FIELDS["warmup_done"],
+    "warmup_stopped": _FIELDS["warmup_stopped"],
+    "host_tier": _FIELDS["host_tier"],
+    "run_end": frozenset(
+        {
+            "tokens", "elapsed_s", "tokens_per_s", "hits", "misses", "hit_rate",
+            "file_bytes", "cache_bytes", "storage_bytes", "verified", "mismatches",
+            "peak_device_bytes", "budget_bytes", "exit",
+        }
+    ),
+}
+_LAYER_COLUMNS = ("token", "layer", "hits", "misses", "read_ms", "stall_ms")
+
+_MAX_PROBLEMS = 20
+
+
+class _ExpertBuffer:
+    """Growable ``(tokens, layers, width)`` int32 array of expert ids, -1 padded."""
+
+    __slots__ = ("_array", "_count", "_layers", "_width")
+
+    def __init__(self, layers: int, width: int, capacity: int) -> None:
+        self._layers = max(layers, 0)
+        self._width = max(width, 1)
+        self._array = np.full((max(capacity, 16), self._layers, self._width), -1, np.int32)
+        self._count = 0
+
+    def append(self, experts: Any) -> bool:
+        """Store one token's lists; False when their shape did not match (padded)."""
+        if self._count == self._array.shape[0]:
+            grown = np.full(
+                (self._array.shape[0] * 2, self._layers, self._width), -1, np.int32
+            )
+            grown[: self._count] = self._array
+            self._array = grown
+        row = self._count
+        self._count += 1
+        try:
+            self._array[row] = experts  # the common case: a full, rectangular top-k matrix
+            return True
+        except (ValueError, TypeError):
+            self._array[row] = -1
+        if not isinstance(experts, list):
+            return False
+        for pos, ids in enumerate(experts[: self._layers]):
+            if not isinstance(ids, list):
+                continue
+            clean = [e for e in ids if isinstance(e, int) and not isinstance(e, bool)]
+            if len(clean) > self._width:
+                self._widen(len(clean))
+            self._array[row, pos, : len(clean)] = clean
+        return False
+
+    def _widen(self, width: int) -> None:
+        grown = np.full((self._array.shape[0], self._layers, width), -1, np.int32)
+        grown[:, :, : self._width] = self._array
+        self._array = grown
+        self._width = width
+
+    def result(self) -> npt.NDArray[np.int32]:
+        return self._array[: self._count].copy()
+
+
+def _first_object(path: Path, line: bytes) -> dict[str, Any]:
+    """Decode and check the first non-blank line: is this file a moestream log at all?"""
+    try:
+        obj = json.loads(line)
+    except ValueError:
+        raise TraceError(f"{path}: not a moestream log (first line is not JSON)") from None
+    if not isinstance(obj, dict):
+        raise TraceError(f"{path}: not a moestream log (first line is not a JSON object)")
+    event = obj.get("event")
+    if event not in KNOWN_EVENTS:
+        raise TraceError(f"{path}: not a moestream log (first event is {event!r})")
+    if "schema" not in obj:
+        raise TraceError(f"{path}: not a moestream log (first line has no 'schema' field)")
+    if obj["schema"] != SCHEMA_VERSION:
+        raise TraceError(
+            f"{path}: log schema {obj['schema']!r} is not supported"
+            f" (this reader knows schema {SCHEMA_VERSION})"
+        )
+    return obj
+
+
+class _Reader:
+    """One pass over a file; collects columns and counts, then builds a ``RunLog``."""
+
+    def __init__(self, path: Path, size_hint: int) -> None:
+        self.path = path
+        self.counts = LineCounts()
+        self.header: RunHeader | None = None
+        self.end: RunEnd | None = None
+        self.decisions: list[ControllerDecision] = []
+        self.switches: list[ModeSwitch] = []
+        self.token_rows: list[tuple[Any, ...]] = []
+        self.modes: list[object] = []
+        self.prefetch_rows: list[tuple[Any, ...]] = []
+        self.prefetch_seen = False
+        self.layer_rows: list[tuple[Any, ...]] = []
+        self.device_rows = TokenDeviceRows()
+        self.problems: list[str] = []
+        self.ragged_tokens = 0
+        self._size_hint = size_hint
+        self._experts: _ExpertBuffer | None = None
+
+    def _problem(self, text: str) -> None:
+        if len(self.problems) < _MAX_PROBLEMS:
+            self.problems.append(text)
+
+    def _fields(self, event: str, obj: dict[str, Any]) -> None:
+        known = _FIELDS[event]
+        keys = obj.keys()
+        for name in keys - known - _ENVELOPE:
+            self.counts.unknown_fields[f"{event}.{name}"] += 1
+        for name in _REQUIRED[event] - keys:
+            self.counts.missing_fields[f"{event}.{name}"] += 1
+
+    def _expert_buffer(self) -> _ExpertBuffer:
+        if self._experts is None:
+            layers = len(self.header.moe_layers) if self.header else 0
+            width = (self.header.top_k or 1) if self.header else 1
+            # A token line is about 2 KB at 43 layers x top-6; start near the final size.
+            self._experts = _ExpertBuffer(layers, width, self._size_hint // 2048 + 16)
+        return self._experts
+
+    def add(self, obj: dict[str, Any], event: str) -> None:
+        self._fields(event, obj)
+        if event == "token":
+            self._token(obj)
+        elif event == "layer":
+            self.layer_rows.append(tuple(obj.get(name, math.nan) for name in _LAYER_COLUMNS))
+        elif event == "run_start":
+            self.header = RunHeader.from_event(obj)
+            self._check_header(self.header)
+            self._check_device_list(event, obj, self.header.devices)
+        elif event == "controller_decision":
+            self.decisions.append(
+                ControllerDecision(
+                    mode=str_or_none(obj.get("mode")),
+                    reason=str_or_none(obj.get("reason")),
+                    readings=mapping(obj.get("readings")),
+                    after_tokens=len(self.token_rows),
+                    token=int_or_none(obj.get("token")),
+                )
+            )
+        elif event == "mode_switch":
+            self.switches.append(
+                ModeSwitch(
+                    from_mode=str_or_none(obj.get("from")),
+                    to_mode=str_or_none(obj.get("to")),
+                    reason=str_or_none(obj.get("reason")),
+                    readings=mapping(obj.get("readings")),
+                    token=int_or_none(obj.get("token")),
+                    after_tokens=len(self.token_rows),
+                )
+            )
+        elif event == "run_end":
+            self.end = RunEnd.from_event(obj)
+            self._check_device_list(event, obj, self.end.devices)
+
+    def _check_device_list(self, event: str, obj: Mapping[str, Any], kept: tuple[Any, ...]) -> None:
+        problem = dropped_entries_problem(event, obj, kept)
+        if problem is not None:
+            self._problem(problem)
+
+    def _check_header(self, header: RunHeader) -> None:
+        if len(header.expert_bytes) != len(header.moe_layers):
+            self._problem(
+                f"run_start: {len(header.expert_bytes)} expert_bytes for"
+                f" {len(header.moe_layers)} moe_layers"
+            )
+
+    def _token(self, obj: dict[str, Any]) -> None:
+        self.token_rows.append(tuple(obj.get(name, math.nan) for name in TOKEN_COLUMNS))
+        self.modes.append(obj.get("mode"))
+        experts = obj.get("experts")
+        if not self._expert_buffer().append(experts) and experts is not None:
+            self.ragged_tokens += 1
+            if self.ragged_tokens == 1:
+                self._problem(
+                    f"token {obj.get('token')}: experts is not {self._shape_text()} lists"
+                )
+        prefetch = obj.get("prefetch")
+        if isinstance(prefetch, dict):
+            self.prefetch_seen = True
+            row = tuple(prefetch.get(name, math.nan) for name in _PREFETCH_COLUMNS)
+        else:
+            row = (math.nan, math.nan, math.nan)
+        self.prefetch_rows.append(row)
+        devices = obj.get("devices")
+        if devices is not None:
+            self.device_rows.add(len(self.token_rows) - 1, devices)
+
+    def _shape_text(self) -> str:
+        if self.header is None:
+            return "the expected"
+        return f"{len(self.header.moe_layers)} x top-{self.header.top_k}"
+
+    def _device_columns(self, tokens: int) -> dict[int, dict[str, FloatArray]]:
+        columns, problems = self.device_rows.columns(tokens)
+        for problem in problems:
+            self._problem(problem)
+        return columns
+
+    def build(self) -> RunLog:
+        values = float_columns(self.token_rows, TOKEN_COLUMNS)
+        if self.prefetch_seen:
+            prefetch = float_columns(self.prefetch_rows, _PREFETCH_COLUMNS)
+            for name in _PREFETCH_COLUMNS:
+                values[f"prefetch_{name}"] = prefetch[name]
+        names: list[str] = []
+        codes = np.full(len(self.modes), -1, dtype=np.int8)
+        for row, mode in enumerate(self.modes):
+            if isinstance(mode, str):
+                if mode not in names:
+                    names.append(mode)
+                codes[row] = names.index(mode)
+        experts = (
+            self._experts.result()
+            if self._experts is not None
+            else np.full((0, len(self.header.moe_layers) if self.header else 0, 1), -1, np.int32)
+        )
+        tokens = TokenColumns(
+            values=values,
+            mode_codes=codes,
+            mode_names=tuple(names),
+            experts=experts,
+            devices=self._device_columns(len(self.modes)),
+        )
+        self._check_tokens(tokens)
+        return RunLog(
+            path=self.path,
+            header=self.header,
+            tokens=tokens,
+            layers=float_columns(self.layer_rows, _LAYER_COLUMNS),
+            decisions=tuple(self.decisions),
+            switches=tuple(self.switches),
+            end=self.end,
+            counts=self.counts,
+            problems=tuple(self.problems),
+        )
+
+    def _check_tokens(self, tokens: TokenColumns) -> None:
+        """Cross-check the columns against the expert lists and the header."""
+        if not len(tokens):
+            return
+        index = tokens["token"]
+        expected = np.arange(index.shape[0], dtype=np.float64)
+        if not np.array_equal(index, expected):
+            first = int(np.argmax(index != expected))
+            self._problem(f"token indices are not consecutive from row {first}")
+        used = (tokens.experts >= 0).sum(axis=(1, 2))
+        counted = tokens["hits"] + tokens["misses"]
+        differs = np.flatnonzero(~np.isnan(counted) & (counted != used))
+        if differs.size:
+            self._problem(
+                f"{differs.size} tokens have hits + misses != experts used"
+                f" (first: token {int(index[differs[0]])})"
+            )
+        if self.header and self.header.n_experts is not None:
+            outside = tokens.experts >= self.header.n_experts
+            if outside.any():
+                self._problem(f"{int(outside.sum())} expert ids >= n_experts")
+        if self.ragged_tokens:
+            self._problem(f"{self.ragged_tokens} tokens with experts of an unexpected shape")
+        if tokens.devices:
+            self._check_devices(tokens)
+
+    def _check_devices(self, tokens: TokenColumns) -> None:
+        """Per token, the devices' hits, misses and file bytes add up to the token's."""
+        for problem in sum_problems(tokens.devices, tokens.values):
+            self._problem(problem)
+
+
+def read_log(path: str | Path) -> RunLog:
+    """Read one run log.
+
+    Args:
+        path: the JSON-lines file written by a moestream run.
+
+    Returns:
+        The run's header, token columns, controller events, summary line and line counts.
+
+    Raises:
+        TraceError: the file cannot be read, or its first non-blank line is not a
+            moestream event of a known schema.
+    """
+    path = Path(path)
+    try:
+        handle = path.open("rb")
+    except OSError as exc:
+        raise TraceError(f"{path}: cannot read ({exc.strerror or exc})") from exc
+    with handle:
+        try:
+            size = path.stat().st_size
+        except OSError:
+            size = 0
+        reader = _Reader(path, size)
+        counts = reader.counts
+        pending_bad = 0  # unparsable lines not yet known to be the last one
+        started = False
+        try:
+            for raw in handle:
+                counts.lines += 1
+                if not raw.strip():
+                    counts.blank += 1
+                    continue
+                if not started:
+                    obj = _first_object(path, raw)
+                    started = True
+                else:
+                    try:
+                        obj = json.loads(raw)
+                    except ValueError:
+                        counts.malformed += pending_bad
+                        pending_bad = 1
+                        continue
+                    counts.malformed += pending_bad
+                    pending_bad = 0
+                    if not isinstance(obj, dict):
+                        counts.malformed += 1
+                        continue
+                    if obj.get("schema", SCHEMA_VERSION) != SCHEMA_VERSION:
+                        counts.other_schema += 1
+                        continue
+                event = obj.get("event")
+                if event not in KNOWN_EVENTS:
+                    counts.unknown_events[str(event)] += 1
+                    continue
+                if event == "run_start" and reader.header is not None:
+                    counts.after_second_run += 1
+                    for rest in handle:
+                        counts.lines += 1
+                        if rest.strip():
+                            counts.after_second_run += 1
+                        else:
+                            counts.blank += 1
+                    break
+                reader.add(obj, event)
+                counts.used += 1
+        except OSError as exc:
+            raise TraceError(f"{path}: cannot read ({exc.strerror or exc})") from exc
+    counts.truncated = pending_bad
+    if not started:
+        raise TraceError(f"{path}: not a moestream log (no events: the file is empty)")
+    result = reader.build()
+    if counts.skipped or counts.unknown_fields or counts.missing_fields:
+        log.warning(
+            "log_lines_not_understood",
+            path=str(path),
+            skipped=counts.skipped,
+            truncated=counts.truncated,
+            malformed=counts.malformed,
+            unknown_events=dict(counts.unknown_events),
+            unknown_fields=sum(counts.unknown_fields.values()),
+            missing_fields=sum(counts.missing_fields.values()),
+        )
+    if result.problems:
+        log.warning("log_inconsistent", path=str(path), problems=list(result.problems))
+    return result

@@ -1,0 +1,5 @@
+import sys
+
+from tools.warmup.cli import main
+
+sys.exit(main())

@@ -1,0 +1,200 @@
+"""Warm, inspect, drop or pin a model file's pages in the page cache, like vmtouch for GGUF.
+
+Why: resident mode is only as good as the page cache behind it. Before a run (or on a
+machine where RAM >= model) an operator wants the file, or just the non-routed tensors and
+the hottest experts of a past run, loaded as fast as the disk allows; wants to see what is
+resident per part of the model; and wants to drop or pin it for experiments. Everything the
+kernel is asked goes through ``pipeline.residency`` and ``pipeline.warm``, the engine the
+controller uses too.
+
+    python -m tools.warmup MODEL                   # preload the whole file
+    python -m tools.warmup MODEL --report --per-expert
+    python -m tools.warmup MODEL --non-routed --hot run.jsonl --max-bytes 20GiB
+    python -m tools.warmup MODEL --evict --layers 3-5
+    python -m tools.warmup MODEL --lock            # hold until Ctrl-C / SIGTERM
+
+The selection is built by ``tools.warmup_select``, the report by ``tools.warmup_report`` and
+the RAM guard by ``tools.ram_guard``; this module parses the options and acts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import signal
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, NoReturn
+
+from pipeline.foundation.config import parse_size
+from pipeline.foundation.errors import MoestreamError, UsageError
+from pipeline.foundation.table import ByteRange, open_table
+from pipeline.logs import configure_console
+from pipeline.warm import WarmEngine
+from stages.residency import PageLock, Residency, coalesce, evict, lock_pages
+from tools.warmup.ram_guard import MemoryProbe, PsutilMemory, check_ram
+from tools.warmup.report import format_percent, format_report, format_size, residency_report
+from tools.warmup.select import build_selection, parse_index_list, read_hot_log
+
+__all__ = ["PROG", "main"]
+
+PROG = "moestream-warmup"
+
+
+# --- actions -----------------------------------------------------------------------------------
+
+
+def _warm(path: Path, ranges: list[ByteRange], threads: int | None) -> tuple[int, float]:
+    """Load ``ranges`` with a progress bar; returns bytes read and seconds."""
+    from tqdm import tqdm  # imported here: start-up time counts against every warm-up
+
+    total = sum(r.nbytes for r in ranges)
+    bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1000, file=sys.stderr,
+               desc="warming", dynamic_ncols=True, disable=None)
+
+    def progress(done: int, _total: int) -> None:
+        bar.update(done - bar.n)
+
+    async def run() -> tuple[int, float]:
+        async with WarmEngine(path, threads=threads) as engine:
+            result = await engine.warm(ranges, progress=progress)
+        return result.bytes_read, result.seconds
+
+    try:
+        return asyncio.run(run())
+    finally:
+        bar.close()
+
+
+def _hold(lock: PageLock, out: Any) -> None:
+    """Keep ``lock`` until SIGINT or SIGTERM."""
+    signals = {signal.SIGINT, signal.SIGTERM}
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, signals)
+    try:
+        print(f"locked {format_size(lock.locked_bytes)} of {lock.name} in RAM; "
+              "Ctrl-C or SIGTERM releases it", file=out, flush=True)
+        received = signal.sigwait(signals)
+        print(f"released ({signal.Signals(received).name})", file=out, flush=True)
+    finally:
+        lock.unlock()
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+class _Parser(argparse.ArgumentParser):
+    """Argument errors become UsageErrors: one line, exit 2."""
+
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(message)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog=PROG,
+        description="Preload, report, evict or lock a model file's pages in the page cache.",
+    )
+    parser.add_argument("model", type=Path, metavar="MODEL", help="GGUF model file")
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--report", action="store_true", help="show what is resident, per part")
+    mode.add_argument("--evict", action="store_true", help="drop the selection's pages")
+    mode.add_argument("--lock", action="store_true",
+                      help="mlock the selection and hold it until SIGINT/SIGTERM")
+    parser.add_argument("--per-expert", action="store_true", help="with --report: per expert")
+    parser.add_argument("--json", action="store_true", help="with --report: JSON output")
+    parser.add_argument("--layers", type=parse_index_list, metavar="LIST",
+                        help="MoE layers to select, e.g. 0,3-5 (all experts unless --experts)")
+    parser.add_argument("--experts", type=parse_index_list, metavar="LIST",
+                        help="experts to select in each selected (or every) MoE layer")
+    parser.add_argument("--non-routed", action="store_true",
+                        help="select the header and every tensor that is not a routed expert")
+    parser.add_argument("--hot", type=Path, metavar="LOG",
+                        help="select the experts a moestream run log used, most used first")
+    parser.add_argument("--max-bytes", type=parse_size, metavar="SIZE",
+                        help="with --hot: at most this many bytes of hot experts (20GiB, 11GB)")
+    parser.add_argument("--threads", type=int, metavar="N", help="reader threads for warming")
+    parser.add_argument("--force", action="store_true",
+                        help="warm or lock even beyond available RAM minus the margin")
+    parser.add_argument("--debug", action="store_true", help="log events and tracebacks")
+    return parser
+
+
+def _run(args: argparse.Namespace, memory: MemoryProbe) -> int:
+    if (args.per_expert or args.json) and not args.report:
+        raise UsageError("--per-expert and --json go with --report")
+    if args.max_bytes is not None and args.hot is None:
+        raise UsageError("--max-bytes goes with --hot")
+    if args.threads is not None and args.threads < 1:
+        raise UsageError(f"--threads must be >= 1, not {args.threads}")
+    table = open_table(args.model)
+    hot = read_hot_log(args.hot, table) if args.hot is not None else None
+    if hot is not None and hot.skipped_lines:
+        print(f"{args.hot}: skipped {hot.skipped_lines} lines that carried no usable data",
+              file=sys.stderr)
+    selection = build_selection(table, layers=args.layers, experts=args.experts,
+                                non_routed=args.non_routed, hot=hot,
+                                max_hot_bytes=args.max_bytes)
+    path = table.path
+
+    if args.report:
+        started = time.perf_counter()
+        report = residency_report(table, Residency.of_file(path), selection=selection,
+                                  per_expert=args.per_expert)
+        report["seconds"] = round(time.perf_counter() - started, 4)
+        print(json.dumps(report) if args.json else format_report(report))
+        return 0
+
+    union = coalesce(selection.ranges)
+    if args.evict:
+        before = Residency.of_file(path).resident_bytes(union)
+        left = evict(path, union)
+        after = Residency.of_file(path).resident_bytes(union)
+        print(f"evicted {format_size(left)} of {path}: selection resident {format_size(before)} -> "
+              f"{format_size(after)} of {format_size(selection.nbytes)}")
+        return 0
+
+    missing = Residency.of_file(path).missing(selection.ranges)
+    need = sum(r.nbytes for r in coalesce(missing))
+    if not args.force:
+        check_ram(need, memory, "lock" if args.lock else "warm")
+    if args.lock:
+        with lock_pages(path, union) as lock:
+            _hold(lock, sys.stdout)
+        return 0
+
+    read_bytes, seconds = _warm(path, missing, args.threads) if missing else (0, 0.0)
+    residency = Residency.of_file(path)
+    resident = residency.resident_bytes(union)
+    rate = f" ({read_bytes / seconds / 1e9:.2f} GB/s)" if seconds > 0 else ""
+    file_pct = format_percent(residency.file_resident_bytes, table.file_bytes)
+    print(f"resident: {format_size(resident)} of {format_size(selection.nbytes)} selected "
+          f"({format_percent(resident, selection.nbytes)}); file {file_pct}; "
+          f"read {format_size(read_bytes)} in {seconds:.2f} s{rate}")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None, *, memory: MemoryProbe | None = None) -> int:
+    """Command line entry point; returns the exit code.
+
+    Args:
+        argv: arguments (``sys.argv[1:]`` when None).
+        memory: where the RAM guard reads available memory (psutil when None).
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv
+    configure_console(debug=debug)
+    try:
+        return _run(_parser().parse_args(argv), memory or PsutilMemory())
+    except MoestreamError as exc:
+        if debug:
+            raise
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print(f"{PROG}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
