@@ -35,7 +35,7 @@ from pipeline.foundation.config import Budget, ComputeSpec, RunConfig
 from pipeline.foundation.errors import MoestreamError
 from pipeline.foundation.faults import STAGES, parse_faults
 from pipeline.run import RunSummary, run
-from stages.prefetch import ModelReader
+from stages.reader import ModelReader
 from stages.staging import StagingRing
 
 __all__ = ["CASES", "CaseResult", "FaultCase", "Observed", "main", "observe", "run_case"]

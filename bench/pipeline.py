@@ -42,7 +42,7 @@ from pipeline.foundation.config import Budget, ComputeSpec, RunConfig
 from pipeline.foundation.table import ExpertTable, open_table
 from pipeline.run import RunSummary, run
 from pipeline.trace import Trace, save_trace
-from stages.prefetch import aligned_cover, iter_chunks
+from stages.layout import aligned_cover, iter_chunks
 
 __all__ = ["main"]
 

@@ -50,7 +50,7 @@ from pipeline.streamer import ExpertStreamer
 from pipeline.summary import RunSummary, print_summary
 from pipeline.trace import Trace, load_trace, save_trace
 from pipeline.verify import Verifier
-from stages.prefetch import plan_expert
+from stages.layout import plan_expert
 
 __all__ = ["RunSummary", "build_parser", "config_from_args", "main", "run"]
 

@@ -32,7 +32,8 @@ from pipeline.decode import Decoder, LayerResult
 from pipeline.foundation.config import RunConfig
 from pipeline.foundation.table import ExpertTable
 from pipeline.streamer import ExpertStreamer, IOMode, LayerLoad, StageTimes, WarmGate
-from stages.prefetch import ModelReader, plan_expert
+from stages.layout import plan_expert
+from stages.reader import ModelReader
 
 __all__ = ["Assembly", "CacheGroup", "DeviceCounters", "Shard", "ShardedDecoder",
            "ShardedLoad", "StreamerGroup", "as_one", "open_backends"]

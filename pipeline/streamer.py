@@ -39,14 +39,9 @@ from pipeline.foundation.faults import FaultPlan
 from pipeline.foundation.table import ExpertTable
 from pipeline.verify import DigestRows
 from stages.install import Installer
-from stages.prefetch import (
-    ExpertLayout,
-    ModelMapping,
-    ModelReader,
-    iter_chunks,
-    largest_slot_bytes,
-    plan_expert,
-)
+from stages.layout import ExpertLayout, iter_chunks, largest_slot_bytes, plan_expert
+from stages.mapping import ModelMapping
+from stages.reader import ModelReader
 from stages.staging import StagingRing, StagingSlot
 from stages.upload import Uploader
 

@@ -133,7 +133,7 @@ class _Libc:
 
 
 _libc = _Libc()
-libc = _libc  # public: stages.prefetch maps the model through it
+libc = _libc  # public: stages.mapping maps the model through it
 
 
 def coalesce(ranges: Iterable[RangeLike]) -> list[ByteRange]:

@@ -37,8 +37,8 @@ from pipeline.foundation.errors import (
 )
 from pipeline.foundation.faults import KINDS, STAGES, FaultPlan, parse_faults
 from pipeline.run import RunSummary, main, run
-from stages import prefetch
-from stages.prefetch import ModelReader
+from stages import reader as reader_module
+from stages.reader import ModelReader
 from stages.staging import StagingRing
 from stages.upload import Uploader
 
@@ -92,7 +92,7 @@ class TestReaderRetries:
             assert reader.retries == 1
         assert buf.tobytes() == tiny_model.read_bytes()[: 3 * 8192]
         (retry,) = _events(logs, "read_retry")
-        assert retry["attempt"] == 1 and retry["backoff_ms"] == prefetch.RETRY_BACKOFF_MS
+        assert retry["attempt"] == 1 and retry["backoff_ms"] == reader_module.RETRY_BACKOFF_MS
 
     def test_lasting_error_after_all_attempts(self, tiny_model: Path) -> None:
         buf = aligned_host_array(8192)
@@ -189,7 +189,7 @@ class TestModelChanged:
 
     def test_replacement_seen_by_reads(self, copy: Path, tmp_path: Path,
                                        monkeypatch: pytest.MonkeyPatch) -> None:
-        monkeypatch.setattr(prefetch, "_PATH_CHECK_S", 0.0)
+        monkeypatch.setattr(reader_module, "_PATH_CHECK_S", 0.0)
         buf = aligned_host_array(8192)
         with ModelReader(copy, direct=True) as reader:
             shutil.copy(copy, tmp_path / "new.gguf")

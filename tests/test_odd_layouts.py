@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 from pipeline.foundation.table import open_table
 from pipeline.run import main
-from stages.prefetch import PAGE, largest_slot_bytes, plan_expert
+from stages.layout import PAGE, largest_slot_bytes, plan_expert
 from tests.conftest import BACKENDS
 from tests.gguf_files import finish_gguf
 

@@ -25,7 +25,7 @@ from pipeline.foundation.config import ComputeSpec, RunConfig
 from pipeline.foundation.table import ExpertTable
 from pipeline.streamer import ExpertStreamer
 from pipeline.verify import Verifier
-from stages.prefetch import plan_expert
+from stages.layout import plan_expert
 from stages.staging import StagingSlot
 
 

@@ -1,4 +1,5 @@
-"""Tests for stages.prefetch: aligned covers, O_DIRECT reads and their fallback, mapping."""
+"""Tests for the read stage: aligned covers (stages.layout), O_DIRECT reads and their fallback
+(stages.reader), the mapping (stages.mapping)."""
 
 from __future__ import annotations
 
@@ -17,14 +18,9 @@ from gpu.host import HostBackend
 from pipeline.foundation.errors import ReadError
 from pipeline.foundation.faults import parse_faults
 from pipeline.foundation.table import ByteRange, ExpertTable
-from stages.prefetch import (
-    DEVICE_ALIGN,
-    ModelMapping,
-    ModelReader,
-    aligned_cover,
-    iter_chunks,
-    plan_expert,
-)
+from stages.layout import DEVICE_ALIGN, aligned_cover, iter_chunks, plan_expert
+from stages.mapping import ModelMapping
+from stages.reader import ModelReader
 from stages.residency import evict, libc
 
 

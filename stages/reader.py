@@ -1,4 +1,4 @@
-"""Prefetch: read an expert's gate/up/down byte ranges from the model file.
+"""Reading an expert's byte ranges from the model file.
 
 Direct mode reads the 4096-aligned cover of each range with O_DIRECT straight into a
 staging slot (pinned on a GPU), in chunks spread over a thread pool: ``os.preadv`` releases
@@ -7,21 +7,15 @@ O_DIRECT (tmpfs: EINVAL at open or at the first read) the reader falls back to b
 reads, once and loudly, and drops the pages it read so direct mode still leaves RAM alone.
 Transient read errors are retried with backoff; a file truncated, modified or replaced
 under the run is detected after every read and stops it (``ModelReader``).
-
-Resident mode reads nothing: the file's read-only mapping is the source of the upload.
-``ModelMapping`` maps the file and, on a GPU, page-locks it window by window
-(``cudaHostRegister``, read-only) so the copy engine DMAs straight from the page cache.
 """
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import os
 import threading
 import time
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from pathlib import Path
 from typing import NamedTuple
 
@@ -29,108 +23,19 @@ import numpy as np
 import numpy.typing as npt
 import structlog
 
-from gpu.backend import PAGE, Backend
-from pipeline.errors import ModelChangedError, ModelFileError, ReadError
-from pipeline.residency import libc
-from pipeline.table import ByteRange, ExpertSlices, ExpertTable
-from stages.faults import FaultPlan
+from pipeline.foundation.errors import ModelChangedError, ModelFileError, ReadError
+from pipeline.foundation.faults import FaultPlan
+from pipeline.foundation.table import ByteRange
 
-__all__ = [
-    "READ_ATTEMPTS",
-    "RETRY_BACKOFF_MS",
-    "ExpertLayout",
-    "ModelMapping",
-    "ModelReader",
-    "StagedRange",
-    "aligned_cover",
-    "plan_expert",
-]
+__all__ = ["READ_ATTEMPTS", "RETRY_BACKOFF_MS", "ModelReader"]
 
-_log = structlog.get_logger("moestream.prefetch")
-DEVICE_ALIGN = 256  # each matrix starts 256-aligned in the device buffer (kernels read words)
+_log = structlog.get_logger("moestream.reader")
 _DIRECT_REFUSED = (errno.EINVAL, errno.EOPNOTSUPP, errno.EFAULT)
 READ_ATTEMPTS = 4
 """Tries per read: a transient error is retried three times before it is a ReadError."""
 RETRY_BACKOFF_MS = 10.0
 """The wait before the first retry; each later one waits 4x longer (10, 40, 160 ms)."""
 _PATH_CHECK_S = 0.5  # a stat of the path, to see a replacement, at most this often
-
-
-def aligned_cover(offset: int, nbytes: int, align: int = PAGE) -> tuple[int, int]:
-    """The smallest ``align``-aligned (start, length) that contains ``[offset, offset+nbytes)``."""
-    start = offset - offset % align
-    end = offset + nbytes
-    end += (-end) % align
-    return start, end - start
-
-
-@dataclass(frozen=True, slots=True)
-class StagedRange:
-    """Where one of an expert's ranges goes: file cover -> slot -> device buffer.
-
-    The cover ``[cover_start, cover_start + cover_bytes)`` is read into the slot at
-    ``slot_offset``; the range's own bytes start ``skip`` bytes later and are copied to
-    ``device_offset`` in the expert's device buffer.
-    """
-
-    file_offset: int
-    nbytes: int
-    cover_start: int
-    cover_bytes: int
-    slot_offset: int
-    device_offset: int
-
-    @property
-    def skip(self) -> int:
-        return self.file_offset - self.cover_start
-
-
-@dataclass(frozen=True, slots=True)
-class ExpertLayout:
-    """An expert's three ranges laid out in a staging slot and in a device buffer."""
-
-    ranges: tuple[StagedRange, ...]
-    slot_bytes: int
-    device_bytes: int
-
-
-def plan_expert(slices: ExpertSlices, align: int = PAGE) -> ExpertLayout:
-    """Lay out ``slices`` (gate, up, down): aligned covers back to back in the slot,
-    ranges 256-aligned in the device buffer."""
-    staged: list[StagedRange] = []
-    slot_at = 0
-    device_at = 0
-    for r in slices.ranges:
-        start, length = aligned_cover(r.offset, r.nbytes, align)
-        staged.append(StagedRange(r.offset, r.nbytes, start, length, slot_at, device_at))
-        slot_at += length
-        device_at += r.nbytes + (-r.nbytes) % DEVICE_ALIGN
-    return ExpertLayout(tuple(staged), slot_at, device_at)
-
-
-def largest_slot_bytes(table: ExpertTable, align: int = PAGE) -> int:
-    """The largest staging slot any expert of ``table`` needs (exact, not estimated).
-
-    An expert's cover depends only on where its three slices start within a page, and
-    expert ``e``'s slices start at ``base + e * stride``: the page offsets repeat with a
-    period that divides ``align``, so the first ``align`` experts of a layer hold its
-    largest cover. Expert 0 alone is not enough: an expert whose slices each straddle one
-    more page needs up to three pages more (real files put slices at any offset).
-    """
-    return max(
-        plan_expert(moe.slices(expert), align).slot_bytes
-        for moe in table.layers.values()
-        for expert in range(min(moe.n_experts, align))
-    )
-
-
-def iter_chunks(start: int, length: int, chunk_bytes: int) -> Iterator[tuple[int, int]]:
-    """(offset, length) pieces of at most ``chunk_bytes`` covering ``[start, start+length)``."""
-    done = 0
-    while done < length:
-        n = min(chunk_bytes, length - done)
-        yield start + done, n
-        done += n
 
 
 class ModelReader:
@@ -373,110 +278,3 @@ class _FileIdentity(NamedTuple):
     @classmethod
     def of(cls, st: os.stat_result) -> _FileIdentity:
         return cls(st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
-
-
-class ModelMapping:
-    """A read-only shared mapping of the model, registered with the device in windows.
-
-    Registration page-locks (and, for pages not yet resident, faults in) a window; it is
-    done once per window on first use. ``close`` unregisters, then unmaps: the pages can
-    only be dropped after both (DESIGN.md: DONTNEED leaves registered or mapped pages).
-
-    Args:
-        path: the model file.
-        backend: registers windows (a no-op on the host backend).
-        window_bytes: registration granularity.
-    """
-
-    def __init__(self, path: Path, backend: Backend, window_bytes: int = 256 << 20) -> None:
-        self._backend = backend
-        self._window = window_bytes
-        self._path = path
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            self.file_bytes = os.fstat(fd).st_size
-            # mapped through libc, not Python's mmap: numpy views of a Python mmap pin it
-            # (close raises while any view lives), and the lifetime here is explicit
-            self._addr = libc.map_read(fd, 0, self.file_bytes, str(path))
-        finally:
-            os.close(fd)
-        self.array: npt.NDArray[np.uint8] = np.ctypeslib.as_array(
-            (ctypes.c_uint8 * self.file_bytes).from_address(self._addr)
-        )
-        self._registered: dict[int, npt.NDArray[np.uint8]] = {}
-        self._refused: set[int] = set()
-        self._lock = threading.Lock()
-        self.registered_bytes = 0
-
-    def register_resident_windows(self, stop: threading.Event | None = None) -> int:
-        """Register every window whose pages are all resident; returns how many were new.
-
-        A window with any page missing is skipped (registering it would read it from
-        storage first); only windows not yet registered are checked, so a pass once all
-        are costs nothing (a whole-file ``mincore`` took 0.33 s on the 34 GiB model).
-        ``stop`` ends the pass early. Thread-safe.
-        """
-        if not self._backend.registers_host:
-            return 0
-        added = 0
-        n_windows = (self.file_bytes + self._window - 1) // self._window
-        for w in range(n_windows):
-            if stop is not None and stop.is_set():
-                break
-            if w in self._registered or w in self._refused:
-                continue
-            with self._lock:
-                if self.array.size == 0:
-                    break  # closed meanwhile
-                start = w * self._window
-                length = min(self._window, self.file_bytes - start)
-                if not libc.all_resident(self._addr + start, length, str(self._path)):
-                    continue
-                window = self.array[start : start + length]
-                if self._backend.register_host(window):
-                    self._registered[w] = window
-                    self.registered_bytes += window.size
-                    added += 1
-                else:
-                    self._refused.add(w)
-        return added
-
-    def is_registered(self, offset: int, nbytes: int) -> bool:
-        """Every window covering the range is registered (a lock-free read)."""
-        if not self._backend.registers_host:
-            return True
-        first = offset // self._window
-        last = (offset + nbytes - 1) // self._window
-        return all(w in self._registered for w in range(first, last + 1))
-
-    def pieces(self, offset: int, nbytes: int) -> list[tuple[int, npt.NDArray[np.uint8]]]:
-        """(offset within the range, view) pieces of a range, split at window boundaries.
-
-        One copy may not span two registrations, so each piece lies in one window.
-        """
-        out = []
-        at = offset
-        end = offset + nbytes
-        while at < end:
-            stop = min(end, (at // self._window + 1) * self._window)
-            out.append((at - offset, self.array[at:stop]))
-            at = stop
-        return out
-
-    def close(self) -> None:
-        """Unregister every window, then unmap."""
-        with self._lock:
-            for window in self._registered.values():
-                self._backend.unregister_host(window)
-            self._registered.clear()
-            self.registered_bytes = 0
-        self.array = np.empty(0, dtype=np.uint8)
-        if self._addr:
-            libc.munmap(self._addr, self.file_bytes)
-            self._addr = 0
-
-    def __enter__(self) -> ModelMapping:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
