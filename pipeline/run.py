@@ -8,6 +8,9 @@ also prints its summary. SIGINT or SIGTERM stops the run at once, cleanly: in-fl
 finish, uploads are synchronized, pinned and device memory released, the log closed with its
 ``run_end`` event; the exit status is 130 (SIGINT) or 143 (SIGTERM). A second SIGINT exits
 at once, without cleaning up. ``--inject`` turns on fault injection (``stages.faults``).
+Outputs (``--log``, ``--record-trace``) are checked before the model is opened
+(``pipeline.outputs``); a log the file system stops taking ends the run at the next token
+with its summary and exit 2. A closed stdout (``| true``) drops the summary quietly.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import uvloop
 from gpu.cache import DeviceCache
 from gpu.kernels import make_kernels
 from gpu.placement import split_budget
+from pipeline.cli import closable_stdout, print_error
 from pipeline.config import RunConfig, parse_budget, parse_compute, parse_devices, parse_size
 from pipeline.controller import ModeController, Sampler
 from pipeline.decode import Decoder
@@ -36,6 +40,7 @@ from pipeline.errors import MoestreamError, TraceError, VerificationError
 from pipeline.logs import RunLog, configure_console
 from pipeline.loop import DecodeLoop
 from pipeline.machine import machine_info
+from pipeline.outputs import check_not_input, check_output
 from pipeline.routing import LiveRouter, Routing, TraceRouting
 from pipeline.shards import Shard, as_one, open_backends
 from pipeline.streamer import ExpertStreamer
@@ -69,6 +74,18 @@ def _routing(cfg: RunConfig, table: ExpertTable) -> Trace:
     return trace
 
 
+def _check_outputs(cfg: RunConfig) -> None:
+    """Every file the run will write, checked before the model is opened: a bad path fails
+    at once with one line, not after the run; an output never overwrites an input."""
+    if cfg.log is not None:
+        check_output(cfg.log, what="--log", in_place=True)
+        check_not_input(cfg.log, {"--model": cfg.model, "--trace": cfg.trace,
+                                  "--record-trace": cfg.record_trace}, what="--log")
+    if cfg.record_trace is not None:
+        check_output(cfg.record_trace, what="--record-trace")
+        check_not_input(cfg.record_trace, {"--model": cfg.model}, what="--record-trace")
+
+
 async def run(
     cfg: RunConfig,
     *,
@@ -88,6 +105,7 @@ async def run(
         summary: filled in as the run goes, so a caller has the totals even when the run
             raises or is cancelled (default: a new one).
     """
+    _check_outputs(cfg)
     if faults is None:
         faults = parse_faults(cfg.faults)
     if cfg.model is None:
@@ -168,6 +186,7 @@ async def run(
             summary.verified = verifier.verified
             summary.mismatches = verifier.mismatches
             summary.first_mismatch = verifier.first_mismatch
+            runlog.raise_if_failed()  # the file system stopped taking the log: stop here
         summary.elapsed_s = time.perf_counter() - started
         summary.exit = "ok"
     except asyncio.CancelledError:
@@ -187,6 +206,9 @@ async def run(
         except asyncio.CancelledError:
             await closing
             raise
+    if runlog.error is not None:  # the last lines, written at close, were refused
+        summary.exit = str(runlog.error)
+        raise runlog.error
     return summary
 
 
@@ -396,10 +418,12 @@ def _main(args: argparse.Namespace) -> int:
         _log.warning("faults_injected", spec=str(faults), fired=dict(faults.fired))
     if error is not None:
         if summary.budget_bytes:  # decoding had started: say how far it got
-            print_summary(summary, args.json)
-        print(f"moestream: error: {error}", file=sys.stderr)
+            with closable_stdout():
+                print_summary(summary, args.json)
+        print_error("moestream: error: ", error)
         return error.exit_code
-    print_summary(summary, args.json)
+    with closable_stdout():  # a closed stdout drops the summary; the exit status stays
+        print_summary(summary, args.json)
     if interrupt.signum is not None and summary.exit == "cancelled":
         name = signal.Signals(interrupt.signum).name
         print(f"moestream: interrupted by {name} after {summary.tokens} tokens; "
@@ -408,7 +432,7 @@ def _main(args: argparse.Namespace) -> int:
     if summary.mismatches:
         err = VerificationError(f"{summary.mismatches} experts differ from the file, first: "
                                 f"{summary.first_mismatch}")
-        print(f"moestream: error: {err}", file=sys.stderr)
+        print_error("moestream: error: ", err)
         return err.exit_code
     return 0
 

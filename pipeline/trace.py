@@ -35,8 +35,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from pipeline.atomic import atomic_output
 from pipeline.errors import TraceError
+from pipeline.outputs import atomic_output
 
 __all__ = ["TRACE_FORMAT", "TRACE_VERSION", "Trace", "load_trace", "save_trace"]
 

@@ -37,8 +37,9 @@ from typing import Any
 import numpy as np
 import structlog
 
-from pipeline.atomic import write_atomic
+from pipeline.cli import closable_stdout, print_error
 from pipeline.errors import MoestreamError, UsageError
+from pipeline.outputs import check_output, check_output_dir, write_atomic
 from tools.device_report import device_table, devices_json
 from tools.logread import read_log
 from tools.logrecords import RunLog
@@ -325,10 +326,7 @@ def write_csv(path: Path, runs: Sequence[RunLog], interval: int) -> int:
         for row in interval_rows(run, interval):
             writer.writerow([_csv_cell(row[c]) for c in CSV_COLUMNS])
             count += 1
-    try:
-        write_atomic(path, buffer.getvalue(), make_parents=True)
-    except OSError as exc:
-        raise UsageError(f"{path}: cannot write CSV ({exc.strerror or exc})") from exc
+    write_atomic(path, buffer.getvalue(), what="--csv", make_parents=True)
     return count
 
 
@@ -369,6 +367,19 @@ def _configure_logging(debug: bool) -> None:
     )
 
 
+def _check_outputs(args: argparse.Namespace) -> None:
+    """--csv and --plot, checked before any log is read (``pipeline.outputs``)."""
+    if args.csv:
+        check_output(args.csv, what="--csv", make_parents=True)
+    if args.plot:
+        # Imported here: tools.plots builds on this module's interval rows.
+        from tools.plots import PLOT_FILES
+
+        check_output_dir(args.plot, what="--plot")
+        for name in PLOT_FILES:
+            check_output(args.plot / name, what="--plot", make_parents=True)
+
+
 def _run(args: argparse.Namespace) -> int:
     if not args.what_if and (args.budgets or args.target is not None or args.policies
                              or args.jobs is not None):
@@ -386,6 +397,7 @@ def _run(args: argparse.Namespace) -> int:
             raise UsageError(f"--target must be in (0, 1], got {target}")
         if args.jobs is not None and args.jobs < 1:
             raise UsageError(f"--jobs must be >= 1, got {args.jobs}")
+    _check_outputs(args)
     runs = [read_log(path) for path in args.logs]
     summaries = [summarize(run) for run in runs]
     out = sys.stdout
@@ -445,7 +457,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``moestream-analyze``; returns the exit status.
 
     Errors print one line on stderr (with a traceback only under ``--debug``) and return
-    the error's exit code: 2 for a file that is not a moestream log or a bad option.
+    the error's exit code: 2 for a file that is not a moestream log, a bad option or an
+    output that cannot be written. A reader that closes stdout early (``| head``) ends the
+    report quietly, exit 0.
     """
     parser = _parser()
     try:
@@ -454,14 +468,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         return exc.code if isinstance(exc.code, int) else 2
     _configure_logging(args.debug)
     try:
-        return _run(args)
+        with closable_stdout():
+            return _run(args)
     except MoestreamError as exc:
         if args.debug:
             traceback.print_exc()
-        sys.stderr.write(f"moestream-analyze: {exc}\n")
+        print_error("moestream-analyze: ", exc)
         return exc.exit_code
-    except BrokenPipeError:
-        return 0  # the reader of stdout went away (`| head`): nothing left to report to
+    return 0  # the reader of stdout went away (`| head`): nothing left to report to
 
 
 if __name__ == "__main__":

@@ -33,6 +33,7 @@ from typing import Any
 from gpu.cache import DeviceCache
 from pipeline.config import Budget, ComputeSpec, RunConfig
 from pipeline.errors import MoestreamError
+from pipeline.outputs import check_output, write_atomic
 from pipeline.run import RunSummary, run
 from stages.faults import STAGES, parse_faults
 from stages.prefetch import ModelReader
@@ -254,6 +255,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--backend", default="host", choices=["host", "cupy"])
     p.add_argument("--json", type=Path, help="also write the results here")
     args = p.parse_args(argv)
+    if args.json is not None:
+        check_output(args.json, what="--json")  # before the cases run, not after
     import structlog
 
     structlog.configure(  # the injected faults' events would drown the table: errors only
@@ -269,7 +272,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         results = [run_case(case, model, args.tokens, args.backend) for case in CASES]
     print(markdown(results))
     if args.json is not None:
-        args.json.write_text(json.dumps([r.row() for r in results], indent=2) + "\n")
+        write_atomic(args.json, json.dumps([r.row() for r in results], indent=2) + "\n",
+                     what="--json")
     return 1 if any(r.problems() for r in results) else 0
 
 

@@ -63,7 +63,9 @@ from typing import NoReturn, TypeAlias
 import numpy as np
 import numpy.typing as npt
 
+from pipeline.cli import closable_stdout, print_error, printable
 from pipeline.errors import MoestreamError, UsageError
+from pipeline.outputs import check_output
 from pipeline.trace import Trace, save_trace
 
 __all__ = [
@@ -442,6 +444,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.out is not None:
             if args.tokens is None:
                 raise UsageError("--tokens is required when writing a trace")
+            check_output(args.out, what="OUT")  # before generating: a FIFO or device refused
             trace = synthetic_trace(
                 args.preset,
                 args.tokens,
@@ -454,17 +457,19 @@ def main(argv: Sequence[str] | None = None) -> int:
                 save_trace(trace, args.out)
             except OSError as exc:
                 raise UsageError(f"cannot write {args.out}: {exc.strerror or exc}") from exc
-            print(
-                f"wrote {args.out}: {trace.n_tokens} tokens x {trace.n_layers} layers x "
-                f"top-{trace.top_k} of {trace.n_experts} experts "
-                f"(preset {trace.preset}, seed {args.seed})"
-            )
+            with closable_stdout():
+                print(
+                    f"wrote {printable(args.out)}: {trace.n_tokens} tokens x "
+                    f"{trace.n_layers} layers x top-{trace.top_k} of {trace.n_experts} "
+                    f"experts (preset {trace.preset}, seed {args.seed})"
+                )
         if args.check:
-            _print_table(args.preset, args.seed)
+            with closable_stdout():
+                _print_table(args.preset, args.seed)
     except MoestreamError as exc:
         if args is not None and args.debug:
             raise
-        print(f"make_trace: {exc}", file=sys.stderr)
+        print_error("make_trace: ", exc)
         return exc.exit_code
     return 0
 

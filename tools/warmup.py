@@ -29,6 +29,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
+from pipeline.cli import closable_stdout, print_error
 from pipeline.config import parse_size
 from pipeline.errors import MoestreamError, UsageError
 from pipeline.logs import configure_console
@@ -185,15 +186,17 @@ def main(argv: Sequence[str] | None = None, *, memory: MemoryProbe | None = None
     debug = "--debug" in argv
     configure_console(debug=debug)
     try:
-        return _run(_parser().parse_args(argv), memory or PsutilMemory())
+        with closable_stdout():
+            return _run(_parser().parse_args(argv), memory or PsutilMemory())
     except MoestreamError as exc:
         if debug:
             raise
-        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        print_error(f"{PROG}: error: ", exc)
         return exc.exit_code
     except KeyboardInterrupt:
         print(f"{PROG}: interrupted", file=sys.stderr)
         return 130
+    return 0  # stdout's reader went away (`| head`): the rest of the report is dropped
 
 
 if __name__ == "__main__":
