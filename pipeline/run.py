@@ -25,7 +25,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import structlog
 import uvloop
 
@@ -41,12 +40,12 @@ from pipeline.logs import RunLog, configure_console
 from pipeline.loop import DecodeLoop
 from pipeline.machine import machine_info
 from pipeline.outputs import check_not_input, check_output
-from pipeline.routing import LiveRouter, Routing, TraceRouting
+from pipeline.routing import BlockRouting, LiveRouter, Routing, TraceRouting
 from pipeline.shards import Shard, as_one, open_backends
 from pipeline.streamer import ExpertStreamer
 from pipeline.summary import RunSummary, print_summary
 from pipeline.table import ExpertTable, open_table
-from pipeline.trace import Trace, load_trace, save_trace
+from pipeline.trace import TraceRecorder, load_trace, save_trace
 from pipeline.verify import Verifier
 from stages.faults import FaultPlan, parse_faults
 from stages.prefetch import plan_expert
@@ -56,22 +55,24 @@ __all__ = ["RunSummary", "build_parser", "config_from_args", "main", "run"]
 _log = structlog.get_logger("moestream.run")
 
 
-def _routing(cfg: RunConfig, table: ExpertTable) -> Trace:
+def _routing(cfg: RunConfig, table: ExpertTable) -> Routing:
+    """The replay of ``--trace``, or else the synthetic routing, made block by block as the
+    run asks for it: its memory does not grow with ``--tokens``."""
     n_layers = len(table.layers)
-    if cfg.trace is not None:
-        trace = load_trace(cfg.trace)
-    else:
-        from tools.make_trace import synthetic_trace
+    if cfg.trace is None:
+        from tools.make_trace import BLOCK_TOKENS, synthetic_blocks
 
-        trace = synthetic_trace(
-            cfg.routing_preset, cfg.tokens, seed=cfg.seed, n_layers=n_layers,
-            n_experts=table.n_experts, top_k=table.top_k,
-        )
+        blocks = synthetic_blocks(cfg.routing_preset, seed=cfg.seed, n_layers=n_layers,
+                                  n_experts=table.n_experts, top_k=table.top_k)
+        # oracle prefetch asks up to ``lookahead`` layers beyond the token being decoded
+        reach = 2 + cfg.lookahead // n_layers if cfg.prefetch == "oracle" else 1
+        return BlockRouting(blocks, BLOCK_TOKENS, reach)
+    trace = load_trace(cfg.trace)
     trace.check_fits(n_layers, table.n_experts, table.top_k)
     if trace.n_layers < n_layers:
         raise TraceError(f"{cfg.trace}: the trace routes {trace.n_layers} MoE layers, "
                          f"the model has {n_layers}")
-    return trace
+    return TraceRouting(trace)
 
 
 def _check_outputs(cfg: RunConfig) -> None:
@@ -115,7 +116,9 @@ async def run(
     else:
         model = cfg.model
     table = open_table(model)
-    trace = _routing(cfg, table) if cfg.router == "trace" else None
+    replay = _routing(cfg, table) if cfg.router == "trace" else None
+    recorder = (TraceRecorder(cfg.tokens, len(table.layers), table.top_k, table.n_experts)
+                if cfg.record_trace is not None else None)  # refuses too long a record now
     backends = open_backends(cfg)
     home = backends[0]
     if summary is None:
@@ -173,11 +176,11 @@ async def run(
         )
         await controller.start()  # its first decision follows the header
         with home.activate():
-            routing: Routing = (TraceRouting(trace) if trace is not None
+            routing: Routing = (replay if replay is not None
                                 else LiveRouter(table, home, cfg.seed))
         loop = DecodeLoop(cfg, table, routing, cache=parts.cache, streamer=parts.streamer,
                           decoder=parts.decoder, verifier=verifier, controller=controller,
-                          runlog=runlog)
+                          runlog=runlog, recorder=recorder)
         started = time.perf_counter()
         for t in range(cfg.tokens):
             totals = await loop.token(t)
@@ -243,10 +246,9 @@ async def _close(
     summary.final_budget_bytes = sum(d["budget_bytes"] for d in summary.devices)
     runlog.emit("run_end", **summary.as_dict(), hit_rate_final=summary.hit_rate)
     await runlog.aclose()
-    if cfg.record_trace is not None and loop is not None and loop.recorded:
-        experts = np.array([e for e, _ in loop.recorded], dtype=np.int32)
-        weights = np.array([w for _, w in loop.recorded], dtype=np.float32)
-        save_trace(Trace(experts, weights, table.n_experts, "recorded"), cfg.record_trace)
+    recorded = loop.recorder.trace() if loop is not None and loop.recorder is not None else None
+    if cfg.record_trace is not None and recorded is not None:
+        save_trace(recorded, cfg.record_trace)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -70,13 +70,18 @@ class AccessTrace:
         """Take the accesses of a run log.
 
         Raises:
-            TraceError: the log has no ``run_start`` (no expert sizes) or no expert lists.
+            TraceError: the log has no ``run_start`` (no expert sizes), an expert size that
+                is not positive (budgets are counted in experts), or no expert lists.
         """
         header = run.header
         if header is None or not header.moe_layers:
             raise TraceError(f"{run.path}: no run_start with moe_layers: nothing to replay")
         if len(header.expert_bytes) != len(header.moe_layers):
             raise TraceError(f"{run.path}: expert_bytes and moe_layers differ in length")
+        for layer, size in zip(header.moe_layers, header.expert_bytes, strict=True):
+            if size <= 0:
+                raise TraceError(f"{run.path}: run_start gives layer {layer} expert_bytes "
+                                 f"{size}: an expert's size must be positive")
         experts = run.tokens.experts
         if experts.shape[0] and not (experts >= 0).any():
             raise TraceError(f"{run.path}: token lines carry no expert lists")
