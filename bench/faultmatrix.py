@@ -1,8 +1,8 @@
 """``python -m bench.faultmatrix``: every injectable fault at its stage, and what became of the run.
 
 Each case decodes a few tokens of a small model on the host backend with one fault plan
-(``stages.faults``) and records, besides the exit status, the invariants the faults must
-not break, observed when the run closes its parts:
+(``pipeline.foundation.faults``) and records, besides the exit status, the invariants the
+faults must not break, observed when the run closes its parts:
 
 - every installed expert came from complete, correct bytes: verification (digest compute,
   every consumed expert) found no mismatch, every entry left in the cache is ready (its
@@ -34,6 +34,7 @@ from gpu.cache import DeviceCache
 from pipeline.foundation.config import Budget, ComputeSpec, RunConfig
 from pipeline.foundation.errors import MoestreamError
 from pipeline.foundation.faults import STAGES, parse_faults
+from pipeline.foundation.outputs import check_output, write_atomic
 from pipeline.run import RunSummary, run
 from stages.reader import ModelReader
 from stages.staging import StagingRing
@@ -254,6 +255,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--backend", default="host", choices=["host", "cupy"])
     p.add_argument("--json", type=Path, help="also write the results here")
     args = p.parse_args(argv)
+    if args.json is not None:
+        check_output(args.json, what="--json")  # before the cases run, not after
     import structlog
 
     structlog.configure(  # the injected faults' events would drown the table: errors only
@@ -269,7 +272,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         results = [run_case(case, model, args.tokens, args.backend) for case in CASES]
     print(markdown(results))
     if args.json is not None:
-        args.json.write_text(json.dumps([r.row() for r in results], indent=2) + "\n")
+        write_atomic(args.json, json.dumps([r.row() for r in results], indent=2) + "\n",
+                     what="--json")
     return 1 if any(r.problems() for r in results) else 0
 
 

@@ -8,7 +8,7 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-from pipeline.foundation.atomic import write_atomic
+from pipeline.foundation.outputs import write_atomic
 
 __all__ = ["git_commit", "write_result"]
 

@@ -1,7 +1,8 @@
 """The decode kernels, on the host (numpy) and on CUDA (CuPy raw kernels).
 
 Three kinds of work consume cached experts:
-- ``digest``: reads every byte of a range and produces the two sums of ``pipeline.digest``
+- ``digest``: reads every byte of a range and produces the two sums of
+``pipeline.foundation.digest``
   (verification, and the ``--compute digest`` decoder);
 - ``busy``: keeps the device busy for a fixed time (``--compute fixed:MS``), emulating an
   engine's per-layer compute;

@@ -8,7 +8,9 @@ the router's output before it can choose the next layer's experts.
 
 What "compute" is: ``real`` runs a SwiGLU expert on a hidden state (F16 experts), ``digest``
 reads every byte of every used expert and checks it against the file, ``fixed:MS`` keeps the
-device busy MS milliseconds per layer, like an engine's kernels would.
+device busy MS milliseconds per layer, like an engine's kernels would. ``real`` on a model
+without F16 experts falls back to ``digest`` (logged); on one whose layers mix F16 and other
+types it is refused before decoding (``ExpertLayoutError``, exit 2).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from gguf import GGMLQuantizationType
 from gpu.backend import Backend
 from gpu.cache import DeviceCache, Entry
 from pipeline.foundation.config import ComputeSpec
-from pipeline.foundation.errors import MoestreamError, StageError
+from pipeline.foundation.errors import ExpertLayoutError, MoestreamError, StageError
 from pipeline.foundation.table import ExpertTable
 from pipeline.streamer import ExpertStreamer, LayerLoad
 from pipeline.verify import DigestRows
@@ -35,6 +37,30 @@ from pipeline.verify import DigestRows
 __all__ = ["Decoder", "LayerResult"]
 
 _log = structlog.get_logger("moestream.decode")
+
+
+def _all_f16(table: ExpertTable) -> bool:
+    """Whether ``real`` compute can run: every MoE layer's experts are F16 (True), or none
+    are (False: the run falls back to ``digest``, logged once).
+
+    Raises:
+        ExpertLayoutError: some layers are F16 and others are not (every layer is checked
+            here, before decoding, not when a token first reaches the other type).
+    """
+    f16 = GGMLQuantizationType.F16
+    types = {n: (layer.gate_up_type, layer.down_type) for n, layer in table.layers.items()}
+    other = {n: t for n, t in types.items() if t != (f16, f16)}
+    if not other:
+        return True
+    n, (gate_up, down) = next(iter(other.items()))
+    if len(other) < len(types):
+        f16_layer = next(m for m in types if m not in other)
+        raise ExpertLayoutError(
+            table.path, f"real compute needs F16 experts in every MoE layer: layer {f16_layer} "
+            f"is F16, layer {n} is {gate_up.name}/{down.name}; use --compute digest or fixed")
+    _log.warning("compute_fallback", requested="real", using="digest",
+                 reason=f"experts are {gate_up.name}/{down.name}; real SwiGLU needs F16")
+    return False
 
 
 @dataclass(slots=True)
@@ -113,14 +139,7 @@ class Decoder:
 
             self._xp = cupy
             self._ctx = _OnDevice(backend, self.stream.raw)  # type: ignore[attr-defined]
-        layer = next(iter(table.layers.values()))
-        f16 = GGMLQuantizationType.F16
-        if compute.kind == "real" and not (layer.gate_up_type == f16 and layer.down_type == f16):
-            _log.warning(
-                "compute_fallback", requested="real", using="digest",
-                reason=f"experts are {layer.gate_up_type.name}/{layer.down_type.name}; "
-                "real SwiGLU needs F16",
-            )
+        if compute.kind == "real" and not _all_f16(table):
             compute = ComputeSpec("digest")
         self.compute = compute
         self._hidden = self._initial_hidden(seed) if compute.kind == "real" else None

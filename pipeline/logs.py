@@ -6,6 +6,12 @@ structlog to stderr, rendered for people. The run log (``--log FILE``, schema in
 memory and appended to the file by a background task through aiofiles, so the decode loop
 never waits on the disk: rendering costs microseconds per token, the write happens off the
 hot path, and ``aclose`` flushes what is left.
+
+The file is an output of ``pipeline.foundation.outputs``: a regular file, locked while the run
+writes it, so a second run given the same ``--log`` is refused before it truncates anything. When
+the file system refuses a write (full, file too large, I/O error) the log is cut back to its
+last complete line, stops, and :attr:`RunLog.error` says so; the run raises it at its next
+token boundary (:meth:`RunLog.raise_if_failed`).
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -21,6 +28,9 @@ from typing import Any
 import aiofiles
 import aiofiles.threadpool
 import structlog
+
+from pipeline.foundation.errors import OutputError
+from pipeline.foundation.outputs import open_exclusive
 
 __all__ = ["SCHEMA_VERSION", "RunLog", "configure_console"]
 
@@ -55,6 +65,12 @@ class _LineSink:
     info = debug = warning = error = msg
 
 
+def _open_log(path: Path) -> Any:
+    """The log file, locked and truncated, unbuffered: each write reaches the file whole or
+    fails, so a failed flush knows how many bytes are in it."""
+    return os.fdopen(open_exclusive(path, what="--log"), "wb", buffering=0)
+
+
 def _close_opened(opening: asyncio.Future[Any]) -> None:
     """Close the file an abandoned open made (the run was cancelled while it ran)."""
     if not opening.cancelled() and opening.exception() is None:
@@ -86,6 +102,9 @@ class RunLog:
         self._writer: asyncio.Task[None] | None = None
         self._stopping = asyncio.Event()
         self.lines_written = 0
+        self._bytes_written = 0
+        self.error: OutputError | None = None
+        """Why the log stopped being written (the file system refused a write), or None."""
 
     @property
     def enabled(self) -> bool:
@@ -98,8 +117,7 @@ class RunLog:
         # the open runs on a worker thread and finishes even if this run is cancelled
         # meanwhile; then nobody would own the file it made, so close it right there
         loop = asyncio.get_running_loop()
-        opening = loop.run_in_executor(None, functools.partial(open, self.path, "w",
-                                                               encoding="utf-8"))
+        opening = loop.run_in_executor(None, functools.partial(_open_log, self.path))
         try:
             raw = await asyncio.shield(opening)
         except asyncio.CancelledError:
@@ -110,17 +128,48 @@ class RunLog:
 
     def emit(self, event: str, **fields: Any) -> None:
         """One event line (``event`` and ``schema`` first, then the fields)."""
-        if self.path is None:
+        if self.path is None or self.error is not None:
             return
         self._logger.msg(event, schema=SCHEMA_VERSION, **fields)
 
+    def raise_if_failed(self) -> None:
+        """Raise :attr:`error` if the log could not be written."""
+        if self.error is not None:
+            raise self.error
+
     async def _flush(self) -> None:
-        if not self._sink.lines or self._file is None:
+        if not self._sink.lines or self._file is None or self.error is not None:
             return
         lines, self._sink.lines = self._sink.lines, []
-        await self._file.write("\n".join(lines) + "\n")
-        await self._file.flush()
+        data = memoryview(("\n".join(lines) + "\n").encode("utf-8"))
+        done = 0
+        try:
+            while done < len(data):  # an unbuffered write may be partial
+                done += await self._file.write(data[done:])
+        except OSError as exc:
+            taken = data[:done].tobytes()  # what reached the file: keep its whole lines
+            whole = taken.rfind(b"\n") + 1
+            self._bytes_written += whole
+            self.lines_written += taken.count(b"\n", 0, whole)
+            await self._failed(exc)
+            return
+        self._bytes_written += done
         self.lines_written += len(lines)
+
+    async def _failed(self, exc: OSError) -> None:
+        """Cut the file back to its last complete line, stop the log, keep the reason."""
+        assert self.path is not None
+        kept = (f"it keeps its first {self.lines_written} lines" if self.lines_written
+                else "it is empty")
+        self.error = OutputError(self.path, f"cannot write the run log "
+                                 f"({exc.strerror or exc}); {kept}", what="--log")
+        self._sink.lines.clear()
+        try:
+            await self._file.truncate(self._bytes_written)
+        except OSError as cut:
+            structlog.get_logger("moestream.logs").warning(
+                "log_not_cut_back", path=str(self.path), reason=str(cut),
+                effect="the log may end with part of a line")
 
     async def _write_loop(self) -> None:
         # Never cancelled mid-write: aiofiles writes on a worker thread, and a cancelled

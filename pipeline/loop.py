@@ -23,6 +23,7 @@ from pipeline.logs import RunLog
 from pipeline.machine import process_read_bytes
 from pipeline.routing import LiveRouter, Routing
 from pipeline.streamer import StageTimes
+from pipeline.trace import TraceRecorder
 from pipeline.verify import Verifier
 
 __all__ = ["DecodeLoop", "TokenTotals"]
@@ -100,6 +101,7 @@ class DecodeLoop:
         table: the model.
         routing: where each layer's experts come from (a trace, or the live router).
         cache, streamer, decoder, verifier, controller, runlog: the run's parts.
+        recorder: where each decoded token's routing is recorded (``--record-trace``).
     """
 
     def __init__(
@@ -114,6 +116,7 @@ class DecodeLoop:
         verifier: Verifier,
         controller: ModeController,
         runlog: RunLog,
+        recorder: TraceRecorder | None = None,
     ) -> None:
         self._cfg = config
         self._layers = table.moe_layers
@@ -131,7 +134,7 @@ class DecodeLoop:
         self._loads: dict[int, Any] = {}  # oracle loads started ahead, by position
         self._read_bytes = process_read_bytes()
         self.storage_bytes = 0
-        self.recorded: list[tuple[list[list[int]], list[list[float]]]] = []
+        self.recorder = recorder
 
     def _start(self, position: int) -> Any:
         token, i = divmod(position, len(self._layers))
@@ -217,6 +220,6 @@ class DecodeLoop:
                if self._predict else {}),
         )
         self.storage_bytes = storage
-        if self._cfg.record_trace is not None:
-            self.recorded.append((used, used_weights))
+        if self.recorder is not None:
+            self.recorder.add(used, used_weights)
         return totals

@@ -7,7 +7,11 @@ verification mismatch); ``--debug`` shows the traceback instead. A run that stop
 also prints its summary. SIGINT or SIGTERM stops the run at once, cleanly: in-flight reads
 finish, uploads are synchronized, pinned and device memory released, the log closed with its
 ``run_end`` event; the exit status is 130 (SIGINT) or 143 (SIGTERM). A second SIGINT exits
-at once, without cleaning up. ``--inject`` turns on fault injection (``stages.faults``).
+at once, without cleaning up. ``--inject`` turns on fault injection
+(``pipeline.foundation.faults``).
+Outputs (``--log``, ``--record-trace``) are checked before the model is opened
+(``pipeline.foundation.outputs``); a log the file system stops taking ends the run at the next token
+with its summary and exit 2. A closed stdout (``| true``) drops the summary quietly.
 """
 
 from __future__ import annotations
@@ -22,7 +26,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import structlog
 import uvloop
 
@@ -31,6 +34,7 @@ from gpu.kernels import make_kernels
 from gpu.placement import split_budget
 from pipeline.controller import ModeController, Sampler
 from pipeline.decode import Decoder
+from pipeline.foundation.cli import closable_stdout, print_error
 from pipeline.foundation.config import (
     RunConfig,
     parse_budget,
@@ -40,15 +44,16 @@ from pipeline.foundation.config import (
 )
 from pipeline.foundation.errors import MoestreamError, TraceError, VerificationError
 from pipeline.foundation.faults import FaultPlan, parse_faults
+from pipeline.foundation.outputs import check_not_input, check_output
 from pipeline.foundation.table import ExpertTable, open_table
 from pipeline.logs import RunLog, configure_console
 from pipeline.loop import DecodeLoop
 from pipeline.machine import machine_info
-from pipeline.routing import LiveRouter, Routing, TraceRouting
+from pipeline.routing import BlockRouting, LiveRouter, Routing, TraceRouting
 from pipeline.shards import Shard, as_one, open_backends
 from pipeline.streamer import ExpertStreamer
 from pipeline.summary import RunSummary, print_summary
-from pipeline.trace import Trace, load_trace, save_trace
+from pipeline.trace import TraceRecorder, load_trace, save_trace
 from pipeline.verify import Verifier
 from stages.layout import plan_expert
 
@@ -57,22 +62,36 @@ __all__ = ["RunSummary", "build_parser", "config_from_args", "main", "run"]
 _log = structlog.get_logger("moestream.run")
 
 
-def _routing(cfg: RunConfig, table: ExpertTable) -> Trace:
+def _routing(cfg: RunConfig, table: ExpertTable) -> Routing:
+    """The replay of ``--trace``, or else the synthetic routing, made block by block as the
+    run asks for it: its memory does not grow with ``--tokens``."""
     n_layers = len(table.layers)
-    if cfg.trace is not None:
-        trace = load_trace(cfg.trace)
-    else:
-        from tools.make_trace import synthetic_trace
+    if cfg.trace is None:
+        from tools.make_trace import BLOCK_TOKENS, synthetic_blocks
 
-        trace = synthetic_trace(
-            cfg.routing_preset, cfg.tokens, seed=cfg.seed, n_layers=n_layers,
-            n_experts=table.n_experts, top_k=table.top_k,
-        )
+        blocks = synthetic_blocks(cfg.routing_preset, seed=cfg.seed, n_layers=n_layers,
+                                  n_experts=table.n_experts, top_k=table.top_k)
+        # oracle prefetch asks up to ``lookahead`` layers beyond the token being decoded
+        reach = 2 + cfg.lookahead // n_layers if cfg.prefetch == "oracle" else 1
+        return BlockRouting(blocks, BLOCK_TOKENS, reach)
+    trace = load_trace(cfg.trace)
     trace.check_fits(n_layers, table.n_experts, table.top_k)
     if trace.n_layers < n_layers:
         raise TraceError(f"{cfg.trace}: the trace routes {trace.n_layers} MoE layers, "
                          f"the model has {n_layers}")
-    return trace
+    return TraceRouting(trace)
+
+
+def _check_outputs(cfg: RunConfig) -> None:
+    """Every file the run will write, checked before the model is opened: a bad path fails
+    at once with one line, not after the run; an output never overwrites an input."""
+    if cfg.log is not None:
+        check_output(cfg.log, what="--log", in_place=True)
+        check_not_input(cfg.log, {"--model": cfg.model, "--trace": cfg.trace,
+                                  "--record-trace": cfg.record_trace}, what="--log")
+    if cfg.record_trace is not None:
+        check_output(cfg.record_trace, what="--record-trace")
+        check_not_input(cfg.record_trace, {"--model": cfg.model}, what="--record-trace")
 
 
 async def run(
@@ -94,6 +113,7 @@ async def run(
         summary: filled in as the run goes, so a caller has the totals even when the run
             raises or is cancelled (default: a new one).
     """
+    _check_outputs(cfg)
     if faults is None:
         faults = parse_faults(cfg.faults)
     if cfg.model is None:
@@ -103,7 +123,9 @@ async def run(
     else:
         model = cfg.model
     table = open_table(model)
-    trace = _routing(cfg, table) if cfg.router == "trace" else None
+    replay = _routing(cfg, table) if cfg.router == "trace" else None
+    recorder = (TraceRecorder(cfg.tokens, len(table.layers), table.top_k, table.n_experts)
+                if cfg.record_trace is not None else None)  # refuses too long a record now
     backends = open_backends(cfg)
     home = backends[0]
     if summary is None:
@@ -161,11 +183,11 @@ async def run(
         )
         await controller.start()  # its first decision follows the header
         with home.activate():
-            routing: Routing = (TraceRouting(trace) if trace is not None
+            routing: Routing = (replay if replay is not None
                                 else LiveRouter(table, home, cfg.seed))
         loop = DecodeLoop(cfg, table, routing, cache=parts.cache, streamer=parts.streamer,
                           decoder=parts.decoder, verifier=verifier, controller=controller,
-                          runlog=runlog)
+                          runlog=runlog, recorder=recorder)
         started = time.perf_counter()
         for t in range(cfg.tokens):
             totals = await loop.token(t)
@@ -174,6 +196,7 @@ async def run(
             summary.verified = verifier.verified
             summary.mismatches = verifier.mismatches
             summary.first_mismatch = verifier.first_mismatch
+            runlog.raise_if_failed()  # the file system stopped taking the log: stop here
         summary.elapsed_s = time.perf_counter() - started
         summary.exit = "ok"
     except asyncio.CancelledError:
@@ -193,6 +216,9 @@ async def run(
         except asyncio.CancelledError:
             await closing
             raise
+    if runlog.error is not None:  # the last lines, written at close, were refused
+        summary.exit = str(runlog.error)
+        raise runlog.error
     return summary
 
 
@@ -227,10 +253,9 @@ async def _close(
     summary.final_budget_bytes = sum(d["budget_bytes"] for d in summary.devices)
     runlog.emit("run_end", **summary.as_dict(), hit_rate_final=summary.hit_rate)
     await runlog.aclose()
-    if cfg.record_trace is not None and loop is not None and loop.recorded:
-        experts = np.array([e for e, _ in loop.recorded], dtype=np.int32)
-        weights = np.array([w for _, w in loop.recorded], dtype=np.float32)
-        save_trace(Trace(experts, weights, table.n_experts, "recorded"), cfg.record_trace)
+    recorded = loop.recorder.trace() if loop is not None and loop.recorder is not None else None
+    if cfg.record_trace is not None and recorded is not None:
+        save_trace(recorded, cfg.record_trace)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -402,10 +427,12 @@ def _main(args: argparse.Namespace) -> int:
         _log.warning("faults_injected", spec=str(faults), fired=dict(faults.fired))
     if error is not None:
         if summary.budget_bytes:  # decoding had started: say how far it got
-            print_summary(summary, args.json)
-        print(f"moestream: error: {error}", file=sys.stderr)
+            with closable_stdout():
+                print_summary(summary, args.json)
+        print_error("moestream: error: ", error)
         return error.exit_code
-    print_summary(summary, args.json)
+    with closable_stdout():  # a closed stdout drops the summary; the exit status stays
+        print_summary(summary, args.json)
     if interrupt.signum is not None and summary.exit == "cancelled":
         name = signal.Signals(interrupt.signum).name
         print(f"moestream: interrupted by {name} after {summary.tokens} tokens; "
@@ -414,7 +441,7 @@ def _main(args: argparse.Namespace) -> int:
     if summary.mismatches:
         err = VerificationError(f"{summary.mismatches} experts differ from the file, first: "
                                 f"{summary.first_mismatch}")
-        print(f"moestream: error: {err}", file=sys.stderr)
+        print_error("moestream: error: ", err)
         return err.exit_code
     return 0
 

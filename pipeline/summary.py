@@ -6,6 +6,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from pipeline.foundation.cli import printable
 from pipeline.loop import TokenTotals
 
 __all__ = ["RunSummary", "print_summary"]
@@ -102,7 +103,7 @@ def print_summary(summary: RunSummary, as_json: bool) -> None:
         return
     gib = 1 << 30
     print(
-        f"model      {summary.model}\n"
+        f"model      {printable(summary.model)}\n"
         f"backend    {summary.backend} ({summary.device}), mode {summary.mode}"
         f"{f', {summary.switches} switches' if summary.switches else ''}\n"
         f"decoded    {summary.tokens} tokens in {summary.elapsed_s:.2f} s: "

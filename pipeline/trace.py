@@ -10,8 +10,9 @@ loading:
 
 - ``.npz`` (``np.savez``): arrays ``experts`` (int32 ``[tokens, layers, top_k]``),
   ``weights`` (float32, same shape), and 0-d ``format``, ``version``, ``n_experts``,
-  ``preset``. Loaded with ``allow_pickle=False``: an archive holding object arrays is
-  refused rather than unpickled.
+  ``preset``. Each member's ``.npy`` header is read first and checked against the member's
+  size in the zip directory and against ``MAX_TRACE_ENTRIES`` before anything is allocated
+  for it; an archive holding object arrays is refused rather than unpickled.
 - ``.jsonl``: a header object ``{"format": "moestream-trace", "version": 1, "n_layers",
   "n_experts", "top_k", "preset"}`` on the first line, then one object per token
   ``{"token": i, "experts": [[...], ...], "weights": [[...], ...]}``. Parsed with ``json``
@@ -20,25 +21,41 @@ loading:
 Every way a file can be wrong (bad header, ids out of range, a repeated id within one
 token's layer, ragged or mismatched shapes, non-finite or negative weights, a truncated file)
 becomes a ``TraceError`` naming the file and the problem on one line.
+
+Memory is bounded by design: a trace holds at most ``MAX_TRACE_ENTRIES`` (token, layer,
+choice) entries, 1 GiB as int32 ids and float32 weights. Loading refuses a larger one from
+what its headers declare, before reading it (a ``.jsonl`` as soon as its rows pass the
+bound; its lines are read with a length cap); ``TraceRecorder`` refuses a run that would
+record more before the run starts.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
+import struct
 import zipfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import numpy as np
 import numpy.typing as npt
 
-from pipeline.foundation.atomic import atomic_output
 from pipeline.foundation.errors import TraceError
+from pipeline.foundation.outputs import atomic_output
 
-__all__ = ["TRACE_FORMAT", "TRACE_VERSION", "Trace", "load_trace", "save_trace"]
+__all__ = [
+    "MAX_TRACE_ENTRIES",
+    "TRACE_FORMAT",
+    "TRACE_VERSION",
+    "Trace",
+    "TraceRecorder",
+    "load_trace",
+    "save_trace",
+]
 
 TRACE_FORMAT = "moestream-trace"
 """The ``format`` value both file forms carry."""
@@ -50,6 +67,34 @@ _WEIGHT_SUM_TOLERANCE = 1e-3
 """How far a row of weights may sum from 1 (float32 rounding, text round trips)."""
 
 _NPZ_MAGIC = b"PK"
+
+MAX_TRACE_ENTRIES = 1 << 27
+"""The most (token, layer, choice) entries a trace may hold: 1 GiB as int32 ids and float32
+weights, about 520,000 tokens of DeepSeek V4 Flash (43 MoE layers x top-6)."""
+
+_MAX_ITEM_BYTES = 8
+"""The widest element an .npz trace's ``experts`` or ``weights`` may declare (int64)."""
+
+_MAX_SCALAR_BYTES = 4096
+"""The largest 0-d member of an .npz trace (``format``, ``version``, ``n_experts``,
+``preset``)."""
+
+_MAX_DIRECTORY_BYTES = 1 << 16
+"""The largest zip directory of an .npz trace; ``np.savez`` writes six entries, about
+400 bytes. ``zipfile`` reads the whole directory into memory, so it is checked first."""
+
+_READ_BYTES = 1 << 20
+"""An .npz member is read into its array in pieces of this size."""
+
+_EOCD = struct.Struct("<4s4H2LH")
+"""The zip end-of-central-directory record (without its comment)."""
+
+_MAX_HEADER_CHARS = 1 << 16
+"""The longest first line of a ``.jsonl`` trace."""
+
+_ROW_CHARS_BASE, _ROW_CHARS_PER_ENTRY = 256, 64
+"""A ``.jsonl`` row's length cap: the base plus this much per (layer, choice) entry (an id
+and a float32 weight take at most about 35 characters)."""
 
 
 def _problem(experts: np.ndarray, weights: np.ndarray, n_experts: int) -> str | None:
@@ -191,6 +236,51 @@ class Trace:
             )
 
 
+class TraceRecorder:
+    """The routing a run uses, row by row, for ``--record-trace``.
+
+    Its arrays are made for the whole run at once (pages are committed only as rows are
+    written), so a run that would record more than ``MAX_TRACE_ENTRIES`` is refused before
+    it starts, not after hours of decoding; recording costs 8 bytes per entry.
+
+    Args:
+        tokens: tokens the run will decode.
+        n_layers: MoE layers per token.
+        top_k: experts chosen per token per layer.
+        n_experts: routed experts per layer.
+
+    Raises:
+        TraceError: the run's trace would hold more than ``MAX_TRACE_ENTRIES`` entries.
+    """
+
+    def __init__(self, tokens: int, n_layers: int, top_k: int, n_experts: int) -> None:
+        entries = tokens * n_layers * top_k
+        if entries > MAX_TRACE_ENTRIES:
+            most = MAX_TRACE_ENTRIES // (n_layers * top_k)
+            raise TraceError(
+                f"--record-trace: {tokens} tokens x {n_layers} MoE layers x top-{top_k} is "
+                f"{entries} entries, more than the {MAX_TRACE_ENTRIES} a trace holds; record "
+                f"at most {most} tokens"
+            )
+        self.n_experts = n_experts
+        self.tokens = 0
+        self._experts = np.zeros((tokens, n_layers, top_k), dtype=np.int32)
+        self._weights = np.zeros((tokens, n_layers, top_k), dtype=np.float32)
+
+    def add(self, experts: list[list[int]], weights: list[list[float]]) -> None:
+        """Record the next token's experts and weights, one list per MoE layer."""
+        self._experts[self.tokens] = experts
+        self._weights[self.tokens] = weights
+        self.tokens += 1
+
+    def trace(self) -> Trace | None:
+        """The tokens recorded so far, or None before the first."""
+        if not self.tokens:
+            return None
+        return Trace(self._experts[: self.tokens], self._weights[: self.tokens],
+                     self.n_experts, "recorded")
+
+
 def save_trace(trace: Trace, path: str | os.PathLike[str]) -> None:
     """Write ``trace`` atomically: JSON lines if ``path`` ends in ``.jsonl``, else ``.npz``.
 
@@ -291,37 +381,98 @@ def _as_weights(values: Any, source: str) -> npt.NDArray[np.float32]:
     return array.astype(np.float32)
 
 
-def _scalar(archive: Any, name: str, kind: str, source: str) -> Any:
-    if name not in archive.files:
-        raise TraceError(f"{source}: archive lacks '{name}'")
-    value = archive[name]
-    if value.shape != () or value.dtype.kind not in kind:
-        raise TraceError(f"{source}: '{name}' must be a scalar of kind {kind!r}")
-    return value.item()
+def _check_directory(archive: IO[bytes], source: str) -> None:
+    """Refuse an archive whose zip directory is larger than a trace's, before ``zipfile``
+    reads all of it into memory."""
+    size = archive.seek(0, os.SEEK_END)
+    tail = min(size, _EOCD.size + 0xFFFF)  # the record, then a comment of up to 64 KiB
+    archive.seek(size - tail)
+    data = archive.read(tail)
+    at = data.rfind(b"PK\x05\x06")
+    if at < 0 or at + _EOCD.size > len(data):
+        raise TraceError(f"{source}: truncated or corrupt .npz trace (no zip directory)")
+    entries, directory_bytes, directory_offset = _EOCD.unpack_from(data, at)[4:7]
+    if entries == 0xFFFF or 0xFFFFFFFF in (directory_bytes, directory_offset):
+        raise TraceError(f"{source}: a zip64 archive, larger than any trace (at most "
+                         f"{MAX_TRACE_ENTRIES} entries)")
+    if directory_bytes > _MAX_DIRECTORY_BYTES:
+        raise TraceError(f"{source}: its zip directory is {directory_bytes} bytes, a trace's "
+                         f"is under {_MAX_DIRECTORY_BYTES}")
+    archive.seek(0)
+
+
+def _member(archive: zipfile.ZipFile, name: str, source: str, *, scalar_kind: str = ""
+            ) -> npt.NDArray[Any]:
+    """One array of the archive, read only once its ``.npy`` header agrees with the member's
+    size and is within bounds: nothing is allocated for what a header merely claims.
+
+    Args:
+        scalar_kind: for a 0-d member, the dtype kinds it may have; empty for ``experts``
+            and ``weights`` (at most ``MAX_TRACE_ENTRIES`` elements of at most 8 bytes).
+    """
+    try:
+        info = archive.getinfo(f"{name}.npy")
+    except KeyError:
+        raise TraceError(f"{source}: archive lacks '{name}'") from None
+    with archive.open(info) as member:
+        version = np.lib.format.read_magic(member)
+        if version == (1, 0):
+            shape, fortran, dtype = np.lib.format.read_array_header_1_0(member)
+        elif version == (2, 0):
+            shape, fortran, dtype = np.lib.format.read_array_header_2_0(member)
+        else:
+            raise ValueError(f"'{name}' is .npy format {version}, not 1.0 or 2.0")
+        if dtype.hasobject:
+            raise ValueError(f"'{name}' holds Python objects, which are never unpickled")
+        count = math.prod(shape)
+        data_bytes = count * dtype.itemsize
+        held = info.file_size - member.tell()
+        if data_bytes != held:
+            raise TraceError(f"{source}: '{name}' declares shape {shape} of {dtype} "
+                             f"({data_bytes} bytes), the archive holds {held} bytes")
+        if scalar_kind:
+            if shape != () or dtype.kind not in scalar_kind or data_bytes > _MAX_SCALAR_BYTES:
+                raise TraceError(f"{source}: '{name}' must be a scalar of kind {scalar_kind!r}")
+        elif count > MAX_TRACE_ENTRIES or dtype.itemsize > _MAX_ITEM_BYTES:
+            raise TraceError(f"{source}: '{name}' declares shape {shape} of {dtype}, more than "
+                             f"the {MAX_TRACE_ENTRIES} entries of at most {_MAX_ITEM_BYTES} "
+                             "bytes a trace holds")
+        array = np.empty(count, dtype=dtype)
+        raw = array.view(np.uint8)
+        done = 0
+        while done < data_bytes:
+            piece = member.read(min(data_bytes - done, _READ_BYTES))
+            if not piece:
+                raise TraceError(f"{source}: truncated or corrupt .npz trace ('{name}' ends "
+                                 f"after {done} of {data_bytes} bytes)")
+            raw[done : done + len(piece)] = np.frombuffer(piece, dtype=np.uint8)
+            done += len(piece)
+    return array.reshape(shape, order="F" if fortran else "C")
 
 
 def _read_npz(path: str | os.PathLike[str], source: str) -> _Arrays:
     try:
-        with np.load(path, allow_pickle=False) as archive:
-            fmt = _scalar(archive, "format", "U", source)
-            version = _scalar(archive, "version", "iu", source)
-            if fmt != TRACE_FORMAT or version != TRACE_VERSION:
-                raise TraceError(
-                    f"{source}: not a {TRACE_FORMAT} version {TRACE_VERSION} archive "
-                    f"(format {fmt!r}, version {version!r})"
-                )
-            n_experts = int(_scalar(archive, "n_experts", "iu", source))
-            preset = str(_scalar(archive, "preset", "U", source))
-            for name in ("experts", "weights"):
-                if name not in archive.files:
-                    raise TraceError(f"{source}: archive lacks '{name}'")
-            experts = _as_ids(archive["experts"], source)
-            weights = _as_weights(archive["weights"], source)
+        with open(path, "rb") as handle:
+            _check_directory(handle, source)
+            with zipfile.ZipFile(handle) as archive:
+                fmt = _member(archive, "format", source, scalar_kind="U").item()
+                version = _member(archive, "version", source, scalar_kind="iu").item()
+                if fmt != TRACE_FORMAT or version != TRACE_VERSION:
+                    raise TraceError(
+                        f"{source}: not a {TRACE_FORMAT} version {TRACE_VERSION} archive "
+                        f"(format {fmt!r}, version {version!r})"
+                    )
+                n_experts = int(_member(archive, "n_experts", source, scalar_kind="iu").item())
+                preset = str(_member(archive, "preset", source, scalar_kind="U").item())
+                for name in ("experts", "weights"):
+                    if f"{name}.npy" not in archive.namelist():
+                        raise TraceError(f"{source}: archive lacks '{name}'")
+                experts = _as_ids(_member(archive, "experts", source), source)
+                weights = _as_weights(_member(archive, "weights", source), source)
     except TraceError:
         raise
     except ValueError as exc:
-        # np.load raises ValueError for object arrays under allow_pickle=False, and for
-        # corrupt array headers.
+        # object arrays, and corrupt or oversized array headers (numpy.lib.format)
         first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise TraceError(f"{source}: unreadable .npz trace: {first}") from exc
     except (OSError, EOFError, zipfile.BadZipFile, KeyError) as exc:
@@ -329,17 +480,35 @@ def _read_npz(path: str | os.PathLike[str], source: str) -> _Arrays:
     return experts, weights, n_experts, preset
 
 
+def _line(lines: IO[str], limit: int, where: str) -> str:
+    """The next line, refused if longer than ``limit`` characters (never read whole)."""
+    line = lines.readline(limit + 1)
+    if len(line) > limit and not line.endswith("\n"):
+        raise TraceError(f"{where}: line longer than {limit} characters")
+    return line
+
+
 def _read_jsonl(path: str | os.PathLike[str], source: str) -> _Arrays:
-    experts_rows: list[Any] = []
-    weights_rows: list[Any] = []
+    experts_rows: list[npt.NDArray[np.int32]] = []
+    weights_rows: list[npt.NDArray[np.float32]] = []
     try:
         with open(path, encoding="utf-8") as lines:
-            header = _header(lines.readline(), source)
+            header = _header(_line(lines, _MAX_HEADER_CHARS, f"{source}:1"), source)
             n_layers, top_k = header["n_layers"], header["top_k"]
-            for number, line in enumerate(lines, start=2):
+            per_token = n_layers * top_k
+            if per_token > MAX_TRACE_ENTRIES:
+                raise TraceError(f"{source}: header declares {n_layers} layers x top-{top_k}, "
+                                 f"more than the {MAX_TRACE_ENTRIES} entries a trace holds")
+            row_chars = _ROW_CHARS_BASE + per_token * _ROW_CHARS_PER_ENTRY
+            number = 1
+            while line := _line(lines, row_chars, f"{source}:{number + 1}"):
+                number += 1
                 if not line.strip():
                     continue
                 token = len(experts_rows)
+                if (token + 1) * per_token > MAX_TRACE_ENTRIES:
+                    raise TraceError(f"{source}:{number}: more than the {MAX_TRACE_ENTRIES} "
+                                     f"entries a trace holds ({token} tokens)")
                 row = _json_object(line, f"{source}:{number}")
                 if row.get("token") != token:
                     raise TraceError(
@@ -353,8 +522,8 @@ def _read_jsonl(path: str | os.PathLike[str], source: str) -> _Arrays:
                             f"{source}:{number}: '{name}' has shape {shape}, "
                             f"the header says ({n_layers}, {top_k})"
                         )
-                experts_rows.append(row["experts"])
-                weights_rows.append(row["weights"])
+                experts_rows.append(_as_ids(row["experts"], f"{source}:{number}"))
+                weights_rows.append(_as_weights(row["weights"], f"{source}:{number}"))
     except UnicodeDecodeError as exc:
         raise TraceError(f"{source}: not UTF-8 text at byte {exc.start}") from exc
     except ValueError as exc:  # np.shape of a ragged list
@@ -363,12 +532,7 @@ def _read_jsonl(path: str | os.PathLike[str], source: str) -> _Arrays:
         raise TraceError(f"{source}: cannot read trace: {exc.strerror or exc}") from exc
     if not experts_rows:
         raise TraceError(f"{source}: header but no tokens")
-    try:
-        experts = _as_ids(experts_rows, source)
-    except OverflowError as exc:
-        raise TraceError(f"{source}: expert id too large for int32") from exc
-    weights = _as_weights(weights_rows, source)
-    return experts, weights, header["n_experts"], header["preset"]
+    return np.stack(experts_rows), np.stack(weights_rows), header["n_experts"], header["preset"]
 
 
 def _json_object(line: str, where: str) -> dict[str, Any]:

@@ -1,6 +1,6 @@
 """The warm-up engine: load byte ranges of the model file into the page cache, politely.
 
-Split out of ``pipeline.residency`` so that module keeps to asking the kernel about pages
+Split out of ``stages.residency`` so that module keeps to asking the kernel about pages
 (``mincore``, ``evict``, ``WILLNEED``, ``mlock``) while this one owns the machinery that
 fills the cache in the background: a thread pool, a byte-rate limit and pause/resume.
 The residency controller and the ``tools.warmup`` CLI both use it.
@@ -8,11 +8,11 @@ The residency controller and the ``tools.warmup`` CLI both use it.
 - ``WarmEngine`` loads ranges with a thread pool of ``os.sendfile`` calls to
   ``/dev/null`` (the kernel reads the pages, nothing is copied to user space) or
   ``os.preadv`` into reusable per-thread buffers, with ``WILLNEED`` hints issued ahead
-  (``pipeline.residency.hint_willneed``), a byte-rate ``TokenBucket``,
+  (``stages.residency.hint_willneed``), a byte-rate ``TokenBucket``,
   ``pause()``/``resume()`` so decode reads go first, and prompt asyncio cancellation.
 - ``WarmResult`` says what one warm-up did.
 
-Byte ranges are anything with ``offset`` and ``nbytes`` (``pipeline.residency.RangeLike``).
+Byte ranges are anything with ``offset`` and ``nbytes`` (``stages.residency.RangeLike``).
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ is the one place that talks to the kernel about that; the residency controller a
 Filling the cache in the background (``WarmEngine``: threads, byte rate, pause/resume)
 lives in ``pipeline.warm``, which builds on the hints here.
 
-Byte ranges are anything with ``offset`` and ``nbytes`` (``pipeline.table.ByteRange`` and
+Byte ranges are anything with ``offset`` and ``nbytes`` (``pipeline.foundation.table.ByteRange`` and
 ``TensorInfo`` both fit). Ranges need not be page aligned; page-level answers count every
 page a range touches, byte-level answers (``resident_bytes``) count only the range's bytes.
 """

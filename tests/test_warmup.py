@@ -116,11 +116,18 @@ class FakeMemory:
 
 
 class TestParsing:
-    """Index lists parse to sorted unique indices; bad ones are usage errors."""
+    """Index lists parse to ranges, expanded to sorted unique indices within a bound; bad ones
+    are usage errors."""
 
     def test_index_lists(self) -> None:
-        assert parse_index_list("0,3-5") == [0, 3, 4, 5]
-        assert parse_index_list("5, 1-2,2") == [1, 2, 5]
+        assert parse_index_list("0,3-5").indices(6, "layer", "") == [0, 3, 4, 5]
+        assert parse_index_list("5, 1-2,2").indices(6, "layer", "") == [1, 2, 5]
+
+    def test_out_of_bound_is_refused_before_expanding(self) -> None:
+        ranges = parse_index_list("0-99999999999")
+        assert ranges.ranges == ((0, 99999999999),)
+        with pytest.raises(UsageError, match="layer 99999999999 in '0-99999999999' is out of"):
+            ranges.indices(4, "layer", "the model has 4")
 
     @pytest.mark.parametrize("text", ["", "a", "1-", "3-1", "1,,2", "-1"])
     def test_bad_lists(self, text: str) -> None:

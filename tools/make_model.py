@@ -9,7 +9,7 @@ magnitude (so compute can run a real SwiGLU) or valid quantized blocks with fini
 Presets: ``tiny`` (F16), ``ds4-flash-q2`` and ``ds4-flash-q4`` (the quantizations people
 run) and ``ds4-flash-f16`` (the same shape with 48 MiB F16 experts, for real-compute runs).
 
-``moestream.expert_digests`` holds one ``pipeline.digest.digest_bytes`` per (MoE layer,
+``moestream.expert_digests`` holds one ``pipeline.foundation.digest.digest_bytes`` per (MoE layer,
 expert, matrix in order gate, up, down), so a run can prove that what compute consumed is
 what the file holds. Tensor data is streamed: a thread pool generates and digests one
 expert matrix at a time (numpy releases the GIL), the main thread writes them in file order,
@@ -25,7 +25,6 @@ import dataclasses
 import hashlib
 import os
 import sys
-import tempfile
 import time
 import zlib
 from collections import deque
@@ -42,8 +41,10 @@ from gguf import GGML_QUANT_SIZES, GGUFReader, GGUFValueType, GGUFWriter
 from gguf import GGMLQuantizationType as QType
 from tqdm import tqdm
 
+from pipeline.foundation.cli import closable_stdout, print_error, printable
 from pipeline.foundation.digest import digest_bytes
 from pipeline.foundation.errors import ModelFileError, MoestreamError, UsageError
+from pipeline.foundation.outputs import atomic_path, check_output, check_output_dir
 
 __all__ = ["PRESETS", "ModelSpec", "ensure_default_model", "main", "spec_for", "write_model"]
 
@@ -293,88 +294,79 @@ def write_model(spec: ModelSpec, path: Path, *, progress: bool = False) -> Path:
 
     Args:
         spec: what to generate.
-        path: destination; replaced if present. A temp file in its directory is removed
-            on any error or interrupt.
+        path: destination; replaced if present (a link: the file it names). A temp file in
+            its directory is removed on any error or interrupt.
         progress: show a tqdm bar of bytes written on stderr.
 
     Raises:
+        OutputError: ``path`` cannot take a file (a directory, a device, a FIFO; its
+            directory missing or read-only), or the final rename failed.
         ModelFileError: the file could not be written (the message names the OS error).
     """
     path = Path(path)
     tensors = _plan(spec)
     n_digests = len(spec.moe_layers) * spec.n_experts * 3
     total = sum(p.nbytes for t in tensors for p in t.pieces)
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    tmp = Path(tmp_name)
-    writer = GGUFWriter(tmp, ARCH)
-    started = time.perf_counter()
-    try:
-        writer.add_block_count(spec.n_layers)
-        writer.add_embedding_length(spec.hidden)
-        writer.add_feed_forward_length(spec.dense_ffn)
-        writer.add_expert_feed_forward_length(spec.expert_ffn)
-        writer.add_expert_count(spec.n_experts)
-        writer.add_expert_used_count(spec.top_k)
-        writer.add_leading_dense_block_count(spec.leading_dense)
-        writer.add_expert_shared_count(1)
-        writer.add_vocab_size(spec.vocab)
-        writer.add_string("moestream.preset", spec.preset)
-        writer.add_uint64("moestream.seed", spec.seed)
-        writer.add_uint32("moestream.hash_routed_layer_count", spec.hash_routed)
-        # Last KV on purpose: its uint64 values end the KV section, where they are patched.
-        writer.add_key_value(DIGESTS_KEY, [0] * n_digests, GGUFValueType.ARRAY,
-                             sub_type=GGUFValueType.UINT64)
-        for t in tensors:
-            writer.add_tensor_info(t.name, t.shape, np.dtype(np.float32),
-                                   sum(p.nbytes for p in t.pieces), raw_dtype=t.qtype)
-        writer.write_header_to_file(tmp)
-        writer.write_kv_data_to_file()
-        assert writer.fout is not None
-        fout: BinaryIO = writer.fout[0]
-        digests_at = fout.tell() - 8 * n_digests
-        writer.write_ti_data_to_file()
-        digests = np.zeros(n_digests, dtype="<u8")
-        pieces = [p for t in tensors for p in t.pieces]
-        starts = {id(t.pieces[0]) for t in tensors}
-        workers = min(32, len(os.sched_getaffinity(0)))
-        with tqdm(total=total, unit="B", unit_scale=True, disable=not progress,
-                  desc=path.name) as bar:
-            made = contextlib.closing(_generated(pieces, workers))
-            with made as stream:
-                for piece, (data, digest) in zip(pieces, stream, strict=True):
-                    if id(piece) in starts:
-                        _pad(fout, writer.data_alignment)
-                    fout.write(data.data)
-                    if piece.digest_index is not None:
-                        digests[piece.digest_index] = digest
-                    bar.update(piece.nbytes)
-        _pad(fout, writer.data_alignment)
-        fout.seek(digests_at)
-        fout.write(digests.tobytes())
-        fout.flush()
-        os.fsync(fout.fileno())
-        writer.close()
-        os.replace(tmp, path)
-        _fsync_dir(path.parent)
-    except OSError as exc:
-        raise ModelFileError(path, f"cannot write model: {exc}") from exc
-    finally:
-        writer.close()
-        tmp.unlink(missing_ok=True)
+    # atomic_path checks the target (a FIFO, a device or a directory is refused), follows a
+    # link to its file, and renames the finished file over it
+    with atomic_path(path) as tmp:
+        writer = GGUFWriter(tmp, ARCH)
+        started = time.perf_counter()
+        try:
+            writer.add_block_count(spec.n_layers)
+            writer.add_embedding_length(spec.hidden)
+            writer.add_feed_forward_length(spec.dense_ffn)
+            writer.add_expert_feed_forward_length(spec.expert_ffn)
+            writer.add_expert_count(spec.n_experts)
+            writer.add_expert_used_count(spec.top_k)
+            writer.add_leading_dense_block_count(spec.leading_dense)
+            writer.add_expert_shared_count(1)
+            writer.add_vocab_size(spec.vocab)
+            writer.add_string("moestream.preset", spec.preset)
+            writer.add_uint64("moestream.seed", spec.seed)
+            writer.add_uint32("moestream.hash_routed_layer_count", spec.hash_routed)
+            # Last KV on purpose: its uint64 values end the KV section, where they are patched.
+            writer.add_key_value(DIGESTS_KEY, [0] * n_digests, GGUFValueType.ARRAY,
+                                 sub_type=GGUFValueType.UINT64)
+            for t in tensors:
+                writer.add_tensor_info(t.name, t.shape, np.dtype(np.float32),
+                                       sum(p.nbytes for p in t.pieces), raw_dtype=t.qtype)
+            writer.write_header_to_file(tmp)
+            writer.write_kv_data_to_file()
+            assert writer.fout is not None
+            fout: BinaryIO = writer.fout[0]
+            digests_at = fout.tell() - 8 * n_digests
+            writer.write_ti_data_to_file()
+            digests = np.zeros(n_digests, dtype="<u8")
+            pieces = [p for t in tensors for p in t.pieces]
+            starts = {id(t.pieces[0]) for t in tensors}
+            workers = min(32, len(os.sched_getaffinity(0)))
+            with tqdm(total=total, unit="B", unit_scale=True, disable=not progress,
+                      desc=path.name) as bar:
+                made = contextlib.closing(_generated(pieces, workers))
+                with made as stream:
+                    for piece, (data, digest) in zip(pieces, stream, strict=True):
+                        if id(piece) in starts:
+                            _pad(fout, writer.data_alignment)
+                        fout.write(data.data)
+                        if piece.digest_index is not None:
+                            digests[piece.digest_index] = digest
+                        bar.update(piece.nbytes)
+            _pad(fout, writer.data_alignment)
+            fout.seek(digests_at)
+            fout.write(digests.tobytes())
+            fout.flush()
+            os.fsync(fout.fileno())
+            writer.close()
+        except OSError as exc:
+            raise ModelFileError(path, f"cannot write model: {exc}") from exc
+        finally:
+            writer.close()
     seconds = time.perf_counter() - started
     log.info("make_model.written", path=str(path), preset=spec.preset, layers=spec.n_layers,
              experts=spec.n_experts, bytes=total, seconds=round(seconds, 3),
              mb_per_s=round(total / 1e6 / max(seconds, 1e-9), 1))
     return path
-
-
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _is_complete(path: Path, spec: ModelSpec) -> bool:
@@ -397,12 +389,15 @@ def ensure_default_model() -> Path:
     never re-uses stale bytes.
     """
     spec = PRESETS["tiny"]
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "moestream"
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    cache = Path(xdg or Path.home() / ".cache") / "moestream"
     tag = hashlib.sha256(f"{_FORMAT_VERSION}:{spec!r}".encode()).hexdigest()[:12]
     path = cache / f"tiny-{tag}.gguf"
-    if path.exists() and _is_complete(path, spec):
+    if path.is_file() and _is_complete(path, spec):  # is_file: never open a FIFO put there
         return path
-    cache.mkdir(parents=True, exist_ok=True)
+    # an unusable cache (XDG_CACHE_HOME a file, /proc, read-only) is one line, exit 2
+    check_output_dir(cache, what="the model cache (XDG_CACHE_HOME)" if xdg
+                     else "the model cache", create=True)
     log.info("make_model.default_missing", path=str(path))
     return write_model(spec, path)
 
@@ -432,10 +427,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         structlog.configure(logger_factory=structlog.PrintLoggerFactory(sys.stderr))
     try:
         args = parser.parse_args(argv)
+        check_output(args.out, what="OUT")  # a directory, device or FIFO: refused, --force or not
         if args.out.exists() and not args.force:
             raise UsageError(f"{args.out} exists (use --force to replace it)")
-        if not args.out.parent.is_dir():
-            raise UsageError(f"{args.out.parent} is not a directory")
         spec = spec_for(args.preset, args.layers, args.experts, args.seed,
                         fused_gate_up=args.fused_gate_up)
         started = time.perf_counter()
@@ -443,15 +437,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     except MoestreamError as exc:
         if debug:
             raise
-        print(f"moestream-make-model: error: {exc}", file=sys.stderr)
+        print_error("moestream-make-model: error: ", exc)
         return exc.exit_code
     except KeyboardInterrupt:
         print("moestream-make-model: interrupted", file=sys.stderr)
         return 130
     seconds = time.perf_counter() - started
     size = args.out.stat().st_size
-    print(f"{args.out}: {spec.preset}, {spec.n_layers} layers x {spec.n_experts} experts, "
-          f"{size / 2**30:.3f} GiB in {seconds:.1f} s ({size / 1e6 / seconds:.0f} MB/s)")
+    with closable_stdout():
+        print(f"{printable(str(args.out))}: {spec.preset}, {spec.n_layers} layers x "
+              f"{spec.n_experts} experts, {size / 2**30:.3f} GiB in {seconds:.1f} s "
+              f"({size / 1e6 / seconds:.0f} MB/s)")
     return 0
 
 

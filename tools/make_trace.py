@@ -47,35 +47,42 @@ model; they hold within about 3 points across seeds.
 Sizes are in units of ``top_k`` (``speed_per_k``, ``window_per_k``) so that a trace reshaped
 to a small model (say 4 layers x 32 experts x top-4) keeps the preset's character; hash
 layers scale with the layer count. Everything is vectorised over blocks of 1024 tokens (no
-per-token Python loop): 100,000 tokens x 43 layers x top-6 take a few seconds. All
-randomness comes from one generator seeded by ``seed`` and drawn per fixed-size block, so a
-trace is deterministic and a shorter trace is a prefix of a longer one.
+per-token Python loop): 100,000 tokens x 43 layers x top-6 take a few seconds. The expert
+choices come from one generator seeded by ``seed``, the weights from a second stream spawned
+from the same seed, both drawn per fixed-size block: a trace is deterministic and a shorter
+trace is a prefix of a longer one. ``synthetic_blocks`` yields the blocks one at a time, so
+``pipeline.run`` routes any number of tokens in the memory of a few blocks.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import NoReturn, TypeAlias
 
 import numpy as np
 import numpy.typing as npt
 
+from pipeline.foundation.cli import closable_stdout, print_error, printable
 from pipeline.foundation.errors import MoestreamError, UsageError
-from pipeline.trace import Trace, save_trace
+from pipeline.foundation.outputs import check_output
+from pipeline.trace import MAX_TRACE_ENTRIES, Trace, save_trace
 
 __all__ = [
+    "BLOCK_TOKENS",
     "PRESETS",
     "TracePreset",
     "main",
+    "synthetic_blocks",
     "synthetic_trace",
 ]
 
 IntArray: TypeAlias = npt.NDArray[np.int32]
+FloatArray: TypeAlias = npt.NDArray[np.float32]
 
-_BLOCK_TOKENS = 1024
+BLOCK_TOKENS = 1024
 """Tokens generated per block; fixed so that traces are prefixes of longer ones."""
 
 _RING_UNITS_PER_EXPERT = 64
@@ -200,23 +207,70 @@ def synthetic_trace(
         The trace; its ``preset`` is the preset name.
 
     Raises:
-        UsageError: unknown preset or an impossible shape.
+        UsageError: unknown preset, an impossible shape, or more than ``MAX_TRACE_ENTRIES``
+            entries (the memory of a trace grows with it: ``synthetic_blocks`` does not).
     """
+    generator = _generator(preset, seed, n_layers, n_experts, top_k)
+    if n_tokens <= 0:
+        raise UsageError(f"tokens must be positive, got {n_tokens}")
+    entries = n_tokens * generator.n_layers * generator.top_k
+    if entries > MAX_TRACE_ENTRIES:
+        raise UsageError(f"{n_tokens} tokens x {generator.n_layers} layers x "
+                         f"top-{generator.top_k} is {entries} entries, more than the "
+                         f"{MAX_TRACE_ENTRIES} a trace holds")
+    made = generator.blocks()
+    blocks = [next(made) for _ in range(-(-n_tokens // BLOCK_TOKENS))]
+    ids = np.concatenate([b[0] for b in blocks])[:n_tokens]
+    weights = np.concatenate([b[1] for b in blocks])[:n_tokens]
+    return Trace(ids, weights, generator.n_experts, preset)
+
+
+def synthetic_blocks(
+    preset: str,
+    *,
+    seed: int = 0,
+    n_layers: int | None = None,
+    n_experts: int | None = None,
+    top_k: int | None = None,
+) -> Iterator[tuple[IntArray, FloatArray]]:
+    """The routing ``synthetic_trace`` makes, as an endless run of ``BLOCK_TOKENS`` blocks.
+
+    Block ``b`` holds tokens ``b * BLOCK_TOKENS`` onwards, exactly the rows
+    ``synthetic_trace`` gives them for the same arguments; only the blocks asked for are
+    ever made, so memory does not grow with the number of tokens.
+
+    Args:
+        preset, seed, n_layers, n_experts, top_k: as for ``synthetic_trace``.
+
+    Returns:
+        An iterator of ``(experts, weights)``: int32 and float32 arrays of shape
+        ``[BLOCK_TOKENS, layers, top_k]``.
+
+    Raises:
+        UsageError: unknown preset or an impossible shape (at the call, not at the first
+            block).
+    """
+    return _generator(preset, seed, n_layers, n_experts, top_k).blocks()
+
+
+def _generator(
+    preset: str, seed: int, n_layers: int | None, n_experts: int | None, top_k: int | None
+) -> _Generator:
+    """The generator of a preset reshaped to a model, after checking the arguments."""
     spec = PRESETS.get(preset)
     if spec is None:
         raise UsageError(f"unknown trace preset {preset!r} (known: {', '.join(PRESETS)})")
     layers = spec.n_layers if n_layers is None else n_layers
     experts = spec.n_experts if n_experts is None else n_experts
     k = spec.top_k if top_k is None else top_k
-    for name, value in (("tokens", n_tokens), ("layers", layers), ("experts", experts)):
+    for name, value in (("layers", layers), ("experts", experts)):
         if value <= 0:
             raise UsageError(f"{name} must be positive, got {value}")
     if not 0 < k <= experts:
         raise UsageError(f"top-k must be in [1, experts={experts}], got {k}")
     if seed < 0:
         raise UsageError(f"seed must be >= 0, got {seed}")
-    ids, weights = _Generator(spec, layers, experts, k, seed).run(n_tokens)
-    return Trace(ids, weights, experts, spec.name)
+    return _Generator(spec, layers, experts, k, seed)
 
 
 class _Generator:
@@ -230,6 +284,9 @@ class _Generator:
         self.top_k = top_k
         self.switch = spec.switch
         self.rng = np.random.default_rng(seed)
+        # The weights draw from their own stream, so that a block's weights need nothing
+        # from later blocks and the expert choices are those of the choices-only stream.
+        self.weight_rng = np.random.default_rng(np.random.SeedSequence(seed).spawn(1)[0])
         rng = self.rng
         if n_layers == spec.n_layers:
             self.n_hash = spec.hash_layers
@@ -291,41 +348,38 @@ class _Generator:
         offset = np.where(level < share, anywhere, distance)
         return (np.floor(offset) % self.ring_units).astype(np.int32)
 
-    def run(self, n_tokens: int) -> tuple[IntArray, npt.NDArray[np.float32]]:
-        """Generate whole blocks and crop, so the result is a prefix of any longer run."""
-        blocks = -(-n_tokens // _BLOCK_TOKENS)
-        total = blocks * _BLOCK_TOKENS
-        ids = np.empty((total, self.n_layers, self.top_k), dtype=np.int32)
-        for block in range(blocks):
-            rows = slice(block * _BLOCK_TOKENS, (block + 1) * _BLOCK_TOKENS)
+    def blocks(self) -> Iterator[tuple[IntArray, FloatArray]]:
+        """Endless blocks of ``BLOCK_TOKENS`` tokens, each made only when asked for."""
+        while True:
+            ids = np.empty((BLOCK_TOKENS, self.n_layers, self.top_k), dtype=np.int32)
             if self.n_hash:
-                ids[rows, : self.n_hash] = self._hash_block()
+                ids[:, : self.n_hash] = self._hash_block()
             if self.n_routed:
-                ids[rows, self.n_hash :] = self._routed_block()
-        weights = self.rng.standard_exponential(ids.shape, dtype=np.float32)
-        weights += np.float32(1e-6)  # every weight, and so every row sum, stays positive
-        weights /= weights.sum(axis=2, keepdims=True)
-        return ids[:n_tokens], weights[:n_tokens]
+                ids[:, self.n_hash :] = self._routed_block()
+            weights = self.weight_rng.standard_exponential(ids.shape, dtype=np.float32)
+            weights += np.float32(1e-6)  # every weight, and so every row sum, stays positive
+            weights /= weights.sum(axis=2, keepdims=True)
+            yield ids, weights
 
     def _hash_block(self) -> IntArray:
-        token_ids = self.vocab[self.rng.integers(0, self.vocab.size, size=_BLOCK_TOKENS)]
+        token_ids = self.vocab[self.rng.integers(0, self.vocab.size, size=BLOCK_TOKENS)]
         block: IntArray = self.hash_table[:, token_ids].transpose(1, 0, 2)
         return block
 
     def _fronts(self) -> npt.NDArray[np.int64]:
         """The context's ring position for each token of the block and routed layer."""
-        flips = self.rng.random(_BLOCK_TOKENS) < self.switch
+        flips = self.rng.random(BLOCK_TOKENS) < self.switch
         stream = (self.stream + np.cumsum(flips)) % 2
         self.stream = int(stream[-1])
-        steps = (self.token + np.arange(_BLOCK_TOKENS)) * self.speed_units % self.ring_units
-        self.token += _BLOCK_TOKENS
+        steps = (self.token + np.arange(BLOCK_TOKENS)) * self.speed_units % self.ring_units
+        self.token += BLOCK_TOKENS
         fronts = self.phase[stream] + steps[:, None]
         wrapped: npt.NDArray[np.int64] = np.floor(fronts).astype(np.int64) % self.ring_units
         return wrapped
 
     def _routed_block(self) -> IntArray:
         """One block of the routed layers' choices: candidates, then the first distinct."""
-        tokens, layers, k = _BLOCK_TOKENS, self.n_routed, self.top_k
+        tokens, layers, k = BLOCK_TOKENS, self.n_routed, self.top_k
         m = _CANDIDATES_PER_K * k
         levels = self.rng.integers(0, _SOURCE_LEVELS, size=(tokens, layers, m), dtype=np.int32)
         levels += (np.arange(layers, dtype=np.int32) * _SOURCE_LEVELS)[:, None]
@@ -442,6 +496,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.out is not None:
             if args.tokens is None:
                 raise UsageError("--tokens is required when writing a trace")
+            check_output(args.out, what="OUT")  # before generating: a FIFO or device refused
             trace = synthetic_trace(
                 args.preset,
                 args.tokens,
@@ -454,17 +509,19 @@ def main(argv: Sequence[str] | None = None) -> int:
                 save_trace(trace, args.out)
             except OSError as exc:
                 raise UsageError(f"cannot write {args.out}: {exc.strerror or exc}") from exc
-            print(
-                f"wrote {args.out}: {trace.n_tokens} tokens x {trace.n_layers} layers x "
-                f"top-{trace.top_k} of {trace.n_experts} experts "
-                f"(preset {trace.preset}, seed {args.seed})"
-            )
+            with closable_stdout():
+                print(
+                    f"wrote {printable(args.out)}: {trace.n_tokens} tokens x "
+                    f"{trace.n_layers} layers x top-{trace.top_k} of {trace.n_experts} "
+                    f"experts (preset {trace.preset}, seed {args.seed})"
+                )
         if args.check:
-            _print_table(args.preset, args.seed)
+            with closable_stdout():
+                _print_table(args.preset, args.seed)
     except MoestreamError as exc:
         if args is not None and args.debug:
             raise
-        print(f"make_trace: {exc}", file=sys.stderr)
+        print_error("make_trace: ", exc)
         return exc.exit_code
     return 0
 

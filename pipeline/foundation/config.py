@@ -148,7 +148,7 @@ class RunConfig:
         dwell_s: least time between two mode switches (pressure overrides it).
         json: print the summary as JSON.
         debug: show tracebacks.
-        faults: injected faults, ``kind[=value]@N[+]`` items (``stages.faults``); empty
+        faults: injected faults, ``kind[=value]@N[+]`` items (``pipeline.foundation.faults``); empty
             (the default) injects nothing. A test facility.
     """
 

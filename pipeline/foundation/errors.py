@@ -13,6 +13,7 @@ layer and expert, the byte offset. The CLI prints ``str(error)`` on one line and
     │   ├── ExpertLayoutError      expert tensors missing, inconsistent or of mixed types
     │   └── ModelChangedError      truncated, modified or replaced while running
     ├── TraceError                 a routing trace or log that does not fit the model (exit 2)
+    ├── OutputError                an output file that cannot be written (exit 2)
     ├── StageError                 a pipeline stage failed while running (exit 1)
     │   ├── ReadError              a read failed or came back short
     │   ├── UploadError            a host-to-device copy failed
@@ -30,6 +31,7 @@ __all__ = [
     "ModelFileError",
     "MoestreamError",
     "NotGGUFError",
+    "OutputError",
     "ReadError",
     "ResidencyError",
     "StageError",
@@ -88,6 +90,22 @@ class TraceError(MoestreamError):
     """A routing trace or log does not fit the model or is malformed."""
 
     exit_code = 2
+
+
+class OutputError(MoestreamError):
+    """An output file (log, trace, CSV, plot, model, result) cannot be written there.
+
+    Raised before any work when the path is a directory, a device, a FIFO or a socket, when
+    its directory is missing or refuses new files, or when another run holds the log; and
+    while writing, when the file system refuses the bytes (full, too large, I/O error).
+    """
+
+    exit_code = 2
+
+    def __init__(self, path: object, problem: str, *, what: str | None = None) -> None:
+        super().__init__(f"{what} {path}: {problem}" if what else f"{path}: {problem}")
+        self.path = path
+        self.problem = problem
 
 
 class StageError(MoestreamError):

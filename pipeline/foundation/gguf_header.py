@@ -1,7 +1,7 @@
 """The bounded GGUF header walk: a structural check of a model file before gguf's reader.
 
-Split out of ``pipeline.table`` so the expert table keeps to building the table; this module
-only decides whether a file's header is safe to hand to ``GGUFReader``.
+Split out of ``pipeline.foundation.table`` so the expert table keeps to building the table; this
+module only decides whether a file's header is safe to hand to ``GGUFReader``.
 
 Why a walk before gguf's reader: GGUFReader trusts every count and length in the file. It
 loops ``for idx in range(alen)`` over an array's length, and an element read past the end
@@ -15,8 +15,8 @@ checked against the file size, and applies llama.cpp's limits (no nested arrays,
 names under 64 bytes, at most 4 dims, tensor data laid out in order). It allocates nothing
 in proportion to a length and its loops are bounded by the file size and by
 ``_MAX_HEADER_ITEMS``; after it, gguf's reader parses the values of a header whose every
-loop is known to be short, and a cross-check of the two (in ``pipeline.table``) keeps them
-from drifting apart.
+loop is known to be short, and a cross-check of the two (in ``pipeline.foundation.table``) keeps
+them from drifting apart.
 
 ``check_magic`` refuses a file without a GGUF magic and version; ``walk_header`` then checks
 the rest of the header and returns its ``HeaderLayout``.

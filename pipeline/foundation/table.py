@@ -6,7 +6,7 @@ tensor is one contiguous slice at ``offset + e * bytes_per_expert``. The table r
 MoE layer, the three slices of each expert; everything the streaming pipeline reads is
 described by it. The file is opened with gguf's reader (a memory map; nothing is read until
 touched) and validated here, so every later stage may trust the offsets; before the reader,
-``pipeline.gguf_header`` checks the header's structure within the file's bounds.
+``pipeline.foundation.gguf_header`` checks the header's structure within the file's bounds.
 """
 
 from __future__ import annotations

@@ -6,9 +6,10 @@ each token's expert bytes came from (device cache, page cache, storage), how muc
 token's time was spent waiting for I/O, how long each I/O mode was in force and why it
 switched. One log gives a summary table; several give a before/after comparison; ``--csv``
 gives per-interval rows in ds4-bench's column style for spreadsheets; ``--plot`` draws the
-same over time (``tools.plots``); ``--what-if`` replays the run's accesses under other
-budgets and policies (``tools.whatif``, reported by ``tools.whatif_report``). A run over
-several devices also gets a per-device table (``tools.device_report``): each device's hits,
+same over time (``tools.analyze.plots``); ``--what-if`` replays the run's accesses under other
+budgets and policies (``tools.analyze.whatif``, reported by ``tools.analyze.whatif_report``). A run
+over
+several devices also gets a per-device table (``tools.analyze.device_report``): each device's hits,
 file bytes, stall, budget and peak, and how evenly the file bytes were spread.
 
 Usage::
@@ -37,8 +38,9 @@ from typing import Any
 import numpy as np
 import structlog
 
-from pipeline.foundation.atomic import write_atomic
+from pipeline.foundation.cli import closable_stdout, print_error
 from pipeline.foundation.errors import MoestreamError, UsageError
+from pipeline.foundation.outputs import check_output, check_output_dir, write_atomic
 from tools.analyze.device_report import device_table, devices_json
 from tools.analyze.logread import read_log
 from tools.analyze.logrecords import RunLog
@@ -325,10 +327,7 @@ def write_csv(path: Path, runs: Sequence[RunLog], interval: int) -> int:
         for row in interval_rows(run, interval):
             writer.writerow([_csv_cell(row[c]) for c in CSV_COLUMNS])
             count += 1
-    try:
-        write_atomic(path, buffer.getvalue(), make_parents=True)
-    except OSError as exc:
-        raise UsageError(f"{path}: cannot write CSV ({exc.strerror or exc})") from exc
+    write_atomic(path, buffer.getvalue(), what="--csv", make_parents=True)
     return count
 
 
@@ -369,6 +368,19 @@ def _configure_logging(debug: bool) -> None:
     )
 
 
+def _check_outputs(args: argparse.Namespace) -> None:
+    """--csv and --plot, checked before any log is read (``pipeline.foundation.outputs``)."""
+    if args.csv:
+        check_output(args.csv, what="--csv", make_parents=True)
+    if args.plot:
+        # Imported here: tools.plots builds on this module's interval rows.
+        from tools.analyze.plots import PLOT_FILES
+
+        check_output_dir(args.plot, what="--plot")
+        for name in PLOT_FILES:
+            check_output(args.plot / name, what="--plot", make_parents=True)
+
+
 def _run(args: argparse.Namespace) -> int:
     if not args.what_if and (args.budgets or args.target is not None or args.policies
                              or args.jobs is not None):
@@ -386,6 +398,7 @@ def _run(args: argparse.Namespace) -> int:
             raise UsageError(f"--target must be in (0, 1], got {target}")
         if args.jobs is not None and args.jobs < 1:
             raise UsageError(f"--jobs must be >= 1, got {args.jobs}")
+    _check_outputs(args)
     runs = [read_log(path) for path in args.logs]
     summaries = [summarize(run) for run in runs]
     out = sys.stdout
@@ -445,7 +458,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``moestream-analyze``; returns the exit status.
 
     Errors print one line on stderr (with a traceback only under ``--debug``) and return
-    the error's exit code: 2 for a file that is not a moestream log or a bad option.
+    the error's exit code: 2 for a file that is not a moestream log, a bad option or an
+    output that cannot be written. A reader that closes stdout early (``| head``) ends the
+    report quietly, exit 0.
     """
     parser = _parser()
     try:
@@ -454,14 +469,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         return exc.code if isinstance(exc.code, int) else 2
     _configure_logging(args.debug)
     try:
-        return _run(args)
+        with closable_stdout():
+            return _run(args)
     except MoestreamError as exc:
         if args.debug:
             traceback.print_exc()
-        sys.stderr.write(f"moestream-analyze: {exc}\n")
+        print_error("moestream-analyze: ", exc)
         return exc.exit_code
-    except BrokenPipeError:
-        return 0  # the reader of stdout went away (`| head`): nothing left to report to
+    return 0  # the reader of stdout went away (`| head`): nothing left to report to
 
 
 if __name__ == "__main__":

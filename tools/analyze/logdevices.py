@@ -4,7 +4,7 @@ A run over several devices (``--devices 0,1``) names its devices and their budge
 ``run_start.devices``, logs each device's counters per token in ``token.devices`` and each
 device's budget, peak and buffer counts in ``run_end.devices``. One-device runs and logs that
 predate the field have none. This module turns those fields into typed entries and per-device
-columns and finds what does not add up; ``tools.logread`` calls it while it reads a file and
+columns and finds what does not add up; ``tools.analyze.logread`` calls it while it reads a file and
 passes the problems it returns on to the ``RunLog``.
 """
 

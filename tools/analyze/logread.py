@@ -3,7 +3,10 @@
 Logs are read after the fact, often from runs that were killed, so the reader accepts what a
 real file looks like (blank lines, a cut-off last line, fields and events from newer
 writers) and counts every line it could not use instead of failing or hiding it. Only a file
-that is not a moestream log at all is refused, with a ``TraceError`` that names the path.
+that is not a moestream log at all is refused, with a ``TraceError`` that names the path,
+and so is an expert id no int32 holds (naming the line). Lines are read with a length cap
+(``MAX_LINE_BYTES``): a longer one is skipped a piece at a time, never held whole, so a file
+without newlines costs no more memory than one line.
 
 Per-token values become numpy columns so that summaries, intervals and plots over 100,000
 tokens are vector operations; the expert ids of every token become one ``(tokens, layers,
@@ -12,17 +15,17 @@ reading is synchronous because there is nothing to overlap it with (a single seq
 file read, CPU-bound parsing), so ``aiofiles`` would only add overhead.
 
 This module is the reading pass and the schema it checks lines against; the records it fills
-are in ``tools.logrecords`` (re-exported here, as the types ``read_log`` returns) and the
-per-device fields are read by ``tools.logdevices``.
+are in ``tools.analyze.logrecords`` (re-exported here, as the types ``read_log`` returns) and the
+per-device fields are read by ``tools.analyze.logdevices``.
 """
 
 from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import numpy as np
 import numpy.typing as npt
@@ -41,7 +44,8 @@ from tools.analyze.logrecords import (
 )
 from tools.analyze.logvalues import FloatArray, float_columns, int_or_none, mapping, str_or_none
 
-__all__ = ["KNOWN_EVENTS", "SCHEMA_VERSION", "TOKEN_COLUMNS", "read_log"]
+__all__ = ["KNOWN_EVENTS", "MAX_LINE_BYTES", "SCHEMA_VERSION", "TOKEN_COLUMNS", "log_lines",
+           "read_log"]
 
 log = structlog.get_logger(__name__)
 
@@ -125,6 +129,21 @@ _REQUIRED: dict[str, frozenset[str]] = {
 _LAYER_COLUMNS = ("token", "layer", "hits", "misses", "read_ms", "stall_ms")
 
 _MAX_PROBLEMS = 20
+
+MAX_LINE_BYTES = 1 << 20
+"""The longest log line read (a token line of 43 MoE layers x top-6 is about 2 KB)."""
+
+
+def log_lines(handle: IO[bytes]) -> Iterator[bytes | None]:
+    """The lines of a log, each at most ``MAX_LINE_BYTES``; ``None`` for a longer line,
+    which is skipped a piece at a time and never held whole."""
+    while line := handle.readline(MAX_LINE_BYTES + 1):
+        if len(line) <= MAX_LINE_BYTES or line.endswith(b"\n"):
+            yield line
+            continue
+        while line and not line.endswith(b"\n"):
+            line = handle.readline(MAX_LINE_BYTES)
+        yield None
 
 
 class _ExpertBuffer:
@@ -287,7 +306,12 @@ class _Reader:
         self.token_rows.append(tuple(obj.get(name, math.nan) for name in TOKEN_COLUMNS))
         self.modes.append(obj.get("mode"))
         experts = obj.get("experts")
-        if not self._expert_buffer().append(experts) and experts is not None:
+        try:
+            fits = self._expert_buffer().append(experts)
+        except OverflowError:  # the columns are int32: refuse rather than wrap or widen
+            raise TraceError(f"{self.path}:{self.counts.lines}: token {obj.get('token')!r} has "
+                             "an expert id outside int32") from None
+        if not fits and experts is not None:
             self.ragged_tokens += 1
             if self.ragged_tokens == 1:
                 self._problem(
@@ -413,8 +437,15 @@ def read_log(path: str | Path) -> RunLog:
         pending_bad = 0  # unparsable lines not yet known to be the last one
         started = False
         try:
-            for raw in handle:
+            for raw in log_lines(handle):
                 counts.lines += 1
+                if raw is None:  # longer than any line a run writes
+                    if not started:
+                        raise TraceError(f"{path}: not a moestream log (line {counts.lines} is "
+                                         f"longer than {MAX_LINE_BYTES} bytes)")
+                    counts.malformed += pending_bad
+                    pending_bad = 1
+                    continue
                 if not raw.strip():
                     counts.blank += 1
                     continue
@@ -442,9 +473,9 @@ def read_log(path: str | Path) -> RunLog:
                     continue
                 if event == "run_start" and reader.header is not None:
                     counts.after_second_run += 1
-                    for rest in handle:
+                    for rest in log_lines(handle):
                         counts.lines += 1
-                        if rest.strip():
+                        if rest is None or rest.strip():
                             counts.after_second_run += 1
                         else:
                             counts.blank += 1

@@ -1,8 +1,8 @@
 """The records a run log is read into: header, token columns, controller events, run end.
 
-``tools.logread.read_log`` builds one ``RunLog`` per file from these types; each keeps what
+``tools.analyze.logread.read_log`` builds one ``RunLog`` per file from these types; each keeps what
 the log's lines said with the right type and ``None`` (or NaN in a column) for the rest.
-Per-device entries (``DeviceStart``, ``DeviceEnd``) come from ``tools.logdevices``.
+Per-device entries (``DeviceStart``, ``DeviceEnd``) come from ``tools.analyze.logdevices``.
 """
 
 from __future__ import annotations

@@ -2,7 +2,8 @@
 
 A log line's fields may be absent or of the wrong type (older or newer writers, a hand-edited
 file); the reader keeps what has the right type and turns the rest into ``None`` or NaN
-instead of failing. Used by ``tools.logread``, ``tools.logrecords`` and ``tools.logdevices``.
+instead of failing. Used by ``tools.analyze.logread``, ``tools.analyze.logrecords`` and
+``tools.analyze.logdevices``.
 """
 
 from __future__ import annotations

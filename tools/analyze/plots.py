@@ -15,13 +15,17 @@ from typing import Any
 
 import numpy as np
 
-from pipeline.foundation.errors import UsageError
+from pipeline.foundation.outputs import atomic_output, check_output_dir
 from tools.analyze.cli import STAGE_COLUMNS, interval_rows
 from tools.analyze.logrecords import RunLog
 
-__all__ = ["write_plots"]
+__all__ = ["PLOT_FILES", "write_plots"]
 
 _GB = 1e9
+
+PLOT_FILES = ("latency.png", "hit_rate.png", "bytes_per_token.png", "mode_timeline.png",
+              "stages.png")
+"""The files ``write_plots`` writes, in its order (``tools.analyze`` checks them first)."""
 
 
 def write_plots(runs: Sequence[RunLog], directory: Path, interval: int) -> list[Path]:
@@ -39,10 +43,7 @@ def write_plots(runs: Sequence[RunLog], directory: Path, interval: int) -> list[
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    try:
-        directory.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise UsageError(f"{directory}: cannot create plot directory ({exc.strerror})") from exc
+    check_output_dir(directory, what="--plot", create=True)
     rows = [interval_rows(run, interval) for run in runs]
     x = [np.array([r["ctx_tokens"] for r in rs], dtype=np.float64) for rs in rows]
 
@@ -53,12 +54,12 @@ def write_plots(runs: Sequence[RunLog], directory: Path, interval: int) -> list[
     written: list[Path] = []
 
     def save(fig: Any, name: str) -> None:
+        assert name in PLOT_FILES
         path = directory / name
         fig.tight_layout()
-        try:
-            fig.savefig(path, dpi=100)
-        except OSError as exc:
-            raise UsageError(f"{path}: cannot write plot ({exc.strerror})") from exc
+        try:  # atomic: a link is followed, a FIFO or device refused, never replaced
+            with atomic_output(path, what="--plot") as out:
+                fig.savefig(out, format="png", dpi=100)
         finally:
             plt.close(fig)
         written.append(path)

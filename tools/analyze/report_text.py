@@ -1,6 +1,6 @@
 """Values and plain-text building blocks shared by the analysis reports.
 
-``tools.analyze`` (summary, comparison and what-if tables) and ``tools.device_report`` (the
+``tools.analyze`` (summary, comparison and what-if tables) and ``tools.analyze.device_report`` (the
 per-device table) render their figures with these: one value type, one ratio rule, one
 aligned-table layout and one byte-size format, so that the sections of a report read alike.
 """

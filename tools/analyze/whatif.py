@@ -1,7 +1,7 @@
 """What-if cache simulations: replay a run's expert accesses under other budgets and policies.
 
 The question a run log cannot answer by itself is "what would a different budget or policy
-have bought?". ``what_if`` replays the logged accesses (``tools.whatif_replay``) for every
+have bought?". ``what_if`` replays the logged accesses (``tools.analyze.whatif_replay``) for every
 budget and policy asked for, checks that the replay at the run's own budget and policy
 reproduces the logged hits, and bisects for the smallest budget reaching a target hit rate.
 
@@ -52,7 +52,7 @@ log = structlog.get_logger(__name__)
 def parse_budget(text: str, expert_bytes: int) -> int:
     """A budget in bytes from ``20GiB``, ``11GB``, ``512MiB`` or ``2522`` (experts).
 
-    The run's own parser (``pipeline.config.parse_budget``), resolved the way the run
+    The run's own parser (``pipeline.foundation.config.parse_budget``), resolved the way the run
     resolves it: a count of experts times the largest expert's size.
 
     Raises:

@@ -3,7 +3,7 @@
 The accesses of a run log (``AccessTrace``) go through the same ``CacheIndex`` the live
 cache uses, one ``access_layer`` per token and MoE layer, so a replay needs no GPU or model
 file and is exact: at the run's own budget and policy it reproduces the logged hit count
-token by token (``tools.whatif`` checks and reports this). Belady's rule (evict the key used
+token by token (``tools.analyze.whatif`` checks and reports this). Belady's rule (evict the key used
 again farthest in the future) is the ceiling: it runs through the same ``CacheIndex`` as an
 ``EvictionPolicy`` that knows the future (``BeladyPolicy``, fed by ``next_use_positions``),
 so its admission and per-layer protection rules are the live cache's own, and for experts of
@@ -70,13 +70,18 @@ class AccessTrace:
         """Take the accesses of a run log.
 
         Raises:
-            TraceError: the log has no ``run_start`` (no expert sizes) or no expert lists.
+            TraceError: the log has no ``run_start`` (no expert sizes), an expert size that
+                is not positive (budgets are counted in experts), or no expert lists.
         """
         header = run.header
         if header is None or not header.moe_layers:
             raise TraceError(f"{run.path}: no run_start with moe_layers: nothing to replay")
         if len(header.expert_bytes) != len(header.moe_layers):
             raise TraceError(f"{run.path}: expert_bytes and moe_layers differ in length")
+        for layer, size in zip(header.moe_layers, header.expert_bytes, strict=True):
+            if size <= 0:
+                raise TraceError(f"{run.path}: run_start gives layer {layer} expert_bytes "
+                                 f"{size}: an expert's size must be positive")
         experts = run.tokens.experts
         if experts.shape[0] and not (experts >= 0).any():
             raise TraceError(f"{run.path}: token lines carry no expert lists")

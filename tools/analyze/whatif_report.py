@@ -1,7 +1,7 @@
 """The ``--what-if`` section of ``moestream-analyze``: replay a run, report it as text or JSON.
 
-``run_what_if`` replays a run's expert accesses (``tools.whatif``) under the budgets asked for
-(or a default ladder around the run's own) and every policy asked for; ``what_if_text`` and
+``run_what_if`` replays a run's expert accesses (``tools.analyze.whatif``) under the budgets asked
+for (or a default ladder around the run's own) and every policy asked for; ``what_if_text`` and
 ``what_if_json`` render the result: hit rate per budget and policy, whether the replay at
 the run's budget matched the log exactly, and the smallest budget reaching the target.
 """
@@ -26,7 +26,7 @@ def run_what_if(run: RunLog, budgets: list[str] | None, target: float,
         run: the run whose accesses are replayed.
         budgets: budgets as given on the command line (sizes or expert counts), or None.
         target: the hit rate whose smallest budget is reported.
-        policies: the policies to replay (names in ``tools.whatif_replay.POLICIES``).
+        policies: the policies to replay (names in ``tools.analyze.whatif_replay.POLICIES``).
         jobs: worker processes, or None for the default.
     """
     trace = AccessTrace.from_log(run)

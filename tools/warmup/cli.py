@@ -4,7 +4,7 @@ Why: resident mode is only as good as the page cache behind it. Before a run (or
 machine where RAM >= model) an operator wants the file, or just the non-routed tensors and
 the hottest experts of a past run, loaded as fast as the disk allows; wants to see what is
 resident per part of the model; and wants to drop or pin it for experiments. Everything the
-kernel is asked goes through ``pipeline.residency`` and ``pipeline.warm``, the engine the
+kernel is asked goes through ``stages.residency`` and ``pipeline.warm``, the engine the
 controller uses too.
 
     python -m tools.warmup MODEL                   # preload the whole file
@@ -13,8 +13,8 @@ controller uses too.
     python -m tools.warmup MODEL --evict --layers 3-5
     python -m tools.warmup MODEL --lock            # hold until Ctrl-C / SIGTERM
 
-The selection is built by ``tools.warmup_select``, the report by ``tools.warmup_report`` and
-the RAM guard by ``tools.ram_guard``; this module parses the options and acts.
+The selection is built by ``tools.warmup.select``, the report by ``tools.warmup.report`` and
+the RAM guard by ``tools.warmup.ram_guard``; this module parses the options and acts.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
+from pipeline.foundation.cli import closable_stdout, print_error
 from pipeline.foundation.config import parse_size
 from pipeline.foundation.errors import MoestreamError, UsageError
 from pipeline.foundation.table import ByteRange, open_table
@@ -185,15 +186,17 @@ def main(argv: Sequence[str] | None = None, *, memory: MemoryProbe | None = None
     debug = "--debug" in argv
     configure_console(debug=debug)
     try:
-        return _run(_parser().parse_args(argv), memory or PsutilMemory())
+        with closable_stdout():
+            return _run(_parser().parse_args(argv), memory or PsutilMemory())
     except MoestreamError as exc:
         if debug:
             raise
-        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        print_error(f"{PROG}: error: ", exc)
         return exc.exit_code
     except KeyboardInterrupt:
         print(f"{PROG}: interrupted", file=sys.stderr)
         return 130
+    return 0  # stdout's reader went away (`| head`): the rest of the report is dropped
 
 
 if __name__ == "__main__":

@@ -3,7 +3,9 @@ or a past run's expert use.
 
 ``build_selection`` turns the options (``--layers``, ``--experts``, ``--non-routed``,
 ``--hot LOG --max-bytes SIZE``) into named parts of ``ByteRange`` in warm order;
-``read_hot_log`` counts how often a run log used each expert, for ``--hot``.
+``read_hot_log`` counts how often a run log used each expert, for ``--hot``. Index lists
+stay ranges (``IndexRanges``) until checked against the model, so ``--layers
+0-99999999999`` is refused at once instead of expanded.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from stages.residency import coalesce
 
 __all__ = [
     "HotLog",
+    "IndexRanges",
     "Selection",
     "build_selection",
     "header_range",
@@ -32,13 +35,43 @@ __all__ = [
 ]
 
 
-def parse_index_list(text: str) -> list[int]:
-    """Indices in ``text`` such as ``0,3-5`` -> ``[0, 3, 4, 5]`` (sorted, unique).
+@dataclass(frozen=True, slots=True)
+class IndexRanges:
+    """An index list as written (``0,3-5``): inclusive ranges, expanded only by ``indices``,
+    once their bound is known.
+
+    Attributes:
+        text: the list as given, for messages.
+        ranges: ``(first, last)`` pairs, ``first <= last``.
+    """
+
+    text: str
+    ranges: tuple[tuple[int, int], ...]
+
+    def indices(self, upper: int, what: str, known: str) -> list[int]:
+        """The indices, sorted and unique, after checking that each is below ``upper``.
+
+        Args:
+            upper: the first index out of range.
+            what: what an index names (``layer``, ``expert``), for the message.
+            known: what the model has, for the message.
+
+        Raises:
+            UsageError: an index at or above ``upper`` (nothing was expanded).
+        """
+        top = max(last for _, last in self.ranges)
+        if top >= upper:
+            raise UsageError(f"{what} {top} in {self.text!r} is out of range: {known}")
+        return sorted({i for first, last in self.ranges for i in range(first, last + 1)})
+
+
+def parse_index_list(text: str) -> IndexRanges:
+    """The ranges of an index list such as ``0,3-5`` (``IndexRanges.indices`` expands them).
 
     Raises:
         UsageError: not a list of indices and ranges.
     """
-    out: set[int] = set()
+    ranges: list[tuple[int, int]] = []
     for part in text.split(","):
         match = re.fullmatch(r"\s*(\d+)\s*(?:-\s*(\d+)\s*)?", part)
         if match is None:
@@ -47,8 +80,8 @@ def parse_index_list(text: str) -> list[int]:
         hi = int(match.group(2)) if match.group(2) is not None else lo
         if hi < lo:
             raise UsageError(f"empty range {part.strip()!r} in {text!r}")
-        out.update(range(lo, hi + 1))
-    return sorted(out)
+        ranges.append((lo, hi))
+    return IndexRanges(text, tuple(ranges))
 
 
 # --- the run log's expert use ------------------------------------------------------------------
@@ -69,13 +102,15 @@ class HotLog:
 
 def _check_starts_a_run(path: Path) -> None:
     """Refuse early, with one line, a file whose first event is not ``run_start``."""
+    from tools.analyze.logread import log_lines  # only --hot needs it; keep start-up short
+
     try:
         with path.open("rb") as f:
-            first = next((line for line in f if line.strip()), b"")
+            first = next((line for line in log_lines(f) if line is None or line.strip()), b"")
     except OSError as exc:
         raise TraceError(f"{path}: cannot read ({exc.strerror})") from None
     try:
-        event = json.loads(first)
+        event = json.loads(first or b"")  # None: a first line longer than any log line
     except ValueError:
         event = None
     if not isinstance(event, dict) or event.get("event") != "run_start":
@@ -86,7 +121,7 @@ def _check_starts_a_run(path: Path) -> None:
 def read_hot_log(path: Path, table: ExpertTable) -> HotLog:
     """Count how often each (layer, expert) was used in a run log of ``table``'s model.
 
-    The log is read by ``tools.logread`` (JSON only, tolerant of bad lines, which are
+    The log is read by ``tools.analyze.logread`` (JSON only, tolerant of bad lines, which are
     counted): the ``run_start`` event's ``model.moe_layers`` orders the ``experts`` lists of
     the ``token`` events.
 
@@ -170,8 +205,8 @@ def non_routed_ranges(table: ExpertTable) -> list[ByteRange]:
 def build_selection(
     table: ExpertTable,
     *,
-    layers: Sequence[int] | None = None,
-    experts: Sequence[int] | None = None,
+    layers: Sequence[int] | IndexRanges | None = None,
+    experts: Sequence[int] | IndexRanges | None = None,
     non_routed: bool = False,
     hot: HotLog | None = None,
     max_hot_bytes: int | None = None,
@@ -185,6 +220,12 @@ def build_selection(
     Raises:
         UsageError: a layer that is not a MoE layer, or an expert out of range.
     """
+    if isinstance(layers, IndexRanges):
+        layers = layers.indices(max(table.layers) + 1, "layer",
+                                f"the model's MoE layers are {_compact(table.moe_layers)}")
+    if isinstance(experts, IndexRanges):
+        most = max(layer.n_experts for layer in table.layers.values())
+        experts = experts.indices(most, "expert", f"its layers have at most {most} experts")
     parts: list[tuple[str, list[ByteRange]]] = []
     if non_routed:
         parts.append(("non-routed", non_routed_ranges(table)))

@@ -1,0 +1,72 @@
+"""What every moestream command line shares: safe one-line errors, and a stdout that may close.
+
+Error lines name paths the user typed, and a path may hold any byte but ``/`` and NUL: a
+newline would split the one-line error, an ESC would drive the terminal. :func:`printable`
+escapes every control character (C0, DEL, C1, and the undecodable bytes Python keeps as
+surrogates) the way ``repr`` does; :func:`print_error` prints through it.
+
+A reader may close stdout before a command is done (``moestream-run | true``,
+``moestream-analyze LOG | head -1``). That is not an error of the command: the rest of its
+output is dropped (stdout is pointed at ``/dev/null``, so the interpreter's last flush
+cannot fail either) and the exit status is the one the command would have had, 0 when it
+succeeded. :func:`closable_stdout` wraps the code that writes to stdout.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import sys
+import unicodedata
+from collections.abc import Iterator
+
+__all__ = ["closable_stdout", "drop_stdout", "print_error", "printable"]
+
+_NAMED = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
+
+
+def _escape(char: str) -> str:
+    if char in _NAMED:
+        return _NAMED[char]
+    code = ord(char)
+    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
+
+
+def printable(text: str) -> str:
+    """``text`` with each control character escaped as ``repr`` would (``\\n``, ``\\x1b``,
+    ``\\x9b``, ``\\udcff``); everything else, non-ASCII letters included, as it is."""
+    if text.isprintable():  # the common case: nothing to escape (spaces are printable)
+        return text
+    return "".join(_escape(c) if unicodedata.category(c) in ("Cc", "Cs") else c for c in text)
+
+
+def print_error(prefix: str, error: object) -> None:
+    """One line on stderr: ``prefix`` then the error's message, control characters escaped."""
+    sys.stderr.write(f"{prefix}{printable(str(error))}\n")
+    sys.stderr.flush()
+
+
+def drop_stdout() -> None:
+    """Point stdout at ``/dev/null``: its reader has gone, and nothing written from now on,
+    the interpreter's flush at exit included, may fail for that."""
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, ValueError, io.UnsupportedOperation):
+        return  # a stdout with no descriptor (replaced in-process): no pipe to have closed
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, fd)
+    finally:
+        os.close(devnull)
+
+
+@contextlib.contextmanager
+def closable_stdout() -> Iterator[None]:
+    """Run a block that writes to stdout, then flush it; if stdout's reader has gone
+    (``BrokenPipeError``), drop the rest of the output and go on after the block."""
+    try:
+        yield
+        sys.stdout.flush()
+    except BrokenPipeError:
+        drop_stdout()
