@@ -40,8 +40,8 @@ from bench.record import git_commit, write_result
 from pipeline.foundation.config import ComputeSpec, RunConfig, parse_size
 from pipeline.foundation.table import open_table
 from pipeline.run import run
+from pipeline.synthetic import synthetic_trace
 from pipeline.trace import save_trace
-from tools.make_trace import synthetic_trace
 
 __all__ = ["main"]
 

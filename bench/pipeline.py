@@ -349,7 +349,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                               budget_bytes=sweep_budget, layer_ms=0.0, lookahead=args.lookahead)
             results["direct_miss"] = _phase("direct_miss", {},
                                             lambda: window_rate(ev[args.sweep_tokens:]))
-        from tools.make_trace import synthetic_trace
+        from pipeline.synthetic import synthetic_trace
 
         calibrated = synthetic_trace("ds4-flash", args.tokens, seed=1, n_layers=n_layers,
                                      n_experts=n_exp, top_k=k)

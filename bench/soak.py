@@ -47,8 +47,8 @@ from bench.record import git_commit, write_result
 from pipeline.foundation.config import Budget, RunConfig, parse_compute, parse_size
 from pipeline.foundation.table import open_table
 from pipeline.run import RunSummary, run
+from pipeline.synthetic import synthetic_trace
 from pipeline.trace import save_trace
-from tools.make_trace import synthetic_trace
 
 __all__ = ["SoakPlan", "main", "soak"]
 

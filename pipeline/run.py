@@ -67,7 +67,7 @@ def _routing(cfg: RunConfig, table: ExpertTable) -> Routing:
     run asks for it: its memory does not grow with ``--tokens``."""
     n_layers = len(table.layers)
     if cfg.trace is None:
-        from tools.make_trace import BLOCK_TOKENS, synthetic_blocks
+        from pipeline.synthetic import BLOCK_TOKENS, synthetic_blocks
 
         blocks = synthetic_blocks(cfg.routing_preset, seed=cfg.seed, n_layers=n_layers,
                                   n_experts=table.n_experts, top_k=table.top_k)

@@ -30,11 +30,11 @@ import pipeline.trace
 from pipeline.foundation.errors import TraceError
 from pipeline.routing import BlockRouting
 from pipeline.run import main as run_main
+from pipeline.synthetic import BLOCK_TOKENS, synthetic_blocks, synthetic_trace
 from pipeline.trace import TraceRecorder, load_trace
 from tests.gguf_files import finish_gguf
 from tools.analyze.cli import main as analyze_main
 from tools.analyze.logread import MAX_LINE_BYTES, read_log
-from tools.make_trace import BLOCK_TOKENS, synthetic_blocks, synthetic_trace
 from tools.warmup.cli import main as warmup_main
 
 REPO = Path(__file__).resolve().parents[1]

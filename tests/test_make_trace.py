@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from gpu.policy import CacheIndex, LRUPolicy
 from pipeline.foundation.errors import UsageError
+from pipeline.synthetic import PRESETS, synthetic_trace
 from pipeline.trace import Trace, load_trace
 from tools.calibrate import (
     CALIBRATION,
@@ -24,7 +25,7 @@ from tools.calibrate import (
     shared_lru_hit_rate,
     unbounded_hit_rate,
 )
-from tools.make_trace import PRESETS, main, synthetic_trace
+from tools.make_trace import main
 
 POINTS = 0.05
 """How close a synthetic trace must come to a published figure: 5 points."""

@@ -8,7 +8,7 @@ import pytest
 from gpu.backend import Backend
 from pipeline.foundation.table import ExpertTable
 from pipeline.routing import LiveRouter, TraceRouting
-from tools.make_trace import synthetic_trace
+from pipeline.synthetic import synthetic_trace
 
 
 class TestTraceRouting:

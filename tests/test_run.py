@@ -157,8 +157,8 @@ class TestErrors:
 
     def test_trace_for_a_bigger_model(self, capsys: pytest.CaptureFixture[str],
                                       tiny_model: Path, tmp_path: Path) -> None:
+        from pipeline.synthetic import synthetic_trace
         from pipeline.trace import save_trace
-        from tools.make_trace import synthetic_trace
 
         big = tmp_path / "big.npz"
         save_trace(synthetic_trace("ds4-flash", 3, n_layers=3, n_experts=64, top_k=4), big)

@@ -17,8 +17,8 @@ import numpy as np
 import numpy.typing as npt
 
 from gpu.policy import CacheIndex, LRUPolicy
+from pipeline.synthetic import synthetic_trace
 from pipeline.trace import Trace
-from tools.make_trace import synthetic_trace
 
 __all__ = [
     "CALIBRATION",
