@@ -9,22 +9,30 @@ when the copy has), so every stage and every test runs on machines without a GPU
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from contextlib import AbstractContextManager
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeAlias
 
 import numpy as np
 import numpy.typing as npt
 
 __all__ = [
     "Backend",
+    "DeviceArray",
     "DeviceBuffer",
     "Event",
     "HostBuffer",
+    "Kernels",
     "Stream",
     "aligned_host_array",
 ]
 
 PAGE = 4096
+
+DeviceArray: TypeAlias = Any
+"""An array on the device: a numpy array on the host backend, a CuPy array on a GPU. The two
+libraries share no static type, so this stays ``Any``; everything that crosses the boundary
+around it (buffers, streams, events, kernels) is a protocol below."""
 
 
 def aligned_host_array(nbytes: int, align: int = PAGE) -> npt.NDArray[np.uint8]:
@@ -125,3 +133,35 @@ class Backend(Protocol):
         activations a layer's devices exchange; a peer copy on GPUs)."""
 
     def close(self) -> None: ...
+
+
+class Kernels(Protocol):
+    """The device work decode and verification queue (``gpu.kernels``: host or CUDA).
+
+    Digest results live in a results array on the device (``new_results``): ``digest3``
+    adds into three of its rows on ``stream``, ``read_results`` reads them back once per
+    token, so the host never waits per expert.
+    """
+
+    def new_results(self, n: int) -> DeviceArray:
+        """A zeroed (n, 2) uint64 results array."""
+
+    def digest3(self, buf: DeviceBuffer, ranges: Sequence[tuple[int, int]],
+                results: DeviceArray, row: int, stream: Stream) -> None:
+        """Digest sums of three (offset, nbytes) ranges of ``buf`` into rows ``row..row+2``."""
+
+    def read_results(self, results: DeviceArray, n: int) -> list[int]:
+        """The digests of the first ``n`` rows (synchronizes with the device)."""
+
+    def busy(self, ms: float, buf: DeviceBuffer, stream: Stream) -> None:
+        """Keep the device busy for ``ms`` milliseconds reading ``buf`` (``--compute fixed``)."""
+
+    def swiglu(self, x: DeviceArray, gate: DeviceArray, up: DeviceArray, down: DeviceArray,
+               stream: Stream) -> DeviceArray:
+        """One SwiGLU expert: ``down @ (silu(gate @ x) * (up @ x))`` in float32."""
+
+    def as_f16(self, data: DeviceArray, rows: int, cols: int) -> DeviceArray:
+        """A (rows, cols) float16 view of uint8 device bytes (no copy)."""
+
+    def zeros(self, n: int) -> DeviceArray:
+        """A zeroed float32 vector."""

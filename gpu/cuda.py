@@ -14,13 +14,13 @@ expert around its copies), since CUDA's current device is per thread.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import numpy.typing as npt
 import structlog
 
-from gpu.backend import PAGE, Event
+from gpu.backend import PAGE, DeviceArray, DeviceBuffer, Event, Stream
 from pipeline.foundation.errors import DeviceMemoryError, UploadError
 
 __all__ = ["CupyBackend", "unavailable_reason"]
@@ -171,14 +171,14 @@ class CupyBackend:
             return CudaStream()
 
     def copy_h2d(
-        self, dst: Any, dst_offset: int, src: npt.NDArray[np.uint8], stream: Any
+        self, dst: DeviceBuffer, dst_offset: int, src: npt.NDArray[np.uint8], stream: Stream
     ) -> None:
         rt = self._cp.cuda.runtime
+        # a backend is only ever handed its own buffers and streams (it made them)
+        ptr, raw = cast(CudaDeviceBuffer, dst).ptr, cast(CudaStream, stream).raw
         try:  # the caller made this device current (per expert, not per piece)
-            rt.memcpyAsync(
-                dst.ptr + dst_offset, src.ctypes.data, src.size, rt.memcpyHostToDevice,
-                stream.raw.ptr,
-            )
+            rt.memcpyAsync(ptr + dst_offset, src.ctypes.data, src.size, rt.memcpyHostToDevice,
+                           raw.ptr)
         except Exception as exc:
             raise UploadError(f"host-to-device copy of {src.size} bytes failed: {exc}") from exc
 
@@ -201,9 +201,9 @@ class CupyBackend:
     def unregister_host(self, array: npt.NDArray[np.uint8]) -> None:
         self._cp.cuda.runtime.hostUnregister(array.ctypes.data)
 
-    def device_bytes(self, buf: Any, offset: int, nbytes: int) -> Any:
+    def device_bytes(self, buf: DeviceBuffer, offset: int, nbytes: int) -> DeviceArray:
         cp = self._cp
-        pointer = cp.cuda.MemoryPointer(buf.mem, offset)
+        pointer = cp.cuda.MemoryPointer(cast(CudaDeviceBuffer, buf).mem, offset)
         return cp.ndarray((nbytes,), dtype=cp.uint8, memptr=pointer)
 
     def to_host(self, arr: Any) -> npt.NDArray[Any]:

@@ -9,13 +9,13 @@ exercised for real by the CuPy backend.
 from __future__ import annotations
 
 import contextlib
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import numpy.typing as npt
 import psutil
 
-from gpu.backend import Event, aligned_host_array
+from gpu.backend import DeviceBuffer, Event, Stream, aligned_host_array
 
 __all__ = ["HostBackend", "HostDeviceBuffer", "HostEvent", "HostStream"]
 
@@ -100,9 +100,10 @@ class HostBackend:
         return HostStream()
 
     def copy_h2d(
-        self, dst: Any, dst_offset: int, src: npt.NDArray[np.uint8], stream: Any
+        self, dst: DeviceBuffer, dst_offset: int, src: npt.NDArray[np.uint8], stream: Stream
     ) -> None:
-        dst.array[dst_offset : dst_offset + src.size] = src
+        # a backend is only ever handed its own buffers (the cache allocates them here)
+        cast(HostDeviceBuffer, dst).array[dst_offset : dst_offset + src.size] = src
 
     def register_host(self, array: npt.NDArray[np.uint8]) -> bool:
         return False  # host memory needs no registration (``registers_host`` is False)
@@ -110,9 +111,8 @@ class HostBackend:
     def unregister_host(self, array: npt.NDArray[np.uint8]) -> None:
         pass
 
-    def device_bytes(self, buf: Any, offset: int, nbytes: int) -> npt.NDArray[np.uint8]:
-        view: npt.NDArray[np.uint8] = buf.array[offset : offset + nbytes]
-        return view
+    def device_bytes(self, buf: DeviceBuffer, offset: int, nbytes: int) -> npt.NDArray[np.uint8]:
+        return cast(HostDeviceBuffer, buf).array[offset : offset + nbytes]
 
     def to_host(self, arr: Any) -> npt.NDArray[Any]:
         return np.asarray(arr)

@@ -21,6 +21,9 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from gpu.backend import DeviceArray, DeviceBuffer, Kernels, Stream
+from gpu.cuda import CudaDeviceBuffer, CudaStream
+from gpu.host import HostDeviceBuffer
 from pipeline.foundation.digest import mix_digest
 
 __all__ = ["CudaKernels", "HostKernels", "make_kernels"]
@@ -78,11 +81,12 @@ class HostKernels:
     def new_results(self, n: int) -> npt.NDArray[np.uint64]:
         return np.zeros((n, 2), dtype=np.uint64)
 
-    def digest3(self, buf: Any, ranges: Sequence[tuple[int, int]],
-                results: npt.NDArray[np.uint64], row: int, stream: Any) -> None:
+    def digest3(self, buf: DeviceBuffer, ranges: Sequence[tuple[int, int]],
+                results: DeviceArray, row: int, stream: Stream) -> None:
         """Digest sums of three (offset, nbytes) ranges of a device buffer into 3 rows."""
+        data = _host_bytes(buf)
         for m, (offset, nbytes) in enumerate(ranges):
-            self._digest(buf.array[offset : offset + nbytes], results, row + m)
+            self._digest(data[offset : offset + nbytes], results, row + m)
 
     def _digest(self, data: npt.NDArray[np.uint8], results: npt.NDArray[np.uint64],
                 row: int) -> None:
@@ -98,27 +102,28 @@ class HostKernels:
         results[row, 0] = s1
         results[row, 1] = s2
 
-    def read_results(self, results: npt.NDArray[np.uint64], n: int) -> list[int]:
+    def read_results(self, results: DeviceArray, n: int) -> list[int]:
         return [mix_digest(int(a), int(b)) for a, b in results[:n]]
 
-    def busy(self, ms: float, buf: Any, stream: Any) -> None:
+    def busy(self, ms: float, buf: DeviceBuffer, stream: Stream) -> None:
         """Real CPU work on the expert's bytes for ``ms`` milliseconds (no sleeping)."""
         end = time.perf_counter() + ms / 1000.0
-        data = buf.array
+        data = _host_bytes(buf)
         words = data[: data.size - data.size % 8].view(np.uint64)
         acc = np.uint64(0)
         while time.perf_counter() < end:
             acc ^= np.bitwise_xor.reduce(words[:4096]) if words.size else acc
 
-    def swiglu(self, x: Any, gate: Any, up: Any, down: Any, stream: Any) -> Any:
+    def swiglu(self, x: DeviceArray, gate: DeviceArray, up: DeviceArray, down: DeviceArray,
+               stream: Stream) -> DeviceArray:
         g = gate.astype(np.float32) @ x
         u = up.astype(np.float32) @ x
         return down.astype(np.float32) @ (g / (1.0 + np.exp(-g)) * u)
 
-    def as_f16(self, data: Any, rows: int, cols: int) -> Any:
+    def as_f16(self, data: DeviceArray, rows: int, cols: int) -> DeviceArray:
         return data.view(np.float16).reshape(rows, cols)
 
-    def zeros(self, n: int) -> Any:
+    def zeros(self, n: int) -> DeviceArray:
         return np.zeros(n, dtype=np.float32)
 
 
@@ -133,44 +138,63 @@ class CudaKernels:
         self._digest = module.get_function("digest3")
         self._busy = module.get_function("busy_ns")
 
-    def new_results(self, n: int) -> Any:
+    def new_results(self, n: int) -> DeviceArray:
         results = self._cp.zeros((n, 2), dtype=self._cp.uint64)
         # zeroed on the legacy stream, which non-blocking streams do not order with
         self._cp.cuda.Stream.null.synchronize()
         return results
 
-    def digest3(self, buf: Any, ranges: Sequence[tuple[int, int]], results: Any, row: int,
-                stream: Any) -> None:
+    def digest3(self, buf: DeviceBuffer, ranges: Sequence[tuple[int, int]],
+                results: DeviceArray, row: int, stream: Stream) -> None:
         """One launch for an expert's three matrices (blockIdx.y picks the range)."""
+        ptr, raw = _cuda_parts(buf, stream)
         largest = max(n for _, n in ranges)
         blocks = max(1, min(256, (largest // 4 + 255) // 256))
         args = [np.uint64(v) for r in ranges for v in r]
         out = results[row : row + 3]
-        with stream.raw:
-            self._digest((blocks, 3), (256,), (np.uint64(buf.ptr), *args, out))
+        with raw:
+            self._digest((blocks, 3), (256,), (np.uint64(ptr), *args, out))
 
-    def read_results(self, results: Any, n: int) -> list[int]:
+    def read_results(self, results: DeviceArray, n: int) -> list[int]:
         host = self._cp.asnumpy(results[:n])
         return [mix_digest(int(a), int(b)) for a, b in host]
 
-    def busy(self, ms: float, buf: Any, stream: Any) -> None:
-        with stream.raw:
+    def busy(self, ms: float, buf: DeviceBuffer, stream: Stream) -> None:
+        _, raw = _cuda_parts(buf, stream)
+        with raw:
             self._busy((1,), (1,), (np.uint64(int(ms * 1e6)),))
 
-    def swiglu(self, x: Any, gate: Any, up: Any, down: Any, stream: Any) -> Any:
+    def swiglu(self, x: DeviceArray, gate: DeviceArray, up: DeviceArray, down: DeviceArray,
+               stream: Stream) -> DeviceArray:
         cp = self._cp
-        with stream.raw:
+        _, raw = _cuda_parts(None, stream)
+        with raw:
             g = gate.astype(cp.float32) @ x
             u = up.astype(cp.float32) @ x
             return down.astype(cp.float32) @ (g / (1.0 + cp.exp(-g)) * u)
 
-    def as_f16(self, data: Any, rows: int, cols: int) -> Any:
+    def as_f16(self, data: DeviceArray, rows: int, cols: int) -> DeviceArray:
         return data.view(self._cp.float16).reshape(rows, cols)
 
-    def zeros(self, n: int) -> Any:
+    def zeros(self, n: int) -> DeviceArray:
         return self._cp.zeros(n, dtype=self._cp.float32)
 
 
-def make_kernels(backend_name: str) -> HostKernels | CudaKernels:
+def _host_bytes(buf: DeviceBuffer) -> npt.NDArray[np.uint8]:
+    """The bytes of a host-backend device buffer (the host kernels run on nothing else)."""
+    if not isinstance(buf, HostDeviceBuffer):
+        raise TypeError(f"host kernels got a {type(buf).__name__}, not a host device buffer")
+    return buf.array
+
+
+def _cuda_parts(buf: DeviceBuffer | None, stream: Stream) -> tuple[int, Any]:
+    """The device pointer of a CUDA buffer and the CuPy stream of a CUDA stream."""
+    if not isinstance(stream, CudaStream) or not (
+            buf is None or isinstance(buf, CudaDeviceBuffer)):
+        raise TypeError(f"CUDA kernels got a {type(buf).__name__} on a {type(stream).__name__}")
+    return (buf.ptr if buf is not None else 0), stream.raw
+
+
+def make_kernels(backend_name: str) -> Kernels:
     """The kernels matching a backend's name."""
     return CudaKernels() if backend_name == "cupy" else HostKernels()

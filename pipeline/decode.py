@@ -26,7 +26,7 @@ import numpy as np
 import structlog
 from gguf import GGMLQuantizationType
 
-from gpu.backend import Backend
+from gpu.backend import Backend, Kernels
 from gpu.cache import DeviceCache, Entry
 from pipeline.foundation.config import ComputeSpec
 from pipeline.foundation.errors import ExpertLayoutError, MoestreamError, StageError
@@ -116,7 +116,7 @@ class Decoder:
         compute: ComputeSpec,
         table: ExpertTable,
         backend: Backend,
-        kernels: Any,
+        kernels: Kernels,
         cache: DeviceCache,
         streamer: ExpertStreamer,
         seed: int = 0,

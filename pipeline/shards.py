@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from gpu.backend import Backend
+from gpu.backend import Backend, Kernels
 from gpu.cache import DeviceCache, LayerPlan
 from gpu.placement import Placement, balanced_placement
 from gpu.selection import select_backend, visible_devices
@@ -44,7 +44,7 @@ class Shard:
     """One device's part of the run."""
 
     backend: Backend
-    kernels: Any
+    kernels: Kernels
     cache: DeviceCache
     streamer: ExpertStreamer
     decoder: Decoder

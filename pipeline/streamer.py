@@ -31,7 +31,7 @@ import numpy as np
 import numpy.typing as npt
 import structlog
 
-from gpu.backend import Backend, Event, Stream
+from gpu.backend import Backend, Event, Kernels, Stream
 from gpu.cache import DeviceCache, Entry, LayerPlan
 from pipeline.foundation.config import RunConfig
 from pipeline.foundation.errors import StageError
@@ -130,7 +130,7 @@ class ExpertStreamer:
         table: ExpertTable,
         backend: Backend,
         cache: DeviceCache,
-        kernels: Any,
+        kernels: Kernels,
         faults: FaultPlan | None = None,
         primary: ExpertStreamer | None = None,
     ) -> None:

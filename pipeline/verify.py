@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from gpu.backend import Event
+from gpu.backend import Event, Kernels
 from gpu.policy import ExpertKey
 from pipeline.foundation.digest import digest_bytes
 from pipeline.foundation.table import ExpertTable
@@ -45,7 +45,7 @@ class DigestRows:
         capacity: experts per results array.
     """
 
-    def __init__(self, kernels: Any, capacity: int) -> None:
+    def __init__(self, kernels: Kernels, capacity: int) -> None:
         self._kernels = kernels
         self._capacity = capacity
         self._generations: list[_Generation] = []
