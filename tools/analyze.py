@@ -39,6 +39,7 @@ import structlog
 
 from pipeline.cli import closable_stdout, print_error
 from pipeline.errors import MoestreamError, UsageError
+from pipeline.interrupts import stoppable
 from pipeline.outputs import check_output, check_output_dir, write_atomic
 from tools.device_report import device_table, devices_json
 from tools.logread import read_log
@@ -453,6 +454,7 @@ def _json_default(value: object) -> object:
     raise TypeError(f"not JSON serializable: {type(value).__name__}")
 
 
+@stoppable("moestream-analyze")  # SIGTERM, SIGHUP as SIGINT: partial outputs go
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``moestream-analyze``; returns the exit status.
 

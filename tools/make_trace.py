@@ -67,6 +67,7 @@ import numpy.typing as npt
 
 from pipeline.cli import closable_stdout, print_error, printable
 from pipeline.errors import MoestreamError, UsageError
+from pipeline.interrupts import stoppable
 from pipeline.outputs import check_output
 from pipeline.trace import MAX_TRACE_ENTRIES, Trace, save_trace
 
@@ -486,6 +487,7 @@ def _print_table(preset: str, seed: int) -> None:
         print(f"  {point.label:<60} {published:>11} {row.measured:>9.3f} {row.delta:>+7.3f}")
 
 
+@stoppable("make_trace")  # SIGTERM, SIGHUP as SIGINT: a partial trace goes
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI; returns the exit status (2 for bad options)."""
     args: argparse.Namespace | None = None
