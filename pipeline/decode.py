@@ -38,6 +38,11 @@ __all__ = ["Decoder", "LayerResult"]
 
 _log = structlog.get_logger("moestream.decode")
 
+_HOST_SLICE_MS = 10.0
+"""``fixed`` compute on the host backend spins the CPU on the event loop's thread, in slices
+of at most this long with a yield to the loop after each: a signal or a cancel lands within
+a slice, not after the layer (``fixed:1000`` is a second per layer)."""
+
 
 def _all_f16(table: ExpertTable) -> bool:
     """Whether ``real`` compute can run: every MoE layer's experts are F16 (True), or none
@@ -144,6 +149,9 @@ class Decoder:
         self.compute = compute
         self._hidden = self._initial_hidden(seed) if compute.kind == "real" else None
         self.use_digests = DigestRows(kernels, len(table.layers) * table.top_k)
+        # (buffer, ms) of host compute queued by _consume, spent by _spend_host_compute
+        self._spins_host = backend.name == "host"
+        self._host_compute: list[tuple[Any, float]] = []
 
     def _initial_hidden(self, seed: int) -> Any:
         rng = np.random.default_rng([seed, 0x5EED])
@@ -206,8 +214,22 @@ class Decoder:
             ranges = [(s.device_offset, s.nbytes) for s in self._streamer.layout(entry.key).ranges]
             self._kernels.digest3(entry.buffer, ranges, results, row, self.stream)
             self.use_digests.complete(results, row, self.stream.record())
+        elif layer_ms > 0 and self._spins_host:
+            self._host_compute.append((entry.buffer, layer_ms))
         elif layer_ms > 0:
             self._kernels.busy(layer_ms, entry.buffer, self.stream)
+
+    async def _spend_host_compute(self) -> None:
+        """Run the ``fixed`` host compute ``_consume`` queued, yielding to the event loop
+        between slices (a device kernel runs beside the loop; the host's spins on it)."""
+        queued, self._host_compute = self._host_compute, []
+        for buffer, ms in queued:
+            left = ms
+            while left > 0:
+                piece = min(left, _HOST_SLICE_MS)
+                self._kernels.busy(piece, buffer, self.stream)
+                left -= piece
+                await asyncio.sleep(0)
 
     async def run_layer(
         self,
@@ -239,6 +261,7 @@ class Decoder:
             for entry in load.plan.hits:
                 if entry not in in_flight:
                     self._consume(entry, weight_of[entry.key[1]], acc, per_expert_ms)
+        await self._spend_host_compute()
         compute_s += time.perf_counter() - t0
         failures: list[tuple[Entry, BaseException]] = []
         for entry in in_flight:
@@ -255,6 +278,7 @@ class Decoder:
             stall_s += t_got - t_wait
             with ctx:
                 self._consume(entry, weight_of[entry.key[1]], acc, per_expert_ms)
+            await self._spend_host_compute()
             compute_s += time.perf_counter() - t_got
         for _ in range(load.pending):
             assert load.arrived is not None
@@ -267,6 +291,7 @@ class Decoder:
                 continue
             with ctx:
                 self._consume(entry, weight_of[entry.key[1]], acc, per_expert_ms)
+            await self._spend_host_compute()
             compute_s += time.perf_counter() - t_got
         t0 = time.perf_counter()
         if self._partial:

@@ -4,11 +4,12 @@ With no arguments it makes (once) the embedded tiny model, decodes a few tokens 
 synthetic routing calibrated to real models, prints a summary and a verification line.
 Errors print one line and exit non-zero (2 for bad input, 1 for a failed stage, 3 for a
 verification mismatch); ``--debug`` shows the traceback instead. A run that stopped part way
-also prints its summary. SIGINT or SIGTERM stops the run at once, cleanly: in-flight reads
-finish, uploads are synchronized, pinned and device memory released, the log closed with its
-``run_end`` event; the exit status is 130 (SIGINT) or 143 (SIGTERM). A second SIGINT exits
-at once, without cleaning up. ``--inject`` turns on fault injection
-(``pipeline.foundation.faults``).
+also prints its summary. SIGINT, SIGTERM or SIGHUP stops the run at once, cleanly: in-flight
+reads finish, uploads are synchronized, pinned and device memory released, the log closed with
+its ``run_end`` event; the exit status is 130 (SIGINT), 143 (SIGTERM) or 129 (SIGHUP). A
+signal before the run has started (while Python imports) exits at once with the same status
+and no log; a second SIGINT exits at once, without cleaning up. ``--inject`` turns on fault
+injection (``pipeline.foundation.faults``).
 Outputs (``--log``, ``--record-trace``) are checked before the model is opened
 (``pipeline.foundation.outputs``); a log the file system stops taking ends the run at the next token
 with its summary and exit 2. A closed stdout (``| true``) drops the summary quietly.
@@ -16,15 +17,23 @@ with its summary and exit 2. A closed stdout (``| true``) drops the summary quie
 
 from __future__ import annotations
 
+if __name__ == "__main__":
+    # ``python -m pipeline.run``: the imports below take half a second; a stop signal meanwhile
+    # exits at once and quietly with its status (nothing is open yet), not with a traceback
+    from pipeline.foundation.interrupts import exit_on_signals
+
+    exit_on_signals("moestream")
+
 import argparse
 import asyncio
 import os
 import signal
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import structlog
 import uvloop
@@ -44,6 +53,7 @@ from pipeline.foundation.config import (
 )
 from pipeline.foundation.errors import MoestreamError, TraceError, VerificationError
 from pipeline.foundation.faults import FaultPlan, parse_faults
+from pipeline.foundation.interrupts import STOP_SIGNALS, exit_code, exit_on_signals, restore_signals
 from pipeline.foundation.outputs import check_not_input, check_output
 from pipeline.foundation.table import ExpertTable, open_table
 from pipeline.logs import RunLog, configure_console
@@ -133,12 +143,14 @@ async def run(
     summary.backend, summary.model = home.name, str(model)
     summary.device = " + ".join(b.device_name for b in backends)
     runlog = RunLog(cfg.log)
-    await runlog.open()
     streamers: list[ExpertStreamer] = []
     caches: list[DeviceCache] = []
     loop: DecodeLoop | None = None
     controller: ModeController | None = None
     try:
+        # the run's first await, where a cancel (a signal) can first land: the open still
+        # completes, so a log file, once made, always ends with run_end
+        await _finish(runlog.open())
         layers = table.moe_layers
         # device bytes of one expert per layer (256-aligned matrices), as the cache counts them
         device_sizes = {n: plan_expert(table.slices((n, 0))).device_bytes for n in layers}
@@ -206,20 +218,28 @@ async def run(
         summary.exit = str(exc)
         raise
     finally:
-        # Closing must finish even if the caller cancels again meanwhile: it runs as its own
-        # task, and a second cancellation waits for it before propagating.
-        closing = asyncio.ensure_future(
-            _close(cfg, table, summary, runlog, controller, streamers, caches, loop)
-        )
-        try:
-            await asyncio.shield(closing)
-        except asyncio.CancelledError:
-            await closing
-            raise
+        # closing must finish even if the caller cancels (again) meanwhile
+        await _finish(_close(cfg, table, summary, runlog, controller, streamers, caches, loop))
     if runlog.error is not None:  # the last lines, written at close, were refused
         summary.exit = str(runlog.error)
         raise runlog.error
     return summary
+
+
+async def _finish(work: Coroutine[Any, Any, None]) -> None:
+    """Await ``work`` to its end even if cancelled meanwhile, however often, then raise the
+    cancellation (``work``'s own error first). ``work`` runs as its own task behind a
+    shield, so a cancel never stops it half-way."""
+    task = asyncio.ensure_future(work)
+    cancelled = False
+    while not task.done():
+        try:
+            await asyncio.shield(task)
+        except asyncio.CancelledError:
+            cancelled = True
+    task.result()
+    if cancelled:
+        raise asyncio.CancelledError
 
 
 async def _close(
@@ -337,7 +357,7 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
     )
 
 
-_SIGNAL_EXIT: dict[int, int] = {signal.SIGINT: 130, signal.SIGTERM: 143}
+_SIGNAL_EXIT: dict[int, int] = {s: exit_code(s) for s in STOP_SIGNALS}  # 130, 143, 129
 
 
 def _exit_at_once(signum: int, frame: object) -> None:
@@ -357,10 +377,11 @@ class _Interrupt:
 async def _run_until_signal(
     cfg: RunConfig, faults: FaultPlan, summary: RunSummary, interrupt: _Interrupt
 ) -> None:
-    """Run, cancelling the run's task on the first SIGINT or SIGTERM (cleanup still runs);
-    returns normally when a signal stopped it, with ``interrupt.signum`` set."""
+    """Run, cancelling the run's task on the first SIGINT, SIGTERM or SIGHUP (cleanup still
+    runs); returns normally when a signal stopped it, with ``interrupt.signum`` set."""
     loop = asyncio.get_running_loop()
     task = loop.create_task(run(cfg, faults=faults, summary=summary))
+    previous = {s: signal.getsignal(s) for s in _SIGNAL_EXIT}
 
     def on_signal(signum: int) -> None:
         if interrupt.signum is not None:
@@ -388,21 +409,22 @@ async def _run_until_signal(
             raise
     finally:
         for signum in installed:
-            loop.remove_signal_handler(signum)  # back to the default handlers
-        if interrupt.signum is not None and installed:
-            signal.signal(signal.SIGINT, _exit_at_once)  # still stopping: main restores it
+            loop.remove_signal_handler(signum)
+        # back to main's handlers (exit at once), never to the default SIGTERM/SIGHUP death
+        restore_signals({s: previous[s] for s in installed})
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """CLI entry point; returns the exit code."""
-    args = build_parser().parse_args(argv)
-    configure_console(debug=args.debug)
-    previous_sigint = signal.getsignal(signal.SIGINT)
+    # Until the run's event loop takes the signals over, and once it has given them back,
+    # a stop signal exits at once with its status: no log is open then (it ends with run_end)
+    previous = exit_on_signals("moestream")
     try:
+        args = build_parser().parse_args(argv)
+        configure_console(debug=args.debug)
         return _main(args)
     finally:
-        if signal.getsignal(signal.SIGINT) is not previous_sigint:
-            signal.signal(signal.SIGINT, previous_sigint)
+        restore_signals(previous)
 
 
 def _main(args: argparse.Namespace) -> int:
@@ -431,9 +453,10 @@ def _main(args: argparse.Namespace) -> int:
                 print_summary(summary, args.json)
         print_error("moestream: error: ", error)
         return error.exit_code
-    with closable_stdout():  # a closed stdout drops the summary; the exit status stays
-        print_summary(summary, args.json)
-    if interrupt.signum is not None and summary.exit == "cancelled":
+    if interrupt.signum is None or summary.budget_bytes:  # stopped before decoding: no summary
+        with closable_stdout():  # a closed stdout drops the summary; the exit status stays
+            print_summary(summary, args.json)
+    if interrupt.signum is not None:  # even when the run was done as the signal came
         name = signal.Signals(interrupt.signum).name
         print(f"moestream: interrupted by {name} after {summary.tokens} tokens; "
               "in-flight work finished or abandoned, memory released", file=sys.stderr)

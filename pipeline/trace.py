@@ -45,6 +45,7 @@ import numpy as np
 import numpy.typing as npt
 
 from pipeline.foundation.errors import TraceError
+from pipeline.foundation.inputs import open_input
 from pipeline.foundation.outputs import atomic_output
 
 __all__ = [
@@ -346,7 +347,7 @@ def load_trace(path: str | os.PathLike[str]) -> Trace:
     """
     source = str(path)
     try:
-        with open(path, "rb") as probe:
+        with open_input(path) as probe:  # a FIFO or a device is refused, never waited on
             head = probe.read(64)
     except OSError as exc:
         raise TraceError(f"{source}: cannot read trace: {exc.strerror or exc}") from exc

@@ -3,12 +3,17 @@
 A signal or a cancel mid-token stops the run with its whole cleanup: in-flight reads finish
 (or, still queued, are abandoned), uploads are synchronized, pinned and device memory is
 released, reader threads are joined, the log ends with ``run_end`` (``exit: cancelled``).
-The CLI exits 130 (SIGINT) or 143 (SIGTERM); a second SIGINT exits at once.
+The CLI exits 130 (SIGINT), 143 (SIGTERM) or 129 (SIGHUP); a second SIGINT exits at once.
+A signal at any earlier or later moment (imports, before or while the log opens, during the
+cleanup, after it) gives the same status, a log that ends with ``run_end`` or no log, no
+traceback and no temporary file; inputs that would block (FIFOs, devices) and compute that
+would never end are refused up front.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -81,10 +86,12 @@ class _Run:
 
 
 class TestSignals:
-    """The CLI stops cleanly on SIGINT (130) and SIGTERM (143); a second SIGINT is final."""
+    """The CLI stops cleanly on SIGINT (130), SIGTERM (143) and SIGHUP (129); a second
+    SIGINT is final."""
 
-    @pytest.mark.parametrize(("signum", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)],
-                             ids=["SIGINT", "SIGTERM"])
+    @pytest.mark.parametrize(("signum", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143),
+                                                  (signal.SIGHUP, 129)],
+                             ids=["SIGINT", "SIGTERM", "SIGHUP"])
     def test_stop_mid_run(self, tiny_model: Path, tmp_path: Path, signum: int,
                           code: int) -> None:
         r = _Run(tiny_model, tmp_path)
@@ -215,3 +222,250 @@ class TestLibraryCancel:
         while _open_fds() != fds and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
         assert _open_fds() == fds and _moestream_threads() == []
+
+
+_STOPS = {signal.SIGINT: 130, signal.SIGTERM: 143, signal.SIGHUP: 129}
+
+
+def _name(value: object) -> str:
+    """Test ids: signals by name."""
+    return value.name if isinstance(value, signal.Signals) else str(value)
+
+
+def _assert_stopped(signum: int, rc: int, err: str, log: Path, directory: Path) -> None:
+    """The promise for a signal at any moment: its status, a log that ends with ``run_end``
+    (or none), no traceback, no temporary file left next to the outputs."""
+    assert rc == _STOPS[signum], err
+    assert "Traceback" not in err
+    assert f"interrupted by {signal.Signals(signum).name}" in err
+    events = _lines(log)
+    assert not log.exists() or (events and events[-1]["event"] == "run_end"), events[-1:]
+    assert [p.name for p in directory.iterdir() if p.name.startswith(".")] == []
+
+
+# Runs the CLI in-process after patching one step of the run to signal the process itself:
+# the signal lands exactly at that step, whatever the machine's speed.
+_SIGNAL_AT = """
+import os, signal, sys
+import pipeline.run as cli
+
+step, signum, argv = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
+owner, name = {
+    "before-log": (cli, "open_table"),          # the run's first step, no await yet
+    "log-opening": (cli.RunLog, "open"),        # the run's first await
+    "log-open": (cli, "machine_info"),          # the log is open, run_start not yet written
+    "first-token": (cli.DecodeLoop, "token"),
+    "closing": (cli, "_close"),                 # the run is done and cleaning up
+    "after-run": (cli, "print_summary"),        # the loop is gone, the log closed
+}[step]
+original = getattr(owner, name)
+sent = []
+
+def signal_first(*args, **kwargs):
+    if not sent:
+        sent.append(signum)
+        os.kill(os.getpid(), signum)
+    return original(*args, **kwargs)
+
+setattr(owner, name, signal_first)
+sys.exit(cli.main(argv))
+"""
+
+
+class TestSignalAtAnyMoment:
+    """From the first instruction to the last, a signal gives its status and a log that
+    ends with ``run_end`` or no log (it used to exit 0 with an empty log when it came while
+    the log opened, print a traceback during the imports, and die of SIGHUP)."""
+
+    @pytest.mark.parametrize(("step", "signum"), [
+        ("before-log", signal.SIGINT),
+        ("log-opening", signal.SIGTERM),
+        ("log-opening", signal.SIGHUP),
+        ("log-opening", signal.SIGINT),
+        ("log-open", signal.SIGHUP),
+        ("first-token", signal.SIGTERM),
+        ("closing", signal.SIGINT),
+        ("after-run", signal.SIGHUP),
+    ], ids=_name)
+    def test_signal_at_each_step(self, tiny_model: Path, tmp_path: Path, step: str,
+                                 signum: int) -> None:
+        log = tmp_path / "run.jsonl"
+        proc = subprocess.run(
+            [sys.executable, "-c", _SIGNAL_AT, step, str(int(signum)), "-m", str(tiny_model),
+             "-n", "3", "--compute", "fixed:0.1", "--backend", "host", "--log", str(log),
+             "--record-trace", str(tmp_path / "routing.npz")],
+            cwd=REPO, capture_output=True, text=True, timeout=60, check=False,
+        )
+        _assert_stopped(signum, proc.returncode, proc.stderr, log, tmp_path)
+        if step in ("log-opening", "log-open", "first-token", "closing"):
+            assert _lines(log)[-1]["event"] == "run_end"  # the log was open: it is closed
+        if step == "closing":
+            assert _lines(log)[-1]["exit"] == "ok"  # the run had finished
+
+    @pytest.mark.parametrize("signum", list(_STOPS), ids=_name)
+    def test_signal_during_imports(self, tiny_model: Path, tmp_path: Path, signum: int) -> None:
+        """``-X importtime`` reports each import as it ends: the signal comes once numpy's
+        first module is in, with the rest of the imports to go."""
+        log, err_path = tmp_path / "run.jsonl", tmp_path / "stderr.txt"
+        with err_path.open("w") as err:
+            proc = subprocess.Popen(
+                [sys.executable, "-X", "importtime", "-m", "pipeline.run", "-m",
+                 str(tiny_model), "-n", "100000", "--compute", "fixed:1", "--backend", "host",
+                 "--log", str(log)],
+                cwd=REPO, stdout=subprocess.DEVNULL, stderr=err, text=True,
+            )
+            _wait_until(proc, lambda: "numpy" in err_path.read_text(), "numpy import")
+            proc.send_signal(signum)
+            rc = proc.wait(timeout=60)
+        _assert_stopped(signum, rc, err_path.read_text(), log, tmp_path)
+
+    @pytest.mark.parametrize(("signum", "delay_s"), [
+        (signal.SIGINT, 0.1), (signal.SIGTERM, 0.3), (signal.SIGHUP, 0.5),
+    ], ids=_name)
+    def test_sweep_of_early_moments(self, tiny_model: Path, tmp_path: Path, signum: int,
+                                    delay_s: float) -> None:
+        """A signal some time after the start, whatever it hits (imports, start, decode)."""
+        r = _Run(tiny_model, tmp_path)
+        time.sleep(delay_s)
+        r.proc.send_signal(signum)
+        rc, _, err = r.finish()
+        if rc == -signum:  # it came before the module's first line: nothing was made
+            assert not r.log.exists()
+            return
+        _assert_stopped(signum, rc, err, r.log, tmp_path)
+
+
+class TestInputsThatWouldBlock:
+    """Inputs that are FIFOs or devices, and compute that never ends, are refused at once
+    with one line and exit 2 (they used to hang the run beyond the reach of signals)."""
+
+    @pytest.mark.parametrize("option", ["--trace", "--model"])  # --log: tests/test_outputs.py
+    def test_fifo_option(self, tiny_model: Path, tmp_path: Path, option: str) -> None:
+        fifo = tmp_path / "fifo"
+        os.mkfifo(fifo)
+        args = {"--model": str(tiny_model), option: str(fifo)}
+        proc = subprocess.run(
+            [sys.executable, "-m", "pipeline.run", "-n", "2", "--backend", "host",
+             *[x for kv in args.items() for x in kv]],
+            cwd=REPO, capture_output=True, text=True, timeout=30, check=False,
+        )
+        assert proc.returncode == 2, proc.stderr
+        assert proc.stderr.splitlines()[-1].startswith("moestream: error: ")
+        assert "FIFO" in proc.stderr.splitlines()[-1] or "regular" in proc.stderr
+        assert "Traceback" not in proc.stderr
+
+    @pytest.mark.parametrize("path", ["fifo", "/dev/zero"])
+    def test_analyze_refuses_special_files(self, tmp_path: Path, path: str) -> None:
+        target = tmp_path / path if path == "fifo" else Path(path)
+        if path == "fifo":
+            os.mkfifo(target)
+        proc = subprocess.run(
+            [sys.executable, "-m", "tools.analyze", str(target)],
+            cwd=REPO, capture_output=True, text=True, timeout=30, check=False,
+        )
+        assert proc.returncode == 2
+        assert proc.stderr.splitlines() == [
+            f"moestream-analyze: {target}: cannot read (is a "
+            f"{'FIFO' if path == 'fifo' else 'character device'}, not a regular file)"]
+
+    @pytest.mark.parametrize("value", ["inf", "-inf", "nan", "1e9", "-1", "1000.5"])
+    def test_fixed_compute_out_of_range(self, value: str) -> None:
+        from pipeline.foundation.config import ComputeSpec, parse_compute
+        from pipeline.foundation.errors import UsageError
+
+        with pytest.raises(UsageError, match="0 to 1000 ms"):
+            parse_compute(f"fixed:{value}")
+        with pytest.raises(UsageError, match="0 to 1000 ms"):
+            RunConfig(compute=ComputeSpec("fixed", float(value)))
+
+    def test_fixed_inf_on_the_command_line(self, tiny_model: Path) -> None:
+        proc = subprocess.run(
+            [sys.executable, "-m", "pipeline.run", "-m", str(tiny_model), "--backend", "host",
+             "--compute", "fixed:inf"],
+            cwd=REPO, capture_output=True, text=True, timeout=60, check=False,
+        )
+        assert proc.returncode == 2
+        assert proc.stderr.splitlines() == [
+            "moestream: error: --compute 'fixed:inf': fixed:MS takes 0 to 1000 ms of compute "
+            "per layer, got inf"]
+
+
+class TestHostComputeYields:
+    """``fixed`` compute on the host backend spins on the event loop's thread in slices:
+    a cancel (a signal) lands within one slice, not after the layer."""
+
+    async def test_cancel_within_one_slice(self, tiny_model: Path,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+        from gpu.kernels import HostKernels
+
+        asked_ms: list[float] = []
+        busy = HostKernels.busy
+        cfg = RunConfig(model=tiny_model, tokens=3, backend="host",
+                        compute=ComputeSpec("fixed", 800.0))
+        task = asyncio.ensure_future(run(cfg))
+
+        def busy_then_cancel(self: HostKernels, ms: float, buf: Any, stream: Any) -> None:
+            asked_ms.append(ms)
+            if len(asked_ms) == 1:
+                task.cancel()  # as the signal handler does, from the loop's thread
+            busy(self, ms, buf, stream)
+
+        monkeypatch.setattr(HostKernels, "busy", busy_then_cancel)
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        # the expert's 800 / top_k ms were asked for in slices; none after the cancel
+        assert len(asked_ms) == 1 and asked_ms[0] <= 10.0, asked_ms
+
+
+def _make_model(out: Path) -> subprocess.Popen[str]:
+    # 3 MoE layers of 32 experts of 6.75 MiB: 0.65 GB, long enough to be stopped mid-write
+    return subprocess.Popen(
+        [sys.executable, "-m", "tools.make_model", str(out), "--preset", "ds4-flash-q2",
+         "--layers", "4", "--experts", "32"],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+
+
+class TestAtomicWritersStop:
+    """SIGTERM and SIGHUP clean up as SIGINT does: ``tools.make_model`` stopped mid-write
+    leaves no hidden ``.NAME.*.tmp`` (it used to leave hundreds of MB), exit 128 + N."""
+
+    @pytest.mark.parametrize("signum", list(_STOPS), ids=_name)
+    def test_make_model_leaves_no_temp_file(self, tmp_path: Path, signum: int) -> None:
+        out = tmp_path / "model.gguf"
+        proc = _make_model(out)
+
+        def writing() -> bool:  # the temporary file has data in it
+            for p in tmp_path.glob(".*.tmp"):
+                with contextlib.suppress(FileNotFoundError):
+                    if p.stat().st_size > 1 << 20:
+                        return True
+            return False
+
+        _wait_until(proc, writing, "a temporary file being written")
+        proc.send_signal(signum)
+        _, err = proc.communicate(timeout=60)
+        assert proc.returncode == _STOPS[signum], err
+        assert err.splitlines()[-1] == ("moestream-make-model: interrupted by "
+                                        f"{signal.Signals(signum).name}")
+        assert list(tmp_path.iterdir()) == []
+
+    def test_stoppable_runs_finally_blocks(self) -> None:
+        """In process: the decorated entry turns SIGTERM into cleanup and status 143."""
+        from pipeline.foundation.interrupts import stoppable
+
+        cleaned: list[str] = []
+
+        @stoppable("test")
+        def main() -> int:
+            try:
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(5)  # never reached: the handler raises at once
+                return 0
+            finally:
+                cleaned.append("finally")
+
+        previous = signal.getsignal(signal.SIGTERM)
+        assert main() == 143
+        assert cleaned == ["finally"]
+        assert signal.getsignal(signal.SIGTERM) == previous  # handlers given back

@@ -44,6 +44,7 @@ from tqdm import tqdm
 from pipeline.foundation.cli import closable_stdout, print_error, printable
 from pipeline.foundation.digest import digest_bytes
 from pipeline.foundation.errors import ModelFileError, MoestreamError, UsageError
+from pipeline.foundation.interrupts import stoppable
 from pipeline.foundation.outputs import atomic_path, check_output, check_output_dir
 
 __all__ = ["PRESETS", "ModelSpec", "ensure_default_model", "main", "spec_for", "write_model"]
@@ -409,6 +410,7 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(message)
 
 
+@stoppable("moestream-make-model")  # SIGTERM, SIGHUP as SIGINT: the temp file goes
 def main(argv: Sequence[str] | None = None) -> int:
     """Command line: ``python -m tools.make_model OUT --preset ...``; returns the exit code."""
     parser = _Parser(prog="moestream-make-model", description=_DESCRIPTION)

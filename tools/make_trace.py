@@ -14,6 +14,7 @@ from typing import NoReturn
 
 from pipeline.foundation.cli import closable_stdout, print_error, printable
 from pipeline.foundation.errors import MoestreamError, UsageError
+from pipeline.foundation.interrupts import stoppable
 from pipeline.foundation.outputs import check_output
 from pipeline.synthetic import PRESETS, synthetic_trace
 from pipeline.trace import save_trace
@@ -69,6 +70,7 @@ def _print_table(preset: str, seed: int) -> None:
         print(f"  {point.label:<60} {published:>11} {row.measured:>9.3f} {row.delta:>+7.3f}")
 
 
+@stoppable("make_trace")  # SIGTERM, SIGHUP as SIGINT: a partial trace goes
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI; returns the exit status (2 for bad options)."""
     args: argparse.Namespace | None = None

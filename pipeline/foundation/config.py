@@ -6,6 +6,7 @@ raise ``UsageError`` with a one-line reason for anything else.
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -14,6 +15,7 @@ from typing import Literal
 from pipeline.foundation.errors import UsageError
 
 __all__ = [
+    "MAX_LAYER_MS",
     "Budget",
     "ComputeSpec",
     "Mode",
@@ -94,8 +96,24 @@ def parse_devices(text: str) -> tuple[int, ...]:
     return devices
 
 
+MAX_LAYER_MS = 1000.0
+"""The most ``fixed:MS`` compute per layer: an engine's layer takes about a millisecond
+(0.57 ms for ds4 on an H200); a larger value is a typo, and ``inf`` would never end."""
+
+
+def _layer_ms_problem(ms: float) -> str | None:
+    if not math.isfinite(ms) or not 0 <= ms <= MAX_LAYER_MS:
+        return f"takes 0 to {MAX_LAYER_MS:g} ms of compute per layer, got {ms:g}"
+    return None
+
+
 def parse_compute(text: str) -> ComputeSpec:
-    """``real``, ``digest``, ``fixed`` (0.57 ms per layer) or ``fixed:MS``."""
+    """``real``, ``digest``, ``fixed`` (0.57 ms per layer) or ``fixed:MS``.
+
+    Raises:
+        UsageError: anything else, and an MS that is not a number from 0 to
+            ``MAX_LAYER_MS`` (``inf``, ``nan``, ``1e9``).
+    """
     if text in ("real", "digest"):
         return ComputeSpec(text)  # type: ignore[arg-type]
     if text == "fixed":
@@ -104,8 +122,11 @@ def parse_compute(text: str) -> ComputeSpec:
         try:
             ms = float(text.removeprefix("fixed:"))
         except ValueError:
-            ms = -1.0
-        if ms >= 0:
+            pass
+        else:
+            problem = _layer_ms_problem(ms)
+            if problem is not None:
+                raise UsageError(f"--compute {text!r}: fixed:MS {problem}")
             return ComputeSpec("fixed", ms)
     raise UsageError(f"cannot read --compute {text!r} (expected real, digest or fixed:MS)")
 
@@ -184,6 +205,7 @@ class RunConfig:
     faults: str = ""
 
     def __post_init__(self) -> None:
+        layer_ms_problem = _layer_ms_problem(self.compute.layer_ms)
         checks = [
             (self.tokens >= 1, f"--tokens must be >= 1, got {self.tokens}"),
             (self.queue_depth >= 1, f"--queue-depth must be >= 1, got {self.queue_depth}"),
@@ -195,6 +217,7 @@ class RunConfig:
             (self.policy in ("lru", "freq"), f"unknown --policy {self.policy!r}"),
             (self.log_level in ("info", "debug"), f"unknown --log-level {self.log_level!r}"),
             (self.sample_ms > 0, f"--sample-ms must be > 0, got {self.sample_ms}"),
+            (layer_ms_problem is None, f"--compute fixed:MS {layer_ms_problem}"),
             (self.prefetch in ("none", "oracle", "predict"),
              f"unknown --prefetch {self.prefetch!r}"),
             (self.router in ("trace", "live"), f"unknown --router {self.router!r}"),

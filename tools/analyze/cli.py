@@ -40,6 +40,7 @@ import structlog
 
 from pipeline.foundation.cli import closable_stdout, print_error
 from pipeline.foundation.errors import MoestreamError, UsageError
+from pipeline.foundation.interrupts import stoppable
 from pipeline.foundation.outputs import check_output, check_output_dir, write_atomic
 from tools.analyze.device_report import device_table, devices_json
 from tools.analyze.logread import read_log
@@ -454,6 +455,7 @@ def _json_default(value: object) -> object:
     raise TypeError(f"not JSON serializable: {type(value).__name__}")
 
 
+@stoppable("moestream-analyze")  # SIGTERM, SIGHUP as SIGINT: partial outputs go
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``moestream-analyze``; returns the exit status.
 

@@ -32,6 +32,7 @@ import numpy.typing as npt
 import structlog
 
 from pipeline.foundation.errors import TraceError
+from pipeline.foundation.inputs import open_input
 from tools.analyze.logdevices import TokenDeviceRows, dropped_entries_problem, sum_problems
 from tools.analyze.logrecords import (
     ControllerDecision,
@@ -424,7 +425,7 @@ def read_log(path: str | Path) -> RunLog:
     """
     path = Path(path)
     try:
-        handle = path.open("rb")
+        handle = open_input(path)  # a FIFO or a device is refused, never waited on
     except OSError as exc:
         raise TraceError(f"{path}: cannot read ({exc.strerror or exc})") from exc
     with handle:

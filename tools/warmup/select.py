@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from pipeline.foundation.errors import TraceError, UsageError
+from pipeline.foundation.inputs import open_input
 from pipeline.foundation.table import ByteRange, ExpertTable
 from stages.residency import coalesce
 
@@ -105,7 +106,7 @@ def _check_starts_a_run(path: Path) -> None:
     from tools.analyze.logread import log_lines  # only --hot needs it; keep start-up short
 
     try:
-        with path.open("rb") as f:
+        with open_input(path) as f:  # a FIFO or a device is refused, never waited on
             first = next((line for line in log_lines(f) if line is None or line.strip()), b"")
     except OSError as exc:
         raise TraceError(f"{path}: cannot read ({exc.strerror})") from None
