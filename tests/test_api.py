@@ -239,6 +239,47 @@ class TestFetch:
             assert ms.core.caches[0].get((layer, 0)) is None
 
 
+class TestDevicesAndModes:
+    """Experts sharded over (emulated) devices; the controller switching under the engine."""
+
+    async def test_two_devices(self, tiny_model: Path, tiny_table: ExpertTable) -> None:
+        async with _open(tiny_model, devices=[0, 1]) as ms:
+            assert ms.devices == (0, 1)
+            layer = ms.model.moe_layers[0]
+            async with ms.fetch(layer, list(range(8))) as lease:
+                handles = await lease.gather()
+                assert {h.device for h in handles} == {0, 1}
+                for h in handles:
+                    assert _device_bytes(h) == _file_bytes(tiny_table, h.key)
+            stats = await ms.end_token()
+            assert stats.misses == 8 and ms.counters().verified == 8
+
+    async def test_auto_mode_switches_while_decoding(self, tiny_model: Path,
+                                                     tiny_table: ExpertTable) -> None:
+        from pipeline.controller import ControllerReadings
+
+        model_bytes = tiny_table.file_bytes
+        ram = {"available": model_bytes // 2}
+
+        def sampler(full: bool) -> ControllerReadings:
+            return ControllerReadings(ram["available"], 1 << 40, model_bytes, 0, 0, 0, 0)
+
+        tuning = moestream.Tuning(sampler=sampler, sample_ms=5, dwell_s=0, margin_bytes=1,
+                                  warmup=False)
+        async with _open(tiny_model, mode="auto", tuning=tuning) as ms:
+            assert ms.mode == "direct"
+            ram["available"] = 4 * model_bytes
+            for _ in range(500):
+                if ms.mode == "resident":
+                    break
+                await asyncio.sleep(0.01)
+            assert ms.mode == "resident" and ms.counters().switches == 1
+            async with ms.fetch(ms.model.moe_layers[2], [3, 4]) as lease:
+                for h in await lease.gather():
+                    assert _device_bytes(h) == _file_bytes(tiny_table, h.key)
+            assert (await ms.end_token()).mode == "resident"
+
+
 class TestDLPack:
     """Views are exported without a copy, to numpy on the host and CuPy on a GPU."""
 
