@@ -189,21 +189,11 @@ class Router(Protocol):
         """A guess of ``route(token, i, ...)`` from an earlier hidden state."""
 
 
-class Lease:
-    """One layer's fetched experts, pinned on their devices until released.
+class LeaseFacts:
+    """What a fetch asked for and found (``Lease`` and ``SyncLease`` alike)."""
 
-    Iterate it (``async for``) for handles as experts become available, hits first, misses
-    as they land; or ``await gather()`` for all of them in the order asked. Leave the
-    ``with``/``async with`` block, or call ``release``, when the engine's compute on them is
-    queued: their buffers are reused only after that compute has run.
-    """
-
-    __slots__ = ("_core", "_handles", "_session")
-
-    def __init__(self, session: Session, core: LayerLease) -> None:
-        self._session = session
-        self._core = core
-        self._handles: dict[int, ExpertHandle] = {}
+    __slots__ = ()
+    _core: LayerLease
 
     @property
     def layer(self) -> int:
@@ -227,6 +217,28 @@ class Lease:
     @property
     def released(self) -> bool:
         return self._core.released
+
+
+class Lease(LeaseFacts):
+    """One layer's fetched experts, pinned on their devices until released.
+
+    Iterate it (``async for``) for handles as experts become available, hits first, misses
+    as they land; or ``await gather()`` for all of them in the order asked. Leave the
+    ``with``/``async with`` block, or call ``release``, when the engine's compute on them is
+    queued: their buffers are reused only after that compute has run.
+    """
+
+    __slots__ = ("_core", "_handles", "_session")
+
+    def __init__(self, session: Session, core: LayerLease) -> None:
+        self._session = session
+        self._core = core
+        self._handles: dict[int, ExpertHandle] = {}
+
+    @property
+    def core(self) -> LayerLease:
+        """The ``pipeline.lease.LayerLease`` underneath (not part of the stable API)."""
+        return self._core
 
     def __aiter__(self) -> AsyncIterator[ExpertHandle]:
         return self

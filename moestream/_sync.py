@@ -23,6 +23,7 @@ from moestream._session import (
     After,
     Counters,
     Lease,
+    LeaseFacts,
     Mode,
     ModelInfo,
     Router,
@@ -97,36 +98,17 @@ async def _next(lease: Lease) -> ExpertHandle | None:
         return None
 
 
-class SyncLease:
+class SyncLease(LeaseFacts):
     """A ``Lease`` for synchronous code: iterate it, or ``gather()``; leave its ``with``
     block (or ``release``) once the compute on its experts is queued."""
 
-    __slots__ = ("_lease", "_loop", "_session")
+    __slots__ = ("_core", "_lease", "_loop", "_session")
 
     def __init__(self, session: SyncSession, lease: Lease, loop: _LoopThread) -> None:
         self._session = session
         self._lease = lease
+        self._core = lease.core
         self._loop = loop
-
-    @property
-    def layer(self) -> int:
-        return self._lease.layer
-
-    @property
-    def experts(self) -> tuple[int, ...]:
-        return self._lease.experts
-
-    @property
-    def hits(self) -> int:
-        return self._lease.hits
-
-    @property
-    def misses(self) -> int:
-        return self._lease.misses
-
-    @property
-    def released(self) -> bool:
-        return self._lease.released
 
     def __iter__(self) -> Iterator[ExpertHandle]:
         return self
