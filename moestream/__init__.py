@@ -1,0 +1,78 @@
+"""moestream: stream a MoE model's routed experts into a device cache while an engine decodes.
+
+The engine routes; moestream gets the experts it picked onto the device, hits first and
+misses as they land, under a byte budget, choosing direct I/O or page-cache residency from
+live RAM. ``docs/API.md`` is the guide; in short::
+
+    async with moestream.open("model.gguf", budget="20GiB") as ms:
+        for layer in ms.model.moe_layers:
+            async with ms.fetch(layer, experts) as lease:
+                async for h in lease:          # hits first, then misses as they land
+                    h.wait(stream)             # device-side wait on the upload event
+                    compute(h.gate.array, h.up.array, h.down.array)
+        await ms.end_token()
+
+``open_sync`` gives the same session to code without asyncio. Errors are the classes of
+``pipeline.foundation.errors``, re-exported here.
+"""
+
+from moestream._handles import ExpertHandle, Matrix
+from moestream._session import (
+    Counters,
+    LayerInfo,
+    Lease,
+    ModelInfo,
+    Router,
+    Session,
+    TokenStats,
+    Tuning,
+    open,
+)
+from moestream._sync import SyncLease, SyncSession, open_sync
+from pipeline.foundation.config import Budget
+from pipeline.foundation.errors import (
+    DeviceMemoryError,
+    ExpertLayoutError,
+    ModelChangedError,
+    ModelFileError,
+    MoestreamError,
+    NotGGUFError,
+    OutputError,
+    ReadError,
+    StageError,
+    TruncatedFileError,
+    UploadError,
+    UsageError,
+    VerificationError,
+)
+
+__all__ = [
+    "Budget",
+    "Counters",
+    "DeviceMemoryError",
+    "ExpertHandle",
+    "ExpertLayoutError",
+    "LayerInfo",
+    "Lease",
+    "Matrix",
+    "ModelChangedError",
+    "ModelFileError",
+    "ModelInfo",
+    "MoestreamError",
+    "NotGGUFError",
+    "OutputError",
+    "ReadError",
+    "Router",
+    "Session",
+    "StageError",
+    "SyncLease",
+    "SyncSession",
+    "TokenStats",
+    "TruncatedFileError",
+    "Tuning",
+    "UploadError",
+    "UsageError",
+    "VerificationError",
+    "open",
+    "open_sync",
+]

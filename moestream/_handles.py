@@ -1,0 +1,224 @@
+"""Expert handles: an expert's gate, up and down matrices on its device, while leased.
+
+A handle is valid while its lease is held. After the lease is released (or its session
+closed) every accessor of the handle and of its matrices raises ``UsageError``: the buffer
+may already hold another expert. An array taken out before the release (``.array``,
+``.bytes``, a DLPack import) keeps the memory allocated (it is never freed under it) but
+must not be read after the release, as with any borrowed buffer.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+from gguf import GGMLQuantizationType
+
+from gpu.backend import Backend, Event
+from gpu.host import HostEvent
+from gpu.interop import StreamLike, wait_on
+from pipeline.foundation.errors import UsageError
+from pipeline.foundation.table import MoeLayer
+from pipeline.lease import Arrival, LayerLease
+
+__all__ = ["ExpertHandle", "Matrix"]
+
+_TYPED = {GGMLQuantizationType.F16: "float16", GGMLQuantizationType.F32: "float32"}
+_NAMES = ("gate", "up", "down")
+
+
+class Matrix:
+    """One of an expert's three matrices on its device: a view of the cache, not a copy.
+
+    Attributes:
+        name: ``gate``, ``up`` or ``down``.
+        ggml_type: its GGUF tensor type (``GGMLQuantizationType``: ``.name`` is ``F16``,
+            ``Q2_K``...; the int value is GGML's type id).
+        shape: (rows, columns) in elements, GGUF order: gate and up are (ffn, hidden), down
+            is (hidden, ffn).
+        nbytes: its bytes (the quantized blocks as the file stores them).
+    """
+
+    __slots__ = ("_array", "_bytes", "_handle", "ggml_type", "name", "nbytes", "shape")
+
+    def __init__(self, handle: ExpertHandle, name: str, ggml_type: GGMLQuantizationType,
+                 shape: tuple[int, int], raw: Any) -> None:
+        self._handle = handle
+        self.name = name
+        self.ggml_type = ggml_type
+        self.shape = shape
+        self.nbytes = int(raw.nbytes)
+        self._bytes = raw
+        self._array: Any = None
+
+    @property
+    def bytes(self) -> Any:
+        """The raw bytes: a 1-D uint8 array (CuPy on a GPU, numpy, read-only, on the host).
+
+        Raises:
+            UsageError: the lease was released.
+        """
+        self._handle.check()
+        return self._bytes
+
+    @property
+    def array(self) -> Any:
+        """The matrix typed: float16 or float32 of ``shape`` for F16 and F32 matrices, the
+        raw bytes (uint8) for every quantized type. What ``__dlpack__`` exports.
+
+        Raises:
+            UsageError: the lease was released.
+        """
+        self._handle.check()
+        if self._array is None:
+            dtype = _TYPED.get(self.ggml_type)
+            raw = self._bytes
+            self._array = raw if dtype is None else raw.view(dtype).reshape(self.shape)
+        return self._array
+
+    @property
+    def ptr(self) -> int:
+        """The address of the first byte on the device (host memory on the host backend).
+
+        Raises:
+            UsageError: the lease was released.
+        """
+        self._handle.check()
+        raw = self._bytes
+        return int(raw.ctypes.data) if isinstance(raw, np.ndarray) else int(raw.data.ptr)
+
+    @property
+    def device(self) -> int:
+        """The index of the device the matrix lives on (in ``Session.devices``)."""
+        return self._handle.device
+
+    def __dlpack__(self, *, stream: int | None = None, max_version: tuple[int, int] | None = None,
+                   dl_device: tuple[int, int] | None = None, copy: bool | None = None) -> Any:
+        """Export ``array`` without a copy (DLPack). On a GPU the consumer's ``stream`` is
+        first made to wait for the expert's upload, on the device (None: the legacy
+        default stream, as the protocol says; -1: no ordering).
+
+        Raises:
+            UsageError: the lease was released.
+            BufferError: a stream was given for host memory.
+        """
+        array = self.array
+        if isinstance(array, np.ndarray):
+            if stream is not None:
+                raise BufferError(f"host memory takes no stream, got {stream!r}")
+            return array.__dlpack__(max_version=max_version, dl_device=dl_device, copy=copy)
+        if stream != -1:
+            wait_on(self._handle.event, 1 if stream is None else stream)
+        # only what the consumer gave: an older CuPy takes ``stream`` alone, and a consumer
+        # asking for ``max_version`` retries without it on the TypeError
+        given: dict[str, Any] = {"max_version": max_version, "dl_device": dl_device,
+                                 "copy": copy}
+        return array.__dlpack__(stream=-1, **{k: v for k, v in given.items() if v is not None})
+
+    def __dlpack_device__(self) -> tuple[int, int]:
+        """(device type, index): (1, 0) for host memory, (2, N) for CUDA device N."""
+        self._handle.check()
+        device: tuple[int, int] = self._bytes.__dlpack_device__()
+        return device
+
+    def __repr__(self) -> str:
+        return (f"Matrix({self.name}, {self.ggml_type.name}, shape={self.shape}, "
+                f"nbytes={self.nbytes})")
+
+
+class ExpertHandle:
+    """One leased expert: its three matrices on its device and the event of its upload.
+
+    Attributes:
+        layer: the model layer index.
+        expert: the expert index within the layer.
+        device: the index of its device in ``Session.devices``.
+        gate, up, down: its matrices (``Matrix``).
+    """
+
+    __slots__ = ("_event", "_lease", "device", "down", "expert", "gate", "layer", "up")
+
+    def __init__(self, lease: LayerLease, arrival: Arrival, backend: Backend,
+                 info: MoeLayer) -> None:
+        entry = arrival.entry
+        self._lease = lease
+        self.layer, self.expert = entry.key
+        self.device = arrival.part.device
+        self._event: Event = entry.upload if entry.upload is not None else HostEvent()
+        hidden, ffn = info.shape
+        shapes = ((ffn, hidden), (ffn, hidden), (hidden, ffn))
+        types = (info.gate_up_type, info.gate_up_type, info.down_type)
+        host = backend.name == "host"
+        matrices = []
+        for name, staged, shape, kind in zip(_NAMES, arrival.part.streamer.layout(entry.key)
+                                             .ranges, shapes, types, strict=True):
+            raw = backend.device_bytes(entry.buffer, staged.device_offset, staged.nbytes)
+            if host:
+                raw.flags.writeable = False  # the cache's bytes: compute reads, never writes
+            matrices.append(Matrix(self, name, kind, shape, raw))
+        self.gate, self.up, self.down = matrices
+
+    def check(self) -> None:
+        """Raise ``UsageError`` if the lease was released (or its session closed)."""
+        lease = self._lease
+        if lease.released:
+            why = f" ({lease.closed_reason})" if lease.closed_reason else ""
+            raise UsageError(f"layer {self.layer} expert {self.expert}: used after its lease "
+                             f"was released{why}")
+
+    @property
+    def key(self) -> tuple[int, int]:
+        return (self.layer, self.expert)
+
+    @property
+    def matrices(self) -> tuple[Matrix, Matrix, Matrix]:
+        return (self.gate, self.up, self.down)
+
+    @property
+    def released(self) -> bool:
+        return self._lease.released
+
+    @property
+    def event(self) -> Event:
+        """Completes when the expert's bytes are on the device (``done()``,
+        ``synchronize()``; ``raw`` is the ``cupy.cuda.Event`` on a GPU). Complete from the
+        start on the host backend.
+
+        Raises:
+            UsageError: the lease was released.
+        """
+        self.check()
+        return self._event
+
+    @property
+    def cuda_event(self) -> Any:
+        """The upload's ``cupy.cuda.Event`` (its ``ptr`` is the ``cudaEvent_t``); None on
+        the host backend.
+
+        Raises:
+            UsageError: the lease was released.
+        """
+        self.check()
+        return getattr(self._event, "raw", None)
+
+    def ready(self) -> bool:
+        """Whether the upload has completed (a query, never a wait)."""
+        self.check()
+        return self._event.done()
+
+    def wait(self, stream: StreamLike = None) -> None:
+        """Make ``stream`` wait for the upload on the device; the host never blocks.
+
+        Args:
+            stream: a ``cupy.cuda.Stream``, a ``torch.cuda.Stream``, a ``cudaStream_t`` as
+                an int, or None for CuPy's current stream. Ignored on the host backend.
+
+        Raises:
+            UsageError: the lease was released, or ``stream`` is not a stream.
+        """
+        self.check()
+        wait_on(self._event, stream)
+
+    def __repr__(self) -> str:
+        state = "released" if self._lease.released else f"device {self.device}"
+        return f"ExpertHandle(layer={self.layer}, expert={self.expert}, {state})"

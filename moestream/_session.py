@@ -1,0 +1,578 @@
+"""The asynchronous API: ``open`` a model, ``fetch`` a layer's experts, ``end_token``.
+
+``Session`` is a thin face over ``pipeline.session.StreamSession`` (the parts) and
+``pipeline.lease.LayerLease`` (pins and arrivals); it checks where it is called from,
+builds handles and reports counters in public types.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import AsyncIterator, Generator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Literal, Protocol
+
+from gguf import GGMLQuantizationType
+
+from gpu.backend import Event
+from gpu.interop import StreamLike, event_after
+from moestream._handles import ExpertHandle
+from pipeline.controller import Sampler
+from pipeline.foundation.config import Budget, RunConfig, parse_budget
+from pipeline.foundation.errors import UsageError
+from pipeline.foundation.table import ExpertTable
+from pipeline.lease import LayerLease, LeasePart
+from pipeline.session import StreamSession
+
+__all__ = ["Counters", "LayerInfo", "Lease", "ModelInfo", "Router", "Session", "TokenStats",
+           "Tuning", "open"]
+
+Mode = Literal["auto", "direct", "resident"]
+After = StreamLike | Event | Mapping[int, Any]
+"""What a release waits for: a stream (its work so far), an event, or one per device."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Tuning:
+    """Settings that rarely need changing (the defaults are ``pipeline.run``'s).
+
+    Attributes:
+        queue_depth: reader threads per device (reads in flight).
+        chunk_bytes: largest single read (a multiple of 4096).
+        staging_slots: experts staged in pinned memory at once, per device.
+        upload_streams: upload streams per device.
+        layers_in_flight: layers whose experts may be pinned at once (a fetched layer and
+            a prefetched one, or concurrent fetches); the budget must hold that many
+            layers' top-k experts.
+        ram_limit: the RAM the controller may believe in, at most (bytes).
+        sample_ms: the controller's sampling period.
+        margin_bytes: the controller's safety margin (None: max(2 GiB, 5% of RAM)).
+        warmup: in resident mode, warm the model's missing pages in the background.
+        dwell_s: least time between two mode switches.
+        sampler: machine readings for the controller (tests feed their own).
+        faults: injected faults (``pipeline.foundation.faults``), a test facility.
+    """
+
+    queue_depth: int = 8
+    chunk_bytes: int = 4 << 20
+    staging_slots: int = 16
+    upload_streams: int = 2
+    layers_in_flight: int = 2
+    ram_limit: int | None = None
+    sample_ms: float = 250.0
+    margin_bytes: int | None = None
+    warmup: bool = True
+    dwell_s: float = 2.0
+    sampler: Sampler | None = field(default=None, repr=False)
+    faults: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class LayerInfo:
+    """One MoE layer of the model."""
+
+    layer: int
+    n_experts: int
+    hidden: int
+    ffn: int
+    gate_up_type: GGMLQuantizationType
+    down_type: GGMLQuantizationType
+    expert_bytes: int
+    """Bytes of one expert's three matrices in the file."""
+
+
+@dataclass(frozen=True, slots=True)
+class ModelInfo:
+    """The model a session streams.
+
+    Attributes:
+        path: the GGUF file.
+        moe_layers: the model layer indices of the MoE layers, in decode order.
+        layers: each MoE layer's description, by layer index.
+        n_experts: routed experts per layer (the largest).
+        top_k: experts the router picks per layer and token.
+        hidden: the hidden size.
+        hash_routed: how many of the first MoE layers route by token id (no router).
+    """
+
+    path: Path
+    moe_layers: tuple[int, ...]
+    layers: Mapping[int, LayerInfo]
+    n_experts: int
+    top_k: int
+    hidden: int
+    hash_routed: int
+
+    @classmethod
+    def of(cls, table: ExpertTable) -> ModelInfo:
+        layers = {
+            n: LayerInfo(n, m.n_experts, m.shape[0], m.shape[1], m.gate_up_type, m.down_type,
+                         m.expert_bytes)
+            for n, m in table.layers.items()
+        }
+        return cls(table.path, tuple(table.moe_layers), layers, table.n_experts, table.top_k,
+                   table.hidden, table.hash_routed)
+
+
+@dataclass(frozen=True, slots=True)
+class TokenStats:
+    """What one token did (the fields of its ``token`` log event, docs/LOG_SCHEMA.md).
+
+    ``compute_ms`` is the token's wall time not spent waiting for experts: the engine's
+    own work, as moestream sees it from between the fetches.
+    """
+
+    token: int
+    wall_ms: float
+    stall_ms: float
+    compute_ms: float
+    hits: int
+    misses: int
+    evictions: int
+    file_bytes: int
+    cache_bytes: int
+    storage_bytes: int
+    mode: str
+    experts: tuple[tuple[int, ...], ...]
+    """Per MoE layer (``ModelInfo.moe_layers`` order), the experts fetched."""
+
+
+@dataclass(frozen=True, slots=True)
+class Counters:
+    """Totals since the session opened (the token under way included where it counts).
+
+    Device bytes are summed over the devices.
+    """
+
+    tokens: int
+    hits: int
+    misses: int
+    evictions: int
+    prefetched: int
+    file_bytes: int
+    cache_bytes: int
+    storage_bytes: int
+    stall_ms: float
+    verified: int
+    mismatches: int
+    unverified: int
+    mode: str
+    switches: int
+    budget_bytes: int
+    live_bytes: int
+    parked_bytes: int
+    peak_device_bytes: int
+    open_leases: int
+
+    @property
+    def hit_rate(self) -> float:
+        total = self.hits + self.misses
+        return self.hits / total if total else 0.0
+
+
+class Router(Protocol):
+    """The model's own router (``ffn_gate_inp``), as ``pipeline.run --router live`` applies
+    it; ``Session.router`` makes one. An engine normally routes with its own kernels; this
+    one serves examples and tests."""
+
+    def embedding(self, token: int) -> Any:
+        """The hidden state token ``token`` starts with (a float32 vector on the device)."""
+
+    def route(self, token: int, i: int, hidden: Any) -> tuple[list[int], list[float]]:
+        """Experts and weights of MoE layer *position* ``i`` (an index into
+        ``ModelInfo.moe_layers``) for ``hidden``."""
+
+    def predict(self, token: int, i: int, hidden: Any) -> list[int]:
+        """A guess of ``route(token, i, ...)`` from an earlier hidden state."""
+
+
+class LeaseFacts:
+    """What a fetch asked for and found (``Lease`` and ``SyncLease`` alike)."""
+
+    __slots__ = ()
+    _core: LayerLease
+
+    @property
+    def layer(self) -> int:
+        return self._core.layer
+
+    @property
+    def experts(self) -> tuple[int, ...]:
+        """The experts asked for, in the order asked."""
+        return self._core.experts
+
+    @property
+    def hits(self) -> int:
+        """Experts that were in the device cache (or already loading) when fetched."""
+        return self._core.hits
+
+    @property
+    def misses(self) -> int:
+        """Experts this fetch started loading."""
+        return self._core.misses
+
+    @property
+    def released(self) -> bool:
+        return self._core.released
+
+
+class Lease(LeaseFacts):
+    """One layer's fetched experts, pinned on their devices until released.
+
+    Iterate it (``async for``) for handles as experts become available, hits first, misses
+    as they land; or ``await gather()`` for all of them in the order asked. Leave the
+    ``with``/``async with`` block, or call ``release``, when the engine's compute on them is
+    queued: their buffers are reused only after that compute has run.
+    """
+
+    __slots__ = ("_core", "_handles", "_session")
+
+    def __init__(self, session: Session, core: LayerLease) -> None:
+        self._session = session
+        self._core = core
+        self._handles: dict[int, ExpertHandle] = {}
+
+    @property
+    def core(self) -> LayerLease:
+        """The ``pipeline.lease.LayerLease`` underneath (not part of the stable API)."""
+        return self._core
+
+    def __aiter__(self) -> AsyncIterator[ExpertHandle]:
+        return self
+
+    async def __anext__(self) -> ExpertHandle:
+        """The next expert available.
+
+        Raises:
+            StageError: this expert's load failed (its bytes never reach the cache);
+                iterating again goes on with the other experts. ``ModelChangedError``:
+                the model file changed under the session.
+            UsageError: the lease was released or the session closed, also while waiting.
+        """
+        arrival = await self._core.next()
+        if arrival is None:
+            raise StopAsyncIteration
+        session = self._session
+        handle = ExpertHandle(self._core, arrival, session.backends[arrival.part.device],
+                              session.table.layers[self.layer])
+        self._handles[handle.expert] = handle
+        return handle
+
+    async def gather(self) -> list[ExpertHandle]:
+        """Every expert, once all have landed, in the order asked (those iterated already
+        included).
+
+        Raises:
+            As ``__anext__``, for the first expert that fails.
+        """
+        async for _ in self:
+            pass
+        return [self._handles[e] for e in self.experts]
+
+    def release(self, after: After = None) -> None:
+        """Unpin the experts (again: nothing happens). Idempotent.
+
+        Args:
+            after: what the engine's compute on these experts was queued on: a stream
+                (CuPy, torch, an int ``cudaStream_t``), an event it recorded, or a mapping
+                from device index to either; None: each device's current CuPy stream.
+                Buffers are reused only after it. Ignored on the host backend.
+
+        A miss still loading (a fetch cancelled part way) keeps its pin until it lands.
+        """
+        if self._core.released:
+            return
+        backends = self._session.backends
+
+        def last_use(part: LeasePart) -> Event | None:
+            target = after.get(part.device) if isinstance(after, Mapping) else after
+            return event_after(backends[part.device], target)
+
+        self._session.core.release(self._core, last_use)
+
+    def __enter__(self) -> Lease:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+    async def __aenter__(self) -> Lease:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.release()
+
+    def __repr__(self) -> str:
+        state = "released" if self.released else f"{self.hits} hits, {self.misses} misses"
+        return f"Lease(layer={self.layer}, experts={list(self.experts)}, {state})"
+
+
+class Session:
+    """An open model whose experts stream into the device cache while an engine decodes.
+
+    Made by ``moestream.open``; ``await`` it or enter it with ``async with``. Every method
+    runs on the event loop that opened it (from other threads, use ``open_sync``).
+    """
+
+    def __init__(self, config: RunConfig, tuning: Tuning) -> None:
+        self.core = StreamSession(config, layers_in_flight=tuning.layers_in_flight,
+                                  sampler=tuning.sampler)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._model: ModelInfo | None = None
+
+    # -- lifetime --------------------------------------------------------------------------
+
+    async def _open(self) -> Session:
+        if self._loop is not None:
+            return self
+        await self.core.open()
+        self._loop = asyncio.get_running_loop()
+        assert self.core.table is not None
+        self._model = ModelInfo.of(self.core.table)
+        backends = self.core.backends
+        self.core.default_last_use = lambda part: event_after(backends[part.device], None)
+        return self
+
+    def __await__(self) -> Generator[Any, None, Session]:
+        return self._open().__await__()
+
+    async def __aenter__(self) -> Session:
+        return await self._open()
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                        tb: TracebackType | None) -> None:
+        if exc is None:
+            await self.aclose()
+        else:
+            await self.core.aclose(outcome="cancelled" if isinstance(exc, asyncio.CancelledError)
+                                   else str(exc) or type(exc).__name__)
+
+    async def aclose(self) -> None:
+        """Release every lease, finish or abandon loads in flight, free the device memory,
+        close the log. Idempotent.
+
+        Raises:
+            VerificationError: an expert compared at close (a file without recorded
+                digests) differs from the file.
+            OutputError: the log's last lines could not be written.
+        """
+        await self.core.aclose()
+
+    @property
+    def closed(self) -> bool:
+        return self.core.closed
+
+    def _here(self) -> None:
+        """Refuse calls from anywhere but the session's own event loop."""
+        if self._loop is None:
+            raise UsageError("the session is not open yet: await moestream.open(...) first")
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is not self._loop:
+            raise UsageError("a Session is used from the event loop that opened it; from "
+                             "other threads use moestream.open_sync")
+
+    # -- the model and the devices ---------------------------------------------------------
+
+    @property
+    def model(self) -> ModelInfo:
+        if self._model is None:
+            raise UsageError("the session is not open yet")
+        return self._model
+
+    @property
+    def table(self) -> ExpertTable:
+        assert self.core.table is not None
+        return self.core.table
+
+    @property
+    def backends(self) -> Sequence[Any]:
+        return self.core.backends
+
+    @property
+    def backend(self) -> str:
+        """``cupy`` (views are CuPy arrays) or ``host`` (numpy arrays)."""
+        return self.core.backends[0].name if self.core.backends else "host"
+
+    @property
+    def devices(self) -> tuple[int, ...]:
+        """The device numbers, in the order ``ExpertHandle.device`` indexes them."""
+        return tuple(b.device for b in self.core.backends)
+
+    @property
+    def mode(self) -> str:
+        """The I/O mode in force: ``direct`` or ``resident``."""
+        return self.core.mode
+
+    def router(self, seed: int = 0) -> Router:
+        """The model's own router on the first device (see ``Router``).
+
+        Raises:
+            ExpertLayoutError: the model has no F32 router tensors.
+        """
+        from pipeline.routing import LiveRouter
+
+        self._here()
+        home = self.core.backends[0]
+        with home.activate():
+            return LiveRouter(self.table, home, seed)
+
+    # -- experts ---------------------------------------------------------------------------
+
+    def fetch(self, layer: int, experts: Sequence[int]) -> Lease:
+        """Pin a layer's experts and start loading the misses; returns at once.
+
+        Two fetches of one layer may be held at once: each pins its own experts, and an
+        expert both ask for is loaded once and handed to both.
+
+        Args:
+            layer: a model layer index (one of ``model.moe_layers``).
+            experts: distinct expert indices of that layer.
+
+        Raises:
+            UsageError: the session is closed, or called from another loop or thread; a
+                layer that is not a MoE layer, an expert out of range or named twice; more
+                pinned than the budget holds (see ``Tuning.layers_in_flight``).
+            DeviceMemoryError: the device refused memory even after the budget shrank.
+        """
+        self._here()
+        return Lease(self, self.core.fetch(layer, experts))
+
+    def prefetch(self, layer: int, experts: Sequence[int]) -> int:
+        """Hint: start loading experts a later layer will likely fetch (those not cached,
+        as far as the budget has room). Held until that layer is fetched or the token
+        ends. Returns how many loads started.
+
+        Raises:
+            UsageError: as ``fetch``.
+        """
+        self._here()
+        return self.core.prefetch(layer, experts)
+
+    async def end_token(self) -> TokenStats:
+        """Mark a token boundary: verify what was loaded, let the controller look at the
+        machine (auto mode), write the token's log line. Leases still held are released
+        (logged: release them before).
+
+        Raises:
+            UsageError: the session is closed, or called from another loop or thread.
+            VerificationError: an expert loaded during the token differs from the file.
+            OutputError: the log file stopped taking lines.
+        """
+        self._here()
+        f = await self.core.end_token()
+        return TokenStats(
+            token=f["token"], wall_ms=f["wall_ms"], stall_ms=f["stall_ms"],
+            compute_ms=f["compute_ms"], hits=f["hits"], misses=f["misses"],
+            evictions=f["evictions"], file_bytes=f["file_bytes"], cache_bytes=f["cache_bytes"],
+            storage_bytes=f["storage_bytes"], mode=f["mode"],
+            experts=tuple(tuple(layer) for layer in f["experts"]))
+
+    def counters(self) -> Counters:
+        """Totals so far (a snapshot; cheap).
+
+        Raises:
+            UsageError: called from another loop or thread.
+        """
+        self._here()
+        core = self.core
+        done, now = core.counters_now()
+        caches = core.caches
+        controller = core.controller
+        return Counters(
+            tokens=done.tokens, hits=done.hits + now.hits, misses=done.misses + now.misses,
+            evictions=done.evictions + now.evictions,
+            prefetched=sum(c.counters.prefetched for c in caches),
+            file_bytes=done.file_bytes + now.file_bytes,
+            cache_bytes=done.cache_bytes + now.cache_bytes, storage_bytes=done.storage_bytes,
+            stall_ms=done.stall_ms + now.stall_ms, verified=done.verified,
+            mismatches=done.mismatches, unverified=done.unverified, mode=core.mode,
+            switches=controller.switches if controller is not None else 0,
+            budget_bytes=sum(c.budget_bytes for c in caches),
+            live_bytes=sum(c.live_bytes for c in caches),
+            parked_bytes=sum(c.parked_bytes for c in caches),
+            peak_device_bytes=sum(c.counters.peak_device_bytes for c in caches),
+            open_leases=core.open_leases)
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else "open" if self._loop else "not open"
+        return f"Session({self.core.config.model}, {self.backend}, {state})"
+
+
+def config_for(
+    model: str | os.PathLike[str] | None,
+    *,
+    devices: int | Sequence[int] | None,
+    budget: str | Budget | None,
+    mode: Mode,
+    policy: str,
+    verify: bool,
+    backend: str,
+    log: str | os.PathLike[str] | None,
+    tuning: Tuning,
+) -> RunConfig:
+    """The ``RunConfig`` of ``open``'s arguments (shared with ``open_sync``).
+
+    Raises:
+        UsageError: a value that cannot be used, with its reason.
+    """
+    chosen = (devices,) if isinstance(devices, int) else devices
+    return RunConfig(
+        model=Path(model) if model is not None else None,
+        budget=parse_budget(budget) if isinstance(budget, str) else budget,
+        mode=mode, policy=policy, backend=backend,
+        devices=tuple(chosen) if chosen is not None else None,
+        queue_depth=tuning.queue_depth, chunk_bytes=tuning.chunk_bytes,
+        staging_slots=tuning.staging_slots, upload_streams=tuning.upload_streams,
+        verify=verify, log=Path(log) if log is not None else None,
+        ram_limit=tuning.ram_limit, sample_ms=tuning.sample_ms,
+        margin_bytes=tuning.margin_bytes, warmup=tuning.warmup, dwell_s=tuning.dwell_s,
+        faults=tuning.faults,
+    )
+
+
+def open(
+    model: str | os.PathLike[str] | None = None,
+    *,
+    devices: int | Sequence[int] | None = None,
+    budget: str | Budget | None = None,
+    mode: Mode = "auto",
+    policy: str = "lru",
+    verify: bool = True,
+    backend: str = "auto",
+    log: str | os.PathLike[str] | None = None,
+    tuning: Tuning | None = None,
+) -> Session:
+    """Open a model for streaming; ``await`` the result or use it with ``async with``.
+
+    Args:
+        model: a GGUF file; None makes (once) and uses the embedded tiny model.
+        devices: a device index or several (experts are sharded over them); None: every
+            visible device. On the host backend indices emulate devices.
+        budget: the device cache: ``"2522"`` (experts), ``"20GiB"``, ``"11GB"``, or a
+            ``Budget``; None holds every expert. Clamped (logged) to free device memory.
+        mode: ``auto`` (the controller picks direct or resident from live RAM, and
+            switches while running), ``direct`` (O_DIRECT) or ``resident`` (page cache).
+        policy: eviction, ``lru`` or ``freq``.
+        verify: digest every loaded expert on the device and compare with the file at
+            each token's end (``end_token``).
+        backend: ``auto`` (CuPy when a CUDA device answers), ``cupy`` or ``host``.
+        log: a JSON-lines log in the run log's schema (``docs/LOG_SCHEMA.md``).
+        tuning: rarely changed settings (``Tuning``).
+
+    Raises:
+        UsageError: a bad value (at once); or, when opened: no usable CUDA device for
+            ``backend="cupy"``, a budget below ``Tuning.layers_in_flight`` layers.
+        ModelFileError: (when opened) the model is not a usable GGUF MoE file.
+        OutputError: (when opened) the log cannot be written.
+        StageError: (when opened) a device or pinned allocation failed.
+    """
+    tuning = tuning or Tuning()
+    cfg = config_for(model, devices=devices, budget=budget, mode=mode, policy=policy,
+                     verify=verify, backend=backend, log=log, tuning=tuning)
+    return Session(cfg, tuning)

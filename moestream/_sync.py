@@ -1,0 +1,259 @@
+"""The synchronous API, for engines without asyncio: the same session on a private loop.
+
+``open_sync`` starts a uvloop event loop on a daemon thread and opens a ``Session`` there;
+every call hops to that loop and waits for its answer (tens of microseconds), so the calls
+may come from any of the engine's threads, one at a time or concurrently (they run in the
+order they reach the loop). A call interrupted while it waits (``KeyboardInterrupt``)
+cancels its work on the loop: a fetch interrupted part way behaves as a cancelled one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+from collections.abc import Callable, Coroutine, Iterator, Mapping, Sequence
+from typing import Any, TypeVar
+
+import uvloop
+
+from gpu.interop import stream_pointer
+from moestream._handles import ExpertHandle
+from moestream._session import (
+    After,
+    Counters,
+    Lease,
+    LeaseFacts,
+    Mode,
+    ModelInfo,
+    Router,
+    Session,
+    TokenStats,
+    Tuning,
+    config_for,
+)
+from pipeline.foundation.config import Budget
+from pipeline.foundation.errors import UsageError
+
+__all__ = ["SyncLease", "SyncSession", "open_sync"]
+
+T = TypeVar("T")
+
+
+class _LoopThread:
+    """A private event loop on a daemon thread, running coroutines for other threads."""
+
+    def __init__(self) -> None:
+        self.loop = uvloop.new_event_loop()
+        self.thread = threading.Thread(target=self._serve, name="moestream-loop", daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        try:
+            self.loop.run_forever()
+        finally:
+            self.loop.run_until_complete(self.loop.shutdown_asyncgens())
+            self.loop.run_until_complete(self.loop.shutdown_default_executor())
+            self.loop.close()
+
+    def run(self, work: Coroutine[Any, Any, T]) -> T:
+        """Run ``work`` on the loop and wait for its result (its error is raised here).
+
+        Raises:
+            UsageError: called from the loop's own thread (it would wait on itself).
+        """
+        if threading.current_thread() is self.thread:
+            work.close()
+            raise UsageError("a SyncSession is not called from its own loop's thread "
+                             "(use the Session it wraps there)")
+        if not self.thread.is_alive():
+            work.close()
+            raise UsageError("the session is closed")
+        future = asyncio.run_coroutine_threadsafe(work, self.loop)
+        try:
+            return future.result()
+        except BaseException:
+            future.cancel()  # interrupted while waiting: stop the work too
+            raise
+
+    def call(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run a plain function on the loop's thread."""
+
+        async def called() -> T:
+            return fn(*args)
+
+        return self.run(called())
+
+    def stop(self) -> None:
+        if self.thread.is_alive():
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self.thread.join()
+
+
+async def _next(lease: Lease) -> ExpertHandle | None:
+    try:
+        return await lease.__anext__()
+    except StopAsyncIteration:
+        return None
+
+
+class SyncLease(LeaseFacts):
+    """A ``Lease`` for synchronous code: iterate it, or ``gather()``; leave its ``with``
+    block (or ``release``) once the compute on its experts is queued."""
+
+    __slots__ = ("_core", "_lease", "_loop", "_session")
+
+    def __init__(self, session: SyncSession, lease: Lease, loop: _LoopThread) -> None:
+        self._session = session
+        self._lease = lease
+        self._core = lease.core
+        self._loop = loop
+
+    def __iter__(self) -> Iterator[ExpertHandle]:
+        return self
+
+    def __next__(self) -> ExpertHandle:
+        """As ``Lease.__anext__``."""
+        handle = self._loop.run(_next(self._lease))
+        if handle is None:
+            raise StopIteration
+        return handle
+
+    def gather(self) -> list[ExpertHandle]:
+        """As ``Lease.gather``."""
+        return self._loop.run(self._lease.gather())
+
+    def release(self, after: After = None) -> None:
+        """As ``Lease.release``; None means each device's current CuPy stream *of the
+        calling thread* (looked up here, before the hop to the loop's thread)."""
+        if after is None and self._session.backend == "cupy":
+            after = _current_streams(self._session.devices)
+        self._loop.call(self._lease.release, after)
+
+    def __enter__(self) -> SyncLease:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+    def __repr__(self) -> str:
+        return f"Sync{self._lease!r}"
+
+
+def _current_streams(devices: Sequence[int]) -> Mapping[int, int]:
+    """Each device's current CuPy stream in the calling thread."""
+    import cupy
+
+    out = {}
+    for i, device in enumerate(devices):
+        with cupy.cuda.Device(device):
+            out[i] = stream_pointer(None)
+    return out
+
+
+class SyncSession:
+    """A ``Session`` driven from ordinary threads; made by ``open_sync``.
+
+    Close it (``close()`` or a ``with`` block): that also stops its loop's thread.
+    """
+
+    def __init__(self, session: Session, loop: _LoopThread) -> None:
+        self._session = session
+        self._loop = loop
+
+    @property
+    def model(self) -> ModelInfo:
+        return self._session.model
+
+    @property
+    def backend(self) -> str:
+        return self._session.backend
+
+    @property
+    def devices(self) -> tuple[int, ...]:
+        return self._session.devices
+
+    @property
+    def mode(self) -> str:
+        return self._session.mode
+
+    @property
+    def closed(self) -> bool:
+        return self._session.closed
+
+    def router(self, seed: int = 0) -> Router:
+        """As ``Session.router``; the router itself may be called from any thread."""
+        return self._loop.call(self._session.router, seed)
+
+    def fetch(self, layer: int, experts: Sequence[int]) -> SyncLease:
+        """As ``Session.fetch``."""
+        return SyncLease(self, self._loop.call(self._session.fetch, layer, list(experts)),
+                         self._loop)
+
+    def prefetch(self, layer: int, experts: Sequence[int]) -> int:
+        """As ``Session.prefetch``."""
+        return self._loop.call(self._session.prefetch, layer, list(experts))
+
+    def end_token(self) -> TokenStats:
+        """As ``Session.end_token``."""
+        return self._loop.run(self._session.end_token())
+
+    def counters(self) -> Counters:
+        """As ``Session.counters``."""
+        return self._loop.call(self._session.counters)
+
+    def close(self) -> None:
+        """As ``Session.aclose``, then stop the loop's thread. Idempotent."""
+        if not self._loop.thread.is_alive():
+            return
+        try:
+            self._loop.run(self._session.aclose())
+        finally:
+            self._loop.stop()
+
+    def __enter__(self) -> SyncSession:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: object) -> None:
+        if exc is None:
+            self.close()
+            return
+        try:  # the with block failed: close without raising over its error
+            self._loop.run(self._session.core.aclose(outcome=str(exc) or type(exc).__name__))
+        finally:
+            self._loop.stop()
+
+    def __repr__(self) -> str:
+        return f"Sync{self._session!r}"
+
+
+def open_sync(
+    model: str | os.PathLike[str] | None = None,
+    *,
+    devices: int | Sequence[int] | None = None,
+    budget: str | Budget | None = None,
+    mode: Mode = "auto",
+    policy: str = "lru",
+    verify: bool = True,
+    backend: str = "auto",
+    log: str | os.PathLike[str] | None = None,
+    tuning: Tuning | None = None,
+) -> SyncSession:
+    """``moestream.open`` for synchronous code: the session is open when this returns.
+
+    Arguments and errors as ``open``; the session's own loop (uvloop) runs on a daemon
+    thread until ``close``.
+    """
+    tuning = tuning or Tuning()
+    cfg = config_for(model, devices=devices, budget=budget, mode=mode, policy=policy,
+                     verify=verify, backend=backend, log=log, tuning=tuning)
+    session = Session(cfg, tuning)
+    loop = _LoopThread()
+    try:
+        loop.run(session._open())
+    except BaseException:
+        loop.stop()
+        raise
+    return SyncSession(session, loop)

@@ -1,0 +1,340 @@
+"""A layer lease: one fetch of a layer's experts, pinned until released, handed out as they
+become available (hits first, misses as they land).
+
+The engine-facing API (``moestream``) builds its handles on these; the rules that keep a
+buffer from being read after it was reused live here, whatever the caller does:
+
+- every entry a lease planned stays pinned until the lease is released; one whose load is
+  still in flight then (a fetch cancelled or released early) keeps its pin until the load
+  lands, so no read or copy ever writes into a buffer handed to another expert;
+- a failed load is dropped from the cache (never installed), and the lease's iterator
+  raises for that expert;
+- a released entry's buffer is not overwritten before the event given at release (the
+  engine's compute): the cache keeps one ``last_use`` event per entry, so when several
+  leases used an entry their events are joined on a device stream (no host wait);
+- a lease released, or aborted by the session's close, never waits again: a task waiting
+  for an arrival is woken with ``UsageError``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import time
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
+from typing import Any
+
+from gpu.backend import Event, Stream
+from gpu.cache import DeviceCache, Entry
+from pipeline.foundation.errors import MoestreamError, StageError, UsageError
+from pipeline.streamer import ExpertStreamer, LayerLoad
+
+__all__ = ["Arrival", "EventJoiner", "LayerLease", "LeasePart", "plan_parts", "unpin_when_landed"]
+
+
+class EventJoiner:
+    """One event that completes after two others, recorded on a device stream of its own.
+
+    Args:
+        stream: a stream of the device (used by the event loop's thread only).
+        activate: makes the device current (events are created on the current device).
+    """
+
+    __slots__ = ("_activate", "_stream")
+
+    def __init__(self, stream: Stream, activate: Callable[[], AbstractContextManager[Any]]
+                 ) -> None:
+        self._stream = stream
+        self._activate = activate
+
+    def join(self, a: Event | None, b: Event | None) -> Event | None:
+        """``a`` and ``b`` both done; either alone when the other is absent or done."""
+        if a is None or a is b or a.done():
+            return b
+        if b is None or b.done():
+            return a
+        with self._activate():
+            self._stream.wait(a)
+            self._stream.wait(b)
+            return self._stream.record()
+
+
+@dataclass(slots=True)
+class LeasePart:
+    """One device's share of a lease: its cache, streamer (layouts) and load."""
+
+    device: int
+    cache: DeviceCache
+    streamer: ExpertStreamer
+    joiner: EventJoiner
+    load: LayerLoad
+
+
+@dataclass(slots=True)
+class Arrival:
+    """An expert the lease hands out: its entry and the part (device) it lives on."""
+
+    entry: Entry
+    part: LeasePart
+
+
+def _unpin(part: LeasePart, entry: Entry, last_use: Event | None) -> None:
+    """Drop one pin of ``entry`` if it is still the cache's entry for its key (a dropped
+    entry's key may already belong to a new entry, whose pins are not ours to take)."""
+    if part.cache.get(entry.key) is not entry:
+        return
+    part.cache.release([entry], part.joiner.join(entry.last_use, last_use or entry.upload))
+
+
+def _landed_then_unpin(part: LeasePart, entry: Entry, _loaded: asyncio.Future[None]) -> None:
+    _unpin(part, entry, None)
+
+
+def unpin_when_landed(part: LeasePart, entry: Entry) -> None:
+    """Drop one pin of ``entry`` now if its load has landed, else once it does; the buffer
+    is then reused only after the upload (and every earlier user's event)."""
+    loaded = entry.loaded
+    if loaded is None or loaded.done():
+        _unpin(part, entry, None)
+    else:
+        loaded.add_done_callback(functools.partial(_landed_then_unpin, part, entry))
+
+
+def _load_error(entry: Entry, error: BaseException) -> MoestreamError:
+    """The error the lease raises for an expert whose load failed: a stage's own class
+    (``ReadError``, ``UploadError``...) with the expert named, another moestream error
+    (the model file changed) as itself, anything else as a ``StageError``."""
+    where = f"layer {entry.key[0]} expert {entry.key[1]}"
+    if isinstance(error, StageError):
+        try:
+            return type(error)(f"{where}: {error}")
+        except TypeError:  # a subclass with another constructor: the wording stays its own
+            return error
+    if isinstance(error, MoestreamError):
+        return error  # e.g. the model file changed: its own class and exit code
+    return StageError(f"{where}: {error}")
+
+
+_ABORT = object()
+"""Put in a lease's queue to wake a waiter when the lease is released or aborted."""
+
+
+@dataclass(eq=False)
+class LayerLease:
+    """One fetch of one layer: its experts pinned on their devices until ``release``.
+
+    Made by the session (``pipeline.session``); the loads have started when it is made.
+
+    Args:
+        layer: the model layer index.
+        experts: the experts asked for, in the caller's order.
+        parts: one per device with experts of this layer.
+        on_wait: told of each wait for an arrival: the expert that ended it (None when a
+            release or a cancel did), its load when it is this lease's own (whose phases
+            tell what the wait was spent on), and the wait's start and end
+            (``time.perf_counter`` seconds).
+    """
+
+    layer: int
+    experts: tuple[int, ...]
+    parts: list[LeasePart]
+    on_wait: Callable[[Entry | None, LayerLoad | None, float, float], None] = (
+        lambda entry, load, start, end: None)
+    released: bool = False
+    closed_reason: str = ""
+    stall_s: float = 0.0
+    _ready: list[Arrival] = field(default_factory=list)
+    _queue: asyncio.Queue[Any] = field(default_factory=asyncio.Queue)
+    _part_of: dict[int, LeasePart] = field(default_factory=dict)
+    _pending: int = 0
+    _handed: set[int] = field(default_factory=set)
+    _held: set[int] = field(default_factory=set)
+    """Entries (by id) this lease still pins: each pin is dropped exactly once."""
+
+    def __post_init__(self) -> None:
+        for part in self.parts:
+            plan = part.load.plan
+            self._held.update(id(e) for e in (*plan.hits, *plan.misses))
+            for entry in plan.hits:
+                self._part_of[id(entry)] = part
+                loaded = entry.loaded
+                if loaded is None or (loaded.done() and not loaded.cancelled()
+                                      and loaded.exception() is None):
+                    self._ready.append(Arrival(entry, part))
+                    continue
+                # in flight for someone else (a prefetch, another lease), or just failed
+                # and not yet dropped: it arrives through the queue, with its error if any
+                self._pending += 1
+                if loaded.done():
+                    self._hit_landed(entry, loaded)
+                else:
+                    loaded.add_done_callback(functools.partial(self._hit_landed, entry))
+            for entry in plan.misses:
+                self._part_of[id(entry)] = part
+                assert entry.loaded is not None
+                entry.loaded.add_done_callback(functools.partial(self._miss_landed, part, entry))
+            if plan.misses:
+                # the streamer delivers this load's misses into our queue (it has not yet
+                # run: its launcher is a task that starts after this returns)
+                part.load.arrived = self._queue
+                self._pending += len(plan.misses)
+
+    # -- counts ----------------------------------------------------------------------------
+
+    @property
+    def hits(self) -> int:
+        return sum(len(p.load.plan.hits) for p in self.parts)
+
+    @property
+    def misses(self) -> int:
+        return sum(len(p.load.plan.misses) for p in self.parts)
+
+    @property
+    def evicted(self) -> int:
+        return sum(p.load.plan.evicted for p in self.parts)
+
+    @property
+    def entries(self) -> list[tuple[Entry, LeasePart]]:
+        """Every entry planned, hits then misses, per device."""
+        return [(e, p) for p in self.parts for e in (*p.load.plan.hits, *p.load.plan.misses)]
+
+    # -- arrivals --------------------------------------------------------------------------
+
+    def _hit_landed(self, entry: Entry, loaded: asyncio.Future[None]) -> None:
+        error: BaseException | None = None
+        if loaded.cancelled():
+            error = StageError(f"load of {entry.key} was abandoned (its expert was dropped)")
+        elif loaded.exception() is not None:
+            error = loaded.exception()
+        self._queue.put_nowait((entry, error))
+
+    def _miss_landed(self, part: LeasePart, entry: Entry, loaded: asyncio.Future[None]) -> None:
+        """Our own load landed: a failure is dropped from the cache; after a release, the
+        pin the lease left in place for the load is dropped now."""
+        if loaded.cancelled() or loaded.exception() is not None:
+            self._held.discard(id(entry))
+            if part.cache.get(entry.key) is entry:
+                part.cache.drop(entry.key)
+            return
+        if self.released:
+            self._unpin(part, entry, None)
+
+    def _unpin(self, part: LeasePart, entry: Entry, last_use: Event | None) -> None:
+        if id(entry) in self._held:
+            self._held.discard(id(entry))
+            _unpin(part, entry, last_use)
+
+    def _check(self) -> None:
+        if self.released:
+            raise UsageError(f"layer {self.layer}: its lease was released"
+                             + (f" ({self.closed_reason})" if self.closed_reason else ""))
+
+    async def next(self) -> Arrival | None:
+        """The next expert available, hits first, then misses as they land; None when all
+        were handed out.
+
+        Raises:
+            StageError: this expert's load failed (it is dropped from the cache; iterating
+                again goes on with the others); ``ModelChangedError`` and other
+                non-stage errors as themselves.
+            UsageError: the lease was released (or its session closed), also while waiting.
+        """
+        self._check()
+        if self._ready:
+            arrival = self._ready.pop(0)
+            self._handed.add(id(arrival.entry))
+            return arrival
+        if self._pending == 0:
+            return None
+        t0 = time.perf_counter()
+        item: Any = _ABORT
+        try:
+            item = await self._queue.get()
+        finally:
+            t1 = time.perf_counter()
+            self.stall_s += t1 - t0
+            if item is _ABORT:
+                self.on_wait(None, None, t0, t1)
+            else:
+                part = self._part_of[id(item[0])]
+                own = item[0] in part.load.plan.misses
+                self.on_wait(item[0], part.load if own else None, t0, t1)
+        if item is _ABORT:
+            self._check()  # raises: only ``release`` queues it
+        entry: Entry = item[0]
+        error: BaseException | None = item[1]
+        self._pending -= 1
+        if error is not None:
+            part = self._part_of[id(entry)]
+            if entry in part.load.plan.misses:  # ours: dropped now, not when told later
+                self._held.discard(id(entry))
+                if part.cache.get(entry.key) is entry:
+                    part.cache.drop(entry.key)
+            raise _load_error(entry, error) from error
+        self._handed.add(id(entry))
+        return Arrival(entry, self._part_of[id(entry)])
+
+    def handed(self, entry: Entry) -> bool:
+        """Whether ``entry`` was handed out by this lease (the caller may have used it)."""
+        return id(entry) in self._handed
+
+    # -- release ---------------------------------------------------------------------------
+
+    def release(self, last_use: Callable[[LeasePart], Event | None], reason: str = "") -> None:
+        """Unpin every entry (idempotent). Entries handed out end with ``last_use(part)``
+        (the caller's compute on that device); the others with their upload. A miss still
+        loading keeps its pin until it lands. A task waiting in ``next`` is woken."""
+        if self.released:
+            return
+        self.released = True
+        self.closed_reason = reason
+        events: dict[int, Event | None] = {}
+        for entry, part in self.entries:
+            loaded = entry.loaded
+            if entry in part.load.plan.misses and loaded is not None and not loaded.done():
+                continue  # ``_miss_landed`` unpins it once the load has landed
+            event = None
+            if id(entry) in self._handed:
+                if part.device not in events:
+                    events[part.device] = last_use(part)
+                event = events[part.device]
+            self._unpin(part, entry, event)
+        self._queue.put_nowait(_ABORT)
+
+    @property
+    def loading(self) -> int:
+        """Own loads not landed yet."""
+        return sum(1 for p in self.parts for e in p.load.plan.misses
+                   if e.loaded is not None and not e.loaded.done())
+
+
+def plan_parts(
+    layer: int,
+    experts: Sequence[int],
+    streamers: Sequence[ExpertStreamer],
+    caches: Sequence[DeviceCache],
+    joiners: Sequence[EventJoiner],
+    place: Callable[[tuple[int, int]], int],
+    *,
+    prefetch: bool = False,
+) -> list[LeasePart]:
+    """Start a layer's loads on each device that holds some of ``experts``."""
+    split: dict[int, list[int]] = {}
+    for e in experts:
+        split.setdefault(place((layer, int(e))), []).append(int(e))
+    parts: list[LeasePart] = []
+    try:
+        for device in sorted(split):
+            streamer = streamers[device]
+            start = streamer.start_prefetch if prefetch else streamer.start_layer
+            parts.append(LeasePart(device, caches[device], streamer, joiners[device],
+                                   start(layer, split[device])))
+    except BaseException:
+        # a later device refused (budget, memory): the earlier ones keep no pins
+        for part in parts:
+            for entry in (*part.load.plan.hits, *part.load.plan.misses):
+                unpin_when_landed(part, entry)
+        raise
+    return parts

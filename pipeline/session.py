@@ -1,0 +1,484 @@
+"""A streaming session for an inference engine: a run's parts without its decode loop.
+
+``pipeline.run`` drives its own decode loop; an engine drives its own and asks for experts
+layer by layer. ``StreamSession`` opens what a run opens (the model's expert table, one
+backend, cache and streamer per device, the verifier, the mode controller, the run log),
+hands out layer leases (``pipeline.lease``) and prefetch hints, keeps the per-token
+accounting and writes it in the run log's schema (``docs/LOG_SCHEMA.md``), and closes
+everything in the order a run does. The public face over it is ``moestream``.
+
+All methods run on the event loop's thread that opened the session.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+from typing import Any
+
+import structlog
+
+from gpu.backend import Backend, Event
+from gpu.cache import DeviceCache, Entry
+from gpu.kernels import make_kernels
+from gpu.placement import balanced_placement, split_budget
+from pipeline.controller import ModeController, Sampler
+from pipeline.foundation.config import RunConfig
+from pipeline.foundation.errors import UsageError, VerificationError
+from pipeline.foundation.faults import FaultPlan, parse_faults
+from pipeline.foundation.table import ExpertTable, open_table
+from pipeline.lease import EventJoiner, LayerLease, LeasePart, plan_parts, unpin_when_landed
+from pipeline.logs import RunLog
+from pipeline.loop import TokenTotals
+from pipeline.machine import machine_info, process_read_bytes
+from pipeline.manifest_build import RunManifest
+from pipeline.shards import CacheGroup, StreamerGroup, open_backends
+from pipeline.shielded import finish
+from pipeline.streamer import ExpertStreamer, LayerLoad, StageTimes
+from pipeline.summary import RunSummary
+from pipeline.verify import Verifier
+from stages.layout import plan_expert
+
+__all__ = ["StreamSession"]
+
+_log = structlog.get_logger("moestream.session")
+
+LastUse = Callable[[LeasePart], Event | None]
+"""The event after which a released lease's buffers on a part's device may be reused."""
+
+
+class StreamSession:
+    """The parts an engine's fetches go through, for one model, from ``open`` to ``aclose``.
+
+    Args:
+        config: model, budget, mode, policy, backend, devices, reader and staging sizes,
+            verification, log and controller settings (``tokens`` and ``compute`` are not
+            used: the engine decodes).
+        layers_in_flight: how many layers' experts may be pinned at once (a fetched layer
+            and a prefetched one, or concurrent fetches); the budget must hold that many.
+        sampler: machine readings for the controller (tests feed their own).
+        faults: injected faults (default: those ``config.faults`` names, usually none).
+    """
+
+    def __init__(
+        self,
+        config: RunConfig,
+        *,
+        layers_in_flight: int = 2,
+        sampler: Sampler | None = None,
+        faults: FaultPlan | None = None,
+    ) -> None:
+        if layers_in_flight < 1:
+            raise UsageError(f"layers_in_flight must be >= 1, got {layers_in_flight}")
+        self.config = config
+        self._layers_in_flight = layers_in_flight
+        self._sampler = sampler
+        self.faults = faults if faults is not None else parse_faults(config.faults)
+        self.table: ExpertTable | None = None
+        self.backends: list[Backend] = []
+        self.caches: list[DeviceCache] = []
+        self.streamers: list[ExpertStreamer] = []
+        self._joiners: list[EventJoiner] = []
+        self._place: Callable[[tuple[int, int]], int] = lambda key: 0
+        self.streamer: Any = None  # the one streamer, or a StreamerGroup (the controller's)
+        self.cache: Any = None  # the one cache, or a CacheGroup
+        self.controller: ModeController | None = None
+        self.verifier: Verifier | None = None
+        self.manifest: RunManifest | None = None
+        self.runlog = RunLog(config.log)
+        self.summary = RunSummary()
+        self.opened = False
+        self.closed = False
+        self.default_last_use: LastUse = lambda part: None
+        """What a lease released by the session itself (token end, close) ends with."""
+        self._leases: set[LayerLease] = set()
+        self._hints: dict[int, list[LeasePart]] = {}
+        self._launchers: set[asyncio.Task[None]] = set()
+        self._token = 0
+        self._token_t0: float | None = None
+        self._first_t0: float | None = None
+        self._totals = TokenTotals()
+        self._experts: list[list[int]] = []
+        self._position: dict[int, int] = {}
+        self._read_bytes = 0
+        self._reported = 0  # mismatches end_token has raised for
+
+    # -- open ------------------------------------------------------------------------------
+
+    async def open(self) -> None:
+        """Open the model, the devices' caches and streamers, the log and the controller.
+
+        Raises:
+            UsageError: a bad setting (budget below ``layers_in_flight`` layers, devices).
+            ModelFileError: the model cannot be used. StageError: a device or pinned
+            allocation failed. OutputError: the log cannot be written. Whatever was opened
+            is closed again before the error propagates.
+        """
+        if self.opened:
+            raise UsageError("the session is already open")
+        self.opened = True
+        try:
+            await self._open()
+        except BaseException:
+            await finish(self._close(outcome="failed to open", settle=False))
+            raise
+
+    async def _open(self) -> None:
+        cfg = self.config
+        if cfg.log is not None:
+            from pipeline.foundation.outputs import check_output
+
+            check_output(cfg.log, what="log", in_place=True)
+        if cfg.model is None:
+            from tools.make_model import ensure_default_model
+
+            model = ensure_default_model()
+        else:
+            model = cfg.model
+        table = self.table = open_table(model)
+        self._position = {layer: i for i, layer in enumerate(table.moe_layers)}
+        self._experts = [[] for _ in table.moe_layers]
+        self.backends = open_backends(cfg)
+        home = self.backends[0]
+        summary = self.summary
+        summary.backend, summary.model = home.name, str(model)
+        summary.device = " + ".join(b.device_name for b in self.backends)
+        await finish(self.runlog.open())
+        layers = table.moe_layers
+        device_sizes = {n: plan_expert(table.slices((n, 0))).device_bytes for n in layers}
+        if cfg.budget is not None:
+            budget = cfg.budget.resolve(max(device_sizes.values()))
+        else:  # default: every routed expert
+            budget = sum(size * table.layers[n].n_experts for n, size in device_sizes.items())
+        min_bytes = self._layers_in_flight * table.top_k * max(device_sizes.values())
+        weights = [float(b.device_free_bytes()) for b in self.backends]
+        for backend, share in zip(self.backends, split_budget(budget, weights), strict=True):
+            with backend.activate():
+                kernels = make_kernels(backend.name)
+                cache = DeviceCache(backend, share, cfg.policy, min_bytes=min_bytes,
+                                    faults=self.faults)
+                self.caches.append(cache)
+                self.streamers.append(ExpertStreamer(
+                    cfg, table, backend, cache, kernels, self.faults,
+                    primary=self.streamers[0] if self.streamers else None))
+                self._joiners.append(EventJoiner(backend.new_stream(), backend.activate))
+        if len(self.backends) == 1:
+            self.streamer, self.cache = self.streamers[0], self.caches[0]
+        else:
+            sizes = {n: (table.layers[n].n_experts, device_sizes[n]) for n in layers}
+            self._place = balanced_placement(sizes, weights)
+            self.streamer = StreamerGroup(self.streamers, self._place)
+            self.cache = CacheGroup(self.caches)
+        if cfg.verify and table.digests is None:
+            # no digests in the file: its manifest, computed in the background if need be
+            group = self.streamer
+            self.manifest = await RunManifest.open(table, lambda: group.mode == "direct")
+        self.verifier = Verifier(table, self.manifest.manifest if self.manifest else None)
+        summary.digests = ("off" if not cfg.verify else "file" if self.manifest is None
+                           else self.manifest.source)
+        self.controller = ModeController(cfg, table, self.streamer, self.runlog,
+                                         sampler=self._sampler)
+        summary.budget_bytes = sum(c.budget_bytes for c in self.caches)
+        self.runlog.emit(
+            "run_start",
+            config={**cfg.describe(), "tokens": None, "compute": "engine"},
+            model={**table.summary(), "expert_bytes": [device_sizes[n] for n in layers]},
+            machine=machine_info(table.path, home.device_name if home.name == "cupy"
+                                 else None),
+            budget_bytes=summary.budget_bytes,
+            devices=[{"device": b.device, "name": b.device_name, "budget_bytes": c.budget_bytes}
+                     for b, c in zip(self.backends, self.caches, strict=True)],
+            policy=cfg.policy,
+            compute="engine",
+            backend=home.name,
+        )
+        await self.controller.start()  # its first decision follows the header
+        self._read_bytes = process_read_bytes()
+
+    # -- fetch -----------------------------------------------------------------------------
+
+    def _check_open(self) -> ExpertTable:
+        if self.closed:
+            raise UsageError("the session is closed")
+        if self.table is None:
+            raise UsageError("the session is not open yet")
+        return self.table
+
+    def _check_layer(self, layer: int, experts: Sequence[int]) -> list[int]:
+        table = self._check_open()
+        info = table.layers.get(layer)
+        if info is None:
+            raise UsageError(f"layer {layer} is not a MoE layer (MoE layers: "
+                             f"{table.moe_layers[0]}..{table.moe_layers[-1]})")
+        chosen = [int(e) for e in experts]
+        bad = [e for e in chosen if not 0 <= e < info.n_experts]
+        if bad:
+            raise UsageError(f"layer {layer} has experts 0..{info.n_experts - 1}, not {bad[0]}")
+        if len(set(chosen)) != len(chosen):
+            raise UsageError(f"layer {layer}: experts {chosen} name one expert twice")
+        return chosen
+
+    def _track(self, parts: Sequence[LeasePart]) -> None:
+        for part in parts:
+            task = part.load.launcher
+            if task is not None and not task.done():
+                self._launchers.add(task)
+                task.add_done_callback(self._launchers.discard)
+
+    def _clock(self) -> None:
+        if self._token_t0 is None:
+            self._token_t0 = time.perf_counter()
+            if self._first_t0 is None:
+                self._first_t0 = self._token_t0
+
+    def fetch(self, layer: int, experts: Sequence[int]) -> LayerLease:
+        """Pin ``experts`` of ``layer`` on their devices and start loading the misses.
+
+        Raises:
+            UsageError: the session is closed; ``layer`` is not a MoE layer; an expert is
+                out of range or named twice; the pinned experts no longer fit the budget
+                (more layers held at once than ``layers_in_flight``).
+            DeviceMemoryError: the device refused memory even after the budget shrank.
+        """
+        chosen = self._check_layer(layer, experts)
+        self._clock()
+        for streamer in self.streamers:
+            streamer.poll_installs()
+        parts = plan_parts(layer, chosen, self.streamers, self.caches, self._joiners,
+                           self._place)
+        self._track(parts)
+        lease = LayerLease(layer, tuple(chosen), parts, on_wait=self._waited)
+        self._leases.add(lease)
+        totals = self._totals
+        totals.hits += lease.hits
+        totals.misses += lease.misses
+        totals.evictions += lease.evicted
+        for part in parts:
+            totals.file_bytes += sum(e.nbytes for e in part.load.plan.misses)
+            totals.cache_bytes += sum(e.nbytes for e in part.load.plan.hits)
+        seen = self._experts[self._position[layer]]
+        seen.extend(e for e in chosen if e not in seen)
+        for hint in self._hints.pop(layer, []):  # the lease holds what it uses now
+            guessed = hint.load.plan.misses
+            totals.correct += sum(1 for e in guessed if e.key[1] in chosen)
+            totals.wasted_bytes += sum(e.nbytes for e in guessed if e.key[1] not in chosen)
+            for entry in guessed:
+                unpin_when_landed(hint, entry)
+        return lease
+
+    def prefetch(self, layer: int, experts: Sequence[int]) -> int:
+        """Start loading guessed experts of a later layer: those not cached, if they fit.
+
+        Held until that layer is fetched or the token ends. Returns the loads started.
+
+        Raises:
+            UsageError: as ``fetch``.
+        """
+        chosen = self._check_layer(layer, experts)
+        self._clock()
+        parts = plan_parts(layer, chosen, self.streamers, self.caches, self._joiners,
+                           self._place, prefetch=True)
+        self._track(parts)
+        self._hints.setdefault(layer, []).extend(parts)
+        started = sum(len(p.load.plan.misses) for p in parts)
+        totals = self._totals
+        totals.predicted += len(chosen)
+        totals.loaded += started
+        totals.file_bytes += sum(e.nbytes for p in parts for e in p.load.plan.misses)
+        totals.evictions += sum(p.load.plan.evicted for p in parts)
+        return started
+
+    def release(self, lease: LayerLease, last_use: LastUse, reason: str = "") -> None:
+        """Release ``lease`` (idempotent); see ``LayerLease.release``."""
+        lease.release(last_use, reason)
+        self._leases.discard(lease)
+
+    def _waited(self, entry: Entry | None, load: LayerLoad | None, start: float,
+                end: float) -> None:
+        """The engine waited for an expert: a stall, charged to what its load was doing
+        (``pipeline.timesplit``); a load the session did not start for it counts as read."""
+        totals = self._totals
+        totals.stall_ms += (end - start) * 1000.0
+        phases = load.phases.get(entry.key) if load is not None and entry is not None else None
+        if phases is not None:
+            phases.charge(totals.time, start, end)
+        else:
+            totals.time.charge("read", end - start)
+
+    def _drop_hints(self) -> None:
+        for parts in self._hints.values():
+            for hint in parts:
+                self._totals.wasted_bytes += sum(e.nbytes for e in hint.load.plan.misses)
+                for entry in hint.load.plan.misses:
+                    unpin_when_landed(hint, entry)
+        self._hints.clear()
+
+    @property
+    def mode(self) -> str:
+        return str(self.streamer.mode) if self.streamer is not None else "direct"
+
+    @property
+    def token(self) -> int:
+        """The index of the token being decoded (tokens ended so far)."""
+        return self._token
+
+    @property
+    def open_leases(self) -> int:
+        return len(self._leases)
+
+    # -- token boundary --------------------------------------------------------------------
+
+    async def end_token(self) -> dict[str, Any]:
+        """End the token: release what is still held, verify what was loaded, let the
+        controller look at the machine, log the token; returns the token's log fields.
+
+        Raises:
+            UsageError: the session is closed.
+            VerificationError: an expert loaded during this token differs from the file.
+            OutputError: the log file stopped taking lines.
+        """
+        table = self._check_open()
+        assert self.controller is not None and self.verifier is not None
+        self._clock()
+        assert self._token_t0 is not None
+        for lease in list(self._leases):  # a pin never outlives its token
+            _log.warning("lease_released_at_token_end", layer=lease.layer, token=self._token,
+                         hint="release leases (a with block) before end_token")
+            self.release(lease, self.default_last_use, "at the end of its token")
+        self._drop_hints()
+        for streamer in self.streamers:
+            streamer.poll_installs()
+        self.cache.advance_token()
+        mismatches = self.verifier.mismatches
+        for streamer in self.streamers:
+            self.verifier.check(streamer.take_digests())
+        mode = self.mode
+        t_controller = time.perf_counter()
+        await self.controller.at_token(self._token)
+        totals = self._totals
+        totals.time.charge("switch", time.perf_counter() - t_controller)
+        read_bytes = process_read_bytes()
+        storage, self._read_bytes = read_bytes - self._read_bytes, read_bytes
+        times = StageTimes()
+        for streamer in self.streamers:
+            times.add(streamer.take_times())
+        now = time.perf_counter()
+        wall_ms = totals.wall_ms = (now - self._token_t0) * 1000.0
+        # the engine computes between its fetches: its time is what moestream's waits
+        # (experts, the controller) do not explain
+        totals.compute_ms = max(0.0, wall_ms - totals.time.measured_ms)
+        totals.time.charge("compute", totals.compute_ms / 1000.0)
+        fields: dict[str, Any] = {
+            "token": self._token, "wall_ms": round(wall_ms, 3),
+            "read_ms": round(times.read_ms, 3), "stage_ms": round(times.stage_ms, 3),
+            "upload_ms": round(times.upload_ms, 3), "install_ms": round(times.install_ms, 3),
+            "stall_ms": round(totals.stall_ms, 3), "compute_ms": round(totals.compute_ms, 3),
+            "hits": totals.hits, "misses": totals.misses, "evictions": totals.evictions,
+            "file_bytes": totals.file_bytes, "cache_bytes": totals.cache_bytes,
+            "storage_bytes": storage, "mode": mode,
+            "ram_available_bytes": self.controller.last_ram_available,
+            "cache_live_bytes": self.cache.live_bytes,
+            "cache_parked_bytes": self.cache.parked_bytes,
+            "experts": self._experts,
+            "time": totals.time.record(wall_ms),
+        }
+        if totals.predicted:
+            fields["prefetch"] = {"predicted": totals.predicted, "correct": totals.correct,
+                                  "loaded": totals.loaded, "wasted_bytes": totals.wasted_bytes}
+        self.runlog.emit("token", **fields)
+        summary = self.summary
+        summary.add(totals, storage, mode)
+        assert self._first_t0 is not None
+        summary.elapsed_s = now - self._first_t0
+        self._record_verification()
+        self._token += 1
+        self._token_t0 = None
+        self._totals = TokenTotals()
+        self._experts = [[] for _ in table.moe_layers]
+        self.runlog.raise_if_failed()
+        self._reported = self.verifier.mismatches
+        if self.verifier.mismatches > mismatches:
+            raise VerificationError(
+                f"{self.verifier.mismatches - mismatches} experts loaded during token "
+                f"{self._token - 1} differ from the file, first: {self.verifier.first_mismatch}")
+        return fields
+
+    def _record_verification(self) -> None:
+        assert self.verifier is not None
+        s = self.summary
+        s.verified, s.mismatches = self.verifier.verified, self.verifier.mismatches
+        s.first_mismatch, s.unverified = self.verifier.first_mismatch, self.verifier.unverified
+
+    # -- close -----------------------------------------------------------------------------
+
+    async def aclose(self, *, outcome: str = "ok") -> None:
+        """Release every lease and hint, stop the loads, close everything, log ``run_end``.
+
+        Idempotent; finishes even if cancelled meanwhile. With ``outcome="ok"`` the experts
+        still waiting for their digests (a file without them) are compared first.
+
+        Raises:
+            VerificationError: a mismatch no ``end_token`` raised for (found by that last
+                comparison, or in a token never ended).
+            OutputError: the log's last lines could not be written.
+        """
+        if self.closed or not self.opened:
+            self.closed = True
+            return
+        await finish(self._close(outcome=outcome, settle=outcome == "ok"))
+        if self.runlog.error is not None:
+            raise self.runlog.error
+        found = self.summary.mismatches - self._reported
+        if outcome == "ok" and found:  # compared at close: not yet raised by end_token
+            raise VerificationError(f"{found} experts differ from the file, "
+                                    f"first: {self.summary.first_mismatch}")
+
+    async def _close(self, *, outcome: str, settle: bool) -> None:
+        self.closed = True
+        summary = self.summary
+        for lease in list(self._leases):
+            self.release(lease, self.default_last_use, "the session was closed")
+        self._drop_hints()
+        for task in list(self._launchers):  # loads still waiting for staging slots
+            task.cancel()
+        for task in list(self._launchers):
+            with contextlib.suppress(BaseException):
+                await task
+        if self.manifest is not None:
+            if settle and self.verifier is not None:
+                try:
+                    await self.manifest.settle(self.verifier)
+                except Exception as exc:  # what stopped the builder: logged, not raised
+                    _log.warning("digest_manifest_unsettled", reason=str(exc))
+            await self.manifest.aclose()
+            summary.manifest_bytes = self.manifest.bytes_read
+        if self.verifier is not None:
+            self._record_verification()
+        if self.controller is not None:
+            await self.controller.aclose()
+            summary.switches = self.controller.switches
+            summary.modes = self.controller.tokens_in_mode
+        for streamer in reversed(self.streamers):  # the home's, which owns the mapping, last
+            await streamer.aclose()
+        for cache in self.caches:
+            final_budget = cache.budget_bytes
+            cache.close()
+            c = cache.counters
+            summary.devices.append({"device": cache.device, "budget_bytes": final_budget,
+                                    "peak_device_bytes": c.peak_device_bytes,
+                                    "allocations": c.allocations, "frees": c.frees})
+        summary.peak_device_bytes = sum(d["peak_device_bytes"] for d in summary.devices)
+        summary.allocations = sum(d["allocations"] for d in summary.devices)
+        summary.frees = sum(d["frees"] for d in summary.devices)
+        summary.final_budget_bytes = sum(d["budget_bytes"] for d in summary.devices)
+        summary.exit = outcome
+        if self.table is not None:
+            self.runlog.emit("run_end", **summary.as_dict(), hit_rate_final=summary.hit_rate)
+        await self.runlog.aclose()
+
+    def counters_now(self) -> tuple[RunSummary, TokenTotals]:
+        """The totals of the tokens ended so far, and those of the token under way."""
+        return replace(self.summary), replace(self._totals)
