@@ -42,7 +42,14 @@ from gpu.cache import DeviceCache
 from gpu.kernels import make_kernels
 from gpu.placement import split_budget
 from pipeline.cli import closable_stdout, print_error
-from pipeline.config import RunConfig, parse_budget, parse_compute, parse_devices, parse_size
+from pipeline.config import (
+    RunConfig,
+    parse_budget,
+    parse_compute,
+    parse_devices,
+    parse_limits,
+    parse_size,
+)
 from pipeline.controller import ModeController, Sampler
 from pipeline.decode import Decoder
 from pipeline.errors import MoestreamError, TraceError, VerificationError
@@ -186,6 +193,7 @@ async def run(
             policy=cfg.policy,
             compute=str(shards[0].decoder.compute),
             backend=home.name,
+            **({"limits": cfg.limits.record()} if cfg.limits is not None else {}),
         )
         await controller.start()  # its first decision follows the header
         with home.activate():
@@ -310,6 +318,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ram-limit", help="cap the RAM the controller believes it has (e.g. 8GiB)")
     p.add_argument("--sample-ms", type=float, default=250.0, help="controller period (250)")
     p.add_argument("--margin", help="controller safety margin (default max(2GiB, 5%% of RAM))")
+    p.add_argument("--limits", metavar="SPEC",
+                   help="bandwidths the run is told, for the analysis's device limit: "
+                   "read=RATE,copy=RATE (e.g. read=1.8GB/s,copy=55GB/s); logged in run_start")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p.add_argument("--debug", action="store_true", help="show tracebacks and debug events")
     p.add_argument("--inject", default="", metavar="SPEC",
@@ -348,6 +359,7 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         json=args.json,
         debug=args.debug,
         faults=args.inject,
+        limits=parse_limits(args.limits) if args.limits else None,
     )
 
 

@@ -4,7 +4,9 @@ A run log answers the questions the field reports on expert streaming kept askin
 how fast decode went and how steady (latency percentiles), how often the cache hit, where
 each token's expert bytes came from (device cache, page cache, storage), how much of a
 token's time was spent waiting for I/O, how long each I/O mode was in force and why it
-switched. One log gives a summary table; several give a before/after comparison; ``--csv``
+switched, and where each token's wall time went and what bounds the run
+(``tools.time_report``). One log gives a summary table; several give a before/after
+comparison; ``--csv``
 gives per-interval rows in ds4-bench's column style for spreadsheets; ``--plot`` draws the
 same over time (``tools.plots``); ``--what-if`` replays the run's accesses under other
 budgets and policies (``tools.whatif``, reported by ``tools.whatif_report``). A run over
@@ -42,9 +44,10 @@ from pipeline.errors import MoestreamError, UsageError
 from pipeline.interrupts import stoppable
 from pipeline.outputs import check_output, check_output_dir, write_atomic
 from tools.device_report import device_table, devices_json
-from tools.logread import read_log
+from tools.logread import TIME_COLUMNS, read_log
 from tools.logrecords import RunLog
 from tools.report_text import GB, MB, Value, ratio, text_table
+from tools.time_report import PART_LABELS, TimeReport, time_report
 from tools.whatif_replay import POLICIES
 from tools.whatif_report import run_what_if, what_if_json, what_if_text
 
@@ -59,10 +62,13 @@ STAGE_COLUMNS = ("read_ms", "stage_ms", "upload_ms", "install_ms", "stall_ms", "
 CSV_COLUMNS = (
     "ctx_tokens", "gen_tokens", "gen_tps", "latency_p50_ms", "latency_p95_ms", "hit_rate",
     "hits", "misses", "evictions", "file_mb_per_token", "cache_mb_per_token",
-    "storage_mb_per_token", "storage_gbps", *STAGE_COLUMNS, "stall_share", "mode",
-    "ram_available_gb", "cache_live_gb", "run",
+    "storage_mb_per_token", "storage_gbps", *STAGE_COLUMNS, "stall_share", *TIME_COLUMNS,
+    "mode", "ram_available_gb", "cache_live_gb", "run",
 )
 """Columns of ``--csv``, in order (docs/LOG_SCHEMA.md, "Derived CSV columns")."""
+
+CSV_INTERVAL = 32
+"""Tokens per ``--csv`` row when ``--interval`` is not given."""
 
 
 def _fmt(digits: int) -> Callable[[Value], str]:
@@ -94,10 +100,13 @@ _ROWS: tuple[tuple[str, str, Callable[[Value], str]], ...] = (
     ("storage_mb_per_token", "storage MB/token (/proc/self/io)", _fmt(2)),
     ("storage_gbps", "storage GB/s during decode", _fmt(3)),
     ("stall_share", "stall share of token time", _fmt(3)),
-    ("read_ms", "read ms/token", _fmt(2)),
-    ("stage_ms", "stage ms/token", _fmt(2)),
-    ("upload_ms", "upload ms/token", _fmt(2)),
-    ("install_ms", "install ms/token", _fmt(2)),
+    ("bound", "bound (largest part of token time)", _fmt(0)),
+    ("wall_ms_per_token", "wall ms/token", _fmt(2)),
+    *((f"time_{p}_ms", f"  {label}, ms/token", _fmt(2)) for p, label in PART_LABELS.items()),
+    ("read_ms", "read ms/token (busy, all workers)", _fmt(2)),
+    ("stage_ms", "stage ms/token (busy, all workers)", _fmt(2)),
+    ("upload_ms", "upload ms/token (busy, all workers)", _fmt(2)),
+    ("install_ms", "install ms/token (busy)", _fmt(2)),
     ("stall_ms", "stall ms/token", _fmt(2)),
     ("compute_ms", "compute ms/token", _fmt(2)),
     ("switches", "mode switches", _fmt(0)),
@@ -146,6 +155,11 @@ def summarize(run: RunLog) -> Summary:
         "storage_gbps": ratio(storage_b / GB, wall_total / 1000.0),
         "stall_share": ratio(cols.total("stall_ms"), wall_total),
     }
+    split = time_report(run)
+    summary["bound"] = split.bound if split else None
+    summary["wall_ms_per_token"] = split.wall_ms_per_token if split else None
+    for part in PART_LABELS:
+        summary[f"time_{part}_ms"] = split.parts_ms_per_token[part] if split else None
     for stage in STAGE_COLUMNS:
         summary[stage] = ratio(cols.total(stage), n)
     for mode in cols.mode_names:
@@ -182,14 +196,17 @@ def _row_specs(summaries: Sequence[Summary]) -> list[tuple[str, str, Callable[[V
 
 
 def summary_table(summary: Summary, run: RunLog | None = None) -> str:
-    """One run's summary as an aligned two-column table, with the skipped-line detail."""
+    """One run's summary as an aligned two-column table; with ``run``, the skipped-line
+    detail and the time split (``tools.time_report``) follow."""
     rows = [["metric", str(summary["log"])]]
     for key, label, render in _row_specs([summary]):
+        if key.startswith("time_"):
+            continue  # the time split follows as its own table, with shares
         value = summary.get(key)
         rows.append([label, "-" if value is None else render(value)])
     text = text_table(rows)
     if run is not None:
-        text += _notes(run)
+        text += _notes(run) + "\n" + _time_text(time_report(run))
     return text
 
 
@@ -282,6 +299,9 @@ def interval_rows(run: RunLog, interval: int) -> list[dict[str, Value]]:
             "storage_gbps": sums("storage_bytes") / GB / (wall / 1000.0),
             "stall_share": sums("stall_ms") / wall,
             **{stage: sums(stage) / counts for stage in STAGE_COLUMNS},
+            # the time split (schema 2); NaN, an empty cell, for older logs
+            **{part: sums(part) / counts if part in cols else np.full(starts.size, np.nan)
+               for part in TIME_COLUMNS},
         }
     ends = np.append(starts[1:], n)
     rows: list[dict[str, Value]] = []
@@ -349,8 +369,9 @@ def _parser() -> argparse.ArgumentParser:
                         help=f"comma-separated, among {','.join(POLICIES)} (default all)")
     parser.add_argument("--jobs", type=int, default=None, metavar="N",
                         help="what-if worker processes (default: CPU count for long logs)")
-    parser.add_argument("--interval", type=int, default=32, metavar="N",
-                        help="tokens per CSV row and plot point (default 32)")
+    parser.add_argument("--interval", type=int, default=None, metavar="N",
+                        help=f"tokens per CSV row and plot point (default: {CSV_INTERVAL} "
+                             "per CSV row; plots choose from the run's length, >= 20 points)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
     parser.add_argument("--debug", action="store_true",
                         help="debug logging on stderr; tracebacks on errors")
@@ -385,7 +406,7 @@ def _run(args: argparse.Namespace) -> int:
     if not args.what_if and (args.budgets or args.target is not None or args.policies
                              or args.jobs is not None):
         raise UsageError("--budgets, --target, --policies and --jobs need --what-if")
-    if args.interval < 1:
+    if args.interval is not None and args.interval < 1:
         raise UsageError(f"--interval must be >= 1, got {args.interval}")
     policies = [p.strip() for p in args.policies.split(",")] if args.policies else list(POLICIES)
     budgets = [b for b in args.budgets.split(",") if b.strip()] if args.budgets else None
@@ -407,18 +428,19 @@ def _run(args: argparse.Namespace) -> int:
         reports = [run_what_if(run, budgets, target, policies, args.jobs) for run in runs]
     written: dict[str, Any] = {}
     if args.csv:
-        written["csv_rows"] = write_csv(args.csv, runs, args.interval)
+        written["csv_rows"] = write_csv(args.csv, runs, args.interval or CSV_INTERVAL)
         written["csv"] = str(args.csv)
     if args.plot:
         # Imported here: tools.plots builds on this module's interval rows.
         from tools.plots import write_plots
 
         written["plots"] = [str(p) for p in write_plots(runs, args.plot, args.interval)]
+    splits = [time_report(run) for run in runs]
     if args.json:
         document: dict[str, Any] = {
             "runs": [{**s, "lines": run.counts.as_dict(), "problems": list(run.problems),
-                      **devices_json(run)}
-                     for s, run in zip(summaries, runs, strict=True)],
+                      **devices_json(run), **_time_json(split)}
+                     for s, run, split in zip(summaries, runs, splits, strict=True)],
             "what_if": [what_if_json(r, run) for r, run in zip(reports, runs, strict=False)],
             **written,
         }
@@ -431,10 +453,11 @@ def _run(args: argparse.Namespace) -> int:
             out.write("\n" + devices)
     else:
         out.write(compare_table(summaries))
-        for run in runs:
+        for run, split in zip(runs, splits, strict=True):
             notes = _notes(run)
             if notes:
                 out.write(f"{run.name}:\n{notes}")
+            out.write(f"{run.name}: {split.verdict if split else _NO_SPLIT}\n")
         for run in runs:
             devices = device_table(run)
             if devices:
@@ -446,6 +469,23 @@ def _run(args: argparse.Namespace) -> int:
     for plot in written.get("plots", []):
         out.write(f"wrote {plot}\n")
     return 0
+
+
+_NO_SPLIT = "no time breakdown in this log (schema 1: tokens carry no time)"
+
+
+def _time_text(split: TimeReport | None) -> str:
+    """The time split table and the verdict, or why there is none."""
+    return split.table() if split is not None else f"{_NO_SPLIT}\n"
+
+
+def _time_json(split: TimeReport | None) -> dict[str, Any]:
+    """The time split's keys of a run's JSON entry (null for a schema-1 log)."""
+    if split is not None:
+        return split.as_json()
+    return {"wall_ms_per_token": None, "time_breakdown_ms_per_token": None,
+            "time_breakdown_shares": None, "bound": None, "bound_by_mode": None,
+            "verdict": None, "lower_bound": None}
 
 
 def _json_default(value: object) -> object:
