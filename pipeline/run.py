@@ -13,6 +13,8 @@ injection (``stages.faults``).
 Outputs (``--log``, ``--record-trace``) are checked before the model is opened
 (``pipeline.outputs``); a log the file system stops taking ends the run at the next token
 with its summary and exit 2. A closed stdout (``| true``) drops the summary quietly.
+On a terminal a live line shows tokens, tokens/s, hit rate, mode and the current bound
+(``pipeline.progress``); not with ``--json`` or when stderr is not a terminal.
 """
 
 from __future__ import annotations
@@ -58,6 +60,7 @@ from pipeline.logs import RunLog, configure_console
 from pipeline.loop import DecodeLoop
 from pipeline.machine import machine_info
 from pipeline.outputs import check_not_input, check_output
+from pipeline.progress import LiveLine
 from pipeline.routing import BlockRouting, LiveRouter, Routing, TraceRouting
 from pipeline.shards import Shard, as_one, open_backends
 from pipeline.streamer import ExpertStreamer
@@ -148,6 +151,7 @@ async def run(
     caches: list[DeviceCache] = []
     loop: DecodeLoop | None = None
     controller: ModeController | None = None
+    live = LiveLine(cfg.tokens, enabled=False)  # replaced once decoding starts
     try:
         # the run's first await, where a cancel (a signal) can first land: the open still
         # completes, so a log file, once made, always ends with run_end
@@ -203,8 +207,10 @@ async def run(
                           decoder=parts.decoder, verifier=verifier, controller=controller,
                           runlog=runlog, recorder=recorder)
         started = time.perf_counter()
+        live = LiveLine(cfg.tokens, enabled=not cfg.json and sys.stderr.isatty())
         for t in range(cfg.tokens):
             totals = await loop.token(t)
+            live.update(totals, parts.streamer.mode)
             summary.add(totals, loop.storage_bytes, parts.streamer.mode)
             summary.elapsed_s = time.perf_counter() - started  # right even if stopped later
             summary.verified = verifier.verified
@@ -220,6 +226,7 @@ async def run(
         summary.exit = str(exc)
         raise
     finally:
+        live.close()  # erased before the summary or an error line is printed
         # closing must finish even if the caller cancels (again) meanwhile
         await _finish(_close(cfg, table, summary, runlog, controller, streamers, caches, loop))
     if runlog.error is not None:  # the last lines, written at close, were refused

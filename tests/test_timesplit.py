@@ -1,12 +1,19 @@
-"""Tests for pipeline.timesplit: a wait charged by what its load did, a token's parts that
-add up to its wall time."""
+"""Tests for pipeline.timesplit and pipeline.progress: a wait charged by what its load did,
+a token's parts that add up to its wall time, and the live line."""
 
 from __future__ import annotations
+
+import io
+import sys
+from pathlib import Path
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from pipeline.loop import TokenTotals
+from pipeline.progress import LiveLine
+from pipeline.run import main as run_main
 from pipeline.timesplit import PARTS, LaunchTimes, LoadPhases, TimeSplit
 
 
@@ -92,3 +99,38 @@ class TestTimeSplit:
         total.add(split)
         total.add(split)
         assert total.parts(20.0)["host"] == pytest.approx(10.0)
+
+
+class TestLiveLine:
+    """The live line: off by default; on, it shows tokens, hit rate, mode and the bound."""
+
+    def test_off_draws_nothing(self) -> None:
+        stream = io.StringIO()
+        with LiveLine(4, enabled=False, stream=stream) as line:
+            line.update(TokenTotals(hits=1, misses=1, wall_ms=5.0), "direct")
+        assert stream.getvalue() == ""
+
+    def test_on_names_the_bound(self) -> None:
+        stream = io.StringIO()
+        line = LiveLine(3, enabled=True, stream=stream)
+        for _ in range(3):
+            totals = TokenTotals(hits=3, misses=1, wall_ms=10.0)
+            totals.time.read_ms = 8.0
+            line.update(totals, "direct")
+        line._bar.refresh()  # tqdm redraws at most every 0.1 s: draw the last state now
+        text = stream.getvalue()
+        line.close()
+        assert "3/3" in text and "hit 0.75" in text and "direct" in text
+        assert "storage-bound 80%" in text
+
+    def test_only_on_a_terminal_without_json(self, tiny_model: Path,
+                                             capsys: pytest.CaptureFixture[str],
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+        args = ["-m", str(tiny_model), "-n", "3", "--backend", "host"]
+        assert run_main(args) == 0  # captured stderr is no terminal
+        assert "decoding" not in capsys.readouterr().err
+        monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+        assert run_main([*args, "--json"]) == 0
+        assert "decoding" not in capsys.readouterr().err
+        assert run_main(args) == 0  # a terminal, a table summary: the line is drawn
+        assert "decoding" in capsys.readouterr().err
