@@ -66,6 +66,15 @@ class Decoding(Protocol):
     def take_device_counters(self) -> list[dict[str, Any]] | None: ...
 
 
+class Background(Protocol):
+    """Reads that yield to decode (the digest manifest's builder): paused while a layer's
+    misses load."""
+
+    def pause(self) -> None: ...
+
+    def resume(self) -> None: ...
+
+
 class Cache(Protocol):
     """What the loop uses of a ``DeviceCache`` or a ``CacheGroup``."""
 
@@ -107,6 +116,8 @@ class DecodeLoop:
         routing: where each layer's experts come from (a trace, or the live router).
         cache, streamer, decoder, verifier, controller, runlog: the run's parts.
         recorder: where each decoded token's routing is recorded (``--record-trace``).
+        background: reads to pause while a layer's misses (or the loads it starts ahead)
+            are loading: the digest manifest's builder, on a file without digests.
     """
 
     def __init__(
@@ -121,6 +132,7 @@ class DecodeLoop:
         verifier: Verifier,
         controller: ModeController,
         runlog: RunLog,
+        background: Background | None = None,
         recorder: TraceRecorder | None = None,
     ) -> None:
         self._cfg = config
@@ -133,6 +145,7 @@ class DecodeLoop:
         self._verifier = verifier
         self._controller = controller
         self._runlog = runlog
+        self._background = background
         self._ahead = config.lookahead if config.prefetch == "oracle" else 0
         self._predict = config.prefetch == "predict"
         self._end = config.tokens * len(self._layers)
@@ -165,9 +178,11 @@ class DecodeLoop:
             used.append(experts)
             used_weights.append(weights)
             position = t * n + i
+            started: list[Any] = []
             for q in range(position + 1, min(self._end, position + 1 + self._ahead)):
                 if q not in self._loads:  # oracle: the trace names later layers' experts
                     self._loads[q] = self._start(q)
+                    started.append(self._loads[q])
             load = self._loads.pop(position, None)
             if load is None:
                 load = self._streamer.start_layer(layer, experts)
@@ -177,8 +192,19 @@ class DecodeLoop:
                 guess = self._routing.predict(t, i + 1, self._decoder.hidden)
                 guesses[i + 1] = (guess, self._streamer.start_prefetch(self._layers[i + 1],
                                                                       guess))
+                started.append(guesses[i + 1][1])
             guess_load = guesses.get(i, (None, None))[1]
-            result = await self._decoder.run_layer(load, experts, weights, guess_load)
+            # background reads wait while this layer's misses load (decode's reads first)
+            yielding = self._background
+            if yielding is not None and not any(x.plan.misses for x in (load, *started)):
+                yielding = None
+            if yielding is not None:
+                yielding.pause()
+            try:
+                result = await self._decoder.run_layer(load, experts, weights, guess_load)
+            finally:
+                if yielding is not None:
+                    yielding.resume()
             if i in guesses:
                 guess, guess_load = guesses[i]
                 totals.predicted += len(guess)

@@ -59,6 +59,7 @@ from pipeline.interrupts import STOP_SIGNALS, exit_code, exit_on_signals, restor
 from pipeline.logs import RunLog, configure_console
 from pipeline.loop import DecodeLoop
 from pipeline.machine import machine_info
+from pipeline.manifest_build import RunManifest
 from pipeline.outputs import check_not_input, check_output
 from pipeline.progress import LiveLine
 from pipeline.routing import BlockRouting, LiveRouter, Routing, TraceRouting
@@ -151,6 +152,7 @@ async def run(
     caches: list[DeviceCache] = []
     loop: DecodeLoop | None = None
     controller: ModeController | None = None
+    manifest: RunManifest | None = None
     live = LiveLine(cfg.tokens, enabled=False)  # replaced once decoding starts
     try:
         # the run's first await, where a cancel (a signal) can first land: the open still
@@ -182,7 +184,14 @@ async def run(
                                   cfg.seed, partial=len(backends) > 1)
             shards.append(Shard(backend, kernels, cache, streamer, decoder))
         parts = as_one(shards, table, weights)
-        verifier = Verifier(table, streamers[0].reader.read_range)
+        checks = cfg.verify or shards[0].decoder.compute.kind == "digest"
+        if checks and table.digests is None:
+            # no digests in the file: its manifest, computed in the background if need be
+            group = parts.streamer
+            manifest = await RunManifest.open(table, lambda: group.mode == "direct")
+        verifier = Verifier(table, manifest.manifest if manifest is not None else None)
+        summary.digests = ("off" if not checks else "file" if manifest is None
+                           else manifest.source)
         controller = ModeController(cfg, table, parts.streamer, runlog, sampler=sampler)
         summary.budget_bytes = sum(c.budget_bytes for c in caches)
         runlog.emit(
@@ -205,7 +214,8 @@ async def run(
                                 else LiveRouter(table, home, cfg.seed))
         loop = DecodeLoop(cfg, table, routing, cache=parts.cache, streamer=parts.streamer,
                           decoder=parts.decoder, verifier=verifier, controller=controller,
-                          runlog=runlog, recorder=recorder)
+                          runlog=runlog, recorder=recorder,
+                          background=manifest.builder if manifest is not None else None)
         started = time.perf_counter()
         live = LiveLine(cfg.tokens, enabled=not cfg.json and sys.stderr.isatty())
         for t in range(cfg.tokens):
@@ -216,8 +226,14 @@ async def run(
             summary.verified = verifier.verified
             summary.mismatches = verifier.mismatches
             summary.first_mismatch = verifier.first_mismatch
+            summary.unverified = verifier.unverified
             runlog.raise_if_failed()  # the file system stopped taking the log: stop here
         summary.elapsed_s = time.perf_counter() - started
+        if manifest is not None:  # compare what still waits for its digests, decode done
+            await manifest.settle(verifier)
+            summary.verified, summary.mismatches = verifier.verified, verifier.mismatches
+            summary.first_mismatch = verifier.first_mismatch
+            summary.unverified = verifier.unverified
         summary.exit = "ok"
     except asyncio.CancelledError:
         summary.exit = "cancelled"
@@ -228,7 +244,8 @@ async def run(
     finally:
         live.close()  # erased before the summary or an error line is printed
         # closing must finish even if the caller cancels (again) meanwhile
-        await _finish(_close(cfg, table, summary, runlog, controller, streamers, caches, loop))
+        await _finish(_close(cfg, table, summary, runlog, controller, streamers, caches, loop,
+                             manifest))
     if runlog.error is not None:  # the last lines, written at close, were refused
         summary.exit = str(runlog.error)
         raise runlog.error
@@ -260,8 +277,12 @@ async def _close(
     streamers: Sequence[ExpertStreamer],
     caches: Sequence[DeviceCache],
     loop: DecodeLoop | None,
+    manifest: RunManifest | None = None,
 ) -> None:
     """Release everything the run holds, in order, then write the closing log event."""
+    if manifest is not None:  # its reads stop first; what it learned is saved
+        await manifest.aclose()
+        summary.manifest_bytes = manifest.bytes_read
     if controller is not None:
         await controller.aclose()
         summary.switches = controller.switches

@@ -33,6 +33,18 @@ def _reset_structlog() -> Iterator[None]:
 
 
 @pytest.fixture(scope="session")
+def _session_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("xdg-cache")
+
+
+@pytest.fixture(autouse=True)
+def _user_cache(monkeypatch: pytest.MonkeyPatch, _session_cache: Path) -> None:
+    """Runs keep digest manifests (and the default model) in a cache of the session's, never
+    in the user's (``XDG_CACHE_HOME``; subprocesses inherit it)."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(_session_cache))
+
+
+@pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny preset, scaled down: 4 layers (1 dense, 3 MoE), 16 experts, F16."""
     path = tmp_path_factory.mktemp("models") / "tiny.gguf"
