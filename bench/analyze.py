@@ -110,11 +110,11 @@ def _iso(seconds: float) -> str:
 
 
 def _line(out: TextIO, event: str, clock: float, **fields: Any) -> None:
-    out.write(json.dumps({"event": event, "schema": 1, "ts": _iso(clock), **fields}) + "\n")
+    out.write(json.dumps({"event": event, "schema": 2, "ts": _iso(clock), **fields}) + "\n")
 
 
 def write_synthetic_log(path: Path, run: SyntheticRun) -> dict[str, int]:
-    """Write a schema-1 log whose hits come from a live ``CacheIndex`` run.
+    """Write a schema-2 log whose hits come from a live ``CacheIndex`` run.
 
     The cache emulation follows the live cache's contract (docs/LOG_SCHEMA.md, "Replay
     exactness"): per token, ``access_layer`` per MoE layer, then ``advance_token``.
@@ -188,6 +188,13 @@ def write_synthetic_log(path: Path, run: SyntheticRun) -> dict[str, int]:
                 "ram_available_bytes": readings["ram_available_bytes"],
                 "cache_live_bytes": index.live_bytes, "cache_parked_bytes": 0,
                 "experts": chosen,
+                # the stall is reads in direct mode, copies out of the page cache in resident
+                "time": {"compute_ms": round(compute_ms, 3),
+                         "read_ms": round(stall_ms, 3) if direct else 0.0,
+                         "upload_ms": 0.0 if direct else round(stall_ms, 3),
+                         "slot_ms": 0.0, "switch_ms": 0.0,
+                         "host_ms": round(round(wall_ms, 3) - round(compute_ms, 3)
+                                          - round(stall_ms, 3), 3)},
             }
             if run.prefetch:
                 fields["prefetch"] = {"predicted": run.moe_layers, "correct": hits // 6,

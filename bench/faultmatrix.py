@@ -6,7 +6,8 @@ faults must not break, observed when the run closes its parts:
 
 - every installed expert came from complete, correct bytes: verification (digest compute,
   every consumed expert) found no mismatch, every entry left in the cache is ready (its
-  upload completed), and the expert whose load failed is not in the cache;
+  upload completed), and the expert whose load failed is not in the cache; bytes damaged
+  on purpose (``corrupt``) are found: at least one mismatch, exit 3 as the CLI gives;
 - the accounting is exact: device allocations equal frees after close, the peak of live +
   parked bytes stayed within the budget;
 - every staging slot was back in the ring when it closed.
@@ -32,7 +33,7 @@ from typing import Any
 
 from gpu.cache import DeviceCache
 from pipeline.foundation.config import Budget, ComputeSpec, RunConfig
-from pipeline.foundation.errors import MoestreamError
+from pipeline.foundation.errors import MoestreamError, VerificationError
 from pipeline.foundation.faults import STAGES, parse_faults
 from pipeline.foundation.outputs import check_output, write_atomic
 from pipeline.run import RunSummary, run
@@ -63,6 +64,11 @@ class FaultCase:
     def id(self) -> str:
         return f"{self.spec}-{self.mode}"
 
+    @property
+    def corrupts(self) -> bool:
+        """The fault damages bytes on purpose: verification must find it."""
+        return self.kind == "corrupt"
+
 
 CASES: tuple[FaultCase, ...] = (
     FaultCase("read_eio@300", "direct", True, "retried once, then read"),
@@ -79,6 +85,8 @@ CASES: tuple[FaultCase, ...] = (
     FaultCase("staging_oom@1", "direct", False, "no slot: DeviceMemoryError at start"),
     FaultCase("upload@20", "direct", False, "UploadError after a partial copy, token stopped"),
     FaultCase("upload@20", "resident", False, "UploadError after a partial copy, token stopped"),
+    FaultCase("corrupt@5", "direct", False, "a flipped device byte: mismatch, exit 3"),
+    FaultCase("corrupt@5", "resident", False, "a flipped device byte: mismatch, exit 3"),
     FaultCase("device_oom@5", "direct", True, "budget shrinks to the bytes held, logged"),
     FaultCase("device_oom@5", "resident", True, "budget shrinks to the bytes held, logged"),
     FaultCase("device_oom@5+", "direct", True, "budget shrinks once; buffers reused after"),
@@ -168,8 +176,12 @@ class CaseResult:
                        f"{'success' if self.case.survives else 'a stop'}")
         if not self.fired:
             out.append("the fault never fired")
-        if s["mismatches"]:
+        if s["mismatches"] and not self.case.corrupts:
             out.append(f"{s['mismatches']} verification mismatches")
+        if self.case.corrupts and (not s["mismatches"]
+                                   or self.exit_code != VerificationError.exit_code):
+            out.append(f"damaged bytes not found: {s['mismatches']} mismatches, "
+                       f"exit {self.exit_code}")
         if self.case.survives and not s["verified"]:
             out.append("nothing was verified")
         if o.allocations != o.frees_after_close:
@@ -223,6 +235,9 @@ def run_case(case: FaultCase, model: Path, tokens: int = 6, backend: str = "host
             exit_code, error = exc.exit_code, str(exc)
             m = _FAILED.match(error)
             failed = (int(m.group(1)), int(m.group(2))) if m else None
+    if exit_code == 0 and summary.mismatches:  # as the CLI: the run ends with exit 3
+        exit_code = VerificationError.exit_code
+        error = f"{summary.mismatches} experts differ from the file"
     return CaseResult(case, exit_code, error, dict(plan.fired), summary.as_dict(), seen,
                       failed, time.perf_counter() - t0)
 
@@ -266,7 +281,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         model = args.model
         if model is None:
-            from tools.make_model import spec_for, write_model
+            from pipeline.modelgen import spec_for, write_model
 
             model = write_model(spec_for("tiny", layers=4, experts=16), Path(tmp) / "tiny.gguf")
         results = [run_case(case, model, args.tokens, args.backend) for case in CASES]

@@ -73,7 +73,7 @@ def _emit_cost_us(model: Path | None, n: int = 5000) -> float:
     on a shared machine; this is the deterministic part of the cost)."""
     from pipeline.foundation.table import open_table
     from pipeline.logs import RunLog
-    from tools.make_model import ensure_default_model
+    from pipeline.modelgen import ensure_default_model
 
     table = open_table(model or ensure_default_model())
     experts = [list(range(table.top_k)) for _ in table.moe_layers]

@@ -264,7 +264,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         model = args.model
         if model is None:
-            from tools.make_model import spec_for, write_model
+            from pipeline.modelgen import spec_for, write_model
 
             model = write_model(spec_for("ds4-flash-q2", layers=4, experts=32),
                                 Path(tmp) / "soak.gguf")

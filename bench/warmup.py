@@ -107,7 +107,7 @@ def make_bench_file(directory: Path, size_gib: float, *, random_bytes: bool) -> 
     """
     target = int(size_gib * 2**30)
     if not random_bytes:
-        from tools.make_model import spec_for, write_model
+        from pipeline.modelgen import spec_for, write_model
 
         expert_bytes = spec_for("ds4-flash-q2", layers=1, experts=1).expert_bytes
         layers = max(1, math.ceil(target / (256 * expert_bytes)))

@@ -11,6 +11,12 @@ reads every byte of every used expert and checks it against the file, ``fixed:MS
 device busy MS milliseconds per layer, like an engine's kernels would. ``real`` on a model
 without F16 experts falls back to ``digest`` (logged); on one whose layers mix F16 and other
 types it is refused before decoding (``ExpertLayoutError``, exit 2).
+
+Each layer also reports where its wall time went (``pipeline.timesplit``): a wait for a miss
+is charged to what that miss's load was doing meanwhile; on a GPU the end-of-layer wait is
+split, in queue order, into the compute stream working (``compute``) and the compute stream
+stalled on an upload event (``upload``): before each device-side wait on an upload an event
+is recorded, and the host waits on that event, then on the upload, then on the next.
 """
 
 from __future__ import annotations
@@ -19,19 +25,20 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import structlog
 from gguf import GGMLQuantizationType
 
-from gpu.backend import Backend, Kernels
+from gpu.backend import Backend, Event, Kernels
 from gpu.cache import DeviceCache, Entry
 from pipeline.foundation.config import ComputeSpec
 from pipeline.foundation.errors import ExpertLayoutError, MoestreamError, StageError
 from pipeline.foundation.table import ExpertTable
 from pipeline.streamer import ExpertStreamer, LayerLoad
+from pipeline.timesplit import LoadPhases, TimeSplit
 from pipeline.verify import DigestRows
 
 __all__ = ["Decoder", "LayerResult"]
@@ -70,7 +77,7 @@ def _all_f16(table: ExpertTable) -> bool:
 
 @dataclass(slots=True)
 class LayerResult:
-    """What one layer cost and found."""
+    """What one layer cost and found; ``time``: what the layer's waits were charged to."""
 
     hits: int
     misses: int
@@ -79,6 +86,7 @@ class LayerResult:
     cache_bytes: int
     stall_ms: float
     compute_ms: float
+    time: TimeSplit = field(default_factory=TimeSplit)
 
 
 class _OnDevice:
@@ -152,6 +160,11 @@ class Decoder:
         # (buffer, ms) of host compute queued by _consume, spent by _spend_host_compute
         self._spins_host = backend.name == "host"
         self._host_compute: list[tuple[Any, float]] = []
+        # a GPU queues kernels and copies (the host waits at the layer's end); the host
+        # backend runs them inline, so its compute is the time spent in them
+        self._queues = backend.async_copies
+        # (event before the wait, upload event) of each device-side wait of this layer
+        self._device_waits: list[tuple[Event, Event]] = []
 
     def _initial_hidden(self, seed: int) -> Any:
         rng = np.random.default_rng([seed, 0x5EED])
@@ -195,6 +208,8 @@ class Decoder:
     def _consume(self, entry: Entry, weight: float, acc: Any, layer_ms: float) -> None:
         """Queue the compute of one expert on the compute stream."""
         if not entry.ready and entry.upload is not None:
+            if self._queues:
+                self._device_waits.append((self.stream.record(), entry.upload))
             self.stream.wait(entry.upload)
         kind = self.compute.kind
         if kind == "real":
@@ -254,6 +269,8 @@ class Decoder:
         acc = self._kernels.zeros(self._table.hidden) if self.compute.kind == "real" else None
         compute_s = 0.0
         stall_s = 0.0
+        split = TimeSplit()
+        self._device_waits.clear()  # a failed layer leaves its own behind
         ctx = self._ctx
         in_flight = [e for e in load.plan.hits if e.upload is None and e.loaded is not None]
         t0 = time.perf_counter()
@@ -276,6 +293,7 @@ class Decoder:
                 continue
             t_got = time.perf_counter()
             stall_s += t_got - t_wait
+            _charge_wait(split, entry.key, (load, prefetched), t_wait, t_got)
             with ctx:
                 self._consume(entry, weight_of[entry.key[1]], acc, per_expert_ms)
             await self._spend_host_compute()
@@ -286,6 +304,7 @@ class Decoder:
             entry, error = await load.arrived.get()
             t_got = time.perf_counter()
             stall_s += t_got - t_wait
+            _charge_wait(split, entry.key, (load,), t_wait, t_got)
             if error is not None:
                 failures.append((entry, error))
                 continue
@@ -312,8 +331,10 @@ class Decoder:
             if isinstance(error, MoestreamError) and not isinstance(error, StageError):
                 raise error  # e.g. the model file changed: its own class and exit code
             raise StageError(f"layer {key[0]} expert {key[1]}: {error}") from error
-        done.synchronize()
+        self._wait_for_layer(done, split)
         compute_s += time.perf_counter() - t0
+        if not self._queues:  # kernels ran inline: the time spent in them is the compute
+            split.compute_ms = compute_s * 1000.0
         return LayerResult(
             hits=len(load.plan.hits),
             misses=len(load.plan.misses),
@@ -322,4 +343,41 @@ class Decoder:
             cache_bytes=sum(e.nbytes for e in load.plan.hits),
             stall_ms=stall_s * 1000.0,
             compute_ms=compute_s * 1000.0,
+            time=split,
         )
+
+    def _wait_for_layer(self, done: Event, split: TimeSplit) -> None:
+        """Wait for the layer's compute, charging each stretch of the wait to the compute
+        stream working (``compute``) or stalled on an upload event (``upload``).
+
+        The stream runs in queue order: once the event recorded before its wait on upload
+        ``i`` has completed, and every earlier upload has, it can only be computing (until
+        that event) or idle until upload ``i`` lands. On the host backend every event is
+        complete and this costs nothing.
+        """
+        t = time.perf_counter()
+        for before, upload in self._device_waits:
+            before.synchronize()
+            t_work = time.perf_counter()
+            upload.synchronize()
+            t_landed = time.perf_counter()
+            split.charge("compute", t_work - t)
+            split.charge("upload", t_landed - t_work)
+            t = t_landed
+        self._device_waits.clear()
+        done.synchronize()
+        split.charge("compute", time.perf_counter() - t)
+
+
+def _charge_wait(split: TimeSplit, key: tuple[int, int], loads: Sequence[LayerLoad | None],
+                 waited_from: float, waited_to: float) -> None:
+    """Charge the decoder's wait for ``key`` to what its load did meanwhile; a load these
+    do not know (started for another layer's lookup) counts as reading."""
+    phases: LoadPhases | None = None
+    for load in loads:
+        if load is not None and (phases := load.phases.get(key)) is not None:
+            break
+    if phases is None:
+        split.charge("read", waited_to - waited_from)
+    else:
+        phases.charge(split, waited_from, waited_to)

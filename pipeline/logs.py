@@ -34,7 +34,8 @@ from pipeline.foundation.outputs import open_exclusive
 
 __all__ = ["SCHEMA_VERSION", "RunLog", "configure_console"]
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+"""The run log's schema (docs/LOG_SCHEMA.md); 2 added the token event's required ``time``."""
 
 
 def configure_console(*, debug: bool = False) -> None:

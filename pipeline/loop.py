@@ -4,7 +4,8 @@ Per layer the loop starts the layer's loads (and, with oracle prefetch, those of
 ``lookahead`` layers, across token boundaries, since the routing is known ahead), lets the
 decoder consume it, and adds up what the layer cost. At each token's end it checks the
 digests of everything installed or consumed, lets the controller look at the machine, and
-writes the token's log event.
+writes the token's log event, with its wall time split by what decode waited on
+(``pipeline.timesplit``: the layers' waits, the controller's pause, and the rest as host).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from pipeline.controller import ModeController
@@ -23,6 +24,7 @@ from pipeline.logs import RunLog
 from pipeline.machine import process_read_bytes
 from pipeline.routing import LiveRouter, Routing
 from pipeline.streamer import StageTimes
+from pipeline.timesplit import TimeSplit
 from pipeline.trace import TraceRecorder
 from pipeline.verify import Verifier
 
@@ -64,6 +66,15 @@ class Decoding(Protocol):
     def take_device_counters(self) -> list[dict[str, Any]] | None: ...
 
 
+class Background(Protocol):
+    """Reads that yield to decode (the digest manifest's builder): paused while a layer's
+    misses load."""
+
+    def pause(self) -> None: ...
+
+    def resume(self) -> None: ...
+
+
 class Cache(Protocol):
     """What the loop uses of a ``DeviceCache`` or a ``CacheGroup``."""
 
@@ -78,7 +89,8 @@ class Cache(Protocol):
 
 @dataclass(slots=True)
 class TokenTotals:
-    """What one token did, summed over its layers."""
+    """What one token did, summed over its layers; ``wall_ms`` and ``time``: its wall time
+    and what that time was charged to (``host`` is the rest)."""
 
     hits: int = 0
     misses: int = 0
@@ -91,6 +103,8 @@ class TokenTotals:
     correct: int = 0
     loaded: int = 0
     wasted_bytes: int = 0
+    wall_ms: float = 0.0
+    time: TimeSplit = field(default_factory=TimeSplit)
 
 
 class DecodeLoop:
@@ -102,6 +116,8 @@ class DecodeLoop:
         routing: where each layer's experts come from (a trace, or the live router).
         cache, streamer, decoder, verifier, controller, runlog: the run's parts.
         recorder: where each decoded token's routing is recorded (``--record-trace``).
+        background: reads to pause while a layer's misses (or the loads it starts ahead)
+            are loading: the digest manifest's builder, on a file without digests.
     """
 
     def __init__(
@@ -116,6 +132,7 @@ class DecodeLoop:
         verifier: Verifier,
         controller: ModeController,
         runlog: RunLog,
+        background: Background | None = None,
         recorder: TraceRecorder | None = None,
     ) -> None:
         self._cfg = config
@@ -128,6 +145,7 @@ class DecodeLoop:
         self._verifier = verifier
         self._controller = controller
         self._runlog = runlog
+        self._background = background
         self._ahead = config.lookahead if config.prefetch == "oracle" else 0
         self._predict = config.prefetch == "predict"
         self._end = config.tokens * len(self._layers)
@@ -160,9 +178,11 @@ class DecodeLoop:
             used.append(experts)
             used_weights.append(weights)
             position = t * n + i
+            started: list[Any] = []
             for q in range(position + 1, min(self._end, position + 1 + self._ahead)):
                 if q not in self._loads:  # oracle: the trace names later layers' experts
                     self._loads[q] = self._start(q)
+                    started.append(self._loads[q])
             load = self._loads.pop(position, None)
             if load is None:
                 load = self._streamer.start_layer(layer, experts)
@@ -172,8 +192,19 @@ class DecodeLoop:
                 guess = self._routing.predict(t, i + 1, self._decoder.hidden)
                 guesses[i + 1] = (guess, self._streamer.start_prefetch(self._layers[i + 1],
                                                                       guess))
+                started.append(guesses[i + 1][1])
             guess_load = guesses.get(i, (None, None))[1]
-            result = await self._decoder.run_layer(load, experts, weights, guess_load)
+            # background reads wait while this layer's misses load (decode's reads first)
+            yielding = self._background
+            if yielding is not None and not any(x.plan.misses for x in (load, *started)):
+                yielding = None
+            if yielding is not None:
+                yielding.pause()
+            try:
+                result = await self._decoder.run_layer(load, experts, weights, guess_load)
+            finally:
+                if yielding is not None:
+                    yielding.resume()
             if i in guesses:
                 guess, guess_load = guesses[i]
                 totals.predicted += len(guess)
@@ -188,6 +219,7 @@ class DecodeLoop:
             totals.cache_bytes += result.cache_bytes
             totals.stall_ms += result.stall_ms
             totals.compute_ms += result.compute_ms
+            totals.time.add(result.time)
             if self._cfg.log_level == "debug":
                 self._runlog.emit("layer", token=t, layer=layer, hits=result.hits,
                                   misses=result.misses, stall_ms=round(result.stall_ms, 3),
@@ -197,13 +229,16 @@ class DecodeLoop:
         self._verifier.check(self._streamer.take_digests())
         self._verifier.check(self._decoder.take_use_digests())
         mode = self._streamer.mode
+        t_controller = time.perf_counter()
         await self._controller.at_token(t)
+        totals.time.charge("switch", time.perf_counter() - t_controller)
         read_bytes = process_read_bytes()
         storage, self._read_bytes = read_bytes - self._read_bytes, read_bytes
         times = self._streamer.take_times()
         devices = self._decoder.take_device_counters()
+        totals.wall_ms = (time.perf_counter() - t0) * 1000.0
         self._runlog.emit(
-            "token", token=t, wall_ms=round((time.perf_counter() - t0) * 1000.0, 3),
+            "token", token=t, wall_ms=round(totals.wall_ms, 3),
             read_ms=round(times.read_ms, 3), stage_ms=round(times.stage_ms, 3),
             upload_ms=round(times.upload_ms, 3), install_ms=round(times.install_ms, 3),
             stall_ms=round(totals.stall_ms, 3), compute_ms=round(totals.compute_ms, 3),
@@ -214,6 +249,7 @@ class DecodeLoop:
             cache_live_bytes=self._cache.live_bytes,
             cache_parked_bytes=self._cache.parked_bytes,
             experts=used,
+            time=totals.time.record(totals.wall_ms),
             **({"devices": devices} if devices is not None else {}),
             **({"prefetch": {"predicted": totals.predicted, "correct": totals.correct,
                              "loaded": totals.loaded, "wasted_bytes": totals.wasted_bytes}}

@@ -13,6 +13,8 @@ injection (``pipeline.foundation.faults``).
 Outputs (``--log``, ``--record-trace``) are checked before the model is opened
 (``pipeline.foundation.outputs``); a log the file system stops taking ends the run at the next token
 with its summary and exit 2. A closed stdout (``| true``) drops the summary quietly.
+On a terminal a live line shows tokens, tokens/s, hit rate, mode and the current bound
+(``pipeline.progress``); not with ``--json`` or when stderr is not a terminal.
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ from pipeline.foundation.config import (
     parse_budget,
     parse_compute,
     parse_devices,
+    parse_limits,
     parse_size,
 )
 from pipeline.foundation.errors import MoestreamError, TraceError, VerificationError
@@ -59,6 +62,8 @@ from pipeline.foundation.table import ExpertTable, open_table
 from pipeline.logs import RunLog, configure_console
 from pipeline.loop import DecodeLoop
 from pipeline.machine import machine_info
+from pipeline.manifest_build import RunManifest
+from pipeline.progress import LiveLine
 from pipeline.routing import BlockRouting, LiveRouter, Routing, TraceRouting
 from pipeline.shards import Shard, as_one, open_backends
 from pipeline.streamer import ExpertStreamer
@@ -127,7 +132,7 @@ async def run(
     if faults is None:
         faults = parse_faults(cfg.faults)
     if cfg.model is None:
-        from tools.make_model import ensure_default_model
+        from pipeline.modelgen import ensure_default_model
 
         model = ensure_default_model()
     else:
@@ -147,6 +152,8 @@ async def run(
     caches: list[DeviceCache] = []
     loop: DecodeLoop | None = None
     controller: ModeController | None = None
+    manifest: RunManifest | None = None
+    live = LiveLine(cfg.tokens, enabled=False)  # replaced once decoding starts
     try:
         # the run's first await, where a cancel (a signal) can first land: the open still
         # completes, so a log file, once made, always ends with run_end
@@ -177,7 +184,14 @@ async def run(
                                   cfg.seed, partial=len(backends) > 1)
             shards.append(Shard(backend, kernels, cache, streamer, decoder))
         parts = as_one(shards, table, weights)
-        verifier = Verifier(table, streamers[0].reader.read_range)
+        checks = cfg.verify or shards[0].decoder.compute.kind == "digest"
+        if checks and table.digests is None:
+            # no digests in the file: its manifest, computed in the background if need be
+            group = parts.streamer
+            manifest = await RunManifest.open(table, lambda: group.mode == "direct")
+        verifier = Verifier(table, manifest.manifest if manifest is not None else None)
+        summary.digests = ("off" if not checks else "file" if manifest is None
+                           else manifest.source)
         controller = ModeController(cfg, table, parts.streamer, runlog, sampler=sampler)
         summary.budget_bytes = sum(c.budget_bytes for c in caches)
         runlog.emit(
@@ -192,6 +206,7 @@ async def run(
             policy=cfg.policy,
             compute=str(shards[0].decoder.compute),
             backend=home.name,
+            **({"limits": cfg.limits.record()} if cfg.limits is not None else {}),
         )
         await controller.start()  # its first decision follows the header
         with home.activate():
@@ -199,17 +214,26 @@ async def run(
                                 else LiveRouter(table, home, cfg.seed))
         loop = DecodeLoop(cfg, table, routing, cache=parts.cache, streamer=parts.streamer,
                           decoder=parts.decoder, verifier=verifier, controller=controller,
-                          runlog=runlog, recorder=recorder)
+                          runlog=runlog, recorder=recorder,
+                          background=manifest.builder if manifest is not None else None)
         started = time.perf_counter()
+        live = LiveLine(cfg.tokens, enabled=not cfg.json and sys.stderr.isatty())
         for t in range(cfg.tokens):
             totals = await loop.token(t)
+            live.update(totals, parts.streamer.mode)
             summary.add(totals, loop.storage_bytes, parts.streamer.mode)
             summary.elapsed_s = time.perf_counter() - started  # right even if stopped later
             summary.verified = verifier.verified
             summary.mismatches = verifier.mismatches
             summary.first_mismatch = verifier.first_mismatch
+            summary.unverified = verifier.unverified
             runlog.raise_if_failed()  # the file system stopped taking the log: stop here
         summary.elapsed_s = time.perf_counter() - started
+        if manifest is not None:  # compare what still waits for its digests, decode done
+            await manifest.settle(verifier)
+            summary.verified, summary.mismatches = verifier.verified, verifier.mismatches
+            summary.first_mismatch = verifier.first_mismatch
+            summary.unverified = verifier.unverified
         summary.exit = "ok"
     except asyncio.CancelledError:
         summary.exit = "cancelled"
@@ -218,8 +242,10 @@ async def run(
         summary.exit = str(exc)
         raise
     finally:
+        live.close()  # erased before the summary or an error line is printed
         # closing must finish even if the caller cancels (again) meanwhile
-        await _finish(_close(cfg, table, summary, runlog, controller, streamers, caches, loop))
+        await _finish(_close(cfg, table, summary, runlog, controller, streamers, caches, loop,
+                             manifest))
     if runlog.error is not None:  # the last lines, written at close, were refused
         summary.exit = str(runlog.error)
         raise runlog.error
@@ -251,8 +277,12 @@ async def _close(
     streamers: Sequence[ExpertStreamer],
     caches: Sequence[DeviceCache],
     loop: DecodeLoop | None,
+    manifest: RunManifest | None = None,
 ) -> None:
     """Release everything the run holds, in order, then write the closing log event."""
+    if manifest is not None:  # its reads stop first; what it learned is saved
+        await manifest.aclose()
+        summary.manifest_bytes = manifest.bytes_read
     if controller is not None:
         await controller.aclose()
         summary.switches = controller.switches
@@ -316,6 +346,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ram-limit", help="cap the RAM the controller believes it has (e.g. 8GiB)")
     p.add_argument("--sample-ms", type=float, default=250.0, help="controller period (250)")
     p.add_argument("--margin", help="controller safety margin (default max(2GiB, 5%% of RAM))")
+    p.add_argument("--limits", metavar="SPEC",
+                   help="bandwidths the run is told, for the analysis's device limit: "
+                   "read=RATE,copy=RATE (e.g. read=1.8GB/s,copy=55GB/s); logged in run_start")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p.add_argument("--debug", action="store_true", help="show tracebacks and debug events")
     p.add_argument("--inject", default="", metavar="SPEC",
@@ -354,6 +387,7 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         json=args.json,
         debug=args.debug,
         faults=args.inject,
+        limits=parse_limits(args.limits) if args.limits else None,
     )
 
 

@@ -133,7 +133,7 @@ class StreamSession:
 
             check_output(cfg.log, what="log", in_place=True)
         if cfg.model is None:
-            from tools.make_model import ensure_default_model
+            from pipeline.modelgen import ensure_default_model
 
             model = ensure_default_model()
         else:

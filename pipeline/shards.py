@@ -244,6 +244,7 @@ class ShardedDecoder:
             if isinstance(r, BaseException):
                 raise r
         merged = LayerResult(0, 0, 0, 0, 0, 0.0, 0.0)
+        slowest = -1.0
         for i, r in zip(used, results, strict=True):
             assert isinstance(r, LayerResult)
             self.counters[i].add(r)
@@ -254,6 +255,10 @@ class ShardedDecoder:
             merged.cache_bytes += r.cache_bytes
             merged.stall_ms = max(merged.stall_ms, r.stall_ms)  # the devices waited together
             merged.compute_ms = max(merged.compute_ms, r.compute_ms)
+            # the layer waited for every device: its time went where the slowest one's did
+            # (the devices' waits overlap, so theirs cannot be added)
+            if r.time.measured_ms > slowest:
+                slowest, merged.time = r.time.measured_ms, r.time
         self._combine(used)
         return merged
 

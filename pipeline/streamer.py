@@ -37,6 +37,7 @@ from pipeline.foundation.config import RunConfig
 from pipeline.foundation.errors import StageError
 from pipeline.foundation.faults import FaultPlan
 from pipeline.foundation.table import ExpertTable
+from pipeline.timesplit import LaunchTimes, LoadPhases
 from pipeline.verify import DigestRows
 from stages.install import Installer
 from stages.layout import ExpertLayout, iter_chunks, largest_slot_bytes, plan_expert
@@ -79,7 +80,12 @@ class StageTimes:
 
 @dataclass(slots=True)
 class LayerLoad:
-    """A layer in flight: its plan, and a queue yielding misses as their uploads are queued."""
+    """A layer in flight: its plan, and a queue yielding misses as their uploads are queued.
+
+    ``phases``: what each miss's load did over time, by key, so that a wait for one is
+    charged to its read, upload or slot (``pipeline.timesplit``); ``launch``: the launch
+    they waited behind.
+    """
 
     plan: LayerPlan
     arrived: asyncio.Queue[tuple[Entry, BaseException | None]] | None = None
@@ -89,19 +95,26 @@ class LayerLoad:
     delivered: int = 0
     gate: WarmGate | None = None
     prefetch: bool = False
+    launch: LaunchTimes | None = None
+    phases: dict[tuple[int, int], LoadPhases] = field(default_factory=dict)
 
 
 @dataclass(slots=True, eq=False)
 class _Job:
-    """One expert being loaded; ``remaining`` chunks count down on worker threads."""
+    """One expert being loaded; ``remaining`` chunks count down on worker threads.
+
+    ``reuse_wait_s``: the longest any chunk waited for the slot's last upload to finish.
+    """
 
     entry: Entry
     layout: ExpertLayout
     stream: Stream
     load: LayerLoad
     mode: JobMode
+    phases: LoadPhases
     slot: StagingSlot | None = None
     remaining: int = 0
+    reuse_wait_s: float = 0.0
     error: BaseException | None = None
     digest_row: int = -1
     digest_results: Any = None
@@ -341,6 +354,8 @@ class ExpertStreamer:
         self._loop = loop
         load = LayerLoad(plan, pending=len(plan.misses))
         if plan.misses:  # all-hit layers (the common case when warm) create nothing more
+            load.launch = LaunchTimes(time.perf_counter())
+            load.phases = {entry.key: LoadPhases(load.launch) for entry in plan.misses}
             load.gate = self.warm_gate
             if load.gate is not None:
                 load.gate.pause()  # decode reads first: background warm-up waits
@@ -374,7 +389,8 @@ class ExpertStreamer:
             # host tier (partial residency): a hot expert is read through the page cache and
             # its pages kept, the rest stays O_DIRECT
             job_mode: JobMode = "tier" if mode == "direct" and entry.key in self.tier else mode
-            job = _Job(entry, layout, self.uploader.next_stream(), load, job_mode)
+            job = _Job(entry, layout, self.uploader.next_stream(), load, job_mode,
+                       load.phases[entry.key])
             if self.digests is not None:
                 job.digest_results, job.digest_row = self.digests.reserve(entry.key)
             mapping = self.mapping
@@ -383,12 +399,16 @@ class ExpertStreamer:
                     # host backend: the mapping is read directly, on a worker
                     self._resident_inflight += 1
                     load.launched += 1
+                    job.phases.begin()
                     self._pool.submit(self._resident_job, job)
                     continue
                 if all(mapping.is_registered(s.file_offset, s.nbytes) for s in layout.ranges):
                     # registered: queuing the copies costs microseconds, no thread hop
                     load.launched += 1
-                    self._arrived(job, self._resident_upload(job, mapping), counted=False)
+                    job.phases.begin()
+                    event = self._resident_upload(job, mapping)
+                    job.phases.mark("upload")  # queued; the device copy shows where decode waits
+                    self._arrived(job, event, counted=False)
                     continue
                 # not registered yet (cold or still being registered): a buffered read
                 # through the page cache into staging; it never waits on a whole window
@@ -398,6 +418,10 @@ class ExpertStreamer:
                                  f"{self.ring.slot_bytes}")
             t0 = time.perf_counter()
             job.slot = await self.ring.acquire()
+            t1 = time.perf_counter()
+            assert load.launch is not None
+            load.launch.slot_waits.append((t0, t1))  # later misses of the layer wait too
+            job.phases.begin(t1)
             self._staged_jobs.add(job)
             self._add_time("stage_ms", t0)
             chunks = [
@@ -420,10 +444,12 @@ class ExpertStreamer:
     def _read_chunk(self, job: _Job, file_offset: int, slot_offset: int, nbytes: int) -> None:
         """Worker: one chunk into the job's slot; the last chunk of a job uploads it."""
         assert job.slot is not None
+        reuse_wait_s = 0.0
         try:
             if job.error is None:
                 t0 = time.perf_counter()
                 job.slot.wait_reusable()
+                reuse_wait_s = time.perf_counter() - t0
                 self._add_time("stage_ms", t0)
                 t0 = time.perf_counter()
                 dst = job.slot.array[slot_offset : slot_offset + nbytes]
@@ -432,6 +458,7 @@ class ExpertStreamer:
         except BaseException as exc:  # handed to the loop; the expert is never installed
             job.error = job.error or exc
         with job.lock:
+            job.reuse_wait_s = max(job.reuse_wait_s, reuse_wait_s)
             job.remaining -= 1
             last = job.remaining == 0
         if last:
@@ -440,6 +467,12 @@ class ExpertStreamer:
     def _finish(self, job: _Job) -> None:
         """Worker: upload a fully read (or failed) expert and tell the loop."""
         event: Event | None = None
+        # the chunks waited for the slot's last upload, concurrently, then read: the
+        # longest wait counts as slot time at the start, the rest as reading
+        read_done = time.perf_counter()
+        began = job.phases.start if job.phases.start is not None else read_done
+        job.phases.mark("slot", min(began + job.reuse_wait_s, read_done))
+        job.phases.mark("read", read_done)
         if job.error is None:
             try:
                 assert job.slot is not None
@@ -452,6 +485,7 @@ class ExpertStreamer:
                 event = self._upload(job, pieces)
             except BaseException as exc:
                 job.error = exc
+            job.phases.mark("upload")
         self._notify(job, event)
 
     def _resident_job(self, job: _Job) -> None:
@@ -466,6 +500,7 @@ class ExpertStreamer:
             self._add_time("read_ms", t0)
         except BaseException as exc:
             job.error = exc
+        job.phases.mark("upload")  # a copy out of the page cache (waiting for a worker too)
         self._notify(job, event)
 
     def _resident_upload(self, job: _Job, mapping: ModelMapping) -> Event | None:

@@ -26,6 +26,9 @@ class RunSummary:
     storage_bytes: int = 0
     verified: int = 0
     mismatches: int = 0
+    unverified: int = 0
+    digests: str = "none"
+    manifest_bytes: int = 0
     peak_device_bytes: int = 0
     budget_bytes: int = 0
     final_budget_bytes: int = 0
@@ -79,6 +82,9 @@ class RunSummary:
             "storage_bytes": self.storage_bytes,
             "verified": self.verified,
             "mismatches": self.mismatches,
+            "unverified": self.unverified,
+            "digests": self.digests,
+            "manifest_bytes": self.manifest_bytes,
             "peak_device_bytes": self.peak_device_bytes,
             "budget_bytes": self.budget_bytes,
             "final_budget_bytes": self.final_budget_bytes,
@@ -115,4 +121,6 @@ def print_summary(summary: RunSummary, as_json: bool) -> None:
         f"{summary.cache_bytes / gib:.3f} GiB served from cache, "
         f"{summary.storage_bytes / gib:.3f} GiB from storage\n"
         f"verified: {summary.verified} experts, {summary.mismatches} mismatches"
+        f"{f', {summary.unverified} not verified' if summary.unverified else ''}"
+        f" (digests: {summary.digests})"
     )

@@ -3,17 +3,19 @@
 Device kernels digest each expert's three matrices into a per-token results array
 (``DigestRows``); once per token the host reads them back and ``Verifier`` compares them
 with the file's own digests: those ``tools.make_model`` records in the metadata, or, for any
-other file, digests of a plain buffered read, a path independent of the pipeline's.
+other file, its digest manifest (``pipeline.foundation.manifest``): the same digests computed on the
+host from a separate read of the file, once, off the decode path. Nothing is re-read to
+verify.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from gpu.backend import Event, Kernels
 from gpu.policy import ExpertKey
-from pipeline.foundation.digest import digest_bytes
+from pipeline.foundation.manifest import DigestManifest
 from pipeline.foundation.table import ExpertTable
 
 __all__ = ["DigestRows", "Verifier"]
@@ -102,42 +104,99 @@ class DigestRows:
 class Verifier:
     """Counts verified experts and mismatches against the file's digests.
 
+    Expected digests come from the file's metadata (``tools.make_model`` records them) or
+    from its digest manifest (``pipeline.foundation.manifest``), which a run may still be
+    computing in the background: an expert whose digest is not known yet waits, with the digests its
+    device copy produced, until the manifest learns it (``check`` looks at what it learned
+    each time). Nothing is counted verified before it was compared; ``unverified`` counts
+    what still waits.
+
     Args:
-        table: the model (recorded digests, byte ranges).
-        read_range: buffered ``(offset, nbytes) -> bytes`` for files without digests.
+        table: the model (recorded digests, if any).
+        manifest: the file's digest manifest, for a file without recorded digests.
     """
 
-    def __init__(self, table: ExpertTable, read_range: Callable[[int, int], bytes]) -> None:
+    def __init__(self, table: ExpertTable, manifest: DigestManifest | None = None) -> None:
         self._table = table
-        self._read_range = read_range
-        self._expected: dict[tuple[ExpertKey, int], int] = {}
+        self._recorded = table.digests is not None
+        self._manifest = manifest
+        self._learned = 0  # manifest.arrivals already looked at
+        self._pending: dict[ExpertKey, dict[tuple[int, int, int], int]] = {}
         self.verified = 0
         self.mismatches = 0
         self.first_mismatch = ""
 
-    def expected(self, key: ExpertKey, matrix: int) -> int:
-        cached = self._expected.get((key, matrix))
-        if cached is not None:
-            return cached
-        recorded = self._table.expected_digests(key)
-        if recorded is not None:
-            value = recorded[matrix]
-        else:
-            r = self._table.slices(key).ranges[matrix]
-            value = digest_bytes(self._read_range(r.offset, r.nbytes))
-        self._expected[(key, matrix)] = value
-        return value
+    def expected(self, key: ExpertKey) -> tuple[int, int, int] | None:
+        """The file's digests of ``key``'s gate, up and down matrices; None while unknown."""
+        if self._recorded:
+            return self._table.expected_digests(key)
+        return self._manifest.get(key) if self._manifest is not None else None
 
     def check(self, digests: Sequence[Digest]) -> None:
-        """An expert verifies when all three of its matrices match."""
+        """An expert verifies when all three of its matrices match; one whose digests are
+        not known yet waits for them. Also settles what waited, as far as now known."""
+        self.resolve()
         bad: set[ExpertKey] = set()
-        seen = 0
-        for key, matrix, value in digests:
-            seen += matrix == 0
-            if value != self.expected(key, matrix):
-                if key not in bad and not self.first_mismatch:
-                    name = ("gate", "up", "down")[matrix]
-                    self.first_mismatch = f"layer {key[0]} expert {key[1]} {name}"
-                bad.add(key)
+        for key, values in _experts(digests):
+            expected = self.expected(key)
+            if expected is None:
+                waiting = self._pending.setdefault(key, {})
+                waiting[values] = waiting.get(values, 0) + 1
+            else:
+                self._compare(key, values, expected, 1, bad)
         self.mismatches += len(bad)
-        self.verified += seen - len(bad)
+
+    def resolve(self) -> None:
+        """Compare what waited for digests the manifest has learned since the last call."""
+        if self._manifest is None or not self._pending:
+            if self._manifest is not None:
+                self._learned = len(self._manifest.arrivals)
+            return
+        arrivals = self._manifest.arrivals
+        bad: set[ExpertKey] = set()
+        for key in arrivals[self._learned :]:
+            waiting = self._pending.pop(key, None)
+            expected = self._manifest.get(key)
+            if waiting is None or expected is None:
+                continue
+            for values, count in waiting.items():
+                self._compare(key, values, expected, count, bad)
+        self._learned = len(arrivals)
+        self.mismatches += len(bad)
+
+    def _compare(self, key: ExpertKey, values: tuple[int, int, int],
+                 expected: tuple[int, int, int], count: int, bad: set[ExpertKey]) -> None:
+        if values == expected:
+            self.verified += count
+            return
+        if not self.first_mismatch:
+            matrix = next(m for m in range(3) if values[m] != expected[m])
+            self.first_mismatch = f"layer {key[0]} expert {key[1]} {_MATRICES[matrix]}"
+        bad.add(key)
+
+    @property
+    def waiting_keys(self) -> list[ExpertKey]:
+        """Experts checked on the device whose file digests are not known yet."""
+        return list(self._pending)
+
+    @property
+    def unverified(self) -> int:
+        """Expert checks still waiting for their file digests (never counted verified)."""
+        return sum(sum(w.values()) for w in self._pending.values())
+
+
+_MATRICES = ("gate", "up", "down")
+
+
+def _experts(digests: Sequence[Digest]) -> list[tuple[ExpertKey, tuple[int, int, int]]]:
+    """Per-matrix digests (three in a row per expert, as ``DigestRows.take`` gives them)
+    grouped into one (gate, up, down) triple per expert."""
+    out = []
+    for i in range(0, len(digests) - 2, 3):
+        (key, m0, v0), (k1, m1, v1), (k2, m2, v2) = digests[i : i + 3]
+        if not (key == k1 == k2 and (m0, m1, m2) == (0, 1, 2)):
+            raise ValueError(f"digests out of order at {i}: {digests[i : i + 3]}")
+        out.append((key, (v0, v1, v2)))
+    if len(digests) % 3:
+        raise ValueError(f"{len(digests)} matrix digests do not make whole experts")
+    return out

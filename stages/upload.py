@@ -6,10 +6,15 @@ waits (on the device, the host never blocks) for the last compute that read it.
 
 A failed upload leaves no copy running: the stream is synchronized before the error is
 raised, so the entry's buffer (dropped, never installed) can be reused safely.
+
+The ``corrupt`` fault (``pipeline.foundation.faults``) flips one byte of an expert's device copy
+right here: after its copies, before its install digest and its event, in stream order, in either
+I/O mode and on either backend.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import threading
 from collections.abc import Callable, Sequence
@@ -81,6 +86,8 @@ class Uploader:
                 if i == 0 and self._faults and self._faults.hit("upload") is not None:
                     raise UploadError(f"copy of {sum(int(s.size) for _, s in pieces)} bytes "
                                       "to the device failed (injected)")
+            if self._faults and pieces and self._faults.hit("corrupt") is not None:
+                self._corrupt(entry, pieces[0], stream)
             if then is not None:
                 then(stream)
             event = stream.record()
@@ -94,6 +101,17 @@ class Uploader:
             self.bytes_uploaded += sum(int(src.size) for _, src in pieces)
             self.copies += len(pieces)
         return event
+
+    def _corrupt(self, entry: Entry, piece: tuple[int, npt.NDArray[np.uint8]],
+                 stream: Stream) -> None:
+        """Injected: flip the middle byte of the first piece in the device copy, queued on
+        ``stream`` after the copies (on the host backend, at once: its copies are done)."""
+        at = piece[0] + piece[1].size // 2
+        view = self._backend.device_bytes(entry.buffer, at, 1)
+        raw = getattr(stream, "raw", None)  # a CUDA stream: make it current for the kernel
+        with raw if raw is not None else contextlib.nullcontext():
+            view ^= 0xFF
+        _log.warning("corrupt_injected", key=entry.key, device_offset=at)
 
     @staticmethod
     def _settle(stream: Stream, entry: Entry) -> None:

@@ -12,7 +12,7 @@ from gpu.backend import Backend
 from gpu.cuda import unavailable_reason
 from gpu.host import HostBackend
 from pipeline.foundation.table import ExpertTable, open_table
-from tools.make_model import spec_for, write_model
+from pipeline.modelgen import spec_for, write_model
 
 _NO_CUDA = unavailable_reason()
 BACKENDS = [
@@ -30,6 +30,18 @@ def _reset_structlog() -> Iterator[None]:
     structlog.reset_defaults()
     yield
     structlog.reset_defaults()
+
+
+@pytest.fixture(scope="session")
+def _session_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("xdg-cache")
+
+
+@pytest.fixture(autouse=True)
+def _user_cache(monkeypatch: pytest.MonkeyPatch, _session_cache: Path) -> None:
+    """Runs keep digest manifests (and the default model) in a cache of the session's, never
+    in the user's (``XDG_CACHE_HOME``; subprocesses inherit it)."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(_session_cache))
 
 
 @pytest.fixture(scope="session")

@@ -22,3 +22,21 @@ def finish_gguf(writer: GGUFWriter, path: Path, tensors: Mapping[str, np.ndarray
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def write_plain_moe(path: Path, *, layers: int = 3, experts: int = 16, hidden: int = 64,
+                    ffn: int = 96, top_k: int = 4, pad_elems: int = 333, seed: int = 0,
+                    arch: str = "qwen3moe") -> Path:
+    """A MoE model as other tools write them: gguf's writer directly, F16 experts after a
+    ``pad_elems``-value tensor (so slices sit at any offset), no moestream metadata."""
+    rng = np.random.default_rng(seed)
+    writer = GGUFWriter(path, arch)
+    writer.add_uint32(f"{arch}.block_count", layers)
+    writer.add_uint32(f"{arch}.expert_used_count", top_k)
+    tensors = {"token_embd.weight": rng.standard_normal(pad_elems).astype(np.float16)}
+    for layer in range(layers):
+        for matrix, shape in (("gate", (ffn, hidden)), ("up", (ffn, hidden)),
+                              ("down", (hidden, ffn))):
+            values = rng.standard_normal((experts, *shape)) * 0.05
+            tensors[f"blk.{layer}.ffn_{matrix}_exps.weight"] = values.astype(np.float16)
+    return finish_gguf(writer, path, tensors)

@@ -14,7 +14,8 @@ import structlog
 
 from bench.analyze import SyntheticRun, write_synthetic_log
 from pipeline.foundation.errors import TraceError
-from tools.analyze.cli import CSV_COLUMNS, interval_rows, main, summarize
+from tools.analyze.cli import main, summarize
+from tools.analyze.intervals import CSV_COLUMNS, interval_rows
 from tools.analyze.logread import read_log
 
 UNIT = 1000
@@ -178,9 +179,9 @@ class TestNotALog:
         assert str(path) in err and "Traceback" not in err
 
     def test_newer_schema_is_refused(self, tmp_path: Path) -> None:
-        path = tmp_path / "v2.jsonl"
-        path.write_text('{"event": "run_start", "schema": 2}\n')
-        with pytest.raises(TraceError, match="schema 2 is not supported"):
+        path = tmp_path / "v3.jsonl"
+        path.write_text('{"event": "run_start", "schema": 3}\n')
+        with pytest.raises(TraceError, match="schema 3 is not supported"):
             read_log(path)
 
     def test_missing_file(self, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -316,7 +317,8 @@ class TestPlots:
         assert main([str(path), str(path), "--plot", str(out)]) == 0
         names = sorted(p.name for p in out.iterdir())
         assert names == ["bytes_per_token.png", "hit_rate.png", "latency.png",
-                         "mode_timeline.png", "stages.png"]
+                         "mode_timeline.png", "stages.png", "summary.png",
+                         "time_breakdown.png"]
         for png in out.iterdir():
             assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

@@ -398,7 +398,9 @@ class TestCommandLine:
         else:
             assert code != 0 and len(errors) == 1 and err.splitlines()[-1] == errors[0]
             if out:  # decoding had started: its summary is printed
-                assert json.loads(out)["mismatches"] == 0
+                assert (json.loads(out)["mismatches"] > 0) == case.corrupts
+            if case.corrupts:
+                assert code == 3 and "differ from the file" in errors[0]
         assert "faults_injected" in err
 
     def test_bad_spec(self, tiny_model: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -11,14 +11,15 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 import structlog
+from gguf import GGML_QUANT_SIZES, GGUFReader, ReaderTensor, quants
 from gguf import GGMLQuantizationType as QType
-from gguf import GGUFReader, ReaderTensor, quants
 
+from pipeline import modelgen as make_model
 from pipeline.foundation.digest import digest_bytes
 from pipeline.foundation.errors import ModelFileError, UsageError
 from pipeline.foundation.table import open_table
-from tools import make_model
-from tools.make_model import PRESETS, ModelSpec, ensure_default_model, main, spec_for, write_model
+from pipeline.modelgen import PRESETS, ModelSpec, ensure_default_model, spec_for, write_model
+from tools.make_model import main
 
 MiB = 2**20
 SMALL = {"tiny": (3, 4), "ds4-flash-q2": (4, 2), "ds4-flash-q4": (4, 2)}  # (layers, experts)
@@ -354,3 +355,66 @@ class TestCli:
         summary = capsys.readouterr().out
         assert summary.count("\n") == 1 and "tiny" in summary
         assert GGUFReader(target).fields["moestream.seed"].contents() == 3
+
+
+class TestOtherShapes:
+    """Qwen3-30B-A3B (small experts) and Mixtral-8x7B (large experts), and files written
+    the way real ones come, without moestream metadata."""
+
+    def test_qwen3_sizes(self) -> None:
+        spec = PRESETS["qwen3-30b-a3b"]
+        block, type_size = GGML_QUANT_SIZES[QType.Q4_K]
+        matrix = 2048 * 768 // block * type_size
+        assert matrix == 864 * 1024 and spec.matrix_bytes == (matrix,) * 3
+        assert spec.expert_bytes == 2654208 and round(spec.expert_bytes / MiB, 2) == 2.53
+        shape = (spec.n_layers, spec.leading_dense, spec.hash_routed, spec.n_experts,
+                 spec.top_k, spec.hidden, spec.expert_ffn, spec.shared_experts)
+        assert shape == (48, 0, 0, 128, 8, 2048, 768, 0)
+        assert spec.arch == "qwen3moe"
+
+    def test_mixtral_sizes(self) -> None:
+        spec = PRESETS["mixtral-8x7b"]
+        block, type_size = GGML_QUANT_SIZES[QType.Q4_K]
+        assert spec.matrix_bytes == (4096 * 14336 // block * type_size,) * 3
+        assert spec.expert_bytes == int(94.5 * MiB) >= 50 * MiB
+        shape = (spec.n_layers, spec.n_experts, spec.top_k, spec.hidden, spec.expert_ffn)
+        assert shape == (32, 8, 2, 4096, 14336) and spec.arch == "llama"
+
+    def test_small_qwen3_file(self, tmp_path: Path) -> None:
+        spec = spec_for("qwen3-30b-a3b", layers=2, experts=4)
+        path = write_model(spec, tmp_path / "q.gguf")
+        table = open_table(path)
+        assert table.moe_layers == [0, 1] and (table.n_experts, table.top_k) == (4, 4)
+        assert table.hash_routed == 0 and table.hidden == 2048
+        assert all(layer.router is not None for layer in table.layers.values())
+        assert all(layer.expert_bytes == spec.expert_bytes for layer in table.layers.values())
+        reader = GGUFReader(path)
+        assert reader.fields["general.architecture"].contents() == "qwen3moe"
+        assert not [t.name for t in reader.tensors if "shexp" in t.name]
+        assert table.digests is not None
+        slices = _expert_slices(path, spec)
+        for (layer, e, m), data in slices.items():
+            assert table.digests[layer, e, m] == digest_bytes(np.ascontiguousarray(data))
+
+    def test_no_digests_same_bytes_no_metadata(self, models: dict[str, Path],
+                                               tmp_path: Path) -> None:
+        spec = _spec_of("tiny")
+        plain = write_model(spec, tmp_path / "plain.gguf", record_digests=False)
+        assert not [k for k in GGUFReader(plain).fields if k.startswith("moestream.")]
+        table = open_table(plain)
+        assert table.digests is None and table.hash_routed == 0
+        a, b = _expert_slices(models["tiny"], spec), _expert_slices(plain, spec)
+        assert all(np.array_equal(a[key], b[key]) for key in a)
+
+    def test_cli_large_experts_without_digests(self, tmp_path: Path,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+        out = tmp_path / "mixtral.gguf"
+        assert main([str(out), "--preset", "mixtral-8x7b", "--layers", "1", "--experts", "1",
+                     "--no-digests"]) == 0
+        assert "mixtral-8x7b, 1 layers x 1 experts" in capsys.readouterr().out
+        reader = GGUFReader(out)
+        assert reader.fields["general.architecture"].contents() == "llama"
+        assert not [k for k in reader.fields if k.startswith("moestream.")]
+        table = open_table(out)
+        assert table.digests is None and table.top_k == 1
+        assert table.layers[0].expert_bytes == int(94.5 * MiB)

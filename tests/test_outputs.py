@@ -485,7 +485,7 @@ class TestToolOutputs:
 
     def test_default_model_cache_unusable(self, tmp_path: Path,
                                           monkeypatch: pytest.MonkeyPatch) -> None:
-        from tools.make_model import ensure_default_model
+        from pipeline.modelgen import ensure_default_model
 
         (tmp_path / "cache").write_text("x")
         monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))

@@ -113,7 +113,9 @@ class TestLog:
         tokens = [e for e in events if e["event"] == "token"]
         assert [e["token"] for e in tokens] == list(range(5))
         assert kinds.count("layer") == 5 * 3
-        assert all(e["schema"] == 1 for e in events)
+        assert all(e["schema"] == 2 for e in events)
+        assert all(sum(e["time"].values()) == pytest.approx(e["wall_ms"], abs=0.003)
+                   for e in events if e["event"] == "token")
         first = tokens[0]
         assert len(first["experts"]) == 3 and len(first["experts"][0]) == 4
         assert first["hits"] + first["misses"] == 12

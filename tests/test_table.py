@@ -28,8 +28,8 @@ from pipeline.foundation.errors import (
     TruncatedFileError,
 )
 from pipeline.foundation.table import ByteRange, open_table
+from pipeline.modelgen import spec_for, write_model
 from tests.gguf_files import finish_gguf
-from tools.make_model import spec_for, write_model
 
 ROOT = Path(__file__).resolve().parents[1]
 HIDDEN, FFN, EXPERTS = 32, 16, 4  # the hand-made files: tiny F16 experts

@@ -14,8 +14,8 @@ import pytest
 
 from pipeline.foundation.errors import UsageError
 from pipeline.foundation.table import ByteRange, ExpertTable, open_table
+from pipeline.modelgen import spec_for, write_model
 from stages.residency import PAGE_BYTES, Residency, evict
-from tools.make_model import spec_for, write_model
 from tools.warmup.cli import main
 from tools.warmup.ram_guard import check_ram
 from tools.warmup.select import (

@@ -13,6 +13,7 @@ kind               stage (where it is asked)   what happens
 ``replace``        prefetch: each read call    the path looks replaced by another file
 ``staging_oom``    staging: each slot alloc    the pinned allocation is refused
 ``upload``         upload: each expert upload  the copy fails after its first piece
+``corrupt``        upload: each expert upload  one byte of the expert's device copy flips
 ``device_oom``     cache: each device alloc    the device allocation is refused
 =================  ==========================  =============================================
 
@@ -21,7 +22,10 @@ Items are ``kind[=value]@N[+]``, comma separated: ``read_eio@3`` fails the third
 50 ms. Calls are counted per kind, thread-safely; ``fired`` counts what was injected.
 ``truncate`` and ``replace`` never touch the file: the reader's view of it changes (reads
 past the middle come back empty, or the path's identity differs); the real thing is
-exercised by the tests on a copy of a model.
+exercised by the tests on a copy of a model. ``corrupt`` stands for bytes damaged after
+they were read (a bad DIMM, a DMA fault): it flips a byte of the expert's device copy,
+queued on the upload stream after the copies and before the install digest, so compute and
+verification both see it; verification must end the run with exit 3.
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ STAGES: dict[str, str] = {
     "replace": "prefetch",
     "staging_oom": "staging",
     "upload": "upload",
+    "corrupt": "upload",
     "device_oom": "cache",
 }
 """The stage that asks for each kind."""

@@ -4,7 +4,9 @@ A run log answers the questions the field reports on expert streaming kept askin
 how fast decode went and how steady (latency percentiles), how often the cache hit, where
 each token's expert bytes came from (device cache, page cache, storage), how much of a
 token's time was spent waiting for I/O, how long each I/O mode was in force and why it
-switched. One log gives a summary table; several give a before/after comparison; ``--csv``
+switched, and where each token's wall time went and what bounds the run
+(``tools.analyze.time_report``). One log gives a summary table; several give a before/after
+comparison; ``--csv``
 gives per-interval rows in ds4-bench's column style for spreadsheets; ``--plot`` draws the
 same over time (``tools.analyze.plots``); ``--what-if`` replays the run's accesses under other
 budgets and policies (``tools.analyze.whatif``, reported by ``tools.analyze.whatif_report``). A run
@@ -43,27 +45,21 @@ from pipeline.foundation.errors import MoestreamError, UsageError
 from pipeline.foundation.interrupts import stoppable
 from pipeline.foundation.outputs import check_output, check_output_dir, write_atomic
 from tools.analyze.device_report import device_table, devices_json
+from tools.analyze.intervals import CSV_COLUMNS, STAGE_COLUMNS, interval_rows
 from tools.analyze.logread import read_log
 from tools.analyze.logrecords import RunLog
 from tools.analyze.report_text import GB, MB, Value, ratio, text_table
+from tools.analyze.time_report import PART_LABELS, TimeReport, time_report
 from tools.analyze.whatif_replay import POLICIES
 from tools.analyze.whatif_report import run_what_if, what_if_json, what_if_text
 
-__all__ = ["STAGE_COLUMNS", "Summary", "compare_table", "interval_rows", "main", "summarize",
-           "summary_table", "write_csv"]
+__all__ = ["Summary", "compare_table", "main", "summarize", "summary_table", "write_csv"]
 
 Summary = dict[str, Value]
 """Metric name -> value for one run; keys as in ``_ROWS`` plus ``mode_s.<mode>``."""
 
-STAGE_COLUMNS = ("read_ms", "stage_ms", "upload_ms", "install_ms", "stall_ms", "compute_ms")
-
-CSV_COLUMNS = (
-    "ctx_tokens", "gen_tokens", "gen_tps", "latency_p50_ms", "latency_p95_ms", "hit_rate",
-    "hits", "misses", "evictions", "file_mb_per_token", "cache_mb_per_token",
-    "storage_mb_per_token", "storage_gbps", *STAGE_COLUMNS, "stall_share", "mode",
-    "ram_available_gb", "cache_live_gb", "run",
-)
-"""Columns of ``--csv``, in order (docs/LOG_SCHEMA.md, "Derived CSV columns")."""
+CSV_INTERVAL = 32
+"""Tokens per ``--csv`` row when ``--interval`` is not given."""
 
 
 def _fmt(digits: int) -> Callable[[Value], str]:
@@ -95,10 +91,13 @@ _ROWS: tuple[tuple[str, str, Callable[[Value], str]], ...] = (
     ("storage_mb_per_token", "storage MB/token (/proc/self/io)", _fmt(2)),
     ("storage_gbps", "storage GB/s during decode", _fmt(3)),
     ("stall_share", "stall share of token time", _fmt(3)),
-    ("read_ms", "read ms/token", _fmt(2)),
-    ("stage_ms", "stage ms/token", _fmt(2)),
-    ("upload_ms", "upload ms/token", _fmt(2)),
-    ("install_ms", "install ms/token", _fmt(2)),
+    ("bound", "bound (largest part of token time)", _fmt(0)),
+    ("wall_ms_per_token", "wall ms/token", _fmt(2)),
+    *((f"time_{p}_ms", f"  {label}, ms/token", _fmt(2)) for p, label in PART_LABELS.items()),
+    ("read_ms", "read ms/token (busy, all workers)", _fmt(2)),
+    ("stage_ms", "stage ms/token (busy, all workers)", _fmt(2)),
+    ("upload_ms", "upload ms/token (busy, all workers)", _fmt(2)),
+    ("install_ms", "install ms/token (busy)", _fmt(2)),
     ("stall_ms", "stall ms/token", _fmt(2)),
     ("compute_ms", "compute ms/token", _fmt(2)),
     ("switches", "mode switches", _fmt(0)),
@@ -147,6 +146,11 @@ def summarize(run: RunLog) -> Summary:
         "storage_gbps": ratio(storage_b / GB, wall_total / 1000.0),
         "stall_share": ratio(cols.total("stall_ms"), wall_total),
     }
+    split = time_report(run)
+    summary["bound"] = split.bound if split else None
+    summary["wall_ms_per_token"] = split.wall_ms_per_token if split else None
+    for part in PART_LABELS:
+        summary[f"time_{part}_ms"] = split.parts_ms_per_token[part] if split else None
     for stage in STAGE_COLUMNS:
         summary[stage] = ratio(cols.total(stage), n)
     for mode in cols.mode_names:
@@ -183,14 +187,17 @@ def _row_specs(summaries: Sequence[Summary]) -> list[tuple[str, str, Callable[[V
 
 
 def summary_table(summary: Summary, run: RunLog | None = None) -> str:
-    """One run's summary as an aligned two-column table, with the skipped-line detail."""
+    """One run's summary as an aligned two-column table; with ``run``, the skipped-line
+    detail and the time split (``tools.analyze.time_report``) follow."""
     rows = [["metric", str(summary["log"])]]
     for key, label, render in _row_specs([summary]):
+        if key.startswith("time_"):
+            continue  # the time split follows as its own table, with shares
         value = summary.get(key)
         rows.append([label, "-" if value is None else render(value)])
     text = text_table(rows)
     if run is not None:
-        text += _notes(run)
+        text += _notes(run) + "\n" + _time_text(time_report(run))
     return text
 
 
@@ -248,66 +255,6 @@ def compare_table(summaries: Sequence[Summary]) -> str:
     return text_table(rows)
 
 
-def _mode_label(codes: np.ndarray[Any, Any], names: tuple[str, ...]) -> str:
-    seen: list[str] = []
-    for code in codes.tolist():
-        name = names[code] if code >= 0 else "?"
-        if not seen or seen[-1] != name:
-            seen.append(name)
-    return "/".join(seen)
-
-
-def interval_rows(run: RunLog, interval: int) -> list[dict[str, Value]]:
-    """Per-interval rows of ``CSV_COLUMNS`` (the last interval may be shorter)."""
-    if interval < 1:
-        raise UsageError(f"--interval must be >= 1, got {interval}")
-    cols = run.tokens
-    n = len(cols)
-    if n == 0:
-        return []
-    starts = np.arange(0, n, interval)
-    counts = np.diff(np.append(starts, n)).astype(np.float64)
-
-    def sums(name: str) -> np.ndarray[Any, np.dtype[np.float64]]:
-        return np.add.reduceat(np.nan_to_num(cols[name]), starts)
-
-    wall = sums("wall_ms")
-    hits, misses, evictions = sums("hits"), sums("misses"), sums("evictions")
-    with np.errstate(divide="ignore", invalid="ignore"):
-        derived = {
-            "gen_tps": counts * 1000.0 / wall,
-            "hit_rate": hits / (hits + misses),
-            "file_mb_per_token": sums("file_bytes") / MB / counts,
-            "cache_mb_per_token": sums("cache_bytes") / MB / counts,
-            "storage_mb_per_token": sums("storage_bytes") / MB / counts,
-            "storage_gbps": sums("storage_bytes") / GB / (wall / 1000.0),
-            "stall_share": sums("stall_ms") / wall,
-            **{stage: sums(stage) / counts for stage in STAGE_COLUMNS},
-        }
-    ends = np.append(starts[1:], n)
-    rows: list[dict[str, Value]] = []
-    for i, (start, end) in enumerate(zip(starts.tolist(), ends.tolist(), strict=True)):
-        lat = cols["wall_ms"][start:end]
-        lat = lat[np.isfinite(lat)]
-        p50, p95 = np.percentile(lat, [50, 95]).tolist() if lat.size else (math.nan, math.nan)
-        last = end - 1
-        row: dict[str, Value] = {
-            "ctx_tokens": end,
-            "gen_tokens": end - start,
-            "latency_p50_ms": p50,
-            "latency_p95_ms": p95,
-            "hits": int(hits[i]),
-            "misses": int(misses[i]),
-            "evictions": int(evictions[i]),
-            "mode": _mode_label(cols.mode_codes[start:end], cols.mode_names),
-            "ram_available_gb": float(cols["ram_available_bytes"][last]) / GB,
-            "cache_live_gb": float(cols["cache_live_bytes"][last]) / GB,
-            "run": run.name,
-        }
-        for key, array in derived.items():
-            row[key] = float(array[i])
-        rows.append(row)
-    return [{key: row[key] for key in CSV_COLUMNS} for row in rows]
 
 
 def _csv_cell(value: Value) -> str:
@@ -350,8 +297,9 @@ def _parser() -> argparse.ArgumentParser:
                         help=f"comma-separated, among {','.join(POLICIES)} (default all)")
     parser.add_argument("--jobs", type=int, default=None, metavar="N",
                         help="what-if worker processes (default: CPU count for long logs)")
-    parser.add_argument("--interval", type=int, default=32, metavar="N",
-                        help="tokens per CSV row and plot point (default 32)")
+    parser.add_argument("--interval", type=int, default=None, metavar="N",
+                        help=f"tokens per CSV row and plot point (default: {CSV_INTERVAL} "
+                             "per CSV row; plots choose from the run's length, >= 20 points)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
     parser.add_argument("--debug", action="store_true",
                         help="debug logging on stderr; tracebacks on errors")
@@ -374,8 +322,7 @@ def _check_outputs(args: argparse.Namespace) -> None:
     if args.csv:
         check_output(args.csv, what="--csv", make_parents=True)
     if args.plot:
-        # Imported here: tools.plots builds on this module's interval rows.
-        from tools.analyze.plots import PLOT_FILES
+        from tools.analyze.plots import PLOT_FILES  # matplotlib: only --plot pays its import
 
         check_output_dir(args.plot, what="--plot")
         for name in PLOT_FILES:
@@ -386,7 +333,7 @@ def _run(args: argparse.Namespace) -> int:
     if not args.what_if and (args.budgets or args.target is not None or args.policies
                              or args.jobs is not None):
         raise UsageError("--budgets, --target, --policies and --jobs need --what-if")
-    if args.interval < 1:
+    if args.interval is not None and args.interval < 1:
         raise UsageError(f"--interval must be >= 1, got {args.interval}")
     policies = [p.strip() for p in args.policies.split(",")] if args.policies else list(POLICIES)
     budgets = [b for b in args.budgets.split(",") if b.strip()] if args.budgets else None
@@ -408,18 +355,18 @@ def _run(args: argparse.Namespace) -> int:
         reports = [run_what_if(run, budgets, target, policies, args.jobs) for run in runs]
     written: dict[str, Any] = {}
     if args.csv:
-        written["csv_rows"] = write_csv(args.csv, runs, args.interval)
+        written["csv_rows"] = write_csv(args.csv, runs, args.interval or CSV_INTERVAL)
         written["csv"] = str(args.csv)
     if args.plot:
-        # Imported here: tools.plots builds on this module's interval rows.
         from tools.analyze.plots import write_plots
 
         written["plots"] = [str(p) for p in write_plots(runs, args.plot, args.interval)]
+    splits = [time_report(run) for run in runs]
     if args.json:
         document: dict[str, Any] = {
             "runs": [{**s, "lines": run.counts.as_dict(), "problems": list(run.problems),
-                      **devices_json(run)}
-                     for s, run in zip(summaries, runs, strict=True)],
+                      **devices_json(run), **_time_json(split)}
+                     for s, run, split in zip(summaries, runs, splits, strict=True)],
             "what_if": [what_if_json(r, run) for r, run in zip(reports, runs, strict=False)],
             **written,
         }
@@ -432,10 +379,11 @@ def _run(args: argparse.Namespace) -> int:
             out.write("\n" + devices)
     else:
         out.write(compare_table(summaries))
-        for run in runs:
+        for run, split in zip(runs, splits, strict=True):
             notes = _notes(run)
             if notes:
                 out.write(f"{run.name}:\n{notes}")
+            out.write(f"{run.name}: {split.verdict if split else _NO_SPLIT}\n")
         for run in runs:
             devices = device_table(run)
             if devices:
@@ -447,6 +395,23 @@ def _run(args: argparse.Namespace) -> int:
     for plot in written.get("plots", []):
         out.write(f"wrote {plot}\n")
     return 0
+
+
+_NO_SPLIT = "no time breakdown in this log (schema 1: tokens carry no time)"
+
+
+def _time_text(split: TimeReport | None) -> str:
+    """The time split table and the verdict, or why there is none."""
+    return split.table() if split is not None else f"{_NO_SPLIT}\n"
+
+
+def _time_json(split: TimeReport | None) -> dict[str, Any]:
+    """The time split's keys of a run's JSON entry (null for a schema-1 log)."""
+    if split is not None:
+        return split.as_json()
+    return {"wall_ms_per_token": None, "time_breakdown_ms_per_token": None,
+            "time_breakdown_shares": None, "bound": None, "bound_by_mode": None,
+            "verdict": None, "lower_bound": None}
 
 
 def _json_default(value: object) -> object:

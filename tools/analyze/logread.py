@@ -33,6 +33,7 @@ import structlog
 
 from pipeline.foundation.errors import TraceError
 from pipeline.foundation.inputs import open_input
+from pipeline.timesplit import PARTS
 from tools.analyze.logdevices import TokenDeviceRows, dropped_entries_problem, sum_problems
 from tools.analyze.logrecords import (
     ControllerDecision,
@@ -45,13 +46,16 @@ from tools.analyze.logrecords import (
 )
 from tools.analyze.logvalues import FloatArray, float_columns, int_or_none, mapping, str_or_none
 
-__all__ = ["KNOWN_EVENTS", "MAX_LINE_BYTES", "SCHEMA_VERSION", "TOKEN_COLUMNS", "log_lines",
-           "read_log"]
+__all__ = ["KNOWN_EVENTS", "MAX_LINE_BYTES", "SCHEMA_VERSION", "SCHEMA_VERSIONS", "TIME_COLUMNS",
+           "TOKEN_COLUMNS", "log_lines", "read_log"]
 
 log = structlog.get_logger(__name__)
 
-SCHEMA_VERSION = 1
-"""The log schema this reader understands."""
+SCHEMA_VERSION = 2
+"""The newest log schema this reader understands."""
+
+SCHEMA_VERSIONS = frozenset({1, 2})
+"""Every log schema this reader understands: 2 is 1 with the token event's ``time``."""
 
 KNOWN_EVENTS = frozenset(
     {"run_start", "token", "layer", "controller_decision", "mode_switch", "run_end",
@@ -84,12 +88,16 @@ TOKEN_COLUMNS: tuple[str, ...] = (
 
 _PREFETCH_COLUMNS = ("predicted", "correct", "wasted_bytes")
 
+_TIME_FIELDS = tuple(f"{part}_ms" for part in PARTS)
+TIME_COLUMNS = tuple(f"time_{name}" for name in _TIME_FIELDS)
+"""Columns of the token event's ``time`` parts (schema 2), present when any token had one."""
+
 _FIELDS: dict[str, frozenset[str]] = {
     "run_start": frozenset(
         {"config", "model", "machine", "budget_bytes", "policy", "compute", "backend",
-         "devices"}
+         "devices", "limits"}
     ),
-    "token": frozenset(TOKEN_COLUMNS) | {"mode", "experts", "prefetch", "devices"},
+    "token": frozenset(TOKEN_COLUMNS) | {"mode", "experts", "prefetch", "devices", "time"},
     "layer": frozenset({"token", "layer", "hits", "misses", "read_ms", "stall_ms"}),
     "controller_decision": frozenset({"mode", "readings", "reason", "token"}),
     "mode_switch": frozenset({"from", "to", "reason", "readings", "token", "took_ms"}),
@@ -105,7 +113,7 @@ _FIELDS: dict[str, frozenset[str]] = {
             # optional, informative
             "evictions", "allocations", "frees", "stall_ms", "compute_ms", "mode", "modes",
             "switches", "backend", "device", "model", "hit_rate_final", "final_budget_bytes",
-            "devices",
+            "devices", "unverified", "digests", "manifest_bytes",
         }
     ),
 }
@@ -207,10 +215,10 @@ def _first_object(path: Path, line: bytes) -> dict[str, Any]:
         raise TraceError(f"{path}: not a moestream log (first event is {event!r})")
     if "schema" not in obj:
         raise TraceError(f"{path}: not a moestream log (first line has no 'schema' field)")
-    if obj["schema"] != SCHEMA_VERSION:
+    if obj["schema"] not in SCHEMA_VERSIONS or isinstance(obj["schema"], bool):
         raise TraceError(
             f"{path}: log schema {obj['schema']!r} is not supported"
-            f" (this reader knows schema {SCHEMA_VERSION})"
+            f" (this reader knows schemas {', '.join(map(str, sorted(SCHEMA_VERSIONS)))})"
         )
     return obj
 
@@ -220,6 +228,8 @@ class _Reader:
 
     def __init__(self, path: Path, size_hint: int) -> None:
         self.path = path
+        self.schema = SCHEMA_VERSION
+        self._required = _REQUIRED
         self.counts = LineCounts()
         self.header: RunHeader | None = None
         self.end: RunEnd | None = None
@@ -229,12 +239,20 @@ class _Reader:
         self.modes: list[object] = []
         self.prefetch_rows: list[tuple[Any, ...]] = []
         self.prefetch_seen = False
+        self.time_rows: list[tuple[Any, ...]] = []
+        self.time_seen = False
         self.layer_rows: list[tuple[Any, ...]] = []
         self.device_rows = TokenDeviceRows()
         self.problems: list[str] = []
         self.ragged_tokens = 0
         self._size_hint = size_hint
         self._experts: _ExpertBuffer | None = None
+
+    def set_schema(self, schema: int) -> None:
+        """The file's schema (its first line's): schema 2 requires the token's ``time``."""
+        self.schema = schema
+        self._required = _REQUIRED if schema < 2 else {
+            **_REQUIRED, "token": _REQUIRED["token"] | {"time"}}
 
     def _problem(self, text: str) -> None:
         if len(self.problems) < _MAX_PROBLEMS:
@@ -245,7 +263,7 @@ class _Reader:
         keys = obj.keys()
         for name in keys - known - _ENVELOPE:
             self.counts.unknown_fields[f"{event}.{name}"] += 1
-        for name in _REQUIRED[event] - keys:
+        for name in self._required[event] - keys:
             self.counts.missing_fields[f"{event}.{name}"] += 1
 
     def _expert_buffer(self) -> _ExpertBuffer:
@@ -325,6 +343,12 @@ class _Reader:
         else:
             row = (math.nan, math.nan, math.nan)
         self.prefetch_rows.append(row)
+        split = obj.get("time")
+        if isinstance(split, dict):
+            self.time_seen = True
+            self.time_rows.append(tuple(split.get(name, math.nan) for name in _TIME_FIELDS))
+        else:
+            self.time_rows.append((math.nan,) * len(_TIME_FIELDS))
         devices = obj.get("devices")
         if devices is not None:
             self.device_rows.add(len(self.token_rows) - 1, devices)
@@ -346,6 +370,10 @@ class _Reader:
             prefetch = float_columns(self.prefetch_rows, _PREFETCH_COLUMNS)
             for name in _PREFETCH_COLUMNS:
                 values[f"prefetch_{name}"] = prefetch[name]
+        if self.time_seen:
+            split = float_columns(self.time_rows, _TIME_FIELDS)
+            for name, column in zip(_TIME_FIELDS, TIME_COLUMNS, strict=True):
+                values[column] = split[name]
         names: list[str] = []
         codes = np.full(len(self.modes), -1, dtype=np.int8)
         for row, mode in enumerate(self.modes):
@@ -376,6 +404,7 @@ class _Reader:
             end=self.end,
             counts=self.counts,
             problems=tuple(self.problems),
+            schema=self.schema,
         )
 
     def _check_tokens(self, tokens: TokenColumns) -> None:
@@ -452,6 +481,7 @@ def read_log(path: str | Path) -> RunLog:
                     continue
                 if not started:
                     obj = _first_object(path, raw)
+                    reader.set_schema(obj["schema"])
                     started = True
                 else:
                     try:
@@ -465,7 +495,7 @@ def read_log(path: str | Path) -> RunLog:
                     if not isinstance(obj, dict):
                         counts.malformed += 1
                         continue
-                    if obj.get("schema", SCHEMA_VERSION) != SCHEMA_VERSION:
+                    if obj.get("schema", reader.schema) != reader.schema:
                         counts.other_schema += 1
                         continue
                 event = obj.get("event")

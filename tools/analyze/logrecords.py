@@ -56,6 +56,8 @@ class RunHeader:
         ts: when the run started (ISO 8601 string), if logged.
         devices: the run's devices (``run_start.devices``) in the writer's order, the home
             device first; one on a one-device run, empty in logs that predate the field.
+        limits: ``run_start.limits``, the bandwidths the run was told or measured
+            (``read_bytes_per_s``, ``copy_bytes_per_s``); empty when it knew none.
     """
 
     model_path: str | None
@@ -71,6 +73,7 @@ class RunHeader:
     machine: Mapping[str, Any]
     ts: str | None
     devices: tuple[DeviceStart, ...] = ()
+    limits: Mapping[str, Any] = field(default_factory=dict)
 
     @classmethod
     def from_event(cls, obj: Mapping[str, Any]) -> RunHeader:
@@ -90,6 +93,7 @@ class RunHeader:
             machine=mapping(obj.get("machine")),
             ts=str_or_none(obj.get("ts")),
             devices=device_starts(obj.get("devices")),
+            limits=mapping(obj.get("limits")),
         )
 
 
@@ -180,7 +184,9 @@ class TokenColumns:
     Attributes:
         values: one float64 column per name in ``TOKEN_COLUMNS`` and, when any token had
             a ``prefetch`` object, ``prefetch_predicted``, ``prefetch_correct`` and
-            ``prefetch_wasted_bytes``; NaN where a line lacked the field.
+            ``prefetch_wasted_bytes``, and, when any token had a ``time`` object (schema 2),
+            one ``time_<part>_ms`` column per part (``tools.analyze.logread.TIME_COLUMNS``); NaN
+            where a line lacked the field.
         mode_codes: index into ``mode_names`` per token; -1 where ``mode`` was absent.
         mode_names: the distinct modes, in order of first appearance.
         experts: ``(tokens, layers, width)`` expert ids, -1 padded (width is ``top_k``
@@ -234,7 +240,7 @@ class LineCounts:
         blank: empty or whitespace-only lines.
         truncated: 1 if the last line was cut short.
         malformed: unparsable lines before the last, and lines that are not objects.
-        other_schema: lines with a ``schema`` other than ``SCHEMA_VERSION``.
+        other_schema: lines with a ``schema`` other than the file's (its first line's).
         after_second_run: lines from a second ``run_start`` on (not read).
         unknown_events: count per unknown event name.
         unknown_fields: count per ``event.field`` not in the schema.
@@ -296,6 +302,7 @@ class RunLog:
         counts: what happened to every line.
         problems: consistency findings (first few), e.g. ``hits + misses`` that disagree
             with the expert lists.
+        schema: the file's schema version (its first line's).
     """
 
     path: Path
@@ -307,6 +314,7 @@ class RunLog:
     end: RunEnd | None
     counts: LineCounts
     problems: tuple[str, ...]
+    schema: int = 1
 
     @property
     def name(self) -> str:

@@ -12,9 +12,11 @@ controller uses too.
     python -m tools.warmup MODEL --non-routed --hot run.jsonl --max-bytes 20GiB
     python -m tools.warmup MODEL --evict --layers 3-5
     python -m tools.warmup MODEL --lock            # hold until Ctrl-C / SIGTERM
+    python -m tools.warmup MODEL --digests         # its digest manifest, for verification
 
 The selection is built by ``tools.warmup.select``, the report by ``tools.warmup.report`` and
-the RAM guard by ``tools.warmup.ram_guard``; this module parses the options and acts.
+the RAM guard by ``tools.warmup.ram_guard``, the digest manifest by ``tools.warmup.digests``; this
+module parses the options and acts.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from pipeline.foundation.table import ByteRange, open_table
 from pipeline.logs import configure_console
 from pipeline.warm import WarmEngine
 from stages.residency import PageLock, Residency, coalesce, evict, lock_pages
+from tools.warmup.digests import compute_digests
 from tools.warmup.ram_guard import MemoryProbe, PsutilMemory, check_ram
 from tools.warmup.report import format_percent, format_report, format_size, residency_report
 from tools.warmup.select import build_selection, parse_index_list, read_hot_log
@@ -102,6 +105,9 @@ def _parser() -> argparse.ArgumentParser:
     mode.add_argument("--evict", action="store_true", help="drop the selection's pages")
     mode.add_argument("--lock", action="store_true",
                       help="mlock the selection and hold it until SIGINT/SIGTERM")
+    mode.add_argument("--digests", action="store_true",
+                      help="compute and store the file's digest manifest (verification of "
+                      "files that record no digests), every expert")
     parser.add_argument("--per-expert", action="store_true", help="with --report: per expert")
     parser.add_argument("--json", action="store_true", help="with --report: JSON output")
     parser.add_argument("--layers", type=parse_index_list, metavar="LIST",
@@ -114,7 +120,8 @@ def _parser() -> argparse.ArgumentParser:
                         help="select the experts a moestream run log used, most used first")
     parser.add_argument("--max-bytes", type=parse_size, metavar="SIZE",
                         help="with --hot: at most this many bytes of hot experts (20GiB, 11GB)")
-    parser.add_argument("--threads", type=int, metavar="N", help="reader threads for warming")
+    parser.add_argument("--threads", type=int, metavar="N",
+                        help="reader threads for warming or --digests")
     parser.add_argument("--force", action="store_true",
                         help="warm or lock even beyond available RAM minus the margin")
     parser.add_argument("--debug", action="store_true", help="log events and tracebacks")
@@ -128,7 +135,12 @@ def _run(args: argparse.Namespace, memory: MemoryProbe) -> int:
         raise UsageError("--max-bytes goes with --hot")
     if args.threads is not None and args.threads < 1:
         raise UsageError(f"--threads must be >= 1, not {args.threads}")
+    selects = (args.layers, args.experts, args.hot, args.max_bytes)
+    if args.digests and (any(x is not None for x in selects) or args.non_routed):
+        raise UsageError("--digests covers every expert: it takes no selection")
     table = open_table(args.model)
+    if args.digests:
+        return compute_digests(table, args.threads)
     hot = read_hot_log(args.hot, table) if args.hot is not None else None
     if hot is not None and hot.skipped_lines:
         print(f"{args.hot}: skipped {hot.skipped_lines} lines that carried no usable data",

@@ -1,0 +1,290 @@
+"""Digest manifests: the expected digests of a model file that records none.
+
+``tools.make_model`` writes the digest of every expert matrix into the file's metadata
+(``moestream.expert_digests``); real GGUF files carry nothing of the kind. For those, the
+same per-matrix digests (``pipeline.foundation.digest``, what the device kernel computes) are
+computed once from the file (``pipeline.manifest_build``) and kept here, in the user's cache
+(``$XDG_CACHE_HOME/moestream/digests/``, else ``~/.cache/moestream/digests/``), so that
+verification never re-reads an expert on the decode path.
+
+A manifest is only as good as its key: the file's resolved path, size, modification and
+change times (ns), inode and device, a fingerprint of its expert layout, and the digest
+scheme. The key is stored inside the manifest and compared with the file on load; one that
+differs (a file rewritten in place, replaced by rename, touched) is ignored, logged once,
+and the digests are computed again. A manifest may be partial: ``known`` marks the experts
+whose digests it holds, so an interrupted computation is resumed, not restarted.
+
+File format (little-endian): the magic line, a uint32 header length, a JSON header (format
+version, key, MoE layers, expert count, CRC-32 of the payload), then the payload: one byte
+per (MoE layer, expert), 1 where known, then three uint64 digests per (MoE layer, expert).
+Written atomically (``pipeline.foundation.outputs``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import zlib
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import structlog
+
+from pipeline.foundation.errors import ModelFileError
+from pipeline.foundation.outputs import write_atomic
+from pipeline.foundation.table import ExpertKey, ExpertTable
+
+__all__ = [
+    "DIGEST_SCHEME",
+    "DigestManifest",
+    "ManifestKey",
+    "load_manifest",
+    "manifest_path",
+    "user_cache_dir",
+]
+
+_log = structlog.get_logger("moestream.manifest")
+
+DIGEST_SCHEME = 1
+"""Version of the digest function and its per-matrix order (gate, up, down); a manifest of
+another scheme is stale."""
+_FORMAT = 1
+_MAGIC = b"MOESTREAM-DIGESTS\n"
+_HEADER_MAX = 1 << 20  # a header is a few hundred bytes plus the MoE layer list
+
+
+def user_cache_dir() -> Path:
+    """``$XDG_CACHE_HOME/moestream``, else ``~/.cache/moestream`` (where the tiny model goes)."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "moestream"
+
+
+def manifest_path(model: str | os.PathLike[str], cache_dir: Path | None = None) -> Path:
+    """Where the manifest of ``model`` lives: named after the file, tagged with a hash of
+    its resolved path (two files of one name in different directories never share one)."""
+    resolved = Path(model).resolve()
+    tag = hashlib.sha256(os.fsencode(resolved)).hexdigest()[:16]
+    stem = re.sub(r"[^A-Za-z0-9._-]", "_", resolved.name)[:64]
+    return (cache_dir or user_cache_dir()) / "digests" / f"{stem}-{tag}.digests"
+
+
+def layout_fingerprint(table: ExpertTable) -> str:
+    """A hash of where every expert matrix lies in the file: a manifest computed from another
+    layout (a file replaced by one of the same size and times) never applies."""
+    parts = [
+        (n, m.n_experts, m.gate_offset, m.up_offset, m.down_offset, m.gate_bytes, m.up_bytes,
+         m.down_bytes, m.gate_up_stride)
+        for n, m in table.layers.items()
+    ]
+    return hashlib.sha256(repr(parts).encode()).hexdigest()[:32]
+
+
+@dataclass(frozen=True, slots=True)
+class ManifestKey:
+    """What must be unchanged for a manifest to describe a file."""
+
+    path: str
+    size: int
+    mtime_ns: int
+    ctime_ns: int
+    inode: int
+    device: int
+    layout: str
+    scheme: int = DIGEST_SCHEME
+
+    @classmethod
+    def of(cls, table: ExpertTable) -> ManifestKey:
+        """The key of ``table``'s file as it is now.
+
+        Raises:
+            ModelFileError: the file cannot be stat'ed (removed, unreadable directory).
+        """
+        path = Path(table.path).resolve()
+        try:
+            st = os.stat(path)
+        except OSError as exc:
+            raise ModelFileError(table.path, f"cannot stat: {exc.strerror or exc}") from exc
+        return cls(str(path), st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino,
+                   st.st_dev, layout_fingerprint(table))
+
+    def differences(self, other: ManifestKey) -> list[str]:
+        """Names of the fields that differ from ``other``'s."""
+        return [f.name for f in fields(self) if getattr(self, f.name) != getattr(other, f.name)]
+
+
+class DigestManifest:
+    """The expected (gate, up, down) digests of a file's routed experts, as far as known.
+
+    Used on the event loop's thread only: the builder's workers hand their results back
+    to the loop, which calls ``set``.
+
+    Args:
+        key: the file it describes.
+        moe_layers: the MoE layer indices, ascending (the table's).
+        n_experts: experts per MoE layer.
+        digests: (MoE layer position, expert, matrix) uint64 values; zeros when None.
+        known: (MoE layer position, expert) flags; none known when None.
+    """
+
+    def __init__(self, key: ManifestKey, moe_layers: list[int], n_experts: int,
+                 digests: npt.NDArray[np.uint64] | None = None,
+                 known: npt.NDArray[np.bool_] | None = None) -> None:
+        self.key = key
+        self.moe_layers = list(moe_layers)
+        self.n_experts = n_experts
+        shape = (len(self.moe_layers), n_experts)
+        self.digests = (np.zeros((*shape, 3), dtype=np.uint64) if digests is None
+                        else digests.astype(np.uint64).reshape(*shape, 3))
+        self.known = (np.zeros(shape, dtype=bool) if known is None
+                      else known.astype(bool).reshape(shape))
+        self._positions = {layer: i for i, layer in enumerate(self.moe_layers)}
+        self.arrivals: list[ExpertKey] = []
+        """Experts whose digests this process learned, in order (the verifier follows it)."""
+        self.dirty = False
+        """Digests were learned since the manifest was loaded or saved."""
+
+    @classmethod
+    def empty(cls, table: ExpertTable, key: ManifestKey | None = None) -> DigestManifest:
+        """A manifest of ``table``'s file that knows nothing yet."""
+        return cls(key or ManifestKey.of(table), table.moe_layers, table.n_experts)
+
+    def get(self, key: ExpertKey) -> tuple[int, int, int] | None:
+        """The digests of ``key``'s three matrices, or None while unknown."""
+        pos = self._positions[key[0]]
+        if not self.known[pos, key[1]]:
+            return None
+        row = self.digests[pos, key[1]]
+        return (int(row[0]), int(row[1]), int(row[2]))
+
+    def set(self, key: ExpertKey, values: tuple[int, int, int]) -> None:
+        """Record the digests of ``key``'s gate, up and down matrices."""
+        pos = self._positions[key[0]]
+        self.digests[pos, key[1]] = values
+        if not self.known[pos, key[1]]:
+            self.known[pos, key[1]] = True
+            self.arrivals.append(key)
+        self.dirty = True
+
+    def missing(self) -> list[ExpertKey]:
+        """Experts without digests, layer by layer, in expert order."""
+        return [(self.moe_layers[int(pos)], int(e)) for pos, e in np.argwhere(~self.known)]
+
+    @property
+    def known_count(self) -> int:
+        return int(self.known.sum())
+
+    @property
+    def total(self) -> int:
+        return int(self.known.size)
+
+    @property
+    def complete(self) -> bool:
+        return bool(self.known.all())
+
+    # -- file format ------------------------------------------------------------------------
+
+    def to_bytes(self) -> bytes:
+        payload = self.known.astype(np.uint8).tobytes() + self.digests.astype("<u8").tobytes()
+        header = json.dumps({
+            "format": _FORMAT, "key": asdict(self.key), "moe_layers": self.moe_layers,
+            "n_experts": self.n_experts, "crc32": zlib.crc32(payload),
+        }, sort_keys=True).encode()
+        return _MAGIC + len(header).to_bytes(4, "little") + header + payload
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> DigestManifest:
+        """Parse a stored manifest.
+
+        Raises:
+            ValueError: not a manifest, another format version, or damaged (the message
+                says which).
+        """
+        if not data.startswith(_MAGIC):
+            raise ValueError("not a moestream digest manifest")
+        at = len(_MAGIC)
+        size = int.from_bytes(data[at : at + 4], "little")
+        if size > _HEADER_MAX or at + 4 + size > len(data):
+            raise ValueError(f"header of {size} bytes does not fit the file")
+        try:
+            header: Any = json.loads(data[at + 4 : at + 4 + size])
+            if header["format"] != _FORMAT:
+                raise ValueError(f"format {header['format']}, expected {_FORMAT}")
+            key = ManifestKey(**header["key"])
+            layers = [int(n) for n in header["moe_layers"]]
+            n_experts = int(header["n_experts"])
+            crc = int(header["crc32"])
+        except (KeyError, TypeError, json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise ValueError(f"unreadable header ({type(exc).__name__}: {exc})") from None
+        payload = data[at + 4 + size :]
+        cells = len(layers) * n_experts
+        if n_experts < 1 or not layers or len(payload) != cells * 25:
+            raise ValueError(f"payload of {len(payload)} bytes, expected {cells * 25} for "
+                             f"{len(layers)} layers x {n_experts} experts")
+        if zlib.crc32(payload) != crc:
+            raise ValueError("payload checksum mismatch (damaged)")
+        known = np.frombuffer(payload[:cells], dtype=np.uint8) != 0
+        digests = np.frombuffer(payload[cells:], dtype="<u8").astype(np.uint64)
+        return cls(key, layers, n_experts, digests, known)
+
+    def save(self, path: Path) -> None:
+        """Write the manifest to ``path`` atomically (its directories made as needed).
+
+        Raises:
+            OutputError: the cache directory cannot take the file.
+        """
+        write_atomic(path, self.to_bytes(), what="digest manifest", make_parents=True)
+        self.dirty = False
+
+    def save_if_current(self, table: ExpertTable, path: Path) -> list[str]:
+        """Save to ``path`` unless ``table``'s file changed since the manifest was keyed.
+
+        Returns:
+            The key fields that changed (nothing saved), or an empty list (saved).
+
+        Raises:
+            OutputError: the cache directory cannot take the file.
+            ModelFileError: the model file cannot be stat'ed any more.
+        """
+        changed = ManifestKey.of(table).differences(self.key)
+        if not changed:
+            self.save(path)
+        return changed
+
+
+def load_manifest(table: ExpertTable, path: Path | None = None) -> DigestManifest:
+    """The stored manifest of ``table``'s file, or an empty one to fill in.
+
+    A stored manifest whose key differs from the file's now (size, times, inode, device,
+    path, layout or digest scheme), or that cannot be read, is ignored with one warning
+    naming why; the caller computes the digests again and saving replaces it.
+
+    Raises:
+        ModelFileError: the model file itself cannot be stat'ed.
+    """
+    path = path or manifest_path(table.path)
+    key = ManifestKey.of(table)
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return DigestManifest.empty(table, key)
+    except OSError as exc:
+        _log.warning("digest_manifest_unreadable", path=str(path), reason=str(exc),
+                     action="digests computed again")
+        return DigestManifest.empty(table, key)
+    try:
+        stored = DigestManifest.from_bytes(data)
+    except ValueError as exc:
+        _log.warning("digest_manifest_unreadable", path=str(path), reason=str(exc),
+                     action="digests computed again")
+        return DigestManifest.empty(table, key)
+    if stored.key != key or stored.moe_layers != table.moe_layers \
+            or stored.n_experts != table.n_experts:
+        changed = key.differences(stored.key) or ["expert table"]
+        _log.warning("digest_manifest_stale", path=str(path), model=str(table.path),
+                     changed=changed, action="ignored; digests computed again")
+        return DigestManifest.empty(table, key)
+    return stored
