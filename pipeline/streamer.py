@@ -18,7 +18,6 @@ jobs, not asyncio tasks. Decode waits on each expert's upload event on the devic
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import threading
 import time
@@ -37,6 +36,8 @@ from pipeline.foundation.config import RunConfig
 from pipeline.foundation.errors import StageError
 from pipeline.foundation.faults import FaultPlan
 from pipeline.foundation.table import ExpertTable
+from pipeline.host_tier import HostTier
+from pipeline.registration import MappingRegistrar
 from pipeline.timesplit import LaunchTimes, LoadPhases
 from pipeline.verify import DigestRows
 from stages.install import Installer
@@ -165,14 +166,9 @@ class ExpertStreamer:
             raise
         self.installer = Installer(cache)
         self._pool = ThreadPoolExecutor(config.queue_depth, thread_name_prefix="moestream-read")
-        self._mapping: ModelMapping | None = None
-        self._registering: asyncio.Future[int] | None = None
-        self._register_stop = threading.Event()
-        self._register_again = False
+        self._registrar = MappingRegistrar(table.path, backend, lambda: self.mode == "resident")
         self._resident_inflight = 0
-        self.tier: frozenset[tuple[int, int]] = frozenset()
-        self.tier_bytes = 0
-        self.miss_counts: dict[tuple[int, int], int] = {}
+        self.host_tier = HostTier(table, self.reader.drop_ranges)
         self._staged_jobs: set[_Job] = set()
         self.warm_gate: WarmGate | None = None
         self._resident_idle = asyncio.Event()
@@ -219,19 +215,15 @@ class ExpertStreamer:
                 await loop.run_in_executor(None, self.uploader.synchronize)
             return
         if mode == "resident":
-            if self._mapping is None:
-                self._mapping = ModelMapping(self._table.path, self._backend)
+            self._registrar.open()
             self.mode = "resident"
             self.register_resident()
             await self.registered()
             return
         self.mode = "direct"
-        await self._stop_registering()
-        await self._resident_drained()
-        mapping, self._mapping = self._mapping, None
-        if mapping is not None:
-            loop = asyncio.get_running_loop()
-            await loop.run_in_executor(None, self._release, mapping)
+        await self._registrar.stop()
+        await self._resident_drained()  # no worker may read the mapping once it is released
+        await self._registrar.release(self.uploader.synchronize, self.reader.drop_pages)
 
     async def _resident_drained(self) -> None:
         """Wait until no load reads from the mapping on a worker (host backend)."""
@@ -240,90 +232,38 @@ class ExpertStreamer:
             await self._resident_idle.wait()
 
     def register_resident(self) -> None:
-        """Register, in the background, every mapping window whose pages are all resident.
-
-        Registering a window that is not resident would fault it in from storage at disk
-        speed while holding up the misses that wait on it (a cold first token of many
-        seconds), so only resident windows are registered; the warm-up calls this again
-        once it has loaded the rest.
-        """
-        mapping = self._mapping
-        if mapping is None or not self._backend.registers_host:
-            return
-        if self._registering is not None and not self._registering.done():
-            self._register_again = True
-            return
-        self._register_stop.clear()
-        loop = asyncio.get_running_loop()
-        self._registering = loop.run_in_executor(None, self._register_windows, mapping)
-        self._registering.add_done_callback(self._registered)
+        """Register, in the background, every mapping window whose pages are all resident
+        (``MappingRegistrar``); the warm-up calls this again once it has loaded the rest."""
+        self._registrar.register_resident()
 
     async def registered(self) -> None:
-        """Wait for the registration pass under way, and for any pass asked for meanwhile
-        (``_registered`` starts it before this wakes)."""
-        while self._registering is not None and not self._registering.done():
-            with contextlib.suppress(Exception):  # a failure is logged by _registered
-                await asyncio.shield(self._registering)
-
-    def _register_windows(self, mapping: ModelMapping) -> int:
-        t0 = time.perf_counter()
-        added = mapping.register_resident_windows(self._register_stop)
-        _log.info("windows_registered", added=added, registered_bytes=mapping.registered_bytes,
-                  seconds=round(time.perf_counter() - t0, 3))
-        return added
-
-    def _registered(self, future: asyncio.Future[int]) -> None:
-        if not future.cancelled() and future.exception() is not None:
-            _log.warning("register_failed", reason=str(future.exception()))
-        if self._register_again and self.mode == "resident":
-            self._register_again = False
-            self.register_resident()
-
-    async def _stop_registering(self) -> None:
-        self._register_again = False
-        self._register_stop.set()
-        if self._registering is not None:
-            with contextlib.suppress(Exception):
-                await self._registering
-            self._registering = None
-
-    def _release(self, mapping: ModelMapping) -> None:
-        """Worker: unregister and unmap, then drop the file's pages."""
-        self.uploader.synchronize()  # no copy may still read the registered pages
-        mapping.close()
-        self.reader.drop_pages()
+        """Wait for the registration passes under way or asked for."""
+        await self._registrar.registered()
 
     async def set_tier_bytes(self, nbytes: int) -> int:
-        """Size the host tier (direct mode): the experts missed most often, up to ``nbytes``
-        of file bytes, are read through the page cache and their pages kept; experts that
-        leave the tier have their pages dropped. Returns the tier's bytes."""
-        ranked = sorted(self.miss_counts, key=self.miss_counts.__getitem__, reverse=True)
-        chosen: list[tuple[int, int]] = []
-        total = 0
-        for key in ranked:
-            size = self._table.expert_bytes(key[0])  # per layer: no per-key objects
-            if total + size > nbytes:
-                break
-            chosen.append(key)
-            total += size
-        new = frozenset(chosen)
-        left = self.tier - new
-        self.tier, self.tier_bytes = new, total
-        if left:
-            ranges = [r for key in left for r in self._table.slices(key).ranges]
-            loop = asyncio.get_running_loop()
-            await loop.run_in_executor(None, self.reader.drop_ranges, ranges)
-        return total
+        """Size the host tier (direct mode, ``HostTier``); returns its bytes."""
+        return await self.host_tier.resize(nbytes)
+
+    @property
+    def tier(self) -> frozenset[tuple[int, int]]:
+        return self.host_tier.keys
+
+    @property
+    def tier_bytes(self) -> int:
+        return self.host_tier.nbytes
+
+    @property
+    def miss_counts(self) -> dict[tuple[int, int], int]:
+        return self.host_tier.miss_counts
 
     @property
     def pinned_bytes(self) -> int:
         """Model bytes page-locked by us right now (registered mapping windows)."""
-        mapping = self._mapping
-        return mapping.registered_bytes if mapping is not None else 0
+        return self._registrar.pinned_bytes
 
     @property
     def mapping(self) -> ModelMapping | None:
-        return self._primary.mapping if self._primary is not None else self._mapping
+        return self._primary.mapping if self._primary is not None else self._registrar.mapping
 
     # -- verification -----------------------------------------------------------------------
 
@@ -385,10 +325,11 @@ class ExpertStreamer:
             # not send later misses to a mapping that is being released
             mode = self.mode
             layout = self.layout(entry.key)
-            self.miss_counts[entry.key] = self.miss_counts.get(entry.key, 0) + 1
+            self.host_tier.missed(entry.key)
             # host tier (partial residency): a hot expert is read through the page cache and
             # its pages kept, the rest stays O_DIRECT
-            job_mode: JobMode = "tier" if mode == "direct" and entry.key in self.tier else mode
+            job_mode: JobMode = ("tier" if mode == "direct" and entry.key in self.host_tier.keys
+                                 else mode)
             job = _Job(entry, layout, self.uploader.next_stream(), load, job_mode,
                        load.phases[entry.key])
             if self.digests is not None:
@@ -582,7 +523,7 @@ class ExpertStreamer:
 
     async def aclose(self) -> None:
         """Let in-flight work finish, then release threads, slots, streams and mapping."""
-        await self._stop_registering()
+        await self._registrar.stop()
         # joining the readers blocks: do it off the loop, which keeps serving signals and
         # the workers' last notifications meanwhile
         loop = asyncio.get_running_loop()
@@ -598,6 +539,4 @@ class ExpertStreamer:
         self.installer.drain()
         self.ring.close()
         self.reader.close()
-        if self._mapping is not None:
-            self._mapping.close()
-            self._mapping = None
+        self._registrar.close()
