@@ -32,10 +32,9 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Coroutine, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import structlog
 import uvloop
@@ -43,6 +42,7 @@ import uvloop
 from gpu.cache import DeviceCache
 from gpu.kernels import make_kernels
 from gpu.placement import split_budget
+from pipeline.closing import close_devices, finish
 from pipeline.controller import ModeController, Sampler
 from pipeline.decode import Decoder
 from pipeline.foundation.cli import closable_stdout, print_error
@@ -157,7 +157,7 @@ async def run(
     try:
         # the run's first await, where a cancel (a signal) can first land: the open still
         # completes, so a log file, once made, always ends with run_end
-        await _finish(runlog.open())
+        await finish(runlog.open())
         layers = table.moe_layers
         # device bytes of one expert per layer (256-aligned matrices), as the cache counts them
         device_sizes = {n: plan_expert(table.slices((n, 0))).device_bytes for n in layers}
@@ -244,28 +244,12 @@ async def run(
     finally:
         live.close()  # erased before the summary or an error line is printed
         # closing must finish even if the caller cancels (again) meanwhile
-        await _finish(_close(cfg, table, summary, runlog, controller, streamers, caches, loop,
+        await finish(_close(cfg, table, summary, runlog, controller, streamers, caches, loop,
                              manifest))
     if runlog.error is not None:  # the last lines, written at close, were refused
         summary.exit = str(runlog.error)
         raise runlog.error
     return summary
-
-
-async def _finish(work: Coroutine[Any, Any, None]) -> None:
-    """Await ``work`` to its end even if cancelled meanwhile, however often, then raise the
-    cancellation (``work``'s own error first). ``work`` runs as its own task behind a
-    shield, so a cancel never stops it half-way."""
-    task = asyncio.ensure_future(work)
-    cancelled = False
-    while not task.done():
-        try:
-            await asyncio.shield(task)
-        except asyncio.CancelledError:
-            cancelled = True
-    task.result()
-    if cancelled:
-        raise asyncio.CancelledError
 
 
 async def _close(
@@ -287,20 +271,7 @@ async def _close(
         await controller.aclose()
         summary.switches = controller.switches
         summary.modes = controller.tokens_in_mode
-    for streamer in reversed(streamers):  # the home device's, which owns the mapping, last
-        await streamer.aclose()
-    for cache in caches:
-        final_budget = cache.budget_bytes  # smaller after a device-OOM shrink
-        cache.close()
-        c = cache.counters
-        summary.devices.append({"device": cache.device, "budget_bytes": final_budget,
-                                "peak_device_bytes": c.peak_device_bytes,
-                                "allocations": c.allocations, "frees": c.frees})
-    # several devices: each one's peak is within its own budget; the sum bounds the total
-    summary.peak_device_bytes = sum(d["peak_device_bytes"] for d in summary.devices)
-    summary.allocations = sum(d["allocations"] for d in summary.devices)
-    summary.frees = sum(d["frees"] for d in summary.devices)
-    summary.final_budget_bytes = sum(d["budget_bytes"] for d in summary.devices)
+    await close_devices(summary, streamers, caches)
     runlog.emit("run_end", **summary.as_dict(), hit_rate_final=summary.hit_rate)
     await runlog.aclose()
     recorded = loop.recorder.trace() if loop is not None and loop.recorder is not None else None

@@ -25,6 +25,7 @@ from gpu.backend import Backend, Event
 from gpu.cache import DeviceCache, Entry
 from gpu.kernels import make_kernels
 from gpu.placement import balanced_placement, split_budget
+from pipeline.closing import close_devices, finish
 from pipeline.controller import ModeController, Sampler
 from pipeline.foundation.config import RunConfig
 from pipeline.foundation.errors import UsageError, VerificationError
@@ -36,7 +37,6 @@ from pipeline.loop import TokenTotals
 from pipeline.machine import machine_info, process_read_bytes
 from pipeline.manifest_build import RunManifest
 from pipeline.shards import CacheGroup, StreamerGroup, open_backends
-from pipeline.shielded import finish
 from pipeline.streamer import ExpertStreamer, LayerLoad, StageTimes
 from pipeline.summary import RunSummary
 from pipeline.verify import Verifier
@@ -461,19 +461,7 @@ class StreamSession:
             await self.controller.aclose()
             summary.switches = self.controller.switches
             summary.modes = self.controller.tokens_in_mode
-        for streamer in reversed(self.streamers):  # the home's, which owns the mapping, last
-            await streamer.aclose()
-        for cache in self.caches:
-            final_budget = cache.budget_bytes
-            cache.close()
-            c = cache.counters
-            summary.devices.append({"device": cache.device, "budget_bytes": final_budget,
-                                    "peak_device_bytes": c.peak_device_bytes,
-                                    "allocations": c.allocations, "frees": c.frees})
-        summary.peak_device_bytes = sum(d["peak_device_bytes"] for d in summary.devices)
-        summary.allocations = sum(d["allocations"] for d in summary.devices)
-        summary.frees = sum(d["frees"] for d in summary.devices)
-        summary.final_budget_bytes = sum(d["budget_bytes"] for d in summary.devices)
+        await close_devices(summary, self.streamers, self.caches)
         summary.exit = outcome
         if self.table is not None:
             self.runlog.emit("run_end", **summary.as_dict(), hit_rate_final=summary.hit_rate)
