@@ -245,7 +245,7 @@ class Bench:
             queue_depth=self.args.queue_depth, chunk_bytes=self.args.chunk_mib * MIB,
             staging_slots=self.args.staging_slots, upload_streams=self.args.streams,
             log=log, policy=policy, prefetch="oracle" if lookahead else "none",
-            lookahead=lookahead,
+            lookahead=lookahead, verify=not self.args.no_verify,
         )
         summary = uvloop.run(run(cfg))
         events = token_events(log)
@@ -284,6 +284,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--out", type=Path,
                    help="result JSON (default bench/results/pipeline-HOST.json)")
     p.add_argument("--skip", default="", help="comma list of phases to skip: cold,warm,cache,all")
+    p.add_argument("--no-verify", action="store_true",
+                   help="pipeline runs without verification (the cost of the default's)")
     args = p.parse_args(argv)
     skip = set(filter(None, args.skip.split(",")))
     table = open_table(args.model)

@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# One H200 lease for issues 14, 15, 16 and 18 (run from the repo root on the GPU machine,
+# with .whl carried): GPU tests after the house move, the engine example on CuPy, the time
+# breakdown of a direct, a resident and an all-cached run, and the pipeline bench on the
+# Qwen3-30B-A3B shape (no recorded digests) with and without verification.
+set -u
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>/dev/null
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 XDG_CACHE_HOME=$PWD/.cache
+nvidia-smi -L
+timeout 170 python3 -m pytest -m gpu -q -rs -p no:cacheprovider tests 2>&1 | tail -15 > $OUT/gpu-tests.log
+tail -3 $OUT/gpu-tests.log
+timeout 60 python3 examples/engine.py -n 8 > $OUT/engine.log 2>&1; echo "engine rc=$?"; tail -3 $OUT/engine.log
+# time breakdown: ds4-flash-q2, 8 layers x 256 experts (13.6 GiB)
+M=$PWD/ds4-8.gguf
+python3 -m tools.make_model $M --preset ds4-flash-q2 --layers 8 --experts 256 | tail -1
+python3 -m tools.warmup $M --evict > /dev/null
+R="python3 -m pipeline.run -m $M --backend cupy --compute fixed --json"
+timeout 60 $R --mode direct -n 32 --cache-budget 300 --log $OUT/t-direct.jsonl > /dev/null
+python3 -m tools.warmup $M > /dev/null
+timeout 60 $R --mode resident -n 96 --cache-budget 300 --log $OUT/t-resident.jsonl > /dev/null
+timeout 60 $R --mode resident -n 300 --log $OUT/t-cached.jsonl > /dev/null
+for r in direct resident cached; do
+  python3 -m tools.analyze $OUT/t-$r.jsonl --json > $OUT/t-$r.json 2>&1
+  python3 -m tools.analyze $OUT/t-$r.jsonl | grep -iE "bound|wall|tok/s" | head -4
+done
+tar -czf $OUT/time-logs.tgz -C $OUT t-direct.jsonl t-resident.jsonl t-cached.jsonl && rm $OUT/t-*.jsonl
+rm -f $M
+# issue 14: the Qwen3-30B-A3B shape as real files come (no digests), verification on / off
+Q=$PWD/qwen.gguf
+python3 -m tools.make_model $Q --preset qwen3-30b-a3b --no-digests | tail -1
+python3 -m tools.warmup $Q --digests > /dev/null 2>&1
+timeout 170 python3 -m bench.pipeline --model $Q --backend cupy --naive-tokens 8 --lookahead 8 \
+  --out $OUT/pipeline-qwen-h200.json > $OUT/pipeline-qwen-h200.log 2>&1; tail -12 $OUT/pipeline-qwen-h200.log
+timeout 150 python3 -m bench.pipeline --model $Q --backend cupy --naive-tokens 8 --lookahead 8 \
+  --skip cold --no-verify --out $OUT/pipeline-qwen-noverify-h200.json \
+  > $OUT/pipeline-qwen-noverify-h200.log 2>&1; tail -12 $OUT/pipeline-qwen-noverify-h200.log
