@@ -224,7 +224,7 @@ def _verdict(run: RunLog, rows: np.ndarray[Any, Any], top: Part, parts: dict[str
         text = f"{head} in controller pauses ({len(run.switches)} mode switches)"
     else:
         text = (f"{head} in host work ({parts['host']:,.2f} ms/token of Python and hand-offs "
-                "on the decode thread)")
+                f"on the decode thread, {misses / n:,.1f} misses/token to launch)")
     if low is None:
         if top in ("read", "upload"):
             text += "; no bandwidth limits in the log (--limits) for the device limit"
