@@ -19,15 +19,17 @@ timeout 90 python3 -m bench.faultmatrix --backend cupy --json $OUT/faultmatrix-c
 M=$PWD/ds4-8.gguf
 python3 -m tools.make_model $M --preset ds4-flash-q2 --layers 8 --experts 256 | tail -1
 python3 -m tools.warmup $M --evict > /dev/null
-R="python3 -m pipeline.run -m $M --backend cupy --compute fixed --json"
+R="python3 -m pipeline.run -m $M --backend cupy --compute fixed --json --limits read=1.85GB/s,copy=55GB/s"
 timeout 60 $R --mode direct -n 32 --cache-budget 300 --log $OUT/t-direct.jsonl > /dev/null
 python3 -m tools.warmup $M > /dev/null
 timeout 60 $R --mode resident -n 96 --cache-budget 300 --log $OUT/t-resident.jsonl > /dev/null
 timeout 60 $R --mode resident -n 300 --log $OUT/t-cached.jsonl > /dev/null
 for r in direct resident cached; do
   python3 -m tools.analyze $OUT/t-$r.jsonl --json > $OUT/t-$r.json 2>&1
-  python3 -m tools.analyze $OUT/t-$r.jsonl | grep -iE "bound|wall|tok/s" | head -4
+  python3 -m tools.analyze $OUT/t-$r.jsonl | grep -iE "bound|wall ms|verdict" | head -4
 done
+python3 -m tools.analyze $OUT/t-resident.jsonl --plot $OUT/plots-resident > /dev/null 2>&1
+python3 -m tools.analyze $OUT/t-direct.jsonl --plot $OUT/plots-direct > /dev/null 2>&1
 pack
 rm -f $M
 # issue 14: the Qwen3-30B-A3B shape as real files come (no digests), verification on / off
