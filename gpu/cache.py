@@ -171,11 +171,40 @@ class DeviceCache:
             DeviceMemoryError: the device refused again after the shrink, or the shrunk
                 budget cannot hold one layer's experts. Nothing of the lookup remains.
         """
+        plan = self._plan_hits(keys)
+        if plan is not None:
+            return plan
         try:
             return self._plan_layer(keys, sizes)
         except DeviceMemoryError as exc:
             self._shrink_to_held(exc, sum(sizes))
         return self._plan_layer(keys, sizes)
+
+    def _plan_hits(self, keys: Sequence[ExpertKey]) -> LayerPlan | None:
+        """The all-hit layer (the common case once warm), planned without the miss
+        machinery; None when a key is not held. The same decisions, pins and counters as
+        ``_plan_layer`` makes for such a layer: each key a use for the policy, in order."""
+        entries = self._entries
+        hits: list[Entry] = []
+        for key in keys:
+            entry = entries.get(key)
+            if entry is None:
+                return None
+            hits.append(entry)
+        index = self._index
+        pinned = self._pinned
+        cache_bytes = 0
+        for entry in hits:
+            index.lookup(entry.key)
+            entry.pins += 1
+            pinned.add(entry.key)
+            cache_bytes += entry.nbytes
+        c = self.counters
+        c.lookups += len(hits)
+        c.hits += len(hits)
+        c.bytes_from_cache += cache_bytes
+        c.peak_device_bytes = max(c.peak_device_bytes, self.device_bytes)
+        return LayerPlan(hits)
 
     def _plan_layer(self, keys: Sequence[ExpertKey], sizes: Sequence[int]) -> LayerPlan:
         outcome = self._index.access_layer(keys, sizes, self._pinned)

@@ -24,7 +24,7 @@ import numpy.typing as npt
 from gpu.backend import DeviceArray, DeviceBuffer, Kernels, Stream
 from gpu.cuda import CudaDeviceBuffer, CudaStream
 from gpu.host import HostDeviceBuffer
-from pipeline.foundation.digest import mix_digest
+from pipeline.foundation.digest import mix_digests
 
 __all__ = ["CudaKernels", "HostKernels", "make_kernels"]
 
@@ -103,7 +103,7 @@ class HostKernels:
         results[row, 1] = s2
 
     def read_results(self, results: DeviceArray, n: int) -> list[int]:
-        return [mix_digest(int(a), int(b)) for a, b in results[:n]]
+        return mix_digests(results[:n])
 
     def busy(self, ms: float, buf: DeviceBuffer, stream: Stream) -> None:
         """Real CPU work on the expert's bytes for ``ms`` milliseconds (no sleeping)."""
@@ -157,7 +157,7 @@ class CudaKernels:
 
     def read_results(self, results: DeviceArray, n: int) -> list[int]:
         host = self._cp.asnumpy(results[:n])
-        return [mix_digest(int(a), int(b)) for a, b in host]
+        return mix_digests(host)
 
     def busy(self, ms: float, buf: DeviceBuffer, stream: Stream) -> None:
         _, raw = _cuda_parts(None, stream)  # the device spins on its clock: buf is not read

@@ -8,8 +8,16 @@ miss is started at once:
   that finishes an expert's last chunk queues its upload on the next stream and records its
   event, then tells the loop (``call_soon_threadsafe``), which returns the slot with that
   event and hands the entry to decode;
-- resident mode: one pool job per expert copies straight from the page-cache mapping
-  (registered with the device, so the copy engine reads it with no CPU copy).
+- resident mode: copies straight from the page-cache mapping (registered with the device,
+  so the copy engine reads it with no CPU copy). When every miss of the layer lies in
+  registered windows (the steady state), ``_start`` queues the whole layer at once on the
+  loop thread, under one device activation: each expert's copies, install digest and event,
+  then a single callback hands the layer's misses to decode: no task, worker or thread hop
+  per expert (``_queue_registered``). Otherwise (windows not registered yet, or the host
+  backend) one pool job per expert.
+
+All-hit layers (every expert cached, the common case once warm) plan in the cache's fast
+path and start nothing: ``start_layer`` returns the plan in a bare ``LayerLoad``.
 
 Scheduling cost stays per layer: one task launches a layer's misses; chunks are executor
 jobs, not asyncio tasks. Decode waits on each expert's upload event on the device.
@@ -21,10 +29,10 @@ import asyncio
 import functools
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, NamedTuple, Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -98,6 +106,15 @@ class LayerLoad:
     prefetch: bool = False
     launch: LaunchTimes | None = None
     phases: dict[tuple[int, int], LoadPhases] = field(default_factory=dict)
+
+
+class _Source(NamedTuple):
+    """A registered miss's copies, computed once per expert and mapping: (device offset,
+    view of the registered mapping) pieces, and the (device offset, nbytes) ranges its
+    install digest reads."""
+
+    pieces: list[tuple[int, npt.NDArray[np.uint8]]]
+    ranges: list[tuple[int, int]]
 
 
 @dataclass(slots=True, eq=False)
@@ -176,6 +193,10 @@ class ExpertStreamer:
         self.times = StageTimes()
         self._times_lock = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
+        # registered copies by key, valid for the mapping they were cut from: its windows
+        # are only ever added while it lives, and a released mapping is never current again
+        self._sources: dict[tuple[int, int], _Source] = {}
+        self._sources_of: ModelMapping | None = None
         ahead = config.lookahead if config.prefetch == "oracle" else 0
         capacity = (len(table.layers) + ahead) * table.top_k
         self.digests = DigestRows(kernels, capacity) if config.verify else None
@@ -209,7 +230,8 @@ class ExpertStreamer:
             return
         if self._primary is not None:  # the mapping is the primary's: switched around us
             self.mode = mode
-            if mode == "direct":  # nothing of ours may read the mapping once it is released
+            if mode == "direct":
+                self._forget_sources()  # nothing of ours may read the mapping once it is released
                 await self._resident_drained()
                 loop = asyncio.get_running_loop()
                 await loop.run_in_executor(None, self.uploader.synchronize)
@@ -221,6 +243,7 @@ class ExpertStreamer:
             await self.registered()
             return
         self.mode = "direct"
+        self._forget_sources()
         await self._registrar.stop()
         await self._resident_drained()  # no worker may read the mapping once it is released
         await self._registrar.release(self.uploader.synchronize, self.reader.drop_pages)
@@ -278,8 +301,10 @@ class ExpertStreamer:
     def start_layer(self, layer: int, experts: Sequence[int]) -> LayerLoad:
         """Plan a layer in the cache and start loading its misses (returns at once)."""
         keys = [(layer, int(e)) for e in experts]
-        size = self.device_bytes(layer)
-        return self._start(self._cache.plan_layer(keys, [size] * len(keys)))
+        plan = self._cache.plan_layer(keys, [self.device_bytes(layer)] * len(keys))
+        if not plan.misses:  # all cached (the common case when warm): nothing to start
+            return LayerLoad(plan)
+        return self._start(plan)
 
     def start_prefetch(self, layer: int, experts: Sequence[int]) -> LayerLoad:
         """Start loading guessed experts of a later layer (those absent and fitting)."""
@@ -293,17 +318,112 @@ class ExpertStreamer:
         loop = asyncio.get_running_loop()
         self._loop = loop
         load = LayerLoad(plan, pending=len(plan.misses))
-        if plan.misses:  # all-hit layers (the common case when warm) create nothing more
-            load.launch = LaunchTimes(time.perf_counter())
-            load.phases = {entry.key: LoadPhases(load.launch) for entry in plan.misses}
-            load.gate = self.warm_gate
-            if load.gate is not None:
-                load.gate.pause()  # decode reads first: background warm-up waits
-            load.arrived = asyncio.Queue()
-            for entry in plan.misses:
-                entry.loaded = loop.create_future()
-            load.launcher = loop.create_task(self._launch(load))
+        if not plan.misses:  # all-hit layers (the common case when warm) create nothing more
+            return load
+        load.launch = LaunchTimes(time.perf_counter())
+        load.phases = {entry.key: LoadPhases(load.launch) for entry in plan.misses}
+        load.arrived = asyncio.Queue()
+        for entry in plan.misses:
+            entry.loaded = loop.create_future()
+        sources = self._registered_sources(plan.misses)
+        if sources is not None:  # nothing to read: no gate, task or worker
+            self._queue_registered(load, sources)
+            return load
+        load.gate = self.warm_gate
+        if load.gate is not None:
+            load.gate.pause()  # decode reads first: background warm-up waits
+        load.launcher = loop.create_task(self._launch(load))
         return load
+
+    def _registered_sources(self, misses: Sequence[Entry]) -> list[_Source] | None:
+        """Every miss's copies from the registered mapping, or None unless all of them can
+        copy from it now (resident mode, a GPU, every range in registered windows)."""
+        if self.mode != "resident" or not self._backend.registers_host:
+            return None
+        mapping = self.mapping
+        if mapping is None:
+            return None
+        if self._sources_of is not mapping:
+            self._sources.clear()
+            self._sources_of = mapping
+        out: list[_Source] = []
+        for entry in misses:
+            source = self._sources.get(entry.key)
+            if source is None:
+                ranges = self.layout(entry.key).ranges
+                if not all(mapping.is_registered(s.file_offset, s.nbytes) for s in ranges):
+                    return None
+                source = _Source(
+                    [(s.device_offset + at, view)
+                     for s in ranges for at, view in mapping.pieces(s.file_offset, s.nbytes)],
+                    [(s.device_offset, s.nbytes) for s in ranges],
+                )
+                self._sources[entry.key] = source
+            out.append(source)
+        return out
+
+    def _forget_sources(self) -> None:
+        """The mapping is being released: no copy may be cut from it any more."""
+        self._sources.clear()
+        self._sources_of = None
+
+    def _queue_registered(self, load: LayerLoad, sources: Sequence[_Source]) -> None:
+        """Loop: queue a whole layer's misses from the registered mapping, in one pass.
+
+        Per expert, as before: its copies on the next upload stream (after the device
+        wait for its buffer's last reader), its install digest, its event, then install
+        and the digest rows' completion; a failed upload fails that expert only. What
+        goes is the per-expert overhead around them: one device activation and one
+        ``Uploader.upload_many`` call for the layer, no job object, worker or
+        ``call_soon_threadsafe`` per expert, and a single callback that delivers the
+        layer's misses to whoever waits on ``load.arrived`` (it runs after this returns,
+        so a caller may still swap that queue, as ``pipeline.lease`` does). An entry is
+        still visible only after its upload event.
+        """
+        digests = self.digests
+        misses = load.plan.misses
+        arrived: list[tuple[Entry, BaseException | None]] = []
+        t0 = time.perf_counter()
+        try:
+            items: list[tuple[Entry, list[tuple[int, npt.NDArray[np.uint8]]],
+                              Callable[[Stream], None] | None]] = []
+            rows: list[tuple[Any, int]] = []
+            for entry, source in zip(misses, sources, strict=True):
+                load.phases[entry.key].begin(t0)
+                self.host_tier.missed(entry.key)
+                then = None
+                if digests is not None:
+                    results, row = digests.reserve(entry.key)
+                    rows.append((results, row))
+                    then = functools.partial(self._kernels.digest3, entry.buffer,
+                                             source.ranges, results, row)
+                items.append((entry, source.pieces, then))
+            with self._backend.activate():  # CUDA's current device, once for the layer
+                events = self.uploader.upload_many(items)
+            t1 = time.perf_counter()
+            for i, (entry, event) in enumerate(zip(misses, events, strict=True)):
+                load.phases[entry.key].mark("upload", t1)  # queued: the device copy shows
+                load.launched += 1                         # where decode waits
+                if isinstance(event, Exception):
+                    arrived.append((entry, event))
+                    continue
+                if digests is not None:
+                    digests.complete(*rows[i], event)
+                self.installer.submit(entry)
+                arrived.append((entry, None))
+        except BaseException as exc:  # interrupted: every miss not delivered fails with it
+            arrived.extend((entry, exc) for entry in misses[len(arrived) :])
+            raise
+        finally:
+            self._add_time("upload_ms", t0)
+            assert self._loop is not None
+            self._loop.call_soon(self._deliver_layer, load, arrived)
+
+    def _deliver_layer(self, load: LayerLoad,
+                       arrived: Sequence[tuple[Entry, BaseException | None]]) -> None:
+        """Loop: hand a queued layer's misses (or their failures) to the decoder at once."""
+        for entry, error in arrived:
+            self._deliver(load, entry, error)
 
     async def _launch(self, load: LayerLoad) -> None:
         """Start every miss of a layer: take slots (direct) and hand work to the pool.
@@ -535,6 +655,7 @@ class ExpertStreamer:
             assert job.slot is not None
             self.ring.release(job.slot, None)
         self._staged_jobs.clear()
+        self._forget_sources()
         self.uploader.close()
         self.installer.drain()
         self.ring.close()

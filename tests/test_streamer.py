@@ -1,0 +1,261 @@
+"""The streamer's per-layer fast paths: registered misses queued in one pass, all-hit layers.
+
+A resident layer whose misses all lie in registered windows is queued at once on the loop
+thread (``ExpertStreamer._queue_registered``, one ``Uploader.upload_many`` call); an all-hit
+layer is planned by the cache's fast path and starts nothing. Both must keep every
+contract of the per-expert paths: here on ``DeferredBackend`` copies (a copy runs when its
+stream does), a consumer that did not wait on an upload event, or an event recorded before
+its copies, digests the wrong bytes and verification counts mismatches.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import pytest
+
+from gpu.cache import DeviceCache
+from pipeline.foundation.config import Budget, ComputeSpec, RunConfig
+from pipeline.foundation.faults import parse_faults
+from pipeline.foundation.table import ExpertTable
+from pipeline.streamer import ExpertStreamer
+from pipeline.verify import DigestRows, Verifier
+from stages.layout import plan_expert
+from tests.test_pipeline import DeferredBackend, DeferredKernels
+
+
+class RegisteringDeferredBackend(DeferredBackend):
+    """Deferred copies, and a mapping that registers like a GPU's: resident misses take
+    the registered path (the CuPy backend's), not the host backend's worker copies."""
+
+    registers_host = True
+
+    def register_host(self, array: npt.NDArray[np.uint8]) -> bool:
+        return True
+
+
+Route = list[list[int]]
+
+
+def _routes(table: ExpertTable, tokens: int, seed: int = 3) -> list[Route]:
+    rng = np.random.default_rng(seed)
+    return [[rng.choice(table.n_experts, table.top_k, replace=False).tolist()
+             for _ in table.moe_layers] for _ in range(tokens)]
+
+
+async def _stream(table: ExpertTable, routes: list[Route], *, budget_experts: int,
+                  wait_uploads: bool = True, faults: str = "") -> dict[str, Any]:
+    """Resident mode on registered deferred copies: each layer's experts consumed by a
+    digest on a compute stream (after a device-side wait on each upload unless
+    ``wait_uploads`` is False), pins released after it; verified every token."""
+    backend = RegisteringDeferredBackend()
+    kernels = DeferredKernels()
+    cfg = RunConfig(model=table.path, budget=Budget(experts=budget_experts), upload_streams=2,
+                    compute=ComputeSpec("digest"))
+    size = plan_expert(table.slices((table.moe_layers[0], 0))).device_bytes
+    cache = DeviceCache(backend, budget_experts * size, "lru", min_bytes=table.top_k * size)
+    plan = parse_faults(faults) if faults else None
+    streamer = ExpertStreamer(cfg, table, backend, cache, kernels, faults=plan)
+    verifier = Verifier(table)
+    used = DigestRows(kernels, len(table.layers) * table.top_k)
+    compute = backend.new_stream()
+    results: list[tuple[int, int, int, int]] = []  # per layer: hits, misses, evictions, pending
+    errors: list[BaseException] = []
+    try:
+        await streamer.set_mode("resident")
+        for route in routes:
+            for layer, experts in zip(table.moe_layers, route, strict=True):
+                load = streamer.start_layer(layer, experts)
+                results.append((len(load.plan.hits), len(load.plan.misses), load.plan.evicted,
+                                load.pending))
+                entries = list(load.plan.hits)
+                for _ in range(load.pending):
+                    assert load.arrived is not None
+                    entry, error = await load.arrived.get()
+                    if error is not None:
+                        errors.append(error)
+                        cache.drop(entry.key)
+                        continue
+                    entries.append(entry)
+                for entry in entries:
+                    if wait_uploads and not entry.ready and entry.upload is not None:
+                        compute.wait(entry.upload)
+                    rows, row = used.reserve(entry.key)
+                    ranges = [(s.device_offset, s.nbytes)
+                              for s in streamer.layout(entry.key).ranges]
+                    kernels.digest3(entry.buffer, ranges, rows, row, compute)
+                    used.complete(rows, row, compute.record())
+                done = compute.record()
+                cache.release([*load.plan.hits, *load.plan.misses], done)
+                done.synchronize()
+            streamer.poll_installs()
+            cache.advance_token()
+            verifier.check(streamer.take_digests())
+            verifier.check(used.take())
+    finally:
+        await streamer.aclose()
+        counters = cache.counters
+        cache.close()
+    return {"verifier": verifier, "layers": results, "counters": counters, "errors": errors,
+            "bytes_uploaded": streamer.uploader.bytes_uploaded,
+            "copies": streamer.uploader.copies}
+
+
+class TestRegisteredLayerBatch:
+    """A layer of registered misses is queued in one pass and still verifies."""
+
+    def test_batched_path_taken_and_verified(self, tiny_table: ExpertTable,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+        calls = {"batch": 0, "task": 0}
+        batch, launch = ExpertStreamer._queue_registered, ExpertStreamer._launch
+
+        def spy_batch(self: ExpertStreamer, *args: Any) -> None:
+            calls["batch"] += 1
+            batch(self, *args)
+
+        async def spy_launch(self: ExpertStreamer, *args: Any) -> None:
+            calls["task"] += 1
+            await launch(self, *args)
+
+        monkeypatch.setattr(ExpertStreamer, "_queue_registered", spy_batch)
+        monkeypatch.setattr(ExpertStreamer, "_launch", spy_launch)
+        out = asyncio.run(_stream(tiny_table, _routes(tiny_table, 6), budget_experts=12))
+        v = out["verifier"]
+        assert v.mismatches == 0
+        assert v.verified > 0
+        assert calls["task"] == 0  # no per-layer task, no worker
+        assert calls["batch"] == sum(1 for _, misses, _, _ in out["layers"] if misses)
+
+    def test_consumer_not_waiting_is_caught(self, tiny_table: ExpertTable) -> None:
+        """Negative control: a consumer that skips the wait on the upload event digests
+        bytes not yet copied."""
+        out = asyncio.run(_stream(tiny_table, _routes(tiny_table, 3), budget_experts=12,
+                                  wait_uploads=False))
+        assert out["verifier"].mismatches > 0
+
+    def test_same_counters_as_per_expert_path(self, tiny_table: ExpertTable,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+        routes = _routes(tiny_table, 6, seed=11)
+        batched = asyncio.run(_stream(tiny_table, routes, budget_experts=12))
+        monkeypatch.setattr(ExpertStreamer, "_registered_sources", lambda self, misses: None)
+        per_expert = asyncio.run(_stream(tiny_table, routes, budget_experts=12))
+        for out in (batched, per_expert):
+            assert out["verifier"].mismatches == 0
+        assert batched["layers"] == per_expert["layers"]
+        assert batched["counters"] == per_expert["counters"]
+        assert batched["bytes_uploaded"] == per_expert["bytes_uploaded"]
+        assert batched["copies"] == per_expert["copies"]
+        assert batched["verifier"].verified == per_expert["verifier"].verified
+
+    def test_failed_upload_fails_that_expert_only(self, tiny_table: ExpertTable) -> None:
+        out = asyncio.run(_stream(tiny_table, _routes(tiny_table, 2), budget_experts=12,
+                                  faults="upload@2"))
+        assert len(out["errors"]) == 1
+        assert "injected" in str(out["errors"][0])
+        assert out["verifier"].mismatches == 0
+
+
+class TestAllHitLayer:
+    """An all-hit layer: the cache's fast plan, nothing started, identical accounting."""
+
+    def test_nothing_started(self, tiny_table: ExpertTable) -> None:
+        route = _routes(tiny_table, 1)[0]
+
+        async def go() -> None:
+            cfg = RunConfig(model=tiny_table.path, compute=ComputeSpec("digest"))
+            backend = RegisteringDeferredBackend()
+            size = plan_expert(tiny_table.slices((tiny_table.moe_layers[0], 0))).device_bytes
+            cache = DeviceCache(backend, 1 << 30, "lru", min_bytes=tiny_table.top_k * size)
+            streamer = ExpertStreamer(cfg, tiny_table, backend, cache, DeferredKernels())
+            try:
+                await streamer.set_mode("resident")
+                layer = tiny_table.moe_layers[0]
+                first = streamer.start_layer(layer, route[0])
+                for _ in range(first.pending):
+                    assert first.arrived is not None
+                    await first.arrived.get()
+                cache.release(first.plan.misses, None)
+                again = streamer.start_layer(layer, route[0])
+                assert again.plan.misses == [] and again.pending == 0
+                assert again.arrived is None and again.launcher is None and not again.phases
+                assert [e.key for e in again.plan.hits] == [(layer, e) for e in route[0]]
+                assert all(e.pins == 1 for e in again.plan.hits)
+                cache.release(again.plan.hits, None)
+            finally:
+                await streamer.aclose()
+                cache.close()
+
+        asyncio.run(go())
+
+    def test_same_results_as_normal_path(self, tiny_table: ExpertTable,
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
+        # a budget that holds everything after the first token, so later tokens re-use
+        # the first token's routing as all-hit layers, mixed with fresh misses
+        routes = _routes(tiny_table, 2, seed=5)
+        routes = routes + routes[:1] * 3 + routes[1:] * 2
+        budget = tiny_table.n_experts * len(tiny_table.moe_layers)
+        fast = asyncio.run(_stream(tiny_table, routes, budget_experts=budget))
+        monkeypatch.setattr(DeviceCache, "_plan_hits", lambda self, keys: None)
+        normal = asyncio.run(_stream(tiny_table, routes, budget_experts=budget))
+        assert any(misses == 0 for _, misses, _, _ in fast["layers"])
+        assert fast["layers"] == normal["layers"]
+        assert fast["counters"] == normal["counters"]
+        assert fast["verifier"].verified == normal["verifier"].verified
+        assert fast["verifier"].mismatches == normal["verifier"].mismatches == 0
+
+    def test_eviction_order_unchanged(self, tiny_table: ExpertTable,
+                                      monkeypatch: pytest.MonkeyPatch) -> None:
+        """Hits count as uses for the policy in the fast path too: with a small budget,
+        the same routing evicts the same experts either way."""
+        routes = _routes(tiny_table, 4, seed=9)
+        routes = [r for pair in zip(routes, routes, strict=True) for r in pair]  # repeats hit
+        fast = asyncio.run(_stream(tiny_table, routes, budget_experts=2 * tiny_table.top_k
+                                   * len(tiny_table.moe_layers)))
+        monkeypatch.setattr(DeviceCache, "_plan_hits", lambda self, keys: None)
+        normal = asyncio.run(_stream(tiny_table, routes, budget_experts=2 * tiny_table.top_k
+                                     * len(tiny_table.moe_layers)))
+        assert fast["layers"] == normal["layers"]
+        assert fast["counters"] == normal["counters"]
+
+
+def test_mapping_views_dropped_with_the_mapping(tiny_model: Path,
+                                                tiny_table: ExpertTable) -> None:
+    """Leaving resident mode forgets the copies cut from the released mapping."""
+
+    async def go() -> None:
+        cfg = RunConfig(model=tiny_model, compute=ComputeSpec("digest"))
+        backend = RegisteringDeferredBackend()
+        size = plan_expert(tiny_table.slices((tiny_table.moe_layers[0], 0))).device_bytes
+        cache = DeviceCache(backend, 1 << 30, "lru", min_bytes=tiny_table.top_k * size)
+        streamer = ExpertStreamer(cfg, tiny_table, backend, cache, DeferredKernels())
+        try:
+            await streamer.set_mode("resident")
+            load = streamer.start_layer(tiny_table.moe_layers[0], [0, 1])
+            for _ in range(load.pending):
+                assert load.arrived is not None
+                await load.arrived.get()
+            cache.release(load.plan.misses, None)
+            assert streamer._sources
+            await streamer.set_mode("direct")
+            assert not streamer._sources and streamer._sources_of is None
+        finally:
+            await streamer.aclose()
+            cache.close()
+
+    asyncio.run(go())
+
+
+class TestMixDigests:
+    """The per-token read-back mixes all rows in one numpy pass, as ``mix_digest`` would."""
+
+    def test_same_values_as_one_by_one(self) -> None:
+        from pipeline.foundation.digest import mix_digest, mix_digests
+
+        sums = np.random.default_rng(2).integers(0, 2**64 - 1, size=(300, 2), dtype=np.uint64)
+        sums[0] = (2**64 - 1, 2**64 - 1)  # both at the top: the sum wraps
+        assert mix_digests(sums) == [mix_digest(int(a), int(b)) for a, b in sums]
+        assert mix_digests(sums[:0]) == []
