@@ -1,10 +1,12 @@
 """Decode: consume each layer's experts on a compute stream, hits first, misses as they land.
 
-Compute for a layer is queued on one stream: hit experts at once, each miss as soon as its
-upload is queued, after a device-side wait on that expert's upload event (never a
-device-wide synchronize). At the end of the layer one event is recorded: it unpins the
-layer's experts (their buffers outlive it) and the host waits for it, as an engine waits for
-the router's output before it can choose the next layer's experts.
+The experts come through the layer's lease (``pipeline.lease``, what ``moestream``'s fetch
+hands an engine): compute for a layer is queued on one stream, hit experts at once, each
+miss as soon as the lease hands it out (its upload queued), after a device-side wait on that
+expert's upload event (never a device-wide synchronize). At the end of the layer one event
+is recorded: the lease is released after it (the buffers are reused only once the layer's
+compute has run) and the host waits for it, as an engine waits for the router's output
+before it can choose the next layer's experts.
 
 What "compute" is: ``real`` runs a SwiGLU expert on a hidden state (F16 experts), ``digest``
 reads every byte of every used expert and checks it against the file, ``fixed:MS`` keeps the
@@ -33,15 +35,16 @@ import structlog
 from gguf import GGMLQuantizationType
 
 from gpu.backend import Backend, Event, Kernels
-from gpu.cache import DeviceCache, Entry
+from gpu.cache import Entry
 from pipeline.foundation.config import ComputeSpec
 from pipeline.foundation.errors import ExpertLayoutError, MoestreamError, StageError
 from pipeline.foundation.table import ExpertTable
+from pipeline.lease import LayerLease
 from pipeline.streamer import ExpertStreamer, LayerLoad
 from pipeline.timesplit import LoadPhases, TimeSplit
 from pipeline.verify import DigestRows
 
-__all__ = ["Decoder", "LayerResult"]
+__all__ = ["Decoder", "LayerResult", "resolve_compute"]
 
 _log = structlog.get_logger("moestream.decode")
 
@@ -73,6 +76,18 @@ def _all_f16(table: ExpertTable) -> bool:
     _log.warning("compute_fallback", requested="real", using="digest",
                  reason=f"experts are {gate_up.name}/{down.name}; real SwiGLU needs F16")
     return False
+
+
+def resolve_compute(compute: ComputeSpec, table: ExpertTable) -> ComputeSpec:
+    """The compute a run on ``table`` does: ``real`` becomes ``digest`` on a model without
+    F16 experts (logged once).
+
+    Raises:
+        ExpertLayoutError: some MoE layers are F16 and others are not.
+    """
+    if compute.kind == "real" and not _all_f16(table):
+        return ComputeSpec("digest")
+    return compute
 
 
 @dataclass(slots=True)
@@ -109,15 +124,14 @@ class _OnDevice:
 
 
 class Decoder:
-    """Runs a model's MoE layers over the cache, one token at a time.
+    """Runs a model's MoE layers over the experts its leases hand out, one token at a time.
 
     Args:
         compute: what to do with each expert.
         table: the model's expert table.
         backend: the device.
         kernels: the backend's kernels.
-        cache: the device cache.
-        streamer: loads misses.
+        streamer: the device's streamer (the layout of each expert in its buffer).
         seed: the initial hidden state's seed.
         partial: one of several devices: ``run_layer`` leaves its weighted sum of expert
             outputs in ``partial_sum`` for the combine (``pipeline.shards``) instead of
@@ -130,7 +144,6 @@ class Decoder:
         table: ExpertTable,
         backend: Backend,
         kernels: Kernels,
-        cache: DeviceCache,
         streamer: ExpertStreamer,
         seed: int = 0,
         *,
@@ -141,7 +154,6 @@ class Decoder:
         self.partial_sum: Any = None
         self._backend = backend
         self._kernels = kernels
-        self._cache = cache
         self._streamer = streamer
         self.stream = backend.new_stream()
         # array module and contexts (device, stream), fixed for the run: looked up once
@@ -152,9 +164,7 @@ class Decoder:
 
             self._xp = cupy
             self._ctx = _OnDevice(backend, self.stream.raw)  # type: ignore[attr-defined]
-        if compute.kind == "real" and not _all_f16(table):
-            compute = ComputeSpec("digest")
-        self.compute = compute
+        self.compute = compute = resolve_compute(compute, table)
         self._hidden = self._initial_hidden(seed) if compute.kind == "real" else None
         self.use_digests = DigestRows(kernels, len(table.layers) * table.top_k)
         # (buffer, ms) of host compute queued by _consume, spent by _spend_host_compute
@@ -165,6 +175,10 @@ class Decoder:
         self._queues = backend.async_copies
         # (event before the wait, upload event) of each device-side wait of this layer
         self._device_waits: list[tuple[Event, Event]] = []
+        # the layer being consumed: its waits, their charges, the guesses' loads
+        self._stall_s = 0.0
+        self._split = TimeSplit()
+        self._guess_loads: list[LayerLoad] = []
 
     def _initial_hidden(self, seed: int) -> Any:
         rng = np.random.default_rng([seed, 0x5EED])
@@ -246,18 +260,38 @@ class Decoder:
                 left -= piece
                 await asyncio.sleep(0)
 
+    def _waited(self, entry: Entry | None, load: LayerLoad | None, start: float,
+                end: float) -> None:
+        """A lease's ``on_wait``: the layer waited for ``entry``, a stall charged to what its
+        load did meanwhile (the lease's own load, or the guess that loads it)."""
+        self._stall_s += end - start
+        phases: LoadPhases | None = None
+        for source in (load, *self._guess_loads):
+            if source is not None and entry is not None:
+                phases = source.phases.get(entry.key)
+                if phases is not None:
+                    break
+        if phases is None:  # a load started for another layer's lookup: reading
+            self._split.charge("read", end - start)
+        else:
+            phases.charge(self._split, start, end)
+
     async def run_layer(
         self,
-        load: LayerLoad,
+        leases: Sequence[LayerLease],
         experts: Sequence[int],
         weights: Sequence[float],
-        prefetched: LayerLoad | None = None,
+        prefetched: Sequence[LayerLease] = (),
     ) -> LayerResult:
-        """Consume one MoE layer's selected experts as ``load`` delivers them.
+        """Consume one MoE layer's selected experts as its lease hands them out: hits first,
+        misses (and hits whose load is still in flight, started by a prefetch) as their
+        uploads are queued; then release the lease after the layer's compute.
 
-        Hits whose load is still in flight (started by a prefetch) are consumed once their
-        upload is queued; ``prefetched`` (the guess made for this layer) is unpinned at the
-        end, used or not (a wrong guess still loading keeps its pin until it lands).
+        Args:
+            leases: the layer's lease on this device (none: only guesses to release).
+            experts, weights: the experts it consumes and their router weights.
+            prefetched: the guesses made for this layer, released at the end, used or not
+                (a wrong guess still loading keeps its pin until it lands).
 
         Raises:
             StageError: a miss could not be loaded; the layer's other experts are unpinned,
@@ -268,80 +302,56 @@ class Decoder:
         per_expert_ms = self.compute.layer_ms / self._table.top_k
         acc = self._kernels.zeros(self._table.hidden) if self.compute.kind == "real" else None
         compute_s = 0.0
-        stall_s = 0.0
-        split = TimeSplit()
+        self._stall_s = 0.0
+        split = self._split = TimeSplit()
+        self._guess_loads = [part.load for guess in prefetched for part in guess.parts]
         self._device_waits.clear()  # a failed layer leaves its own behind
         ctx = self._ctx
-        in_flight = [e for e in load.plan.hits if e.upload is None and e.loaded is not None]
-        t0 = time.perf_counter()
-        with ctx:
-            for entry in load.plan.hits:
-                if entry not in in_flight:
+        failures: list[MoestreamError] = []
+        for lease in leases:
+            lease.on_wait = self._waited
+            while True:
+                try:
+                    arrival = await lease.next()
+                except MoestreamError as exc:  # dropped from the cache; the others go on
+                    failures.append(exc)
+                    continue
+                if arrival is None:
+                    break
+                t_got = time.perf_counter()
+                entry = arrival.entry
+                with ctx:
                     self._consume(entry, weight_of[entry.key[1]], acc, per_expert_ms)
-        await self._spend_host_compute()
-        compute_s += time.perf_counter() - t0
-        failures: list[tuple[Entry, BaseException]] = []
-        for entry in in_flight:
-            assert entry.loaded is not None
-            t_wait = time.perf_counter()
-            try:
-                await asyncio.shield(entry.loaded)
-            except (StageError, asyncio.CancelledError) as exc:
-                if isinstance(exc, asyncio.CancelledError) and not entry.loaded.cancelled():
-                    raise
-                failures.append((entry, exc))
-                continue
-            t_got = time.perf_counter()
-            stall_s += t_got - t_wait
-            _charge_wait(split, entry.key, (load, prefetched), t_wait, t_got)
-            with ctx:
-                self._consume(entry, weight_of[entry.key[1]], acc, per_expert_ms)
-            await self._spend_host_compute()
-            compute_s += time.perf_counter() - t_got
-        for _ in range(load.pending):
-            assert load.arrived is not None
-            t_wait = time.perf_counter()
-            entry, error = await load.arrived.get()
-            t_got = time.perf_counter()
-            stall_s += t_got - t_wait
-            _charge_wait(split, entry.key, (load,), t_wait, t_got)
-            if error is not None:
-                failures.append((entry, error))
-                continue
-            with ctx:
-                self._consume(entry, weight_of[entry.key[1]], acc, per_expert_ms)
-            await self._spend_host_compute()
-            compute_s += time.perf_counter() - t_got
+                await self._spend_host_compute()
+                compute_s += time.perf_counter() - t_got
         t0 = time.perf_counter()
         if self._partial:
             self.partial_sum = acc
         elif acc is not None and not failures:
             self.advance(acc)
         done = self.stream.record()
-        self._cache.release([*load.plan.hits, *load.plan.misses], done)
-        if prefetched is not None:
-            used = [e for e in prefetched.plan.misses if e.key[1] in weight_of]
-            self._cache.release(used, None)  # hits of this layer too: their last use is done
-            self._cache.release_guess([e for e in prefetched.plan.misses
-                                       if e.key[1] not in weight_of])
-        for entry, _ in failures:
-            self._cache.drop(entry.key)
+        for lease in leases:
+            lease.release(lambda part: done)
+        for guess in prefetched:  # used ones end with the layer's compute (their last use)
+            guess.release(lambda part: None)
         if failures:
-            key, error = failures[0][0].key, failures[0][1]
-            if isinstance(error, MoestreamError) and not isinstance(error, StageError):
+            error = failures[0]
+            if not isinstance(error, StageError):
                 raise error  # e.g. the model file changed: its own class and exit code
-            raise StageError(f"layer {key[0]} expert {key[1]}: {error}") from error
+            raise StageError(str(error)) from error
         self._wait_for_layer(done, split)
         compute_s += time.perf_counter() - t0
         if not self._queues:  # kernels ran inline: the time spent in them is the compute
             split.compute_ms = compute_s * 1000.0
+        hits = [e for lease in leases for p in lease.parts for e in p.load.plan.hits]
+        misses = [e for lease in leases for p in lease.parts for e in p.load.plan.misses]
         return LayerResult(
-            hits=len(load.plan.hits),
-            misses=len(load.plan.misses),
-            evictions=load.plan.evicted,
-            file_bytes=sum(e.nbytes for e in load.plan.misses),
-            cache_bytes=sum(e.nbytes for e in load.plan.hits),
-            stall_ms=stall_s * 1000.0,
+            hits=len(hits),
+            misses=len(misses),
+            evictions=sum(lease.evicted for lease in leases),
+            file_bytes=sum(e.nbytes for e in misses),
+            cache_bytes=sum(e.nbytes for e in hits),
+            stall_ms=self._stall_s * 1000.0,
             compute_ms=compute_s * 1000.0,
             time=split,
         )
@@ -367,17 +377,3 @@ class Decoder:
         self._device_waits.clear()
         done.synchronize()
         split.charge("compute", time.perf_counter() - t)
-
-
-def _charge_wait(split: TimeSplit, key: tuple[int, int], loads: Sequence[LayerLoad | None],
-                 waited_from: float, waited_to: float) -> None:
-    """Charge the decoder's wait for ``key`` to what its load did meanwhile; a load these
-    do not know (started for another layer's lookup) counts as reading."""
-    phases: LoadPhases | None = None
-    for load in loads:
-        if load is not None and (phases := load.phases.get(key)) is not None:
-            break
-    if phases is None:
-        split.charge("read", waited_to - waited_from)
-    else:
-        phases.charge(split, waited_from, waited_to)

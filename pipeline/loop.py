@@ -1,8 +1,10 @@
 """The decode loop: tokens through every MoE layer, with accounting, verification and log.
 
-Per layer the loop starts the layer's loads (and, with oracle prefetch, those of the next
-``lookahead`` layers, across token boundaries, since the routing is known ahead), lets the
-decoder consume it, and adds up what the layer cost. At each token's end it checks the
+Per layer the loop fetches the layer's experts through the session (``pipeline.session``:
+a lease per device, ``pipeline.lease``, the pins and arrivals ``moestream``'s fetch hands an
+engine; with oracle prefetch also the next ``lookahead`` layers', across token boundaries,
+since the routing is known ahead), lets the decoder consume and release them, and adds up
+what the layer cost. At each token's end it checks the
 digests of everything installed or consumed, lets the controller look at the machine, and
 writes the token's log event, with its wall time split by what decode waited on
 (``pipeline.timesplit``: the layers' waits, the controller's pause, and the rest as host).
@@ -20,6 +22,7 @@ from pipeline.controller import ModeController
 from pipeline.decode import LayerResult
 from pipeline.foundation.config import RunConfig
 from pipeline.foundation.table import ExpertTable
+from pipeline.lease import LayerLease
 from pipeline.logs import RunLog
 from pipeline.machine import process_read_bytes
 from pipeline.routing import LiveRouter, Routing
@@ -39,10 +42,6 @@ class Streamer(Protocol):
     @property
     def mode(self) -> str: ...
 
-    def start_layer(self, layer: int, experts: Sequence[int]) -> Any: ...
-
-    def start_prefetch(self, layer: int, experts: Sequence[int]) -> Any: ...
-
     def poll_installs(self) -> None: ...
 
     def take_digests(self) -> Digests: ...
@@ -58,8 +57,9 @@ class Decoding(Protocol):
 
     def set_hidden(self, hidden: Any) -> None: ...
 
-    async def run_layer(self, load: Any, experts: Sequence[int], weights: Sequence[float],
-                        prefetched: Any = None) -> LayerResult: ...
+    async def run_layer(self, leases: Sequence[LayerLease], experts: Sequence[int],
+                        weights: Sequence[float], prefetched: Sequence[LayerLease] = ()
+                        ) -> LayerResult: ...
 
     def take_use_digests(self) -> Digests: ...
 
@@ -73,6 +73,13 @@ class Background(Protocol):
     def pause(self) -> None: ...
 
     def resume(self) -> None: ...
+
+
+class Fetcher(Protocol):
+    """What the loop uses of the ``StreamSession``: its experts, one lease per device."""
+
+    def lease_per_device(self, layer: int, experts: Sequence[int], *, prefetch: bool = False
+                         ) -> list[LayerLease]: ...
 
 
 class Cache(Protocol):
@@ -108,12 +115,13 @@ class TokenTotals:
 
 
 class DecodeLoop:
-    """Runs tokens; owns nothing, closes nothing (``pipeline.run`` does).
+    """Runs tokens; owns nothing, closes nothing (the run's session does).
 
     Args:
         config: prefetch, lookahead, verify, log level.
         table: the model.
         routing: where each layer's experts come from (a trace, or the live router).
+        session: where the experts are fetched (``StreamSession.lease_per_device``).
         cache, streamer, decoder, verifier, controller, runlog: the run's parts.
         recorder: where each decoded token's routing is recorded (``--record-trace``).
         background: reads to pause while a layer's misses (or the loads it starts ahead)
@@ -126,6 +134,7 @@ class DecodeLoop:
         table: ExpertTable,
         routing: Routing,
         *,
+        session: Fetcher,
         cache: Cache,
         streamer: Streamer,
         decoder: Decoding,
@@ -138,6 +147,7 @@ class DecodeLoop:
         self._cfg = config
         self._layers = table.moe_layers
         self._routing = routing
+        self._session = session
         self._live = isinstance(routing, LiveRouter)
         self._cache = cache
         self._streamer = streamer
@@ -149,15 +159,15 @@ class DecodeLoop:
         self._ahead = config.lookahead if config.prefetch == "oracle" else 0
         self._predict = config.prefetch == "predict"
         self._end = config.tokens * len(self._layers)
-        self._loads: dict[int, Any] = {}  # oracle loads started ahead, by position
+        self._loads: dict[int, list[LayerLease]] = {}  # oracle fetches ahead, by position
         self._read_bytes = process_read_bytes()
         self.storage_bytes = 0
         self.recorder = recorder
 
-    def _start(self, position: int) -> Any:
+    def _start(self, position: int) -> list[LayerLease]:
         token, i = divmod(position, len(self._layers))
         experts, _ = self._routing.route(token, i, None)
-        return self._streamer.start_layer(self._layers[i], experts)
+        return self._session.lease_per_device(self._layers[i], experts)
 
     async def token(self, t: int) -> TokenTotals:
         """Decode token ``t``; returns its totals (and logs its event)."""
@@ -170,7 +180,7 @@ class DecodeLoop:
         totals = TokenTotals()
         used: list[list[int]] = []
         used_weights: list[list[float]] = []
-        guesses: dict[int, tuple[list[int], Any]] = {}
+        guesses: dict[int, tuple[list[int], list[LayerLease]]] = {}
         if self._live:
             self._decoder.set_hidden(self._routing.embedding(t))  # type: ignore[attr-defined]
         for i, layer in enumerate(self._layers):
@@ -178,40 +188,40 @@ class DecodeLoop:
             used.append(experts)
             used_weights.append(weights)
             position = t * n + i
-            started: list[Any] = []
+            started: list[LayerLease] = []
             for q in range(position + 1, min(self._end, position + 1 + self._ahead)):
                 if q not in self._loads:  # oracle: the trace names later layers' experts
                     self._loads[q] = self._start(q)
-                    started.append(self._loads[q])
-            load = self._loads.pop(position, None)
-            if load is None:
-                load = self._streamer.start_layer(layer, experts)
+                    started.extend(self._loads[q])
+            leases = self._loads.pop(position, None)
+            if leases is None:
+                leases = self._session.lease_per_device(layer, experts)
             if self._predict and i + 1 < n:
                 # guess the next layer from the hidden state before this layer runs, so
                 # its loads overlap this layer's compute
                 guess = self._routing.predict(t, i + 1, self._decoder.hidden)
-                guesses[i + 1] = (guess, self._streamer.start_prefetch(self._layers[i + 1],
-                                                                      guess))
-                started.append(guesses[i + 1][1])
-            guess_load = guesses.get(i, (None, None))[1]
+                guesses[i + 1] = (guess, self._session.lease_per_device(
+                    self._layers[i + 1], guess, prefetch=True))
+                started.extend(guesses[i + 1][1])
+            guessed = guesses[i][1] if i in guesses else []
             # background reads wait while this layer's misses load (decode's reads first)
             yielding = self._background
-            if yielding is not None and not any(x.plan.misses for x in (load, *started)):
+            if yielding is not None and not any(x.misses for x in (*leases, *started)):
                 yielding = None
             if yielding is not None:
                 yielding.pause()
             try:
-                result = await self._decoder.run_layer(load, experts, weights, guess_load)
+                result = await self._decoder.run_layer(leases, experts, weights, guessed)
             finally:
                 if yielding is not None:
                     yielding.resume()
             if i in guesses:
-                guess, guess_load = guesses[i]
+                guess = guesses[i][0]
+                loaded = [e for lease in guessed for e, _ in lease.entries]
                 totals.predicted += len(guess)
                 totals.correct += len(set(guess) & set(experts))
-                totals.loaded += len(guess_load.plan.misses)  # guesses not already cached
-                totals.wasted_bytes += sum(e.nbytes for e in guess_load.plan.misses
-                                           if e.key[1] not in experts)
+                totals.loaded += len(loaded)  # guesses not already cached
+                totals.wasted_bytes += sum(e.nbytes for e in loaded if e.key[1] not in experts)
             totals.hits += result.hits
             totals.misses += result.misses
             totals.evictions += result.evictions

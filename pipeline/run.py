@@ -39,11 +39,8 @@ from pathlib import Path
 import structlog
 import uvloop
 
-from gpu.cache import DeviceCache
-from gpu.kernels import make_kernels
-from gpu.placement import split_budget
-from pipeline.closing import close_devices, finish
-from pipeline.controller import ModeController, Sampler
+from pipeline.closing import finish
+from pipeline.controller import Sampler
 from pipeline.decode import Decoder
 from pipeline.foundation.cli import closable_stdout, print_error
 from pipeline.foundation.config import (
@@ -59,18 +56,14 @@ from pipeline.foundation.faults import FaultPlan, parse_faults
 from pipeline.foundation.interrupts import STOP_SIGNALS, exit_code, exit_on_signals, restore_signals
 from pipeline.foundation.outputs import check_not_input, check_output
 from pipeline.foundation.table import ExpertTable, open_table
-from pipeline.logs import RunLog, configure_console
+from pipeline.logs import configure_console
 from pipeline.loop import DecodeLoop
-from pipeline.machine import machine_info
-from pipeline.manifest_build import RunManifest
 from pipeline.progress import LiveLine
 from pipeline.routing import BlockRouting, LiveRouter, Routing, TraceRouting
-from pipeline.shards import Shard, as_one, open_backends
-from pipeline.streamer import ExpertStreamer
+from pipeline.session import StreamSession
+from pipeline.shards import Shard, ShardedDecoder
 from pipeline.summary import RunSummary, print_summary
 from pipeline.trace import TraceRecorder, load_trace, save_trace
-from pipeline.verify import Verifier
-from stages.layout import plan_expert
 
 __all__ = ["RunSummary", "build_parser", "config_from_args", "main", "run"]
 
@@ -141,99 +134,47 @@ async def run(
     replay = _routing(cfg, table) if cfg.router == "trace" else None
     recorder = (TraceRecorder(cfg.tokens, len(table.layers), table.top_k, table.n_experts)
                 if cfg.record_trace is not None else None)  # refuses too long a record now
-    backends = open_backends(cfg)
-    home = backends[0]
     if summary is None:
         summary = RunSummary()
-    summary.backend, summary.model = home.name, str(model)
-    summary.device = " + ".join(b.device_name for b in backends)
-    runlog = RunLog(cfg.log)
-    streamers: list[ExpertStreamer] = []
-    caches: list[DeviceCache] = []
+    # a layer's experts, and those loaded ahead of it, may all live on one device: the
+    # budget of each holds that many layers
+    pinned_layers = 1 + {"oracle": cfg.lookahead, "predict": 1}.get(cfg.prefetch, 0)
+    session = StreamSession(cfg, layers_in_flight=pinned_layers, sampler=sampler,
+                            faults=faults, summary=summary, table=table, compute=cfg.compute)
     loop: DecodeLoop | None = None
-    controller: ModeController | None = None
-    manifest: RunManifest | None = None
     live = LiveLine(cfg.tokens, enabled=False)  # replaced once decoding starts
     try:
-        # the run's first await, where a cancel (a signal) can first land: the open still
-        # completes, so a log file, once made, always ends with run_end
-        await finish(runlog.open())
-        layers = table.moe_layers
-        # device bytes of one expert per layer (256-aligned matrices), as the cache counts them
-        device_sizes = {n: plan_expert(table.slices((n, 0))).device_bytes for n in layers}
-        if cfg.budget is not None:
-            cache_budget = cfg.budget.resolve(max(device_sizes.values()))
-        else:  # default: every routed expert
-            cache_budget = sum(size * table.layers[n].n_experts
-                               for n, size in device_sizes.items())
-        pinned_layers = 1 + {"oracle": cfg.lookahead, "predict": 1}.get(cfg.prefetch, 0)
-        # a layer's experts may all live on one device: each holds a layer's worth
-        min_bytes = pinned_layers * table.top_k * max(device_sizes.values())
-        weights = [float(b.device_free_bytes()) for b in backends]
-        shards: list[Shard] = []
-        for backend, budget in zip(backends, split_budget(cache_budget, weights), strict=True):
-            with backend.activate():
-                kernels = make_kernels(backend.name)
-                cache = DeviceCache(backend, budget, cfg.policy, min_bytes=min_bytes,
-                                    faults=faults)
-                caches.append(cache)
-                streamer = ExpertStreamer(cfg, table, backend, cache, kernels, faults,
-                                          primary=streamers[0] if streamers else None)
-                streamers.append(streamer)
-                decoder = Decoder(cfg.compute, table, backend, kernels, cache, streamer,
-                                  cfg.seed, partial=len(backends) > 1)
-            shards.append(Shard(backend, kernels, cache, streamer, decoder))
-        parts = as_one(shards, table, weights)
-        checks = cfg.verify or shards[0].decoder.compute.kind == "digest"
-        if checks and table.digests is None:
-            # no digests in the file: its manifest, computed in the background if need be
-            group = parts.streamer
-            manifest = await RunManifest.open(table, lambda: group.mode == "direct")
-        verifier = Verifier(table, manifest.manifest if manifest is not None else None)
-        summary.digests = ("off" if not checks else "file" if manifest is None
-                           else manifest.source)
-        controller = ModeController(cfg, table, parts.streamer, runlog, sampler=sampler)
-        summary.budget_bytes = sum(c.budget_bytes for c in caches)
-        runlog.emit(
-            "run_start",
-            config=cfg.describe(),
-            model={**table.summary(), "expert_bytes": [device_sizes[n] for n in layers]},
-            machine=machine_info(table.path, home.device_name if home.name == "cupy"
-                                 else None),
-            budget_bytes=summary.budget_bytes,
-            devices=[{"device": b.device, "name": b.device_name, "budget_bytes": c.budget_bytes}
-                     for b, c in zip(backends, caches, strict=True)],
-            policy=cfg.policy,
-            compute=str(shards[0].decoder.compute),
-            backend=home.name,
-            **({"limits": cfg.limits.record()} if cfg.limits is not None else {}),
-        )
-        await controller.start()  # its first decision follows the header
+        # the session's open holds the run's first await, where a cancel (a signal) can
+        # first land: a log file, once made, always ends with run_end
+        await session.open()
+        decoder = _decoder(cfg, session)
+        home = session.backends[0]
         with home.activate():
             routing: Routing = (replay if replay is not None
                                 else LiveRouter(table, home, cfg.seed))
-        loop = DecodeLoop(cfg, table, routing, cache=parts.cache, streamer=parts.streamer,
-                          decoder=parts.decoder, verifier=verifier, controller=controller,
-                          runlog=runlog, recorder=recorder,
+        assert session.verifier is not None and session.controller is not None
+        verifier = session.verifier
+        manifest = session.manifest
+        loop = DecodeLoop(cfg, table, routing, session=session, cache=session.cache,
+                          streamer=session.streamer,
+                          decoder=decoder, verifier=verifier, controller=session.controller,
+                          runlog=session.runlog, recorder=recorder,
                           background=manifest.builder if manifest is not None else None)
         started = time.perf_counter()
         live = LiveLine(cfg.tokens, enabled=not cfg.json and sys.stderr.isatty())
         for t in range(cfg.tokens):
             totals = await loop.token(t)
-            live.update(totals, parts.streamer.mode)
-            summary.add(totals, loop.storage_bytes, parts.streamer.mode)
+            live.update(totals, session.mode)
+            summary.add(totals, loop.storage_bytes, session.mode)
             summary.elapsed_s = time.perf_counter() - started  # right even if stopped later
             summary.verified = verifier.verified
             summary.mismatches = verifier.mismatches
             summary.first_mismatch = verifier.first_mismatch
             summary.unverified = verifier.unverified
-            runlog.raise_if_failed()  # the file system stopped taking the log: stop here
+            session.runlog.raise_if_failed()  # the file system stopped taking the log: stop
         summary.elapsed_s = time.perf_counter() - started
-        if manifest is not None:  # compare what still waits for its digests, decode done
-            await manifest.settle(verifier)
-            summary.verified, summary.mismatches = verifier.verified, verifier.mismatches
-            summary.first_mismatch = verifier.first_mismatch
-            summary.unverified = verifier.unverified
+        # compare what still waits for its digests, decode done
+        await session.settle()
         summary.exit = "ok"
     except asyncio.CancelledError:
         summary.exit = "cancelled"
@@ -244,36 +185,34 @@ async def run(
     finally:
         live.close()  # erased before the summary or an error line is printed
         # closing must finish even if the caller cancels (again) meanwhile
-        await finish(_close(cfg, table, summary, runlog, controller, streamers, caches, loop,
-                             manifest))
-    if runlog.error is not None:  # the last lines, written at close, were refused
-        summary.exit = str(runlog.error)
-        raise runlog.error
+        await finish(_close(cfg, session, loop))
+    if session.runlog.error is not None:  # the last lines, written at close, were refused
+        summary.exit = str(session.runlog.error)
+        raise session.runlog.error
     return summary
 
 
-async def _close(
-    cfg: RunConfig,
-    table: ExpertTable,
-    summary: RunSummary,
-    runlog: RunLog,
-    controller: ModeController | None,
-    streamers: Sequence[ExpertStreamer],
-    caches: Sequence[DeviceCache],
-    loop: DecodeLoop | None,
-    manifest: RunManifest | None = None,
-) -> None:
-    """Release everything the run holds, in order, then write the closing log event."""
-    if manifest is not None:  # its reads stop first; what it learned is saved
-        await manifest.aclose()
-        summary.manifest_bytes = manifest.bytes_read
-    if controller is not None:
-        await controller.aclose()
-        summary.switches = controller.switches
-        summary.modes = controller.tokens_in_mode
-    await close_devices(summary, streamers, caches)
-    runlog.emit("run_end", **summary.as_dict(), hit_rate_final=summary.hit_rate)
-    await runlog.aclose()
+def _decoder(cfg: RunConfig, session: StreamSession) -> Decoder | ShardedDecoder:
+    """The proxy decode over the session's devices: one ``Decoder`` per device (its own
+    compute stream), behind a ``ShardedDecoder`` that combines on the home device when
+    there are several."""
+    assert session.table is not None and session.compute is not None
+    several = len(session.backends) > 1
+    shards: list[Shard] = []
+    for backend, kernels, cache, streamer in zip(session.backends, session.kernels,
+                                                 session.caches, session.streamers,
+                                                 strict=True):
+        with backend.activate():
+            decoder = Decoder(session.compute, session.table, backend, kernels, streamer,
+                              cfg.seed, partial=several)
+        shards.append(Shard(backend, kernels, cache, streamer, decoder))
+    return ShardedDecoder(shards) if several else shards[0].decoder
+
+
+async def _close(cfg: RunConfig, session: StreamSession, loop: DecodeLoop | None) -> None:
+    """Close the session (everything the run holds, in order, then ``run_end``), then write
+    the routing the run decoded (``--record-trace``)."""
+    await session.aclose(outcome=session.summary.exit, check=False)
     recorded = loop.recorder.trace() if loop is not None and loop.recorder is not None else None
     if cfg.record_trace is not None and recorded is not None:
         save_trace(recorded, cfg.record_trace)

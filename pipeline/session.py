@@ -1,11 +1,13 @@
-"""A streaming session for an inference engine: a run's parts without its decode loop.
+"""A streaming session: the one setup and teardown of a run's parts, for any decode loop.
 
-``pipeline.run`` drives its own decode loop; an engine drives its own and asks for experts
-layer by layer. ``StreamSession`` opens what a run opens (the model's expert table, one
-backend, cache and streamer per device, the verifier, the mode controller, the run log),
-hands out layer leases (``pipeline.lease``) and prefetch hints, keeps the per-token
-accounting and writes it in the run log's schema (``docs/LOG_SCHEMA.md``), and closes
-everything in the order a run does. The public face over it is ``moestream``.
+An engine drives its own decode loop and asks for experts layer by layer; ``pipeline.run``
+drives moestream's proxy decode. Both open their parts here: ``StreamSession`` opens the
+model's expert table, one backend, kernels, cache and streamer per device, the verifier
+(and the digest manifest of a file without digests), the mode controller and the run log
+with its ``run_start`` header, and closes everything in one order (``run_end`` last). For
+an engine it also hands out layer leases (``pipeline.lease``) and prefetch hints, keeps the
+per-token accounting and writes it in the run log's schema (``docs/LOG_SCHEMA.md``). The
+public face over it is ``moestream``.
 
 All methods run on the event loop's thread that opened the session.
 """
@@ -21,14 +23,15 @@ from typing import Any
 
 import structlog
 
-from gpu.backend import Backend, Event
+from gpu.backend import Backend, Event, Kernels
 from gpu.cache import DeviceCache, Entry
 from gpu.kernels import make_kernels
 from gpu.placement import balanced_placement, split_budget
 from pipeline.closing import close_devices, finish
 from pipeline.controller import ModeController, Sampler
-from pipeline.foundation.config import RunConfig
-from pipeline.foundation.errors import UsageError, VerificationError
+from pipeline.decode import resolve_compute
+from pipeline.foundation.config import ComputeSpec, RunConfig
+from pipeline.foundation.errors import MoestreamError, UsageError, VerificationError
 from pipeline.foundation.faults import FaultPlan, parse_faults
 from pipeline.foundation.table import ExpertTable, open_table
 from pipeline.lease import EventJoiner, LayerLease, LeasePart, plan_parts, unpin_when_landed
@@ -61,6 +64,14 @@ class StreamSession:
             and a prefetched one, or concurrent fetches); the budget must hold that many.
         sampler: machine readings for the controller (tests feed their own).
         faults: injected faults (default: those ``config.faults`` names, usually none).
+        summary: the totals to fill in as the session goes (default: a new one), so a
+            caller has them even when opening or decoding raises.
+        table: the model's table, when the caller opened it already (``config.model``
+            is then not opened again).
+        compute: what the client's decode does with the experts (``pipeline.run``'s
+            proxy decode); None: an engine's own compute, unknown here. ``digest``
+            compute needs the file's digests even without ``config.verify``; the log
+            header names it and the whole ``config``.
     """
 
     def __init__(
@@ -70,6 +81,9 @@ class StreamSession:
         layers_in_flight: int = 2,
         sampler: Sampler | None = None,
         faults: FaultPlan | None = None,
+        summary: RunSummary | None = None,
+        table: ExpertTable | None = None,
+        compute: ComputeSpec | None = None,
     ) -> None:
         if layers_in_flight < 1:
             raise UsageError(f"layers_in_flight must be >= 1, got {layers_in_flight}")
@@ -77,8 +91,10 @@ class StreamSession:
         self._layers_in_flight = layers_in_flight
         self._sampler = sampler
         self.faults = faults if faults is not None else parse_faults(config.faults)
-        self.table: ExpertTable | None = None
+        self.table: ExpertTable | None = table
+        self.compute = compute
         self.backends: list[Backend] = []
+        self.kernels: list[Kernels] = []
         self.caches: list[DeviceCache] = []
         self.streamers: list[ExpertStreamer] = []
         self._joiners: list[EventJoiner] = []
@@ -89,8 +105,9 @@ class StreamSession:
         self.verifier: Verifier | None = None
         self.manifest: RunManifest | None = None
         self.runlog = RunLog(config.log)
-        self.summary = RunSummary()
+        self.summary = summary if summary is not None else RunSummary()
         self.opened = False
+        self._settled = False
         self.closed = False
         self.default_last_use: LastUse = lambda part: None
         """What a lease released by the session itself (token end, close) ends with."""
@@ -122,8 +139,8 @@ class StreamSession:
         self.opened = True
         try:
             await self._open()
-        except BaseException:
-            await finish(self._close(outcome="failed to open", settle=False))
+        except BaseException as exc:
+            await finish(self._close(outcome=_outcome(exc), settle=False))
             raise
 
     async def _open(self) -> None:
@@ -132,13 +149,15 @@ class StreamSession:
             from pipeline.foundation.outputs import check_output
 
             check_output(cfg.log, what="log", in_place=True)
-        if cfg.model is None:
+        if self.table is not None:
+            model = self.table.path
+        elif cfg.model is None:
             from pipeline.modelgen import ensure_default_model
 
             model = ensure_default_model()
         else:
             model = cfg.model
-        table = self.table = open_table(model)
+        table = self.table = self.table or open_table(model)
         self._position = {layer: i for i, layer in enumerate(table.moe_layers)}
         self._experts = [[] for _ in table.moe_layers]
         self.backends = open_backends(cfg)
@@ -158,6 +177,7 @@ class StreamSession:
         for backend, share in zip(self.backends, split_budget(budget, weights), strict=True):
             with backend.activate():
                 kernels = make_kernels(backend.name)
+                self.kernels.append(kernels)
                 cache = DeviceCache(backend, share, cfg.policy, min_bytes=min_bytes,
                                     faults=self.faults)
                 self.caches.append(cache)
@@ -170,21 +190,26 @@ class StreamSession:
         else:
             sizes = {n: (table.layers[n].n_experts, device_sizes[n]) for n in layers}
             self._place = balanced_placement(sizes, weights)
-            self.streamer = StreamerGroup(self.streamers, self._place)
+            self.streamer = StreamerGroup(self.streamers)
             self.cache = CacheGroup(self.caches)
-        if cfg.verify and table.digests is None:
+        if self.compute is not None:  # refused here, before the log header, if it cannot run
+            self.compute = resolve_compute(self.compute, table)
+        checks = cfg.verify or (self.compute is not None and self.compute.kind == "digest")
+        if checks and table.digests is None:
             # no digests in the file: its manifest, computed in the background if need be
             group = self.streamer
             self.manifest = await RunManifest.open(table, lambda: group.mode == "direct")
         self.verifier = Verifier(table, self.manifest.manifest if self.manifest else None)
-        summary.digests = ("off" if not cfg.verify else "file" if self.manifest is None
+        summary.digests = ("off" if not checks else "file" if self.manifest is None
                            else self.manifest.source)
         self.controller = ModeController(cfg, table, self.streamer, self.runlog,
                                          sampler=self._sampler)
         summary.budget_bytes = sum(c.budget_bytes for c in self.caches)
+        compute = str(self.compute) if self.compute is not None else "engine"
         self.runlog.emit(
             "run_start",
-            config={**cfg.describe(), "tokens": None, "compute": "engine"},
+            config=(cfg.describe() if self.compute is not None
+                    else {**cfg.describe(), "tokens": None, "compute": compute}),
             model={**table.summary(), "expert_bytes": [device_sizes[n] for n in layers]},
             machine=machine_info(table.path, home.device_name if home.name == "cupy"
                                  else None),
@@ -192,8 +217,9 @@ class StreamSession:
             devices=[{"device": b.device, "name": b.device_name, "budget_bytes": c.budget_bytes}
                      for b, c in zip(self.backends, self.caches, strict=True)],
             policy=cfg.policy,
-            compute="engine",
+            compute=compute,
             backend=home.name,
+            **({"limits": cfg.limits.record()} if cfg.limits is not None else {}),
         )
         await self.controller.start()  # its first decision follows the header
         self._read_bytes = process_read_bytes()
@@ -268,6 +294,26 @@ class StreamSession:
             for entry in guessed:
                 unpin_when_landed(hint, entry)
         return lease
+
+    def lease_per_device(self, layer: int, experts: Sequence[int], *, prefetch: bool = False
+                         ) -> list[LayerLease]:
+        """Start a layer's loads (or a guess's) as ``fetch`` (``prefetch``) does, for a
+        client that keeps its own accounting: one lease per device that holds some of
+        ``experts`` (a layer's devices consume their shares concurrently), none of the
+        per-token bookkeeping or hint keeping of ``fetch``. ``pipeline.run``'s decode loop
+        fetches this way. The client releases each lease (``LayerLease.release``); those
+        still held at close are closed with the devices.
+
+        Raises:
+            UsageError: as ``fetch``.
+            DeviceMemoryError: as ``fetch``.
+        """
+        chosen = self._check_layer(layer, experts)
+        parts = plan_parts(layer, chosen, self.streamers, self.caches, self._joiners,
+                           self._place, prefetch=prefetch)
+        return [LayerLease(layer, tuple(e for e in chosen
+                                        if self._place((layer, e)) == part.device), [part])
+                for part in parts]
 
     def prefetch(self, layer: int, experts: Sequence[int]) -> int:
         """Start loading guessed experts of a later layer: those not cached, if they fit.
@@ -414,11 +460,31 @@ class StreamSession:
 
     # -- close -----------------------------------------------------------------------------
 
-    async def aclose(self, *, outcome: str = "ok") -> None:
+    async def settle(self) -> None:
+        """Compare what still waits for its digests (a file without recorded digests: its
+        manifest is being computed), decoding done; the summary then has the final counts.
+        Once; ``aclose`` does it when it was not done.
+
+        Raises:
+            StageError: the manifest's reads failed (the experts stay unverified).
+        """
+        self._settled = True
+        if self.manifest is not None and self.verifier is not None:
+            await self.manifest.settle(self.verifier)
+        if self.verifier is not None:
+            self._record_verification()
+
+    async def aclose(self, *, outcome: str = "ok", check: bool = True) -> None:
         """Release every lease and hint, stop the loads, close everything, log ``run_end``.
 
-        Idempotent; finishes even if cancelled meanwhile. With ``outcome="ok"`` the experts
-        still waiting for their digests (a file without them) are compared first.
+        Idempotent; finishes even if cancelled meanwhile. With ``outcome="ok"`` and
+        ``check`` the experts still waiting for their digests (a file without them) are
+        compared first, unless ``settle`` did.
+
+        Args:
+            outcome: how the client's decode ended (``run_end``'s ``exit``).
+            check: raise for what closing found; False: the caller reads the mismatches
+                from ``summary`` and a log error from ``runlog.error`` (``pipeline.run``).
 
         Raises:
             VerificationError: a mismatch no ``end_token`` raised for (found by that last
@@ -428,7 +494,10 @@ class StreamSession:
         if self.closed or not self.opened:
             self.closed = True
             return
-        await finish(self._close(outcome=outcome, settle=outcome == "ok"))
+        settle = check and outcome == "ok" and not self._settled
+        await finish(self._close(outcome=outcome, settle=settle))
+        if not check:
+            return
         if self.runlog.error is not None:
             raise self.runlog.error
         found = self.summary.mismatches - self._reported
@@ -470,3 +539,12 @@ class StreamSession:
     def counters_now(self) -> tuple[RunSummary, TokenTotals]:
         """The totals of the tokens ended so far, and those of the token under way."""
         return replace(self.summary), replace(self._totals)
+
+
+def _outcome(exc: BaseException) -> str:
+    """``run_end``'s ``exit`` for what stopped the open: a cancel, or the error's words."""
+    if isinstance(exc, asyncio.CancelledError):
+        return "cancelled"
+    if isinstance(exc, MoestreamError):
+        return str(exc)
+    return f"failed to open: {type(exc).__name__}"

@@ -4,14 +4,15 @@ streamer, one decoder and one cache.
 A ``Shard`` is one device's full pipeline: its backend, cache (its part of the budget),
 streamer (reader pool, staging ring, upload streams) and decoder (compute stream). A
 placement (``gpu.placement``) names the device of every (layer, expert); a layer's experts
-load and run where they live, concurrently, and their outputs are combined on the first
+load and run where they live, concurrently (a lease per device,
+``StreamSession.lease_per_device``), and their outputs are combined on the first
 device (the home), which keeps the hidden state: each other device's weighted sum of its
 experts' outputs is copied over (a few KiB, a peer copy on GPUs), added, and the new hidden
 state is copied back to every device for the next layer.
 
 The group classes offer what the decode loop, the controller and ``pipeline.run`` use of a
 single device's objects, so a one-device run uses those objects themselves, unchanged
-(``as_one`` chooses; ``open_backends`` opens one backend per device of the run).
+(``pipeline.session`` chooses; ``open_backends`` opens one backend per device of the run).
 Resident mode maps the model once: the home streamer owns the mapping (registered portable,
 for every device) and the others borrow it; so entering resident switches the home first,
 and leaving switches it last.
@@ -25,18 +26,16 @@ from dataclasses import dataclass
 from typing import Any
 
 from gpu.backend import Backend, Kernels
-from gpu.cache import DeviceCache, LayerPlan
-from gpu.placement import Placement, balanced_placement
+from gpu.cache import DeviceCache
 from gpu.selection import select_backend, visible_devices
 from pipeline.decode import Decoder, LayerResult
 from pipeline.foundation.config import RunConfig
-from pipeline.foundation.table import ExpertTable
-from pipeline.streamer import ExpertStreamer, IOMode, LayerLoad, StageTimes, WarmGate
-from stages.layout import plan_expert
+from pipeline.lease import LayerLease
+from pipeline.streamer import ExpertStreamer, IOMode, StageTimes, WarmGate
 from stages.reader import ModelReader
 
-__all__ = ["Assembly", "CacheGroup", "DeviceCounters", "Shard", "ShardedDecoder",
-           "ShardedLoad", "StreamerGroup", "as_one", "open_backends"]
+__all__ = ["CacheGroup", "DeviceCounters", "Shard", "ShardedDecoder", "StreamerGroup",
+           "open_backends"]
 
 
 @dataclass(slots=True)
@@ -48,14 +47,6 @@ class Shard:
     cache: DeviceCache
     streamer: ExpertStreamer
     decoder: Decoder
-
-
-@dataclass(slots=True)
-class ShardedLoad:
-    """A layer in flight on every device: each device's load, and the merged plan."""
-
-    plan: LayerPlan
-    parts: list[LayerLoad]
 
 
 @dataclass(slots=True)
@@ -76,42 +67,17 @@ class DeviceCounters:
         self.compute_ms += r.compute_ms
 
 
-def _merged(parts: Sequence[LayerLoad]) -> LayerPlan:
-    plan = LayerPlan()
-    for part in parts:
-        plan.hits += part.plan.hits
-        plan.misses += part.plan.misses
-        plan.evicted += part.plan.evicted
-    return plan
-
-
 class StreamerGroup:
-    """Every device's streamer behind one: loads split by placement, modes switched in order.
+    """Every device's streamer behind one, for the controller and the token's accounting:
+    modes switched in order, counters summed. Loads start per device (``pipeline.lease``'s
+    ``plan_parts``, by placement).
 
     Args:
         streamers: one per device, the home (mapping owner) first.
-        placement: (layer, expert) -> index into ``streamers``.
     """
 
-    def __init__(self, streamers: Sequence[ExpertStreamer], placement: Placement) -> None:
+    def __init__(self, streamers: Sequence[ExpertStreamer]) -> None:
         self._all = list(streamers)
-        self._place = placement
-
-    def _split(self, layer: int, experts: Sequence[int]) -> list[list[int]]:
-        parts: list[list[int]] = [[] for _ in self._all]
-        for e in experts:
-            parts[self._place((layer, int(e)))].append(int(e))
-        return parts
-
-    def start_layer(self, layer: int, experts: Sequence[int]) -> ShardedLoad:
-        loads = [s.start_layer(layer, part)
-                 for s, part in zip(self._all, self._split(layer, experts), strict=True)]
-        return ShardedLoad(_merged(loads), loads)
-
-    def start_prefetch(self, layer: int, experts: Sequence[int]) -> ShardedLoad:
-        loads = [s.start_prefetch(layer, part)
-                 for s, part in zip(self._all, self._split(layer, experts), strict=True)]
-        return ShardedLoad(_merged(loads), loads)
 
     @property
     def mode(self) -> IOMode:
@@ -216,28 +182,36 @@ class ShardedDecoder:
 
     async def run_layer(
         self,
-        load: ShardedLoad,
+        leases: Sequence[LayerLease],
         experts: Sequence[int],
         weights: Sequence[float],
-        prefetched: ShardedLoad | None = None,
+        prefetched: Sequence[LayerLease] = (),
     ) -> LayerResult:
-        """Every device with work in this layer (experts, or guesses to release) runs its
+        """Every device with work in this layer (its lease, or guesses to release) runs its
         part concurrently; then the partial sums are combined on the home device.
+
+        Args:
+            leases: one per device that holds some of the layer's experts.
+            experts, weights: the layer's experts and their router weights.
+            prefetched: the guesses made for this layer, one lease per device.
 
         Raises:
             StageError (or the failed device's own error): after every device finished
                 its part, so no device keeps pins or loads of this layer.
         """
         weight_of = {int(e): float(w) for e, w in zip(experts, weights, strict=True)}
+        mine = {lease.parts[0].device: lease for lease in leases}
+        guessed = {guess.parts[0].device: guess for guess in prefetched}
         runs = []
         used = []
-        for i, (shard, part) in enumerate(zip(self._shards, load.parts, strict=True)):
-            guess = prefetched.parts[i] if prefetched is not None else None
-            mine = [e.key[1] for e in (*part.plan.hits, *part.plan.misses)]
-            if not mine and (guess is None or not guess.plan.misses):
+        for i, shard in enumerate(self._shards):
+            lease, guess = mine.get(i), guessed.get(i)
+            if lease is None and (guess is None or not guess.misses):
                 continue
-            runs.append(shard.decoder.run_layer(part, mine, [weight_of[e] for e in mine],
-                                                guess))
+            own = list(lease.experts) if lease is not None else []
+            runs.append(shard.decoder.run_layer([lease] if lease is not None else [], own,
+                                                [weight_of[e] for e in own],
+                                                [guess] if guess is not None else []))
             used.append(i)
         results = await asyncio.gather(*runs, return_exceptions=True)
         for r in results:
@@ -311,25 +285,3 @@ def open_backends(cfg: RunConfig) -> list[Backend]:
     home = select_backend(cfg.backend, cfg.devices[0] if cfg.devices else 0)
     devices = cfg.devices or tuple(range(visible_devices(home.name)))
     return [home, *(select_backend(home.name, d) for d in devices[1:])]
-
-
-@dataclass(slots=True)
-class Assembly:
-    """The cache, streamer and decoder the loop and the controller see."""
-
-    cache: Any
-    streamer: Any
-    decoder: Any
-
-
-def as_one(shards: Sequence[Shard], table: ExpertTable, weights: Sequence[float]) -> Assembly:
-    """One device's own objects; several devices' behind the group classes."""
-    if len(shards) == 1:
-        only = shards[0]
-        return Assembly(only.cache, only.streamer, only.decoder)
-    sizes = {n: (info.n_experts, plan_expert(table.slices((n, 0))).device_bytes)
-             for n, info in table.layers.items() if n in table.moe_layers}
-    placement = balanced_placement(sizes, weights)
-    return Assembly(CacheGroup([s.cache for s in shards]),
-                  StreamerGroup([s.streamer for s in shards], placement),
-                  ShardedDecoder(shards))

@@ -23,6 +23,7 @@ from gpu.kernels import HostKernels
 from pipeline.decode import Decoder
 from pipeline.foundation.config import ComputeSpec, RunConfig
 from pipeline.foundation.table import ExpertTable
+from pipeline.lease import EventJoiner, LayerLease, LeasePart
 from pipeline.streamer import ExpertStreamer
 from pipeline.verify import Verifier
 from stages.layout import plan_expert
@@ -100,12 +101,14 @@ class DeferredKernels(HostKernels):
 
 async def _decode(table: ExpertTable, cfg: RunConfig, backend: Any, kernels: Any,
                   tokens: int) -> Verifier:
-    """Drive streamer + decoder over random routing, verifying every token."""
+    """Drive streamer + decoder over random routing, verifying every token: each layer's
+    experts through a lease (``pipeline.lease``), as ``pipeline.run``'s loop fetches them."""
     size = plan_expert(table.slices((table.moe_layers[0], 0))).device_bytes
     cache = DeviceCache(backend, cfg.budget.resolve(size) if cfg.budget else 1 << 30, "lru",
                         min_bytes=table.top_k * size)
     streamer = ExpertStreamer(cfg, table, backend, cache, kernels)
-    decoder = Decoder(cfg.compute, table, backend, kernels, cache, streamer)
+    decoder = Decoder(cfg.compute, table, backend, kernels, streamer)
+    joiner = EventJoiner(backend.new_stream(), backend.activate)
     verifier = Verifier(table)  # the tiny model records its digests
     rng = np.random.default_rng(7)
     try:
@@ -113,8 +116,9 @@ async def _decode(table: ExpertTable, cfg: RunConfig, backend: Any, kernels: Any
         for _ in range(tokens):
             for layer in table.moe_layers:
                 experts = rng.choice(table.n_experts, table.top_k, replace=False).tolist()
-                load = streamer.start_layer(layer, experts)
-                await decoder.run_layer(load, experts, [1.0 / len(experts)] * len(experts))
+                part = LeasePart(0, cache, streamer, joiner, streamer.start_layer(layer, experts))
+                lease = LayerLease(layer, tuple(experts), [part])
+                await decoder.run_layer([lease], experts, [1.0 / len(experts)] * len(experts))
             streamer.poll_installs()
             verifier.check(streamer.take_digests())
             verifier.check(decoder.take_use_digests())

@@ -248,12 +248,13 @@ def _assert_stopped(signum: int, rc: int, err: str, log: Path, directory: Path) 
 _SIGNAL_AT = """
 import os, signal, sys
 import pipeline.run as cli
+import pipeline.session as session
 
 step, signum, argv = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
 owner, name = {
     "before-log": (cli, "open_table"),          # the run's first step, no await yet
-    "log-opening": (cli.RunLog, "open"),        # the run's first await
-    "log-open": (cli, "machine_info"),          # the log is open, run_start not yet written
+    "log-opening": (session.RunLog, "open"),    # the run's first await (the session's open)
+    "log-open": (session, "machine_info"),      # the log is open, run_start not yet written
     "first-token": (cli.DecodeLoop, "token"),
     "closing": (cli, "_close"),                 # the run is done and cleaning up
     "after-run": (cli, "print_summary"),        # the loop is gone, the log closed
