@@ -22,8 +22,9 @@ pytestmark = [
 class TestKernels:
     """The device digest equals the host digest, tail bytes included."""
 
+    @pytest.mark.parametrize("row", [0, 5])
     @pytest.mark.parametrize("nbytes", [4, 4096, 2162688, 2162690, 7077887])
-    def test_digest3(self, nbytes: int) -> None:
+    def test_digest3(self, nbytes: int, row: int) -> None:
         from gpu.cuda import CudaDeviceBuffer, CudaStream
         from gpu.kernels import CudaKernels
 
@@ -34,15 +35,16 @@ class TestKernels:
         cupy.cuda.runtime.memcpy(buf.ptr, data.ctypes.data, data.size,
                                  cupy.cuda.runtime.memcpyHostToDevice)
         k = CudaKernels()
-        results = k.new_results(3)
+        results = k.new_results(row + 3)  # rows of a later expert: addressed, not sliced
         # device buffers hold each matrix 256-aligned (the kernel reads 4-byte words)
         second = (nbytes + 255) // 256 * 256
         third = (second + nbytes + 255) // 256 * 256
         ranges = [(0, nbytes), (second, nbytes), (third, nbytes - 1)]
         stream = CudaStream()
-        k.digest3(buf, ranges, results, 0, stream)
+        k.digest3(buf, ranges, results, row, stream)
         stream.synchronize()
-        got = k.read_results(results, 3)
+        got = k.read_results(results, row + 3)[row:]
+        assert k.read_results(results, row) == [0] * row  # the rows before: untouched
         want = [digest_bytes(data[o : o + n]) for o, n in ranges]
         assert got == want
 
