@@ -159,6 +159,38 @@ class TestRegisteredLayerBatch:
         assert out["verifier"].mismatches == 0
 
 
+    def test_delivery_after_start_returns(self, tiny_table: ExpertTable) -> None:
+        """The layer's misses are handed over after ``start_layer`` returns (one callback),
+        so a lease can still put its own queue in place, and each miss's ``loaded`` future
+        resolves for lookups that find it in flight."""
+
+        async def go() -> None:
+            cfg = RunConfig(model=tiny_table.path, compute=ComputeSpec("digest"))
+            backend = RegisteringDeferredBackend()
+            size = plan_expert(tiny_table.slices((tiny_table.moe_layers[0], 0))).device_bytes
+            cache = DeviceCache(backend, 1 << 30, "lru", min_bytes=tiny_table.top_k * size)
+            streamer = ExpertStreamer(cfg, tiny_table, backend, cache, DeferredKernels())
+            try:
+                await streamer.set_mode("resident")
+                load = streamer.start_layer(tiny_table.moe_layers[0], [0, 1, 2])
+                assert load.launcher is None and load.pending == 3
+                assert all(e.upload is not None for e in load.plan.misses)  # queued
+                futures = [e.loaded for e in load.plan.misses]
+                assert all(f is not None and not f.done() for f in futures)
+                mine: asyncio.Queue[Any] = asyncio.Queue()
+                load.arrived = mine  # what ``LayerLease`` does right after the start
+                got = [await mine.get() for _ in range(3)]
+                assert [e.key for e, _ in got] == [e.key for e in load.plan.misses]
+                assert all(error is None for _, error in got)
+                assert all(f is not None and f.done() for f in futures)
+                cache.release(load.plan.misses, None)
+            finally:
+                await streamer.aclose()
+                cache.close()
+
+        asyncio.run(go())
+
+
 class TestAllHitLayer:
     """An all-hit layer: the cache's fast plan, nothing started, identical accounting."""
 
