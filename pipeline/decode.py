@@ -310,7 +310,14 @@ class Decoder:
         failures: list[MoestreamError] = []
         for lease in leases:
             lease.on_wait = self._waited
-            while True:
+            t0 = time.perf_counter()
+            with ctx:  # the hits that have landed, at once
+                for hit in lease.take_ready():
+                    entry = hit.entry
+                    self._consume(entry, weight_of[entry.key[1]], acc, per_expert_ms)
+            await self._spend_host_compute()
+            compute_s += time.perf_counter() - t0
+            while lease.pending:  # then the others as they land
                 try:
                     arrival = await lease.next()
                 except MoestreamError as exc:  # dropped from the cache; the others go on
@@ -330,8 +337,8 @@ class Decoder:
         elif acc is not None and not failures:
             self.advance(acc)
         done = self.stream.record()
-        for lease in leases:
-            lease.release(lambda part: done)
+        for lease in leases:  # every use of this device's entries is on self.stream
+            lease.release(lambda part: done, ordered=True)
         for guess in prefetched:  # used ones end with the layer's compute (their last use)
             guess.release(lambda part: None)
         if failures:
@@ -343,18 +350,16 @@ class Decoder:
         compute_s += time.perf_counter() - t0
         if not self._queues:  # kernels ran inline: the time spent in them is the compute
             split.compute_ms = compute_s * 1000.0
-        hits = [e for lease in leases for p in lease.parts for e in p.load.plan.hits]
-        misses = [e for lease in leases for p in lease.parts for e in p.load.plan.misses]
-        return LayerResult(
-            hits=len(hits),
-            misses=len(misses),
-            evictions=sum(lease.evicted for lease in leases),
-            file_bytes=sum(e.nbytes for e in misses),
-            cache_bytes=sum(e.nbytes for e in hits),
-            stall_ms=self._stall_s * 1000.0,
-            compute_ms=compute_s * 1000.0,
-            time=split,
-        )
+        result = LayerResult(0, 0, 0, 0, 0, self._stall_s * 1000.0, compute_s * 1000.0, split)
+        for lease in leases:
+            for part in lease.parts:
+                plan = part.load.plan
+                result.hits += len(plan.hits)
+                result.misses += len(plan.misses)
+                result.evictions += plan.evicted
+                result.file_bytes += sum(e.nbytes for e in plan.misses)
+                result.cache_bytes += sum(e.nbytes for e in plan.hits)
+        return result
 
     def _wait_for_layer(self, done: Event, split: TimeSplit) -> None:
         """Wait for the layer's compute, charging each stretch of the wait to the compute

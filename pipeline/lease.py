@@ -146,7 +146,8 @@ class LayerLease:
     closed_reason: str = ""
     stall_s: float = 0.0
     _ready: list[Arrival] = field(default_factory=list)
-    _queue: asyncio.Queue[Any] = field(default_factory=asyncio.Queue)
+    _queue: asyncio.Queue[Any] | None = None
+    """Arrivals still to come, made on first use (an all-hit lease needs none)."""
     _part_of: dict[int, LeasePart] = field(default_factory=dict)
     _pending: int = 0
     _handed: set[int] = field(default_factory=set)
@@ -156,9 +157,9 @@ class LayerLease:
     def __post_init__(self) -> None:
         for part in self.parts:
             plan = part.load.plan
-            self._held.update(id(e) for e in (*plan.hits, *plan.misses))
+            self._held.update(map(id, plan.hits))
+            self._held.update(map(id, plan.misses))
             for entry in plan.hits:
-                self._part_of[id(entry)] = part
                 loaded = entry.loaded
                 if loaded is None or (loaded.done() and not loaded.cancelled()
                                       and loaded.exception() is None):
@@ -166,6 +167,7 @@ class LayerLease:
                     continue
                 # in flight for someone else (a prefetch, another lease), or just failed
                 # and not yet dropped: it arrives through the queue, with its error if any
+                self._part_of[id(entry)] = part
                 self._pending += 1
                 if loaded.done():
                     self._hit_landed(entry, loaded)
@@ -178,8 +180,13 @@ class LayerLease:
             if plan.misses:
                 # the streamer delivers this load's misses into our queue (it has not yet
                 # run: its launcher is a task that starts after this returns)
-                part.load.arrived = self._queue
+                part.load.arrived = self._arrivals()
                 self._pending += len(plan.misses)
+
+    def _arrivals(self) -> asyncio.Queue[Any]:
+        if self._queue is None:
+            self._queue = asyncio.Queue()
+        return self._queue
 
     # -- counts ----------------------------------------------------------------------------
 
@@ -196,6 +203,12 @@ class LayerLease:
         return sum(p.load.plan.evicted for p in self.parts)
 
     @property
+    def pending(self) -> int:
+        """Experts still to be handed out by ``next`` after ``take_ready`` (loading, or
+        landed and queued)."""
+        return self._pending + len(self._ready)
+
+    @property
     def entries(self) -> list[tuple[Entry, LeasePart]]:
         """Every entry planned, hits then misses, per device."""
         return [(e, p) for p in self.parts for e in (*p.load.plan.hits, *p.load.plan.misses)]
@@ -208,7 +221,7 @@ class LayerLease:
             error = StageError(f"load of {entry.key} was abandoned (its expert was dropped)")
         elif loaded.exception() is not None:
             error = loaded.exception()
-        self._queue.put_nowait((entry, error))
+        self._arrivals().put_nowait((entry, error))
 
     def _miss_landed(self, part: LeasePart, entry: Entry, loaded: asyncio.Future[None]) -> None:
         """Our own load landed: a failure is dropped from the cache; after a release, the
@@ -231,6 +244,19 @@ class LayerLease:
             raise UsageError(f"layer {self.layer}: its lease was released"
                              + (f" ({self.closed_reason})" if self.closed_reason else ""))
 
+    def take_ready(self) -> list[Arrival]:
+        """Every expert available now, without waiting: the hits whose loads have landed,
+        in the order asked (what ``next`` would hand out first, all at once); ``next``
+        then hands out the rest as they land.
+
+        Raises:
+            UsageError: the lease was released (or its session closed).
+        """
+        self._check()
+        ready, self._ready = self._ready, []
+        self._handed.update([id(arrival.entry) for arrival in ready])
+        return ready
+
     async def next(self) -> Arrival | None:
         """The next expert available, hits first, then misses as they land; None when all
         were handed out.
@@ -251,7 +277,7 @@ class LayerLease:
         t0 = time.perf_counter()
         item: Any = _ABORT
         try:
-            item = await self._queue.get()
+            item = await self._arrivals().get()
         finally:
             t1 = time.perf_counter()
             self.stall_s += t1 - t0
@@ -282,26 +308,60 @@ class LayerLease:
 
     # -- release ---------------------------------------------------------------------------
 
-    def release(self, last_use: Callable[[LeasePart], Event | None], reason: str = "") -> None:
+    def release(self, last_use: Callable[[LeasePart], Event | None], reason: str = "", *,
+                ordered: bool = False) -> None:
         """Unpin every entry (idempotent). Entries handed out end with ``last_use(part)``
-        (the caller's compute on that device); the others with their upload. A miss still
-        loading keeps its pin until it lands. A task waiting in ``next`` is woken."""
+        (the caller's compute on that device), joined with the event of their earlier
+        users; the others with their upload. A miss still loading keeps its pin until it
+        lands. A task waiting in ``next`` is woken.
+
+        Args:
+            last_use: the event after the caller's use of a part's entries.
+            reason: why the lease ends (told to a task still waiting in it).
+            ordered: ``last_use(part)`` comes after every earlier use of the entries handed
+                out, so it replaces their events with no join (every use on one compute
+                stream per device, as ``pipeline.run``'s decoder queues them).
+        """
         if self.released:
             return
         self.released = True
         self.closed_reason = reason
-        events: dict[int, Event | None] = {}
-        for entry, part in self.entries:
-            loaded = entry.loaded
-            if entry in part.load.plan.misses and loaded is not None and not loaded.done():
-                continue  # ``_miss_landed`` unpins it once the load has landed
-            event = None
-            if id(entry) in self._handed:
-                if part.device not in events:
-                    events[part.device] = last_use(part)
-                event = events[part.device]
-            self._unpin(part, entry, event)
-        self._queue.put_nowait(_ABORT)
+        held, handed = self._held, self._handed
+        for part in self.parts:
+            plan, cache = part.load.plan, part.cache
+            used: Event | None = None
+            asked = False
+            # entries that end with one event are unpinned in one call (usually all)
+            batch: list[Entry] = []
+            batch_event: Event | None = None
+            for entry in (*plan.hits, *plan.misses):
+                if id(entry) not in held:
+                    continue
+                loaded = entry.loaded
+                if loaded is not None and not loaded.done() and entry in plan.misses:
+                    continue  # ``_miss_landed`` unpins it once the load has landed
+                held.discard(id(entry))
+                if cache.get(entry.key) is not entry:
+                    continue  # dropped: its key's new entry has pins that are not ours
+                event = None
+                if id(entry) in handed:
+                    if not asked:
+                        used, asked = last_use(part), True
+                    event = used
+                join = event is None or not ordered  # ordered: after every earlier use
+                if event is None:
+                    event = entry.upload
+                if join and entry.last_use is not None and entry.last_use is not event:
+                    event = part.joiner.join(entry.last_use, event)
+                if batch and event is not batch_event:
+                    cache.release(batch, batch_event)
+                    batch = []
+                batch.append(entry)
+                batch_event = event
+            if batch:
+                cache.release(batch, batch_event)
+        if self._queue is not None:  # wakes a task waiting in ``next``
+            self._queue.put_nowait(_ABORT)
 
     @property
     def loading(self) -> int:
@@ -322,8 +382,11 @@ def plan_parts(
 ) -> list[LeasePart]:
     """Start a layer's loads on each device that holds some of ``experts``."""
     split: dict[int, list[int]] = {}
-    for e in experts:
-        split.setdefault(place((layer, int(e))), []).append(int(e))
+    if len(streamers) == 1:  # one device holds them all: no placement to ask
+        split[0] = [int(e) for e in experts]
+    else:
+        for e in experts:
+            split.setdefault(place((layer, int(e))), []).append(int(e))
     parts: list[LeasePart] = []
     try:
         for device in sorted(split):

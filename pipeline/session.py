@@ -311,6 +311,8 @@ class StreamSession:
         chosen = self._check_layer(layer, experts)
         parts = plan_parts(layer, chosen, self.streamers, self.caches, self._joiners,
                            self._place, prefetch=prefetch)
+        if len(parts) == 1:
+            return [LayerLease(layer, tuple(chosen), parts)]
         return [LayerLease(layer, tuple(e for e in chosen
                                         if self._place((layer, e)) == part.device), [part])
                 for part in parts]
