@@ -381,12 +381,13 @@ def plan_parts(
     prefetch: bool = False,
 ) -> list[LeasePart]:
     """Start a layer's loads on each device that holds some of ``experts``."""
-    split: dict[int, list[int]] = {}
     if len(streamers) == 1:  # one device holds them all: no placement to ask
-        split[0] = [int(e) for e in experts]
-    else:
-        for e in experts:
-            split.setdefault(place((layer, int(e))), []).append(int(e))
+        streamer = streamers[0]
+        start = streamer.start_prefetch if prefetch else streamer.start_layer
+        return [LeasePart(0, caches[0], streamer, joiners[0], start(layer, experts))]
+    split: dict[int, list[int]] = {}
+    for e in experts:
+        split.setdefault(place((layer, int(e))), []).append(int(e))
     parts: list[LeasePart] = []
     try:
         for device in sorted(split):
