@@ -65,6 +65,12 @@ async def _stream(table: ExpertTable, routes: list[Route], *, budget_experts: in
     compute = backend.new_stream()
     results: list[tuple[int, int, int, int]] = []  # per layer: hits, misses, evictions, pending
     errors: list[BaseException] = []
+    # only windows whose pages are all resident get registered, and the batched path needs
+    # them registered: read the file through so a test run before this one that dropped
+    # its pages (an eviction, direct-mode reads) cannot send the layer down the other path
+    with table.path.open("rb") as f:
+        while f.read(8 << 20):
+            pass
     try:
         await streamer.set_mode("resident")
         for route in routes:
