@@ -109,51 +109,18 @@ class Uploader:
     ) -> list[Event | Exception]:
         """Queue several experts at once, each on the next stream: per item what ``upload``
         does (its copies after its buffer's ``reuse_after``, then ``then``, then its own
-        event), with the per-call overhead paid once. A failed item is returned in its
-        place as its error (an ``UploadError`` unless it was already a ``MoestreamError``;
-        its stream synchronized, ``entry.upload`` unset); the others go on. Injected faults
-        count item by item, through ``upload``. The caller makes the device current
-        (``Backend.activate``) around the call.
+        event), the streams drawn under one lock. A failed item is returned in its place as
+        its error (``upload``'s: its stream synchronized, ``entry.upload`` unset); the others
+        go on. The caller makes the device current (``Backend.activate``) around the call.
         """
+        with self._lock:
+            streams = [self.streams[next(self._turn)] for _ in items]
         out: list[Event | Exception] = []
-        if self._faults:
-            for entry, pieces, then in items:
-                try:
-                    out.append(self.upload(entry, pieces, self.next_stream(), then))
-                except MoestreamError as exc:
-                    out.append(exc)
-            return out
-        copy = self._backend.copy_h2d
-        streams = self.streams
-        uploaded = 0
-        copies = 0
-        with self._lock:
-            turns = [next(self._turn) for _ in items]
-        for (entry, pieces, then), turn in zip(items, turns, strict=True):
-            stream = streams[turn]
-            buffer = entry.buffer
-            nbytes = 0
+        for (entry, pieces, then), stream in zip(items, streams, strict=True):
             try:
-                if entry.reuse_after is not None:
-                    stream.wait(entry.reuse_after)
-                for device_offset, src in pieces:
-                    copy(buffer, device_offset, src, stream)
-                    nbytes += src.size
-                if then is not None:
-                    then(stream)
-                event = stream.record()
-            except Exception as exc:
-                self._settle(stream, entry)
-                out.append(exc if isinstance(exc, MoestreamError)
-                           else UploadError(f"copy to the device failed: {exc}"))
-                continue
-            entry.upload = event
-            uploaded += nbytes
-            copies += len(pieces)
-            out.append(event)
-        with self._lock:
-            self.bytes_uploaded += int(uploaded)
-            self.copies += copies
+                out.append(self.upload(entry, pieces, stream, then))
+            except MoestreamError as exc:  # that expert fails; the layer's others go on
+                out.append(exc)
         return out
 
     def _corrupt(self, entry: Entry, piece: tuple[int, npt.NDArray[np.uint8]],
