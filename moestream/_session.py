@@ -482,7 +482,7 @@ class Session:
         self._here()
         core = self.core
         done, now = core.counters_now()
-        caches = core.caches
+        cache, caches = core.cache, core.caches
         controller = core.controller
         return Counters(
             tokens=done.tokens, hits=done.hits + now.hits, misses=done.misses + now.misses,
@@ -493,47 +493,14 @@ class Session:
             stall_ms=done.stall_ms + now.stall_ms, verified=done.verified,
             mismatches=done.mismatches, unverified=done.unverified, mode=core.mode,
             switches=controller.switches if controller is not None else 0,
-            budget_bytes=sum(c.budget_bytes for c in caches),
-            live_bytes=sum(c.live_bytes for c in caches),
-            parked_bytes=sum(c.parked_bytes for c in caches),
+            budget_bytes=cache.budget_bytes, live_bytes=cache.live_bytes,
+            parked_bytes=cache.parked_bytes,
             peak_device_bytes=sum(c.counters.peak_device_bytes for c in caches),
             open_leases=core.open_leases)
 
     def __repr__(self) -> str:
         state = "closed" if self.closed else "open" if self._loop else "not open"
         return f"Session({self.core.config.model}, {self.backend}, {state})"
-
-
-def config_for(
-    model: str | os.PathLike[str] | None,
-    *,
-    devices: int | Sequence[int] | None,
-    budget: str | Budget | None,
-    mode: Mode,
-    policy: str,
-    verify: bool,
-    backend: str,
-    log: str | os.PathLike[str] | None,
-    tuning: Tuning,
-) -> RunConfig:
-    """The ``RunConfig`` of ``open``'s arguments (shared with ``open_sync``).
-
-    Raises:
-        UsageError: a value that cannot be used, with its reason.
-    """
-    chosen = (devices,) if isinstance(devices, int) else devices
-    return RunConfig(
-        model=Path(model) if model is not None else None,
-        budget=parse_budget(budget) if isinstance(budget, str) else budget,
-        mode=mode, policy=policy, backend=backend,
-        devices=tuple(chosen) if chosen is not None else None,
-        queue_depth=tuning.queue_depth, chunk_bytes=tuning.chunk_bytes,
-        staging_slots=tuning.staging_slots, upload_streams=tuning.upload_streams,
-        verify=verify, log=Path(log) if log is not None else None,
-        ram_limit=tuning.ram_limit, sample_ms=tuning.sample_ms,
-        margin_bytes=tuning.margin_bytes, warmup=tuning.warmup, dwell_s=tuning.dwell_s,
-        faults=tuning.faults,
-    )
 
 
 def open(
@@ -573,6 +540,17 @@ def open(
         StageError: (when opened) a device or pinned allocation failed.
     """
     tuning = tuning or Tuning()
-    cfg = config_for(model, devices=devices, budget=budget, mode=mode, policy=policy,
-                     verify=verify, backend=backend, log=log, tuning=tuning)
+    chosen = (devices,) if isinstance(devices, int) else devices
+    cfg = RunConfig(
+        model=Path(model) if model is not None else None,
+        budget=parse_budget(budget) if isinstance(budget, str) else budget,
+        mode=mode, policy=policy, backend=backend,
+        devices=tuple(chosen) if chosen is not None else None,
+        queue_depth=tuning.queue_depth, chunk_bytes=tuning.chunk_bytes,
+        staging_slots=tuning.staging_slots, upload_streams=tuning.upload_streams,
+        verify=verify, log=Path(log) if log is not None else None,
+        ram_limit=tuning.ram_limit, sample_ms=tuning.sample_ms,
+        margin_bytes=tuning.margin_bytes, warmup=tuning.warmup, dwell_s=tuning.dwell_s,
+        faults=tuning.faults,
+    )
     return Session(cfg, tuning)

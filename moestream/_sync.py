@@ -13,6 +13,7 @@ import asyncio
 import os
 import threading
 from collections.abc import Callable, Coroutine, Iterator, Mapping, Sequence
+from types import TracebackType
 from typing import Any, TypeVar
 
 import uvloop
@@ -30,8 +31,8 @@ from moestream._session import (
     Session,
     TokenStats,
     Tuning,
-    config_for,
 )
+from moestream._session import open as open_session
 from pipeline.foundation.config import Budget
 from pipeline.foundation.errors import UsageError
 
@@ -205,23 +206,17 @@ class SyncSession:
 
     def close(self) -> None:
         """As ``Session.aclose``, then stop the loop's thread. Idempotent."""
-        if not self._loop.thread.is_alive():
-            return
-        try:
-            self._loop.run(self._session.aclose())
-        finally:
-            self._loop.stop()
+        self.__exit__(None, None, None)
 
     def __enter__(self) -> SyncSession:
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: object) -> None:
-        if exc is None:
-            self.close()
+                 tb: TracebackType | None) -> None:
+        if not self._loop.thread.is_alive():  # closed already
             return
-        try:  # the with block failed: close without raising over its error
-            self._loop.run(self._session.core.aclose(outcome=str(exc) or type(exc).__name__))
+        try:  # as ``Session.__aexit__``: a failed with block closes without raising over it
+            self._loop.run(self._session.__aexit__(exc_type, exc, tb))
         finally:
             self._loop.stop()
 
@@ -246,10 +241,8 @@ def open_sync(
     Arguments and errors as ``open``; the session's own loop (uvloop) runs on a daemon
     thread until ``close``.
     """
-    tuning = tuning or Tuning()
-    cfg = config_for(model, devices=devices, budget=budget, mode=mode, policy=policy,
-                     verify=verify, backend=backend, log=log, tuning=tuning)
-    session = Session(cfg, tuning)
+    session = open_session(model, devices=devices, budget=budget, mode=mode, policy=policy,
+                           verify=verify, backend=backend, log=log, tuning=tuning)
     loop = _LoopThread()
     try:
         loop.run(session._open())

@@ -144,7 +144,6 @@ class LayerLease:
         lambda entry, load, start, end: None)
     released: bool = False
     closed_reason: str = ""
-    stall_s: float = 0.0
     _ready: list[Arrival] = field(default_factory=list)
     _queue: asyncio.Queue[Any] | None = None
     """Arrivals still to come, made on first use (an all-hit lease needs none)."""
@@ -227,12 +226,16 @@ class LayerLease:
         """Our own load landed: a failure is dropped from the cache; after a release, the
         pin the lease left in place for the load is dropped now."""
         if loaded.cancelled() or loaded.exception() is not None:
-            self._held.discard(id(entry))
-            if part.cache.get(entry.key) is entry:
-                part.cache.drop(entry.key)
+            self._drop_failed(part, entry)
             return
         if self.released:
             self._unpin(part, entry, None)
+
+    def _drop_failed(self, part: LeasePart, entry: Entry) -> None:
+        """Our own load failed: its entry leaves the cache (if still there) with our pin."""
+        self._held.discard(id(entry))
+        if part.cache.get(entry.key) is entry:
+            part.cache.drop(entry.key)
 
     def _unpin(self, part: LeasePart, entry: Entry, last_use: Event | None) -> None:
         if id(entry) in self._held:
@@ -280,7 +283,6 @@ class LayerLease:
             item = await self._arrivals().get()
         finally:
             t1 = time.perf_counter()
-            self.stall_s += t1 - t0
             if item is _ABORT:
                 self.on_wait(None, None, t0, t1)
             else:
@@ -295,16 +297,10 @@ class LayerLease:
         if error is not None:
             part = self._part_of[id(entry)]
             if entry in part.load.plan.misses:  # ours: dropped now, not when told later
-                self._held.discard(id(entry))
-                if part.cache.get(entry.key) is entry:
-                    part.cache.drop(entry.key)
+                self._drop_failed(part, entry)
             raise _load_error(entry, error) from error
         self._handed.add(id(entry))
         return Arrival(entry, self._part_of[id(entry)])
-
-    def handed(self, entry: Entry) -> bool:
-        """Whether ``entry`` was handed out by this lease (the caller may have used it)."""
-        return id(entry) in self._handed
 
     # -- release ---------------------------------------------------------------------------
 
@@ -362,12 +358,6 @@ class LayerLease:
                 cache.release(batch, batch_event)
         if self._queue is not None:  # wakes a task waiting in ``next``
             self._queue.put_nowait(_ABORT)
-
-    @property
-    def loading(self) -> int:
-        """Own loads not landed yet."""
-        return sum(1 for p in self.parts for e in p.load.plan.misses
-                   if e.loaded is not None and not e.loaded.done())
 
 
 def plan_parts(

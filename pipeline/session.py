@@ -149,21 +149,20 @@ class StreamSession:
             from pipeline.foundation.outputs import check_output
 
             check_output(cfg.log, what="log", in_place=True)
-        if self.table is not None:
-            model = self.table.path
-        elif cfg.model is None:
-            from pipeline.modelgen import ensure_default_model
+        if self.table is None:
+            if cfg.model is None:
+                from pipeline.modelgen import ensure_default_model
 
-            model = ensure_default_model()
-        else:
-            model = cfg.model
-        table = self.table = self.table or open_table(model)
+                self.table = open_table(ensure_default_model())
+            else:
+                self.table = open_table(cfg.model)
+        table = self.table
         self._position = {layer: i for i, layer in enumerate(table.moe_layers)}
         self._experts = [[] for _ in table.moe_layers]
         self.backends = open_backends(cfg)
         home = self.backends[0]
         summary = self.summary
-        summary.backend, summary.model = home.name, str(model)
+        summary.backend, summary.model = home.name, str(table.path)
         summary.device = " + ".join(b.device_name for b in self.backends)
         await finish(self.runlog.open())
         layers = table.moe_layers
@@ -204,7 +203,7 @@ class StreamSession:
                            else self.manifest.source)
         self.controller = ModeController(cfg, table, self.streamer, self.runlog,
                                          sampler=self._sampler)
-        summary.budget_bytes = sum(c.budget_bytes for c in self.caches)
+        summary.budget_bytes = self.cache.budget_bytes
         compute = str(self.compute) if self.compute is not None else "engine"
         self.runlog.emit(
             "run_start",
