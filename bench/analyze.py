@@ -16,9 +16,6 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
-import os
-import platform
-import socket
 import subprocess
 import sys
 import tempfile
@@ -31,7 +28,7 @@ from typing import Any, TextIO
 import numpy as np
 import numpy.typing as npt
 
-from bench.record import git_commit, write_result
+from bench.record import git_commit, machine, write_result
 from gpu.policy import CacheIndex, make_policy
 from pipeline.foundation.errors import MoestreamError, UsageError
 
@@ -226,20 +223,6 @@ def _timed(command: list[str]) -> tuple[float, str]:
     return seconds, done.stdout
 
 
-def _machine() -> dict[str, Any]:
-    ram = None
-    try:
-        with open("/proc/meminfo", encoding="ascii") as info:
-            for line in info:
-                if line.startswith("MemTotal:"):
-                    ram = int(line.split()[1]) * 1024
-    except OSError:
-        pass  # not Linux: RAM stays unknown in the result, which says so with null
-    return {"host": socket.gethostname(), "platform": platform.platform(),
-            "python": platform.python_version(), "cpu_count": os.cpu_count(),
-            "ram_total_bytes": ram}
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the benchmark; returns the exit status."""
     parser = argparse.ArgumentParser(
@@ -273,7 +256,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         flags = " ".join(whatif).replace(budget, "BUDGET")
         result = {
             "benchmark": "analyze",
-            "machine": _machine(),
+            "machine": machine(),
             "commit": git_commit(),
             "command": " ".join(["python -m bench.analyze", *(argv or sys.argv[1:])]),
             "log": {"tokens": run.tokens, "moe_layers": run.moe_layers, "top_k": run.top_k,

@@ -1,16 +1,21 @@
-"""What every benchmark result carries: the commit it measured, written atomically."""
+"""What every benchmark result carries: the commit and machine it measured, written atomically."""
 
 from __future__ import annotations
 
 import json
 import os
+import platform
+import socket
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
+import psutil
+
 from pipeline.foundation.outputs import write_atomic
 
-__all__ = ["git_commit", "write_result"]
+__all__ = ["git_commit", "machine", "write_result"]
 
 _REPO = Path(__file__).resolve().parent.parent
 
@@ -31,6 +36,19 @@ def git_commit() -> str:
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
     return head + ("+dirty" if dirty.stdout.strip() else "")
+
+
+def machine() -> dict[str, Any]:
+    """The host a benchmark ran on: name, platform, Python, CPUs and RAM."""
+    memory = psutil.virtual_memory()
+    return {
+        "host": socket.gethostname(),
+        "platform": platform.platform(),
+        "python": sys.version.split()[0],
+        "cpu_count": os.cpu_count(),
+        "ram_total_bytes": int(memory.total),
+        "ram_available_bytes": int(memory.available),
+    }
 
 
 def write_result(path: Path, result: dict[str, Any]) -> None:

@@ -29,7 +29,6 @@ import argparse
 import asyncio
 import math
 import os
-import platform
 import resource
 import shutil
 import socket
@@ -43,9 +42,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import psutil
 
-from bench.record import git_commit, write_result
+from bench.record import git_commit, machine, write_result
 from pipeline.foundation.errors import MoestreamError, UsageError
 from pipeline.foundation.table import ByteRange, open_table
 from pipeline.logs import configure_console
@@ -60,17 +58,6 @@ _DROP_CACHES = Path("/proc/sys/vm/drop_caches")
 
 def _say(text: str) -> None:
     print(text, flush=True)
-
-
-def _machine() -> dict[str, Any]:
-    return {
-        "host": socket.gethostname(),
-        "platform": platform.platform(),
-        "python": sys.version.split()[0],
-        "cpu_count": os.cpu_count(),
-        "ram_total_bytes": int(psutil.virtual_memory().total),
-        "ram_available_bytes": int(psutil.virtual_memory().available),
-    }
 
 
 def _fs_type(path: Path) -> str | None:
@@ -341,7 +328,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ratios = _ratios(cold)
     result = {
         "benchmark": "warmup",
-        "machine": _machine(),
+        "machine": machine(),
         "commit": git_commit(),
         "command": "python -m bench.warmup " + " ".join(
             sys.argv[1:] if argv is None else list(argv)),

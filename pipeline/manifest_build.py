@@ -2,7 +2,7 @@
 
 ``ManifestBuilder`` fills in the experts a ``DigestManifest`` does not know yet, with the
 same per-matrix digest the device computes (``pipeline.foundation.digest``), in parallel: a pool of
-threads reads the file with ``os.preadv`` (through ``stages.prefetch.ModelReader``: O_DIRECT
+threads reads the file with ``os.preadv`` (through ``stages.reader.ModelReader``: O_DIRECT
 where allowed, retries, a changed file detected after every read) into per-thread buffers of
 ``piece_bytes`` and digests as it goes (numpy releases the GIL in the sums). A job is a run
 of neighbouring experts of one layer, about ``job_bytes`` of them; their matrices that touch
@@ -11,9 +11,9 @@ whatever the expert size.
 
 It runs two ways: to completion, for ``tools.warmup --digests``; and in the background of a
 run on a file with no digests (``pipeline.run``), where it yields to decode as the warm-up
-engine does (``pause``/``resume`` around layers whose misses are loading; a paused worker
-stops between pieces) and does first the experts the verifier is waiting for
-(``ensure``). Its results reach the manifest on the event loop's thread only.
+engine does (``pipeline.warm.Pausable``: ``pause``/``resume`` around layers whose misses
+are loading; a paused worker stops between pieces) and does first the experts the verifier
+is waiting for (``ensure``). Its results reach the manifest on the event loop's thread only.
 """
 
 from __future__ import annotations
@@ -48,7 +48,8 @@ from pipeline.foundation.errors import (
 )
 from pipeline.foundation.manifest import DigestManifest, ManifestKey, load_manifest, manifest_path
 from pipeline.foundation.table import ExpertTable
-from stages.layout import aligned_cover
+from pipeline.warm import Pausable, ReadResult
+from stages.layout import aligned_cover, iter_chunks
 from stages.reader import ModelReader
 
 __all__ = ["BuildResult", "ManifestBuilder", "RunManifest", "default_digest_threads"]
@@ -64,16 +65,10 @@ def default_digest_threads() -> int:
 
 
 @dataclass(frozen=True, slots=True)
-class BuildResult:
+class BuildResult(ReadResult):
     """What one ``ManifestBuilder.build`` did."""
 
     experts: int
-    bytes_read: int
-    seconds: float
-
-    @property
-    def gb_per_s(self) -> float:
-        return self.bytes_read / self.seconds / 1e9 if self.seconds > 0 else 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,7 +96,7 @@ def _stretches(ranges: Iterable[_Range]) -> list[list[_Range]]:
     return out
 
 
-class ManifestBuilder:
+class ManifestBuilder(Pausable):
     """Fills in a manifest's missing digests from the model file.
 
     Args:
@@ -124,6 +119,7 @@ class ManifestBuilder:
         job_bytes: int = 16 << 20,
         direct: bool | Callable[[], bool] = True,
     ) -> None:
+        super().__init__()
         self.threads = threads or default_digest_threads()
         if self.threads < 1:
             raise UsageError(f"threads must be >= 1, not {threads}")
@@ -137,12 +133,7 @@ class ManifestBuilder:
         self._reader = ModelReader(table.path, direct=True)
         self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="moestream-digest")
         self._local = threading.local()
-        self._running = threading.Event()  # clear while paused: workers wait between pieces
-        self._running.set()
         self._stop = threading.Event()
-        self._pause_depth = 0
-        self._resumed = asyncio.Event()
-        self._resumed.set()
         self._progressed = asyncio.Event()
         self._urgent: deque[ExpertKey] = deque()
         self._in_flight: set[ExpertKey] = set()
@@ -157,21 +148,6 @@ class ManifestBuilder:
                 f"piece_bytes={self.piece_bytes}, job_bytes={self.job_bytes})")
 
     # -- priority ---------------------------------------------------------------------------
-
-    def pause(self) -> None:
-        """Stop reading until the matching ``resume()`` (calls nest; loop thread only)."""
-        self._pause_depth += 1
-        self._resumed.clear()
-        self._running.clear()
-
-    def resume(self) -> None:
-        """Undo one ``pause()``."""
-        if self._pause_depth == 0:
-            raise UsageError("resume() without a matching pause()")
-        self._pause_depth -= 1
-        if self._pause_depth == 0:
-            self._resumed.set()
-            self._running.set()
 
     async def ensure(self, keys: Iterable[ExpertKey]) -> None:
         """Digest ``keys`` first and return once the manifest knows them all.
@@ -214,12 +190,10 @@ class ManifestBuilder:
         for stretch in _stretches(ranges):
             start, length = aligned_cover(stretch[0].offset, stretch[-1].end - stretch[0].offset)
             first = 0  # the first range of the stretch not yet wholly fed
-            for offset in range(start, start + length, self.piece_bytes):
-                if not self._running.is_set():
-                    self._running.wait()  # paused: decode's reads go first
+            for offset, n in iter_chunks(start, length, self.piece_bytes):
+                self._running.wait()  # paused: decode's reads go first
                 if self._stop.is_set():
                     return [], read
-                n = min(self.piece_bytes, start + length - offset)
                 got = self._reader.read_into(buf[:n], offset, direct=direct)
                 read += got
                 end = offset + got
@@ -336,8 +310,7 @@ class ManifestBuilder:
             jobs = self._jobs()
             while not failures:
                 await slots.acquire()
-                if self._pause_depth:
-                    await self._resumed.wait()
+                await self._wait_resumed()
                 job = next(jobs, None) if not failures else None
                 if job is None:
                     slots.release()
@@ -370,7 +343,8 @@ class ManifestBuilder:
             raise
         self.finished = True
         self._progressed.set()
-        result = BuildResult(experts, self.bytes_read, time.perf_counter() - t0)
+        result = BuildResult(bytes_read=self.bytes_read, seconds=time.perf_counter() - t0,
+                             experts=experts)
         _log.info("digest_manifest_built", path=str(self._table.path), experts=experts,
                   bytes=result.bytes_read, seconds=round(result.seconds, 3),
                   gb_per_s=round(result.gb_per_s, 3))

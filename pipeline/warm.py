@@ -11,6 +11,8 @@ The residency controller and the ``tools.warmup`` CLI both use it.
   (``stages.residency.hint_willneed``), a byte-rate ``TokenBucket``,
   ``pause()``/``resume()`` so decode reads go first, and prompt asyncio cancellation.
 - ``WarmResult`` says what one warm-up did.
+- ``Pausable``: the nesting ``pause()``/``resume()`` of background reads, shared with the
+  digest manifest's builder (``pipeline.manifest_build``).
 
 Byte ranges are anything with ``offset`` and ``nbytes`` (``stages.residency.RangeLike``).
 """
@@ -40,6 +42,8 @@ from stages.residency import PAGE_BYTES, RangeLike, hint_willneed
 
 __all__ = [
     "Loader",
+    "Pausable",
+    "ReadResult",
     "TokenBucket",
     "WarmEngine",
     "WarmResult",
@@ -47,6 +51,58 @@ __all__ = [
 ]
 
 _log = structlog.get_logger("moestream.warm")
+
+
+class Pausable:
+    """Background reads that yield to decode: ``pause()``/``resume()`` that nest.
+
+    The warm-up engine and the digest manifest's builder share it. Call ``pause``/``resume``
+    (or ``with x.paused():``) from the event loop's thread. The loop side waits on
+    ``_resumed`` before it submits more work; a worker thread that should stop between
+    pieces waits on ``_running`` (both are set whenever no pause is held).
+    """
+
+    def __init__(self) -> None:
+        self._pause_depth = 0
+        self._resumed = asyncio.Event()
+        self._resumed.set()
+        self._running = threading.Event()
+        self._running.set()
+
+    def pause(self) -> None:
+        """Stop reading until the matching ``resume()`` (calls nest)."""
+        self._pause_depth += 1
+        self._resumed.clear()
+        self._running.clear()
+
+    def resume(self) -> None:
+        """Undo one ``pause()``."""
+        if self._pause_depth == 0:
+            raise UsageError("resume() without a matching pause()")
+        self._pause_depth -= 1
+        if self._pause_depth == 0:
+            self._resumed.set()
+            self._running.set()
+
+    @property
+    def paused_now(self) -> bool:
+        """A pause is held."""
+        return self._pause_depth > 0
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Pause for the body of a ``with`` block (decode reads go first)."""
+        self.pause()
+        try:
+            yield
+        finally:
+            self.resume()
+
+    async def _wait_resumed(self) -> None:
+        """Loop side: return once no pause is held."""
+        if self._pause_depth:
+            await self._resumed.wait()
+
 
 class TokenBucket:
     """A byte-rate limiter that lets a request run into debt and makes the next one wait.
@@ -108,16 +164,23 @@ class TokenBucket:
 
 
 @dataclass(frozen=True, slots=True)
-class WarmResult:
-    """What one ``WarmEngine.warm`` call did."""
+class ReadResult:
+    """The bytes a background read took in and the seconds it took."""
 
     bytes_read: int
     seconds: float
-    pieces: int
 
     @property
     def gb_per_s(self) -> float:
+        """Read rate in GB/s (0 when no time passed)."""
         return self.bytes_read / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class WarmResult(ReadResult):
+    """What one ``WarmEngine.warm`` call did."""
+
+    pieces: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -176,7 +239,7 @@ def default_threads() -> int:
     return min(32, max(16, 2 * (os.cpu_count() or 2)))
 
 
-class WarmEngine:
+class WarmEngine(Pausable):
     """Loads byte ranges of one file into the page cache, in the background, politely.
 
     Two paths, chosen per stretch of touching ranges:
@@ -238,6 +301,7 @@ class WarmEngine:
         buffer_bytes: int = 1 << 20,
         loader: Loader = "sendfile",
     ) -> None:
+        super().__init__()
         self.path = Path(path)
         self.threads = threads or default_threads()
         if self.threads < 1:
@@ -274,9 +338,6 @@ class WarmEngine:
                              reason=exc.strerror)
         self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="moestream-warm")
         self._local = threading.local()
-        self._pause_depth = 0
-        self._resumed = asyncio.Event()
-        self._resumed.set()
         self._bucket: TokenBucket | None = None
         self._busy = asyncio.Lock()
         self._closed = False
@@ -288,33 +349,7 @@ class WarmEngine:
             f"stream_min_bytes={self.stream_min_bytes}, loader={self.loader!r})"
         )
 
-    # --- priority and rate -----------------------------------------------------------------
-
-    def pause(self) -> None:
-        """Stop submitting reads until the matching ``resume()`` (calls nest)."""
-        self._pause_depth += 1
-        self._resumed.clear()
-
-    def resume(self) -> None:
-        """Undo one ``pause()``."""
-        if self._pause_depth == 0:
-            raise UsageError("resume() without a matching pause()")
-        self._pause_depth -= 1
-        if self._pause_depth == 0:
-            self._resumed.set()
-
-    @property
-    def paused_now(self) -> bool:
-        return self._pause_depth > 0
-
-    @contextlib.contextmanager
-    def paused(self) -> Iterator[None]:
-        """Pause for the body of a ``with`` block (decode reads go first)."""
-        self.pause()
-        try:
-            yield
-        finally:
-            self.resume()
+    # --- rate ------------------------------------------------------------------------------
 
     def set_rate(self, max_bytes_per_s: float | None) -> None:
         """Change the byte rate of the warm-up running now (None: unlimited)."""
@@ -471,8 +506,7 @@ class WarmEngine:
                     for _ in range(weight):
                         slots.release()
                     break
-                if self._pause_depth:
-                    await self._resumed.wait()
+                await self._wait_resumed()
                 if self._bucket is not None:
                     await self._bucket.take(piece.range.nbytes)
                 hints: tuple[ByteRange, ...] = ()
