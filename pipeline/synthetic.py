@@ -37,14 +37,13 @@ The generative model, per MoE layer:
   distinct fallback experts, and keeps the first ``top_k`` distinct ones.
 - **Weights.** Flat Dirichlet rows (normalised exponentials).
 
-Calibration (``tools.calibrate``, ``tools.make_trace --check``): the Qwen curve is matched over a
-128-token decode
-and the ds4 shared budget and 100 GB short bench over ~220 tokens. Lengths matter: the Qwen
-curve goes flat from 64 to 128 experts (68% -> 71%) while 29% still miss, which only
-first-use misses of a short run explain, and a 220-token run that touches almost every
-expert of each layer misses at least 256 / (220 * 6) = 19% even with everything cached,
-hence ds4's 0.81. The presets' parameters were fitted to these figures by search over this
-model; they hold within about 3 points across seeds.
+Calibration (``tools.calibrate``, ``tools.make_trace --check``): the Qwen curve is matched
+over a 128-token decode and the ds4 shared budget and 100 GB short bench over ~220 tokens.
+Lengths matter: the Qwen curve goes flat from 64 to 128 experts (68% -> 71%) while 29% still
+miss, which only first-use misses of a short run explain, and a 220-token run that touches
+almost every expert of each layer misses at least 256 / (220 * 6) = 19% even with everything
+cached, hence ds4's 0.81. The presets' parameters were fitted to these figures by search over
+this model; they hold within about 3 points across seeds.
 
 Sizes are in units of ``top_k`` (``speed_per_k``, ``window_per_k``) so that a trace reshaped
 to a small model (say 4 layers x 32 experts x top-4) keeps the preset's character; hash

@@ -465,9 +465,6 @@ def _read_npz(path: str | os.PathLike[str], source: str) -> _Arrays:
                     )
                 n_experts = int(_member(archive, "n_experts", source, scalar_kind="iu").item())
                 preset = str(_member(archive, "preset", source, scalar_kind="U").item())
-                for name in ("experts", "weights"):
-                    if f"{name}.npy" not in archive.namelist():
-                        raise TraceError(f"{source}: archive lacks '{name}'")
                 experts = _as_ids(_member(archive, "experts", source), source)
                 weights = _as_weights(_member(archive, "weights", source), source)
     except TraceError:

@@ -6,16 +6,14 @@ model with it); this command writes a preset, scaled by ``--layers``/``--experts
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import NoReturn
 
 import structlog
 
-from pipeline.foundation.cli import closable_stdout, print_error, printable
+from pipeline.foundation.cli import UsageParser, closable_stdout, print_error, printable
 from pipeline.foundation.errors import MoestreamError, UsageError
 from pipeline.foundation.interrupts import stoppable
 from pipeline.foundation.outputs import check_output
@@ -27,17 +25,10 @@ _DESCRIPTION = ("Write a GGUF model shaped like a public MoE model (DeepSeek V4 
                 "Qwen3-30B-A3B, Mixtral-8x7B) with known expert bytes.")
 
 
-class _Parser(argparse.ArgumentParser):
-    """An argument parser whose errors are UsageErrors (one line, exit 2), not usage dumps."""
-
-    def error(self, message: str) -> NoReturn:
-        raise UsageError(message)
-
-
 @stoppable("moestream-make-model")  # SIGTERM, SIGHUP as SIGINT: the temp file goes
 def main(argv: Sequence[str] | None = None) -> int:
     """Command line: ``python -m tools.make_model OUT --preset ...``; returns the exit code."""
-    parser = _Parser(prog="moestream-make-model", description=_DESCRIPTION)
+    parser = UsageParser(prog="moestream-make-model", description=_DESCRIPTION)
     parser.add_argument("out", type=Path, metavar="OUT", help="GGUF file to write")
     parser.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
     parser.add_argument("--layers", type=int, help="scale down to N layers")

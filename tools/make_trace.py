@@ -10,9 +10,8 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
-from typing import NoReturn
 
-from pipeline.foundation.cli import closable_stdout, print_error, printable
+from pipeline.foundation.cli import UsageParser, closable_stdout, print_error, printable
 from pipeline.foundation.errors import MoestreamError, UsageError
 from pipeline.foundation.interrupts import stoppable
 from pipeline.foundation.outputs import check_output
@@ -23,18 +22,8 @@ from tools.calibrate import calibration_table
 __all__ = ["main"]
 
 
-
-
-
-class _Parser(argparse.ArgumentParser):
-    """argparse that raises ``UsageError`` (one line) instead of printing usage and exiting."""
-
-    def error(self, message: str) -> NoReturn:
-        raise UsageError(message)
-
-
 def _parser() -> argparse.ArgumentParser:
-    parser = _Parser(
+    parser = UsageParser(
         prog="python -m tools.make_trace",
         description="Write a synthetic routing trace (.npz, or .jsonl by suffix); "
         "--check prints the preset's calibration against published measurements.",
@@ -90,10 +79,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 n_experts=args.experts,
                 top_k=args.top_k,
             )
-            try:
-                save_trace(trace, args.out)
-            except OSError as exc:
-                raise UsageError(f"cannot write {args.out}: {exc.strerror or exc}") from exc
+            save_trace(trace, args.out)  # a failed write is an OutputError naming the file
             with closable_stdout():
                 print(
                     f"wrote {printable(args.out)}: {trace.n_tokens} tokens x "

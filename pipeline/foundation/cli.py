@@ -10,18 +10,25 @@ A reader may close stdout before a command is done (``moestream-run | true``,
 output is dropped (stdout is pointed at ``/dev/null``, so the interpreter's last flush
 cannot fail either) and the exit status is the one the command would have had, 0 when it
 succeeded. :func:`closable_stdout` wraps the code that writes to stdout.
+
+Argument errors are one line too: :class:`UsageParser` raises them as ``UsageError`` (exit 2)
+instead of printing the usage and exiting.
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import io
 import os
 import sys
 import unicodedata
 from collections.abc import Iterator
+from typing import NoReturn
 
-__all__ = ["closable_stdout", "drop_stdout", "print_error", "printable"]
+from pipeline.foundation.errors import UsageError
+
+__all__ = ["UsageParser", "closable_stdout", "drop_stdout", "print_error", "printable"]
 
 _NAMED = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
 
@@ -45,6 +52,14 @@ def print_error(prefix: str, error: object) -> None:
     """One line on stderr: ``prefix`` then the error's message, control characters escaped."""
     sys.stderr.write(f"{prefix}{printable(str(error))}\n")
     sys.stderr.flush()
+
+
+class UsageParser(argparse.ArgumentParser):
+    """An argument parser whose errors are ``UsageError``s (one line, exit 2), not usage
+    dumps and ``SystemExit``."""
+
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(message)
 
 
 def drop_stdout() -> None:

@@ -15,7 +15,7 @@ import stat
 from pathlib import Path
 from typing import BinaryIO
 
-__all__ = ["NotRegularFileError", "open_input", "require_regular_file"]
+__all__ = ["NotRegularFileError", "file_kind", "open_input", "require_regular_file"]
 
 _KINDS = (
     (stat.S_ISDIR, "a directory"),
@@ -39,8 +39,8 @@ class NotRegularFileError(OSError):
         self.filename = os.fspath(path)
 
 
-def _kind(mode: int) -> str | None:
-    """What a non-regular file is, or None for a regular file."""
+def file_kind(mode: int) -> str | None:
+    """What a non-regular file is (``a FIFO``), from its ``st_mode``; None for a regular file."""
     if stat.S_ISREG(mode):
         return None
     return next((name for test, name in _KINDS if test(mode)), "not a regular file")
@@ -55,7 +55,7 @@ def open_input(path: str | os.PathLike[str]) -> BinaryIO:
     """
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     try:
-        kind = _kind(os.fstat(fd).st_mode)
+        kind = file_kind(os.fstat(fd).st_mode)
         if kind is not None:
             raise NotRegularFileError(path, kind)
         os.set_blocking(fd, True)

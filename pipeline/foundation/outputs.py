@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from pipeline.foundation.errors import OutputError
+from pipeline.foundation.inputs import file_kind
 
 __all__ = [
     "atomic_output",
@@ -46,13 +47,6 @@ __all__ = [
 
 PathLike = str | os.PathLike[str]
 
-_KINDS = (
-    (stat.S_ISCHR, "a character device"),
-    (stat.S_ISBLK, "a block device"),
-    (stat.S_ISFIFO, "a FIFO"),
-    (stat.S_ISSOCK, "a socket"),
-)
-
 
 def _reason(exc: OSError) -> str:
     return exc.strerror or str(exc)
@@ -63,8 +57,8 @@ def _refuse_kind(shown: Path, target: Path, mode: int, what: str | None) -> None
     via = f" (a link to {target})" if target != Path(os.path.abspath(shown)) else ""
     if stat.S_ISDIR(mode):
         raise OutputError(shown, f"cannot write: is a directory{via}", what=what)
-    if not stat.S_ISREG(mode):
-        kind = next((name for test, name in _KINDS if test(mode)), "not a regular file")
+    kind = file_kind(mode)
+    if kind is not None:
         raise OutputError(shown, f"cannot write: is {kind}{via}; outputs are written only to "
                           "regular files (leave the option out to write nothing)", what=what)
 

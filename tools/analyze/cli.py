@@ -6,13 +6,12 @@ each token's expert bytes came from (device cache, page cache, storage), how muc
 token's time was spent waiting for I/O, how long each I/O mode was in force and why it
 switched, and where each token's wall time went and what bounds the run
 (``tools.analyze.time_report``). One log gives a summary table; several give a before/after
-comparison; ``--csv``
-gives per-interval rows in ds4-bench's column style for spreadsheets; ``--plot`` draws the
-same over time (``tools.analyze.plots``); ``--what-if`` replays the run's accesses under other
-budgets and policies (``tools.analyze.whatif``, reported by ``tools.analyze.whatif_report``). A run
-over
-several devices also gets a per-device table (``tools.analyze.device_report``): each device's hits,
-file bytes, stall, budget and peak, and how evenly the file bytes were spread.
+comparison; ``--csv`` gives per-interval rows in ds4-bench's column style for spreadsheets;
+``--plot`` draws the same over time (``tools.analyze.plots``); ``--what-if`` replays the run's
+accesses under other budgets and policies (``tools.analyze.whatif``, reported by
+``tools.analyze.whatif_report``). A run over several devices also gets a per-device table
+(``tools.analyze.device_report``): each device's hits, file bytes, stall, budget and peak, and
+how evenly the file bytes were spread.
 
 Usage::
 
@@ -253,8 +252,6 @@ def compare_table(summaries: Sequence[Summary]) -> str:
         row += list(changes[0]) if pair else [pct for _, pct in changes]
         rows.append(row)
     return text_table(rows)
-
-
 
 
 def _csv_cell(value: Value) -> str:

@@ -29,9 +29,9 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
-from pipeline.foundation.cli import closable_stdout, print_error
+from pipeline.foundation.cli import UsageParser, closable_stdout, print_error
 from pipeline.foundation.config import parse_size
 from pipeline.foundation.errors import MoestreamError, UsageError
 from pipeline.foundation.table import ByteRange, open_table
@@ -87,15 +87,8 @@ def _hold(lock: PageLock, out: Any) -> None:
         signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
-class _Parser(argparse.ArgumentParser):
-    """Argument errors become UsageErrors: one line, exit 2."""
-
-    def error(self, message: str) -> NoReturn:
-        raise UsageError(message)
-
-
 def _parser() -> argparse.ArgumentParser:
-    parser = _Parser(
+    parser = UsageParser(
         prog=PROG,
         description="Preload, report, evict or lock a model file's pages in the page cache.",
     )

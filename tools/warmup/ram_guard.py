@@ -2,7 +2,7 @@
 
 ``check_ram`` compares the bytes an action would add to the page cache with available RAM
 minus a margin. The warm-up CLI (``tools.warmup``, unless ``--force``) and the benchmarks'
-``tools.benchkit.make_resident`` ask it before they warm or lock a file.
+``bench.kit.make_resident`` ask it before they warm or lock a file.
 """
 
 from __future__ import annotations
