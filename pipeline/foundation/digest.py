@@ -13,6 +13,8 @@ one whole range fed at once.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import numpy.typing as npt
 
@@ -21,8 +23,15 @@ __all__ = ["GOLDEN", "RunningDigest", "digest_bytes", "mix_digest", "mix_digests
 GOLDEN = 0x9E3779B97F4A7C15
 _MASK = (1 << 64) - 1
 _BLOCK_WORDS = 1 << 20  # words summed per numpy call: bounds the temporaries at 8 MiB
-_WEIGHTS = np.arange(1, _BLOCK_WORDS + 1, dtype=np.uint64)
-_WEIGHTS.setflags(write=False)  # shared by every thread
+
+
+@functools.cache
+def _weights() -> npt.NDArray[np.uint64]:
+    """1..``_BLOCK_WORDS``, made on first use (8 MiB: not in every process that imports this),
+    read-only and shared by every thread."""
+    weights = np.arange(1, _BLOCK_WORDS + 1, dtype=np.uint64)
+    weights.setflags(write=False)
+    return weights
 
 
 def mix_digest(s1: int, s2: int) -> int:
@@ -89,7 +98,7 @@ class RunningDigest:
     def _add_block(self, words: npt.NDArray[np.uint32]) -> None:
         wide = words.astype(np.uint64)
         s1 = int(wide.sum(dtype=np.uint64))
-        s2 = int(np.dot(wide, _WEIGHTS[: wide.size]))  # wraps modulo 2**64, as the kernel
+        s2 = int(np.dot(wide, _weights()[: wide.size]))  # wraps modulo 2**64, as the kernel
         self._s2 = (self._s2 + s2 + self._words * s1) & _MASK
         self._s1 = (self._s1 + s1) & _MASK
         self._words += int(wide.size)
