@@ -167,10 +167,7 @@ async def run(
             live.update(totals, session.mode)
             summary.add(totals, loop.storage_bytes, session.mode)
             summary.elapsed_s = time.perf_counter() - started  # right even if stopped later
-            summary.verified = verifier.verified
-            summary.mismatches = verifier.mismatches
-            summary.first_mismatch = verifier.first_mismatch
-            summary.unverified = verifier.unverified
+            session.record_verification()
             session.runlog.raise_if_failed()  # the file system stopped taking the log: stop
         summary.elapsed_s = time.perf_counter() - started
         # compare what still waits for its digests, decode done

@@ -440,7 +440,7 @@ class StreamSession:
         summary.add(totals, storage, mode)
         assert self._first_t0 is not None
         summary.elapsed_s = now - self._first_t0
-        self._record_verification()
+        self.record_verification()
         self._token += 1
         self._token_t0 = None
         self._totals = TokenTotals()
@@ -453,7 +453,8 @@ class StreamSession:
                 f"{self._token - 1} differ from the file, first: {self.verifier.first_mismatch}")
         return fields
 
-    def _record_verification(self) -> None:
+    def record_verification(self) -> None:
+        """Copy the verifier's counts into the summary (after each token, and at close)."""
         assert self.verifier is not None
         s = self.summary
         s.verified, s.mismatches = self.verifier.verified, self.verifier.mismatches
@@ -473,7 +474,7 @@ class StreamSession:
         if self.manifest is not None and self.verifier is not None:
             await self.manifest.settle(self.verifier)
         if self.verifier is not None:
-            self._record_verification()
+            self.record_verification()
 
     async def aclose(self, *, outcome: str = "ok", check: bool = True) -> None:
         """Release every lease and hint, stop the loads, close everything, log ``run_end``.
@@ -526,7 +527,7 @@ class StreamSession:
             await self.manifest.aclose()
             summary.manifest_bytes = self.manifest.bytes_read
         if self.verifier is not None:
-            self._record_verification()
+            self.record_verification()
         if self.controller is not None:
             await self.controller.aclose()
             summary.switches = self.controller.switches
