@@ -90,6 +90,9 @@ class NullKernels(HostKernels):
     def busy(self, ms: float, buf: DeviceBuffer, stream: Stream) -> None:
         pass
 
+    def gather(self, copies: npt.NDArray[np.uint64], stream: Stream) -> None:
+        pass
+
 
 def _routes(table: ExpertTable, tokens: int, start: int) -> list[list[list[int]]]:
     """Token t, every layer: experts ``start + t*k .. + k`` (mod n), distinct per token."""

@@ -233,7 +233,7 @@ class Bench:
         self.runs: dict[str, Any] = {}
 
     def run(self, name: str, trace: Trace, tokens: int, *, mode: str, budget_bytes: int | None,
-            layer_ms: float, policy: str = "lru", lookahead: int = 0,
+            layer_ms: float, policy: str = "lru", lookahead: int = 0, gather: bool = True,
             ) -> tuple[RunSummary, list[dict[str, Any]]]:
         trace_path = self.scratch / f"{name}.npz"
         save_trace(trace, trace_path)
@@ -245,7 +245,7 @@ class Bench:
             queue_depth=self.args.queue_depth, chunk_bytes=self.args.chunk_mib * MIB,
             staging_slots=self.args.staging_slots, upload_streams=self.args.streams,
             log=log, policy=policy, prefetch="oracle" if lookahead else "none",
-            lookahead=lookahead, verify=not self.args.no_verify,
+            lookahead=lookahead, verify=not self.args.no_verify, gather=gather,
         )
         summary = uvloop.run(run(cfg))
         events = token_events(log)
@@ -329,6 +329,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                               budget_bytes=sweep_budget, layer_ms=0.0, lookahead=args.lookahead)
             results["resident_miss"] = _phase("resident_miss", {},
                                               lambda: window_rate(ev[args.sweep_tokens:]))
+            if gpu:  # the same on the copy engines (``--no-gather``), in the same run
+                _, ev = bench.run("resident_sweep_copies", sweep, cyc, mode="resident",
+                                  budget_bytes=sweep_budget, layer_ms=0.0,
+                                  lookahead=args.lookahead, gather=False)
+                results["resident_miss_copy_engines"] = _phase(
+                    "resident_miss_copy_engines", {},
+                    lambda: window_rate(ev[args.sweep_tokens:]))
         if "cold" not in skip:
             print("cold (caches dropped):", flush=True)
             drop_caches(table.path)
@@ -404,6 +411,9 @@ def _figures(r: dict[str, Any]) -> dict[str, Any]:
     if "resident_miss" in r:
         fig["2_warm_resident_vs_pinned_h2d"] = _ratio(r["resident_miss"]["delivered_gbps"],
                                                       ref.get("pinned_h2d_gbps"))
+        fig["2_warm_resident_copy_engines_vs_pinned_h2d"] = _ratio(
+            r.get("resident_miss_copy_engines", {}).get("delivered_gbps"),
+            ref.get("pinned_h2d_gbps"))
         fig["2_warm_resident_vs_kvikio"] = _ratio(r["resident_miss"]["delivered_gbps"],
                                                   ref.get("kvikio_warm_gbps"))
         fig["2_warm_resident_vs_page_cache_read"] = _ratio(

@@ -78,6 +78,8 @@ class DeviceBuffer(Protocol):
     """Device memory holding one cached expert."""
 
     nbytes: int
+    ptr: int
+    """Its device address (``Kernels.gather`` rows)."""
 
     def close(self) -> None: ...
 
@@ -93,6 +95,9 @@ class Backend(Protocol):
     """True when ``copy_h2d`` only queues the copy (CUDA); False when it copies at once."""
     registers_host: bool
     """True when host memory must be registered (page-locked) for direct device copies."""
+    maps_host: bool
+    """True when kernels read registered host memory at its host address
+    (``Kernels.gather``; on CUDA, ``cudaDevAttrCanUseHostPointerForRegisteredMem``)."""
 
     def alloc_host(self, nbytes: int) -> HostBuffer: ...
 
@@ -152,6 +157,14 @@ class Kernels(Protocol):
 
     def read_results(self, results: DeviceArray, n: int) -> list[int]:
         """The digests of the first ``n`` rows (synchronizes with the device)."""
+
+    def results_address(self, results: DeviceArray, row: int) -> int:
+        """The device address of a results row (a ``gather`` row's digest address)."""
+
+    def gather(self, copies: npt.NDArray[np.uint64], stream: Stream) -> None:
+        """Queue ``copies`` (``gpu.kernels.COPY_FIELDS`` per row: host source, device
+        destination, bytes, digest row address or 0, byte to invert or ``NO_FLIP``) on
+        ``stream``: every copy and its digest, in one launch where the device can."""
 
     def busy(self, ms: float, buf: DeviceBuffer, stream: Stream) -> None:
         """Keep the device busy for ``ms`` milliseconds reading ``buf`` (``--compute fixed``)."""

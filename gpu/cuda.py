@@ -26,7 +26,10 @@ from pipeline.foundation.errors import DeviceMemoryError, UploadError
 __all__ = ["CupyBackend", "unavailable_reason"]
 
 _log = structlog.get_logger("moestream.gpu")
-_HOST_REGISTER_FLAGS = 0x01 | 0x08  # cudaHostRegisterPortable | cudaHostRegisterReadOnly
+# cudaHostRegisterPortable | cudaHostRegisterMapped | cudaHostRegisterReadOnly: every device
+# copies from a window, and kernels read it in place (``Kernels.gather``)
+_HOST_REGISTER_FLAGS = 0x01 | 0x02 | 0x08
+_CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM = 91  # cudaDeviceAttr
 
 
 def unavailable_reason() -> str | None:
@@ -147,6 +150,8 @@ class CupyBackend:
         props = cupy.cuda.runtime.getDeviceProperties(device)
         raw_name = props["name"]
         self.device_name = raw_name.decode() if isinstance(raw_name, bytes) else str(raw_name)
+        self.maps_host = bool(cupy.cuda.runtime.deviceGetAttribute(
+            _CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM, device))
 
     def activate(self) -> Any:
         # a new Device each time: a Device keeps the devices it replaced in a list of its

@@ -66,14 +66,16 @@ class HostPinned:
 class HostDeviceBuffer:
     """Host memory standing in for device memory."""
 
-    __slots__ = ("array", "nbytes")
+    __slots__ = ("array", "nbytes", "ptr")
 
     def __init__(self, nbytes: int) -> None:
         self.nbytes = nbytes
         self.array = aligned_host_array(nbytes, 256)
+        self.ptr = int(self.array.ctypes.data)
 
     def close(self) -> None:
         self.array = np.empty(0, dtype=np.uint8)
+        self.ptr = 0
 
 
 class HostBackend:
@@ -82,6 +84,7 @@ class HostBackend:
     name = "host"
     async_copies = False
     registers_host = False
+    maps_host = True  # its "device" memory is host memory
 
     def __init__(self, device: int = 0) -> None:
         self.device = device

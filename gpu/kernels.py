@@ -10,10 +10,19 @@ Three kinds of work consume cached experts:
 
 Digest results are written into a results array and read back once per token, so the host
 never waits per expert.
+
+One kind fills the cache: ``gather`` copies a layer's resident misses from the registered
+file mapping in one launch, and digests each range as it writes it (``COPY_FIELDS``). Why a
+kernel and not the copy engines: 2.5 MiB experts are 7.5 copies of 0.84 MiB each, and per-copy
+launch and scheduling cost held ``cudaMemcpyAsync`` at 0.6-0.83 of one large pinned copy on
+the H200 (issue 14); a kernel reading the device-mapped pages (``Backend.maps_host``) moves a
+whole layer per launch, and the install digest rides along instead of re-reading the copy.
 """
 
 from __future__ import annotations
 
+import ctypes
+import threading
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -26,7 +35,18 @@ from gpu.cuda import CudaDeviceBuffer, CudaStream
 from gpu.host import HostDeviceBuffer
 from pipeline.foundation.digest import mix_digests
 
-__all__ = ["CudaKernels", "HostKernels", "make_kernels"]
+__all__ = ["COPY_FIELDS", "NO_FLIP", "CudaKernels", "HostKernels", "copy_rows", "make_kernels"]
+
+COPY_FIELDS = 5
+"""A ``gather`` row, uint64: source address (device-readable registered host memory),
+destination device address, bytes, digest address (two uint64 sums, a results row as
+``digest3`` fills; 0 for none), byte offset to invert (``NO_FLIP`` for none)."""
+NO_FLIP = (1 << 64) - 1
+
+
+def copy_rows(rows: Sequence[tuple[int, int, int, int, int]]) -> npt.NDArray[np.uint64]:
+    """``gather``'s (n, ``COPY_FIELDS``) array from row tuples."""
+    return np.array(rows, dtype=np.uint64).reshape(len(rows), COPY_FIELDS)
 
 _CUDA_SOURCE = r"""
 extern "C" __global__ void digest3(const unsigned char* base,
@@ -65,6 +85,87 @@ extern "C" __global__ void digest3(const unsigned char* base,
     }
 }
 
+// One row per copy: a layer's resident misses in one launch (``CudaKernels.gather``).
+struct Copy {
+    unsigned long long src;   // device-readable address of registered host memory
+    unsigned long long dst;   // device address
+    unsigned long long n;     // bytes
+    unsigned long long out;   // two uint64 digest sums (digest3's row), 0 for none
+    unsigned long long flip;  // byte offset to invert (the ``corrupt`` fault), ~0 for none
+};
+
+__device__ __forceinline__ void add_word(unsigned long long v, unsigned long long i,
+                                         unsigned long long& s1, unsigned long long& s2) {
+    s1 += v;
+    s2 += v * (i + 1);
+}
+
+extern "C" __global__ void gather(const Copy* copies) {
+    // blockIdx.y picks the copy; the row lives in mapped pinned host memory: read it once
+    __shared__ Copy c;
+    if (threadIdx.x == 0) c = copies[blockIdx.y];
+    __syncthreads();
+    const unsigned long long n = c.n;
+    const unsigned long long first = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x;
+    const unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
+    unsigned long long s1 = 0, s2 = 0, done;
+    if (((c.src | c.dst) & 15) == 0) {           // 16-byte loads: the common case
+        const uint4* src = (const uint4*)c.src;
+        uint4* dst = (uint4*)c.dst;
+        done = n / 16 * 16;
+        for (unsigned long long i = first; i < n / 16; i += stride) {
+            uint4 v = src[i];
+            if (c.flip - i * 16 < 16) {
+                unsigned int b = (unsigned int)(c.flip - i * 16);
+                ((unsigned int*)&v)[b >> 2] ^= 0xFFu << (8 * (b & 3));
+            }
+            dst[i] = v;
+            add_word(v.x, 4 * i, s1, s2);
+            add_word(v.y, 4 * i + 1, s1, s2);
+            add_word(v.z, 4 * i + 2, s1, s2);
+            add_word(v.w, 4 * i + 3, s1, s2);
+        }
+    } else {                                     // any alignment: words of single bytes
+        const unsigned char* src = (const unsigned char*)c.src;
+        unsigned char* dst = (unsigned char*)c.dst;
+        done = n / 4 * 4;
+        for (unsigned long long i = first; i < n / 4; i += stride) {
+            unsigned long long v = 0;
+            for (int k = 0; k < 4; ++k) {
+                unsigned char b = src[4 * i + k];
+                if (4 * i + k == c.flip) b ^= 0xFF;
+                dst[4 * i + k] = b;
+                v |= (unsigned long long)b << (8 * k);
+            }
+            add_word(v, i, s1, s2);
+        }
+    }
+    if (blockIdx.x == 0 && threadIdx.x == 0) {   // the tail: whole words, zero-padded
+        const unsigned char* src = (const unsigned char*)c.src;
+        unsigned char* dst = (unsigned char*)c.dst;
+        for (unsigned long long w = done; w < n; w += 4) {
+            unsigned long long v = 0;
+            for (unsigned long long b = w; b < w + 4 && b < n; ++b) {
+                unsigned char x = src[b];
+                if (b == c.flip) x ^= 0xFF;
+                dst[b] = x;
+                v |= (unsigned long long)x << (8 * (b - w));
+            }
+            add_word(v, w / 4, s1, s2);
+        }
+    }
+    if (c.out == 0) return;
+    for (int o = 16; o > 0; o >>= 1) {
+        s1 += __shfl_down_sync(0xffffffffu, s1, o);
+        s2 += __shfl_down_sync(0xffffffffu, s2, o);
+    }
+    if ((threadIdx.x & 31) == 0) {
+        unsigned long long* out = (unsigned long long*)c.out;
+        atomicAdd(out, s1);
+        atomicAdd(out + 1, s2);
+    }
+}
+
 extern "C" __global__ void busy_ns(unsigned long long ns) {
     unsigned long long start, now;
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
@@ -90,6 +191,7 @@ class HostKernels:
 
     def _digest(self, data: npt.NDArray[np.uint8], results: npt.NDArray[np.uint64],
                 row: int) -> None:
+        # sets the row: digest3's and gather's rows are fresh (each reserved once)
         tail = data.size % 4
         words = data[: data.size - tail].view("<u4").astype(np.uint64)
         weights = np.arange(1, words.size + 1, dtype=np.uint64)
@@ -104,6 +206,20 @@ class HostKernels:
 
     def read_results(self, results: DeviceArray, n: int) -> list[int]:
         return mix_digests(results[:n])
+
+    def results_address(self, results: DeviceArray, row: int) -> int:
+        return int(results.ctypes.data) + row * 16
+
+    def gather(self, copies: npt.NDArray[np.uint64], stream: Stream) -> None:
+        """The copies at once, by address (host memory stands in for both sides)."""
+        for src, dst, nbytes, out, flip in copies.tolist():
+            data = _at(dst, nbytes)
+            data[:] = _at(src, nbytes)
+            if flip != NO_FLIP:
+                data[flip] ^= 0xFF
+            if out:
+                sums = _at(out, 16).view(np.uint64)
+                self._digest(data, sums.reshape(1, 2), 0)
 
     def busy(self, ms: float, buf: DeviceBuffer, stream: Stream) -> None:
         """Real CPU work on the expert's bytes for ``ms`` milliseconds (no sleeping)."""
@@ -137,6 +253,8 @@ class CudaKernels:
         module = cupy.RawModule(code=_CUDA_SOURCE)
         self._digest = module.get_function("digest3")
         self._busy = module.get_function("busy_ns")
+        self._gather = module.get_function("gather")
+        self._rows = _CopySlots(_SLOTS, _SLOT_ROWS)
 
     def new_results(self, n: int) -> DeviceArray:
         results = self._cp.zeros((n, 2), dtype=self._cp.uint64)
@@ -161,6 +279,23 @@ class CudaKernels:
         host = self._cp.asnumpy(results[:n])
         return mix_digests(host)
 
+    def results_address(self, results: DeviceArray, row: int) -> int:
+        return int(results.data.ptr) + row * 16
+
+    def gather(self, copies: npt.NDArray[np.uint64], stream: Stream) -> None:
+        """One launch per ``_SLOT_ROWS`` copies; the rows go through pinned slots the kernel
+        reads in place (no copy of them, no allocation per launch)."""
+        _, raw = _cuda_parts(None, stream)
+        for start in range(0, len(copies), _SLOT_ROWS):
+            part = copies[start : start + _SLOT_ROWS]
+            slot, rows = self._rows.take()
+            rows[: len(part)] = part
+            largest = int(part[:, 2].max())
+            blocks = max(1, min(_GATHER_BLOCKS, -(-largest // _GATHER_BYTES_PER_BLOCK)))
+            with raw:
+                self._gather((blocks, len(part)), (256,), (np.uint64(rows.ctypes.data),))
+                self._rows.used(slot, self._cp.cuda.Event(block=False, disable_timing=True))
+
     def busy(self, ms: float, buf: DeviceBuffer, stream: Stream) -> None:
         _, raw = _cuda_parts(None, stream)  # the device spins on its clock: buf is not read
         with raw:
@@ -180,6 +315,50 @@ class CudaKernels:
 
     def zeros(self, n: int) -> DeviceArray:
         return self._cp.zeros(n, dtype=self._cp.float32)
+
+
+_SLOTS = 64
+_SLOT_ROWS = 256
+_GATHER_BLOCKS = 16  # per copy: 24 copies (8 experts) make 384 blocks, ~3 per H200 SM
+_GATHER_BYTES_PER_BLOCK = 64 << 10
+
+
+class _CopySlots:
+    """Pinned rows for ``gather`` launches, reused in turn once the launch that read them ran.
+
+    ``cudaHostAlloc`` memory is mapped for every device (unified addressing), so the kernel
+    reads its rows from here; a slot is rewritten only after the event recorded behind its
+    last launch (64 launches ago: long done, so the wait costs nothing but its check).
+    """
+
+    def __init__(self, slots: int, rows: int) -> None:
+        from gpu.cuda import CudaPinned
+
+        self._pinned = CudaPinned(slots * rows * COPY_FIELDS * 8)
+        self._rows = self._pinned.array.view(np.uint64).reshape(slots, rows, COPY_FIELDS)
+        self._events: list[Any] = [None] * slots
+        self._next = 0
+        self._lock = threading.Lock()
+
+    def take(self) -> tuple[int, npt.NDArray[np.uint64]]:
+        with self._lock:
+            slot = self._next
+            self._next = (slot + 1) % len(self._events)
+            event, self._events[slot] = self._events[slot], None
+        if event is not None:
+            event.synchronize()
+        rows: npt.NDArray[np.uint64] = self._rows[slot]
+        return slot, rows
+
+    def used(self, slot: int, event: Any) -> None:
+        """``event`` is recorded on the stream right after the launch that read ``slot``."""
+        event.record()
+        self._events[slot] = event
+
+
+def _at(address: int, nbytes: int) -> npt.NDArray[np.uint8]:
+    """A uint8 view of ``nbytes`` of host memory at ``address`` (the host kernels' pointers)."""
+    return np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(address))
 
 
 def _host_bytes(buf: DeviceBuffer) -> npt.NDArray[np.uint8]:

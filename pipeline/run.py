@@ -244,6 +244,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "oracle: read the routing ahead (upper bound)")
     p.add_argument("--lookahead", type=int, default=1, help="layers prefetched ahead (1)")
     p.add_argument("--no-verify", action="store_true", help="skip install-time verification")
+    p.add_argument("--no-gather", action="store_true",
+                   help="resident misses by cudaMemcpyAsync per range on the copy engines, "
+                        "not one gather kernel per layer (leaves the SMs to compute)")
     p.add_argument("--seed", type=int, default=0, help="routing seed (0)")
     p.add_argument("--trace", type=Path, help="replay this routing trace (.npz or .jsonl)")
     p.add_argument("--record-trace", type=Path, help="write the routing used here")
@@ -279,6 +282,7 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         staging_slots=args.staging_slots,
         upload_streams=args.streams,
         verify=not args.no_verify,
+        gather=not args.no_gather,
         prefetch=args.prefetch,
         lookahead=args.lookahead,
         seed=args.seed,

@@ -471,10 +471,18 @@ class StreamSession:
             StageError: the manifest's reads failed (the experts stay unverified).
         """
         self._settled = True
+        self._take_last_digests()
         if self.manifest is not None and self.verifier is not None:
             await self.manifest.settle(self.verifier)
         if self.verifier is not None:
             self.record_verification()
+
+    def _take_last_digests(self) -> None:
+        """Compare the install digests a token's end left (``DigestRows.take`` never waits
+        there): loads started ahead, still copying then, and never consumed since."""
+        if self.verifier is not None:
+            for streamer in self.streamers:
+                self.verifier.check(streamer.take_digests(wait=True))
 
     async def aclose(self, *, outcome: str = "ok", check: bool = True) -> None:
         """Release every lease and hint, stop the loads, close everything, log ``run_end``.
@@ -518,6 +526,11 @@ class StreamSession:
         for task in list(self._launchers):
             with contextlib.suppress(BaseException):
                 await task
+        if settle:
+            try:
+                self._take_last_digests()
+            except Exception as exc:  # a broken device: the run is failing anyway
+                _log.warning("install_digests_unread", reason=str(exc))
         if self.manifest is not None:
             if settle and self.verifier is not None:
                 try:

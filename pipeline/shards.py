@@ -132,8 +132,8 @@ class StreamerGroup:
         for s in self._all:
             s.poll_installs()
 
-    def take_digests(self) -> list[tuple[tuple[int, int], int, int]]:
-        return [d for s in self._all for d in s.take_digests()]
+    def take_digests(self, *, wait: bool = False) -> list[tuple[tuple[int, int], int, int]]:
+        return [d for s in self._all for d in s.take_digests(wait=wait)]
 
     def take_times(self) -> StageTimes:
         total = StageTimes()

@@ -29,7 +29,7 @@ import asyncio
 import functools
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Literal, NamedTuple, Protocol
@@ -110,11 +110,13 @@ class LayerLoad:
 
 class _Source(NamedTuple):
     """A registered miss's copies, computed once per expert and mapping: (device offset,
-    view of the registered mapping) pieces, and the (device offset, nbytes) ranges its
-    install digest reads."""
+    view of the registered mapping) pieces for the copy engines, the (device offset, nbytes)
+    ranges its install digest reads, and its gather copies (device offset, mapping address,
+    nbytes), one per range."""
 
     pieces: list[tuple[int, npt.NDArray[np.uint8]]]
     ranges: list[tuple[int, int]]
+    copies: list[tuple[int, int, int]]
 
 
 @dataclass(slots=True, eq=False)
@@ -200,6 +202,7 @@ class ExpertStreamer:
         ahead = config.lookahead if config.prefetch == "oracle" else 0
         capacity = (len(table.layers) + ahead) * table.top_k
         self.digests = DigestRows(kernels, capacity) if config.verify else None
+        self._gathers = config.gather and backend.maps_host
 
     def layout(self, key: tuple[int, int]) -> ExpertLayout:
         """The staging/device layout of an expert (cached: offsets never change)."""
@@ -290,11 +293,12 @@ class ExpertStreamer:
 
     # -- verification -----------------------------------------------------------------------
 
-    def take_digests(self) -> list[tuple[tuple[int, int], int, int]]:
-        """(key, matrix, digest) of every expert installed since the last call."""
+    def take_digests(self, *, wait: bool = False) -> list[tuple[tuple[int, int], int, int]]:
+        """(key, matrix, digest) of the experts installed since the last call whose copies
+        have run (``wait``: of all of them; ``DigestRows.take``)."""
         if self.digests is None:
             return []
-        return self.digests.take()
+        return self.digests.take(wait=wait)
 
     # -- loading ---------------------------------------------------------------------------
 
@@ -357,6 +361,8 @@ class ExpertStreamer:
                     [(s.device_offset + at, view)
                      for s in ranges for at, view in mapping.pieces(s.file_offset, s.nbytes)],
                     [(s.device_offset, s.nbytes) for s in ranges],
+                    [(s.device_offset, mapping.address(s.file_offset), s.nbytes)
+                     for s in ranges],
                 )
                 self._sources[entry.key] = source
             out.append(source)
@@ -370,36 +376,31 @@ class ExpertStreamer:
     def _queue_registered(self, load: LayerLoad, sources: Sequence[_Source]) -> None:
         """Loop: queue a whole layer's misses from the registered mapping, in one pass.
 
-        Per expert, as before: its copies on the next upload stream (after the device
-        wait for its buffer's last reader), its install digest, its event, then install
-        and the digest rows' completion; a failed upload fails that expert only. What
-        goes is the per-expert overhead around them: one device activation and one
-        ``Uploader.upload_many`` call for the layer, no job object, worker or
-        ``call_soon_threadsafe`` per expert, and a single callback that delivers the
-        layer's misses to whoever waits on ``load.arrived`` (it runs after this returns,
-        so a caller may still swap that queue, as ``pipeline.lease`` does). An entry is
-        still visible only after its upload event.
+        Where the device reads registered memory in place (``Backend.maps_host``, and
+        ``RunConfig.gather``), the layer is one ``gather`` launch: every range copied and
+        digested as it is written, one event for the layer. Otherwise, per expert, its
+        copies on the next upload stream, its install digest and its event
+        (``Uploader.upload_many``). Either way: the device waits for each buffer's last
+        reader first, a failed upload fails that expert only, there is no job, worker or
+        ``call_soon_threadsafe`` per expert, and a single callback delivers the layer's
+        misses to whoever waits on ``load.arrived`` (it runs after this returns, so a
+        caller may still swap that queue, as ``pipeline.lease`` does). An entry is visible
+        only after its upload event.
         """
         digests = self.digests
         misses = load.plan.misses
         arrived: list[tuple[Entry, BaseException | None]] = []
         t0 = time.perf_counter()
         try:
-            items: list[tuple[Entry, list[tuple[int, npt.NDArray[np.uint8]]],
-                              Callable[[Stream], None] | None]] = []
             rows: list[tuple[Any, int]] = []
-            for entry, source in zip(misses, sources, strict=True):
+            for entry in misses:
                 load.phases[entry.key].begin(t0)
                 self.host_tier.missed(entry.key)
-                then = None
                 if digests is not None:
-                    results, row = digests.reserve(entry.key)
-                    rows.append((results, row))
-                    then = functools.partial(self._kernels.digest3, entry.buffer,
-                                             source.ranges, results, row)
-                items.append((entry, source.pieces, then))
+                    rows.append(digests.reserve(entry.key))
             with self._backend.activate():  # CUDA's current device, once for the layer
-                events = self.uploader.upload_many(items)
+                events = (self._gather(misses, sources, rows) if self._gathers
+                          else self._copy(misses, sources, rows))
             t1 = time.perf_counter()
             for i, (entry, event) in enumerate(zip(misses, events, strict=True)):
                 load.phases[entry.key].mark("upload", t1)  # queued: the device copy shows
@@ -418,6 +419,27 @@ class ExpertStreamer:
             self._add_time("upload_ms", t0)
             assert self._loop is not None
             self._loop.call_soon(self._deliver_layer, load, arrived)
+
+    def _gather(self, misses: Sequence[Entry], sources: Sequence[_Source],
+                rows: Sequence[tuple[Any, int]]) -> list[Event | Exception]:
+        """One launch: each range's digest goes straight into its results row."""
+        address = self._kernels.results_address
+        return self.uploader.gather(self._kernels, [
+            (entry, source.copies,
+             [address(rows[i][0], rows[i][1] + m) for m in range(len(source.copies))]
+             if rows else None)
+            for i, (entry, source) in enumerate(zip(misses, sources, strict=True))
+        ])
+
+    def _copy(self, misses: Sequence[Entry], sources: Sequence[_Source],
+              rows: Sequence[tuple[Any, int]]) -> list[Event | Exception]:
+        """Per expert: its copies, then its install digest kernel, on the next stream."""
+        return self.uploader.upload_many([
+            (entry, source.pieces,
+             functools.partial(self._kernels.digest3, entry.buffer, source.ranges, *rows[i])
+             if rows else None)
+            for i, (entry, source) in enumerate(zip(misses, sources, strict=True))
+        ])
 
     def _deliver_layer(self, load: LayerLoad,
                        arrived: Sequence[tuple[Entry, BaseException | None]]) -> None:

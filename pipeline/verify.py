@@ -68,11 +68,15 @@ class DigestRows:
                 gen.done[row // 3] = event if event is not None else True
                 return
 
-    def take(self) -> list[Digest]:
-        """Digests whose work was queued since the last call, once that work has run.
+    def take(self, *, wait: bool = False) -> list[Digest]:
+        """Digests whose work was queued since the last call and has run.
 
-        Waits only on those rows' own events, never on a whole stream: loads started
-        ahead keep flowing meanwhile.
+        Rows are taken in the order they were reserved, up to the first whose work has not
+        run yet (``wait``: waiting for each, the final take). Never waiting is what keeps a
+        token's end from draining the loads started ahead (a lookahead of layers, whose
+        copies are still in flight); it loses nothing: every expert a token consumed was
+        reserved before those and its work ran before compute read it, so a token's own
+        experts are always taken at its end.
         """
         out: list[Digest] = []
         for gen in self._generations:
@@ -80,7 +84,10 @@ class DigestRows:
             while gen.taken + ready < len(gen.keys) and gen.done[gen.taken + ready]:
                 mark = gen.done[gen.taken + ready]
                 if not isinstance(mark, bool):
-                    mark.synchronize()
+                    if wait:
+                        mark.synchronize()
+                    elif not mark.done():
+                        break
                 ready += 1
             if not ready:
                 continue

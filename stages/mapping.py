@@ -98,6 +98,11 @@ class ModelMapping:
         last = (offset + nbytes - 1) // self._window
         return all(w in self._registered for w in range(first, last + 1))
 
+    def address(self, offset: int) -> int:
+        """The address of a byte of the mapping; on a device that maps registered memory
+        (``Backend.maps_host``) kernels read a registered range at it, across windows."""
+        return self._addr + offset
+
     def pieces(self, offset: int, nbytes: int) -> list[tuple[int, npt.NDArray[np.uint8]]]:
         """(offset within the range, view) pieces of a range, split at window boundaries.
 

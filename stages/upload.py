@@ -1,8 +1,10 @@
 """Upload: queue an expert's host bytes onto a CUDA stream and record its event.
 
 Uploads go round-robin over at least two non-default streams, so the copy of one expert
-overlaps the read of the next. Before writing into a recycled device buffer the stream
-waits (on the device, the host never blocks) for the last compute that read it.
+overlaps the read of the next. A layer's resident misses from the registered mapping go as
+one ``gather`` launch instead, where the device reads registered memory in place. Before
+writing into a recycled device buffer the stream waits (on the device, the host never
+blocks) for the last compute that read it.
 
 A failed upload leaves no copy running: the stream is synchronized before the error is
 raised, so the entry's buffer (dropped, never installed) can be reused safely.
@@ -23,8 +25,9 @@ import numpy as np
 import numpy.typing as npt
 import structlog
 
-from gpu.backend import Backend, Event, Stream
+from gpu.backend import Backend, Event, Kernels, Stream
 from gpu.cache import Entry
+from gpu.kernels import NO_FLIP, copy_rows
 from pipeline.foundation.errors import MoestreamError, UploadError
 from pipeline.foundation.faults import FaultPlan
 
@@ -122,6 +125,57 @@ class Uploader:
             except MoestreamError as exc:  # that expert fails; the layer's others go on
                 out.append(exc)
         return out
+
+    def gather(
+        self, kernels: Kernels,
+        items: Sequence[tuple[Entry, Sequence[tuple[int, int, int]], Sequence[int] | None]],
+    ) -> list[Event | Exception]:
+        """Queue several experts as one ``Kernels.gather`` launch on the next stream.
+
+        ``items``: per expert, its copies (device offset, source address in registered
+        memory the device maps, bytes) and the digest row address of each copy (or None).
+        The stream first waits for every buffer's ``reuse_after``; every expert gets the
+        launch's event. Per expert, as ``upload``: an ``upload`` fault fails it alone (its
+        copies are left out of the launch), a ``corrupt`` fault inverts the middle byte of
+        its first copy as it is written, before its digest. A failed launch fails them all
+        (the stream synchronized first). The caller makes the device current.
+        """
+        stream = self.next_stream()
+        failed: list[Exception | None] = []  # per item: its injected failure, or queued
+        rows: list[tuple[int, int, int, int, int]] = []
+        queued: list[Entry] = []
+        for entry, copies, outs in items:
+            if self._faults and self._faults.hit("upload") is not None:
+                failed.append(UploadError(f"copy of {sum(n for _, _, n in copies)} bytes to "
+                                          "the device failed (injected)"))
+                continue
+            flip = NO_FLIP
+            if self._faults and copies and self._faults.hit("corrupt") is not None:
+                flip = copies[0][2] // 2
+                _log.warning("corrupt_injected", key=entry.key, device_offset=copies[0][0] + flip)
+            if entry.reuse_after is not None:
+                stream.wait(entry.reuse_after)
+            base = entry.buffer.ptr
+            for i, (device_offset, src, nbytes) in enumerate(copies):
+                rows.append((src, base + device_offset, nbytes, outs[i] if outs else 0,
+                             flip if i == 0 else NO_FLIP))
+            queued.append(entry)
+            failed.append(None)
+        result: Event | Exception = UploadError("nothing queued")
+        if queued:
+            try:
+                kernels.gather(copy_rows(rows), stream)
+                result = stream.record()
+            except Exception as exc:
+                self._settle(stream, queued[0])
+                result = UploadError(f"gather of {len(rows)} copies to the device failed: {exc}")
+            else:
+                for entry in queued:
+                    entry.upload = result
+                with self._lock:
+                    self.bytes_uploaded += sum(r[2] for r in rows)
+                    self.copies += len(rows)
+        return [result if f is None else f for f in failed]
 
     def _corrupt(self, entry: Entry, piece: tuple[int, npt.NDArray[np.uint8]],
                  stream: Stream) -> None:

@@ -98,6 +98,10 @@ class DeferredKernels(HostKernels):
     def busy(self, ms: float, buf: Any, stream: Any) -> None:
         stream.enqueue(lambda: None)
 
+    def gather(self, copies: Any, stream: Any) -> None:
+        rows = copies.copy()  # the caller's array may be reused before the stream runs
+        stream.enqueue(lambda: super(DeferredKernels, self).gather(rows, stream))
+
 
 async def _decode(table: ExpertTable, cfg: RunConfig, backend: Any, kernels: Any,
                   tokens: int) -> Verifier:

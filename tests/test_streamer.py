@@ -25,7 +25,7 @@ from pipeline.foundation.table import ExpertTable
 from pipeline.streamer import ExpertStreamer
 from pipeline.verify import DigestRows, Verifier
 from stages.layout import plan_expert
-from tests.test_pipeline import DeferredBackend, DeferredKernels
+from tests.test_pipeline import DeferredBackend, DeferredKernels, DeferredStream
 
 
 class RegisteringDeferredBackend(DeferredBackend):
@@ -48,14 +48,15 @@ def _routes(table: ExpertTable, tokens: int, seed: int = 3) -> list[Route]:
 
 
 async def _stream(table: ExpertTable, routes: list[Route], *, budget_experts: int,
-                  wait_uploads: bool = True, faults: str = "") -> dict[str, Any]:
+                  wait_uploads: bool = True, faults: str = "", gather: bool = True,
+                  ) -> dict[str, Any]:
     """Resident mode on registered deferred copies: each layer's experts consumed by a
     digest on a compute stream (after a device-side wait on each upload unless
     ``wait_uploads`` is False), pins released after it; verified every token."""
     backend = RegisteringDeferredBackend()
     kernels = DeferredKernels()
     cfg = RunConfig(model=table.path, budget=Budget(experts=budget_experts), upload_streams=2,
-                    compute=ComputeSpec("digest"))
+                    compute=ComputeSpec("digest"), gather=gather)
     size = plan_expert(table.slices((table.moe_layers[0], 0))).device_bytes
     cache = DeviceCache(backend, budget_experts * size, "lru", min_bytes=table.top_k * size)
     plan = parse_faults(faults) if faults else None
@@ -157,12 +158,35 @@ class TestRegisteredLayerBatch:
         assert batched["copies"] == per_expert["copies"]
         assert batched["verifier"].verified == per_expert["verifier"].verified
 
-    def test_failed_upload_fails_that_expert_only(self, tiny_table: ExpertTable) -> None:
+    @pytest.mark.parametrize("gather", [True, False])
+    def test_failed_upload_fails_that_expert_only(self, tiny_table: ExpertTable,
+                                                  gather: bool) -> None:
         out = asyncio.run(_stream(tiny_table, _routes(tiny_table, 2), budget_experts=12,
-                                  faults="upload@2"))
+                                  faults="upload@2", gather=gather))
         assert len(out["errors"]) == 1
         assert "injected" in str(out["errors"][0])
         assert out["verifier"].mismatches == 0
+
+    def test_corrupt_copy_is_caught(self, tiny_table: ExpertTable) -> None:
+        """The ``corrupt`` fault inverts a byte as the gather writes it: the install digest
+        and the consumer's digest both see it, for that one expert. (The copy engines'
+        path flips the byte with a device kernel after the copy, which these deferred
+        copies cannot order: ``tests/test_faults.py`` covers it on the host backend.)"""
+        out = asyncio.run(_stream(tiny_table, _routes(tiny_table, 3), budget_experts=12,
+                                  faults="corrupt@4"))
+        assert out["errors"] == []
+        assert out["verifier"].mismatches == 2
+        assert out["verifier"].first_mismatch.startswith("layer ")
+
+    def test_gather_same_as_copy_engines(self, tiny_table: ExpertTable) -> None:
+        """One launch per layer or per-range copies: the same experts, bytes and counts."""
+        routes = _routes(tiny_table, 6, seed=5)
+        one = asyncio.run(_stream(tiny_table, routes, budget_experts=12, gather=True))
+        per = asyncio.run(_stream(tiny_table, routes, budget_experts=12, gather=False))
+        for key in ("layers", "counters", "bytes_uploaded"):
+            assert one[key] == per[key]
+        assert one["verifier"].verified == per["verifier"].verified > 0
+        assert one["verifier"].mismatches == per["verifier"].mismatches == 0
 
 
     def test_delivery_after_start_returns(self, tiny_table: ExpertTable) -> None:
@@ -297,3 +321,31 @@ class TestMixDigests:
         sums[0] = (2**64 - 1, 2**64 - 1)  # both at the top: the sum wraps
         assert mix_digests(sums) == [mix_digest(int(a), int(b)) for a, b in sums]
         assert mix_digests(sums[:0]) == []
+
+
+class TestDigestRowsTake:
+    """A token's end takes the install digests whose copies ran, never waiting for loads
+    started ahead; the final take waits for the rest."""
+
+    def test_stops_at_work_still_queued(self) -> None:
+        kernels = DeferredKernels()
+        ahead = DeferredStream()
+        ahead.enqueue(lambda: None)  # a copy still in flight
+        rows = DigestRows(kernels, 8)
+        for key, event in (((0, 0), True), ((0, 1), ahead.record()), ((0, 2), True)):
+            results, row = rows.reserve(key)
+            rows.complete(results, row, event if not isinstance(event, bool) else None)
+        assert [d[0] for d in rows.take()] == [(0, 0)] * 3
+        assert rows.take() == [] and rows.pending == 2
+        assert [d[0] for d in rows.take(wait=True)] == [(0, 1)] * 3 + [(0, 2)] * 3
+        assert rows.pending == 0
+
+    def test_taken_once_its_work_ran(self) -> None:
+        ahead = DeferredStream()
+        ahead.enqueue(lambda: None)
+        rows = DigestRows(DeferredKernels(), 8)
+        results, row = rows.reserve((1, 4))
+        rows.complete(results, row, ahead.record())
+        assert rows.take() == []
+        ahead.synchronize()
+        assert [d[0] for d in rows.take()] == [(1, 4)] * 3

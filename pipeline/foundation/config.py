@@ -193,6 +193,10 @@ class RunConfig:
         chunk_bytes: largest single read request.
         staging_slots: experts that can be staged in pinned memory at once.
         upload_streams: CUDA streams used in turn for uploads.
+        gather: resident misses of a layer copied by one gather kernel that reads the
+            registered mapping (and digests as it writes), where the device maps registered
+            memory; False: per-range ``cudaMemcpyAsync`` on the copy engines, which leaves
+            the SMs to an engine's compute (``--no-gather``).
         verify: check every installed expert against the file's bytes.
         prefetch: ``none``; ``predict``: while a layer computes, load the experts the next
             layer is guessed to pick; ``oracle``: start loads of the next layers early from
@@ -231,6 +235,7 @@ class RunConfig:
     chunk_bytes: int = 4 << 20
     staging_slots: int = 16
     upload_streams: int = 2
+    gather: bool = True
     verify: bool = True
     prefetch: str = "none"
     lookahead: int = 1
