@@ -4,20 +4,28 @@
 # Qwen3-30B-A3B shape (no recorded digests) and on ds4-flash-q2 (8 layers x 256 experts);
 # the host-path bench on both; and the time breakdown of a resident run that the copy limit
 # should bound (Mixtral-8x7B shape, 4 layers: 99 MB experts). Usage:
-#   bash bench/gpu_figures.sh [qwen,ds4,mixtral]
+#   bash bench/gpu_figures.sh [tests,qwen,ds4,mixtral]
+# (tests: the GPU tests first, and the fault matrix on CuPy; a failed GPU test stops the lease)
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>/dev/null
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 XDG_CACHE_HOME=$PWD/.cache
 FINAL=$OUT; OUT=$PWD/gpu-out; mkdir -p $OUT
 pack() { tar -czf $FINAL/results.tgz -C $OUT .; }
-steps=${1:-qwen,ds4,mixtral}
+steps=${1:-tests,qwen,ds4,mixtral}
 nvidia-smi -L
+if [[ $steps == *tests* ]]; then
+  timeout 200 python3 -m pytest -m gpu -q -rs -p no:cacheprovider tests 2>&1 | tail -15 > $OUT/gpu-tests.log
+  tail -3 $OUT/gpu-tests.log; pack
+  grep -q failed $OUT/gpu-tests.log && { echo "GPU tests failed: no bench"; exit 1; }
+  timeout 120 python3 -m bench.faultmatrix --backend cupy --json $OUT/faultmatrix-cupy.json \
+    > $OUT/faultmatrix.log 2>&1; echo "faultmatrix rc=$? ok=$(grep -c '| ok |' $OUT/faultmatrix.log)"; pack
+fi
 B="python3 -m bench.pipeline --backend cupy --lookahead 8 --skip cold,cache"
 bench_shape() {  # name model
   for v in verify noverify; do
     flag=""; [ $v = noverify ] && flag=--no-verify
     timeout 150 $B --model $2 $flag --out $OUT/pipeline-$1-$v.json > $OUT/pipeline-$1-$v.log 2>&1
-    echo "$1 $v:"; grep -E "^  [0-9]_" $OUT/pipeline-$1-$v.log
+    echo "$1 $v:"; grep -E "^  [0-9]_|resident_miss" $OUT/pipeline-$1-$v.log
     pack
   done
   timeout 90 python3 -m bench.hostpath --model $2 --out $OUT/hostpath-$1.json > $OUT/hostpath-$1.log 2>&1
