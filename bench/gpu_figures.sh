@@ -4,8 +4,9 @@
 # Qwen3-30B-A3B shape (no recorded digests) and on ds4-flash-q2 (8 layers x 256 experts);
 # the host-path bench on both; and the time breakdown of a resident run that the copy limit
 # should bound (Mixtral-8x7B shape, 4 layers: 99 MB experts). Usage:
-#   bash bench/gpu_figures.sh [tests,qwen,ds4,mixtral]
-# (tests: the GPU tests first, and the fault matrix on CuPy; a failed GPU test stops the lease)
+#   bash bench/gpu_figures.sh [tests,qwen,ds4,mixtral,profile]
+# (tests: the GPU tests first, and the fault matrix on CuPy; a failed GPU test stops the lease;
+# profile: bench.profile's two phases on the Qwen shape, with qwen)
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>/dev/null
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 XDG_CACHE_HOME=$PWD/.cache
@@ -35,7 +36,14 @@ if [[ $steps == *qwen* ]]; then
   Q=$PWD/qwen.gguf
   python3 -m tools.make_model $Q --preset qwen3-30b-a3b --no-digests | tail -1
   python3 -m tools.warmup $Q --digests > /dev/null 2>&1
-  bench_shape qwen $Q; rm -f $Q
+  bench_shape qwen $Q
+  if [[ $steps == *profile* ]]; then  # where the host time goes, on this machine's CPU
+    for ph in all-cached resident-miss; do
+      timeout 90 python3 -m bench.profile --model $Q --backend cupy --phase $ph --top 40 \
+        > $OUT/profile-qwen-$ph.log 2>&1; grep "us/layer" $OUT/profile-qwen-$ph.log
+    done; pack
+  fi
+  rm -f $Q
 fi
 if [[ $steps == *ds4* ]]; then
   D=$PWD/ds4.gguf

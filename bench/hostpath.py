@@ -102,7 +102,7 @@ def _routes(table: ExpertTable, tokens: int, start: int) -> list[list[list[int]]
 
 
 async def _phase(table: ExpertTable, *, resident_miss: bool, tokens: int, repeats: int,
-                 verify: bool) -> dict[str, Any]:
+                 verify: bool, gather: bool) -> dict[str, Any]:
     """Time ``tokens`` tokens ``repeats`` times; returns per-layer and per-miss medians."""
     k = table.top_k
     layers = table.moe_layers
@@ -111,6 +111,7 @@ async def _phase(table: ExpertTable, *, resident_miss: bool, tokens: int, repeat
     # n_experts / k tokens, so every lookup misses; hits: room for everything used
     budget = Budget(experts=2 * k * len(layers)) if resident_miss else None
     cfg = RunConfig(model=table.path, compute=ComputeSpec("fixed", 0.57), verify=verify,
+                    gather=gather,
                     upload_streams=4, budget=budget)
     backend = NullDevice()
     kernels = NullKernels()
@@ -180,14 +181,15 @@ async def _phase(table: ExpertTable, *, resident_miss: bool, tokens: int, repeat
     return out
 
 
-def bench_model(path: Path, tokens: int, repeats: int, verify: bool) -> dict[str, Any]:
+def bench_model(path: Path, tokens: int, repeats: int, verify: bool,
+                gather: bool = True) -> dict[str, Any]:
     table = open_table(path)
     # resident: every window of the mapping "registers" (a window with a page missing is
     # read through staging instead, which this bench is not about)
     result: dict[str, Any] = {"model": table.summary(), "warm_file": make_resident(path)}
     for name, miss in (("hit", False), ("resident_miss", True)):
         result[name] = uvloop.run(_phase(table, resident_miss=miss, tokens=tokens,
-                                         repeats=repeats, verify=verify))
+                                         repeats=repeats, verify=verify, gather=gather))
         r = result[name]
         if r["registered_share"] < 1.0:
             print(f"  warning: only {r['registered_share']:.2%} of the mapping registered: "
@@ -206,6 +208,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--tokens", type=int, default=40, help="tokens per timed repeat (40)")
     p.add_argument("--repeats", type=int, default=7, help="timed repeats per phase (7)")
     p.add_argument("--no-verify", action="store_true", help="no install digests")
+    p.add_argument("--no-gather", action="store_true",
+                   help="resident misses through per-range copies, not one gather per layer")
     p.add_argument("--label", default="", help="a word stored with the result (before/after)")
     p.add_argument("--out", type=Path, help="result JSON (default: print only)")
     args = p.parse_args(argv)
@@ -222,7 +226,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for path in args.model:
         print(f"{path}:", flush=True)
         results["models"][path.name] = bench_model(path, args.tokens, args.repeats,
-                                                   not args.no_verify)
+                                                   not args.no_verify, not args.no_gather)
     if args.out is not None:
         write_result(args.out, results)
         print(f"written: {args.out}")

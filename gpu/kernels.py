@@ -294,7 +294,7 @@ class CudaKernels:
             blocks = max(1, min(_GATHER_BLOCKS, -(-largest // _GATHER_BYTES_PER_BLOCK)))
             with raw:
                 self._gather((blocks, len(part)), (256,), (np.uint64(rows.ctypes.data),))
-                self._rows.used(slot, self._cp.cuda.Event(block=False, disable_timing=True))
+            self._rows.used(slot, raw)
 
     def busy(self, ms: float, buf: DeviceBuffer, stream: Stream) -> None:
         _, raw = _cuda_parts(None, stream)  # the device spins on its clock: buf is not read
@@ -328,15 +328,19 @@ class _CopySlots:
 
     ``cudaHostAlloc`` memory is mapped for every device (unified addressing), so the kernel
     reads its rows from here; a slot is rewritten only after the event recorded behind its
-    last launch (64 launches ago: long done, so the wait costs nothing but its check).
+    last launch (64 launches ago: long done, so the wait costs nothing but its check). The
+    events are made once and recorded again, not made per launch.
     """
 
     def __init__(self, slots: int, rows: int) -> None:
+        import cupy
+
         from gpu.cuda import CudaPinned
 
         self._pinned = CudaPinned(slots * rows * COPY_FIELDS * 8)
         self._rows = self._pinned.array.view(np.uint64).reshape(slots, rows, COPY_FIELDS)
-        self._events: list[Any] = [None] * slots
+        self._events = [cupy.cuda.Event(block=False, disable_timing=True) for _ in range(slots)]
+        self._recorded = [False] * slots
         self._next = 0
         self._lock = threading.Lock()
 
@@ -344,16 +348,16 @@ class _CopySlots:
         with self._lock:
             slot = self._next
             self._next = (slot + 1) % len(self._events)
-            event, self._events[slot] = self._events[slot], None
-        if event is not None:
-            event.synchronize()
+            recorded, self._recorded[slot] = self._recorded[slot], False
+        if recorded:
+            self._events[slot].synchronize()
         rows: npt.NDArray[np.uint64] = self._rows[slot]
         return slot, rows
 
-    def used(self, slot: int, event: Any) -> None:
-        """``event`` is recorded on the stream right after the launch that read ``slot``."""
-        event.record()
-        self._events[slot] = event
+    def used(self, slot: int, stream: Any) -> None:
+        """Record ``slot``'s event on ``stream`` (a CuPy stream) right after its launch."""
+        self._events[slot].record(stream)
+        self._recorded[slot] = True
 
 
 def _at(address: int, nbytes: int) -> npt.NDArray[np.uint8]:

@@ -175,6 +175,7 @@ class Decoder:
         self._queues = backend.async_copies
         # (event before the wait, upload event) of each device-side wait of this layer
         self._device_waits: list[tuple[Event, Event]] = []
+        self._waited_on: Event | None = None  # the upload event the stream last waited for
         # the layer being consumed: its waits, their charges, the guesses' loads
         self._stall_s = 0.0
         self._split = TimeSplit()
@@ -221,10 +222,13 @@ class Decoder:
 
     def _consume(self, entry: Entry, weight: float, acc: Any, layer_ms: float) -> None:
         """Queue the compute of one expert on the compute stream."""
-        if not entry.ready and entry.upload is not None:
+        upload = entry.upload
+        # a layer gathered in one launch shares one event: the stream waits for it once
+        if not entry.ready and upload is not None and upload is not self._waited_on:
+            self._waited_on = upload
             if self._queues:
-                self._device_waits.append((self.stream.record(), entry.upload))
-            self.stream.wait(entry.upload)
+                self._device_waits.append((self.stream.record(), upload))
+            self.stream.wait(upload)
         kind = self.compute.kind
         if kind == "real":
             views = self._views(entry)
@@ -306,6 +310,7 @@ class Decoder:
         split = self._split = TimeSplit()
         self._guess_loads = [part.load for guess in prefetched for part in guess.parts]
         self._device_waits.clear()  # a failed layer leaves its own behind
+        self._waited_on = None
         ctx = self._ctx
         failures: list[MoestreamError] = []
         for lease in leases:

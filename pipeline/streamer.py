@@ -423,13 +423,15 @@ class ExpertStreamer:
     def _gather(self, misses: Sequence[Entry], sources: Sequence[_Source],
                 rows: Sequence[tuple[Any, int]]) -> list[Event | Exception]:
         """One launch: each range's digest goes straight into its results row."""
-        address = self._kernels.results_address
-        return self.uploader.gather(self._kernels, [
-            (entry, source.copies,
-             [address(rows[i][0], rows[i][1] + m) for m in range(len(source.copies))]
-             if rows else None)
-            for i, (entry, source) in enumerate(zip(misses, sources, strict=True))
-        ])
+        items = []
+        for i, (entry, source) in enumerate(zip(misses, sources, strict=True)):
+            outs = None
+            if rows:
+                assert self.digests is not None
+                at = self.digests.address(*rows[i])
+                outs = [at + 16 * m for m in range(len(source.copies))]
+            items.append((entry, source.copies, outs))
+        return self.uploader.gather(self._kernels, items)
 
     def _copy(self, misses: Sequence[Entry], sources: Sequence[_Source],
               rows: Sequence[tuple[Any, int]]) -> list[Event | Exception]:

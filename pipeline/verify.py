@@ -29,6 +29,7 @@ class _Generation:
 
     def __init__(self, results: Any) -> None:
         self.results = results
+        self.address: int | None = None  # of row 0, once asked for
         self.keys: list[ExpertKey] = []
         self.done: list[Event | bool] = []
         self.taken = 0
@@ -61,6 +62,16 @@ class DigestRows:
         gen.done.append(False)
         return gen.results, (len(gen.keys) - 1) * 3
 
+    def address(self, results: Any, row: int) -> int:
+        """The device address of ``row`` of ``results`` (a ``gather`` row's digest address),
+        from the array's address asked of the kernels once: asking costs microseconds."""
+        for gen in self._generations:
+            if gen.results is results:
+                if gen.address is None:
+                    gen.address = self._kernels.results_address(results, 0)
+                return gen.address + row * 16
+        raise ValueError("not a results array of these rows")
+
     def complete(self, results: Any, row: int, event: Event | None) -> None:
         """The digest work for the rows at ``row`` is queued; ``event`` follows it."""
         for gen in self._generations:
@@ -81,13 +92,15 @@ class DigestRows:
         out: list[Digest] = []
         for gen in self._generations:
             ready = 0
+            seen: Event | None = None  # a layer gathered in one launch shares one event
             while gen.taken + ready < len(gen.keys) and gen.done[gen.taken + ready]:
                 mark = gen.done[gen.taken + ready]
-                if not isinstance(mark, bool):
+                if not isinstance(mark, bool) and mark is not seen:
                     if wait:
                         mark.synchronize()
                     elif not mark.done():
                         break
+                    seen = mark
                 ready += 1
             if not ready:
                 continue

@@ -29,8 +29,11 @@ class Installer:
         """Mark ready every pending entry whose upload has completed; returns how many."""
         still: list[Entry] = []
         done = 0
+        finished: set[int] = set()  # events seen complete: a gathered layer shares one
         for entry in self._pending:
-            if entry.upload is not None and entry.upload.done():
+            upload = entry.upload
+            if upload is not None and (id(upload) in finished or upload.done()):
+                finished.add(id(upload))
                 if entry.key in self._cache and self._cache.get(entry.key) is entry:
                     self._cache.mark_ready(entry)
                     done += 1

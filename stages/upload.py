@@ -144,6 +144,7 @@ class Uploader:
         failed: list[Exception | None] = []  # per item: its injected failure, or queued
         rows: list[tuple[int, int, int, int, int]] = []
         queued: list[Entry] = []
+        waited: Event | None = None
         for entry, copies, outs in items:
             if self._faults and self._faults.hit("upload") is not None:
                 failed.append(UploadError(f"copy of {sum(n for _, _, n in copies)} bytes to "
@@ -153,8 +154,9 @@ class Uploader:
             if self._faults and copies and self._faults.hit("corrupt") is not None:
                 flip = copies[0][2] // 2
                 _log.warning("corrupt_injected", key=entry.key, device_offset=copies[0][0] + flip)
-            if entry.reuse_after is not None:
-                stream.wait(entry.reuse_after)
+            if entry.reuse_after is not None and entry.reuse_after is not waited:
+                waited = entry.reuse_after  # buffers a layer's compute freed share its event
+                stream.wait(waited)
             base = entry.buffer.ptr
             for i, (device_offset, src, nbytes) in enumerate(copies):
                 rows.append((src, base + device_offset, nbytes, outs[i] if outs else 0,

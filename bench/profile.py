@@ -1,0 +1,99 @@
+"""``python -m bench.profile``: where a run's host time goes, function by function.
+
+The pipeline bench says how far a phase is from its limit; this says which Python spends
+the difference. It runs ``pipeline.run`` on one of two phases of ``bench.pipeline`` (the
+same traces and budgets) under ``cProfile`` and prints the wall time per layer and per
+miss from the run's log, then the functions with the most time of their own:
+
+- ``all-cached``: a replayed trace whose second pass hits every expert (issue 14, part 4);
+- ``resident-miss``: the cyclic sweep under half its experts' budget, resident mode, so
+  every lookup misses and copies from the registered mapping (part 3).
+
+``--null`` runs on ``bench.hostpath``'s stand-in device (copies and kernels cost nothing)
+to isolate the Python from the device calls; without it the run uses ``--backend``.
+Profiling slows Python down about twice: read the shares, not the absolute times.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import json
+import pstats
+import sys
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+
+import uvloop
+
+from bench.kit import make_resident
+from bench.pipeline import sweep_trace
+from pipeline.foundation.config import Budget, ComputeSpec, RunConfig
+from pipeline.foundation.table import open_table
+from pipeline.run import run
+from pipeline.synthetic import synthetic_trace
+from pipeline.trace import save_trace
+
+__all__ = ["main"]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.profile",
+                                description=__doc__.split("\n")[0] if __doc__ else None)
+    p.add_argument("--model", type=Path, required=True)
+    p.add_argument("--phase", choices=("all-cached", "resident-miss"), default="all-cached")
+    p.add_argument("--backend", default="auto")
+    p.add_argument("--null", action="store_true", help="the stand-in device of bench.hostpath")
+    p.add_argument("--no-verify", action="store_true")
+    p.add_argument("--no-gather", action="store_true")
+    p.add_argument("--tokens", type=int, default=64)
+    p.add_argument("--layer-ms", type=float, default=0.57)
+    p.add_argument("--top", type=int, default=30, help="functions listed (30)")
+    args = p.parse_args(argv)
+    if args.null:
+        import bench.hostpath as hostpath
+        import pipeline.session as session
+
+        # the session's module names for them, swapped for this process only
+        session.open_backends = lambda cfg: [hostpath.NullDevice()]  # type: ignore[attr-defined]
+        session.make_kernels = lambda backend_name: hostpath.NullKernels()  # type: ignore[attr-defined]
+    table = open_table(args.model)
+    make_resident(table.path)  # resident misses copy from registered windows, all of them
+    n_layers, k = len(table.layers), table.top_k
+    expert_bytes = next(iter(table.layers.values())).expert_bytes
+    with tempfile.TemporaryDirectory(prefix="moestream-profile-") as tmp:
+        trace_path, log = Path(tmp) / "trace.npz", Path(tmp) / "run.jsonl"
+        if args.phase == "all-cached":
+            trace = synthetic_trace("ds4-flash", args.tokens, seed=1, n_layers=n_layers,
+                                    n_experts=table.n_experts, top_k=k)
+            budget, tokens, layer_ms, skip = None, 2 * args.tokens, args.layer_ms, args.tokens
+        else:
+            sweep = 8
+            trace = sweep_trace(n_layers, table.n_experts, k, sweep, 0)
+            budget = Budget(nbytes=n_layers * k * sweep * expert_bytes // 2 + (64 << 20))
+            tokens, layer_ms, skip = 2 * sweep * 4, 0.0, sweep
+        save_trace(trace, trace_path)
+        cfg = RunConfig(
+            model=table.path, tokens=tokens, trace=trace_path, mode="resident", budget=budget,
+            compute=ComputeSpec("fixed", layer_ms), backend="host" if args.null else args.backend,
+            upload_streams=4, prefetch="oracle" if args.phase == "resident-miss" else "none",
+            lookahead=8, verify=not args.no_verify, gather=not args.no_gather, log=log,
+        )
+        profile = cProfile.Profile()
+        profile.enable()
+        uvloop.run(run(cfg))
+        profile.disable()
+        with log.open() as f:
+            events = [e for e in map(json.loads, f) if e.get("event") == "token"][skip:]
+    wall_ms = sum(e["wall_ms"] for e in events) / len(events)
+    misses = sum(e["misses"] for e in events) / len(events)
+    print(f"{args.phase}: {wall_ms * 1000 / n_layers:.1f} us/layer under the profiler"
+          + (f", {wall_ms * 1000 / misses:.1f} us/miss" if misses else "")
+          + f" ({len(events)} tokens, {misses:.1f} misses a token)")
+    pstats.Stats(profile).sort_stats("tottime").print_stats(args.top)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
