@@ -26,7 +26,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -286,6 +286,7 @@ class Decoder:
         experts: Sequence[int],
         weights: Sequence[float],
         prefetched: Sequence[LayerLease] = (),
+        meanwhile: Callable[[], None] | None = None,
     ) -> LayerResult:
         """Consume one MoE layer's selected experts as its lease hands them out: hits first,
         misses (and hits whose load is still in flight, started by a prefetch) as their
@@ -296,6 +297,8 @@ class Decoder:
             experts, weights: the experts it consumes and their router weights.
             prefetched: the guesses made for this layer, released at the end, used or not
                 (a wrong guess still loading keeps its pin until it lands).
+            meanwhile: host work for the caller while the device computes the layer (run
+                after its work is queued and its lease released, before the wait).
 
         Raises:
             StageError: a miss could not be loaded; the layer's other experts are unpinned,
@@ -351,11 +354,8 @@ class Decoder:
             if not isinstance(error, StageError):
                 raise error  # e.g. the model file changed: its own class and exit code
             raise StageError(str(error)) from error
-        self._wait_for_layer(done, split)
-        compute_s += time.perf_counter() - t0
-        if not self._queues:  # kernels ran inline: the time spent in them is the compute
-            split.compute_ms = compute_s * 1000.0
-        result = LayerResult(0, 0, 0, 0, 0, self._stall_s * 1000.0, compute_s * 1000.0, split)
+        # the device computes the layer meanwhile: the host's bookkeeping goes here
+        result = LayerResult(0, 0, 0, 0, 0, 0.0, 0.0, split)
         for lease in leases:
             for part in lease.parts:
                 plan = part.load.plan
@@ -364,6 +364,13 @@ class Decoder:
                 result.evictions += plan.evicted
                 result.file_bytes += sum(e.nbytes for e in plan.misses)
                 result.cache_bytes += sum(e.nbytes for e in plan.hits)
+        if meanwhile is not None:
+            meanwhile()
+        self._wait_for_layer(done, split)
+        compute_s += time.perf_counter() - t0
+        if not self._queues:  # kernels ran inline: the time spent in them is the compute
+            split.compute_ms = compute_s * 1000.0
+        result.stall_ms, result.compute_ms = self._stall_s * 1000.0, compute_s * 1000.0
         return result
 
     def _wait_for_layer(self, done: Event, split: TimeSplit) -> None:

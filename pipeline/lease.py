@@ -160,8 +160,8 @@ class LayerLease:
             self._held.update(map(id, plan.misses))
             for entry in plan.hits:
                 loaded = entry.loaded
-                if loaded is None or (loaded.done() and not loaded.cancelled()
-                                      and loaded.exception() is None):
+                if entry.ready or loaded is None or (loaded.done() and not loaded.cancelled()
+                                                     and loaded.exception() is None):
                     self._ready.append(Arrival(entry, part))
                     continue
                 # in flight for someone else (a prefetch, another lease), or just failed
@@ -330,12 +330,14 @@ class LayerLease:
             # entries that end with one event are unpinned in one call (usually all)
             batch: list[Entry] = []
             batch_event: Event | None = None
-            for entry in (*plan.hits, *plan.misses):
+            misses = len(plan.misses)
+            for i, entry in enumerate((*plan.misses, *plan.hits)):
                 if id(entry) not in held:
                     continue
-                loaded = entry.loaded
-                if loaded is not None and not loaded.done() and entry in plan.misses:
-                    continue  # ``_miss_landed`` unpins it once the load has landed
+                if i < misses:
+                    loaded = entry.loaded
+                    if loaded is not None and not loaded.done():
+                        continue  # ``_miss_landed`` unpins it once the load has landed
                 held.discard(id(entry))
                 if cache.get(entry.key) is not entry:
                     continue  # dropped: its key's new entry has pins that are not ours

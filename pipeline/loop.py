@@ -13,8 +13,9 @@ writes the token's log event, with its wall time split by what decode waited on
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -58,8 +59,8 @@ class Decoding(Protocol):
     def set_hidden(self, hidden: Any) -> None: ...
 
     async def run_layer(self, leases: Sequence[LayerLease], experts: Sequence[int],
-                        weights: Sequence[float], prefetched: Sequence[LayerLease] = ()
-                        ) -> LayerResult: ...
+                        weights: Sequence[float], prefetched: Sequence[LayerLease] = (),
+                        meanwhile: Callable[[], None] | None = None) -> LayerResult: ...
 
     def take_use_digests(self) -> Digests: ...
 
@@ -77,6 +78,8 @@ class Background(Protocol):
 
 class Fetcher(Protocol):
     """What the loop uses of the ``StreamSession``: its experts, one lease per device."""
+
+    def all_ready(self, layer: int, experts: Sequence[int]) -> bool: ...
 
     def lease_per_device(self, layer: int, experts: Sequence[int], *, prefetch: bool = False
                          ) -> list[LayerLease]: ...
@@ -160,6 +163,8 @@ class DecodeLoop:
         self._predict = config.prefetch == "predict"
         self._end = config.tokens * len(self._layers)
         self._loads: dict[int, list[LayerLease]] = {}  # oracle fetches ahead, by position
+        # a trace routes every layer ahead: all-hit layers are planned during the one before
+        self._plans_ahead = not self._live
         self._read_bytes = process_read_bytes()
         self.storage_bytes = 0
         self.recorder = recorder
@@ -168,6 +173,19 @@ class DecodeLoop:
         token, i = divmod(position, len(self._layers))
         experts, _ = self._routing.route(token, i, None)
         return self._session.lease_per_device(self._layers[i], experts)
+
+    def _plan_ready(self, position: int) -> None:
+        """While the device computes a layer: lease the next one now if every expert it
+        routes to (a trace knows) is cached and ready. Such a lease starts no load, so a
+        run without prefetch still loads nothing early; it only takes the next layer's
+        planning off the host's path between one layer's end and the next one's kernels
+        (issue 14: all cached at compute speed)."""
+        if position in self._loads:
+            return
+        token, i = divmod(position, len(self._layers))
+        experts, _ = self._routing.route(token, i, None)
+        if self._session.all_ready(self._layers[i], experts):
+            self._loads[position] = self._session.lease_per_device(self._layers[i], experts)
 
     async def token(self, t: int) -> TokenTotals:
         """Decode token ``t``; returns its totals (and logs its event)."""
@@ -211,7 +229,10 @@ class DecodeLoop:
             if yielding is not None:
                 yielding.pause()
             try:
-                result = await self._decoder.run_layer(leases, experts, weights, guessed)
+                result = await self._decoder.run_layer(
+                    leases, experts, weights, guessed,
+                    functools.partial(self._plan_ready, position + 1)
+                    if self._plans_ahead and i + 1 < n else None)
             finally:
                 if yielding is not None:
                     yielding.resume()

@@ -294,6 +294,17 @@ class StreamSession:
                 unpin_when_landed(hint, entry)
         return lease
 
+    def all_ready(self, layer: int, experts: Sequence[int]) -> bool:
+        """Every one of ``experts`` is cached on its device and its upload has landed: a
+        lease of them now would load nothing and wait for nothing."""
+        caches, place, several = self.caches, self._place, len(self.caches) > 1
+        for e in experts:
+            key = (layer, int(e))
+            entry = caches[place(key) if several else 0].get(key)
+            if entry is None or not entry.ready:
+                return False
+        return True
+
     def lease_per_device(self, layer: int, experts: Sequence[int], *, prefetch: bool = False
                          ) -> list[LayerLease]:
         """Start a layer's loads (or a guess's) as ``fetch`` (``prefetch``) does, for a

@@ -21,7 +21,7 @@ and leaving switches it last.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -186,6 +186,7 @@ class ShardedDecoder:
         experts: Sequence[int],
         weights: Sequence[float],
         prefetched: Sequence[LayerLease] = (),
+        meanwhile: Callable[[], None] | None = None,
     ) -> LayerResult:
         """Every device with work in this layer (its lease, or guesses to release) runs its
         part concurrently; then the partial sums are combined on the home device.
@@ -194,6 +195,8 @@ class ShardedDecoder:
             leases: one per device that holds some of the layer's experts.
             experts, weights: the layer's experts and their router weights.
             prefetched: the guesses made for this layer, one lease per device.
+            meanwhile: the caller's host work, run by the first device's part while its
+                device computes.
 
         Raises:
             StageError (or the failed device's own error): after every device finished
@@ -202,7 +205,7 @@ class ShardedDecoder:
         weight_of = {int(e): float(w) for e, w in zip(experts, weights, strict=True)}
         mine = {lease.parts[0].device: lease for lease in leases}
         guessed = {guess.parts[0].device: guess for guess in prefetched}
-        runs = []
+        runs: list[Coroutine[Any, Any, LayerResult]] = []
         used = []
         for i, shard in enumerate(self._shards):
             lease, guess = mine.get(i), guessed.get(i)
@@ -211,7 +214,8 @@ class ShardedDecoder:
             own = list(lease.experts) if lease is not None else []
             runs.append(shard.decoder.run_layer([lease] if lease is not None else [], own,
                                                 [weight_of[e] for e in own],
-                                                [guess] if guess is not None else []))
+                                                [guess] if guess is not None else [],
+                                                None if runs else meanwhile))
             used.append(i)
         results = await asyncio.gather(*runs, return_exceptions=True)
         for r in results:

@@ -21,9 +21,11 @@ from gpu.cache import DeviceCache
 from gpu.host import HostBackend
 from gpu.kernels import HostKernels
 from pipeline.decode import Decoder
-from pipeline.foundation.config import ComputeSpec, RunConfig
+from pipeline.foundation.config import Budget, ComputeSpec, RunConfig
 from pipeline.foundation.table import ExpertTable
 from pipeline.lease import EventJoiner, LayerLease, LeasePart
+from pipeline.loop import DecodeLoop
+from pipeline.run import RunSummary, run
 from pipeline.streamer import ExpertStreamer
 from pipeline.verify import Verifier
 from stages.layout import plan_expert
@@ -156,3 +158,35 @@ class TestOrdering:
         cfg = self._cfg(tiny_model, "fixed")
         v = asyncio.run(_decode(tiny_table, cfg, DeferredBackend(), DeferredKernels(), 3))
         assert v.mismatches > 0
+
+
+class TestPlanAhead:
+    """With trace routing, a layer whose experts are all cached and ready is leased while the
+    layer before it computes (``DecodeLoop._plan_ready``); nothing else changes."""
+
+    @staticmethod
+    def _run(model: Path, monkeypatch: pytest.MonkeyPatch, *, ahead: bool
+             ) -> tuple[RunSummary, list[bool]]:
+        planned: list[bool] = []
+        original = DecodeLoop._plan_ready
+
+        def spy(self: DecodeLoop, position: int) -> None:
+            before = position in self._loads
+            if ahead:
+                original(self, position)
+            planned.append(not before and position in self._loads)
+
+        monkeypatch.setattr(DecodeLoop, "_plan_ready", spy)
+        cfg = RunConfig(model=model, tokens=24, mode="resident", backend="host",
+                        compute=ComputeSpec("fixed", 0.0), budget=Budget(experts=40))
+        return asyncio.run(run(cfg)), planned
+
+    def test_only_all_ready_layers_and_same_figures(self, tiny_model: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+        ahead, planned = self._run(tiny_model, monkeypatch, ahead=True)
+        inline, _ = self._run(tiny_model, monkeypatch, ahead=False)
+        assert any(planned), "warm layers are planned during the layer before"
+        assert not all(planned), "layers with misses wait for their turn"
+        for name in ("hits", "misses", "evictions", "verified", "mismatches"):
+            assert getattr(ahead, name) == getattr(inline, name), name
+        assert ahead.verified > 0 and ahead.mismatches == 0
