@@ -155,8 +155,8 @@ class Kernels(Protocol):
                 results: DeviceArray, row: int, stream: Stream) -> None:
         """Digest sums of three (offset, nbytes) ranges of ``buf`` into rows ``row..row+2``."""
 
-    def read_results(self, results: DeviceArray, n: int) -> list[int]:
-        """The digests of the first ``n`` rows (synchronizes with the device)."""
+    def read_results(self, results: DeviceArray, n: int) -> npt.NDArray[np.uint64]:
+        """The digests of the first ``n`` rows, uint64 (synchronizes with the device)."""
 
     def results_address(self, results: DeviceArray, row: int) -> int:
         """The device address of a results row (a ``gather`` row's digest address)."""

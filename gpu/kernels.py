@@ -204,7 +204,7 @@ class HostKernels:
         results[row, 0] = s1
         results[row, 1] = s2
 
-    def read_results(self, results: DeviceArray, n: int) -> list[int]:
+    def read_results(self, results: DeviceArray, n: int) -> npt.NDArray[np.uint64]:
         return mix_digests(results[:n])
 
     def results_address(self, results: DeviceArray, row: int) -> int:
@@ -275,7 +275,7 @@ class CudaKernels:
         with raw:
             self._digest((blocks, 3), (256,), (np.uint64(ptr), *args, out))
 
-    def read_results(self, results: DeviceArray, n: int) -> list[int]:
+    def read_results(self, results: DeviceArray, n: int) -> npt.NDArray[np.uint64]:
         host = self._cp.asnumpy(results[:n])
         return mix_digests(host)
 

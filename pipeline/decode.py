@@ -42,7 +42,7 @@ from pipeline.foundation.table import ExpertTable
 from pipeline.lease import LayerLease
 from pipeline.streamer import ExpertStreamer, LayerLoad
 from pipeline.timesplit import LoadPhases, TimeSplit
-from pipeline.verify import DigestRows
+from pipeline.verify import DigestRows, Digests
 
 __all__ = ["Decoder", "LayerResult", "resolve_compute"]
 
@@ -209,7 +209,7 @@ class Decoder:
         """Per-device counters of the last token: none on one device (the token's own)."""
         return None
 
-    def take_use_digests(self) -> list[tuple[tuple[int, int], int, int]]:
+    def take_use_digests(self) -> Digests:
         """(key, matrix, digest) of every expert consumed since the last call (``digest``)."""
         return self.use_digests.take()
 

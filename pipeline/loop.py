@@ -30,11 +30,10 @@ from pipeline.routing import LiveRouter, Routing
 from pipeline.streamer import StageTimes
 from pipeline.timesplit import TimeSplit
 from pipeline.trace import TraceRecorder
-from pipeline.verify import Verifier
+from pipeline.verify import Digests, Verifier
 
 __all__ = ["DecodeLoop", "TokenTotals"]
 
-Digests = list[tuple[tuple[int, int], int, int]]
 
 
 class Streamer(Protocol):

@@ -32,6 +32,7 @@ from pipeline.decode import Decoder, LayerResult
 from pipeline.foundation.config import RunConfig
 from pipeline.lease import LayerLease
 from pipeline.streamer import ExpertStreamer, IOMode, StageTimes, WarmGate
+from pipeline.verify import Digests
 from stages.reader import ModelReader
 
 __all__ = ["CacheGroup", "DeviceCounters", "Shard", "ShardedDecoder", "StreamerGroup",
@@ -132,8 +133,8 @@ class StreamerGroup:
         for s in self._all:
             s.poll_installs()
 
-    def take_digests(self, *, wait: bool = False) -> list[tuple[tuple[int, int], int, int]]:
-        return [d for s in self._all for d in s.take_digests(wait=wait)]
+    def take_digests(self, *, wait: bool = False) -> Digests:
+        return Digests.join(s.take_digests(wait=wait) for s in self._all)
 
     def take_times(self) -> StageTimes:
         total = StageTimes()
@@ -168,8 +169,8 @@ class ShardedDecoder:
         for shard in self._shards[1:]:
             shard.decoder.set_hidden(None if hidden is None else shard.backend.adopt(hidden))
 
-    def take_use_digests(self) -> list[tuple[tuple[int, int], int, int]]:
-        return [d for s in self._shards for d in s.decoder.take_use_digests()]
+    def take_use_digests(self) -> Digests:
+        return Digests.join(s.decoder.take_use_digests() for s in self._shards)
 
     def take_device_counters(self) -> list[dict[str, Any]]:
         out = [{"device": s.backend.device, "hits": c.hits, "misses": c.misses,

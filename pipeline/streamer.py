@@ -47,7 +47,7 @@ from pipeline.foundation.table import ExpertTable
 from pipeline.host_tier import HostTier
 from pipeline.registration import MappingRegistrar
 from pipeline.timesplit import LaunchTimes, LoadPhases
-from pipeline.verify import DigestRows
+from pipeline.verify import DigestRows, Digests
 from stages.install import Installer
 from stages.layout import ExpertLayout, iter_chunks, largest_slot_bytes, plan_expert
 from stages.mapping import ModelMapping
@@ -293,11 +293,11 @@ class ExpertStreamer:
 
     # -- verification -----------------------------------------------------------------------
 
-    def take_digests(self, *, wait: bool = False) -> list[tuple[tuple[int, int], int, int]]:
+    def take_digests(self, *, wait: bool = False) -> Digests:
         """(key, matrix, digest) of the experts installed since the last call whose copies
         have run (``wait``: of all of them; ``DigestRows.take``)."""
         if self.digests is None:
-            return []
+            return Digests.none()
         return self.digests.take(wait=wait)
 
     # -- loading ---------------------------------------------------------------------------

@@ -319,8 +319,8 @@ class TestMixDigests:
 
         sums = np.random.default_rng(2).integers(0, 2**64 - 1, size=(300, 2), dtype=np.uint64)
         sums[0] = (2**64 - 1, 2**64 - 1)  # both at the top: the sum wraps
-        assert mix_digests(sums) == [mix_digest(int(a), int(b)) for a, b in sums]
-        assert mix_digests(sums[:0]) == []
+        assert mix_digests(sums).tolist() == [mix_digest(int(a), int(b)) for a, b in sums]
+        assert mix_digests(sums[:0]).tolist() == []
 
 
 class TestDigestRowsTake:
@@ -335,9 +335,9 @@ class TestDigestRowsTake:
         for key, event in (((0, 0), True), ((0, 1), ahead.record()), ((0, 2), True)):
             results, row = rows.reserve(key)
             rows.complete(results, row, event if not isinstance(event, bool) else None)
-        assert [d[0] for d in rows.take()] == [(0, 0)] * 3
-        assert rows.take() == [] and rows.pending == 2
-        assert [d[0] for d in rows.take(wait=True)] == [(0, 1)] * 3 + [(0, 2)] * 3
+        assert rows.take().keys == [(0, 0)]
+        assert rows.take().keys == [] and rows.pending == 2
+        assert rows.take(wait=True).keys == [(0, 1), (0, 2)]
         assert rows.pending == 0
 
     def test_taken_once_its_work_ran(self) -> None:
@@ -346,6 +346,6 @@ class TestDigestRowsTake:
         rows = DigestRows(DeferredKernels(), 8)
         results, row = rows.reserve((1, 4))
         rows.complete(results, row, ahead.record())
-        assert rows.take() == []
+        assert rows.take().keys == []
         ahead.synchronize()
-        assert [d[0] for d in rows.take()] == [(1, 4)] * 3
+        assert rows.take().keys == [(1, 4)]

@@ -29,7 +29,7 @@ from pipeline.foundation.table import ExpertTable, open_table
 from pipeline.manifest_build import ManifestBuilder
 from pipeline.modelgen import spec_for, write_model
 from pipeline.run import RunSummary, main, run
-from pipeline.verify import Verifier
+from pipeline.verify import Digests, Verifier
 from stages.reader import ModelReader
 from tests.conftest import BACKENDS
 from tests.gguf_files import write_plain_moe
@@ -243,13 +243,13 @@ class TestVerifierWaits:
         good_values, bad_values = truth.get(good), truth.get(bad)
         assert good_values is not None and bad_values is not None
         wrong = (bad_values[0], bad_values[1] ^ 1, bad_values[2])
-        digests = [(good, m, good_values[m]) for m in range(3)] * 2
-        digests += [(bad, m, wrong[m]) for m in range(3)]
+        digests = Digests([good, good, bad], np.array([good_values, good_values, wrong],
+                                                      dtype=np.uint64))
         verifier.check(digests)
         assert (verifier.verified, verifier.mismatches, verifier.unverified) == (0, 0, 3)
         assert sorted(verifier.waiting_keys) == sorted([good, bad])
         manifest.set(good, good_values)
-        verifier.check([])
+        verifier.check(Digests.none())
         assert (verifier.verified, verifier.mismatches, verifier.unverified) == (2, 0, 1)
         manifest.set(bad, bad_values)
         verifier.resolve()

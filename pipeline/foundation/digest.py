@@ -39,14 +39,13 @@ def mix_digest(s1: int, s2: int) -> int:
     return (s2 + s1 * GOLDEN) & _MASK
 
 
-def mix_digests(sums: npt.NDArray[np.uint64]) -> list[int]:
+def mix_digests(sums: npt.NDArray[np.uint64]) -> npt.NDArray[np.uint64]:
     """``mix_digest`` of every (s1, s2) row of an (n, 2) uint64 array, in one numpy pass
     (uint64 arithmetic wraps modulo 2**64, as the mask does): a token's read-back costs
     microseconds, not one Python call per matrix."""
     with np.errstate(over="ignore"):
-        mixed = sums[:, 1] + sums[:, 0] * np.uint64(GOLDEN)
-    values: list[int] = mixed.tolist()
-    return values
+        mixed: npt.NDArray[np.uint64] = sums[:, 1] + sums[:, 0] * np.uint64(GOLDEN)
+    return mixed
 
 
 Bytes = npt.NDArray[np.uint8] | bytes | bytearray | memoryview
