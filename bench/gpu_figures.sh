@@ -4,9 +4,10 @@
 # Qwen3-30B-A3B shape (no recorded digests) and on ds4-flash-q2 (8 layers x 256 experts);
 # the host-path bench on both; and the time breakdown of a resident run that the copy limit
 # should bound (Mixtral-8x7B shape, 4 layers: 99 MB experts). Usage:
-#   bash bench/gpu_figures.sh [tests,qwen,ds4,mixtral,profile]
+#   bash bench/gpu_figures.sh [tests,qwen,ds4,mixtral,profile,cold]
 # (tests: the GPU tests first, and the fault matrix on CuPy; a failed GPU test stops the lease;
-# profile: bench.profile's two phases on the Qwen shape, with qwen)
+# profile: bench.profile's two phases on the Qwen shape, with qwen; cold: the bench's cold
+# phase too, direct misses from storage against the best raw O_DIRECT read)
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>/dev/null
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 XDG_CACHE_HOME=$PWD/.cache
@@ -21,11 +22,12 @@ if [[ $steps == *tests* ]]; then
   timeout 120 python3 -m bench.faultmatrix --backend cupy --json $OUT/faultmatrix-cupy.json \
     > $OUT/faultmatrix.log 2>&1; echo "faultmatrix rc=$? ok=$(grep -c '| ok |' $OUT/faultmatrix.log)"; pack
 fi
-B="python3 -m bench.pipeline --backend cupy --lookahead 8 --skip cold,cache"
+SKIP=cold,cache; [[ $steps == *cold* ]] && SKIP=cache  # cold: direct mode from storage too
+B="python3 -m bench.pipeline --backend cupy --lookahead 8 --skip $SKIP"
 bench_shape() {  # name model
   for v in verify noverify; do
     flag=""; [ $v = noverify ] && flag=--no-verify
-    timeout 150 $B --model $2 $flag --out $OUT/pipeline-$1-$v.json > $OUT/pipeline-$1-$v.log 2>&1
+    timeout 240 $B --model $2 $flag --out $OUT/pipeline-$1-$v.json > $OUT/pipeline-$1-$v.log 2>&1
     echo "$1 $v:"; grep -E "^  [0-9]_|resident_miss" $OUT/pipeline-$1-$v.log
     pack
   done
