@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One H200 lease for issue 14's and 18's figures (repo root on the GPU machine, .whl carried):
-# the pipeline bench's warm-resident and all-cached phases, verification on and off, on the
+# the pipeline bench's warm-resident and all-cached phases, then verification on and off
+# alternating in the same process (--ab-verify), on the
 # Qwen3-30B-A3B shape (no recorded digests) and on ds4-flash-q2 (8 layers x 256 experts);
 # the host-path bench on both; and the time breakdown of a resident run that the copy limit
 # should bound (Mixtral-8x7B shape, 4 layers: 99 MB experts). Usage:
@@ -24,13 +25,10 @@ if [[ $steps == *tests* ]]; then
 fi
 SKIP=cold,cache; [[ $steps == *cold* ]] && SKIP=cache  # cold: direct mode from storage too
 B="python3 -m bench.pipeline --backend cupy --lookahead 8 --skip $SKIP"
-bench_shape() {  # name model
-  for v in verify noverify; do
-    flag=""; [ $v = noverify ] && flag=--no-verify
-    timeout 240 $B --model $2 $flag --out $OUT/pipeline-$1-$v.json > $OUT/pipeline-$1-$v.log 2>&1
-    echo "$1 $v:"; grep -E "^  [0-9]_|resident_miss" $OUT/pipeline-$1-$v.log
-    pack
-  done
+bench_shape() {  # name model: every phase verified, then verification on/off alternating
+  timeout 300 $B --model $2 --ab-verify ${AB:-3} --tokens 128 --out $OUT/pipeline-$1.json \
+    > $OUT/pipeline-$1.log 2>&1
+  echo "$1:"; grep -E "^  [0-9]_|verification costs" $OUT/pipeline-$1.log; pack
   timeout 90 python3 -m bench.hostpath --model $2 --out $OUT/hostpath-$1.json > $OUT/hostpath-$1.log 2>&1
   tail -8 $OUT/hostpath-$1.log; pack
 }

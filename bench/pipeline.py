@@ -10,12 +10,16 @@ the same expert ranges, because these machines are noisy:
 - kvikio ``CuFile.pread`` of the same ranges into device buffers, when kvikio is installed;
 - a naive baseline: synchronous buffered read, pageable copy, no cache (what ds4's CUDA
   path did before its cache was fixed);
-- the compute-only rate: the same per-layer kernels and syncs with no I/O at all.
+- the compute-only rate: the same per-layer kernels and syncs with no I/O at all;
+- with ``--ab-verify N``, the same phases with verification on and off, alternating in one
+  process: what verification costs, from medians, free of the drift between two runs.
 
 Pipeline runs go through ``pipeline.run.run`` with a log, and figures come from the log's
 token events. Miss throughput uses a cyclic sweep over distinct experts with an LRU budget
 of half the sweep, so every access in the second pass is a miss (LRU's cyclic worst case,
-used on purpose) and window registration happens in the first pass.
+used on purpose) and window registration happens in the first pass; the later ``--passes``
+are measured (three by default: one pass of 8 tokens was 0.2 s on the H200, too short to
+tell two runs apart).
 """
 
 from __future__ import annotations
@@ -247,7 +251,7 @@ class Bench:
 
     def run(self, name: str, trace: Trace, tokens: int, *, mode: str, budget_bytes: int | None,
             layer_ms: float, policy: str = "lru", lookahead: int = 0, gather: bool = True,
-            ) -> tuple[RunSummary, list[dict[str, Any]]]:
+            verify: bool | None = None) -> tuple[RunSummary, list[dict[str, Any]]]:
         trace_path = self.scratch / f"{name}.npz"
         save_trace(trace, trace_path)
         log = self.scratch / f"{name}.jsonl"
@@ -258,7 +262,8 @@ class Bench:
             queue_depth=self.args.queue_depth, chunk_bytes=self.args.chunk_mib * MIB,
             staging_slots=self.args.staging_slots, upload_streams=self.args.streams,
             log=log, policy=policy, prefetch="oracle" if lookahead else "none",
-            lookahead=lookahead, verify=not self.args.no_verify, gather=gather,
+            lookahead=lookahead, gather=gather,
+            verify=not self.args.no_verify if verify is None else verify,
         )
         summary = uvloop.run(run(cfg))
         events = token_events(log)
@@ -289,6 +294,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--lookahead", type=int, default=4,
                    help="oracle prefetch depth for the miss-throughput runs (4)")
     p.add_argument("--sweep-tokens", type=int, default=8, help="tokens per sweep pass")
+    p.add_argument("--passes", type=int, default=4,
+                   help="sweep passes per miss run; all but the first are measured (4)")
     p.add_argument("--tokens", type=int, default=64, help="tokens for the cache-vs-naive runs")
     p.add_argument("--naive-tokens", type=int, default=16)
     p.add_argument("--layer-ms", type=float, default=0.57)
@@ -299,6 +306,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--odirect-threads", type=lambda s: [int(x) for x in s.split(",")],
                    default=[4, 8, 16, 32, 64],
                    help="thread counts of the raw O_DIRECT sweep (the best is the cold reference)")
+    p.add_argument("--ab-verify", type=int, default=0, metavar="N",
+                   help="N rounds of verification on and off, alternating, for the warm-miss "
+                        "and all-cached phases: the cost of verification within one run")
     p.add_argument("--skip", default="", help="comma list of phases to skip: cold,warm,cache,all")
     p.add_argument("--no-verify", action="store_true",
                    help="pipeline runs without verification (the cost of the default's)")
@@ -326,7 +336,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         other = sweep_trace(n_layers, n_exp, k, args.sweep_tokens, args.sweep_tokens * k)
         sweep_budget = n_layers * k * args.sweep_tokens * expert_bytes // 2 + (64 << 20)
         ranges_other = expert_ranges(table, other)
-        cyc = 2 * args.sweep_tokens
+        cyc = args.passes * args.sweep_tokens  # measured: every pass after the first
         if "warm" not in skip:
             print("warm (file in page cache):", flush=True)
             results["warm_file"] = _phase("make_resident", {},
@@ -408,6 +418,31 @@ def main(argv: Sequence[str] | None = None) -> int:
                                     budget_bytes=None, layer_ms=args.layer_ms)
             results["all_cached"] = _phase("all_cached", {},
                                            lambda: window_rate(ev[args.tokens:]))
+        if args.ab_verify and "warm" not in skip:
+            print(f"verification A/B ({args.ab_verify} rounds, on and off alternating):",
+                  flush=True)
+            ab = results["verify_ab"] = {}
+            phases: dict[str, tuple[Callable[[bool], list[dict[str, Any]]], str]] = {
+                "resident_miss": (lambda on: bench.run(
+                    "ab_sweep", sweep, cyc, mode="resident", budget_bytes=sweep_budget,
+                    layer_ms=0.0, lookahead=args.lookahead, verify=on)[1][args.sweep_tokens:],
+                    "delivered_gbps"),
+            }
+            if gpu and "all" not in skip:
+                phases["all_cached"] = (lambda on: bench.run(
+                    "ab_cached", calibrated, 2 * args.tokens, mode="resident",
+                    budget_bytes=None, layer_ms=args.layer_ms, verify=on)[1][args.tokens:],
+                    "tokens_per_s")
+            for phase, (go, measure) in phases.items():
+                rates: dict[str, list[float]] = {"on": [], "off": []}
+                for _ in range(args.ab_verify):
+                    for on in (True, False):
+                        rates["on" if on else "off"].append(window_rate(go(on))[measure])
+                on_med, off_med = (float(np.median(rates[k])) for k in ("on", "off"))
+                ab[phase] = {"measure": measure, **rates, "median_on": on_med,
+                             "median_off": off_med, "cost": round(1 - on_med / off_med, 4)}
+                print(f"  {phase}: {measure} on {on_med:.3f} / off {off_med:.3f}: "
+                      f"verification costs {ab[phase]['cost']:.1%}", flush=True)
         results["runs"] = bench.runs
     figures = _figures(results)
     results["figures"] = figures
@@ -454,6 +489,8 @@ def _figures(r: dict[str, Any]) -> dict[str, Any]:
     if "all_cached" in r:
         fig["4_all_cached_vs_compute_only"] = _ratio(r["all_cached"]["tokens_per_s"],
                                                      ref.get("compute_only_tps"))
+    for phase, ab in r.get("verify_ab", {}).items():
+        fig[f"6_verify_cost_{phase}"] = ab["cost"]
     fig["5_budget_never_exceeded"] = all(run["budget_ok"] for run in r.get("runs", {}).values())
     return fig
 
