@@ -50,12 +50,7 @@ def stream_pointer(stream: StreamLike) -> int:
 def _external(pointer: int) -> Any:
     import cupy
 
-    if pointer == 0:
-        return cupy.cuda.Stream.null
-    from_external = getattr(cupy.cuda.Stream, "from_external", None)  # CuPy 14 on
-    if from_external is not None:
-        return from_external(pointer)
-    return cupy.cuda.ExternalStream(pointer)  # deprecated there, the only way before
+    return cupy.cuda.Stream.null if pointer == 0 else cupy.cuda.ExternalStream(pointer)
 
 
 def wait_on(event: Event, stream: StreamLike) -> None:
