@@ -406,6 +406,8 @@ class ExpertStreamer:
                 load.phases[entry.key].mark("upload", t1)  # queued: the device copy shows
                 load.launched += 1                         # where decode waits
                 if isinstance(event, Exception):
+                    if digests is not None:
+                        digests.drop(*rows[i])
                     arrived.append((entry, event))
                     continue
                 if digests is not None:
@@ -413,6 +415,9 @@ class ExpertStreamer:
                 self.installer.submit(entry)
                 arrived.append((entry, None))
         except BaseException as exc:  # interrupted: every miss not delivered fails with it
+            if digests is not None:
+                for row in rows[len(arrived) :]:
+                    digests.drop(*row)
             arrived.extend((entry, exc) for entry in misses[len(arrived) :])
             raise
         finally:
@@ -623,8 +628,11 @@ class ExpertStreamer:
 
     def _arrived(self, job: _Job, event: Event | None, *, counted: bool = True) -> None:
         """Loop: return the slot (busy until the upload is done) and pass the entry on."""
-        if self.digests is not None and job.digest_row >= 0 and job.error is None:
-            self.digests.complete(job.digest_results, job.digest_row, event)
+        if self.digests is not None and job.digest_row >= 0:
+            if job.error is None:
+                self.digests.complete(job.digest_results, job.digest_row, event)
+            else:
+                self.digests.drop(job.digest_results, job.digest_row)
         if job.slot is not None:
             self._staged_jobs.discard(job)
             self.ring.release(job.slot, event)

@@ -58,7 +58,7 @@ class _Generation:
     def __init__(self, results: Any) -> None:
         self.results = results
         self.address: int | None = None  # of row 0, once asked for
-        self.keys: list[ExpertKey] = []
+        self.keys: list[ExpertKey | None] = []  # None: a dropped row, never read
         self.done: list[Event | bool] = []
         self.taken = 0
 
@@ -67,8 +67,9 @@ class DigestRows:
     """Rows of digest sums, handed to loads and read back once their kernels were queued.
 
     A load reserves three rows when it starts and calls ``complete`` once its digest work
-    is queued; ``take`` returns only completed digests, so loads still in flight (started
-    ahead by prefetch) are read in a later call, never as zeros. Arrays are allocated on
+    is queued, or ``drop`` when it failed (its rows are never read, and never hold back the
+    rows after them); ``take`` returns only completed digests, so loads still in flight
+    (started ahead by prefetch) are read in a later call, never as zeros. Arrays are allocated on
     first use (most warm tokens need none) and dropped once all their rows were taken.
 
     Args:
@@ -107,6 +108,14 @@ class DigestRows:
                 gen.done[row // 3] = event if event is not None else True
                 return
 
+    def drop(self, results: Any, row: int) -> None:
+        """The load that reserved the rows at ``row`` failed: they are skipped, unread."""
+        for gen in self._generations:
+            if gen.results is results:
+                gen.keys[row // 3] = None
+                gen.done[row // 3] = True
+                return
+
     def take(self, *, wait: bool = False) -> Digests:
         """Digests whose work was queued since the last call and has run.
 
@@ -134,9 +143,14 @@ class DigestRows:
             if not ready:
                 continue
             stop = gen.taken + ready
-            mixed = self._kernels.read_results(gen.results, stop * 3)
-            keys.extend(gen.keys[gen.taken : stop])
-            values.append(mixed[gen.taken * 3 :].reshape(ready, 3))
+            mixed = self._kernels.read_results(gen.results, stop * 3)[gen.taken * 3 :]
+            taken = gen.keys[gen.taken : stop]
+            if None in taken:  # rows of failed loads: left out
+                kept = [i for i, key in enumerate(taken) if key is not None]
+                taken = [taken[i] for i in kept]
+                mixed = mixed.reshape(ready, 3)[kept].reshape(-1)
+            keys.extend(k for k in taken if k is not None)
+            values.append(mixed.reshape(len(taken), 3))
             gen.taken = stop
         last = self._generations[-1] if self._generations else None
         self._generations = [

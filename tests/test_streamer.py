@@ -103,11 +103,15 @@ async def _stream(table: ExpertTable, routes: list[Route], *, budget_experts: in
             cache.advance_token()
             verifier.check(streamer.take_digests())
             verifier.check(used.take())
+        verifier.check(streamer.take_digests(wait=True))
+        assert streamer.digests is not None
+        stuck = streamer.digests.pending  # rows reserved and never completed nor dropped
     finally:
         await streamer.aclose()
         counters = cache.counters
         cache.close()
     return {"verifier": verifier, "layers": results, "counters": counters, "errors": errors,
+            "stuck": stuck,
             "bytes_uploaded": streamer.uploader.bytes_uploaded,
             "copies": streamer.uploader.copies}
 
@@ -166,6 +170,7 @@ class TestRegisteredLayerBatch:
         assert len(out["errors"]) == 1
         assert "injected" in str(out["errors"][0])
         assert out["verifier"].mismatches == 0
+        assert out["stuck"] == 0  # the failed expert's digest row does not hold back others
 
     def test_corrupt_copy_is_caught(self, tiny_table: ExpertTable) -> None:
         """The ``corrupt`` fault inverts a byte as the gather writes it: the install digest
@@ -349,3 +354,13 @@ class TestDigestRowsTake:
         assert rows.take().keys == []
         ahead.synchronize()
         assert rows.take().keys == [(1, 4)]
+
+    def test_dropped_rows_never_hold_back_the_rest(self) -> None:
+        rows = DigestRows(DeferredKernels(), 8)
+        reserved = [rows.reserve((2, e)) for e in range(3)]
+        rows.drop(*reserved[1])  # that expert's load failed
+        rows.complete(*reserved[0], None)
+        rows.complete(*reserved[2], None)
+        taken = rows.take()
+        assert taken.keys == [(2, 0), (2, 2)] and taken.values.shape == (2, 3)
+        assert rows.pending == 0
