@@ -22,17 +22,26 @@ __all__ = [
 ]
 
 
+_io_fd: tuple[int, int] | None = None  # (pid, fd of /proc/<pid>/io), kept open
+
+
 def process_read_bytes() -> int:
-    """Bytes this process pulled from storage (page-cache hits do not count)."""
+    """Bytes this process pulled from storage (page-cache hits do not count).
+
+    Read once per token: the file stays open and is read with one ``pread`` (opening it
+    each time was 38 us a token on the dev VM, a visible share of an all-cached token).
+    """
+    global _io_fd
+    pid = os.getpid()
     try:
-        with open("/proc/self/io", "rb") as f:
-            for line in f:
-                if line.startswith(b"read_bytes:"):
-                    return int(line.split()[1])
-    except OSError:
-        pass
-    io = psutil.Process().io_counters()
-    return int(getattr(io, "read_bytes", 0))
+        if _io_fd is None or _io_fd[0] != pid:  # first use, or a forked child
+            _io_fd = (pid, os.open(f"/proc/{pid}/io", os.O_RDONLY | os.O_CLOEXEC))
+        data = os.pread(_io_fd[1], 4096, 0)
+        at = data.index(b"\nread_bytes:") + 12
+        return int(data[at : data.index(b"\n", at)])
+    except (OSError, ValueError):
+        io = psutil.Process().io_counters()
+        return int(getattr(io, "read_bytes", 0))
 
 
 def ram_available_bytes() -> int:
