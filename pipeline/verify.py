@@ -52,6 +52,10 @@ class Digests:
         return len(self.keys)
 
 
+_NONE = Digests.none()  # shared: nothing can be written into its (0, 3) array
+_NONE.values.setflags(write=False)
+
+
 class _Generation:
     """One results array and the keys whose digests go into it, three rows each."""
 
@@ -126,6 +130,8 @@ class DigestRows:
         reserved before those and its work ran before compute read it, so a token's own
         experts are always taken at its end.
         """
+        if all(gen.taken == len(gen.keys) for gen in self._generations):
+            return _NONE  # the common case once warm: nothing was loaded
         keys: list[ExpertKey] = []
         values: list[npt.NDArray[np.uint64]] = []
         for gen in self._generations:
@@ -158,7 +164,7 @@ class DigestRows:
             if g.taken < len(g.keys) or (g is last and len(g.keys) < self._capacity)
         ]
         if not keys:
-            return Digests.none()
+            return _NONE
         return Digests(keys, values[0] if len(values) == 1 else np.concatenate(values))
 
     @property
