@@ -172,7 +172,11 @@ class StreamSession:
         else:  # default: every routed expert
             budget = sum(size * table.layers[n].n_experts for n, size in device_sizes.items())
         min_bytes = self._layers_in_flight * table.top_k * max(device_sizes.values())
-        weights = [float(b.device_free_bytes()) for b in self.backends]
+        # by device memory; the host backend's emulated devices share one RAM, whose free
+        # bytes move between two readings: split evenly (a tight budget split by two
+        # readings a few KiB apart left one device short of a layer, a flaky refusal)
+        weights = ([1.0] * len(self.backends) if home.name == "host"
+                   else [float(b.device_free_bytes()) for b in self.backends])
         for backend, share in zip(self.backends, split_budget(budget, weights), strict=True):
             with backend.activate():
                 kernels = make_kernels(backend.name)
