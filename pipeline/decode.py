@@ -326,6 +326,16 @@ class Decoder:
             await self._spend_host_compute()
             compute_s += time.perf_counter() - t0
             while lease.pending:  # then the others as they land
+                landed = lease.take_landed()
+                if landed:  # a gathered layer's misses land together: consume them at once
+                    t_got = time.perf_counter()
+                    with ctx:
+                        for one in landed:
+                            entry = one.entry
+                            self._consume(entry, weight_of[entry.key[1]], acc, per_expert_ms)
+                    await self._spend_host_compute()
+                    compute_s += time.perf_counter() - t_got
+                    continue
                 try:
                     arrival = await lease.next()
                 except MoestreamError as exc:  # dropped from the cache; the others go on

@@ -152,6 +152,8 @@ class LayerLease:
     _handed: set[int] = field(default_factory=set)
     _held: set[int] = field(default_factory=set)
     """Entries (by id) this lease still pins: each pin is dropped exactly once."""
+    _stashed: Any = None
+    """A failed arrival ``take_landed`` stopped at, for ``next`` to raise."""
 
     def __post_init__(self) -> None:
         for part in self.parts:
@@ -260,6 +262,25 @@ class LayerLease:
         self._handed.update([id(arrival.entry) for arrival in ready])
         return ready
 
+    def take_landed(self) -> list[Arrival]:
+        """Every arrival that has landed already, without waiting, in order (a layer
+        gathered in one launch lands at once: its misses are handed out together). Stops
+        before a failed one, which ``next`` then raises.
+
+        Raises:
+            UsageError: the lease was released (or its session closed).
+        """
+        self._check()
+        out: list[Arrival] = []
+        queue = self._queue
+        while self._stashed is None and queue is not None and not queue.empty():
+            item = queue.get_nowait()
+            if item is _ABORT or item[1] is not None:
+                self._stashed = item
+                break
+            out.append(self._arrival(item))
+        return out
+
     async def next(self) -> Arrival | None:
         """The next expert available, hits first, then misses as they land; None when all
         were handed out.
@@ -275,12 +296,18 @@ class LayerLease:
             arrival = self._ready.pop(0)
             self._handed.add(id(arrival.entry))
             return arrival
+        if self._stashed is not None:
+            stashed, self._stashed = self._stashed, None
+            return self._arrival(stashed)
         if self._pending == 0:
             return None
+        queue = self._arrivals()
+        if not queue.empty():  # landed already: no wait to charge (a gathered layer's case)
+            return self._arrival(queue.get_nowait())
         t0 = time.perf_counter()
         item: Any = _ABORT
         try:
-            item = await self._arrivals().get()
+            item = await queue.get()
         finally:
             t1 = time.perf_counter()
             if item is _ABORT:
@@ -289,6 +316,10 @@ class LayerLease:
                 part = self._part_of[id(item[0])]
                 own = item[0] in part.load.plan.misses
                 self.on_wait(item[0], part.load if own else None, t0, t1)
+        return self._arrival(item)
+
+    def _arrival(self, item: Any) -> Arrival:
+        """Hand out one queued arrival (raising its load's error)."""
         if item is _ABORT:
             self._check()  # raises: only ``release`` queues it
         entry: Entry = item[0]

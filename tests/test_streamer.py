@@ -20,8 +20,10 @@ import pytest
 
 from gpu.cache import DeviceCache
 from pipeline.foundation.config import Budget, ComputeSpec, RunConfig
+from pipeline.foundation.errors import StageError
 from pipeline.foundation.faults import parse_faults
 from pipeline.foundation.table import ExpertTable
+from pipeline.lease import EventJoiner, LayerLease, LeasePart
 from pipeline.streamer import ExpertStreamer
 from pipeline.verify import DigestRows, Verifier
 from stages.layout import plan_expert
@@ -364,3 +366,56 @@ class TestDigestRowsTake:
         taken = rows.take()
         assert taken.keys == [(2, 0), (2, 2)] and taken.values.shape == (2, 3)
         assert rows.pending == 0
+
+
+class TestTakeLanded:
+    """A gathered layer's misses land together: ``take_landed`` hands them out in one call,
+    stopping before a failed one, which ``next`` then raises."""
+
+    @staticmethod
+    async def _lease(table: ExpertTable, experts: list[int], faults: str = ""
+                     ) -> tuple[LayerLease, ExpertStreamer, DeviceCache]:
+        cfg = RunConfig(model=table.path, compute=ComputeSpec("digest"))
+        backend = RegisteringDeferredBackend()
+        size = plan_expert(table.slices((table.moe_layers[0], 0))).device_bytes
+        cache = DeviceCache(backend, 1 << 30, "lru", min_bytes=table.top_k * size)
+        plan = parse_faults(faults) if faults else None
+        streamer = ExpertStreamer(cfg, table, backend, cache, DeferredKernels(), faults=plan)
+        await streamer.set_mode("resident")
+        layer = table.moe_layers[0]
+        part = LeasePart(0, cache, streamer, EventJoiner(backend.new_stream(), backend.activate),
+                         streamer.start_layer(layer, experts))
+        return LayerLease(layer, tuple(experts), [part]), streamer, cache
+
+    def test_all_at_once(self, tiny_table: ExpertTable) -> None:
+        async def go() -> None:
+            lease, streamer, cache = await self._lease(tiny_table, [0, 1, 2])
+            try:
+                assert lease.take_landed() == []  # delivered by a callback, after the start
+                await asyncio.sleep(0)
+                landed = lease.take_landed()
+                assert [a.entry.key[1] for a in landed] == [0, 1, 2]
+                assert lease.pending == 0 and await lease.next() is None
+            finally:
+                lease.release(lambda part: None)
+                await streamer.aclose()
+                cache.close()
+
+        asyncio.run(go())
+
+    def test_stops_before_a_failure(self, tiny_table: ExpertTable) -> None:
+        async def go() -> None:
+            lease, streamer, cache = await self._lease(tiny_table, [0, 1, 2], "upload@2")
+            try:
+                await asyncio.sleep(0)
+                assert [a.entry.key[1] for a in lease.take_landed()] == [0]
+                with pytest.raises(StageError, match="injected"):
+                    await lease.next()
+                assert [a.entry.key[1] for a in lease.take_landed()] == [2]
+                assert lease.pending == 0
+            finally:
+                lease.release(lambda part: None)
+                await streamer.aclose()
+                cache.close()
+
+        asyncio.run(go())
