@@ -11,7 +11,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections import OrderedDict
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Collection, Container, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -41,7 +41,7 @@ class EvictionPolicy(Protocol):
     def remove(self, key: ExpertKey) -> None:
         """A key left the cache (evicted or dropped)."""
 
-    def victim(self, protected: Collection[ExpertKey]) -> ExpertKey | None:
+    def victim(self, protected: Container[ExpertKey]) -> ExpertKey | None:
         """The key to evict next, never one in ``protected``; None if all are protected."""
 
     def advance_token(self) -> None:
@@ -65,7 +65,7 @@ class LRUPolicy:
     def remove(self, key: ExpertKey) -> None:
         del self._order[key]
 
-    def victim(self, protected: Collection[ExpertKey]) -> ExpertKey | None:
+    def victim(self, protected: Container[ExpertKey]) -> ExpertKey | None:
         for key in self._order:
             if key not in protected:
                 return key
@@ -131,7 +131,7 @@ class FreqDecayPolicy:
         del self._log_score[key]
         del self._stamp[key]
 
-    def victim(self, protected: Collection[ExpertKey]) -> ExpertKey | None:
+    def victim(self, protected: Container[ExpertKey]) -> ExpertKey | None:
         skipped: list[tuple[float, int, ExpertKey]] = []
         found: ExpertKey | None = None
         while self._heap:
@@ -151,6 +151,20 @@ class FreqDecayPolicy:
 
     def advance_token(self) -> None:
         self._token += 1
+
+
+class _Either:
+    """Membership in either of two collections, without copying the first (the pinned
+    keys, a few layers of them, were copied for every miss admitted)."""
+
+    __slots__ = ("base", "extra")
+
+    def __init__(self, base: Container[ExpertKey], extra: set[ExpertKey]) -> None:
+        self.base = base
+        self.extra = extra
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.extra or key in self.base
 
 
 def make_policy(name: str) -> EvictionPolicy:
@@ -214,7 +228,7 @@ class CacheIndex:
         return False
 
     def admit(
-        self, key: ExpertKey, nbytes: int, protected: Collection[ExpertKey]
+        self, key: ExpertKey, nbytes: int, protected: Container[ExpertKey]
     ) -> tuple[bool, list[ExpertKey]]:
         """Make room for ``key`` by evicting unprotected keys, then hold it.
 
@@ -229,12 +243,12 @@ class CacheIndex:
             return False, []
         victims: list[ExpertKey] = []
         freed = 0
-        chosen: set[ExpertKey] = set(protected)
+        chosen = _Either(protected, set())  # not a copy of ``protected`` per admission
         while self._live - freed + nbytes > self._capacity:
             victim = self._policy.victim(chosen)
             if victim is None:
                 return False, []
-            chosen.add(victim)
+            chosen.extra.add(victim)
             victims.append(victim)
             freed += self._sizes[victim]
         for victim in victims:
@@ -285,7 +299,7 @@ class CacheIndex:
             else:
                 misses.append((key, size))
         evicted: list[ExpertKey] = []
-        protected = set(keys).union(pinned)
+        protected = _Either(pinned, set(keys))
         for key, size in misses:
             _, out = self.admit(key, size, protected)
             evicted.extend(out)

@@ -381,10 +381,14 @@ class TestTakeLanded:
         cache = DeviceCache(backend, 1 << 30, "lru", min_bytes=table.top_k * size)
         plan = parse_faults(faults) if faults else None
         streamer = ExpertStreamer(cfg, table, backend, cache, DeferredKernels(), faults=plan)
+        with table.path.open("rb") as f:  # resident pages: windows register (see _stream)
+            while f.read(8 << 20):
+                pass
         await streamer.set_mode("resident")
         layer = table.moe_layers[0]
         part = LeasePart(0, cache, streamer, EventJoiner(backend.new_stream(), backend.activate),
                          streamer.start_layer(layer, experts))
+        assert part.load.launcher is None, "the registered (gathered) path"
         return LayerLease(layer, tuple(experts), [part]), streamer, cache
 
     def test_all_at_once(self, tiny_table: ExpertTable) -> None:

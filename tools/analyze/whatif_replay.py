@@ -17,7 +17,7 @@ replay cannot be split: the cache state is sequential.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Collection
+from collections.abc import Container
 from dataclasses import dataclass
 
 import numpy as np
@@ -196,7 +196,7 @@ class BeladyPolicy:
         del self._stamp[key]
         del self._next[key]
 
-    def victim(self, protected: Collection[ExpertKey]) -> ExpertKey | None:
+    def victim(self, protected: Container[ExpertKey]) -> ExpertKey | None:
         """The held key used again farthest in the future, never one in ``protected``."""
         skipped: list[tuple[int, int, ExpertKey]] = []
         found: ExpertKey | None = None
