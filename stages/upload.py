@@ -141,26 +141,28 @@ class Uploader:
         (the stream synchronized first). The caller makes the device current.
         """
         stream = self.next_stream()
+        faults = self._faults if self._faults else None
         failed: list[Exception | None] = []  # per item: its injected failure, or queued
         rows: list[tuple[int, int, int, int, int]] = []
         queued: list[Entry] = []
         waited: Event | None = None
         for entry, copies, outs in items:
-            if self._faults and self._faults.hit("upload") is not None:
+            if faults is not None and faults.hit("upload") is not None:
                 failed.append(UploadError(f"copy of {sum(n for _, _, n in copies)} bytes to "
                                           "the device failed (injected)"))
                 continue
-            flip = NO_FLIP
-            if self._faults and copies and self._faults.hit("corrupt") is not None:
-                flip = copies[0][2] // 2
-                _log.warning("corrupt_injected", key=entry.key, device_offset=copies[0][0] + flip)
             if entry.reuse_after is not None and entry.reuse_after is not waited:
                 waited = entry.reuse_after  # buffers a layer's compute freed share its event
                 stream.wait(waited)
             base = entry.buffer.ptr
-            for i, (device_offset, src, nbytes) in enumerate(copies):
-                rows.append((src, base + device_offset, nbytes, outs[i] if outs else 0,
-                             flip if i == 0 else NO_FLIP))
+            first = len(rows)
+            rows.extend([(src, base + offset, nbytes, out, NO_FLIP) for (offset, src, nbytes), out
+                         in zip(copies, outs or [0] * len(copies), strict=True)])
+            if faults is not None and copies and faults.hit("corrupt") is not None:
+                src, dst, nbytes, out, _ = rows[first]
+                rows[first] = (src, dst, nbytes, out, nbytes // 2)
+                _log.warning("corrupt_injected", key=entry.key,
+                             device_offset=copies[0][0] + nbytes // 2)
             queued.append(entry)
             failed.append(None)
         result: Event | Exception = UploadError("nothing queued")
