@@ -210,7 +210,7 @@ class Decoder:
         return None
 
     def take_use_digests(self) -> Digests:
-        """(key, matrix, digest) of every expert consumed since the last call (``digest``)."""
+        """The digests of every expert consumed since the last call (``--compute digest``)."""
         return self.use_digests.take()
 
     def _views(self, entry: Entry) -> list[Any]:

@@ -35,7 +35,6 @@ from pipeline.verify import Digests, Verifier
 __all__ = ["DecodeLoop", "TokenTotals"]
 
 
-
 class Streamer(Protocol):
     """What the loop uses of one device's ``ExpertStreamer`` or a ``StreamerGroup``."""
 

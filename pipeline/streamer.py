@@ -294,8 +294,8 @@ class ExpertStreamer:
     # -- verification -----------------------------------------------------------------------
 
     def take_digests(self, *, wait: bool = False) -> Digests:
-        """(key, matrix, digest) of the experts installed since the last call whose copies
-        have run (``wait``: of all of them; ``DigestRows.take``)."""
+        """The install digests of the experts loaded since the last call whose copies have
+        run (``wait``: of all of them; ``DigestRows.take``)."""
         if self.digests is None:
             return Digests.none()
         return self.digests.take(wait=wait)
