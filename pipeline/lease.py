@@ -180,7 +180,10 @@ class LayerLease:
                 entry.loaded.add_done_callback(functools.partial(self._miss_landed, part, entry))
             if plan.misses:
                 # the streamer delivers this load's misses into our queue (it has not yet
-                # run: its launcher is a task that starts after this returns)
+                # run: its launcher is a task that starts after this returns); one part's
+                # lease takes the load's own queue rather than making a second one
+                if self._queue is None and len(self.parts) == 1 and part.load.arrived is not None:
+                    self._queue = part.load.arrived
                 part.load.arrived = self._arrivals()
                 self._pending += len(plan.misses)
 
