@@ -439,10 +439,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                     for on in (True, False):
                         rates["on" if on else "off"].append(window_rate(go(on))[measure])
                 on_med, off_med = (float(np.median(rates[k])) for k in ("on", "off"))
+                cost = round(1 - on_med / off_med, 4) if off_med else None  # None: no misses
                 ab[phase] = {"measure": measure, **rates, "median_on": on_med,
-                             "median_off": off_med, "cost": round(1 - on_med / off_med, 4)}
+                             "median_off": off_med, "cost": cost}
                 print(f"  {phase}: {measure} on {on_med:.3f} / off {off_med:.3f}: "
-                      f"verification costs {ab[phase]['cost']:.1%}", flush=True)
+                      + (f"verification costs {cost:.1%}" if cost is not None
+                         else "nothing to compare"), flush=True)
         results["runs"] = bench.runs
     figures = _figures(results)
     results["figures"] = figures

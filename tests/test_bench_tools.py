@@ -1,0 +1,40 @@
+"""The issue-14 bench tools on the host backend, small: they run, and they report what they
+say (the figures themselves are measured on the GPU machine, never in tests)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from bench.pipeline import main as pipeline_main
+from bench.profile import main as profile_main
+
+
+def test_pipeline_verify_ab_when_nothing_misses(tiny_model: Path, tmp_path: Path,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    """The warm phase with ``--ab-verify``: both rounds ran, on and off. The tiny model
+    fits the sweep's budget whole (it has 64 MiB of slack), so nothing misses and there is
+    no cost to compare: the figure says so (None), it does not divide by zero."""
+    out = tmp_path / "bench.json"
+    assert pipeline_main(["--model", str(tiny_model), "--backend", "host", "--skip",
+                          "cold,cache,all", "--ab-verify", "2", "--passes", "2",
+                          "--sweep-tokens", "2", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    ab = result["verify_ab"]["resident_miss"]
+    assert len(ab["on"]) == len(ab["off"]) == 2
+    assert ab["median_on"] == ab["median_off"] == 0.0 and ab["cost"] is None
+    assert result["figures"]["6_verify_cost_resident_miss"] is None
+    assert result["figures"]["5_budget_never_exceeded"] is True
+    assert "nothing to compare" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("phase", ["all-cached", "resident-miss"])
+def test_profile_on_the_stand_in_device(tiny_model: Path, phase: str,
+                                        capsys: pytest.CaptureFixture[str]) -> None:
+    assert profile_main(["--model", str(tiny_model), "--null", "--phase", phase,
+                         "--tokens", "4", "--top", "5"]) == 0
+    out = capsys.readouterr().out
+    assert f"{phase}: " in out and "us/layer under the profiler" in out
+    assert "Ordered by: internal time" in out
