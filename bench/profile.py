@@ -17,6 +17,7 @@ Profiling slows Python down about twice: read the shares, not the absolute times
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import json
 import pstats
@@ -24,6 +25,7 @@ import sys
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
+from unittest import mock
 
 import uvloop
 
@@ -51,13 +53,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--layer-ms", type=float, default=0.57)
     p.add_argument("--top", type=int, default=30, help="functions listed (30)")
     args = p.parse_args(argv)
-    if args.null:
-        import bench.hostpath as hostpath
-        import pipeline.session as session
+    with contextlib.ExitStack() as stack:
+        if args.null:
+            import bench.hostpath as hostpath
+            import pipeline.session as session
 
-        # the session's module names for them, swapped for this process only
-        session.open_backends = lambda cfg: [hostpath.NullDevice()]  # type: ignore[attr-defined]
-        session.make_kernels = lambda backend_name: hostpath.NullKernels()  # type: ignore[attr-defined]
+            # the session's names for them, swapped for this run only (put back after it:
+            # a caller in the same process, a test, gets the real devices again)
+            stack.enter_context(mock.patch.object(
+                session, "open_backends", lambda cfg: [hostpath.NullDevice()]))
+            stack.enter_context(mock.patch.object(
+                session, "make_kernels", lambda backend_name: hostpath.NullKernels()))
+        _profile(args)
+    return 0
+
+
+def _profile(args: argparse.Namespace) -> None:
     table = open_table(args.model)
     make_resident(table.path)  # resident misses copy from registered windows, all of them
     n_layers, k = len(table.layers), table.top_k
@@ -92,7 +103,6 @@ def main(argv: Sequence[str] | None = None) -> int:
           + (f", {wall_ms * 1000 / misses:.1f} us/miss" if misses else "")
           + f" ({len(events)} tokens, {misses:.1f} misses a token)")
     pstats.Stats(profile).sort_stats("tottime").print_stats(args.top)
-    return 0
 
 
 if __name__ == "__main__":

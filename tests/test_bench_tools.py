@@ -38,3 +38,14 @@ def test_profile_on_the_stand_in_device(tiny_model: Path, phase: str,
     out = capsys.readouterr().out
     assert f"{phase}: " in out and "us/layer under the profiler" in out
     assert "Ordered by: internal time" in out
+
+
+def test_profile_puts_the_devices_back(tiny_model: Path) -> None:
+    """``--null`` swaps the session's devices for the stand-in for its own run only: a run
+    after it in the same process verifies against real digests again."""
+    import pipeline.session as session
+
+    before = (session.open_backends, session.make_kernels)  # type: ignore[attr-defined]
+    assert profile_main(["--model", str(tiny_model), "--null", "--tokens", "2",
+                         "--top", "1"]) == 0
+    assert (session.open_backends, session.make_kernels) == before  # type: ignore[attr-defined]
