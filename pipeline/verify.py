@@ -48,9 +48,6 @@ class Digests:
             return cls.none()
         return cls([k for p in parts for k in p.keys], np.concatenate([p.values for p in parts]))
 
-    def __len__(self) -> int:
-        return len(self.keys)
-
 
 _NONE = Digests.none()  # shared: nothing can be written into its (0, 3) array
 _NONE.values.setflags(write=False)
@@ -197,12 +194,6 @@ class Verifier:
         self.verified = 0
         self.mismatches = 0
         self.first_mismatch = ""
-
-    def expected(self, key: ExpertKey) -> tuple[int, int, int] | None:
-        """The file's digests of ``key``'s gate, up and down matrices; None while unknown."""
-        if self._recorded:
-            return self._table.expected_digests(key)
-        return self._manifest.get(key) if self._manifest is not None else None
 
     def _expected_rows(self, keys: list[ExpertKey]
                        ) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.bool_]]:
