@@ -49,6 +49,24 @@ def _routes(table: ExpertTable, tokens: int, seed: int = 3) -> list[Route]:
              for _ in table.moe_layers] for _ in range(tokens)]
 
 
+async def _resident(table: ExpertTable, faults: str = ""
+                    ) -> tuple[RegisteringDeferredBackend, DeviceCache, ExpertStreamer]:
+    """A streamer in resident mode on registered deferred copies, with a cache that holds
+    every expert. The model's pages are read through first: only windows whose pages are
+    all resident register, and the batched path needs them registered."""
+    cfg = RunConfig(model=table.path, compute=ComputeSpec("digest"))
+    backend = RegisteringDeferredBackend()
+    size = plan_expert(table.slices((table.moe_layers[0], 0))).device_bytes
+    cache = DeviceCache(backend, 1 << 30, "lru", min_bytes=table.top_k * size)
+    plan = parse_faults(faults) if faults else None
+    streamer = ExpertStreamer(cfg, table, backend, cache, DeferredKernels(), faults=plan)
+    with table.path.open("rb") as f:
+        while f.read(8 << 20):
+            pass
+    await streamer.set_mode("resident")
+    return backend, cache, streamer
+
+
 async def _stream(table: ExpertTable, routes: list[Route], *, budget_experts: int,
                   wait_uploads: bool = True, faults: str = "", gather: bool = True,
                   ) -> dict[str, Any]:
@@ -195,20 +213,14 @@ class TestRegisteredLayerBatch:
         assert one["verifier"].verified == per["verifier"].verified > 0
         assert one["verifier"].mismatches == per["verifier"].mismatches == 0
 
-
     def test_delivery_after_start_returns(self, tiny_table: ExpertTable) -> None:
         """The layer's misses are handed over after ``start_layer`` returns (one callback),
         so a lease can still put its own queue in place, and each miss's ``loaded`` future
         resolves for lookups that find it in flight."""
 
         async def go() -> None:
-            cfg = RunConfig(model=tiny_table.path, compute=ComputeSpec("digest"))
-            backend = RegisteringDeferredBackend()
-            size = plan_expert(tiny_table.slices((tiny_table.moe_layers[0], 0))).device_bytes
-            cache = DeviceCache(backend, 1 << 30, "lru", min_bytes=tiny_table.top_k * size)
-            streamer = ExpertStreamer(cfg, tiny_table, backend, cache, DeferredKernels())
+            _, cache, streamer = await _resident(tiny_table)
             try:
-                await streamer.set_mode("resident")
                 load = streamer.start_layer(tiny_table.moe_layers[0], [0, 1, 2])
                 assert load.launcher is None and load.pending == 3
                 assert all(e.upload is not None for e in load.plan.misses)  # queued
@@ -235,13 +247,8 @@ class TestAllHitLayer:
         route = _routes(tiny_table, 1)[0]
 
         async def go() -> None:
-            cfg = RunConfig(model=tiny_table.path, compute=ComputeSpec("digest"))
-            backend = RegisteringDeferredBackend()
-            size = plan_expert(tiny_table.slices((tiny_table.moe_layers[0], 0))).device_bytes
-            cache = DeviceCache(backend, 1 << 30, "lru", min_bytes=tiny_table.top_k * size)
-            streamer = ExpertStreamer(cfg, tiny_table, backend, cache, DeferredKernels())
+            _, cache, streamer = await _resident(tiny_table)
             try:
-                await streamer.set_mode("resident")
                 layer = tiny_table.moe_layers[0]
                 first = streamer.start_layer(layer, route[0])
                 for _ in range(first.pending):
@@ -296,13 +303,8 @@ def test_mapping_views_dropped_with_the_mapping(tiny_model: Path,
     """Leaving resident mode forgets the copies cut from the released mapping."""
 
     async def go() -> None:
-        cfg = RunConfig(model=tiny_model, compute=ComputeSpec("digest"))
-        backend = RegisteringDeferredBackend()
-        size = plan_expert(tiny_table.slices((tiny_table.moe_layers[0], 0))).device_bytes
-        cache = DeviceCache(backend, 1 << 30, "lru", min_bytes=tiny_table.top_k * size)
-        streamer = ExpertStreamer(cfg, tiny_table, backend, cache, DeferredKernels())
+        _, cache, streamer = await _resident(tiny_table)
         try:
-            await streamer.set_mode("resident")
             load = streamer.start_layer(tiny_table.moe_layers[0], [0, 1])
             for _ in range(load.pending):
                 assert load.arrived is not None
@@ -375,16 +377,7 @@ class TestTakeLanded:
     @staticmethod
     async def _lease(table: ExpertTable, experts: list[int], faults: str = ""
                      ) -> tuple[LayerLease, ExpertStreamer, DeviceCache]:
-        cfg = RunConfig(model=table.path, compute=ComputeSpec("digest"))
-        backend = RegisteringDeferredBackend()
-        size = plan_expert(table.slices((table.moe_layers[0], 0))).device_bytes
-        cache = DeviceCache(backend, 1 << 30, "lru", min_bytes=table.top_k * size)
-        plan = parse_faults(faults) if faults else None
-        streamer = ExpertStreamer(cfg, table, backend, cache, DeferredKernels(), faults=plan)
-        with table.path.open("rb") as f:  # resident pages: windows register (see _stream)
-            while f.read(8 << 20):
-                pass
-        await streamer.set_mode("resident")
+        backend, cache, streamer = await _resident(table, faults)
         layer = table.moe_layers[0]
         part = LeasePart(0, cache, streamer, EventJoiner(backend.new_stream(), backend.activate),
                          streamer.start_layer(layer, experts))
