@@ -184,7 +184,8 @@ class LayerLease:
                 # lease takes the load's own queue rather than making a second one
                 if self._queue is None and len(self.parts) == 1 and part.load.arrived is not None:
                     self._queue = part.load.arrived
-                part.load.arrived = self._arrivals()
+                else:
+                    part.load.arrived = self._arrivals()
                 self._pending += len(plan.misses)
 
     def _arrivals(self) -> asyncio.Queue[Any]:
