@@ -56,14 +56,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     with contextlib.ExitStack() as stack:
         if args.null:
             import bench.hostpath as hostpath
+            import pipeline.run as client
             import pipeline.session as session
 
             # the session's names for them, swapped for this run only (put back after it:
             # a caller in the same process, a test, gets the real devices again)
             stack.enter_context(mock.patch.object(
                 session, "open_backends", lambda cfg: [hostpath.NullDevice()]))
-            stack.enter_context(mock.patch.object(
-                session, "make_kernels", lambda backend_name: hostpath.NullKernels()))
+            for module in (session, client):  # the streamer's kernels and the decode's
+                stack.enter_context(mock.patch.object(
+                    module, "make_kernels", lambda backend_name: hostpath.NullKernels()))
         _profile(args)
     return 0
 
@@ -89,7 +91,9 @@ def _profile(args: argparse.Namespace) -> None:
             model=table.path, tokens=tokens, trace=trace_path, mode="resident", budget=budget,
             compute=ComputeSpec("fixed", layer_ms), backend="host" if args.null else args.backend,
             upload_streams=4, prefetch="oracle" if args.phase == "resident-miss" else "none",
-            lookahead=8, verify=not args.no_verify, gather=not args.no_gather, log=log,
+            # the stand-in device copies nothing: no bytes to verify (its digests are zero)
+            lookahead=8, verify=not (args.no_verify or args.null), gather=not args.no_gather,
+            log=log,
         )
         profile = cProfile.Profile()
         profile.enable()

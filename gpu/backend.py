@@ -155,6 +155,11 @@ class Kernels(Protocol):
                 results: DeviceArray, row: int, stream: Stream) -> None:
         """Digest sums of three (offset, nbytes) ranges of ``buf`` into rows ``row..row+2``."""
 
+    def digest_views(self, views: Sequence[DeviceArray], results: DeviceArray, row: int,
+                     stream: Stream) -> None:
+        """``digest3`` of three uint8 views of one device buffer (an expert's matrices, as
+        an engine holds them) into rows ``row..row+2``."""
+
     def read_results(self, results: DeviceArray, n: int) -> npt.NDArray[np.uint64]:
         """The digests of the first ``n`` rows, uint64 (synchronizes with the device)."""
 
@@ -166,8 +171,9 @@ class Kernels(Protocol):
         destination, bytes, digest row address or 0, byte to invert or ``NO_FLIP``) on
         ``stream``: every copy and its digest, in one launch where the device can."""
 
-    def busy(self, ms: float, buf: DeviceBuffer, stream: Stream) -> None:
-        """Keep the device busy for ``ms`` milliseconds reading ``buf`` (``--compute fixed``)."""
+    def busy(self, ms: float, data: DeviceArray, stream: Stream) -> None:
+        """Keep the device busy for ``ms`` milliseconds reading ``data``, uint8 bytes of an
+        expert (``--compute fixed``)."""
 
     def swiglu(self, x: DeviceArray, gate: DeviceArray, up: DeviceArray, down: DeviceArray,
                stream: Stream) -> DeviceArray:

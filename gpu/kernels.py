@@ -189,6 +189,11 @@ class HostKernels:
         for m, (offset, nbytes) in enumerate(ranges):
             self._digest(data[offset : offset + nbytes], results, row + m)
 
+    def digest_views(self, views: Sequence[DeviceArray], results: DeviceArray, row: int,
+                     stream: Stream) -> None:
+        for m, view in enumerate(views):
+            self._digest(view, results, row + m)
+
     def _digest(self, data: npt.NDArray[np.uint8], results: npt.NDArray[np.uint64],
                 row: int) -> None:
         # sets the row: digest3's and gather's rows are fresh (each reserved once)
@@ -221,10 +226,9 @@ class HostKernels:
                 sums = _at(out, 16).view(np.uint64)
                 self._digest(data, sums.reshape(1, 2), 0)
 
-    def busy(self, ms: float, buf: DeviceBuffer, stream: Stream) -> None:
+    def busy(self, ms: float, data: DeviceArray, stream: Stream) -> None:
         """Real CPU work on the expert's bytes for ``ms`` milliseconds (no sleeping)."""
         end = time.perf_counter() + ms / 1000.0
-        data = _host_bytes(buf)
         words = data[: data.size - data.size % 8].view(np.uint64)
         acc = np.uint64(0)
         while time.perf_counter() < end:
@@ -275,6 +279,20 @@ class CudaKernels:
         with raw:
             self._digest((blocks, 3), (256,), (np.uint64(ptr), *args, out))
 
+    def digest_views(self, views: Sequence[DeviceArray], results: DeviceArray, row: int,
+                     stream: Stream) -> None:
+        """``digest3`` from the lowest view's address, the others as offsets from it."""
+        ptrs = [int(v.data.ptr) for v in views]
+        base = min(ptrs)
+        ranges = [(p - base, int(v.nbytes)) for p, v in zip(ptrs, views, strict=True)]
+        largest = max(n for _, n in ranges)
+        blocks = max(1, min(256, (largest // 4 + 255) // 256))
+        args = [np.uint64(v) for r in ranges for v in r]
+        out = np.uint64(results.data.ptr + row * 16)
+        _, raw = _cuda_parts(None, stream)
+        with raw:
+            self._digest((blocks, 3), (256,), (np.uint64(base), *args, out))
+
     def read_results(self, results: DeviceArray, n: int) -> npt.NDArray[np.uint64]:
         host = self._cp.asnumpy(results[:n])
         return mix_digests(host)
@@ -296,8 +314,8 @@ class CudaKernels:
                 self._gather((blocks, len(part)), (256,), (np.uint64(rows.ctypes.data),))
             self._rows.used(slot, raw)
 
-    def busy(self, ms: float, buf: DeviceBuffer, stream: Stream) -> None:
-        _, raw = _cuda_parts(None, stream)  # the device spins on its clock: buf is not read
+    def busy(self, ms: float, data: DeviceArray, stream: Stream) -> None:
+        _, raw = _cuda_parts(None, stream)  # the device spins on its clock: data is not read
         with raw:
             self._busy((1,), (1,), (np.uint64(int(ms * 1e6)),))
 

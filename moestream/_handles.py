@@ -133,30 +133,62 @@ class ExpertHandle:
         layer: the model layer index.
         expert: the expert index within the layer.
         device: the index of its device in ``Session.devices``.
-        gate, up, down: its matrices (``Matrix``).
+        gate, up, down: its matrices (``Matrix``), made on first use.
     """
 
-    __slots__ = ("_event", "_lease", "device", "down", "expert", "gate", "layer", "up")
+    __slots__ = ("_arrival", "_backend", "_event", "_info", "_landed", "_lease", "_matrices",
+                 "device", "expert", "layer")
 
     def __init__(self, lease: LayerLease, arrival: Arrival, backend: Backend,
                  info: MoeLayer) -> None:
         entry = arrival.entry
         self._lease = lease
+        self._arrival = arrival
+        self._backend = backend
+        self._info = info
         self.layer, self.expert = entry.key
         self.device = arrival.part.device
         self._event: Event = entry.upload if entry.upload is not None else HostEvent()
-        hidden, ffn = info.shape
+        self._landed = entry.ready  # installed: its upload is known complete, no query
+        self._matrices: tuple[Matrix, Matrix, Matrix] | None = None
+
+    def _make_matrices(self) -> tuple[Matrix, Matrix, Matrix]:
+        entry, part, backend = self._arrival.entry, self._arrival.part, self._backend
+        hidden, ffn = self._info.shape
         shapes = ((ffn, hidden), (ffn, hidden), (hidden, ffn))
-        types = (info.gate_up_type, info.gate_up_type, info.down_type)
+        types = (self._info.gate_up_type, self._info.gate_up_type, self._info.down_type)
         host = backend.name == "host"
         matrices = []
-        for name, staged, shape, kind in zip(_NAMES, arrival.part.streamer.layout(entry.key)
-                                             .ranges, shapes, types, strict=True):
+        for name, staged, shape, kind in zip(_NAMES, part.streamer.layout(entry.key).ranges,
+                                             shapes, types, strict=True):
             raw = backend.device_bytes(entry.buffer, staged.device_offset, staged.nbytes)
             if host:
                 raw.flags.writeable = False  # the cache's bytes: compute reads, never writes
             matrices.append(Matrix(self, name, kind, shape, raw))
-        self.gate, self.up, self.down = matrices
+        self._matrices = (matrices[0], matrices[1], matrices[2])
+        return self._matrices
+
+    @property
+    def matrices(self) -> tuple[Matrix, Matrix, Matrix]:
+        """(gate, up, down).
+
+        Raises:
+            UsageError: the lease was released.
+        """
+        self.check()
+        return self._matrices or self._make_matrices()
+
+    @property
+    def gate(self) -> Matrix:
+        return self.matrices[0]
+
+    @property
+    def up(self) -> Matrix:
+        return self.matrices[1]
+
+    @property
+    def down(self) -> Matrix:
+        return self.matrices[2]
 
     def check(self) -> None:
         """Raise ``UsageError`` if the lease was released (or its session closed)."""
@@ -169,10 +201,6 @@ class ExpertHandle:
     @property
     def key(self) -> tuple[int, int]:
         return (self.layer, self.expert)
-
-    @property
-    def matrices(self) -> tuple[Matrix, Matrix, Matrix]:
-        return (self.gate, self.up, self.down)
 
     @property
     def released(self) -> bool:
@@ -202,9 +230,10 @@ class ExpertHandle:
         return getattr(self._event, "raw", None)
 
     def ready(self) -> bool:
-        """Whether the upload has completed (a query, never a wait)."""
+        """Whether the upload has completed (a query, never a wait; none at all for an
+        expert installed before it was handed out)."""
         self.check()
-        return self._event.done()
+        return self._landed or self._event.done()
 
     def wait(self, stream: StreamLike = None) -> None:
         """Make ``stream`` wait for the upload on the device; the host never blocks.

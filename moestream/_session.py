@@ -24,7 +24,7 @@ from pipeline.controller import Sampler
 from pipeline.foundation.config import Budget, RunConfig, parse_budget
 from pipeline.foundation.errors import UsageError
 from pipeline.foundation.table import ExpertTable
-from pipeline.lease import LayerLease, LeasePart
+from pipeline.lease import Arrival, LayerLease, LeasePart
 from pipeline.session import StreamSession
 
 __all__ = ["Counters", "LayerInfo", "Lease", "ModelInfo", "Router", "Session", "TokenStats",
@@ -138,6 +138,10 @@ class TokenStats:
     mode: str
     experts: tuple[tuple[int, ...], ...]
     """Per MoE layer (``ModelInfo.moe_layers`` order), the experts fetched."""
+    time: Mapping[str, float] = field(default_factory=dict)
+    """The wall time by what it went to, ms: ``compute_ms``, ``read_ms``, ``upload_ms``,
+    ``slot_ms``, ``switch_ms``, ``host_ms`` (the log's ``time`` object; they add up to
+    ``wall_ms``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -228,12 +232,20 @@ class Lease(LeaseFacts):
     queued: their buffers are reused only after that compute has run.
     """
 
-    __slots__ = ("_core", "_handles", "_session")
+    __slots__ = ("_backends", "_core", "_handles", "_info", "_session")
 
     def __init__(self, session: Session, core: LayerLease) -> None:
         self._session = session
         self._core = core
         self._handles: dict[int, ExpertHandle] = {}
+        self._backends = session.backends
+        self._info = session.table.layers[core.layer]
+
+    def _handle(self, arrival: Arrival) -> ExpertHandle:
+        handle = ExpertHandle(self._core, arrival, self._backends[arrival.part.device],
+                              self._info)
+        self._handles[handle.expert] = handle
+        return handle
 
     @property
     def core(self) -> LayerLease:
@@ -255,11 +267,21 @@ class Lease(LeaseFacts):
         arrival = await self._core.next()
         if arrival is None:
             raise StopAsyncIteration
-        session = self._session
-        handle = ExpertHandle(self._core, arrival, session.backends[arrival.part.device],
-                              session.table.layers[self.layer])
-        self._handles[handle.expert] = handle
-        return handle
+        return self._handle(arrival)
+
+    def available(self) -> list[ExpertHandle]:
+        """Every expert available now and not handed out yet, without waiting: the hits
+        that have landed, then the misses that have (a layer copied in one launch lands
+        at once). Stops before a failed one, which iterating then raises. Iterating goes
+        on with those still to come.
+
+        Raises:
+            UsageError: the lease was released or the session closed.
+        """
+        core = self._core
+        arrivals = core.take_ready()
+        arrivals.extend(core.take_landed())
+        return [self._handle(a) for a in arrivals]
 
     async def gather(self) -> list[ExpertHandle]:
         """Every expert, once all have landed, in the order asked (those iterated already
@@ -272,7 +294,7 @@ class Lease(LeaseFacts):
             pass
         return [self._handles[e] for e in self.experts]
 
-    def release(self, after: After = None) -> None:
+    def release(self, after: After = None, *, ordered: bool = False) -> None:
         """Unpin the experts (again: nothing happens). Idempotent.
 
         Args:
@@ -280,6 +302,10 @@ class Lease(LeaseFacts):
                 (CuPy, torch, an int ``cudaStream_t``), an event it recorded, or a mapping
                 from device index to either; None: each device's current CuPy stream.
                 Buffers are reused only after it. Ignored on the host backend.
+            ordered: ``after`` comes after every earlier use of these experts on its
+                device (the engine computes on one stream per device, and no other lease
+                of them is held elsewhere): their earlier events are replaced, not joined
+                on a device stream (a join per expert saved).
 
         A miss still loading (a fetch cancelled part way) keeps its pin until it lands.
         """
@@ -291,7 +317,7 @@ class Lease(LeaseFacts):
             target = after.get(part.device) if isinstance(after, Mapping) else after
             return event_after(backends[part.device], target)
 
-        self._session.core.release(self._core, last_use)
+        self._session.core.release(self._core, last_use, ordered=ordered)
 
     def __enter__(self) -> Lease:
         return self
@@ -322,6 +348,17 @@ class Session:
                                   sampler=tuning.sampler)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._model: ModelInfo | None = None
+
+    @classmethod
+    def over(cls, core: StreamSession) -> Session:
+        """The face of a ``StreamSession`` made with settings ``open`` does not offer (a
+        run's summary, fault plan, compute): ``pipeline.run`` opens its session so. Not
+        part of the stable API."""
+        self = cls.__new__(cls)
+        self.core = core
+        self._loop = None
+        self._model = None
+        return self
 
     # -- lifetime --------------------------------------------------------------------------
 
@@ -443,6 +480,18 @@ class Session:
         self._here()
         return Lease(self, self.core.fetch(layer, experts))
 
+    def ready(self, layer: int, experts: Sequence[int]) -> bool:
+        """Whether every one of ``experts`` is cached on its device with its upload landed:
+        a ``fetch`` of them now would load nothing and hand every one out at once. A
+        query (no pin, no count): an engine that knows a later layer's experts can fetch
+        it early when they are, while the device computes.
+
+        Raises:
+            UsageError: called from another loop or thread.
+        """
+        self._here()
+        return self.core.all_ready(layer, experts)
+
     def prefetch(self, layer: int, experts: Sequence[int]) -> int:
         """Hint: start loading experts a later layer will likely fetch (those not cached,
         as far as the budget has room). Held until that layer is fetched or the token
@@ -454,10 +503,21 @@ class Session:
         self._here()
         return self.core.prefetch(layer, experts)
 
-    async def end_token(self) -> TokenStats:
+    async def end_token(self, *, compute_ms: float | Sequence[float] | None = None,
+                        upload_ms: float = 0.0) -> TokenStats:
         """Mark a token boundary: verify what was loaded, let the controller look at the
-        machine (auto mode), write the token's log line. Leases still held are released
-        (logged: release them before).
+        machine (auto mode), write the token's log line. Leases used during the token and
+        still held are released (logged: release them before); a lease not used yet (a
+        layer fetched ahead, for a later token) stays held until used and released.
+
+        Args:
+            compute_ms: the engine's own measure of its compute this token (the host's
+                waits for its device work included), or one figure per device
+                (``devices`` order) adding up to it, for the log's per-device lines.
+                Given, the wall time neither it nor moestream's waits explain is ``host``
+                in ``TokenStats.time``; None, that rest is counted as the engine's compute.
+            upload_ms: the part of those device waits the engine's stream sat on expert
+                upload events (``ExpertHandle.event``), charged to ``upload``.
 
         Raises:
             UsageError: the session is closed, or called from another loop or thread.
@@ -465,13 +525,13 @@ class Session:
             OutputError: the log file stopped taking lines.
         """
         self._here()
-        f = await self.core.end_token()
+        f = await self.core.end_token(compute_ms=compute_ms, upload_ms=upload_ms)
         return TokenStats(
             token=f["token"], wall_ms=f["wall_ms"], stall_ms=f["stall_ms"],
             compute_ms=f["compute_ms"], hits=f["hits"], misses=f["misses"],
             evictions=f["evictions"], file_bytes=f["file_bytes"], cache_bytes=f["cache_bytes"],
             storage_bytes=f["storage_bytes"], mode=f["mode"],
-            experts=tuple(tuple(layer) for layer in f["experts"]))
+            experts=tuple(tuple(layer) for layer in f["experts"]), time=f["time"])
 
     def counters(self) -> Counters:
         """Totals so far (a snapshot; cheap).

@@ -10,6 +10,7 @@ cancels its work on the loop: a fetch interrupted part way behaves as a cancelle
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import threading
 from collections.abc import Callable, Coroutine, Iterator, Mapping, Sequence
@@ -125,12 +126,16 @@ class SyncLease(LeaseFacts):
         """As ``Lease.gather``."""
         return self._loop.run(self._lease.gather())
 
-    def release(self, after: After = None) -> None:
+    def available(self) -> list[ExpertHandle]:
+        """As ``Lease.available``."""
+        return self._loop.call(self._lease.available)
+
+    def release(self, after: After = None, *, ordered: bool = False) -> None:
         """As ``Lease.release``; None means each device's current CuPy stream *of the
         calling thread* (looked up here, before the hop to the loop's thread)."""
         if after is None and self._session.backend == "cupy":
             after = _current_streams(self._session.devices)
-        self._loop.call(self._lease.release, after)
+        self._loop.call(functools.partial(self._lease.release, after, ordered=ordered))
 
     def __enter__(self) -> SyncLease:
         return self
@@ -196,9 +201,15 @@ class SyncSession:
         """As ``Session.prefetch``."""
         return self._loop.call(self._session.prefetch, layer, list(experts))
 
-    def end_token(self) -> TokenStats:
+    def ready(self, layer: int, experts: Sequence[int]) -> bool:
+        """As ``Session.ready``."""
+        return self._loop.call(self._session.ready, layer, list(experts))
+
+    def end_token(self, *, compute_ms: float | Sequence[float] | None = None,
+                  upload_ms: float = 0.0) -> TokenStats:
         """As ``Session.end_token``."""
-        return self._loop.run(self._session.end_token())
+        return self._loop.run(self._session.end_token(compute_ms=compute_ms,
+                                                      upload_ms=upload_ms))
 
     def counters(self) -> Counters:
         """As ``Session.counters``."""

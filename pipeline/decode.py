@@ -1,24 +1,31 @@
-"""Decode: consume each layer's experts on a compute stream, hits first, misses as they land.
+"""Decode: ``pipeline.run``'s proxy engine, computing each layer's experts as ``moestream``
+hands them out.
 
-The experts come through the layer's lease (``pipeline.lease``, what ``moestream``'s fetch
-hands an engine): compute for a layer is queued on one stream, hit experts at once, each
-miss as soon as the lease hands it out (its upload queued), after a device-side wait on that
-expert's upload event (never a device-wide synchronize). At the end of the layer one event
-is recorded: the lease is released after it (the buffers are reused only once the layer's
-compute has run) and the host waits for it, as an engine waits for the router's output
-before it can choose the next layer's experts.
+This is the API's first client: per layer the loop (``pipeline.loop``) fetches the experts
+through ``moestream.Session.fetch``, and ``Decode.run_layer`` consumes the lease's handles
+as an engine would: the ones available at once (``Lease.available``: hits, and misses that
+have landed), then the others as they land (``async for``). Each is computed on its
+device's compute stream (``Decoder``, one per device), after a device-side wait on its
+upload event when it has not landed (never a device-wide synchronize). At the end of the
+layer each device records one event; the lease is released after them (the buffers are
+reused only once the layer's compute has run) and the host waits for them, as an engine
+waits for the router's output before it can choose the next layer's experts. With several
+devices each one's weighted sum is combined on the first (the home), which keeps the
+hidden state.
 
-What "compute" is: ``real`` runs a SwiGLU expert on a hidden state (F16 experts), ``digest``
-reads every byte of every used expert and checks it against the file, ``fixed:MS`` keeps the
-device busy MS milliseconds per layer, like an engine's kernels would. ``real`` on a model
-without F16 experts falls back to ``digest`` (logged); on one whose layers mix F16 and other
-types it is refused before decoding (``ExpertLayoutError``, exit 2).
+What "compute" is: ``real`` runs a SwiGLU expert on a hidden state (F16 experts, from the
+handles' float16 views), ``digest`` reads every byte of every used expert and checks it
+against the file, ``fixed:MS`` keeps the device busy MS milliseconds per layer, like an
+engine's kernels would. ``real`` on a model without F16 experts falls back to ``digest``
+(``pipeline.compute``).
 
-Each layer also reports where its wall time went (``pipeline.timesplit``): a wait for a miss
-is charged to what that miss's load was doing meanwhile; on a GPU the end-of-layer wait is
-split, in queue order, into the compute stream working (``compute``) and the compute stream
-stalled on an upload event (``upload``): before each device-side wait on an upload an event
-is recorded, and the host waits on that event, then on the upload, then on the next.
+Each layer also measures its own compute for the token's time split (``end_token``'s
+``compute_ms`` and ``upload_ms``): on a GPU the end-of-layer wait is split, in queue order,
+into the compute stream working (``compute``) and the compute stream stalled on an upload
+event (``upload``): before each device-side wait on an upload an event is recorded, and
+the host waits on that event, then on the upload, then on the next. On the host backend
+kernels run inline and their time is the compute. Waits for experts to land are the
+session's to charge (``pipeline.timesplit``).
 """
 
 from __future__ import annotations
@@ -31,22 +38,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-import structlog
-from gguf import GGMLQuantizationType
 
 from gpu.backend import Backend, Event, Kernels
-from gpu.cache import Entry
+from moestream import ExpertHandle, Lease
+from pipeline.compute import resolve_compute
 from pipeline.foundation.config import ComputeSpec
-from pipeline.foundation.errors import ExpertLayoutError, MoestreamError, StageError
+from pipeline.foundation.errors import MoestreamError, StageError
 from pipeline.foundation.table import ExpertTable
-from pipeline.lease import LayerLease
-from pipeline.streamer import ExpertStreamer, LayerLoad
-from pipeline.timesplit import LoadPhases, TimeSplit
+from pipeline.timesplit import TimeSplit
 from pipeline.verify import DigestRows, Digests
 
-__all__ = ["Decoder", "LayerResult", "resolve_compute"]
-
-_log = structlog.get_logger("moestream.decode")
+__all__ = ["Decode", "Decoder", "LayerResult"]
 
 _HOST_SLICE_MS = 10.0
 """``fixed`` compute on the host backend spins the CPU on the event loop's thread, in slices
@@ -54,54 +56,19 @@ of at most this long with a yield to the loop after each: a signal or a cancel l
 a slice, not after the layer (``fixed:1000`` is a second per layer)."""
 
 
-def _all_f16(table: ExpertTable) -> bool:
-    """Whether ``real`` compute can run: every MoE layer's experts are F16 (True), or none
-    are (False: the run falls back to ``digest``, logged once).
-
-    Raises:
-        ExpertLayoutError: some layers are F16 and others are not (every layer is checked
-            here, before decoding, not when a token first reaches the other type).
-    """
-    f16 = GGMLQuantizationType.F16
-    types = {n: (layer.gate_up_type, layer.down_type) for n, layer in table.layers.items()}
-    other = {n: t for n, t in types.items() if t != (f16, f16)}
-    if not other:
-        return True
-    n, (gate_up, down) = next(iter(other.items()))
-    if len(other) < len(types):
-        f16_layer = next(m for m in types if m not in other)
-        raise ExpertLayoutError(
-            table.path, f"real compute needs F16 experts in every MoE layer: layer {f16_layer} "
-            f"is F16, layer {n} is {gate_up.name}/{down.name}; use --compute digest or fixed")
-    _log.warning("compute_fallback", requested="real", using="digest",
-                 reason=f"experts are {gate_up.name}/{down.name}; real SwiGLU needs F16")
-    return False
-
-
-def resolve_compute(compute: ComputeSpec, table: ExpertTable) -> ComputeSpec:
-    """The compute a run on ``table`` does: ``real`` becomes ``digest`` on a model without
-    F16 experts (logged once).
-
-    Raises:
-        ExpertLayoutError: some MoE layers are F16 and others are not.
-    """
-    if compute.kind == "real" and not _all_f16(table):
-        return ComputeSpec("digest")
-    return compute
-
-
 @dataclass(slots=True)
 class LayerResult:
-    """What one layer cost and found; ``time``: what the layer's waits were charged to."""
+    """What one layer found and cost: its lease's hits and misses, the host's waits for
+    experts to land (``stall_ms``), and the decode's own time (``compute_ms``), of which
+    ``time`` holds the ``compute`` and ``upload`` parts."""
 
     hits: int
     misses: int
-    evictions: int
-    file_bytes: int
-    cache_bytes: int
     stall_ms: float
     compute_ms: float
     time: TimeSplit = field(default_factory=TimeSplit)
+    device_compute_ms: list[float] = field(default_factory=list)
+    """Several devices: each one's part of ``time``'s compute."""
 
 
 class _OnDevice:
@@ -124,62 +91,44 @@ class _OnDevice:
 
 
 class Decoder:
-    """Runs a model's MoE layers over the experts its leases hand out, one token at a time.
+    """One device's part of the proxy decode: its compute stream, its copy of the hidden
+    state, the digests of what it consumed (``digest`` compute).
 
     Args:
-        compute: what to do with each expert.
+        compute: what to do with each expert (``resolve_compute``d).
         table: the model's expert table.
         backend: the device.
         kernels: the backend's kernels.
-        streamer: the device's streamer (the layout of each expert in its buffer).
         seed: the initial hidden state's seed.
-        partial: one of several devices: ``run_layer`` leaves its weighted sum of expert
-            outputs in ``partial_sum`` for the combine (``pipeline.shards``) instead of
-            updating the hidden state itself.
     """
 
-    def __init__(
-        self,
-        compute: ComputeSpec,
-        table: ExpertTable,
-        backend: Backend,
-        kernels: Kernels,
-        streamer: ExpertStreamer,
-        seed: int = 0,
-        *,
-        partial: bool = False,
-    ) -> None:
+    def __init__(self, compute: ComputeSpec, table: ExpertTable, backend: Backend,
+                 kernels: Kernels, seed: int = 0) -> None:
         self._table = table
-        self._partial = partial
-        self.partial_sum: Any = None
-        self._backend = backend
+        self.backend = backend
         self._kernels = kernels
-        self._streamer = streamer
         self.stream = backend.new_stream()
         # array module and contexts (device, stream), fixed for the run: looked up once
         self._xp: Any = np
-        self._ctx: Any = contextlib.nullcontext()
+        self.ctx: Any = contextlib.nullcontext()
         if backend.name == "cupy":
             import cupy
 
             self._xp = cupy
-            self._ctx = _OnDevice(backend, self.stream.raw)  # type: ignore[attr-defined]
-        self.compute = compute = resolve_compute(compute, table)
+            self.ctx = _OnDevice(backend, self.stream.raw)  # type: ignore[attr-defined]
+        self.compute = compute
         self._hidden = self._initial_hidden(seed) if compute.kind == "real" else None
+        self.acc: Any = None  # the layer's weighted sum of expert outputs (``real``)
         self.use_digests = DigestRows(kernels, len(table.layers) * table.top_k)
-        # (buffer, ms) of host compute queued by _consume, spent by _spend_host_compute
+        # (bytes, ms) of host compute queued by consume, spent by spend_host_compute
         self._spins_host = backend.name == "host"
         self._host_compute: list[tuple[Any, float]] = []
         # a GPU queues kernels and copies (the host waits at the layer's end); the host
         # backend runs them inline, so its compute is the time spent in them
-        self._queues = backend.async_copies
+        self.queues = backend.async_copies
         # (event before the wait, upload event) of each device-side wait of this layer
         self._device_waits: list[tuple[Event, Event]] = []
         self._waited_on: Event | None = None  # the upload event the stream last waited for
-        # the layer being consumed: its waits, their charges, the guesses' loads
-        self._stall_s = 0.0
-        self._split = TimeSplit()
-        self._guess_loads: list[LayerLoad] = []
 
     def _initial_hidden(self, seed: int) -> Any:
         rng = np.random.default_rng([seed, 0x5EED])
@@ -201,189 +150,62 @@ class Decoder:
 
     def advance(self, acc: Any) -> None:
         """The residual step: hidden + the weighted expert outputs, RMS-normalized."""
-        with self._ctx:
+        with self.ctx:
             x = self._hidden + acc
             self._hidden = x / (self._xp.sqrt(self._xp.mean(x * x)) + 1e-6)
-
-    def take_device_counters(self) -> list[dict[str, Any]] | None:
-        """Per-device counters of the last token: none on one device (the token's own)."""
-        return None
 
     def take_use_digests(self) -> Digests:
         """The digests of every expert consumed since the last call (``--compute digest``)."""
         return self.use_digests.take()
 
-    def _views(self, entry: Entry) -> list[Any]:
-        layout = self._streamer.layout(entry.key)
-        return [
-            self._backend.device_bytes(entry.buffer, s.device_offset, s.nbytes)
-            for s in layout.ranges
-        ]
+    def begin(self) -> None:
+        """A new layer: no waits yet, a zero sum for ``real`` compute."""
+        self._device_waits.clear()  # a failed layer leaves its own behind
+        self._waited_on = None
+        if self.compute.kind == "real":
+            with self.ctx:
+                self.acc = self._kernels.zeros(self._table.hidden)
 
-    def _consume(self, entry: Entry, weight: float, acc: Any, layer_ms: float) -> None:
-        """Queue the compute of one expert on the compute stream."""
-        upload = entry.upload
-        # a layer gathered in one launch shares one event: the stream waits for it once
-        if not entry.ready and upload is not None and upload is not self._waited_on:
-            self._waited_on = upload
-            if self._queues:
-                self._device_waits.append((self.stream.record(), upload))
-            self.stream.wait(upload)
+    def consume(self, h: ExpertHandle, weight: float, layer_ms: float) -> None:
+        """Queue the compute of one expert on the compute stream (inside ``ctx``)."""
+        if not h.ready():
+            upload = h.event
+            # a layer gathered in one launch shares one event: the stream waits for it once
+            if upload is not self._waited_on:
+                self._waited_on = upload
+                if self.queues:
+                    self._device_waits.append((self.stream.record(), upload))
+                self.stream.wait(upload)
         kind = self.compute.kind
         if kind == "real":
-            views = self._views(entry)
-            hidden, ffn = self._table.layers[entry.key[0]].shape
-            k = self._kernels
-            out = k.swiglu(
-                self._hidden,
-                k.as_f16(views[0], ffn, hidden),
-                k.as_f16(views[1], ffn, hidden),
-                k.as_f16(views[2], hidden, ffn),
-                self.stream,
-            )
-            acc += weight * out
+            gate, up, down = h.matrices
+            self.acc += weight * self._kernels.swiglu(self._hidden, gate.array, up.array,
+                                                      down.array, self.stream)
         elif kind == "digest":
-            results, row = self.use_digests.reserve(entry.key)
-            ranges = [(s.device_offset, s.nbytes) for s in self._streamer.layout(entry.key).ranges]
-            self._kernels.digest3(entry.buffer, ranges, results, row, self.stream)
+            results, row = self.use_digests.reserve(h.key)
+            self._kernels.digest_views([m.bytes for m in h.matrices], results, row,
+                                       self.stream)
             self.use_digests.complete(results, row, self.stream.record())
         elif layer_ms > 0 and self._spins_host:
-            self._host_compute.append((entry.buffer, layer_ms))
+            self._host_compute.append((h.down.bytes, layer_ms))
         elif layer_ms > 0:
-            self._kernels.busy(layer_ms, entry.buffer, self.stream)
+            self._kernels.busy(layer_ms, h.down.bytes, self.stream)
 
-    async def _spend_host_compute(self) -> None:
-        """Run the ``fixed`` host compute ``_consume`` queued, yielding to the event loop
+    async def spend_host_compute(self) -> None:
+        """Run the ``fixed`` host compute ``consume`` queued, yielding to the event loop
         between slices (a device kernel runs beside the loop; the host's spins on it)."""
+        if not self._host_compute:
+            return
         queued, self._host_compute = self._host_compute, []
-        for buffer, ms in queued:
+        for data, ms in queued:
             left = ms
             while left > 0:
                 piece = min(left, _HOST_SLICE_MS)
-                self._kernels.busy(piece, buffer, self.stream)
+                self._kernels.busy(piece, data, self.stream)
                 left -= piece
                 await asyncio.sleep(0)
 
-    def _waited(self, entry: Entry | None, load: LayerLoad | None, start: float,
-                end: float) -> None:
-        """A lease's ``on_wait``: the layer waited for ``entry``, a stall charged to what its
-        load did meanwhile (the lease's own load, or the guess that loads it)."""
-        self._stall_s += end - start
-        phases: LoadPhases | None = None
-        for source in (load, *self._guess_loads):
-            if source is not None and entry is not None:
-                phases = source.phases.get(entry.key)
-                if phases is not None:
-                    break
-        if phases is None:  # a load started for another layer's lookup: reading
-            self._split.charge("read", end - start)
-        else:
-            phases.charge(self._split, start, end)
-
-    async def run_layer(
-        self,
-        leases: Sequence[LayerLease],
-        experts: Sequence[int],
-        weights: Sequence[float],
-        prefetched: Sequence[LayerLease] = (),
-        meanwhile: Callable[[], None] | None = None,
-    ) -> LayerResult:
-        """Consume one MoE layer's selected experts as its lease hands them out: hits first,
-        misses (and hits whose load is still in flight, started by a prefetch) as their
-        uploads are queued; then release the lease after the layer's compute.
-
-        Args:
-            leases: the layer's lease on this device (none: only guesses to release).
-            experts, weights: the experts it consumes and their router weights.
-            prefetched: the guesses made for this layer, released at the end, used or not
-                (a wrong guess still loading keeps its pin until it lands).
-            meanwhile: host work for the caller while the device computes the layer (run
-                after its work is queued and its lease released, before the wait).
-
-        Raises:
-            StageError: a miss could not be loaded; the layer's other experts are unpinned,
-                the failed ones dropped from the cache (never installed).
-        """
-        weight_of = {int(e): float(w) for e, w in zip(experts, weights, strict=True)}
-        # a layer's fixed time is for its top-k experts, wherever they run
-        per_expert_ms = self.compute.layer_ms / self._table.top_k
-        acc = self._kernels.zeros(self._table.hidden) if self.compute.kind == "real" else None
-        compute_s = 0.0
-        self._stall_s = 0.0
-        split = self._split = TimeSplit()
-        self._guess_loads = [part.load for guess in prefetched for part in guess.parts]
-        self._device_waits.clear()  # a failed layer leaves its own behind
-        self._waited_on = None
-        ctx = self._ctx
-        failures: list[MoestreamError] = []
-        for lease in leases:
-            lease.on_wait = self._waited
-            t0 = time.perf_counter()
-            with ctx:  # the hits that have landed, at once
-                for hit in lease.take_ready():
-                    entry = hit.entry
-                    self._consume(entry, weight_of[entry.key[1]], acc, per_expert_ms)
-            await self._spend_host_compute()
-            compute_s += time.perf_counter() - t0
-            while lease.pending:  # then the others as they land
-                landed = lease.take_landed()
-                if landed:  # a gathered layer's misses land together: consume them at once
-                    t_got = time.perf_counter()
-                    with ctx:
-                        for one in landed:
-                            entry = one.entry
-                            self._consume(entry, weight_of[entry.key[1]], acc, per_expert_ms)
-                    await self._spend_host_compute()
-                    compute_s += time.perf_counter() - t_got
-                    continue
-                try:
-                    arrival = await lease.next()
-                except MoestreamError as exc:  # dropped from the cache; the others go on
-                    failures.append(exc)
-                    continue
-                if arrival is None:
-                    break
-                t_got = time.perf_counter()
-                entry = arrival.entry
-                with ctx:
-                    self._consume(entry, weight_of[entry.key[1]], acc, per_expert_ms)
-                await self._spend_host_compute()
-                compute_s += time.perf_counter() - t_got
-        t0 = time.perf_counter()
-        if self._partial:
-            self.partial_sum = acc
-        elif acc is not None and not failures:
-            self.advance(acc)
-        done = self.stream.record()
-        for lease in leases:  # every use of this device's entries is on self.stream
-            lease.release(lambda part: done, ordered=True)
-        for guess in prefetched:  # used ones end with the layer's compute (their last use)
-            guess.release(lambda part: None)
-        if failures:
-            error = failures[0]
-            if not isinstance(error, StageError):
-                raise error  # e.g. the model file changed: its own class and exit code
-            raise StageError(str(error)) from error
-        # the device computes the layer meanwhile: the host's bookkeeping goes here
-        result = LayerResult(0, 0, 0, 0, 0, 0.0, 0.0, split)
-        for lease in leases:
-            for part in lease.parts:
-                plan = part.load.plan
-                result.hits += len(plan.hits)
-                result.misses += len(plan.misses)
-                result.evictions += plan.evicted
-                result.file_bytes += sum(e.nbytes for e in plan.misses)
-                result.cache_bytes += sum(e.nbytes for e in plan.hits)
-        if meanwhile is not None:
-            meanwhile()
-        self._wait_for_layer(done, split)
-        compute_s += time.perf_counter() - t0
-        if not self._queues:  # kernels ran inline: the time spent in them is the compute
-            split.compute_ms = compute_s * 1000.0
-        result.stall_ms, result.compute_ms = self._stall_s * 1000.0, compute_s * 1000.0
-        return result
-
-    def _wait_for_layer(self, done: Event, split: TimeSplit) -> None:
+    def wait_for_layer(self, done: Event, split: TimeSplit) -> None:
         """Wait for the layer's compute, charging each stretch of the wait to the compute
         stream working (``compute``) or stalled on an upload event (``upload``).
 
@@ -404,3 +226,156 @@ class Decoder:
         self._device_waits.clear()
         done.synchronize()
         split.charge("compute", time.perf_counter() - t)
+
+
+class Decode:
+    """Runs a model's MoE layers over the handles of their leases, on every device.
+
+    Args:
+        decoders: one per device (``Session.devices`` order), the home first.
+        top_k: the experts a layer computes (``fixed`` time is per layer, shared by them).
+    """
+
+    def __init__(self, decoders: Sequence[Decoder], top_k: int) -> None:
+        self._decoders = list(decoders)
+        self._home = self._decoders[0]
+        self._several = len(self._decoders) > 1
+        self.compute = self._home.compute
+        self._per_expert_ms = self.compute.layer_ms / top_k
+
+    @classmethod
+    def for_devices(cls, compute: ComputeSpec, table: ExpertTable, backends: Sequence[Backend],
+                    kernels: Sequence[Kernels], seed: int = 0) -> Decode:
+        """One ``Decoder`` per device, made on its device; ``real`` needs F16 experts."""
+        compute = resolve_compute(compute, table)
+        decoders = []
+        for backend, k in zip(backends, kernels, strict=True):
+            with backend.activate():
+                decoders.append(Decoder(compute, table, backend, k, seed))
+        return cls(decoders, table.top_k)
+
+    @property
+    def hidden(self) -> Any:
+        return self._home.hidden
+
+    def set_hidden(self, hidden: Any) -> None:
+        self._home.set_hidden(hidden)
+        for d in self._decoders[1:]:
+            d.set_hidden(None if hidden is None else d.backend.adopt(hidden))
+
+    def take_use_digests(self) -> Digests:
+        return Digests.join(d.take_use_digests() for d in self._decoders)
+
+    async def run_layer(
+        self,
+        lease: Lease,
+        weights: Sequence[float],
+        meanwhile: Callable[[], None] | None = None,
+    ) -> LayerResult:
+        """Consume one MoE layer's experts as its lease hands them out: those available at
+        once, then the others as they land; release the lease after the layer's compute
+        and wait for it.
+
+        Args:
+            lease: the layer's fetch.
+            weights: the router weights of ``lease.experts``, in that order.
+            meanwhile: host work for the caller while the devices compute the layer (run
+                after their work is queued and the lease released, before the wait).
+
+        Raises:
+            StageError: a miss could not be loaded (or the model file changed: its own
+                class); the layer's other experts were consumed and the lease released.
+        """
+        weight_of = dict(zip(lease.experts, weights, strict=True))
+        per_expert_ms = self._per_expert_ms
+        decoders, several = self._decoders, self._several
+        for d in decoders:
+            d.begin()
+        used = [False] * len(decoders)
+        device_s = [0.0] * len(decoders)  # several devices: the host's time on each
+        failures: list[MoestreamError] = []
+        compute_s = stall_s = 0.0
+        batch = lease.available()
+        while True:
+            if batch:
+                t0 = time.perf_counter()
+                if several:
+                    for h in batch:
+                        t_one = time.perf_counter()
+                        d = decoders[h.device]
+                        used[h.device] = True
+                        with d.ctx:
+                            d.consume(h, weight_of[h.expert], per_expert_ms)
+                        device_s[h.device] += time.perf_counter() - t_one
+                    for i, d in enumerate(decoders):
+                        t_one = time.perf_counter()
+                        await d.spend_host_compute()
+                        device_s[i] += time.perf_counter() - t_one
+                else:
+                    used[0] = True
+                    d = decoders[0]
+                    with d.ctx:
+                        for h in batch:
+                            d.consume(h, weight_of[h.expert], per_expert_ms)
+                    await d.spend_host_compute()
+                compute_s += time.perf_counter() - t0
+                batch = lease.available()
+                if batch:
+                    continue
+            t_wait = time.perf_counter()
+            try:
+                batch = [await lease.__anext__()]
+            except StopAsyncIteration:
+                break
+            except MoestreamError as exc:  # dropped from the cache; the others go on
+                failures.append(exc)
+                batch = []
+            stall_s += time.perf_counter() - t_wait
+        t0 = time.perf_counter()
+        done = {i: self._finish(i, failures) for i in range(len(decoders)) if used[i]}
+        lease.release(done, ordered=True)  # every use on one compute stream per device
+        if failures:
+            error = failures[0]
+            if not isinstance(error, StageError):
+                raise error  # e.g. the model file changed: its own class and exit code
+            raise StageError(str(error)) from error
+        if meanwhile is not None:  # the devices compute the layer meanwhile
+            meanwhile()
+        split = TimeSplit()
+        waits: dict[int, TimeSplit] = {}
+        for i, event in done.items():
+            waits[i] = TimeSplit()
+            decoders[i].wait_for_layer(event, waits[i])
+            split.add(waits[i])
+        if several and self._home.acc is not None and not failures:
+            self._combine([i for i in done if i])
+        compute_s += time.perf_counter() - t0
+        result = LayerResult(lease.hits, lease.misses, stall_s * 1000.0, compute_s * 1000.0,
+                             split)
+        queues = self._home.queues
+        if not queues:  # kernels ran inline: the time spent in them is compute
+            result.time = TimeSplit(compute_ms=compute_s * 1000.0)
+        if several:
+            result.device_compute_ms = [
+                waits[i].compute_ms if queues and i in waits else device_s[i] * 1000.0
+                for i in range(len(decoders))]
+        return result
+
+    def _finish(self, i: int, failures: Sequence[MoestreamError]) -> Event:
+        """Device ``i``'s last work of the layer: the residual step on the home device
+        (one device, ``real`` compute), then the event the lease is released after."""
+        d = self._decoders[i]
+        if not self._several and d.acc is not None and not failures:
+            d.advance(d.acc)
+        return d.stream.record()
+
+    def _combine(self, others: Sequence[int]) -> None:
+        """Several devices, their layer computed: add the other devices' sums to the
+        home's, step the hidden state there and hand it to every device for the next."""
+        home = self._home
+        total = home.acc
+        for i in others:
+            total = total + home.backend.adopt(self._decoders[i].acc)
+        home.advance(total)
+        for d in self._decoders[1:]:
+            d.set_hidden(d.backend.adopt(home.hidden))

@@ -142,6 +142,8 @@ class LayerLease:
     parts: list[LeasePart]
     on_wait: Callable[[Entry | None, LayerLoad | None, float, float], None] = (
         lambda entry, load, start, end: None)
+    on_use: Callable[[LayerLease], None] | None = None
+    """Told once, when the lease is first used: an expert handed out, or the release."""
     released: bool = False
     closed_reason: str = ""
     _ready: list[Arrival] = field(default_factory=list)
@@ -252,6 +254,13 @@ class LayerLease:
         if self.released:
             raise UsageError(f"layer {self.layer}: its lease was released"
                              + (f" ({self.closed_reason})" if self.closed_reason else ""))
+        if self.on_use is not None:
+            self._used()
+
+    def _used(self) -> None:
+        told, self.on_use = self.on_use, None
+        if told is not None:
+            told(self)
 
     def take_ready(self) -> list[Arrival]:
         """Every expert available now, without waiting: the hits whose loads have landed,
@@ -355,6 +364,7 @@ class LayerLease:
         """
         if self.released:
             return
+        self._used()
         self.released = True
         self.closed_reason = reason
         held, handed = self._held, self._handed

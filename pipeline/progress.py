@@ -11,9 +11,9 @@ flip it; the hit rate is the run's so far.
 from __future__ import annotations
 
 import sys
+from collections.abc import Mapping
 from typing import IO, Any
 
-from pipeline.loop import TokenTotals
 from pipeline.timesplit import BOUND_OF_PART, PARTS, Part
 
 __all__ = ["LiveLine"]
@@ -44,15 +44,17 @@ class LiveLine:
         self._bar = tqdm(total=tokens, unit="tok", desc="decoding", dynamic_ncols=True,
                          file=stream or sys.stderr, leave=False)
 
-    def update(self, totals: TokenTotals, mode: str) -> None:
-        """One more token decoded (its totals), in ``mode``."""
+    def update(self, hits: int, misses: int, time: Mapping[str, float], mode: str) -> None:
+        """One more token decoded: its hits, misses and ``time`` (the token event's object,
+        ms by part), in ``mode``."""
         if self._bar is None:
             return
-        self._hits += totals.hits
-        self._lookups += totals.hits + totals.misses
+        self._hits += hits
+        self._lookups += hits + misses
         self._seen += 1
         weight = max(1.0 / self._seen, 1.0 / _SMOOTH_TOKENS)
-        for part, ms in totals.time.parts(totals.wall_ms).items():
+        for part in PARTS:
+            ms = time.get(f"{part}_ms", 0.0)
             self._parts[part] += weight * (ms - self._parts[part])
         top = max(PARTS, key=self._parts.__getitem__)
         total = sum(self._parts.values())

@@ -2,14 +2,17 @@
 
 With no arguments it makes (once) the embedded tiny model, decodes a few tokens on
 synthetic routing calibrated to real models, prints a summary and a verification line.
+The decode is ``moestream``'s first client: a loop and a proxy engine written against the
+public API (``pipeline.loop``, ``pipeline.decode``).
 Errors print one line and exit non-zero (2 for bad input, 1 for a failed stage, 3 for a
-verification mismatch); ``--debug`` shows the traceback instead. A run that stopped part way
-also prints its summary. SIGINT, SIGTERM or SIGHUP stops the run at once, cleanly: in-flight
-reads finish, uploads are synchronized, pinned and device memory released, the log closed with
-its ``run_end`` event; the exit status is 130 (SIGINT), 143 (SIGTERM) or 129 (SIGHUP). A
-signal before the run has started (while Python imports) exits at once with the same status
-and no log; a second SIGINT exits at once, without cleaning up. ``--inject`` turns on fault
-injection (``pipeline.foundation.faults``).
+verification mismatch: the run stops at the end of the token that found it, as an engine
+would, after comparing what still waited for its digests); ``--debug`` shows the traceback
+instead. A run that stopped part way also prints its summary. SIGINT, SIGTERM or SIGHUP
+stops the run at once, cleanly: in-flight reads finish, uploads are synchronized, pinned and
+device memory released, the log closed with its ``run_end`` event; the exit status is 130
+(SIGINT), 143 (SIGTERM) or 129 (SIGHUP). A signal before the run has started (while Python
+imports) exits at once with the same status and no log; a second SIGINT exits at once,
+without cleaning up. ``--inject`` turns on fault injection (``pipeline.foundation.faults``).
 Outputs (``--log``, ``--record-trace``) are checked before the model is opened
 (``pipeline.foundation.outputs``); a log the file system stops taking ends the run at the next token
 with its summary and exit 2. A closed stdout (``| true``) drops the summary quietly.
@@ -28,10 +31,10 @@ if __name__ == "__main__":
 
 import argparse
 import asyncio
+import contextlib
 import os
 import signal
 import sys
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,9 +42,11 @@ from pathlib import Path
 import structlog
 import uvloop
 
+from gpu.kernels import make_kernels
+from moestream import Session
 from pipeline.closing import finish
 from pipeline.controller import Sampler
-from pipeline.decode import Decoder
+from pipeline.decode import Decode
 from pipeline.foundation.cli import closable_stdout, print_error
 from pipeline.foundation.config import (
     RunConfig,
@@ -59,9 +64,8 @@ from pipeline.foundation.table import ExpertTable, open_table
 from pipeline.logs import configure_console
 from pipeline.loop import DecodeLoop
 from pipeline.progress import LiveLine
-from pipeline.routing import BlockRouting, LiveRouter, Routing, TraceRouting
+from pipeline.routing import BlockRouting, Routing, TraceRouting
 from pipeline.session import StreamSession
-from pipeline.shards import Shard, ShardedDecoder
 from pipeline.summary import RunSummary, print_summary
 from pipeline.trace import TraceRecorder, load_trace, save_trace
 
@@ -146,30 +150,18 @@ async def run(
     try:
         # the session's open holds the run's first await, where a cancel (a signal) can
         # first land: a log file, once made, always ends with run_end
-        await session.open()
-        decoder = _decoder(cfg, session)
-        home = session.backends[0]
-        with home.activate():
-            routing: Routing = (replay if replay is not None
-                                else LiveRouter(table, home, cfg.seed))
-        assert session.verifier is not None and session.controller is not None
-        verifier = session.verifier
-        manifest = session.manifest
-        loop = DecodeLoop(cfg, table, routing, session=session, cache=session.cache,
-                          streamer=session.streamer,
-                          decoder=decoder, verifier=verifier, controller=session.controller,
-                          runlog=session.runlog, recorder=recorder,
-                          background=manifest.builder if manifest is not None else None)
-        started = time.perf_counter()
+        ms = await Session.over(session)
+        assert session.compute is not None and session.verifier is not None
+        # the proxy engine's own compute: its kernels and streams on the session's devices
+        decode = Decode.for_devices(session.compute, table, ms.backends,
+                                    [make_kernels(b.name) for b in ms.backends], cfg.seed)
+        routing: Routing = replay if replay is not None else ms.router(cfg.seed)
+        loop = DecodeLoop(cfg, table, routing, session=ms, decode=decode,
+                          checker=session.verifier, runlog=session.runlog, recorder=recorder)
         live = LiveLine(cfg.tokens, enabled=not cfg.json and sys.stderr.isatty())
         for t in range(cfg.tokens):
-            totals = await loop.token(t)
-            live.update(totals, session.mode)
-            summary.add(totals, loop.storage_bytes, session.mode)
-            summary.elapsed_s = time.perf_counter() - started  # right even if stopped later
-            session.record_verification()
-            session.runlog.raise_if_failed()  # the file system stopped taking the log: stop
-        summary.elapsed_s = time.perf_counter() - started
+            stats = await loop.token(t)
+            live.update(stats.hits, stats.misses, stats.time, stats.mode)
         # compare what still waits for its digests, decode done
         await session.settle()
         summary.exit = "ok"
@@ -178,6 +170,9 @@ async def run(
         raise
     except MoestreamError as exc:
         summary.exit = str(exc)
+        if isinstance(exc, VerificationError):  # stopped at that token: the final counts
+            with contextlib.suppress(MoestreamError):
+                await session.settle()
         raise
     finally:
         live.close()  # erased before the summary or an error line is printed
@@ -187,23 +182,6 @@ async def run(
         summary.exit = str(session.runlog.error)
         raise session.runlog.error
     return summary
-
-
-def _decoder(cfg: RunConfig, session: StreamSession) -> Decoder | ShardedDecoder:
-    """The proxy decode over the session's devices: one ``Decoder`` per device (its own
-    compute stream), behind a ``ShardedDecoder`` that combines on the home device when
-    there are several."""
-    assert session.table is not None and session.compute is not None
-    several = len(session.backends) > 1
-    shards: list[Shard] = []
-    for backend, kernels, cache, streamer in zip(session.backends, session.kernels,
-                                                 session.caches, session.streamers,
-                                                 strict=True):
-        with backend.activate():
-            decoder = Decoder(session.compute, session.table, backend, kernels, streamer,
-                              cfg.seed, partial=several)
-        shards.append(Shard(backend, kernels, cache, streamer, decoder))
-    return ShardedDecoder(shards) if several else shards[0].decoder
 
 
 async def _close(cfg: RunConfig, session: StreamSession, loop: DecodeLoop | None) -> None:

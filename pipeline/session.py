@@ -18,7 +18,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import structlog
@@ -28,20 +28,19 @@ from gpu.cache import DeviceCache, Entry
 from gpu.kernels import make_kernels
 from gpu.placement import balanced_placement, split_budget
 from pipeline.closing import close_devices, finish
+from pipeline.compute import resolve_compute
 from pipeline.controller import ModeController, Sampler
-from pipeline.decode import resolve_compute
 from pipeline.foundation.config import ComputeSpec, RunConfig
 from pipeline.foundation.errors import MoestreamError, UsageError, VerificationError
 from pipeline.foundation.faults import FaultPlan, parse_faults
 from pipeline.foundation.table import ExpertTable, open_table
 from pipeline.lease import EventJoiner, LayerLease, LeasePart, plan_parts, unpin_when_landed
 from pipeline.logs import RunLog
-from pipeline.loop import TokenTotals
 from pipeline.machine import machine_info, process_read_bytes
 from pipeline.manifest_build import RunManifest
 from pipeline.shards import CacheGroup, StreamerGroup, open_backends
 from pipeline.streamer import ExpertStreamer, LayerLoad, StageTimes
-from pipeline.summary import RunSummary
+from pipeline.summary import RunSummary, TokenTotals
 from pipeline.verify import Verifier
 from stages.layout import plan_expert
 
@@ -51,6 +50,17 @@ _log = structlog.get_logger("moestream.session")
 
 LastUse = Callable[[LeasePart], Event | None]
 """The event after which a released lease's buffers on a part's device may be reused."""
+
+
+@dataclass(slots=True)
+class _DeviceTotals:
+    """One device's share of a token (the token event's ``devices`` list)."""
+
+    hits: int = 0
+    misses: int = 0
+    file_bytes: int = 0
+    stall_ms: float = 0.0
+    compute_ms: float = 0.0
 
 
 class StreamSession:
@@ -112,7 +122,12 @@ class StreamSession:
         self.default_last_use: LastUse = lambda part: None
         """What a lease released by the session itself (token end, close) ends with."""
         self._leases: set[LayerLease] = set()
-        self._hints: dict[int, list[LeasePart]] = {}
+        self._hints: dict[int, list[tuple[list[int], list[LeasePart]]]] = {}
+        self._guess_loads: dict[int, list[LayerLoad]] = {}  # a fetched layer's hints' loads
+        self._hints_of: dict[LayerLease, list[tuple[list[int], list[LeasePart]]]] = {}
+        self._devices: list[_DeviceTotals] = []  # per device, with several
+        self._holds: set[int] = set()  # leases and hints whose loads pause the background
+        self._hinted = False  # a prefetch was asked for: token lines carry ``prefetch``
         self._launchers: set[asyncio.Task[None]] = set()
         self._token = 0
         self._token_t0: float | None = None
@@ -191,6 +206,7 @@ class StreamSession:
         if len(self.backends) == 1:
             self.streamer, self.cache = self.streamers[0], self.caches[0]
         else:
+            self._devices = [_DeviceTotals() for _ in self.backends]
             sizes = {n: (table.layers[n].n_experts, device_sizes[n]) for n in layers}
             self._place = balanced_placement(sizes, weights)
             self.streamer = StreamerGroup(self.streamers)
@@ -266,6 +282,12 @@ class StreamSession:
     def fetch(self, layer: int, experts: Sequence[int]) -> LayerLease:
         """Pin ``experts`` of ``layer`` on their devices and start loading the misses.
 
+        The lease counts (hits, misses, bytes, the experts of the token's log line) in the
+        token it is first used in (an expert handed out, or its release), so a layer
+        fetched ahead, during the token before, counts in its own. The hints made for
+        ``layer`` go with the lease and end at its release (what it used of them it pins
+        itself meanwhile).
+
         Raises:
             UsageError: the session is closed; ``layer`` is not a MoE layer; an expert is
                 out of range or named twice; the pinned experts no longer fit the budget
@@ -279,24 +301,54 @@ class StreamSession:
         parts = plan_parts(layer, chosen, self.streamers, self.caches, self._joiners,
                            self._place)
         self._track(parts)
-        lease = LayerLease(layer, tuple(chosen), parts, on_wait=self._waited)
+        lease = LayerLease(layer, tuple(chosen), parts, on_wait=self._waited,
+                           on_use=self._count)
         self._leases.add(lease)
-        totals = self._totals
+        if lease.misses:
+            self._hold(lease)
+        hints = self._hints.pop(layer, None)
+        if hints is not None:
+            self._hints_of[lease] = hints
+            loads = self._guess_loads.setdefault(layer, [])
+            for guess, hint_parts in hints:
+                self._totals.correct += len(set(guess) & set(chosen))
+                loads.extend(hint.load for hint in hint_parts)
+        return lease
+
+    def _count(self, lease: LayerLease) -> None:
+        """A lease's first use: its figures go to the token under way."""
+        self._clock()
+        totals, devices = self._totals, self._devices
         totals.hits += lease.hits
         totals.misses += lease.misses
         totals.evictions += lease.evicted
-        for part in parts:
-            totals.file_bytes += sum(e.nbytes for e in part.load.plan.misses)
-            totals.cache_bytes += sum(e.nbytes for e in part.load.plan.hits)
-        seen = self._experts[self._position[layer]]
-        seen.extend(e for e in chosen if e not in seen)
-        for hint in self._hints.pop(layer, []):  # the lease holds what it uses now
-            guessed = hint.load.plan.misses
-            totals.correct += sum(1 for e in guessed if e.key[1] in chosen)
-            totals.wasted_bytes += sum(e.nbytes for e in guessed if e.key[1] not in chosen)
-            for entry in guessed:
-                unpin_when_landed(hint, entry)
-        return lease
+        for part in lease.parts:
+            plan = part.load.plan
+            file_bytes = sum(e.nbytes for e in plan.misses)
+            totals.file_bytes += file_bytes
+            totals.cache_bytes += sum(e.nbytes for e in plan.hits)
+            if devices:
+                device = devices[part.device]
+                device.hits += len(plan.hits)
+                device.misses += len(plan.misses)
+                device.file_bytes += file_bytes
+        seen = self._experts[self._position[lease.layer]]
+        seen.extend(e for e in lease.experts if e not in seen)
+
+    def _hold(self, owner: object) -> None:
+        """``owner``'s loads are decode's: background reads (the digest manifest's builder)
+        pause until it ends (``_unhold``)."""
+        builder = self.manifest.builder if self.manifest is not None else None
+        if builder is not None and id(owner) not in self._holds:
+            self._holds.add(id(owner))
+            builder.pause()
+
+    def _unhold(self, owner: object) -> None:
+        if id(owner) in self._holds:
+            self._holds.discard(id(owner))
+            builder = self.manifest.builder if self.manifest is not None else None
+            if builder is not None:
+                builder.resume()
 
     def all_ready(self, layer: int, experts: Sequence[int]) -> bool:
         """Every one of ``experts`` is cached on its device and its upload has landed: a
@@ -309,32 +361,12 @@ class StreamSession:
                 return False
         return True
 
-    def lease_per_device(self, layer: int, experts: Sequence[int], *, prefetch: bool = False
-                         ) -> list[LayerLease]:
-        """Start a layer's loads (or a guess's) as ``fetch`` (``prefetch``) does, for a
-        client that keeps its own accounting: one lease per device that holds some of
-        ``experts`` (a layer's devices consume their shares concurrently), none of the
-        per-token bookkeeping or hint keeping of ``fetch``. ``pipeline.run``'s decode loop
-        fetches this way. The client releases each lease (``LayerLease.release``); those
-        still held at close are closed with the devices.
-
-        Raises:
-            UsageError: as ``fetch``.
-            DeviceMemoryError: as ``fetch``.
-        """
-        chosen = self._check_layer(layer, experts)
-        parts = plan_parts(layer, chosen, self.streamers, self.caches, self._joiners,
-                           self._place, prefetch=prefetch)
-        if len(parts) == 1:
-            return [LayerLease(layer, tuple(chosen), parts)]
-        return [LayerLease(layer, tuple(e for e in chosen
-                                        if self._place((layer, e)) == part.device), [part])
-                for part in parts]
-
     def prefetch(self, layer: int, experts: Sequence[int]) -> int:
         """Start loading guessed experts of a later layer: those not cached, if they fit.
 
-        Held until that layer is fetched or the token ends. Returns the loads started.
+        Held until that layer is fetched or the token ends. Returns the loads started
+        (their reads count in this token's ``file_bytes``, their evictions in its
+        ``evictions``).
 
         Raises:
             UsageError: as ``fetch``.
@@ -344,8 +376,11 @@ class StreamSession:
         parts = plan_parts(layer, chosen, self.streamers, self.caches, self._joiners,
                            self._place, prefetch=True)
         self._track(parts)
-        self._hints.setdefault(layer, []).extend(parts)
+        self._hints.setdefault(layer, []).append((chosen, parts))
+        self._hinted = True
         started = sum(len(p.load.plan.misses) for p in parts)
+        if started:
+            self._hold(parts)
         totals = self._totals
         totals.predicted += len(chosen)
         totals.loaded += started
@@ -353,10 +388,24 @@ class StreamSession:
         totals.evictions += sum(p.load.plan.evicted for p in parts)
         return started
 
-    def release(self, lease: LayerLease, last_use: LastUse, reason: str = "") -> None:
+    def release(self, lease: LayerLease, last_use: LastUse, reason: str = "", *,
+                ordered: bool = False) -> None:
         """Release ``lease`` (idempotent); see ``LayerLease.release``."""
-        lease.release(last_use, reason)
+        lease.release(last_use, reason, ordered=ordered)
         self._leases.discard(lease)
+        self._unhold(lease)
+        for _, parts in self._hints_of.pop(lease, ()):  # its layer's hints end with it
+            self._end_hint(parts, lease.experts)
+
+    def _end_hint(self, parts: Sequence[LeasePart], used: Sequence[int] = ()) -> None:
+        """Unpin a hint's loads (each once it has landed); those ``used`` by no fetch were
+        wasted reads."""
+        for hint in parts:
+            guessed = hint.load.plan.misses
+            self._totals.wasted_bytes += sum(e.nbytes for e in guessed if e.key[1] not in used)
+            for entry in guessed:
+                unpin_when_landed(hint, entry)
+        self._unhold(parts)
 
     def _waited(self, entry: Entry | None, load: LayerLoad | None, start: float,
                 end: float) -> None:
@@ -364,19 +413,26 @@ class StreamSession:
         (``pipeline.timesplit``); a load the session did not start for it counts as read."""
         totals = self._totals
         totals.stall_ms += (end - start) * 1000.0
-        phases = load.phases.get(entry.key) if load is not None and entry is not None else None
+        phases = None
+        if entry is not None:
+            if self._devices:
+                self._devices[self._place(entry.key)].stall_ms += (end - start) * 1000.0
+            # the lease's own load, or the hint that loads it
+            for source in (load, *self._guess_loads.get(entry.key[0], ())):
+                phases = source.phases.get(entry.key) if source is not None else None
+                if phases is not None:
+                    break
         if phases is not None:
             phases.charge(totals.time, start, end)
         else:
             totals.time.charge("read", end - start)
 
     def _drop_hints(self) -> None:
-        for parts in self._hints.values():
-            for hint in parts:
-                self._totals.wasted_bytes += sum(e.nbytes for e in hint.load.plan.misses)
-                for entry in hint.load.plan.misses:
-                    unpin_when_landed(hint, entry)
+        for hints in self._hints.values():
+            for _, parts in hints:
+                self._end_hint(parts)
         self._hints.clear()
+        self._guess_loads.clear()
 
     @property
     def mode(self) -> str:
@@ -393,9 +449,21 @@ class StreamSession:
 
     # -- token boundary --------------------------------------------------------------------
 
-    async def end_token(self) -> dict[str, Any]:
+    async def end_token(self, *, compute_ms: float | Sequence[float] | None = None,
+                        upload_ms: float = 0.0) -> dict[str, Any]:
         """End the token: release what is still held, verify what was loaded, let the
         controller look at the machine, log the token; returns the token's log fields.
+
+        A lease used during the token and still held is released here; one not used yet
+        (a later layer fetched ahead, across the boundary) stays held for its own token.
+
+        Args:
+            compute_ms: the engine's own measure of its compute this token (its waits for
+                its devices' work included), or one per device (``backends`` order), adding
+                up to it; the rest of the wall time that moestream's waits do not explain
+                is then charged to ``host``. None: that rest is the engine's compute.
+            upload_ms: the part of the engine's device waits its compute stream spent
+                waiting on expert upload events (charged to ``upload``).
 
         Raises:
             UsageError: the session is closed.
@@ -406,7 +474,9 @@ class StreamSession:
         assert self.controller is not None and self.verifier is not None
         self._clock()
         assert self._token_t0 is not None
-        for lease in list(self._leases):  # a pin never outlives its token
+        for lease in list(self._leases):  # a pin never outlives the token it was used in
+            if lease.on_use is not None:
+                continue  # fetched ahead for a later token, not used yet
             _log.warning("lease_released_at_token_end", layer=lease.layer, token=self._token,
                          hint="release leases (a with block) before end_token")
             self.release(lease, self.default_last_use, "at the end of its token")
@@ -429,10 +499,19 @@ class StreamSession:
             times.add(streamer.take_times())
         now = time.perf_counter()
         wall_ms = totals.wall_ms = (now - self._token_t0) * 1000.0
-        # the engine computes between its fetches: its time is what moestream's waits
-        # (experts, the controller) do not explain
-        totals.compute_ms = max(0.0, wall_ms - totals.time.measured_ms)
-        totals.time.charge("compute", totals.compute_ms / 1000.0)
+        if compute_ms is not None:  # the engine measured its compute: the rest is host
+            if not isinstance(compute_ms, (int, float)):
+                for device, ms in zip(self._devices, compute_ms, strict=False):
+                    device.compute_ms += ms
+                compute_ms = sum(compute_ms)
+            totals.compute_ms = compute_ms
+            totals.time.charge("compute", compute_ms / 1000.0)
+            totals.time.charge("upload", upload_ms / 1000.0)
+        else:
+            # the engine computes between its fetches: its time is what moestream's
+            # waits (experts, the controller) do not explain
+            totals.compute_ms = max(0.0, wall_ms - totals.time.measured_ms)
+            totals.time.charge("compute", totals.compute_ms / 1000.0)
         fields: dict[str, Any] = {
             "token": self._token, "wall_ms": round(wall_ms, 3),
             "read_ms": round(times.read_ms, 3), "stage_ms": round(times.stage_ms, 3),
@@ -447,7 +526,14 @@ class StreamSession:
             "experts": self._experts,
             "time": totals.time.record(wall_ms),
         }
-        if totals.predicted:
+        if self._devices:
+            fields["devices"] = [
+                {"device": b.device, "hits": d.hits, "misses": d.misses,
+                 "file_bytes": d.file_bytes, "stall_ms": round(d.stall_ms, 3),
+                 "compute_ms": round(d.compute_ms, 3), "cache_live_bytes": c.live_bytes}
+                for b, c, d in zip(self.backends, self.caches, self._devices, strict=True)]
+            self._devices = [_DeviceTotals() for _ in self.backends]
+        if self._hinted:
             fields["prefetch"] = {"predicted": totals.predicted, "correct": totals.correct,
                                   "loaded": totals.loaded, "wasted_bytes": totals.wasted_bytes}
         self.runlog.emit("token", **fields)

@@ -7,9 +7,29 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pipeline.foundation.cli import printable
-from pipeline.loop import TokenTotals
+from pipeline.timesplit import TimeSplit
 
-__all__ = ["RunSummary", "print_summary"]
+__all__ = ["RunSummary", "TokenTotals", "print_summary"]
+
+
+@dataclass(slots=True)
+class TokenTotals:
+    """What one token did, summed over its layers; ``wall_ms`` and ``time``: its wall time
+    and what that time was charged to (``host`` is the rest)."""
+
+    hits: int = 0
+    misses: int = 0
+    evictions: int = 0
+    file_bytes: int = 0
+    cache_bytes: int = 0
+    stall_ms: float = 0.0
+    compute_ms: float = 0.0
+    predicted: int = 0
+    correct: int = 0
+    loaded: int = 0
+    wasted_bytes: int = 0
+    wall_ms: float = 0.0
+    time: TimeSplit = field(default_factory=TimeSplit)
 
 
 @dataclass(slots=True)

@@ -202,6 +202,80 @@ class TestFetch:
             assert _pins(ms) == {}  # the unused guess (6) was released once landed
             assert ms.counters().prefetched == 3
 
+    async def test_hint_held_until_its_layer_is_released(self, tiny_model: Path) -> None:
+        """A hint's unused guesses keep their pins while the layer's lease is held (the
+        layer may still ask for them), and lose them at its release."""
+        async with _open(tiny_model) as ms:
+            later = ms.model.moe_layers[2]
+            ms.prefetch(later, [4, 5, 6])
+            await _landed(ms)
+            lease = ms.fetch(later, [4, 9])
+            await lease.gather()
+            assert _pins(ms).get((later, 6)) == 1  # the guess not asked for, still held
+            lease.release()
+            await _landed(ms)
+            assert _pins(ms) == {}
+            stats = await ms.end_token()
+            assert stats.file_bytes == 4 * ms.model.layers[later].expert_bytes  # 3 guessed
+
+    async def test_available_hands_out_what_has_landed(self, tiny_model: Path) -> None:
+        async with _open(tiny_model) as ms:
+            layer = ms.model.moe_layers[0]
+            async with ms.fetch(layer, [2, 3]) as lease:
+                await lease.gather()
+            await ms.end_token()
+            async with ms.fetch(layer, [3, 2, 8]) as lease:
+                now = lease.available()
+                assert [h.expert for h in now] == [3, 2]  # the hits, in the order asked
+                assert lease.available() == []  # handed out once
+                await _landed(ms)
+                assert [h.expert for h in lease.available()] == [8]
+                assert [h.expert async for h in lease] == []
+            await ms.end_token()
+
+    async def test_ready_is_a_query(self, tiny_model: Path) -> None:
+        async with _open(tiny_model) as ms:
+            layer = ms.model.moe_layers[1]
+            assert not ms.ready(layer, [0, 1])
+            async with ms.fetch(layer, [0, 1]) as lease:
+                await lease.gather()
+            await _landed(ms)
+            for streamer in ms.core.streamers:
+                streamer.poll_installs()
+            assert ms.ready(layer, [1, 0]) and not ms.ready(layer, [0, 2])
+            assert _pins(ms) == {} and ms.counters().open_leases == 0
+
+    async def test_a_layer_fetched_ahead_counts_in_its_own_token(self, tiny_model: Path
+                                                                  ) -> None:
+        """A lease fetched during token 0 and used in token 1 survives the boundary and
+        counts there; one used and left held is released at its token's end."""
+        async with _open(tiny_model) as ms:
+            first, last = ms.model.moe_layers[0], ms.model.moe_layers[-1]
+            async with ms.fetch(last, [1, 2]) as lease:
+                await lease.gather()
+            ahead = ms.fetch(first, [5, 6, 7])
+            stats = await ms.end_token()
+            assert (stats.hits, stats.misses) == (0, 2) and stats.experts[0] == ()
+            assert not ahead.released
+            forgotten = ms.fetch(last, [1])
+            await ahead.gather()
+            forgotten.available()
+            ahead.release()
+            stats = await ms.end_token()
+            assert (stats.hits, stats.misses) == (1, 3) and stats.experts[0] == (5, 6, 7)
+            assert forgotten.released and ms.counters().open_leases == 0
+
+    async def test_engine_compute_leaves_host_the_rest(self, tiny_model: Path) -> None:
+        async with _open(tiny_model) as ms:
+            async with ms.fetch(ms.model.moe_layers[0], [0]) as lease:
+                await lease.gather()
+            stats = await ms.end_token(compute_ms=0.0, upload_ms=0.0)
+            assert stats.time["compute_ms"] == 0.0 and stats.compute_ms == 0.0
+            assert stats.time["host_ms"] > 0.0
+            assert sum(stats.time.values()) == pytest.approx(stats.wall_ms, abs=0.01)
+            stats = await ms.end_token()  # no measure: the rest is the engine's compute
+            assert stats.time["host_ms"] == 0.0
+
     async def test_unused_hint_released_at_token_end(self, tiny_model: Path) -> None:
         async with _open(tiny_model) as ms:
             ms.prefetch(ms.model.moe_layers[0], [1, 2])

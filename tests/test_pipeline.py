@@ -9,26 +9,21 @@ then consumes wrong bytes, and verification counts mismatches.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 
-from gpu.cache import DeviceCache
 from gpu.host import HostBackend
 from gpu.kernels import HostKernels
-from pipeline.decode import Decoder
 from pipeline.foundation.config import Budget, ComputeSpec, RunConfig
-from pipeline.foundation.table import ExpertTable
-from pipeline.lease import EventJoiner, LayerLease, LeasePart
+from pipeline.foundation.errors import VerificationError
 from pipeline.loop import DecodeLoop
 from pipeline.run import RunSummary, run
-from pipeline.streamer import ExpertStreamer
-from pipeline.verify import Verifier
-from stages.layout import plan_expert
 from stages.staging import StagingSlot
 
 
@@ -97,7 +92,11 @@ class DeferredKernels(HostKernels):
         stream.enqueue(lambda: super(DeferredKernels, self).digest3(buf, ranges, results, row,
                                                                      stream))
 
-    def busy(self, ms: float, buf: Any, stream: Any) -> None:
+    def digest_views(self, views: Any, results: Any, row: int, stream: Any) -> None:
+        stream.enqueue(lambda: super(DeferredKernels, self).digest_views(views, results, row,
+                                                                          stream))
+
+    def busy(self, ms: float, data: Any, stream: Any) -> None:
         stream.enqueue(lambda: None)
 
     def gather(self, copies: Any, stream: Any) -> None:
@@ -105,33 +104,21 @@ class DeferredKernels(HostKernels):
         stream.enqueue(lambda: super(DeferredKernels, self).gather(rows, stream))
 
 
-async def _decode(table: ExpertTable, cfg: RunConfig, backend: Any, kernels: Any,
-                  tokens: int) -> Verifier:
-    """Drive streamer + decoder over random routing, verifying every token: each layer's
-    experts through a lease (``pipeline.lease``), as ``pipeline.run``'s loop fetches them."""
-    size = plan_expert(table.slices((table.moe_layers[0], 0))).device_bytes
-    cache = DeviceCache(backend, cfg.budget.resolve(size) if cfg.budget else 1 << 30, "lru",
-                        min_bytes=table.top_k * size)
-    streamer = ExpertStreamer(cfg, table, backend, cache, kernels)
-    decoder = Decoder(cfg.compute, table, backend, kernels, streamer)
-    joiner = EventJoiner(backend.new_stream(), backend.activate)
-    verifier = Verifier(table)  # the tiny model records its digests
-    rng = np.random.default_rng(7)
-    try:
-        await streamer.set_mode("direct")
-        for _ in range(tokens):
-            for layer in table.moe_layers:
-                experts = rng.choice(table.n_experts, table.top_k, replace=False).tolist()
-                part = LeasePart(0, cache, streamer, joiner, streamer.start_layer(layer, experts))
-                lease = LayerLease(layer, tuple(experts), [part])
-                await decoder.run_layer([lease], experts, [1.0 / len(experts)] * len(experts))
-            streamer.poll_installs()
-            verifier.check(streamer.take_digests())
-            verifier.check(decoder.take_use_digests())
-    finally:
-        await streamer.aclose()
-        cache.close()
-    return verifier
+def _decode(cfg: RunConfig, monkeypatch: pytest.MonkeyPatch, tokens: int) -> RunSummary:
+    """``pipeline.run`` in direct mode on the deferred backend and kernels (the session's
+    streamer and the proxy engine's compute alike), every token verified; a mismatch
+    stops the run, and the summary says what was found."""
+    import pipeline.run as run_module
+    import pipeline.session as session_module
+
+    monkeypatch.setattr(session_module, "open_backends", lambda cfg: [DeferredBackend()])
+    monkeypatch.setattr(session_module, "make_kernels", lambda name: DeferredKernels())
+    monkeypatch.setattr(run_module, "make_kernels", lambda name: DeferredKernels())
+    summary = RunSummary()
+    with contextlib.suppress(VerificationError):
+        asyncio.run(run(replace(cfg, tokens=tokens, mode="direct", backend="host"),
+                        summary=summary))
+    return summary
 
 
 class TestOrdering:
@@ -144,25 +131,24 @@ class TestOrdering:
                          budget=Budget(experts=12), compute=ComputeSpec(compute))  # type: ignore[arg-type]
 
     @pytest.mark.parametrize("compute", ["digest", "fixed"])
-    def test_deferred_copies_verify(self, tiny_model: Path, tiny_table: ExpertTable,
-                                    compute: str) -> None:
-        cfg = self._cfg(tiny_model, compute)
-        v = asyncio.run(_decode(tiny_table, cfg, DeferredBackend(), DeferredKernels(), 6))
-        assert v.mismatches == 0
-        assert v.verified > 0
+    def test_deferred_copies_verify(self, tiny_model: Path, compute: str,
+                                    monkeypatch: pytest.MonkeyPatch) -> None:
+        summary = _decode(self._cfg(tiny_model, compute), monkeypatch, 6)
+        assert summary.mismatches == 0 and summary.exit == "ok"
+        assert summary.verified > 0
 
-    def test_reusing_a_busy_slot_is_caught(self, tiny_model: Path, tiny_table: ExpertTable,
+    def test_reusing_a_busy_slot_is_caught(self, tiny_model: Path,
                                            monkeypatch: pytest.MonkeyPatch) -> None:
         """Negative control: without the wait on the slot's event, bytes get mixed up."""
         monkeypatch.setattr(StagingSlot, "wait_reusable", lambda self: None)
-        cfg = self._cfg(tiny_model, "fixed")
-        v = asyncio.run(_decode(tiny_table, cfg, DeferredBackend(), DeferredKernels(), 3))
-        assert v.mismatches > 0
+        summary = _decode(self._cfg(tiny_model, "fixed"), monkeypatch, 3)
+        assert summary.mismatches > 0
 
 
 class TestPlanAhead:
     """With trace routing, a layer whose experts are all cached and ready is leased while the
-    layer before it computes (``DecodeLoop._plan_ready``); nothing else changes."""
+    layer before it computes (``DecodeLoop._plan_ready``, ``Session.ready``); nothing else
+    changes."""
 
     @staticmethod
     def _run(model: Path, monkeypatch: pytest.MonkeyPatch, *, ahead: bool
@@ -171,10 +157,10 @@ class TestPlanAhead:
         original = DecodeLoop._plan_ready
 
         def spy(self: DecodeLoop, position: int) -> None:
-            before = position in self._loads
+            before = position in self._fetched
             if ahead:
                 original(self, position)
-            planned.append(not before and position in self._loads)
+            planned.append(not before and position in self._fetched)
 
         monkeypatch.setattr(DecodeLoop, "_plan_ready", spy)
         cfg = RunConfig(model=model, tokens=24, mode="resident", backend="host",

@@ -11,7 +11,6 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pipeline.loop import TokenTotals
 from pipeline.progress import LiveLine
 from pipeline.run import main as run_main
 from pipeline.timesplit import PARTS, LaunchTimes, LoadPhases, TimeSplit
@@ -107,16 +106,15 @@ class TestLiveLine:
     def test_off_draws_nothing(self) -> None:
         stream = io.StringIO()
         with LiveLine(4, enabled=False, stream=stream) as line:
-            line.update(TokenTotals(hits=1, misses=1, wall_ms=5.0), "direct")
+            line.update(1, 1, TimeSplit().record(5.0), "direct")
         assert stream.getvalue() == ""
 
     def test_on_names_the_bound(self) -> None:
         stream = io.StringIO()
         line = LiveLine(3, enabled=True, stream=stream)
         for _ in range(3):
-            totals = TokenTotals(hits=3, misses=1, wall_ms=10.0)
-            totals.time.read_ms = 8.0
-            line.update(totals, "direct")
+            split = TimeSplit(read_ms=8.0)
+            line.update(3, 1, split.record(10.0), "direct")
         line._bar.refresh()  # tqdm redraws at most every 0.1 s: draw the last state now
         text = stream.getvalue()
         line.close()
