@@ -42,7 +42,7 @@ import uvloop
 
 from bench.kit import make_resident
 from bench.record import git_commit, write_result
-from gpu.backend import DeviceBuffer, Stream
+from gpu.backend import DeviceArray, DeviceBuffer, Stream
 from gpu.cache import DeviceCache
 from gpu.host import HostBackend
 from gpu.kernels import HostKernels
@@ -87,7 +87,7 @@ class NullKernels(HostKernels):
                 results: Any, row: int, stream: Stream) -> None:
         pass
 
-    def busy(self, ms: float, buf: DeviceBuffer, stream: Stream) -> None:
+    def busy(self, ms: float, data: DeviceArray | None, stream: Stream) -> None:
         pass
 
     def gather(self, copies: npt.NDArray[np.uint64], stream: Stream) -> None:

@@ -171,9 +171,9 @@ class Kernels(Protocol):
         destination, bytes, digest row address or 0, byte to invert or ``NO_FLIP``) on
         ``stream``: every copy and its digest, in one launch where the device can."""
 
-    def busy(self, ms: float, data: DeviceArray, stream: Stream) -> None:
-        """Keep the device busy for ``ms`` milliseconds reading ``data``, uint8 bytes of an
-        expert (``--compute fixed``)."""
+    def busy(self, ms: float, data: DeviceArray | None, stream: Stream) -> None:
+        """Keep the device busy for ``ms`` milliseconds (``--compute fixed``): the host
+        backend's CPU reading ``data``, uint8 bytes of an expert; a GPU's clock (None)."""
 
     def swiglu(self, x: DeviceArray, gate: DeviceArray, up: DeviceArray, down: DeviceArray,
                stream: Stream) -> DeviceArray:

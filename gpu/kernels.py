@@ -226,8 +226,10 @@ class HostKernels:
                 sums = _at(out, 16).view(np.uint64)
                 self._digest(data, sums.reshape(1, 2), 0)
 
-    def busy(self, ms: float, data: DeviceArray, stream: Stream) -> None:
+    def busy(self, ms: float, data: DeviceArray | None, stream: Stream) -> None:
         """Real CPU work on the expert's bytes for ``ms`` milliseconds (no sleeping)."""
+        if data is None:
+            raise TypeError("the host backend's busy work reads an expert's bytes")
         end = time.perf_counter() + ms / 1000.0
         words = data[: data.size - data.size % 8].view(np.uint64)
         acc = np.uint64(0)
@@ -314,7 +316,7 @@ class CudaKernels:
                 self._gather((blocks, len(part)), (256,), (np.uint64(rows.ctypes.data),))
             self._rows.used(slot, raw)
 
-    def busy(self, ms: float, data: DeviceArray, stream: Stream) -> None:
+    def busy(self, ms: float, data: DeviceArray | None, stream: Stream) -> None:
         _, raw = _cuda_parts(None, stream)  # the device spins on its clock: data is not read
         with raw:
             self._busy((1,), (1,), (np.uint64(int(ms * 1e6)),))

@@ -188,8 +188,8 @@ class Decoder:
             self.use_digests.complete(results, row, self.stream.record())
         elif layer_ms > 0 and self._spins_host:
             self._host_compute.append((h.down.bytes, layer_ms))
-        elif layer_ms > 0:
-            self._kernels.busy(layer_ms, h.down.bytes, self.stream)
+        elif layer_ms > 0:  # the device spins on its clock: no view to make
+            self._kernels.busy(layer_ms, None, self.stream)
 
     async def spend_host_compute(self) -> None:
         """Run the ``fixed`` host compute ``consume`` queued, yielding to the event loop

@@ -274,7 +274,7 @@ class TestFetch:
             assert stats.time["host_ms"] > 0.0
             assert sum(stats.time.values()) == pytest.approx(stats.wall_ms, abs=0.01)
             stats = await ms.end_token()  # no measure: the rest is the engine's compute
-            assert stats.time["host_ms"] == 0.0
+            assert stats.time["host_ms"] <= 0.002  # rounding
 
     async def test_unused_hint_released_at_token_end(self, tiny_model: Path) -> None:
         async with _open(tiny_model) as ms:
