@@ -1,12 +1,13 @@
 """``pipeline.run``'s figures, pinned: per token and in total, what a set of runs found.
 
-``pipeline.run`` is the first client of the streaming session and its leases (issue 15):
-its setup, its fetches and its releases go through ``pipeline.session`` and
-``pipeline.lease``, as ``moestream``'s do. That rewrite had to leave every figure as it
-was; these tests hold it there. ``tests/data/run_figures.json`` was recorded before the
-rewrite (commit 9732fe2, when the run built its own cache, streamer and loads) on the
-conftest's tiny model, and every run here must find the same cache hits, misses, evictions,
-bytes, experts, prefetch outcomes, verification, peak and allocations, token by token.
+``pipeline.run`` is the first client of the public API (issue 15): its setup, fetches,
+releases and token lines go through ``moestream.Session`` (``pipeline.loop``,
+``pipeline.decode``). That rewrite had to leave the figures as they were, but two: in
+``--prefetch predict`` runs a guess's reads now count in ``file_bytes`` and its admission's
+evictions in ``evictions``, as the API always counted them (re-recorded at the move; the
+runs before it, from commit 9732fe2 on, found the same hits, misses, experts, prefetch
+outcomes, verification, peak and allocations, token by token). Every run here must find
+the same figures as ``tests/data/run_figures.json``, token by token.
 
 A change that means to alter these figures (a new policy, another synthetic preset)
 records them again and says why in its commit::
