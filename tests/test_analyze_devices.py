@@ -131,10 +131,10 @@ class TestDeviceAnalysis:
         assert _sum(rows, "file_share") == pytest.approx(1.0)
         assert _sum(rows, "peak_device_bytes") == log.end.peak_device_bytes
         assert _sum(rows, "budget_bytes") == log.header.budget_bytes
-        for token in _events(two_devices, "token"):  # one thread waits for each in turn
+        for event in _events(two_devices, "token"):  # one thread waits for each in turn
             for name in ("stall_ms", "compute_ms"):
-                assert sum(d[name] for d in token["devices"]) == pytest.approx(
-                    token[name], abs=0.01), name
+                assert sum(d[name] for d in event["devices"]) == pytest.approx(
+                    event[name], abs=0.01), name
 
     def test_figures_match_the_log(self, two_devices: Path) -> None:
         rows = {r["device"]: r for r in device_rows(read_log(two_devices))}
