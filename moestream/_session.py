@@ -343,22 +343,13 @@ class Session:
     runs on the event loop that opened it (from other threads, use ``open_sync``).
     """
 
-    def __init__(self, config: RunConfig, tuning: Tuning) -> None:
-        self.core = StreamSession(config, layers_in_flight=tuning.layers_in_flight,
-                                  sampler=tuning.sampler)
+    def __init__(self, core: StreamSession) -> None:
+        """The face of ``core`` (not yet opened). ``open`` makes one; ``pipeline.run``
+        makes its own core, with what only the run has (its summary, fault plan,
+        compute)."""
+        self.core = core
         self._loop: asyncio.AbstractEventLoop | None = None
         self._model: ModelInfo | None = None
-
-    @classmethod
-    def over(cls, core: StreamSession) -> Session:
-        """The face of a ``StreamSession`` made with settings ``open`` does not offer (a
-        run's summary, fault plan, compute): ``pipeline.run`` opens its session so. Not
-        part of the stable API."""
-        self = cls.__new__(cls)
-        self.core = core
-        self._loop = None
-        self._model = None
-        return self
 
     # -- lifetime --------------------------------------------------------------------------
 
@@ -494,8 +485,10 @@ class Session:
 
     def prefetch(self, layer: int, experts: Sequence[int]) -> int:
         """Hint: start loading experts a later layer will likely fetch (those not cached,
-        as far as the budget has room). Held until that layer is fetched or the token
-        ends. Returns how many loads started.
+        as far as the budget has room). Held until the lease of that layer's next fetch
+        is released (the guesses it did not ask for are then unpinned), or until the token
+        ends if the layer is not fetched. Their reads count in the token's ``file_bytes``.
+        Returns how many loads started.
 
         Raises:
             UsageError: as ``fetch``.
@@ -613,4 +606,5 @@ def open(
         margin_bytes=tuning.margin_bytes, warmup=tuning.warmup, dwell_s=tuning.dwell_s,
         faults=tuning.faults,
     )
-    return Session(cfg, tuning)
+    return Session(StreamSession(cfg, layers_in_flight=tuning.layers_in_flight,
+                                 sampler=tuning.sampler))

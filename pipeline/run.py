@@ -150,7 +150,7 @@ async def run(
     try:
         # the session's open holds the run's first await, where a cancel (a signal) can
         # first land: a log file, once made, always ends with run_end
-        ms = await Session.over(session)
+        ms = await Session(session)
         assert session.compute is not None and session.verifier is not None
         # the proxy engine's own compute: its kernels and streams on the session's devices
         decode = Decode.for_devices(session.compute, table, ms.backends,

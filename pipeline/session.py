@@ -364,9 +364,9 @@ class StreamSession:
     def prefetch(self, layer: int, experts: Sequence[int]) -> int:
         """Start loading guessed experts of a later layer: those not cached, if they fit.
 
-        Held until that layer is fetched or the token ends. Returns the loads started
-        (their reads count in this token's ``file_bytes``, their evictions in its
-        ``evictions``).
+        Held until the lease of that layer's next fetch is released, or until the token
+        ends if the layer is not fetched. Returns the loads started (their reads count in
+        this token's ``file_bytes``, their evictions in its ``evictions``).
 
         Raises:
             UsageError: as ``fetch``.
