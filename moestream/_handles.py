@@ -9,6 +9,7 @@ must not be read after the release, as with any borrowed buffer.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -23,6 +24,8 @@ from pipeline.lease import Arrival, LayerLease
 
 __all__ = ["ExpertHandle", "Matrix"]
 
+_LANDED = HostEvent()
+"""The event of an expert whose bytes were on the device before it was handed out."""
 _TYPED = {GGMLQuantizationType.F16: "float16", GGMLQuantizationType.F32: "float32"}
 _NAMES = ("gate", "up", "down")
 
@@ -126,6 +129,18 @@ class Matrix:
                 f"nbytes={self.nbytes})")
 
 
+class LeaseSource:
+    """What the handles of one lease share: the lease (whose release ends them), the
+    devices' backends and the layer's shapes and types."""
+
+    __slots__ = ("backends", "info", "lease")
+
+    def __init__(self, lease: LayerLease, backends: Sequence[Backend], info: MoeLayer) -> None:
+        self.lease = lease
+        self.backends = backends
+        self.info = info
+
+
 class ExpertHandle:
     """One leased expert: its three matrices on its device and the event of its upload.
 
@@ -136,27 +151,27 @@ class ExpertHandle:
         gate, up, down: its matrices (``Matrix``), made on first use.
     """
 
-    __slots__ = ("_arrival", "_backend", "_event", "_info", "_landed", "_lease", "_matrices",
-                 "device", "expert", "layer")
+    # made per expert between two layers' kernels: what every handle needs, nothing more
+    __slots__ = ("_entry", "_matrices", "_part", "_source", "expert", "layer")
 
-    def __init__(self, lease: LayerLease, arrival: Arrival, backend: Backend,
-                 info: MoeLayer) -> None:
+    def __init__(self, source: LeaseSource, arrival: Arrival) -> None:
         entry = arrival.entry
-        self._lease = lease
-        self._arrival = arrival
-        self._backend = backend
-        self._info = info
+        self._source = source
+        self._entry = entry
+        self._part = arrival.part
         self.layer, self.expert = entry.key
-        self.device = arrival.part.device
-        self._event: Event = entry.upload if entry.upload is not None else HostEvent()
-        self._landed = entry.ready  # installed: its upload is known complete, no query
         self._matrices: tuple[Matrix, Matrix, Matrix] | None = None
 
+    @property
+    def device(self) -> int:
+        return self._part.device
+
     def _make_matrices(self) -> tuple[Matrix, Matrix, Matrix]:
-        entry, part, backend = self._arrival.entry, self._arrival.part, self._backend
-        hidden, ffn = self._info.shape
+        entry, part, info = self._entry, self._part, self._source.info
+        backend = self._source.backends[part.device]
+        hidden, ffn = info.shape
         shapes = ((ffn, hidden), (ffn, hidden), (hidden, ffn))
-        types = (self._info.gate_up_type, self._info.gate_up_type, self._info.down_type)
+        types = (info.gate_up_type, info.gate_up_type, info.down_type)
         host = backend.name == "host"
         matrices = []
         for name, staged, shape, kind in zip(_NAMES, part.streamer.layout(entry.key).ranges,
@@ -192,7 +207,7 @@ class ExpertHandle:
 
     def check(self) -> None:
         """Raise ``UsageError`` if the lease was released (or its session closed)."""
-        lease = self._lease
+        lease = self._source.lease
         if lease.released:
             why = f" ({lease.closed_reason})" if lease.closed_reason else ""
             raise UsageError(f"layer {self.layer} expert {self.expert}: used after its lease "
@@ -204,7 +219,7 @@ class ExpertHandle:
 
     @property
     def released(self) -> bool:
-        return self._lease.released
+        return self._source.lease.released
 
     @property
     def event(self) -> Event:
@@ -216,7 +231,8 @@ class ExpertHandle:
             UsageError: the lease was released.
         """
         self.check()
-        return self._event
+        upload = self._entry.upload
+        return upload if upload is not None else _LANDED
 
     @property
     def cuda_event(self) -> Any:
@@ -226,14 +242,15 @@ class ExpertHandle:
         Raises:
             UsageError: the lease was released.
         """
-        self.check()
-        return getattr(self._event, "raw", None)
+        return getattr(self.event, "raw", None)
 
     def ready(self) -> bool:
         """Whether the upload has completed (a query, never a wait; none at all for an
         expert installed before it was handed out)."""
-        self.check()
-        return self._landed or self._event.done()
+        if self._source.lease.released:
+            self.check()  # raises
+        entry = self._entry
+        return entry.ready or entry.upload is None or entry.upload.done()
 
     def wait(self, stream: StreamLike = None) -> None:
         """Make ``stream`` wait for the upload on the device; the host never blocks.
@@ -245,9 +262,8 @@ class ExpertHandle:
         Raises:
             UsageError: the lease was released, or ``stream`` is not a stream.
         """
-        self.check()
-        wait_on(self._event, stream)
+        wait_on(self.event, stream)
 
     def __repr__(self) -> str:
-        state = "released" if self._lease.released else f"device {self.device}"
+        state = "released" if self.released else f"device {self.device}"
         return f"ExpertHandle(layer={self.layer}, expert={self.expert}, {state})"

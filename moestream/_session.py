@@ -19,7 +19,7 @@ from gguf import GGMLQuantizationType
 
 from gpu.backend import Event
 from gpu.interop import StreamLike, event_after
-from moestream._handles import ExpertHandle
+from moestream._handles import ExpertHandle, LeaseSource
 from pipeline.controller import Sampler
 from pipeline.foundation.config import Budget, RunConfig, parse_budget
 from pipeline.foundation.errors import UsageError
@@ -232,19 +232,17 @@ class Lease(LeaseFacts):
     queued: their buffers are reused only after that compute has run.
     """
 
-    __slots__ = ("_backends", "_core", "_handles", "_info", "_session")
+    __slots__ = ("_core", "_handed", "_session", "_source")
 
     def __init__(self, session: Session, core: LayerLease) -> None:
         self._session = session
         self._core = core
-        self._handles: dict[int, ExpertHandle] = {}
-        self._backends = session.backends
-        self._info = session.table.layers[core.layer]
+        self._handed: list[ExpertHandle] = []
+        self._source = LeaseSource(core, session.backends, session.table.layers[core.layer])
 
     def _handle(self, arrival: Arrival) -> ExpertHandle:
-        handle = ExpertHandle(self._core, arrival, self._backends[arrival.part.device],
-                              self._info)
-        self._handles[handle.expert] = handle
+        handle = ExpertHandle(self._source, arrival)
+        self._handed.append(handle)
         return handle
 
     @property
@@ -269,6 +267,12 @@ class Lease(LeaseFacts):
             raise StopAsyncIteration
         return self._handle(arrival)
 
+    @property
+    def remaining(self) -> int:
+        """Experts not handed out yet (loading, or landed and waiting for ``available`` or
+        the iteration); 0 once every one was, or failed."""
+        return self._core.pending
+
     def available(self) -> list[ExpertHandle]:
         """Every expert available now and not handed out yet, without waiting: the hits
         that have landed, then the misses that have (a layer copied in one launch lands
@@ -281,7 +285,12 @@ class Lease(LeaseFacts):
         core = self._core
         arrivals = core.take_ready()
         arrivals.extend(core.take_landed())
-        return [self._handle(a) for a in arrivals]
+        # made here, not per arrival through ``_handle``: a warm layer's experts are handed
+        # out between two layers' kernels, where every microsecond shows
+        source = self._source
+        handles = [ExpertHandle(source, a) for a in arrivals]
+        self._handed.extend(handles)
+        return handles
 
     async def gather(self) -> list[ExpertHandle]:
         """Every expert, once all have landed, in the order asked (those iterated already
@@ -292,7 +301,8 @@ class Lease(LeaseFacts):
         """
         async for _ in self:
             pass
-        return [self._handles[e] for e in self.experts]
+        by_expert = {h.expert: h for h in self._handed}
+        return [by_expert[e] for e in self.experts]
 
     def release(self, after: After = None, *, ordered: bool = False) -> None:
         """Unpin the experts (again: nothing happens). Idempotent.

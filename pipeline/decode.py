@@ -319,9 +319,11 @@ class Decode:
                             d.consume(h, weight_of[h.expert], per_expert_ms)
                     await d.spend_host_compute()
                 compute_s += time.perf_counter() - t0
-                batch = lease.available()
-                if batch:
-                    continue
+            if not lease.remaining:  # all handed out (a warm layer: at the first look)
+                break
+            batch = lease.available()
+            if batch:
+                continue
             t_wait = time.perf_counter()
             try:
                 batch = [await lease.__anext__()]

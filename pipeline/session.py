@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import operator
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -47,6 +48,8 @@ from stages.layout import plan_expert
 __all__ = ["StreamSession"]
 
 _log = structlog.get_logger("moestream.session")
+
+_NBYTES = operator.attrgetter("nbytes")
 
 LastUse = Callable[[LeasePart], Event | None]
 """The event after which a released lease's buffers on a part's device may be reused."""
@@ -127,6 +130,7 @@ class StreamSession:
         self._hints_of: dict[LayerLease, list[tuple[list[int], list[LeasePart]]]] = {}
         self._devices: list[_DeviceTotals] = []  # per device, with several
         self._holds: set[int] = set()  # leases and hints whose loads pause the background
+        self._background: Any = None  # the digest manifest's builder, while it reads
         self._hinted = False  # a prefetch was asked for: token lines carry ``prefetch``
         self._launchers: set[asyncio.Task[None]] = set()
         self._token = 0
@@ -218,6 +222,7 @@ class StreamSession:
             # no digests in the file: its manifest, computed in the background if need be
             group = self.streamer
             self.manifest = await RunManifest.open(table, lambda: group.mode == "direct")
+            self._background = self.manifest.builder
         self.verifier = Verifier(table, self.manifest.manifest if self.manifest else None)
         summary.digests = ("off" if not checks else "file" if self.manifest is None
                            else self.manifest.source)
@@ -282,11 +287,11 @@ class StreamSession:
     def fetch(self, layer: int, experts: Sequence[int]) -> LayerLease:
         """Pin ``experts`` of ``layer`` on their devices and start loading the misses.
 
-        The lease counts (hits, misses, bytes, the experts of the token's log line) in the
-        token it is first used in (an expert handed out, or its release), so a layer
-        fetched ahead, during the token before, counts in its own. The hints made for
-        ``layer`` go with the lease and end at its release (what it used of them it pins
-        itself meanwhile).
+        The lease counts (hits, misses, bytes, the experts of the token's log line) when it
+        is released, in the token it was used in: a layer fetched ahead, during the token
+        before, counts in its own, and the counting runs while the engine's device
+        computes, off the path between two layers. The hints made for ``layer`` go with
+        the lease and end at its release (what it used of them it pins itself meanwhile).
 
         Raises:
             UsageError: the session is closed; ``layer`` is not a MoE layer; an expert is
@@ -302,9 +307,9 @@ class StreamSession:
                            self._place)
         self._track(parts)
         lease = LayerLease(layer, tuple(chosen), parts, on_wait=self._waited,
-                           on_use=self._count)
+                           on_use=self._used)
         self._leases.add(lease)
-        if lease.misses:
+        if self._background is not None and lease.misses:
             self._hold(lease)
         hints = self._hints.pop(layer, None)
         if hints is not None:
@@ -315,40 +320,44 @@ class StreamSession:
                 loads.extend(hint.load for hint in hint_parts)
         return lease
 
-    def _count(self, lease: LayerLease) -> None:
-        """A lease's first use: its figures go to the token under way."""
+    def _used(self, lease: LayerLease) -> None:
+        """A lease's first use (an expert handed out, or its release): its token's clock
+        runs (a layer fetched ahead may be the first thing a token touches)."""
         self._clock()
+
+    def _count(self, lease: LayerLease) -> None:
+        """A lease's release: its figures go to the token under way."""
         totals, devices = self._totals, self._devices
         totals.hits += lease.hits
         totals.misses += lease.misses
         totals.evictions += lease.evicted
         for part in lease.parts:
             plan = part.load.plan
-            file_bytes = sum(e.nbytes for e in plan.misses)
+            file_bytes = sum(map(_NBYTES, plan.misses)) if plan.misses else 0
             totals.file_bytes += file_bytes
-            totals.cache_bytes += sum(e.nbytes for e in plan.hits)
+            totals.cache_bytes += sum(map(_NBYTES, plan.hits))
             if devices:
                 device = devices[part.device]
                 device.hits += len(plan.hits)
                 device.misses += len(plan.misses)
                 device.file_bytes += file_bytes
         seen = self._experts[self._position[lease.layer]]
-        seen.extend(e for e in lease.experts if e not in seen)
+        if seen:  # a second lease of the layer in this token: what it adds
+            seen.extend(e for e in lease.experts if e not in seen)
+        else:
+            seen.extend(lease.experts)
 
     def _hold(self, owner: object) -> None:
         """``owner``'s loads are decode's: background reads (the digest manifest's builder)
         pause until it ends (``_unhold``)."""
-        builder = self.manifest.builder if self.manifest is not None else None
-        if builder is not None and id(owner) not in self._holds:
+        if id(owner) not in self._holds:
             self._holds.add(id(owner))
-            builder.pause()
+            self._background.pause()
 
     def _unhold(self, owner: object) -> None:
         if id(owner) in self._holds:
             self._holds.discard(id(owner))
-            builder = self.manifest.builder if self.manifest is not None else None
-            if builder is not None:
-                builder.resume()
+            self._background.resume()
 
     def all_ready(self, layer: int, experts: Sequence[int]) -> bool:
         """Every one of ``experts`` is cached on its device and its upload has landed: a
@@ -379,7 +388,7 @@ class StreamSession:
         self._hints.setdefault(layer, []).append((chosen, parts))
         self._hinted = True
         started = sum(len(p.load.plan.misses) for p in parts)
-        if started:
+        if started and self._background is not None:
             self._hold(parts)
         totals = self._totals
         totals.predicted += len(chosen)
@@ -392,7 +401,10 @@ class StreamSession:
                 ordered: bool = False) -> None:
         """Release ``lease`` (idempotent); see ``LayerLease.release``."""
         lease.release(last_use, reason, ordered=ordered)
+        if lease not in self._leases:
+            return  # released before
         self._leases.discard(lease)
+        self._count(lease)
         self._unhold(lease)
         for _, parts in self._hints_of.pop(lease, ()):  # its layer's hints end with it
             self._end_hint(parts, lease.experts)

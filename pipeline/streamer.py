@@ -662,6 +662,8 @@ class ExpertStreamer:
             load.gate.resume()
 
     def poll_installs(self) -> None:
+        if not self.installer.pending:  # the common case when warm: nothing to look at
+            return
         t0 = time.perf_counter()
         self.installer.poll()
         self._add_time("install_ms", t0)
