@@ -10,7 +10,8 @@ Stream-like values accepted, as ``StreamLike``: None (CuPy's current stream of t
 an ``int`` ``cudaStream_t`` (0 is the legacy default stream; torch's
 ``stream.cuda_stream``), an object with ``ptr`` (``cupy.cuda.Stream``,
 ``cupy.cuda.ExternalStream``) or ``cuda_stream`` (``torch.cuda.Stream``), or one of our
-streams (``gpu.cuda.CudaStream``).
+streams (``gpu.cuda.CudaStream``). Waits and records go through the CUDA runtime on the raw
+handles, so no stream object is made for an engine's stream.
 """
 
 from __future__ import annotations
@@ -47,18 +48,16 @@ def stream_pointer(stream: StreamLike) -> int:
                      "cudaStream_t as an int)")
 
 
-def _external(pointer: int) -> Any:
-    import cupy
-
-    return cupy.cuda.Stream.null if pointer == 0 else cupy.cuda.ExternalStream(pointer)
-
-
 def wait_on(event: Event, stream: StreamLike) -> None:
     """Make ``stream`` wait for ``event`` on the device (the host never blocks)."""
     raw = getattr(event, "raw", None)
     if raw is None or event.done():  # a host event, or one already complete
         return
-    _external(stream_pointer(stream)).wait_event(raw)
+    import cupy
+
+    # the runtime call on the raw handles: no stream object to wrap an engine's stream in
+    # (CuPy's ExternalStream is deprecated)
+    cupy.cuda.runtime.streamWaitEvent(stream_pointer(stream), raw.ptr)
 
 
 def event_after(backend: Backend, after: StreamLike | Event) -> Event | None:
@@ -77,5 +76,5 @@ def event_after(backend: Backend, after: StreamLike | Event) -> Event | None:
     with backend.activate():
         pointer = stream_pointer(after)
         event = cupy.cuda.Event(block=False, disable_timing=True)
-        event.record(_external(pointer))
+        cupy.cuda.runtime.eventRecord(event.ptr, pointer)
     return CudaEvent(event)
