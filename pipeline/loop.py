@@ -104,7 +104,7 @@ class DecodeLoop:
         used: list[list[int]] = []
         used_weights: list[list[float]] = []
         compute_ms = upload_ms = 0.0
-        device_ms: list[float] = []  # several devices: each one's compute
+        device_ms = [0.0] * len(ms.devices)  # several devices: each one's compute
         if self._live:
             decode.set_hidden(routing.embedding(t))  # type: ignore[attr-defined]
         for i, layer in enumerate(self._layers):
@@ -128,15 +128,15 @@ class DecodeLoop:
                 if self._plans_ahead and i + 1 < n else None)
             compute_ms += result.time.compute_ms
             upload_ms += result.time.upload_ms
-            if result.device_compute_ms:
-                device_ms = [a + b for a, b in zip(device_ms or [0.0] * len(
-                    result.device_compute_ms), result.device_compute_ms, strict=True)]
+            for device, ms_on_it in enumerate(result.device_compute_ms):
+                device_ms[device] += ms_on_it
             if self._debug:
                 self._runlog.emit("layer", token=t, layer=layer, hits=result.hits,
                                   misses=result.misses, stall_ms=round(result.stall_ms, 3),
                                   compute_ms=round(result.compute_ms, 3))
         self._checker.check(decode.take_use_digests())
-        stats = await ms.end_token(compute_ms=device_ms or compute_ms, upload_ms=upload_ms)
+        stats = await ms.end_token(compute_ms=device_ms if len(device_ms) > 1 else compute_ms,
+                                   upload_ms=upload_ms)
         if self.recorder is not None:
             self.recorder.add(used, used_weights)
         return stats
