@@ -146,7 +146,8 @@ class TokenStats:
 
 @dataclass(frozen=True, slots=True)
 class Counters:
-    """Totals since the session opened (the token under way included where it counts).
+    """Totals since the session opened, the token under way included (a lease counts once
+    released, a hint once made).
 
     Device bytes are summed over the devices.
     """
