@@ -223,6 +223,12 @@ class LeaseFacts:
     def released(self) -> bool:
         return self._core.released
 
+    @property
+    def remaining(self) -> int:
+        """Experts not handed out yet (loading, or landed and waiting for ``available`` or
+        the iteration); 0 once every one was, or failed."""
+        return self._core.pending
+
 
 class Lease(LeaseFacts):
     """One layer's fetched experts, pinned on their devices until released.
@@ -267,12 +273,6 @@ class Lease(LeaseFacts):
         if arrival is None:
             raise StopAsyncIteration
         return self._handle(arrival)
-
-    @property
-    def remaining(self) -> int:
-        """Experts not handed out yet (loading, or landed and waiting for ``available`` or
-        the iteration); 0 once every one was, or failed."""
-        return self._core.pending
 
     def available(self) -> list[ExpertHandle]:
         """Every expert available now and not handed out yet, without waiting: the hits

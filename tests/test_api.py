@@ -572,6 +572,21 @@ class TestSync:
             ms.fetch(ms.model.moe_layers[0], [0])
         ms.close()  # idempotent
 
+    def test_warm_layer_in_one_step(self, tiny_model: Path) -> None:
+        """The sync face of ``available``, ``remaining``, ``ready`` and the engine's own
+        compute at ``end_token``."""
+        with moestream.open_sync(tiny_model, backend="host", mode="direct") as ms:
+            layer = ms.model.moe_layers[0]
+            with ms.fetch(layer, [4, 5]) as lease:
+                assert len(lease.gather()) == 2 and lease.remaining == 0
+            ms.end_token()
+            assert ms.ready(layer, [5, 4])
+            with ms.fetch(layer, [5, 4]) as lease:
+                assert [h.expert for h in lease.available()] == [5, 4]
+                assert lease.remaining == 0
+            stats = ms.end_token(compute_ms=0.0)
+            assert (stats.hits, stats.misses) == (2, 0) and stats.time["compute_ms"] == 0.0
+
     def test_misuse(self, tiny_model: Path) -> None:
         with moestream.open_sync(tiny_model, backend="host") as ms:
             with ms.fetch(ms.model.moe_layers[0], [0, 1]) as lease:
