@@ -272,27 +272,27 @@ class CudaKernels:
                 results: DeviceArray, row: int, stream: Stream) -> None:
         """One launch for an expert's three matrices (blockIdx.y picks the range)."""
         ptr, raw = _cuda_parts(buf, stream)
-        largest = max(n for _, n in ranges)
-        blocks = max(1, min(256, (largest // 4 + 255) // 256))
-        args = [np.uint64(v) for r in ranges for v in r]
-        # rows ``row..row+2`` of the (n, 2) uint64 results by address, like ``base``: a
-        # CuPy slice per expert costs microseconds of host time on every install
-        out = np.uint64(results.data.ptr + row * 16)
-        with raw:
-            self._digest((blocks, 3), (256,), (np.uint64(ptr), *args, out))
+        self._launch_digest(ptr, ranges, results, row, raw)
 
     def digest_views(self, views: Sequence[DeviceArray], results: DeviceArray, row: int,
                      stream: Stream) -> None:
         """``digest3`` from the lowest view's address, the others as offsets from it."""
         ptrs = [int(v.data.ptr) for v in views]
         base = min(ptrs)
-        ranges = [(p - base, int(v.nbytes)) for p, v in zip(ptrs, views, strict=True)]
+        _, raw = _cuda_parts(None, stream)
+        self._launch_digest(base, [(p - base, int(v.nbytes)) for p, v in zip(ptrs, views,
+                                                                              strict=True)],
+                            results, row, raw)
+
+    def _launch_digest(self, base: int, ranges: Sequence[tuple[int, int]],
+                       results: DeviceArray, row: int, raw_stream: Any) -> None:
         largest = max(n for _, n in ranges)
         blocks = max(1, min(256, (largest // 4 + 255) // 256))
         args = [np.uint64(v) for r in ranges for v in r]
+        # rows ``row..row+2`` of the (n, 2) uint64 results by address, like ``base``: a
+        # CuPy slice per expert costs microseconds of host time on every install
         out = np.uint64(results.data.ptr + row * 16)
-        _, raw = _cuda_parts(None, stream)
-        with raw:
+        with raw_stream:
             self._digest((blocks, 3), (256,), (np.uint64(base), *args, out))
 
     def read_results(self, results: DeviceArray, n: int) -> npt.NDArray[np.uint64]:

@@ -109,10 +109,11 @@ class LayerLoad:
 
 
 class _Source(NamedTuple):
-    """A registered miss's copies, computed once per expert and mapping: (device offset,
-    view of the registered mapping) pieces for the copy engines, the (device offset, nbytes)
-    ranges its install digest reads, and its gather copies (device offset, mapping address,
-    nbytes), one per range."""
+    """A registered miss's copies, computed once per expert and mapping, for the path the
+    streamer takes: for the copy engines, (device offset, view of the registered mapping)
+    pieces and the (device offset, nbytes) ranges its install digest reads; for the gather,
+    its copies (device offset, mapping address, nbytes), one per range. The other path's
+    lists stay empty."""
 
     pieces: list[tuple[int, npt.NDArray[np.uint8]]]
     ranges: list[tuple[int, int]]
@@ -357,12 +358,16 @@ class ExpertStreamer:
                 ranges = self.layout(entry.key).ranges
                 if not all(mapping.is_registered(s.file_offset, s.nbytes) for s in ranges):
                     return None
+                # only what this streamer's path reads: the gather's copies, or the copy
+                # engines' pieces (views of the mapping) and their digest's ranges
+                gathers = self._gathers
                 source = _Source(
+                    [] if gathers else
                     [(s.device_offset + at, view)
                      for s in ranges for at, view in mapping.pieces(s.file_offset, s.nbytes)],
-                    [(s.device_offset, s.nbytes) for s in ranges],
+                    [] if gathers else [(s.device_offset, s.nbytes) for s in ranges],
                     [(s.device_offset, mapping.address(s.file_offset), s.nbytes)
-                     for s in ranges],
+                     for s in ranges] if gathers else [],
                 )
                 self._sources[entry.key] = source
             out.append(source)
