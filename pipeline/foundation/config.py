@@ -15,7 +15,9 @@ from typing import Literal
 from pipeline.foundation.errors import UsageError
 
 __all__ = [
+    "MAX_BUDGET_EXPERTS",
     "MAX_LAYER_MS",
+    "MAX_SIZE_BYTES",
     "Budget",
     "ComputeSpec",
     "Limits",
@@ -36,15 +38,47 @@ _UNITS = {
     "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40,
     "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
 }
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+_SIZE = re.compile(r"^\s*(\d+)(?:\.(\d+))?\s*([a-zA-Z]*)\s*$")
+
+MAX_SIZE_BYTES = 2**62
+"""The largest size accepted (4 EiB): far above any memory or file, far below where byte
+counts stop fitting an int64 or a float stops counting bytes exactly."""
+
+MAX_BUDGET_EXPERTS = 2**32
+"""The largest cache budget given as an expert count (a model has thousands)."""
+
+_SIZE_DIGITS = 20  # digits before the point: 10**20 is already above MAX_SIZE_BYTES
+_FRACTION_DIGITS = 30  # digits after it that can matter: the largest unit is under 10**13
+
+
+def _shown(text: str) -> str:
+    """``text`` for a one-line message: a 400-digit number is cut, not printed whole."""
+    return repr(text) if len(text) <= 40 else repr(text[:32] + "...") + f" ({len(text)} chars)"
 
 
 def parse_size(text: str) -> int:
-    """Bytes from ``512``, ``11GB`` (10**9), ``20GiB`` (2**30), ``1.5G`` (2**30)."""
+    """Bytes from ``512``, ``11GB`` (10**9), ``20GiB`` (2**30), ``1.5G`` (2**30).
+
+    Parsed exactly, in integers (a fraction of a byte is dropped), so a number of any
+    length gives a size or a one-line error, never a float overflow.
+
+    Raises:
+        UsageError: not a size, or larger than ``MAX_SIZE_BYTES``.
+    """
     match = _SIZE.match(text)
-    if not match or match.group(2).lower() not in _UNITS:
-        raise UsageError(f"cannot read size {text!r} (examples: 4096, 11GB, 20GiB)")
-    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+    if not match or match.group(3).lower() not in _UNITS:
+        raise UsageError(f"cannot read size {_shown(text)} (examples: 4096, 11GB, 20GiB)")
+    whole, fraction, unit = match.group(1).lstrip("0"), match.group(2) or "", match.group(3)
+    fraction = fraction[:_FRACTION_DIGITS]
+    if len(whole) > _SIZE_DIGITS:
+        nbytes = MAX_SIZE_BYTES + 1
+    else:
+        scaled = int(whole or "0") * 10 ** len(fraction) + int(fraction or "0")
+        nbytes = scaled * _UNITS[unit.lower()] // 10 ** len(fraction)
+    if nbytes > MAX_SIZE_BYTES:
+        raise UsageError(f"size {_shown(text)} is larger than the {MAX_SIZE_BYTES} bytes "
+                         "(4 EiB) a size may be")
+    return nbytes
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,16 +93,26 @@ class Budget:
         if self.nbytes is not None:
             return self.nbytes
         assert self.experts is not None
-        return self.experts * expert_bytes
+        return min(self.experts * expert_bytes, MAX_SIZE_BYTES)
 
     def __str__(self) -> str:
         return f"{self.experts} experts" if self.experts is not None else f"{self.nbytes} bytes"
 
 
 def parse_budget(text: str) -> Budget:
-    """``2522`` (experts) or a size with a unit (``11GB``, ``20GiB``)."""
+    """``2522`` (experts) or a size with a unit (``11GB``, ``20GiB``).
+
+    Raises:
+        UsageError: neither, or more than ``MAX_BUDGET_EXPERTS`` experts or
+            ``MAX_SIZE_BYTES`` bytes.
+    """
     stripped = text.strip()
     if stripped.isdigit():
+        digits = stripped.lstrip("0")
+        if len(digits) > len(str(MAX_BUDGET_EXPERTS)) or int(digits or "0") > MAX_BUDGET_EXPERTS:
+            raise UsageError(f"cache budget {_shown(stripped)} is more than the "
+                             f"{MAX_BUDGET_EXPERTS} experts a budget may hold (give a size, "
+                             "e.g. 20GiB, or leave it out to hold every expert)")
         return Budget(experts=int(stripped))
     return Budget(nbytes=parse_size(stripped))
 

@@ -17,7 +17,14 @@ whose digests it holds, so an interrupted computation is resumed, not restarted.
 File format (little-endian): the magic line, a uint32 header length, a JSON header (format
 version, key, MoE layers, expert count, CRC-32 of the payload), then the payload: one byte
 per (MoE layer, expert), 1 where known, then three uint64 digests per (MoE layer, expert).
-Written atomically (``pipeline.foundation.outputs``).
+
+The manifest is an input like any other and is read as one (``pipeline.foundation.inputs``):
+only a regular file is read (a FIFO or a device at its path is never waited on nor
+streamed), at most :func:`manifest_max_bytes` of it (what the model's expert count can fill,
+plus the header allowance), and its header through the bounded JSON loader. Anything else is
+ignored with one warning and the digests are computed again. It is written atomically
+(``pipeline.foundation.outputs``: temporary file in the same directory, fsync, rename)
+without following a link at its path: a link there is replaced, never written through.
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ import numpy.typing as npt
 import structlog
 
 from pipeline.foundation.errors import ModelFileError
+from pipeline.foundation.inputs import load_json_bounded, read_input
 from pipeline.foundation.outputs import write_atomic
 from pipeline.foundation.table import ExpertKey, ExpertTable
 
@@ -44,6 +52,7 @@ __all__ = [
     "DigestManifest",
     "ManifestKey",
     "load_manifest",
+    "manifest_max_bytes",
     "manifest_path",
     "user_cache_dir",
 ]
@@ -56,6 +65,8 @@ another scheme is stale."""
 _FORMAT = 1
 _MAGIC = b"MOESTREAM-DIGESTS\n"
 _HEADER_MAX = 1 << 20  # a header is a few hundred bytes plus the MoE layer list
+_CELL_BYTES = 1 + 3 * 8  # per (MoE layer, expert): the known flag, three uint64 digests
+_HEADER_DEPTH = 4  # the header nests two levels (the key object in the header object)
 
 
 def user_cache_dir() -> Path:
@@ -70,6 +81,12 @@ def manifest_path(model: str | os.PathLike[str], cache_dir: Path | None = None) 
     tag = hashlib.sha256(os.fsencode(resolved)).hexdigest()[:16]
     stem = re.sub(r"[^A-Za-z0-9._-]", "_", resolved.name)[:64]
     return (cache_dir or user_cache_dir()) / "digests" / f"{stem}-{tag}.digests"
+
+
+def manifest_max_bytes(table: ExpertTable) -> int:
+    """The largest manifest ``table``'s file can have: its (MoE layer, expert) cells, plus
+    the header allowance. A larger file is no manifest of it and is never read whole."""
+    return len(_MAGIC) + 4 + _HEADER_MAX + len(table.moe_layers) * table.n_experts * _CELL_BYTES
 
 
 def layout_fingerprint(table: ExpertTable) -> str:
@@ -210,20 +227,25 @@ class DigestManifest:
         if size > _HEADER_MAX or at + 4 + size > len(data):
             raise ValueError(f"header of {size} bytes does not fit the file")
         try:
-            header: Any = json.loads(data[at + 4 : at + 4 + size])
-            if header["format"] != _FORMAT:
-                raise ValueError(f"format {header['format']}, expected {_FORMAT}")
-            key = ManifestKey(**header["key"])
-            layers = [int(n) for n in header["moe_layers"]]
-            n_experts = int(header["n_experts"])
-            crc = int(header["crc32"])
-        except (KeyError, TypeError, json.JSONDecodeError, UnicodeDecodeError) as exc:
+            header: Any = load_json_bounded(data[at + 4 : at + 4 + size], "header",
+                                            max_depth=_HEADER_DEPTH)
+            version = header["format"]
+            if version == _FORMAT:
+                key = ManifestKey(**header["key"])
+                layers = [int(n) for n in header["moe_layers"]]
+                n_experts = int(header["n_experts"])
+                crc = int(header["crc32"])
+        # JSON errors (too deep included) are ValueErrors; int() of inf is an OverflowError
+        except (KeyError, TypeError, ValueError, OverflowError) as exc:
             raise ValueError(f"unreadable header ({type(exc).__name__}: {exc})") from None
+        if version != _FORMAT:
+            raise ValueError(f"format {version!r}, expected {_FORMAT}")
         payload = data[at + 4 + size :]
         cells = len(layers) * n_experts
-        if n_experts < 1 or not layers or len(payload) != cells * 25:
-            raise ValueError(f"payload of {len(payload)} bytes, expected {cells * 25} for "
-                             f"{len(layers)} layers x {n_experts} experts")
+        if n_experts < 1 or not layers or len(payload) != cells * _CELL_BYTES:
+            raise ValueError(f"payload of {len(payload)} bytes, expected "
+                             f"{cells * _CELL_BYTES} for {len(layers)} layers x {n_experts} "
+                             "experts")
         if zlib.crc32(payload) != crc:
             raise ValueError("payload checksum mismatch (damaged)")
         known = np.frombuffer(payload[:cells], dtype=np.uint8) != 0
@@ -233,10 +255,15 @@ class DigestManifest:
     def save(self, path: Path) -> None:
         """Write the manifest to ``path`` atomically (its directories made as needed).
 
+        A symbolic link at ``path`` is replaced by the new file, never followed: whatever
+        it names (the model itself) is left as it was.
+
         Raises:
-            OutputError: the cache directory cannot take the file.
+            OutputError: the cache directory cannot take the file, or ``path`` is a
+                directory or a special file.
         """
-        write_atomic(path, self.to_bytes(), what="digest manifest", make_parents=True)
+        write_atomic(path, self.to_bytes(), what="digest manifest", make_parents=True,
+                     follow_links=False)
         self.dirty = False
 
     def save_if_current(self, table: ExpertTable, path: Path) -> list[str]:
@@ -260,7 +287,10 @@ def load_manifest(table: ExpertTable, path: Path | None = None) -> DigestManifes
 
     A stored manifest whose key differs from the file's now (size, times, inode, device,
     path, layout or digest scheme), or that cannot be read, is ignored with one warning
-    naming why; the caller computes the digests again and saving replaces it.
+    naming why; the caller computes the digests again and saving replaces it. Cannot be
+    read: not a regular file (a FIFO is never waited on), larger than
+    :func:`manifest_max_bytes` (never read whole), damaged, or a header nested deeper than
+    a manifest's.
 
     Raises:
         ModelFileError: the model file itself cannot be stat'ed.
@@ -268,7 +298,7 @@ def load_manifest(table: ExpertTable, path: Path | None = None) -> DigestManifes
     path = path or manifest_path(table.path)
     key = ManifestKey.of(table)
     try:
-        data = path.read_bytes()
+        data = read_input(path, manifest_max_bytes(table))
     except FileNotFoundError:
         return DigestManifest.empty(table, key)
     except OSError as exc:

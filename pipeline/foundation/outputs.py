@@ -4,7 +4,10 @@ Every file moestream writes goes through here: run logs, recorded traces, CSVs, 
 models, benchmark results. The rules, checked by :func:`check_output` when a command starts
 (before the model is opened or any work is done) and again when the file is written:
 
-- a symbolic link is followed: the file it names is written, the link itself stays;
+- a symbolic link is followed: the file it names is written, the link itself stays
+  (user-named outputs); files moestream names itself in its own cache (the digest manifest)
+  are written with ``follow_links=False``: a link there is replaced by the new file, never
+  written through, so a link planted at that path cannot make a run overwrite its target;
 - the target is absent or a regular file: a directory, a character or block device
   (``/dev/null``, ``/dev/full``), a FIFO or a socket is refused, never replaced nor
   written into;
@@ -63,16 +66,32 @@ def _refuse_kind(shown: Path, target: Path, mode: int, what: str | None) -> None
                           "regular files (leave the option out to write nothing)", what=what)
 
 
-def _stat_target(shown: Path, target: Path, what: str | None) -> os.stat_result | None:
-    """The target's status, None when absent (a missing directory is reported later)."""
+def _stat_target(shown: Path, target: Path, what: str | None, *,
+                 follow_links: bool = True) -> os.stat_result | None:
+    """The target's status, None when absent (a missing directory is reported later).
+
+    With ``follow_links`` False a symbolic link at ``target`` is not followed: it is
+    accepted as it is (a rename replaces the link itself).
+    """
     try:
-        st = os.stat(target)
+        st = os.stat(target) if follow_links else os.lstat(target)
     except (FileNotFoundError, NotADirectoryError):
         return None
     except OSError as exc:
         raise OutputError(shown, f"cannot write: {_reason(exc)}", what=what) from exc
+    if not follow_links and stat.S_ISLNK(st.st_mode):
+        return st
     _refuse_kind(shown, target, st.st_mode, what)
     return st
+
+
+def _resolve(shown: Path, follow_links: bool) -> Path:
+    """The file to write: ``shown`` with links resolved, or (not ``follow_links``) with
+    links resolved in its directory only."""
+    if follow_links:
+        return Path(os.path.realpath(shown))
+    absolute = Path(os.path.abspath(shown))
+    return Path(os.path.realpath(absolute.parent)) / absolute.name
 
 
 def _existing_dir(shown: Path, directory: Path, what: str | None, *, ancestors: bool) -> Path:
@@ -110,10 +129,11 @@ def _probe(shown: Path, directory: Path, what: str | None) -> None:
 
 def check_output(
     path: PathLike, *, what: str | None = None, make_parents: bool = False,
-    in_place: bool = False,
+    in_place: bool = False, follow_links: bool = True,
 ) -> Path:
     """Check that an output can be written at ``path`` before any work; returns the file to
-    write (symbolic links resolved).
+    write (symbolic links resolved; with ``follow_links`` False, only those of its
+    directory).
 
     Args:
         path: the output as the user gave it.
@@ -121,14 +141,18 @@ def check_output(
         make_parents: missing directories will be made: check the nearest existing one.
         in_place: the file will be written in place (not renamed over): an existing one must
             open for writing and not be locked by another writer.
+        follow_links: False: a symbolic link at ``path`` is to be replaced (renamed over),
+            not followed; only with atomic writes, never with ``in_place``.
 
     Raises:
         OutputError: the path is a directory or a special file, its directory is missing or
             refuses new files, or (``in_place``) it cannot be opened or is in use.
     """
+    if in_place and not follow_links:
+        raise ValueError("in_place writes follow links: a rename is what replaces one")
     shown = Path(path)
-    target = Path(os.path.realpath(shown))
-    st = _stat_target(shown, target, what)
+    target = _resolve(shown, follow_links)
+    st = _stat_target(shown, target, what, follow_links=follow_links)
     _existing_dir(shown, target.parent, what, ancestors=make_parents)
     if in_place and st is not None:
         os.close(_open_locked(shown, target, what, truncate=False))
@@ -218,17 +242,20 @@ def _fsync_path(path: Path) -> None:
 
 @contextlib.contextmanager
 def atomic_path(
-    path: PathLike, *, what: str | None = None, make_parents: bool = False
+    path: PathLike, *, what: str | None = None, make_parents: bool = False,
+    follow_links: bool = True,
 ) -> Iterator[Path]:
     """A temporary path to write; it replaces ``path`` when the block ends without error.
 
     ``path`` is checked first (:func:`check_output`); a symbolic link is followed, so the
-    file it names is replaced and the link stays. Errors of the block itself propagate as
-    they are, after the temporary file is removed; the helper's own steps (temporary file,
-    fsync, rename) raise :class:`OutputError`.
+    file it names is replaced and the link stays; with ``follow_links`` False the link
+    itself is replaced and what it named is left untouched. Errors of the block itself
+    propagate as they are, after the temporary file is removed; the helper's own steps
+    (temporary file, fsync, rename) raise :class:`OutputError`.
     """
     shown = Path(path)
-    target = check_output(shown, what=what, make_parents=make_parents)
+    target = check_output(shown, what=what, make_parents=make_parents,
+                          follow_links=follow_links)
     try:
         if make_parents:
             target.parent.mkdir(parents=True, exist_ok=True)
@@ -240,7 +267,8 @@ def atomic_path(
     tmp = Path(name)
     try:
         yield tmp
-        _stat_target(shown, target, what)  # it may have changed since the check
+        # it may have changed since the check
+        _stat_target(shown, target, what, follow_links=follow_links)
         try:
             _fsync_path(tmp)
             os.replace(tmp, target)
@@ -253,14 +281,16 @@ def atomic_path(
 
 @contextlib.contextmanager
 def atomic_output(
-    path: PathLike, *, what: str | None = None, make_parents: bool = False
+    path: PathLike, *, what: str | None = None, make_parents: bool = False,
+    follow_links: bool = True,
 ) -> Iterator[BinaryIO]:
     """A binary file to write; it replaces ``path`` when the block ends without error.
 
     As :func:`atomic_path`; an ``OSError`` raised in the block (writing the file) becomes an
     :class:`OutputError` naming the path.
     """
-    with atomic_path(path, what=what, make_parents=make_parents) as tmp:
+    with atomic_path(path, what=what, make_parents=make_parents,
+                     follow_links=follow_links) as tmp:
         try:
             with tmp.open("wb") as out:
                 yield out
@@ -269,8 +299,11 @@ def atomic_output(
 
 
 def write_atomic(
-    path: PathLike, data: bytes | str, *, what: str | None = None, make_parents: bool = False
+    path: PathLike, data: bytes | str, *, what: str | None = None, make_parents: bool = False,
+    follow_links: bool = True,
 ) -> None:
-    """Write ``data`` (text is UTF-8 encoded) to ``path`` atomically."""
-    with atomic_output(path, what=what, make_parents=make_parents) as out:
+    """Write ``data`` (text is UTF-8 encoded) to ``path`` atomically (``follow_links``: as
+    :func:`atomic_path`)."""
+    with atomic_output(path, what=what, make_parents=make_parents,
+                       follow_links=follow_links) as out:
         out.write(data.encode("utf-8") if isinstance(data, str) else data)

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from tools.analyze.logvalues import FloatArray, float_columns, int_or_none, str_or_none
+from tools.analyze.logvalues import FloatArray, FloatRows, int_or_none, str_or_none
 
 __all__ = [
     "DEVICE_COLUMNS",
@@ -134,16 +134,16 @@ def dropped_entries_problem(
 
 
 class TokenDeviceRows:
-    """The ``devices`` lists of token lines, kept raw while reading, scattered into columns once.
+    """The ``devices`` lists of token lines, collected as float rows (``FloatRows``: 8 bytes
+    a value), scattered into per-device columns once.
 
-    Like ``prefetch``, entries are kept as raw tuples per line and turned into columns in
-    ``columns``; device ids are checked there, vectorized.
+    Device ids are checked in ``columns``, vectorized.
     """
 
     __slots__ = ("_bad", "_rows")
 
     def __init__(self) -> None:
-        self._rows: list[tuple[Any, ...]] = []
+        self._rows = FloatRows(_DEVICE_ROW)
         self._bad = 0
 
     def add(self, row: int, devices: object) -> None:
@@ -176,11 +176,11 @@ class TokenDeviceRows:
             repeated within a token).
         """
         problems: list[str] = []
-        if not self._rows:
+        if not len(self._rows):
             if self._bad:
                 problems.append(f"{self._bad} token devices entries are not objects")
             return {}, problems
-        table = float_columns(self._rows, _DEVICE_ROW)
+        table = self._rows.columns()
         rows = table["row"].astype(np.int64)
         ids = table["device"]
         valid = np.isfinite(ids) & (ids == np.round(ids))

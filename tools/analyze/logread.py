@@ -21,7 +21,6 @@ per-device fields are read by ``tools.analyze.logdevices``.
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -32,7 +31,7 @@ import numpy.typing as npt
 import structlog
 
 from pipeline.foundation.errors import TraceError
-from pipeline.foundation.inputs import open_input
+from pipeline.foundation.inputs import JSONDepthError, load_json_bounded, open_input
 from pipeline.timesplit import PARTS
 from tools.analyze.logdevices import TokenDeviceRows, dropped_entries_problem, sum_problems
 from tools.analyze.logrecords import (
@@ -44,7 +43,7 @@ from tools.analyze.logrecords import (
     RunLog,
     TokenColumns,
 )
-from tools.analyze.logvalues import FloatArray, float_columns, int_or_none, mapping, str_or_none
+from tools.analyze.logvalues import FloatArray, FloatRows, int_or_none, mapping, str_or_none
 
 __all__ = ["KNOWN_EVENTS", "MAX_LINE_BYTES", "SCHEMA_VERSION", "SCHEMA_VERSIONS", "TIME_COLUMNS",
            "TOKEN_COLUMNS", "log_lines", "read_log"]
@@ -156,31 +155,43 @@ def log_lines(handle: IO[bytes]) -> Iterator[bytes | None]:
 
 
 class _ExpertBuffer:
-    """Growable ``(tokens, layers, width)`` int32 array of expert ids, -1 padded."""
+    """The tokens' expert ids as ``(tokens, layers, width)`` int32, -1 padded, in blocks.
 
-    __slots__ = ("_array", "_count", "_layers", "_width")
+    Per token, 4 bytes per (layer, slot) while ``keep`` (the what-if replay needs every
+    token's ids), else only the 4-byte count of ids used; the block being filled is reused.
+    Ids at or above ``n_experts`` are counted block by block for the consistency check.
+    """
 
-    def __init__(self, layers: int, width: int, capacity: int) -> None:
+    __slots__ = ("_block", "_blocks", "_in_block", "_keep", "_layers", "_n_experts",
+                 "_outside", "_used", "_width")
+
+    BLOCK_ROWS = 4096
+
+    def __init__(self, layers: int, width: int, *, keep: bool, n_experts: int | None) -> None:
         self._layers = max(layers, 0)
         self._width = max(width, 1)
-        self._array = np.full((max(capacity, 16), self._layers, self._width), -1, np.int32)
-        self._count = 0
+        self._keep = keep
+        self._n_experts = n_experts
+        self._blocks: list[npt.NDArray[np.int32]] = []
+        self._used: list[npt.NDArray[np.int32]] = []
+        self._outside = 0
+        self._block = self._new_block()
+        self._in_block = 0
+
+    def _new_block(self) -> npt.NDArray[np.int32]:
+        return np.full((self.BLOCK_ROWS, self._layers, self._width), -1, np.int32)
 
     def append(self, experts: Any) -> bool:
         """Store one token's lists; False when their shape did not match (padded)."""
-        if self._count == self._array.shape[0]:
-            grown = np.full(
-                (self._array.shape[0] * 2, self._layers, self._width), -1, np.int32
-            )
-            grown[: self._count] = self._array
-            self._array = grown
-        row = self._count
-        self._count += 1
+        if self._in_block == self.BLOCK_ROWS:
+            self._flush()
+        row = self._in_block
+        self._in_block += 1
         try:
-            self._array[row] = experts  # the common case: a full, rectangular top-k matrix
+            self._block[row] = experts  # the common case: a full, rectangular top-k matrix
             return True
         except (ValueError, TypeError):
-            self._array[row] = -1
+            self._block[row] = -1
         if not isinstance(experts, list):
             return False
         for pos, ids in enumerate(experts[: self._layers]):
@@ -189,23 +200,46 @@ class _ExpertBuffer:
             clean = [e for e in ids if isinstance(e, int) and not isinstance(e, bool)]
             if len(clean) > self._width:
                 self._widen(len(clean))
-            self._array[row, pos, : len(clean)] = clean
+            self._block[row, pos, : len(clean)] = clean
         return False
 
     def _widen(self, width: int) -> None:
-        grown = np.full((self._array.shape[0], self._layers, width), -1, np.int32)
-        grown[:, :, : self._width] = self._array
-        self._array = grown
+        grown = np.full((self.BLOCK_ROWS, self._layers, width), -1, np.int32)
+        grown[:, :, : self._width] = self._block
+        self._block = grown
         self._width = width
 
-    def result(self) -> npt.NDArray[np.int32]:
-        return self._array[: self._count].copy()
+    def _flush(self) -> None:
+        block = self._block[: self._in_block]
+        self._used.append((block >= 0).sum(axis=(1, 2), dtype=np.int32))
+        if self._n_experts is not None:
+            self._outside += int((block >= self._n_experts).sum())
+        if self._keep:
+            self._blocks.append(block.copy() if self._in_block < self.BLOCK_ROWS else block)
+            self._block = self._new_block()
+        else:
+            self._block.fill(-1)
+        self._in_block = 0
+
+    def result(self) -> tuple[npt.NDArray[np.int32], npt.NDArray[np.int32], int]:
+        """The ids (no tokens unless ``keep``), the ids used per token, and how many ids
+        were at or above ``n_experts``."""
+        self._flush()
+        used = np.concatenate(self._used) if self._used else np.zeros(0, np.int32)
+        blocks = [np.pad(b, ((0, 0), (0, 0), (0, self._width - b.shape[2])), constant_values=-1)
+                  if b.shape[2] < self._width else b for b in self._blocks]
+        experts = (np.concatenate(blocks) if blocks
+                   else np.full((0, self._layers, self._width), -1, np.int32))
+        self._blocks = []
+        return experts, used, self._outside
 
 
 def _first_object(path: Path, line: bytes) -> dict[str, Any]:
     """Decode and check the first non-blank line: is this file a moestream log at all?"""
     try:
-        obj = json.loads(line)
+        obj = load_json_bounded(line, f"{path}:1")
+    except JSONDepthError as exc:
+        raise TraceError(f"{path}: not a moestream log ({exc})") from None
     except ValueError:
         raise TraceError(f"{path}: not a moestream log (first line is not JSON)") from None
     if not isinstance(obj, dict):
@@ -226,7 +260,7 @@ def _first_object(path: Path, line: bytes) -> dict[str, Any]:
 class _Reader:
     """One pass over a file; collects columns and counts, then builds a ``RunLog``."""
 
-    def __init__(self, path: Path, size_hint: int) -> None:
+    def __init__(self, path: Path, *, keep_experts: bool) -> None:
         self.path = path
         self.schema = SCHEMA_VERSION
         self._required = _REQUIRED
@@ -235,17 +269,19 @@ class _Reader:
         self.end: RunEnd | None = None
         self.decisions: list[ControllerDecision] = []
         self.switches: list[ModeSwitch] = []
-        self.token_rows: list[tuple[Any, ...]] = []
-        self.modes: list[object] = []
-        self.prefetch_rows: list[tuple[Any, ...]] = []
+        # per token: numbers only (8 bytes a value), never the decoded line
+        self.token_rows = FloatRows(TOKEN_COLUMNS)
+        self.mode_codes = bytearray()  # index into mode_names, 255 where absent
+        self.mode_names: list[str] = []
+        self.prefetch_rows = FloatRows(_PREFETCH_COLUMNS)
         self.prefetch_seen = False
-        self.time_rows: list[tuple[Any, ...]] = []
+        self.time_rows = FloatRows(_TIME_FIELDS)
         self.time_seen = False
-        self.layer_rows: list[tuple[Any, ...]] = []
+        self.layer_rows = FloatRows(_LAYER_COLUMNS)
         self.device_rows = TokenDeviceRows()
         self.problems: list[str] = []
         self.ragged_tokens = 0
-        self._size_hint = size_hint
+        self._keep_experts = keep_experts
         self._experts: _ExpertBuffer | None = None
 
     def set_schema(self, schema: int) -> None:
@@ -270,9 +306,19 @@ class _Reader:
         if self._experts is None:
             layers = len(self.header.moe_layers) if self.header else 0
             width = (self.header.top_k or 1) if self.header else 1
-            # A token line is about 2 KB at 43 layers x top-6; start near the final size.
-            self._experts = _ExpertBuffer(layers, width, self._size_hint // 2048 + 16)
+            n_experts = self.header.n_experts if self.header else None
+            self._experts = _ExpertBuffer(layers, width, keep=self._keep_experts,
+                                          n_experts=n_experts)
         return self._experts
+
+    def _mode_code(self, mode: object) -> int:
+        if not isinstance(mode, str):
+            return 255
+        if mode not in self.mode_names:
+            if len(self.mode_names) == 127:  # int8 codes: more modes than any run has
+                return 255
+            self.mode_names.append(mode)
+        return self.mode_names.index(mode)
 
     def add(self, obj: dict[str, Any], event: str) -> None:
         self._fields(event, obj)
@@ -323,7 +369,7 @@ class _Reader:
 
     def _token(self, obj: dict[str, Any]) -> None:
         self.token_rows.append(tuple(obj.get(name, math.nan) for name in TOKEN_COLUMNS))
-        self.modes.append(obj.get("mode"))
+        self.mode_codes.append(self._mode_code(obj.get("mode")))
         experts = obj.get("experts")
         try:
             fits = self._expert_buffer().append(experts)
@@ -365,40 +411,34 @@ class _Reader:
         return columns
 
     def build(self) -> RunLog:
-        values = float_columns(self.token_rows, TOKEN_COLUMNS)
+        values = self.token_rows.columns()
         if self.prefetch_seen:
-            prefetch = float_columns(self.prefetch_rows, _PREFETCH_COLUMNS)
+            prefetch = self.prefetch_rows.columns()
             for name in _PREFETCH_COLUMNS:
                 values[f"prefetch_{name}"] = prefetch[name]
         if self.time_seen:
-            split = float_columns(self.time_rows, _TIME_FIELDS)
+            split = self.time_rows.columns()
             for name, column in zip(_TIME_FIELDS, TIME_COLUMNS, strict=True):
                 values[column] = split[name]
-        names: list[str] = []
-        codes = np.full(len(self.modes), -1, dtype=np.int8)
-        for row, mode in enumerate(self.modes):
-            if isinstance(mode, str):
-                if mode not in names:
-                    names.append(mode)
-                codes[row] = names.index(mode)
-        experts = (
-            self._experts.result()
-            if self._experts is not None
-            else np.full((0, len(self.header.moe_layers) if self.header else 0, 1), -1, np.int32)
-        )
+        codes = np.frombuffer(bytes(self.mode_codes), dtype=np.int8)  # 255 reads as -1
+        if self._experts is not None:
+            experts, used, outside = self._experts.result()
+        else:
+            layers = len(self.header.moe_layers) if self.header else 0
+            experts, used, outside = np.full((0, layers, 1), -1, np.int32), None, 0
         tokens = TokenColumns(
             values=values,
             mode_codes=codes,
-            mode_names=tuple(names),
+            mode_names=tuple(self.mode_names),
             experts=experts,
-            devices=self._device_columns(len(self.modes)),
+            devices=self._device_columns(len(codes)),
         )
-        self._check_tokens(tokens)
+        self._check_tokens(tokens, used, outside)
         return RunLog(
             path=self.path,
             header=self.header,
             tokens=tokens,
-            layers=float_columns(self.layer_rows, _LAYER_COLUMNS),
+            layers=self.layer_rows.columns(),
             decisions=tuple(self.decisions),
             switches=tuple(self.switches),
             end=self.end,
@@ -407,8 +447,10 @@ class _Reader:
             schema=self.schema,
         )
 
-    def _check_tokens(self, tokens: TokenColumns) -> None:
-        """Cross-check the columns against the expert lists and the header."""
+    def _check_tokens(self, tokens: TokenColumns, used: npt.NDArray[np.int32] | None,
+                      outside: int) -> None:
+        """Cross-check the columns against the expert lists (``used``: ids per token, None
+        when no token line was read) and the header (``outside``: ids >= n_experts)."""
         if not len(tokens):
             return
         index = tokens["token"]
@@ -416,18 +458,17 @@ class _Reader:
         if not np.array_equal(index, expected):
             first = int(np.argmax(index != expected))
             self._problem(f"token indices are not consecutive from row {first}")
-        used = (tokens.experts >= 0).sum(axis=(1, 2))
         counted = tokens["hits"] + tokens["misses"]
+        if used is None:
+            used = np.zeros(len(tokens), np.int32)
         differs = np.flatnonzero(~np.isnan(counted) & (counted != used))
         if differs.size:
             self._problem(
                 f"{differs.size} tokens have hits + misses != experts used"
                 f" (first: token {int(index[differs[0]])})"
             )
-        if self.header and self.header.n_experts is not None:
-            outside = tokens.experts >= self.header.n_experts
-            if outside.any():
-                self._problem(f"{int(outside.sum())} expert ids >= n_experts")
+        if outside:
+            self._problem(f"{outside} expert ids >= n_experts")
         if self.ragged_tokens:
             self._problem(f"{self.ragged_tokens} tokens with experts of an unexpected shape")
         if tokens.devices:
@@ -439,11 +480,17 @@ class _Reader:
             self._problem(problem)
 
 
-def read_log(path: str | Path) -> RunLog:
+def read_log(path: str | Path, *, experts: bool = True) -> RunLog:
     """Read one run log.
+
+    What is held per token line: its numbers as float64 columns (about 30 values, 8 bytes
+    each) and, with ``experts``, its expert ids (4 bytes per MoE layer and top-k slot: 1 KB
+    at 43 layers x top-6, what the what-if replay needs); never the decoded line.
 
     Args:
         path: the JSON-lines file written by a moestream run.
+        experts: keep every token's expert ids (``tokens.experts``); without, that array
+            has no rows and only the per-token count of ids used is kept for the checks.
 
     Returns:
         The run's header, token columns, controller events, summary line and line counts.
@@ -458,11 +505,7 @@ def read_log(path: str | Path) -> RunLog:
     except OSError as exc:
         raise TraceError(f"{path}: cannot read ({exc.strerror or exc})") from exc
     with handle:
-        try:
-            size = path.stat().st_size
-        except OSError:
-            size = 0
-        reader = _Reader(path, size)
+        reader = _Reader(path, keep_experts=experts)
         counts = reader.counts
         pending_bad = 0  # unparsable lines not yet known to be the last one
         started = False
@@ -485,8 +528,8 @@ def read_log(path: str | Path) -> RunLog:
                     started = True
                 else:
                     try:
-                        obj = json.loads(raw)
-                    except ValueError:
+                        obj = load_json_bounded(raw, f"{path}:{counts.lines}")
+                    except ValueError:  # not JSON, or nested deeper than any event
                         counts.malformed += pending_bad
                         pending_bad = 1
                         continue

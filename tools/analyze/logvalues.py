@@ -17,6 +17,7 @@ import numpy.typing as npt
 
 __all__ = [
     "FloatArray",
+    "FloatRows",
     "float_columns",
     "float_or_none",
     "int_or_none",
@@ -57,16 +58,68 @@ def mapping(value: object) -> Mapping[str, Any]:
     return value if isinstance(value, dict) else {}
 
 
+def _float_table(rows: list[tuple[Any, ...]]) -> FloatArray:
+    """Rows of JSON scalars as one float64 array; non-numbers become NaN."""
+    try:
+        return np.array(rows, dtype=np.float64)
+    except (ValueError, TypeError):
+        # Some value was a string, object or null: clean row by row (rare, slower).
+        return np.array(
+            [[math.nan if (f := float_or_none(v)) is None else f for v in row] for row in rows],
+            dtype=np.float64,
+        )
+
+
 def float_columns(rows: list[tuple[Any, ...]], names: tuple[str, ...]) -> dict[str, FloatArray]:
     """Turn rows of JSON scalars into float64 columns; non-numbers become NaN."""
     if not rows:
         return {name: np.zeros(0, dtype=np.float64) for name in names}
-    try:
-        table = np.array(rows, dtype=np.float64)
-    except (ValueError, TypeError):
-        # Some value was a string, object or null: clean row by row (rare, slower).
-        table = np.array(
-            [[math.nan if (f := float_or_none(v)) is None else f for v in row] for row in rows],
-            dtype=np.float64,
-        )
+    table = _float_table(rows)
     return {name: table[:, col].copy() for col, name in enumerate(names)}
+
+
+class FloatRows:
+    """Rows of JSON scalars collected into float64 columns as they come.
+
+    A log has a row per token; holding each as a tuple of Python floats costs about 50
+    bytes a value. Here at most ``BLOCK_ROWS`` rows are held as tuples; each full block
+    becomes a float64 array (8 bytes a value), so a reader holds 8 bytes per value and row.
+
+    Args:
+        names: the column names, in row order.
+    """
+
+    __slots__ = ("_blocks", "_count", "_names", "_pending")
+
+    BLOCK_ROWS = 4096
+
+    def __init__(self, names: tuple[str, ...]) -> None:
+        self._names = names
+        self._blocks: list[FloatArray] = []
+        self._pending: list[tuple[Any, ...]] = []
+        self._count = 0
+
+    def __len__(self) -> int:
+        return self._count
+
+    def append(self, row: tuple[Any, ...]) -> None:
+        """Add one row of ``len(names)`` JSON scalars."""
+        self._pending.append(row)
+        self._count += 1
+        if len(self._pending) >= self.BLOCK_ROWS:
+            self._flush()
+
+    def _flush(self) -> None:
+        if self._pending:
+            self._blocks.append(_float_table(self._pending))
+            self._pending = []
+
+    def columns(self) -> dict[str, FloatArray]:
+        """One float64 column per name (the rows collected so far; collection may go on)."""
+        self._flush()
+        if not self._blocks:
+            return {name: np.zeros(0, dtype=np.float64) for name in self._names}
+        if len(self._blocks) > 1:
+            self._blocks = [np.concatenate(self._blocks)]
+        table = np.ascontiguousarray(self._blocks[0].T)  # one row per column: views below
+        return {name: table[col] for col, name in enumerate(self._names)}
