@@ -170,7 +170,7 @@ class MachineSampler:
         elif full or self._resident < 0:
             from stages.residency import Residency
 
-            self._resident = Residency.of_file(self._table.path).file_resident_bytes
+            self._resident = Residency.of_files(self._table.files).file_resident_bytes
         return ControllerReadings(
             ram_available_bytes=available,
             ram_total_bytes=total,
@@ -346,14 +346,15 @@ class ModeController:
 
         if self._warm_task is not None:
             return
-        path = self._table.path
+        files = self._table.files
         loop = asyncio.get_running_loop()
         missing = await loop.run_in_executor(
-            None, lambda: Residency.of_file(path).missing([ByteRange(0, self._table.file_bytes)])
+            None, lambda: Residency.of_files(files).missing(
+                [ByteRange(f.base, f.nbytes) for f in files])
         )
         if not missing:
             return
-        engine = WarmEngine(path, threads=8)
+        engine = WarmEngine(files, threads=8)
         self._warm_engine = engine
         setattr(self._streamer, "warm_gate", engine)  # noqa: B010  (streamer-like object)
         self._warm_task = loop.create_task(self._warm(engine, missing))

@@ -130,7 +130,7 @@ class ManifestBuilder(Pausable):
         self.piece_bytes = piece_bytes
         self.job_bytes = job_bytes
         self._direct = direct if callable(direct) else (lambda: direct)
-        self._reader = ModelReader(table.path, direct=True)
+        self._reader = ModelReader(table.files, direct=True)
         self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="moestream-digest")
         self._local = threading.local()
         self._stop = threading.Event()
@@ -252,12 +252,14 @@ class ManifestBuilder(Pausable):
         return key not in self._in_flight and self.manifest.get(key) is None
 
     def _check_key(self) -> None:
-        """The file is still the one the manifest is keyed to (our reader has it open)."""
+        """The files are still the ones the manifest is keyed to: the table's, which our
+        reader opened against their identity and checks again here."""
         now = ManifestKey.of(self._table)
         if now != self.manifest.key:
             raise ModelChangedError(
                 self._table.path, f"changed since its digest manifest was keyed "
                 f"({', '.join(now.differences(self.manifest.key))}); no digest computed")
+        self._reader.check_unchanged(path=True)
 
     async def build(self, progress: Callable[[int, int], None] | None = None) -> BuildResult:
         """Digest every expert the manifest does not know; returns what was done.

@@ -14,12 +14,12 @@ import asyncio
 import contextlib
 import threading
 import time
-from collections.abc import Callable
-from pathlib import Path
+from collections.abc import Callable, Sequence
 
 import structlog
 
 from gpu.backend import Backend
+from pipeline.foundation.files import ModelFile
 from stages.mapping import ModelMapping
 
 __all__ = ["MappingRegistrar"]
@@ -31,13 +31,14 @@ class MappingRegistrar:
     """Owns the mapping of one model file and its registration passes (event-loop side).
 
     Args:
-        path: the model file.
+        files: the model's files (``ExpertTable.files``).
         backend: registers windows (the host backend registers nothing).
         wanted: whether another pass asked for meanwhile should still run (resident mode).
     """
 
-    def __init__(self, path: Path, backend: Backend, wanted: Callable[[], bool]) -> None:
-        self._path = path
+    def __init__(self, files: Sequence[ModelFile], backend: Backend,
+                 wanted: Callable[[], bool]) -> None:
+        self._files = files
         self._backend = backend
         self._wanted = wanted
         self.mapping: ModelMapping | None = None
@@ -48,7 +49,7 @@ class MappingRegistrar:
     def open(self) -> ModelMapping:
         """The mapping, made on first use."""
         if self.mapping is None:
-            self.mapping = ModelMapping(self._path, self._backend)
+            self.mapping = ModelMapping(self._files, self._backend)
         return self.mapping
 
     @property

@@ -22,7 +22,6 @@ from typing import Any, Protocol
 
 import numpy as np
 import numpy.typing as npt
-from gguf import GGMLQuantizationType
 
 from gpu.backend import Backend
 from pipeline.foundation.errors import ExpertLayoutError
@@ -116,15 +115,23 @@ class BlockRouting:
         return self.route(token - 1, i, hidden)[0]
 
 
-def _read_f32(table: ExpertTable, info: TensorInfo, count: int) -> npt.NDArray[np.float32]:
-    if info.type_name != GGMLQuantizationType.F32.name:
+_FLOAT_TYPES = {"F32": "<f4", "F16": "<f2", "BF16": "<u2"}
+_EMBEDDINGS = ("token_embd.weight", "model.embed_tokens.weight")
+
+
+def _floats(table: ExpertTable, info: TensorInfo, offset: int,
+            count: int) -> npt.NDArray[np.float32]:
+    """``count`` values of ``info`` (F32, F16 or BF16) from ``offset``, as float32."""
+    dtype = _FLOAT_TYPES.get(info.type_name)
+    if dtype is None:
         raise ExpertLayoutError(table.path, f"{info.name} is {info.type_name}; the live "
-                                "router reads F32 routers")
-    with table.path.open("rb") as f:
-        f.seek(info.offset)
-        data = np.frombuffer(f.read(count * 4), dtype="<f4")
-    if data.size != count:
+                                "router reads F32, F16 and BF16 tensors")
+    size = np.dtype(dtype).itemsize
+    if (offset - info.offset) + count * size > info.nbytes:
         raise ExpertLayoutError(table.path, f"{info.name} is cut short")
+    data = np.frombuffer(table.read_bytes(offset, count * size), dtype=dtype)
+    if info.type_name == "BF16":  # the high half of a float32
+        return (data.astype(np.uint32) << 16).view(np.float32)
     return data.astype(np.float32)
 
 
@@ -151,22 +158,20 @@ class LiveRouter:
         for layer in self._layers:
             info = table.layers[layer].router
             if info is not None:
-                w = _read_f32(table, info, table.n_experts * table.hidden)
+                w = _floats(table, info, info.offset, table.n_experts * table.hidden)
                 self._routers[layer] = self._xp.asarray(w.reshape(table.n_experts, table.hidden))
         if not self._routers and table.hash_routed < len(self._layers):
             raise ExpertLayoutError(table.path, "no router tensors (ffn_gate_inp) to route live")
-        self._embed = next((t for t in table.non_routed if t.name == "token_embd.weight"), None)
+        self._embed = next((t for t in table.non_routed if t.name in _EMBEDDINGS), None)
 
     def embedding(self, token: int) -> Any:
-        """The hidden state a token starts with: its row of ``token_embd`` (F16), normalized;
-        a seeded random vector when the file has no F16 embedding."""
+        """The hidden state a token starts with: its row of the token embedding (F32, F16 or
+        BF16), normalized; a seeded random vector when the model has no such embedding."""
         h = self._table.hidden
         emb = self._embed
-        if emb is not None and emb.type_name == GGMLQuantizationType.F16.name:
-            vocab = emb.nbytes // (2 * h)
-            with self._table.path.open("rb") as f:
-                f.seek(emb.offset + (token % vocab) * 2 * h)
-                x = np.frombuffer(f.read(2 * h), dtype="<f2").astype(np.float32)
+        if emb is not None and emb.type_name in _FLOAT_TYPES:
+            row = h * np.dtype(_FLOAT_TYPES[emb.type_name]).itemsize
+            x = _floats(self._table, emb, emb.offset + (token % (emb.nbytes // row)) * row, h)
         else:
             x = np.random.default_rng([self._seed, token]).standard_normal(h).astype(np.float32)
         x /= float(np.sqrt(np.mean(x * x))) + 1e-6

@@ -177,7 +177,7 @@ class ExpertStreamer:
         self._layouts: dict[tuple[int, int], ExpertLayout] = {}
         slot_bytes = largest_slot_bytes(table)
         self.faults = faults
-        self.reader = ModelReader(table.path, direct=True, faults=faults)
+        self.reader = ModelReader(table.files, direct=True, faults=faults)
         try:
             self.ring = StagingRing(backend, config.staging_slots, slot_bytes, faults)
             self.uploader = Uploader(backend, config.upload_streams, faults)
@@ -186,7 +186,7 @@ class ExpertStreamer:
             raise
         self.installer = Installer(cache)
         self._pool = ThreadPoolExecutor(config.queue_depth, thread_name_prefix="moestream-read")
-        self._registrar = MappingRegistrar(table.path, backend, lambda: self.mode == "resident")
+        self._registrar = MappingRegistrar(table.files, backend, lambda: self.mode == "resident")
         self._resident_inflight = 0
         self.host_tier = HostTier(table, self.reader.drop_ranges)
         self._staged_jobs: set[_Job] = set()

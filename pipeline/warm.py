@@ -27,16 +27,17 @@ import mmap
 import os
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from pathlib import Path
 from types import TracebackType
 from typing import Literal
 
 import structlog
 
 from pipeline.foundation.errors import ReadError, ResidencyError, UsageError
+from pipeline.foundation.files import ModelFile, model_files, open_checked
+from pipeline.foundation.files import pieces as file_parts
 from pipeline.foundation.table import ByteRange
 from stages.residency import PAGE_BYTES, RangeLike, hint_willneed
 
@@ -270,7 +271,9 @@ class WarmEngine(Pausable):
     threads finish the piece they are on. ``aclose()`` waits for them and closes the file.
 
     Args:
-        path: the file to warm.
+        model: the file to warm, or a model's files (``ExpertTable.files``, each opened
+            against the identity its table saw); ranges are offsets of the model's address
+            space.
         threads: loader threads (default ``default_threads()``).
         piece_bytes: bytes per exact piece (4-8 MiB keeps the per-piece cost negligible).
         in_flight: exact pieces (or their bytes' worth) submitted but not finished
@@ -290,7 +293,7 @@ class WarmEngine(Pausable):
 
     def __init__(
         self,
-        path: str | os.PathLike[str],
+        model: str | os.PathLike[str] | Sequence[ModelFile],
         *,
         threads: int | None = None,
         piece_bytes: int = 8 << 20,
@@ -302,7 +305,8 @@ class WarmEngine(Pausable):
         loader: Loader = "sendfile",
     ) -> None:
         super().__init__()
-        self.path = Path(path)
+        self.files = model_files(model)
+        self.path = self.files[0].path
         self.threads = threads or default_threads()
         if self.threads < 1:
             raise UsageError(f"threads must be >= 1, not {threads}")
@@ -318,24 +322,29 @@ class WarmEngine(Pausable):
         self.in_flight = in_flight or 2 * self.threads
         self.hint_ahead = hint_ahead
         self.loader: Loader = loader
-        fds: list[int] = []
+        # per file, by base: one descriptor for pieces, one for long stretches
+        self._fds: dict[int, tuple[int, int]] = {}
         try:
-            for _ in range(2):
-                fds.append(os.open(self.path, os.O_RDONLY | os.O_CLOEXEC))
-            fds.append(os.open(os.devnull, os.O_WRONLY | os.O_CLOEXEC))
-        except OSError as exc:
-            for fd in fds:
-                os.close(fd)
-            raise ResidencyError(f"{self.path}: cannot open: {exc.strerror}") from None
-        self._fd, self._stream_fd, self._devnull = fds
+            for f in self.files:
+                fd = open_checked(f)
+                try:
+                    self._fds[f.base] = (fd, open_checked(f))
+                except BaseException:
+                    os.close(fd)
+                    raise
+            self._devnull = os.open(os.devnull, os.O_WRONLY | os.O_CLOEXEC)
+        except BaseException:
+            self._close_fds()
+            raise
         # Advice on these open files only: other readers of the model keep their readahead.
-        for fd, advice, name in ((self._fd, os.POSIX_FADV_RANDOM, "random"),
-                                 (self._stream_fd, os.POSIX_FADV_SEQUENTIAL, "sequential")):
-            try:
-                os.posix_fadvise(fd, 0, 0, advice)
-            except OSError as exc:
-                _log.warning("warm.fadvise_refused", path=str(self.path), advice=name,
-                             reason=exc.strerror)
+        for fd, stream_fd in self._fds.values():
+            for one, advice, name in ((fd, os.POSIX_FADV_RANDOM, "random"),
+                                      (stream_fd, os.POSIX_FADV_SEQUENTIAL, "sequential")):
+                try:
+                    os.posix_fadvise(one, 0, 0, advice)
+                except OSError as exc:
+                    _log.warning("warm.fadvise_refused", path=str(self.path), advice=name,
+                                 reason=exc.strerror)
         self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="moestream-warm")
         self._local = threading.local()
         self._bucket: TokenBucket | None = None
@@ -381,19 +390,30 @@ class WarmEngine(Pausable):
         """
         if stop.is_set():
             return 0
-        fd = self._stream_fd if piece.stream else self._fd
         if hints:
             with contextlib.suppress(ResidencyError):  # advice: a failed hint costs nothing
-                hint_willneed(fd, hints)
+                for hint in hints:
+                    for part in file_parts(self.files, hint.offset, hint.nbytes):
+                        hint_willneed(self._fds[part.file.base][0],
+                                      [ByteRange(part.local, part.nbytes)])
+        done = 0
+        for part in file_parts(self.files, piece.range.offset, piece.range.nbytes):
+            fds = self._fds[part.file.base]
+            done += self._load_local(fds[1] if piece.stream else fds[0],
+                                     ByteRange(part.local, part.nbytes))
+        return done
+
+    def _load_local(self, fd: int, local: ByteRange) -> int:
+        """Load one range of one file (``fd``'s offsets)."""
         if self.loader == "sendfile":
             try:
-                return self._sendfile(fd, piece.range)
+                return self._sendfile(fd, local)
             except _SpliceUnsupported as exc:
                 if self.loader == "sendfile":  # first thread to notice says it, once
                     self.loader = "preadv"
                     _log.warning("warm.sendfile_unsupported", path=str(self.path),
                                  reason=str(exc), fallback="preadv")
-        return self._preadv(fd, piece.range)
+        return self._preadv(fd, local)
 
     def _sendfile(self, fd: int, piece: ByteRange) -> int:
         done = 0
@@ -467,7 +487,7 @@ class WarmEngine(Pausable):
         progress: Callable[[int, int], None] | None,
     ) -> WarmResult:
         loop = asyncio.get_running_loop()
-        file_bytes = os.fstat(self._fd).st_size
+        file_bytes = self.files[-1].end
         pieces = _pieces(ranges, self.piece_bytes, self.stream_piece_bytes,
                          self.stream_min_bytes, file_bytes)
         total = sum(p.range.nbytes for p in pieces)
@@ -545,8 +565,17 @@ class WarmEngine(Pausable):
         self._closed = True
         # shutdown(wait=True) blocks until the current pieces finish: keep the loop free.
         await asyncio.to_thread(self._pool.shutdown, wait=True, cancel_futures=True)
-        for fd in (self._fd, self._stream_fd, self._devnull):
-            os.close(fd)
+        self._close_fds()
+
+    def _close_fds(self) -> None:
+        for pair in self._fds.values():
+            for fd in pair:
+                if fd >= 0:
+                    os.close(fd)
+        self._fds.clear()
+        if getattr(self, "_devnull", -1) >= 0:
+            os.close(self._devnull)
+            self._devnull = -1
 
     async def __aenter__(self) -> WarmEngine:
         return self

@@ -1,15 +1,19 @@
 """The model's read-only mapping: the source of resident mode's uploads.
 
-Resident mode reads nothing: ``ModelMapping`` maps the file and, on a GPU, page-locks it
+Resident mode reads nothing: ``ModelMapping`` maps the model and, on a GPU, page-locks it
 window by window (``cudaHostRegister``, read-only) so the copy engine DMAs straight from
-the page cache.
+the page cache. A model of several files (a checkpoint's shards) is mapped into one reserved
+region, each file at its base in the model's address space (``pipeline.foundation.files``),
+so an offset is an address there as it is for one file; no window spans two files.
 """
 
 from __future__ import annotations
 
+import bisect
 import ctypes
 import os
 import threading
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +21,7 @@ import numpy.typing as npt
 import structlog
 
 from gpu.backend import Backend
+from pipeline.foundation.files import ModelFile, model_files, open_checked
 from stages.residency import libc
 
 __all__ = ["ModelMapping"]
@@ -32,23 +37,43 @@ class ModelMapping:
     only be dropped after both (DESIGN.md: DONTNEED leaves registered or mapped pages).
 
     Args:
-        path: the model file.
+        model: the model's files (``ExpertTable.files``; each opened against the identity
+            the table saw), or a path standing for a one-file model.
         backend: registers windows (a no-op on the host backend).
         window_bytes: registration granularity.
     """
 
-    def __init__(self, path: Path, backend: Backend, window_bytes: int = 256 << 20) -> None:
+    def __init__(self, model: Path | Sequence[ModelFile], backend: Backend,
+                 window_bytes: int = 256 << 20) -> None:
         self._backend = backend
         self._window = window_bytes
-        self._path = path
-        fd = os.open(path, os.O_RDONLY)
+        files = model_files(model)
+        self._path = files[0].path
+        self.file_bytes = files[-1].span_end
+        # windows never span two files: one registration is one file's pages
+        self._starts: list[int] = []
+        self._lengths: list[int] = []
+        for f in files:
+            for start in range(f.base, f.span_end, window_bytes):
+                self._starts.append(start)
+                self._lengths.append(min(window_bytes, f.span_end - start))
+        # mapped through libc, not Python's mmap: numpy views of a Python mmap pin it
+        # (close raises while any view lives), and the lifetime here is explicit
+        self._addr = libc.reserve(self.file_bytes, str(self._path)) if len(files) > 1 else 0
         try:
-            self.file_bytes = os.fstat(fd).st_size
-            # mapped through libc, not Python's mmap: numpy views of a Python mmap pin it
-            # (close raises while any view lives), and the lifetime here is explicit
-            self._addr = libc.map_read(fd, 0, self.file_bytes, str(path))
-        finally:
-            os.close(fd)
+            for f in files:
+                fd = open_checked(f)
+                try:
+                    if f.nbytes:
+                        at = libc.map_read(fd, 0, f.span_end - f.base, str(f.path),
+                                           fixed=self._addr + f.base if self._addr else None)
+                        self._addr = self._addr or at
+                finally:
+                    os.close(fd)
+        except BaseException:
+            if self._addr:
+                libc.munmap(self._addr, self.file_bytes)
+            raise
         self.array: npt.NDArray[np.uint8] = np.ctypeslib.as_array(
             (ctypes.c_uint8 * self.file_bytes).from_address(self._addr)
         )
@@ -68,8 +93,7 @@ class ModelMapping:
         if not self._backend.registers_host:
             return 0
         added = 0
-        n_windows = (self.file_bytes + self._window - 1) // self._window
-        for w in range(n_windows):
+        for w in range(len(self._starts)):
             if stop is not None and stop.is_set():
                 break
             if w in self._registered or w in self._refused:
@@ -77,8 +101,7 @@ class ModelMapping:
             with self._lock:
                 if self.array.size == 0:
                     break  # closed meanwhile
-                start = w * self._window
-                length = min(self._window, self.file_bytes - start)
+                start, length = self._starts[w], self._lengths[w]
                 if not libc.all_resident(self._addr + start, length, str(self._path)):
                     continue
                 window = self.array[start : start + length]
@@ -94,9 +117,12 @@ class ModelMapping:
         """Every window covering the range is registered (a lock-free read)."""
         if not self._backend.registers_host:
             return True
-        first = offset // self._window
-        last = (offset + nbytes - 1) // self._window
+        first = self._window_of(offset)
+        last = self._window_of(offset + nbytes - 1)
         return all(w in self._registered for w in range(first, last + 1))
+
+    def _window_of(self, offset: int) -> int:
+        return bisect.bisect_right(self._starts, offset) - 1
 
     def address(self, offset: int) -> int:
         """The address of a byte of the mapping; on a device that maps registered memory
@@ -112,7 +138,8 @@ class ModelMapping:
         at = offset
         end = offset + nbytes
         while at < end:
-            stop = min(end, (at // self._window + 1) * self._window)
+            w = self._window_of(at)
+            stop = min(end, self._starts[w] + self._lengths[w])
             out.append((at - offset, self.array[at:stop]))
             at = stop
         return out

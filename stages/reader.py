@@ -16,15 +16,22 @@ import os
 import threading
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
-from typing import NamedTuple
 
 import numpy as np
 import numpy.typing as npt
 import structlog
 
-from pipeline.foundation.errors import ModelChangedError, ModelFileError, ReadError
+from pipeline.foundation.errors import ModelChangedError, ReadError
 from pipeline.foundation.faults import FaultPlan
+from pipeline.foundation.files import (
+    FileIdentity,
+    ModelFile,
+    model_files,
+    open_checked,
+    pieces,
+)
 from pipeline.foundation.table import ByteRange
 
 __all__ = ["READ_ATTEMPTS", "RETRY_BACKOFF_MS", "ModelReader"]
@@ -38,8 +45,31 @@ RETRY_BACKOFF_MS = 10.0
 _PATH_CHECK_S = 0.5  # a stat of the path, to see a replacement, at most this often
 
 
+class _Opened:
+    """The descriptors of one model file: buffered, and O_DIRECT while allowed."""
+
+    __slots__ = ("buffered", "direct", "file", "retired")
+
+    def __init__(self, file: ModelFile) -> None:
+        self.file = file
+        self.buffered = open_checked(file)
+        self.direct: int | None = None
+        self.retired: int | None = None  # a refused direct fd, closed only in close()
+
+    def close(self) -> None:
+        for fd in (self.direct, self.retired, self.buffered):
+            if fd is not None and fd >= 0:
+                os.close(fd)
+        self.direct = self.retired = None
+        self.buffered = -1
+
+
 class ModelReader:
-    """Reads byte ranges of the model file, O_DIRECT where allowed, else buffered.
+    """Reads byte ranges of the model's files, O_DIRECT where allowed, else buffered.
+
+    Offsets are offsets of the model's address space (``pipeline.foundation.files``): a
+    GGUF file's own offsets, or a checkpoint's shards end to end; a read that spans the
+    padding between two shards reads each shard's part and zeroes the padding.
 
     Thread-safe: the pool's workers call ``read_into`` concurrently on their own slots.
 
@@ -50,14 +80,16 @@ class ModelReader:
     - a transient error (EIO and other I/O errors, a read that comes back empty before the
       end of the file): retried up to ``attempts`` times in all, with exponential backoff,
       each retry logged (``read_retry``); then ``ReadError``;
-    - the file changed under the run (truncated, written, or its path now names another
-      file): ``ModelChangedError``, never retried. The file's identity (device, inode, size,
-      modification time) is compared with the one seen at open after every read, so bytes
-      read after a change are never returned; the path is checked on every failure and at
+    - a file changed under the run (truncated, written, or its path now names another
+      file): ``ModelChangedError``, never retried. Every file is opened against the identity
+      (device, inode, size, modification and change times) the expert table's own open saw,
+      and compared with it after every read, so bytes of a file other than the one the
+      table describes are never returned; the paths are checked on every failure and at
       least every ``_PATH_CHECK_S`` seconds.
 
     Args:
-        path: the model file.
+        model: the model's files as the table lists them (``ExpertTable.files``); a path
+            stands for a one-file model identified by this open.
         direct: try O_DIRECT (direct mode); False reads through the page cache.
         faults: injected faults (tests and ``--inject`` only).
         attempts: tries per read before a transient error becomes a ``ReadError``.
@@ -66,7 +98,7 @@ class ModelReader:
 
     def __init__(
         self,
-        path: Path,
+        model: Path | Sequence[ModelFile],
         *,
         direct: bool = True,
         faults: FaultPlan | None = None,
@@ -75,35 +107,40 @@ class ModelReader:
     ) -> None:
         if attempts < 1:
             raise ValueError(f"need at least one read attempt, got {attempts}")
-        self.path = path
+        self.files = model_files(model)
+        self.path = self.files[0].path
         self._faults = faults or FaultPlan()
         self.attempts = attempts
         self.backoff_ms = backoff_ms
+        self._open: list[_Opened] = []
         try:
-            self._buffered_fd = os.open(path, os.O_RDONLY)
-        except OSError as exc:
-            raise ModelFileError(path, f"cannot open: {exc.strerror}") from exc
-        # buffered reads are of exact expert ranges: readahead past them (128 KiB by default)
-        # is storage traffic for pages nobody asked for
-        os.posix_fadvise(self._buffered_fd, 0, 0, os.POSIX_FADV_RANDOM)
-        st = os.fstat(self._buffered_fd)
-        self.file_bytes = st.st_size
-        self._opened = _FileIdentity.of(st)
+            for f in self.files:
+                opened = _Opened(f)
+                self._open.append(opened)
+                # buffered reads are of exact expert ranges: readahead past them (128 KiB
+                # by default) is storage traffic for pages nobody asked for
+                os.posix_fadvise(opened.buffered, 0, 0, os.POSIX_FADV_RANDOM)
+        except BaseException:
+            self.close()
+            raise
+        self._by_base = {opened.file.base: opened for opened in self._open}
+        self.file_bytes = self.files[-1].end
         self._path_checked = time.monotonic()
-        self._direct_fd: int | None = None
-        self._retired_fd: int | None = None  # a refused direct fd, closed only in close()
         self.direct_refused: str | None = None
         self._lock = threading.Lock()
         self.retries = 0
         # what injected ``truncate`` / ``replace`` make the reader believe (never the file)
         self._seen_size: int | None = None
         self._seen_replaced = False
+        self._direct_on = False
         if direct:
             self._open_direct()
 
     def _open_direct(self) -> None:
         try:
-            self._direct_fd = os.open(self.path, os.O_RDONLY | os.O_DIRECT)
+            for opened in self._open:
+                opened.direct = open_checked(opened.file, os.O_DIRECT)
+            self._direct_on = True
         except OSError as exc:
             self._refuse_direct(f"open with O_DIRECT failed: {exc.strerror}")
 
@@ -113,31 +150,53 @@ class ModelReader:
                 self.direct_refused = reason
                 _log.warning("o_direct_fallback", path=str(self.path), reason=reason,
                              action="buffered reads for the rest of the run")
-            if self._direct_fd is not None:
-                # not closed yet: other workers may be reading with it right now, and a
-                # closed number can be reused by the next open (a read of another file)
-                self._retired_fd, self._direct_fd = self._direct_fd, None
+            self._direct_on = False
+            for opened in self._open:
+                if opened.direct is not None:
+                    # not closed yet: other workers may be reading with it right now, and a
+                    # closed number can be reused by the next open (a read of another file)
+                    opened.retired, opened.direct = opened.direct, None
 
     @property
     def direct(self) -> bool:
-        return self._direct_fd is not None
+        return self._direct_on
 
     def read_into(self, dst: npt.NDArray[np.uint8], offset: int, *, direct: bool) -> int:
-        """Fill ``dst`` from ``offset`` (short only at end of file); returns bytes read.
+        """Fill ``dst`` from ``offset`` (short only at the end of the model); returns bytes
+        read (the padding between shards counts, zeroed).
 
         ``dst`` and ``offset`` must be 4096-aligned for a direct read. Blocks (retries
         sleep): call it on a reader thread, never on the event loop.
 
         Raises:
             ReadError: an I/O error or an early end of file that outlived the retries.
-            ModelChangedError: the file was truncated, modified or replaced.
+            ModelChangedError: a file was truncated, modified or replaced.
         """
-        need = min(dst.size, self.file_bytes - offset)
-        fd = self._direct_fd if direct else None
+        need = max(0, min(dst.size, self.file_bytes - offset))
+        done = 0
+        for piece in pieces(self.files, offset, need):
+            if piece.at > done:
+                dst[done : piece.at] = 0
+            opened = self._by_base[piece.file.base]
+            end = piece.at + piece.nbytes
+            self._read_piece(opened, dst[piece.at : end], piece.local, direct)
+            done = end
+        now = time.monotonic()
+        check_path = self._seen_replaced or now - self._path_checked >= _PATH_CHECK_S
+        self.check_unchanged(path=check_path)
+        if check_path:
+            self._path_checked = now
+        return done
+
+    def _read_piece(self, opened: _Opened, dst: npt.NDArray[np.uint8], offset: int,
+                    direct: bool) -> None:
+        """All of ``dst`` from ``offset`` of one file (which holds all of it)."""
+        need = dst.size
+        fd = opened.direct if direct else None
         got = 0
         failures = 0
         while got < need:
-            use_fd = fd if fd is not None else self._buffered_fd
+            use_fd = fd if fd is not None else opened.buffered
             cause: OSError | None = None
             try:
                 if self._faults:
@@ -150,7 +209,8 @@ class ModelReader:
                     fd = None
                     continue
                 if exc.errno == errno.EBADF:  # closed under us: a bug, never transient
-                    raise ReadError(f"{self.path}: read after the reader was closed") from exc
+                    raise ReadError(f"{opened.file.path}: read after the reader was "
+                                    "closed") from exc
                 cause, reason = exc, str(exc.strerror)
             else:
                 if n > 0:
@@ -161,19 +221,13 @@ class ModelReader:
             self.check_unchanged(path=True)  # a changed file is reported, not retried
             if failures >= self.attempts:
                 raise ReadError(
-                    f"{self.path}: read of {need} bytes at offset {offset + got} failed after "
-                    f"{failures} attempts: {reason}"
+                    f"{opened.file.path}: read of {need} bytes at offset {offset + got} failed "
+                    f"after {failures} attempts: {reason}"
                 ) from cause
             self._backoff(failures, offset + got, reason)
         if fd is None and direct:
             # buffered stand-in for a direct read: leave no page behind
-            os.posix_fadvise(self._buffered_fd, offset, need, os.POSIX_FADV_DONTNEED)
-        now = time.monotonic()
-        check_path = self._seen_replaced or now - self._path_checked >= _PATH_CHECK_S
-        self.check_unchanged(path=check_path)
-        if check_path:
-            self._path_checked = now
-        return got
+            os.posix_fadvise(opened.buffered, offset, need, os.POSIX_FADV_DONTNEED)
 
     def _backoff(self, failures: int, offset: int, reason: str) -> None:
         """Log a retry and wait before it (on the reader thread)."""
@@ -208,73 +262,67 @@ class ModelReader:
         return n
 
     def check_unchanged(self, *, path: bool = True) -> None:
-        """Raise ``ModelChangedError`` if the open file, or with ``path`` the file the path
-        names, is no longer the one opened (a ``fstat``, plus a ``stat`` with ``path``)."""
-        now = _FileIdentity.of(os.fstat(self._buffered_fd))
-        if self._seen_size is not None:
-            now = now._replace(size=min(now.size, self._seen_size), mtime_ns=now.mtime_ns + 1)
-        was = self._opened
-        if now.size < was.size:
-            raise ModelChangedError(
-                self.path, f"truncated while running ({now.size} bytes, was {was.size}); "
-                "no byte read after the change was used")
-        if now != was:
-            raise ModelChangedError(
-                self.path, f"modified while running (size {was.size} -> {now.size}, "
-                "modification time changed); no byte read after the change was used")
-        if not path:
-            return
-        try:
-            st = os.stat(self.path)
-        except FileNotFoundError:
-            raise ModelChangedError(self.path, "removed while running") from None
-        if (st.st_dev, st.st_ino) != (was.dev, was.ino) or self._seen_replaced:
-            raise ModelChangedError(
-                self.path, "replaced by another file while running; the run read only the "
-                "file it opened, and stops rather than decode a model that is gone")
+        """Raise ``ModelChangedError`` if an open file, or with ``path`` the file a path
+        names, is no longer the one the table saw (a ``fstat``, plus a ``stat`` with
+        ``path``)."""
+        for opened in self._open:
+            was = opened.file.identity
+            now = FileIdentity.of(os.fstat(opened.buffered))
+            if self._seen_size is not None:
+                now = replace(now, size=min(now.size, self._seen_size),
+                              mtime_ns=now.mtime_ns + 1)
+            change = was.change(now, "while running")
+            if change is None and not path:
+                continue
+            try:
+                st = os.stat(opened.file.path)
+            except FileNotFoundError:
+                raise ModelChangedError(opened.file.path, "removed while running") from None
+            if (st.st_dev, st.st_ino) != (was.dev, was.ino) or self._seen_replaced:
+                # before the descriptor's own change: unlinking a file moves its change time
+                raise ModelChangedError(
+                    opened.file.path, "replaced by another file while running; the run read "
+                    "only the file it opened, and stops rather than decode a model that is gone")
+            if change is not None:
+                raise ModelChangedError(opened.file.path, f"{change}; no byte read after the "
+                                                          "change was used")
 
     def drop_ranges(self, ranges: Sequence[ByteRange]) -> None:
         """Drop the cached pages of these ranges (experts leaving the host tier)."""
         for r in ranges:
-            os.posix_fadvise(self._buffered_fd, r.offset, r.nbytes, os.POSIX_FADV_DONTNEED)
+            for piece in pieces(self.files, r.offset, r.nbytes):
+                opened = self._by_base[piece.file.base]
+                os.posix_fadvise(opened.buffered, piece.local, piece.nbytes,
+                                 os.POSIX_FADV_DONTNEED)
 
     def drop_pages(self) -> None:
-        """Ask the kernel to drop the file's cached pages (those not mapped or locked)."""
-        os.posix_fadvise(self._buffered_fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        """Ask the kernel to drop the files' cached pages (those not mapped or locked)."""
+        for opened in self._open:
+            os.posix_fadvise(opened.buffered, 0, 0, os.POSIX_FADV_DONTNEED)
 
     def read_range(self, offset: int, nbytes: int) -> bytes:
         """A plain buffered read (references and verification of foreign files)."""
-        data = os.pread(self._buffered_fd, nbytes, offset)
-        if len(data) != nbytes:
-            self.check_unchanged(path=True)
-            raise ReadError(f"{self.path}: short read of {nbytes} bytes at offset {offset}")
+        out = bytearray(nbytes)
+        for piece in pieces(self.files, offset, nbytes):
+            opened = self._by_base[piece.file.base]
+            data = os.pread(opened.buffered, piece.nbytes, piece.local)
+            if len(data) != piece.nbytes:
+                self.check_unchanged(path=True)
+                raise ReadError(f"{piece.file.path}: short read of {piece.nbytes} bytes at "
+                                f"offset {piece.local}")
+            out[piece.at : piece.at + piece.nbytes] = data
+        if sum(p.nbytes for p in pieces(self.files, offset, nbytes)) != nbytes:
+            raise ReadError(f"{self.path}: read of {nbytes} bytes at {offset} runs past the "
+                            "model's end")
         self.check_unchanged(path=False)
-        return data
+        return bytes(out)
 
     def close(self) -> None:
-        for fd in (self._direct_fd, self._retired_fd):
-            if fd is not None:
-                os.close(fd)
-        self._direct_fd = self._retired_fd = None
-        if self._buffered_fd >= 0:
-            os.close(self._buffered_fd)
-            self._buffered_fd = -1
+        for opened in self._open:
+            opened.close()
 
     def __enter__(self) -> ModelReader:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-class _FileIdentity(NamedTuple):
-    """What must not change while a run reads a file."""
-
-    dev: int
-    ino: int
-    size: int
-    mtime_ns: int
-
-    @classmethod
-    def of(cls, st: os.stat_result) -> _FileIdentity:
-        return cls(st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)

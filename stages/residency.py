@@ -41,6 +41,7 @@ import numpy as np
 import structlog
 
 from pipeline.foundation.errors import ResidencyError
+from pipeline.foundation.files import ModelFile, open_checked
 from pipeline.foundation.table import ByteRange
 
 __all__ = [
@@ -65,6 +66,9 @@ HINT_BYTES = 8 << 20
 _WINDOW_BYTES = 256 << 20  # mincore mapping window: bounds address space, splits work
 _MINCORE_THREADS = min(8, os.cpu_count() or 1)
 _MAP_FAILED = ctypes.c_void_p(-1).value
+_MAP_FIXED = 0x10  # Linux values; Python's mmap module exports neither
+_PROT_NONE = 0
+_MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000)
 
 _log = structlog.get_logger("moestream.residency")
 
@@ -107,9 +111,23 @@ class _Libc:
         self.munlock.restype = ctypes.c_int
         self.munlock.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 
-    def map_read(self, fd: int, offset: int, length: int, what: str) -> int:
-        """Map ``length`` bytes of ``fd`` at page-aligned ``offset``, read-only and shared."""
-        addr = self.mmap(None, length, mmap.PROT_READ, mmap.MAP_SHARED, fd, offset)
+    def reserve(self, length: int, what: str) -> int:
+        """An inaccessible region of ``length`` bytes of address space (no memory), for
+        ``map_read(fixed=...)`` to place files in; ``munmap`` frees it and them."""
+        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE
+        addr = self.mmap(None, length, _PROT_NONE, flags, -1, 0)
+        if addr is None or addr == _MAP_FAILED:
+            err = ctypes.get_errno()
+            raise ResidencyError(f"{what}: reserving {length} bytes of address space failed: "
+                                 f"{os.strerror(err)}")
+        return int(addr)
+
+    def map_read(self, fd: int, offset: int, length: int, what: str, *,
+                 fixed: int | None = None) -> int:
+        """Map ``length`` bytes of ``fd`` at page-aligned ``offset``, read-only and shared;
+        at address ``fixed`` (inside a ``reserve``d region) when given."""
+        flags = mmap.MAP_SHARED | (_MAP_FIXED if fixed is not None else 0)
+        addr = self.mmap(fixed, length, mmap.PROT_READ, flags, fd, offset)
         if addr is None or addr == _MAP_FAILED:
             err = ctypes.get_errno()
             raise ResidencyError(
@@ -236,6 +254,27 @@ class Residency:
             vec = _mincore(fd, file_bytes, name)
         pages = (vec & 1).astype(bool)
         return cls(name=name, file_bytes=file_bytes, pages=pages)
+
+    @classmethod
+    def of_files(cls, files: Sequence[ModelFile]) -> Residency:
+        """Measure a model's files as its address space lays them out (a page per page of
+        that space; the padding after each file counts as not resident). Each file is
+        opened against the identity its table saw.
+
+        Raises:
+            ResidencyError: a file cannot be mapped.
+            ModelChangedError: a file is no longer the one the table read.
+        """
+        vec = np.zeros(files[-1].span_end // PAGE_BYTES, dtype=np.uint8)
+        for f in files:
+            fd = open_checked(f)
+            try:
+                got = _mincore(fd, f.nbytes, str(f.path))
+            finally:
+                os.close(fd)
+            vec[f.base // PAGE_BYTES : f.base // PAGE_BYTES + got.size] = got
+        return cls(name=str(files[0].path), file_bytes=files[-1].end,
+                   pages=(vec & 1).astype(bool))
 
     @property
     def n_pages(self) -> int:

@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from structlog.testing import capture_logs
 
-from pipeline.foundation.errors import ResidencyError, UsageError
+from pipeline.foundation.errors import ModelFileError, ResidencyError, UsageError
 from pipeline.foundation.table import ByteRange
 from pipeline.warm import Loader, TokenBucket, WarmEngine
 from stages import residency as residency_module
@@ -360,7 +360,7 @@ class TestWarmEngine:
     def test_bad_arguments(self, cold: Path, tmp_path: Path) -> None:
         with pytest.raises(UsageError):
             WarmEngine(cold, piece_bytes=100)
-        with pytest.raises(ResidencyError, match="nope"):
+        with pytest.raises(ModelFileError, match="nope"):
             WarmEngine(tmp_path / "nope")
 
 

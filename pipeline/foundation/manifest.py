@@ -90,13 +90,17 @@ def manifest_max_bytes(table: ExpertTable) -> int:
 
 
 def layout_fingerprint(table: ExpertTable) -> str:
-    """A hash of where every expert matrix lies in the file: a manifest computed from another
-    layout (a file replaced by one of the same size and times) never applies."""
-    parts = [
+    """A hash of where every expert matrix lies in the model: a manifest computed from another
+    layout (a file replaced by one of the same size and times) never applies. A model of
+    several files adds every file's name and identity: a changed shard changes the key."""
+    parts: list[object] = [
         (n, m.n_experts, m.gate_offset, m.up_offset, m.down_offset, m.gate_bytes, m.up_bytes,
          m.down_bytes, m.gate_up_stride)
         for n, m in table.layers.items()
     ]
+    parts += [m.expert_offsets for m in table.layers.values() if m.expert_offsets is not None]
+    if len(table.files) > 1:
+        parts += [(f.path.name, f.base, f.identity) for f in table.files]
     return hashlib.sha256(repr(parts).encode()).hexdigest()[:32]
 
 
@@ -115,18 +119,22 @@ class ManifestKey:
 
     @classmethod
     def of(cls, table: ExpertTable) -> ManifestKey:
-        """The key of ``table``'s file as it is now.
+        """The key of ``table``'s model as the table's own open saw it (never a second look at
+        the path: a file renamed over the model since is not what this key describes; the
+        readers check every later open against the same identity).
 
         Raises:
-            ModelFileError: the file cannot be stat'ed (removed, unreadable directory).
+            ModelFileError: the model's path cannot be resolved.
         """
-        path = Path(table.path).resolve()
         try:
-            st = os.stat(path)
+            path = Path(table.path).resolve()
         except OSError as exc:
-            raise ModelFileError(table.path, f"cannot stat: {exc.strerror or exc}") from exc
-        return cls(str(path), st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino,
-                   st.st_dev, layout_fingerprint(table))
+            raise ModelFileError(table.path, f"cannot resolve: {exc.strerror or exc}") from exc
+        first = table.files[0].identity
+        return cls(str(path), table.data_bytes,
+                   max(f.identity.mtime_ns for f in table.files),
+                   max(f.identity.ctime_ns for f in table.files), first.ino, first.dev,
+                   layout_fingerprint(table))
 
     def differences(self, other: ManifestKey) -> list[str]:
         """Names of the fields that differ from ``other``'s."""

@@ -1,4 +1,4 @@
-"""The expert table: where every routed expert's bytes live in a GGUF model file.
+"""The expert table: where every routed expert's bytes live in the model's files.
 
 Routed-expert tensors (``blk.N.ffn_{gate,up,down}_exps.weight`` or the fused
 ``ffn_gate_up_exps``) are 3-D with the expert dimension outermost, so expert ``e`` of a
@@ -7,6 +7,12 @@ MoE layer, the three slices of each expert; everything the streaming pipeline re
 described by it. The file is opened with gguf's reader (a memory map; nothing is read until
 touched) and validated here, so every later stage may trust the offsets; before the reader,
 ``pipeline.foundation.gguf_header`` checks the header's structure within the file's bounds.
+
+A Hugging Face checkpoint (a directory of safetensors shards, or one ``.safetensors`` file)
+is the second source of the same table (``pipeline.foundation.safetensors_table``);
+``open_table`` picks by the path. Either way the table's offsets are offsets of the model's
+address space (``pipeline.foundation.files``), and the files it lists carry the identity
+their one open saw: every later open is checked against it.
 """
 
 from __future__ import annotations
@@ -14,197 +20,44 @@ from __future__ import annotations
 import mmap
 import os
 import re
-import stat
 import struct
-from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeAlias
 
 import numpy as np
 from gguf import (
     GGML_QUANT_SIZES,
-    GGMLQuantizationType,
     GGUFReader,
     GGUFValueType,
 )
 from gguf.gguf_reader import ReaderTensor
 
-from pipeline.foundation.errors import ExpertLayoutError, ModelFileError, NotGGUFError
+from pipeline.foundation.errors import (
+    ExpertLayoutError,
+    ModelChangedError,
+    ModelFileError,
+    NotGGUFError,
+)
+from pipeline.foundation.experts import (
+    ByteRange,
+    ExpertKey,
+    ExpertSlices,
+    ExpertTable,
+    MoeLayer,
+    TensorInfo,
+)
+from pipeline.foundation.files import (
+    ModelFile,
+    check_identity,
+    lay_out,
+    open_identified,
+)
 from pipeline.foundation.gguf_header import SCALAR_BYTES, check_magic, walk_header
+from pipeline.foundation.safetensors_table import open_checkpoint
 
 __all__ = ["ByteRange", "ExpertKey", "ExpertSlices", "ExpertTable", "MoeLayer", "TensorInfo",
-           "open_table"]
+           "open_gguf_table", "open_table"]
 
 _EXPERT_TENSOR = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down|gate_up)_exps\.weight$")
-
-
-ExpertKey: TypeAlias = tuple[int, int]
-"""(layer index in the model, expert index in that layer)."""
-
-
-@dataclass(frozen=True, slots=True)
-class ByteRange:
-    """A contiguous byte range of the model file."""
-
-    offset: int
-    nbytes: int
-
-    @property
-    def end(self) -> int:
-        return self.offset + self.nbytes
-
-
-@dataclass(frozen=True, slots=True)
-class ExpertSlices:
-    """The gate, up and down byte ranges of one routed expert."""
-
-    key: ExpertKey
-    gate: ByteRange
-    up: ByteRange
-    down: ByteRange
-
-    @property
-    def ranges(self) -> tuple[ByteRange, ByteRange, ByteRange]:
-        return (self.gate, self.up, self.down)
-
-    @property
-    def nbytes(self) -> int:
-        return self.gate.nbytes + self.up.nbytes + self.down.nbytes
-
-
-@dataclass(frozen=True, slots=True)
-class TensorInfo:
-    """A tensor of the file that is not a routed expert (embeddings, attention, router...)."""
-
-    name: str
-    type_name: str
-    offset: int
-    nbytes: int
-
-
-@dataclass(frozen=True, slots=True)
-class MoeLayer:
-    """One MoE layer: where its expert tensors start and how large one expert's slices are.
-
-    ``gate_offset``/``up_offset``/``down_offset`` are the file offsets of expert 0; expert
-    ``e`` starts ``e * <matrix>_bytes`` later. For the fused form, gate and up share one
-    tensor and ``up_offset = gate_offset + gate_bytes`` with a stride of both.
-    """
-
-    index: int
-    n_experts: int
-    gate_up_type: GGMLQuantizationType
-    down_type: GGMLQuantizationType
-    gate_offset: int
-    up_offset: int
-    down_offset: int
-    gate_bytes: int
-    up_bytes: int
-    down_bytes: int
-    gate_up_stride: int
-    fused_gate_up: bool
-    router: TensorInfo | None
-    shape: tuple[int, int]  # (hidden, expert_ffn)
-
-    @property
-    def expert_bytes(self) -> int:
-        return self.gate_bytes + self.up_bytes + self.down_bytes
-
-    def slices(self, expert: int) -> ExpertSlices:
-        """The byte ranges of ``expert`` in this layer."""
-        if not 0 <= expert < self.n_experts:
-            raise IndexError(f"layer {self.index} has {self.n_experts} experts, not {expert}")
-        return ExpertSlices(
-            key=(self.index, expert),
-            gate=ByteRange(self.gate_offset + expert * self.gate_up_stride, self.gate_bytes),
-            up=ByteRange(self.up_offset + expert * self.gate_up_stride, self.up_bytes),
-            down=ByteRange(self.down_offset + expert * self.down_bytes, self.down_bytes),
-        )
-
-
-@dataclass(frozen=True)
-class ExpertTable:
-    """Every routed expert of a model file, and what else the file holds.
-
-    Attributes:
-        path: the model file.
-        file_bytes: its size.
-        n_layers: all blocks of the model, dense and MoE.
-        layers: the MoE layers by model layer index, ascending.
-        top_k: experts selected per token per layer (from metadata; 6 when absent).
-        hash_routed: how many of the first MoE layers route by token id (no router tensor).
-        non_routed: every other tensor.
-        digests: per (MoE layer position, expert, matrix) the expected digest, when the file
-            carries ``moestream.expert_digests``; else None.
-    """
-
-    path: Path
-    file_bytes: int
-    n_layers: int
-    layers: dict[int, MoeLayer]
-    top_k: int
-    hash_routed: int
-    hidden: int
-    non_routed: tuple[TensorInfo, ...]
-    digests: np.ndarray | None
-
-    @property
-    def moe_layers(self) -> list[int]:
-        return list(self.layers)
-
-    @property
-    def n_experts(self) -> int:
-        return max(layer.n_experts for layer in self.layers.values())
-
-    @property
-    def routed_bytes(self) -> int:
-        return sum(layer.n_experts * layer.expert_bytes for layer in self.layers.values())
-
-    @property
-    def non_routed_bytes(self) -> int:
-        return sum(t.nbytes for t in self.non_routed)
-
-    def slices(self, key: ExpertKey) -> ExpertSlices:
-        """The byte ranges of expert ``key = (layer, expert)``."""
-        layer, expert = key
-        try:
-            return self.layers[layer].slices(expert)
-        except KeyError:
-            raise IndexError(f"layer {layer} is not a MoE layer of {self.path}") from None
-
-    def expert_bytes(self, layer: int) -> int:
-        return self.layers[layer].expert_bytes
-
-    def expected_digests(self, key: ExpertKey) -> tuple[int, int, int] | None:
-        """The file's recorded digests of the gate, up and down slices of ``key``."""
-        if self.digests is None:
-            return None
-        pos = self.moe_layers.index(key[0])
-        row = self.digests[pos, key[1]]
-        return (int(row[0]), int(row[1]), int(row[2]))
-
-    def iter_slices(self) -> Iterator[ExpertSlices]:
-        for layer in self.layers.values():
-            for expert in range(layer.n_experts):
-                yield layer.slices(expert)
-
-    def summary(self) -> dict[str, object]:
-        """A small JSON-ready description, for logs and the run header."""
-        return {
-            "path": str(self.path),
-            "file_bytes": self.file_bytes,
-            "n_layers": self.n_layers,
-            "moe_layers": self.moe_layers,
-            "n_experts": self.n_experts,
-            "top_k": self.top_k,
-            "hash_routed": self.hash_routed,
-            "expert_bytes": [layer.expert_bytes for layer in self.layers.values()],
-            "routed_bytes": self.routed_bytes,
-            "non_routed_bytes": self.non_routed_bytes,
-            "gate_up_type": next(iter(self.layers.values())).gate_up_type.name,
-            "down_type": next(iter(self.layers.values())).down_type.name,
-        }
 
 
 _INTEGER_TYPES = frozenset(SCALAR_BYTES) - {
@@ -224,39 +77,35 @@ def _one_line(text: str, limit: int = 160) -> str:
 _READER_ERRORS = (ValueError, IndexError, KeyError, OverflowError, TypeError, struct.error)
 
 
-def _open_reader(path: Path) -> tuple[GGUFReader, int]:
-    """gguf's reader on ``path`` and the file's size, after the header walk.
+def _open_reader(path: Path, fd: int, file: ModelFile) -> GGUFReader:
+    """gguf's reader on the open ``fd`` of ``path``, after the header walk.
+
+    The reader maps the descriptor's own file (``/proc/self/fd``), never the path again: a
+    file renamed over ``path`` meanwhile is not the one parsed. The identity is checked once
+    more after parsing, so a header written in place while it was read is caught.
 
     Raises:
-        ModelFileError: missing, a directory, unreadable; or one of its subclasses for a
-            file that is not GGUF, is cut short, or is corrupt.
+        ModelFileError: unreadable; or one of its subclasses for a file that is not GGUF,
+            is cut short, is corrupt, or changed while its header was read.
     """
     try:
-        info = path.stat()
-    except FileNotFoundError as exc:
-        raise ModelFileError(path, "no such file") from exc
-    except OSError as exc:
-        raise ModelFileError(path, f"cannot open: {exc.strerror or exc}") from exc
-    if stat.S_ISDIR(info.st_mode):
-        raise ModelFileError(path, "is a directory, not a GGUF file")
-    if not stat.S_ISREG(info.st_mode):
-        raise ModelFileError(path, "is not a regular file")
-    try:
-        with path.open("rb") as f:
-            check_magic(path, f.read(8))
-            with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-                layout = walk_header(path, buf)
-        reader = GGUFReader(path)
+        check_magic(path, os.pread(fd, 8, 0))
+        with mmap.mmap(fd, 0, access=mmap.ACCESS_READ) as buf:
+            layout = walk_header(path, buf)
+        reader = GGUFReader(f"/proc/self/fd/{fd}")
     except OSError as exc:
         raise ModelFileError(path, f"cannot read: {exc.strerror or exc}") from exc
     except _READER_ERRORS as exc:
         reason = _one_line(str(exc) or type(exc).__name__)
         raise NotGGUFError(path, f"corrupt GGUF header ({reason})") from exc
+    check_identity(file, fd)
     if reader.data_offset != layout.data_offset or len(reader.tensors) != layout.n_tensors:
         raise NotGGUFError(path, f"gguf's reader sees {len(reader.tensors)} tensors from byte "
                                  f"{reader.data_offset}, the header walk {layout.n_tensors} "
                                  f"from byte {layout.data_offset}")
-    return reader, int(reader.data.shape[0])
+    if int(reader.data.shape[0]) != file.nbytes:
+        raise ModelChangedError(path, "resized while its header was read")
+    return reader
 
 
 def _metadata_int(path: Path, reader: GGUFReader, suffix: str) -> int | None:
@@ -286,14 +135,37 @@ def _read_digests(path: Path, reader: GGUFReader, n_moe: int, n_experts: int) ->
 
 
 def open_table(path: str | os.PathLike[str]) -> ExpertTable:
+    """The expert table of a GGUF file, a checkpoint directory or one ``.safetensors`` file.
+
+    Raises:
+        ModelFileError: the path is missing, unreadable or of the wrong kind; its subclasses
+            NotGGUFError, TruncatedFileError, ExpertLayoutError and ModelChangedError name
+            the file's problem.
+    """
+    path = Path(path)
+    if path.is_dir() or path.suffix == ".safetensors":
+        return open_checkpoint(path)
+    return open_gguf_table(path)
+
+
+def open_gguf_table(path: Path) -> ExpertTable:
     """Open ``path`` with gguf's reader, validate it, and build its expert table.
 
     Raises:
         ModelFileError: the path is missing, a directory or unreadable; its subclasses
             NotGGUFError, TruncatedFileError and ExpertLayoutError name the file's problem.
     """
-    path = Path(path)
-    reader, file_bytes = _open_reader(path)
+    fd, identity = open_identified(path, "GGUF file")
+    try:
+        file = lay_out([(path, identity)])[0]
+        return _gguf_table(path, file, _open_reader(path, fd, file))
+    finally:
+        os.close(fd)
+
+
+def _gguf_table(path: Path, file: ModelFile, reader: GGUFReader) -> ExpertTable:
+    """The table of a parsed GGUF file."""
+    file_bytes = file.nbytes
 
     by_layer: dict[int, dict[str, ReaderTensor]] = {}
     non_routed: list[TensorInfo] = []
@@ -355,6 +227,7 @@ def open_table(path: str | os.PathLike[str]) -> ExpertTable:
         hidden=hiddens.pop(),
         non_routed=tuple(non_routed),
         digests=_read_digests(path, reader, len(layers), n_experts),
+        files=(file,),
     )
 
 

@@ -26,7 +26,7 @@ __all__ = ["compute_digests"]
 def _mostly_resident(table: ExpertTable) -> bool:
     """Whether at least half of the routed expert bytes are in the page cache now."""
     ranges = [r for s in table.iter_slices() for r in s.ranges]
-    return Residency.of_file(table.path).resident_bytes(ranges) * 2 >= table.routed_bytes
+    return Residency.of_files(table.files).resident_bytes(ranges) * 2 >= table.routed_bytes
 
 
 def compute_digests(table: ExpertTable, threads: int | None, out: TextIO | None = None) -> int:
