@@ -1,0 +1,39 @@
+"""moestream as a transformers experts implementation: routed experts streamed, not loaded.
+
+Registers ``"moestream"`` in transformers' experts-implementation registry
+(``transformers.integrations.moe.ALL_EXPERTS_FUNCTIONS``, chosen per model by
+``experts_implementation``), the seam transformers' MoE blocks call their experts through
+(``forward(self, hidden_states, top_k_index, top_k_weights)``). :func:`from_pretrained`
+returns an ordinary transformers model whose attention, norms, embeddings, routers, shared
+experts and dense MLPs are loaded onto the device as usual, while its routed experts are
+never loaded, neither in host RAM nor on the device: the MoE blocks keep their own router
+and top-k, and each experts call fetches the routed experts from a moestream session
+(``moestream.open_sync``) under a byte budget, hits first, misses as they land.
+
+Requires torch and transformers >= 5 (``pip install 'moestream[transformers]'``);
+:func:`is_available` says whether they are here. The rest of moestream never imports
+either. Supported: the model types whose experts transformers keeps as ``gate_up_proj``
+``[E, 2F, D]`` and ``down_proj`` ``[E, D, F]`` behind the registry (Qwen3-MoE, Qwen2-MoE,
+Mixtral, DeepSeek-V3 and their kin), with F16, BF16 or F32 experts in a safetensors
+checkpoint. ``docs/TRANSFORMERS.md`` is the guide.
+"""
+
+from __future__ import annotations
+
+from moestream.transformers._gate import EXTRA, is_available
+
+__all__ = ["EXTRA", "ExpertStream", "from_pretrained", "is_available", "register", "stream_of"]
+
+
+def __getattr__(name: str) -> object:
+    # torch and transformers are imported only when something that needs them is asked for:
+    # ``import moestream.transformers`` stays cheap and works without them
+    if name in ("ExpertStream", "register", "stream_of"):
+        from moestream.transformers import _experts
+
+        return getattr(_experts, name)
+    if name == "from_pretrained":
+        from moestream.transformers._loader import from_pretrained
+
+        return from_pretrained
+    raise AttributeError(f"module 'moestream.transformers' has no attribute {name!r}")

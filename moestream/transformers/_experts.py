@@ -1,0 +1,294 @@
+"""The ``"moestream"`` experts implementation: a MoE block's routed experts from a session.
+
+transformers' MoE blocks route (router, top-k, weights) and then call
+``experts(hidden_states, top_k_index, top_k_weights)``; the experts class dispatches that
+call through ``ALL_EXPERTS_FUNCTIONS[config._experts_implementation]``. Registered there
+under ``"moestream"``, :func:`experts_forward` serves the call from the :class:`ExpertStream`
+the loader attached to the experts module: it asks the session for the experts the batch
+routes to (``fetch``), computes those already on the device at once and the others as they
+land, each on torch's current stream after that stream waited for the upload on the device,
+and releases the lease after the compute is queued on that stream, so that the cache reuses
+no buffer before the device has read it.
+
+Two arithmetics, chosen per model (``compute=``):
+
+- ``"grouped"`` (the default): the experts of a batch of arrivals as one grouped product,
+  transformers' own ``grouped_mm`` path (its ``_grouped_linear``) over the leased weights
+  stacked in arrival groups; the router-weighted rows are summed per token at the end, as
+  ``grouped_mm_experts_forward`` does. Tokens match a whole model run with
+  ``experts_implementation="grouped_mm"`` (transformers' default).
+- ``"eager"``: one product per expert, in transformers' ``eager`` order (each expert's rows
+  added into the output with ``index_add_`` in ascending expert order, whatever order the
+  experts landed in), so that logits are ``torch.equal`` to a whole model run with
+  ``experts_implementation="eager"``.
+
+Experts a call routes to that do not fit the budget at once (a long prompt's prefill, a
+large batch) are fetched in groups that do, each released before the next is fetched.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any, Literal
+
+import torch  # type: ignore[import-not-found, unused-ignore]
+from transformers.integrations import moe as hf_moe  # type: ignore[import-not-found, unused-ignore]
+
+from moestream import ExpertHandle, SyncSession, TokenStats
+from pipeline.foundation.errors import UsageError
+
+__all__ = ["IMPLEMENTATION", "Compute", "ExpertStream", "experts_forward", "register",
+           "stream_of"]
+
+IMPLEMENTATION = "moestream"
+"""The name the experts implementation is registered under."""
+
+Compute = Literal["grouped", "eager"]
+COMPUTES: tuple[Compute, ...] = ("grouped", "eager")
+
+TORCH_DTYPES: dict[str, Any] = {
+    "BF16": torch.bfloat16,
+    "F16": torch.float16,
+    "F32": torch.float32,
+}
+"""The expert types torch computes, by GGUF type name."""
+
+
+def register() -> None:
+    """Register :func:`experts_forward` as ``"moestream"`` in transformers'
+    ``ALL_EXPERTS_FUNCTIONS`` (idempotent); ``from_pretrained`` calls it."""
+    hf_moe.ALL_EXPERTS_FUNCTIONS.register(IMPLEMENTATION, experts_forward)
+
+
+def stream_of(model: Any) -> ExpertStream:
+    """The :class:`ExpertStream` serving ``model``'s experts (one made by
+    ``moestream.transformers.from_pretrained``).
+
+    Raises:
+        UsageError: the model was not loaded by moestream.
+    """
+    stream = getattr(model, "moestream", None)
+    if not isinstance(stream, ExpertStream):
+        raise UsageError("this model's experts are not served by moestream (load it with "
+                         "moestream.transformers.from_pretrained)")
+    return stream
+
+
+def experts_forward(self: Any, hidden_states: Any, top_k_index: Any, top_k_weights: Any) -> Any:
+    """The experts call of one MoE layer, served by moestream (the registry's signature).
+
+    Args:
+        self: the model's experts module; the loader set its ``moestream_stream`` and
+            ``moestream_layer``.
+        hidden_states: ``(tokens, hidden)``.
+        top_k_index: ``(tokens, top_k)`` expert ids.
+        top_k_weights: ``(tokens, top_k)`` router weights.
+
+    Raises:
+        UsageError: the module was not set up by ``moestream.transformers.from_pretrained``.
+    """
+    stream = getattr(self, "moestream_stream", None)
+    if not isinstance(stream, ExpertStream):
+        raise UsageError(f'experts_implementation="{IMPLEMENTATION}" serves only models loaded '
+                         "by moestream.transformers.from_pretrained")
+    return stream.forward(self.moestream_layer, self, hidden_states, top_k_index, top_k_weights)
+
+
+class ExpertStream:
+    """One model's experts served by one moestream session; the model holds it as
+    ``model.moestream``.
+
+    Args:
+        session: the open session over the checkpoint's experts (closed by :meth:`close`).
+        device: the torch device the model computes on.
+        compute: ``"grouped"`` or ``"eager"`` (the module docstring says what each matches).
+        group_experts: the most experts one fetch pins (what the budget holds beside
+            another layer in flight).
+    """
+
+    def __init__(self, session: SyncSession, device: Any, *, compute: Compute,
+                 group_experts: int) -> None:
+        if compute not in COMPUTES:
+            raise UsageError(f"compute must be one of {', '.join(COMPUTES)}, got {compute!r}")
+        if group_experts < 1:
+            raise UsageError(f"group_experts must be >= 1, got {group_experts}")
+        self.session = session
+        self.device = torch.device(device)
+        self.compute: Compute = compute
+        self.group_experts = group_experts
+        self.last: TokenStats | None = None
+        """The last token's stats (``end_token``'s answer)."""
+        self.tokens = 0
+        self._cuda = self.device.type == "cuda"
+        self._started: Any = None
+
+    # -- the token boundary ----------------------------------------------------------------
+
+    def begin_step(self) -> None:
+        """The model's forward starts (a forward pre-hook): time its compute."""
+        if self._cuda:
+            self._started = torch.cuda.Event(enable_timing=True)
+            self._started.record(torch.cuda.current_stream(self.device))
+        else:
+            self._started = time.perf_counter()
+
+    def end_step(self) -> TokenStats:
+        """The model's forward is done (a forward hook): one token for moestream
+        (verification, the controller, the log's token line).
+
+        On a GPU the forward's time on torch's stream, measured by CUDA events, is the
+        engine's compute (``end_token(compute_ms=...)``); on the host moestream charges to
+        compute what its own waits do not explain.
+        """
+        compute_ms: float | None = None
+        if self._cuda and self._started is not None:
+            done = torch.cuda.Event(enable_timing=True)
+            done.record(torch.cuda.current_stream(self.device))
+            done.synchronize()  # the logits are read next anyway (sampling)
+            compute_ms = float(self._started.elapsed_time(done))
+        self._started = None
+        self.last = self.session.end_token(compute_ms=compute_ms)
+        self.tokens += 1
+        return self.last
+
+    def close(self) -> None:
+        """Close the session (idempotent); the model cannot compute its experts after."""
+        self.session.close()
+
+    # -- one experts call ------------------------------------------------------------------
+
+    def forward(self, layer: int, module: Any, hidden: Any, top_k_index: Any,
+                top_k_weights: Any) -> Any:
+        """The routed experts' output for ``hidden``, as the module's experts would give."""
+        # the one host read of a layer: which experts to ask for (eager reads it too)
+        wanted = [int(e) for e in torch.unique(top_k_index).tolist()]
+        if self.compute == "eager":
+            return self._eager(layer, module, hidden, top_k_index, top_k_weights, wanted)
+        return self._grouped(layer, module, hidden, top_k_index, top_k_weights, wanted)
+
+    def _groups(self, wanted: Sequence[int]) -> Iterator[list[int]]:
+        size = self.group_experts
+        for i in range(0, len(wanted), size):
+            yield list(wanted[i:i + size])
+
+    @contextmanager
+    def _leased(self, layer: int, experts: Sequence[int]) -> Iterator[Iterator[list[ExpertHandle]]]:
+        """The experts' handles in batches: those already there first, then each as it
+        lands; each handle's upload waited for by torch's stream, on the device. The
+        lease is released on leaving, after the work queued on torch's stream."""
+        lease = self.session.fetch(layer, experts)
+        stream = torch.cuda.current_stream(self.device) if self._cuda else None
+
+        def batches() -> Iterator[list[ExpertHandle]]:
+            while lease.remaining:
+                batch = lease.available() or [next(lease)]
+                if stream is not None:
+                    for h in batch:
+                        h.wait(stream)
+                yield batch
+
+        try:
+            yield batches()
+        finally:
+            lease.release(after=stream)
+
+    def _weights(self, module: Any, h: ExpertHandle) -> tuple[Any, Any, Any]:
+        """The expert's gate ``(F, D)``, up ``(F, D)`` and down ``(D, F)``: views of the
+        cache, cast (copied) only when the model computes in another dtype."""
+        dtype = module.down_proj.dtype
+        return _view(h.gate, dtype), _view(h.up, dtype), _view(h.down, dtype)
+
+    def _eager(self, layer: int, module: Any, hidden: Any, top_k_index: Any,
+               top_k_weights: Any, wanted: Sequence[int]) -> Any:
+        final = torch.zeros_like(hidden)
+        with torch.no_grad():
+            mask = torch.nn.functional.one_hot(top_k_index, num_classes=module.num_experts + 1)
+            mask = mask.permute(2, 1, 0)
+        rows: dict[int, tuple[Any, Any]] = {}
+        for group in self._groups(wanted):
+            with self._leased(layer, group) as batches:
+                for batch in batches:
+                    for h in batch:
+                        gate, up, down = self._weights(module, h)
+                        top_k_pos, token_idx = torch.where(mask[h.expert])
+                        current = hidden[token_idx]
+                        gate_up = torch.cat((gate, up))
+                        g, u = torch.nn.functional.linear(current, gate_up).chunk(2, dim=-1)
+                        out = module.act_fn(g) * u
+                        out = torch.nn.functional.linear(out, down)
+                        out = out * top_k_weights[token_idx, top_k_pos, None]
+                        rows[h.expert] = (token_idx, out.to(final.dtype))
+        for expert in sorted(rows):  # eager's order, whatever order they landed in
+            token_idx, out = rows[expert]
+            final.index_add_(0, token_idx, out)
+        return final
+
+    def _grouped(self, layer: int, module: Any, hidden: Any, top_k_index: Any,
+                 top_k_weights: Any, wanted: Sequence[int]) -> Any:
+        tokens, top_k = top_k_index.shape
+        expert_ids = top_k_index.reshape(-1)
+        sample_weights = top_k_weights.reshape(-1)
+        weighted: Any = None
+        for group in self._groups(wanted):
+            with self._leased(layer, group) as batches:
+                for batch in batches:
+                    weighted = _grouped_rows(self, module, hidden, expert_ids, sample_weights,
+                                             top_k, batch, weighted)
+        if weighted is None:  # nothing routed (no tokens)
+            return torch.zeros_like(hidden)
+        final = weighted.view(tokens, top_k, hidden.size(-1)).sum(dim=1)
+        return final.to(hidden.dtype)
+
+
+def _view(matrix: Any, dtype: Any) -> Any:
+    """A matrix of the cache as a torch tensor of its shape (no copy; BF16 included, which
+    numpy has no type for), cast to ``dtype`` if it differs."""
+    source = TORCH_DTYPES[matrix.ggml_type.name]
+    tensor = torch.utils.dlpack.from_dlpack(matrix.bytes).view(source).view(matrix.shape)
+    return tensor if source == dtype else tensor.to(dtype)
+
+
+def _grouped_rows(stream: ExpertStream, module: Any, hidden: Any, expert_ids: Any,
+                  sample_weights: Any, top_k: int, batch: Sequence[ExpertHandle],
+                  weighted: Any) -> Any:
+    """The router-weighted output rows of the (token, slot) pairs routed to the experts of
+    ``batch``, as transformers' ``grouped_mm_experts_forward`` computes them, written into
+    ``weighted`` (``(tokens * top_k, hidden)``, made on the first batch) at the pairs'
+    places. No host synchronization: pairs routed elsewhere sort to the tail, which the
+    grouped product skips, and are left as they were."""
+    handles = sorted(batch, key=lambda h: h.expert)
+    n = len(handles)
+    views = [stream._weights(module, h) for h in handles]
+    ffn, dim = views[0][0].shape
+    gate_up = torch.empty((n, 2 * ffn, dim), dtype=views[0][0].dtype, device=hidden.device)
+    down = torch.empty((n, dim, ffn), dtype=views[0][2].dtype, device=hidden.device)
+    targets = ([gate_up[i, :ffn] for i in range(n)] + [gate_up[i, ffn:] for i in range(n)]
+               + [down[i] for i in range(n)])
+    sources = [v[0] for v in views] + [v[1] for v in views] + [v[2] for v in views]
+    torch._foreach_copy_(targets, sources)
+
+    device = hidden.device
+    # local ids: the batch's experts 0..n-1 in ascending expert order, every other expert n
+    lookup = torch.full((module.num_experts,), n, dtype=expert_ids.dtype, device=device)
+    lookup[torch.tensor([h.expert for h in handles], dtype=expert_ids.dtype, device=device)] = (
+        torch.arange(n, dtype=expert_ids.dtype, device=device))
+    local = lookup[expert_ids]
+    local_sorted, perm = torch.sort(local)
+    selected = hidden[perm // top_k]
+    offsets = torch.searchsorted(
+        local_sorted, torch.arange(1, n + 1, dtype=local_sorted.dtype, device=device)
+    ).to(torch.int32)
+    proj = hf_moe._grouped_linear(selected, gate_up, offsets)
+    proj = module._apply_gate(proj)
+    proj = hf_moe._grouped_linear(proj, down, offsets)
+    rows = proj * sample_weights[perm].unsqueeze(-1)
+    inverse = torch.empty_like(perm)
+    inverse[perm] = torch.arange(perm.size(0), device=device)
+    rows = rows[inverse]
+    if weighted is None:
+        return rows  # the pairs of other experts are overwritten by their own batches
+    mine = (local < n).unsqueeze(-1)
+    return torch.where(mine, rows, weighted)
+

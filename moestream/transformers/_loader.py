@@ -1,0 +1,358 @@
+"""``from_pretrained``: a transformers model whose routed experts are never loaded.
+
+The model is built as transformers builds it, on the meta device (shapes, no storage),
+with ``experts_implementation="moestream"``. Every tensor of the checkpoint except the
+routed experts is then read from its shard straight onto the device (renamed as
+transformers' own loading renames it) and assigned; non-persistent buffers (rotary
+frequencies) are made by the model's own ``_init_weights``, as ``from_pretrained`` does;
+tied weights are tied. The experts' ``gate_up_proj`` / ``down_proj`` stay meta parameters:
+no byte of them is read, allocated or copied here. A moestream session over the same
+checkpoint serves them when the model runs.
+
+Everything is checked before the model is handed out, and whatever was opened is closed on
+a failure: a config that disagrees with the checkpoint's experts (layers, count, shapes),
+experts in a type torch does not compute, a tensor the model needs and the checkpoint lacks,
+a model type whose experts do not go through transformers' registry. Each is one line, a
+``MoestreamError``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+import structlog
+import torch  # type: ignore[import-not-found, unused-ignore]
+import transformers  # type: ignore[import-not-found, unused-ignore]
+
+import moestream
+from moestream.transformers._experts import (
+    COMPUTES,
+    IMPLEMENTATION,
+    TORCH_DTYPES,
+    Compute,
+    ExpertStream,
+    register,
+)
+from moestream.transformers._gate import is_available
+from pipeline.foundation.errors import (
+    ExpertLayoutError,
+    ModelFileError,
+    UsageError,
+)
+
+__all__ = ["from_pretrained"]
+
+_log = structlog.get_logger("moestream.transformers")
+
+_ROUTED = re.compile(r"(?:^|\.)layers\.\d+\.(?:mlp|block_sparse_moe)\.experts\."
+                     r"(?:\d+\.(?:gate_proj|up_proj|down_proj|w1|w2|w3)\.weight"
+                     r"|(?:gate_up_proj|down_proj)(?:\.weight)?)$")
+"""Routed-expert tensors, in the namings the moestream checkpoint source reads."""
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+_INDEX = "model.safetensors.index.json"
+
+
+def from_pretrained(
+    path: str | os.PathLike[str],
+    *,
+    budget: str | moestream.Budget | None = None,
+    mode: str = "auto",
+    device: str | Any | None = None,
+    dtype: Any = None,
+    compute: Compute = "grouped",
+    policy: str = "lru",
+    verify: bool = True,
+    log: str | os.PathLike[str] | None = None,
+    tuning: moestream.Tuning | None = None,
+    progress: bool | None = None,
+) -> Any:
+    """Load a transformers MoE causal LM whose routed experts moestream serves.
+
+    Args:
+        path: a checkpoint directory (``config.json`` and safetensors shards).
+        budget: the device cache for the routed experts: ``"64"`` (experts), ``"3GiB"``,
+            or a ``Budget``; None holds every expert.
+        mode: moestream's I/O mode, ``auto``, ``direct`` or ``resident``.
+        device: where the model computes: ``"cpu"`` (moestream's host backend) or
+            ``"cuda"``/``"cuda:N"`` (CuPy); None: the first GPU if torch sees one.
+        dtype: the model's dtype (default: the checkpoint's, as transformers' "auto").
+            Experts stored in another dtype are cast per use.
+        compute: ``"grouped"`` (transformers' ``grouped_mm`` arithmetic, the default) or
+            ``"eager"`` (logits ``torch.equal`` to ``experts_implementation="eager"``).
+        policy, verify, log, tuning: as ``moestream.open``.
+        progress: a progress bar while the dense weights load (default: stderr is a
+            terminal).
+
+    Returns:
+        The model, in eval mode, on ``device``; ``model.moestream`` is its
+        ``ExpertStream`` (``.session``, ``.close()``). Each forward is one moestream token
+        (``end_token`` at its end). Close it when done: ``model.moestream.close()``.
+
+    Raises:
+        UsageError: torch or transformers missing, a bad argument, a budget below what one
+            layer's experts need.
+        ModelFileError: the checkpoint cannot be used (its subclasses name why); nothing
+            stays open or loaded.
+    """
+    is_available(raise_error=True)
+    if compute not in COMPUTES:
+        raise UsageError(f"compute must be one of {', '.join(COMPUTES)}, got {compute!r}")
+    register()
+    root = Path(path)
+    torch_device = _device(device)
+    config = _config(root)
+    model = _meta_model(root, config, dtype)
+    experts = _experts_modules(root, model, config)
+    backend = "cupy" if torch_device.type == "cuda" else "host"
+    devices = [torch_device.index or 0] if backend == "cupy" else None
+    session = moestream.open_sync(root, budget=budget, mode=mode, policy=policy,  # type: ignore[arg-type]
+                                  verify=verify, backend=backend, devices=devices, log=log,
+                                  tuning=tuning)
+    try:
+        group = _check_experts(session, experts)
+        _load_dense(model, root, torch_device, progress)
+        stream = ExpertStream(session, torch_device, compute=compute, group_experts=group)
+        for layer, module in experts.items():
+            module.moestream_stream = stream
+            module.moestream_layer = layer
+        model.moestream = stream
+        model.register_forward_pre_hook(lambda *_: stream.begin_step())
+        model.register_forward_hook(lambda *_: stream.end_step())
+        model.eval()
+    except BaseException:
+        session.close()
+        raise
+    return model
+
+
+def _device(device: Any) -> Any:
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        chosen = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise UsageError(f"device {device!r}: {exc}") from exc
+    if chosen.type not in ("cpu", "cuda"):
+        raise UsageError(f"device {device!r}: moestream computes on cpu or cuda")
+    if chosen.type == "cuda" and not torch.cuda.is_available():
+        raise UsageError(f"device {device!r}: torch sees no CUDA device")
+    return chosen
+
+
+def _config(root: Path) -> Any:
+    if not (root / "config.json").is_file():
+        raise ModelFileError(root, "not a checkpoint directory (no config.json)")
+    try:
+        return transformers.AutoConfig.from_pretrained(root)
+    except (OSError, ValueError, KeyError) as exc:
+        raise ModelFileError(root / "config.json", _first_line(exc)) from exc
+
+
+def _meta_model(root: Path, config: Any, dtype: Any) -> Any:
+    """The model's modules with meta tensors (no storage), experts through the registry."""
+    if dtype is None:
+        dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype, None)
+    if dtype is None:
+        dtype = torch.float32
+    try:
+        with torch.device("meta"):
+            model = transformers.AutoModelForCausalLM.from_config(
+                config, dtype=dtype, experts_implementation=IMPLEMENTATION)
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ModelFileError(root, f"model type {config.model_type!r} cannot be served by "
+                             f"moestream: {_first_line(exc)}") from exc
+    generation = root / "generation_config.json"
+    if generation.is_file():
+        model.generation_config = transformers.GenerationConfig.from_pretrained(root)
+    return model
+
+
+def _experts_modules(root: Path, model: Any, config: Any) -> dict[int, Any]:
+    """The model's routed-experts modules by layer index: those transformers calls through
+    its experts registry, in the layout this integration computes."""
+    found: dict[int, Any] = {}
+    for name, module in model.named_modules():
+        if not (isinstance(getattr(module, "gate_up_proj", None), torch.nn.Parameter)
+                and isinstance(getattr(module, "down_proj", None), torch.nn.Parameter)
+                and hasattr(module, "has_gate")):
+            continue
+        layer = _LAYER.search(name)
+        if layer is None:
+            continue
+        layout = {"has_gate": True, "has_bias": False, "is_transposed": False,
+                  "is_concatenated": True, "has_post_expert_norm": False}
+        odd = [k for k, v in layout.items() if getattr(module, k, v) != v]
+        if odd:
+            raise ModelFileError(root, f"model type {config.model_type!r}: experts with "
+                                 f"{', '.join(odd)} set are not served by moestream")
+        found[int(layer.group(1))] = module
+    if not found:
+        raise ModelFileError(root, f"model type {config.model_type!r} has no routed experts "
+                             "behind transformers' experts registry (supported: Qwen3-MoE, "
+                             "Qwen2-MoE, "
+                             "Mixtral, DeepSeek-V3 and kin)")
+    return found
+
+
+def _check_experts(session: moestream.SyncSession, experts: dict[int, Any]) -> int:
+    """Check the checkpoint's experts against the model; returns how many experts one fetch
+    may pin (what the budget holds beside another layer in flight)."""
+    info = session.model
+    path = info.path
+    ours, theirs = sorted(experts), sorted(info.moe_layers)
+    if ours != theirs:
+        raise ExpertLayoutError(path, f"the config has routed experts in layers {ours}, "
+                                f"the checkpoint in layers {theirs}")
+    for layer, module in experts.items():
+        got = info.layers[layer]
+        for what, want, have in (("experts", module.num_experts, got.n_experts),
+                                 ("hidden size", module.hidden_dim, got.hidden),
+                                 ("expert FFN size", module.intermediate_dim, got.ffn)):
+            if want != have:
+                raise ExpertLayoutError(path, f"layer {layer}: the config says {what} "
+                                        f"{want}, the checkpoint's experts have {have}")
+        for matrix_type in (got.gate_up_type, got.down_type):
+            if matrix_type.name not in TORCH_DTYPES:
+                raise ModelFileError(path, f"layer {layer}: experts in {matrix_type.name}; "
+                                     f"torch computes {', '.join(TORCH_DTYPES)} experts")
+    budget = session.counters().budget_bytes
+    largest = max(info.layers[layer].expert_bytes for layer in experts)
+    return max(1, budget // largest // 2)
+
+
+def _shards(root: Path) -> dict[str, list[str]]:
+    """Each shard's tensor names."""
+    index = root / _INDEX
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise ModelFileError(index, _first_line(exc)) from exc
+        shards: dict[str, list[str]] = {}
+        for name, shard in weight_map.items():
+            shards.setdefault(str(shard), []).append(str(name))
+        return shards
+    files = sorted(p.name for p in root.glob("*.safetensors"))
+    if len(files) != 1:
+        raise ModelFileError(root, f"expected one .safetensors file or {_INDEX}, "
+                             f"found {len(files)} shards")
+    from safetensors import safe_open  # type: ignore[import-not-found, unused-ignore]
+
+    with safe_open(str(root / files[0]), framework="pt") as f:
+        return {files[0]: list(f.keys())}
+
+
+def _renamer(model: Any) -> Any:
+    """Checkpoint name -> model name, by transformers' own renamings for this model (the
+    routed experts' converters aside)."""
+    meta_state = model.state_dict()
+    try:
+        from transformers.conversion_mapping import (  # type: ignore[import-not-found, unused-ignore]
+            get_model_conversion_mapping,
+        )
+        from transformers.core_model_loading import (  # type: ignore[import-not-found, unused-ignore]
+            WeightRenaming,
+            rename_source_key,
+        )
+    except ImportError as exc:  # an older 5.x: the names as they are
+        _log.warning("transformers_renamings_unavailable", reason=str(exc),
+                     fallback="checkpoint names used as they are")
+        return lambda key: key
+    renamings = [t for t in get_model_conversion_mapping(model)
+                 if isinstance(t, WeightRenaming)]
+    prefix = getattr(model, "base_model_prefix", None)
+
+    def rename(key: str) -> str:
+        renamed: str = rename_source_key(key, renamings, [], prefix, meta_state)[0]
+        return renamed
+
+    return rename
+
+
+def _load_dense(model: Any, root: Path, device: Any, progress: bool | None) -> None:
+    """Read every non-expert tensor onto ``device`` and assign it; make the buffers; tie."""
+    from safetensors import safe_open
+
+    params = dict(model.named_parameters())
+    expected = set(model.state_dict())
+    rename = _renamer(model)
+    shards = _shards(root)
+    total = sum(1 for names in shards.values() for n in names if not _ROUTED.search(n))
+    loaded: dict[str, Any] = {}
+    unexpected: list[str] = []
+    if progress is None:
+        progress = sys.stderr.isatty()
+    from tqdm import tqdm
+
+    with tqdm(total=total, unit="tensor", desc="loading dense weights", disable=not progress,
+              leave=False, file=sys.stderr) as bar:
+        for shard, names in shards.items():
+            file = root / shard
+            try:
+                opened = safe_open(str(file), framework="pt", device=str(device))
+            except Exception as exc:  # safetensors raises its own error types
+                raise ModelFileError(file, _first_line(exc)) from exc
+            with opened as f:
+                for name in names:
+                    if _ROUTED.search(name):
+                        continue
+                    target = rename(name)
+                    if target not in expected:
+                        unexpected.append(name)
+                        bar.update(1)
+                        continue
+                    tensor = f.get_tensor(name)
+                    like = params.get(target)
+                    if like is None:
+                        like = model.get_buffer(target)
+                    if tuple(tensor.shape) != tuple(like.shape):
+                        raise ExpertLayoutError(
+                            file, f"{name} has shape {list(tensor.shape)}, the config makes "
+                            f"{target} {list(like.shape)}")
+                    loaded[target] = tensor.to(like.dtype)
+                    bar.update(1)
+    if unexpected:
+        _log.warning("checkpoint_tensors_unused", count=len(unexpected),
+                     first=unexpected[:4], path=str(root))
+    model.load_state_dict(loaded, strict=False, assign=True)
+    model.tie_weights()
+    routed = {f"{name}.{p}" for name, m in model.named_modules()
+              if getattr(m, "moestream_layer", None) is not None or hasattr(m, "has_gate")
+              for p in ("gate_up_proj", "down_proj")}
+    missing = [n for n, p in model.named_parameters()
+               if p.is_meta and n not in routed]
+    if missing:
+        raise ModelFileError(root, f"the checkpoint lacks {len(missing)} tensors the model "
+                             f"needs, first {missing[0]}")
+    _make_buffers(root, model, device)
+
+
+def _make_buffers(root: Path, model: Any, device: Any) -> None:
+    """Non-persistent buffers (rotary frequencies) as ``from_pretrained`` makes them: on
+    the device, filled by the model's ``_init_weights``."""
+    owners = {}
+    for name, buffer in model.named_buffers():
+        if not buffer.is_meta:
+            continue
+        owner_name, _, leaf = name.rpartition(".")
+        owner = model.get_submodule(owner_name)
+        owner._buffers[leaf] = torch.empty_like(buffer, device=device)
+        owners[owner_name] = owner
+    with torch.no_grad():
+        for owner in owners.values():
+            model._init_weights(owner)
+    left = [name for name, b in model.named_buffers() if b.is_meta]
+    if left:
+        raise ModelFileError(root, f"the model's buffer {left[0]} could not be made")
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip() or type(exc).__name__
+    return text.splitlines()[0]
