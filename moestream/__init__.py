@@ -13,8 +13,12 @@ live RAM. ``docs/API.md`` is the guide; in short::
         await ms.end_token()
 
 ``open_sync`` gives the same session to code without asyncio. Errors are the classes of
-``pipeline.foundation.errors``, re-exported here.
+``pipeline.foundation.errors``, re-exported here. The library prints nothing: its events go
+to the standard library's ``logging`` (logger ``moestream``) unless the application
+configured structlog (``moestream._logging``).
 """
+
+from importlib.metadata import PackageNotFoundError, version
 
 from moestream._handles import ExpertHandle, Matrix
 from moestream._session import (
@@ -43,8 +47,14 @@ from pipeline.foundation.errors import (
     TruncatedFileError,
     UploadError,
     UsageError,
+    UsageTypeError,
     VerificationError,
 )
+
+try:
+    __version__ = version("moestream")
+except PackageNotFoundError:  # a source tree that was never installed
+    __version__ = "0.0.0+unknown"
 
 __all__ = [
     "Budget",
@@ -72,7 +82,9 @@ __all__ = [
     "Tuning",
     "UploadError",
     "UsageError",
+    "UsageTypeError",
     "VerificationError",
+    "__version__",
     "open",
     "open_sync",
 ]

@@ -9,7 +9,7 @@ must not be read after the release, as with any borrowed buffer.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -101,14 +101,27 @@ class Matrix:
         first made to wait for the expert's upload, on the device (None: the legacy
         default stream, as the protocol says; -1: no ordering).
 
+        Host memory exports read-only to a consumer that asks for DLPack 1.0
+        (``max_version``), whose capsule carries the flag; to one that does not (the legacy
+        capsule cannot say read-only) it exports the same memory unflagged: the consumer
+        must not write it, as with every view of the cache.
+
         Raises:
             UsageError: the lease was released.
-            BufferError: a stream was given for host memory.
+            BufferError: a stream other than None or -1 was given for host memory.
         """
         array = self.array
         if isinstance(array, np.ndarray):
-            if stream is not None:
-                raise BufferError(f"host memory takes no stream, got {stream!r}")
+            if stream is not None and stream != -1:
+                raise BufferError(f"host memory takes no stream (None or -1), got {stream!r}")
+            if max_version is None or max_version[0] < 1:
+                alias = array.view()  # the same memory; numpy refuses a read-only legacy export
+                try:
+                    alias.flags.writeable = True
+                except ValueError:  # memory that is read-only underneath (a file's mapping)
+                    raise BufferError(f"{self.name}: read-only memory needs DLPack 1.0 "
+                                      "(max_version=(1, 0))") from None
+                return alias.__dlpack__(dl_device=dl_device, copy=copy)
             return array.__dlpack__(max_version=max_version, dl_device=dl_device, copy=copy)
         if stream != -1:
             wait_on(self._handle.event, 1 if stream is None else stream)
@@ -117,6 +130,45 @@ class Matrix:
         given: dict[str, Any] = {"max_version": max_version, "dl_device": dl_device,
                                  "copy": copy}
         return array.__dlpack__(stream=-1, **{k: v for k, v in given.items() if v is not None})
+
+    def __array__(self, dtype: Any = None, copy: bool | None = None) -> Any:
+        """``np.asarray(matrix)``: ``array`` itself on the host (no copy, read-only), or a
+        copy when ``dtype`` differs or ``copy`` is true.
+
+        Raises:
+            UsageError: the lease was released.
+            TypeError: the matrix lives on a GPU (copy ``bytes`` to the host explicitly).
+        """
+        array = self.array
+        if not isinstance(array, np.ndarray):
+            raise TypeError("a GPU matrix does not convert to numpy implicitly: use "
+                            "cupy.from_dlpack(m) or m.array.get()")
+        if copy is False and dtype is not None and np.dtype(dtype) != array.dtype:
+            raise ValueError(f"{self.name}: {array.dtype} to {np.dtype(dtype)} needs a copy")
+        if copy or (dtype is not None and np.dtype(dtype) != array.dtype):
+            return np.array(array, dtype=dtype, copy=True)
+        return array
+
+    @property
+    def __cuda_array_interface__(self) -> dict[str, Any]:
+        """The CUDA array interface of ``array`` on a GPU (CuPy, Numba, PyTorch's
+        ``torch.as_tensor``). The interface carries a stream, not an event, so an upload
+        still in flight is waited for here, on the host; ``h.wait(stream)`` then DLPack
+        orders on the device instead.
+
+        Raises:
+            AttributeError: host memory (use ``__array__`` or DLPack).
+            UsageError: the lease was released.
+        """
+        array = self.array
+        if isinstance(array, np.ndarray):
+            raise AttributeError("host memory has no __cuda_array_interface__ (use "
+                                 "np.asarray or DLPack)")
+        if not self._handle.ready():
+            self._handle.event.synchronize()
+        interface: dict[str, Any] = dict(array.__cuda_array_interface__)
+        interface["stream"] = None  # landed: no ordering left for the consumer
+        return interface
 
     def __dlpack_device__(self) -> tuple[int, int]:
         """(device type, index): (1, 0) for host memory, (2, N) for CUDA device N."""
@@ -131,14 +183,24 @@ class Matrix:
 
 class LeaseSource:
     """What the handles of one lease share: the lease (whose release ends them), the
-    devices' backends and the layer's shapes and types."""
+    devices' backends and the layer's shapes and types.
 
-    __slots__ = ("backends", "info", "lease")
+    The public lease and its handles hold it, nothing else: when the last of them is
+    dropped with the lease still held, ``on_drop`` is told (the session releases it).
+    """
 
-    def __init__(self, lease: LayerLease, backends: Sequence[Backend], info: MoeLayer) -> None:
+    __slots__ = ("backends", "info", "lease", "on_drop")
+
+    def __init__(self, lease: LayerLease, backends: Sequence[Backend], info: MoeLayer,
+                 on_drop: Callable[[LayerLease], None] | None = None) -> None:
         self.lease = lease
         self.backends = backends
         self.info = info
+        self.on_drop = on_drop
+
+    def __del__(self) -> None:
+        if not self.lease.released and self.on_drop is not None:
+            self.on_drop(self.lease)
 
 
 class ExpertHandle:

@@ -8,7 +8,9 @@ builds handles and reports counters in public types.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
+import warnings
 from collections.abc import AsyncIterator, Generator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,12 +21,14 @@ from gguf import GGMLQuantizationType
 
 from gpu.backend import Event
 from gpu.interop import StreamLike, event_after
+from moestream._args import budget_of, choice, devices_of, expert_ids, index, milliseconds
 from moestream._handles import ExpertHandle, LeaseSource
+from moestream._logging import route_unconfigured
 from pipeline.controller import Sampler
-from pipeline.foundation.config import Budget, RunConfig, parse_budget
-from pipeline.foundation.errors import UsageError
+from pipeline.foundation.config import Budget, RunConfig
+from pipeline.foundation.errors import UsageError, UsageTypeError
 from pipeline.foundation.table import ExpertTable
-from pipeline.lease import Arrival, LayerLease, LeasePart
+from pipeline.lease import NOT_YET, Arrival, LayerLease, LeasePart
 from pipeline.session import StreamSession
 
 __all__ = ["Counters", "LayerInfo", "Lease", "ModelInfo", "Router", "Session", "TokenStats",
@@ -68,6 +72,21 @@ class Tuning:
     dwell_s: float = 2.0
     sampler: Sampler | None = field(default=None, repr=False)
     faults: str = ""
+
+    def __post_init__(self) -> None:
+        for name in ("queue_depth", "staging_slots", "upload_streams", "layers_in_flight"):
+            if index(getattr(self, name), f"Tuning.{name}") < 1:
+                raise UsageError(f"Tuning.{name} must be >= 1, not {getattr(self, name)}")
+        chunk = index(self.chunk_bytes, "Tuning.chunk_bytes")
+        if chunk < 4096 or chunk % 4096:
+            raise UsageError(f"Tuning.chunk_bytes must be a multiple of 4096, not {chunk}")
+        for name in ("ram_limit", "margin_bytes"):
+            value = getattr(self, name)
+            if value is not None and index(value, f"Tuning.{name}") < 0:
+                raise UsageError(f"Tuning.{name} must be >= 0 bytes, not {value}")
+        if milliseconds(self.sample_ms, "Tuning.sample_ms") == 0:
+            raise UsageError("Tuning.sample_ms must be > 0")
+        milliseconds(self.dwell_s, "Tuning.dwell_s")
 
 
 @dataclass(frozen=True, slots=True)
@@ -245,7 +264,9 @@ class Lease(LeaseFacts):
         self._session = session
         self._core = core
         self._handed: list[ExpertHandle] = []
-        self._source = LeaseSource(core, session.backends, session.table.layers[core.layer])
+        self._source = LeaseSource(core, session.backends, session.table.layers[core.layer],
+                                   session._dropped)
+        core.owner = self
 
     def _handle(self, arrival: Arrival) -> ExpertHandle:
         handle = ExpertHandle(self._source, arrival)
@@ -273,6 +294,19 @@ class Lease(LeaseFacts):
         if arrival is None:
             raise StopAsyncIteration
         return self._handle(arrival)
+
+    def _next_nowait(self) -> ExpertHandle | Any | None:
+        """The next expert if available now, None when all were handed out, ``NOT_YET``
+        when iterating would wait (the sync face's path without a hop)."""
+        arrival = self._core.next_nowait()
+        if arrival is None or arrival is NOT_YET:
+            return arrival
+        return self._handle(arrival)
+
+    def _in_order(self) -> list[ExpertHandle]:
+        """Every handle handed out, in the order asked (``gather``'s answer)."""
+        by_expert = {h.expert: h for h in self._handed}
+        return [by_expert[e] for e in self.experts]
 
     def available(self) -> list[ExpertHandle]:
         """Every expert available now and not handed out yet, without waiting: the hits
@@ -302,8 +336,7 @@ class Lease(LeaseFacts):
         """
         async for _ in self:
             pass
-        by_expert = {h.expert: h for h in self._handed}
-        return [by_expert[e] for e in self.experts]
+        return self._in_order()
 
     def release(self, after: After = None, *, ordered: bool = False) -> None:
         """Unpin the experts (again: nothing happens). Idempotent.
@@ -361,6 +394,7 @@ class Session:
         self.core = core
         self._loop: asyncio.AbstractEventLoop | None = None
         self._model: ModelInfo | None = None
+        self._drops: list[LayerLease] = []
 
     # -- lifetime --------------------------------------------------------------------------
 
@@ -461,6 +495,48 @@ class Session:
         with home.activate():
             return LiveRouter(self.table, home, seed)
 
+    # -- leases dropped unreleased ---------------------------------------------------------
+
+    def _dropped(self, lease: LayerLease) -> None:
+        """A lease whose last reference went away unreleased (on any thread, from a
+        finalizer): warn, and release it at the session's next call or on its loop,
+        whichever comes first."""
+        warnings.warn(
+            f"a lease of layer {lease.layer} (experts {list(lease.experts)}) was dropped "
+            "without release; released now (release leases, or use a with block, once "
+            "their compute is queued)", ResourceWarning, stacklevel=2)
+        self._drops.append(lease)
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            # closed meanwhile: so is the session, which released it
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(self._release_drops)
+
+    def _release_drops(self) -> None:
+        while self._drops:
+            lease = self._drops.pop()
+            if not lease.released and not self.core.closed:
+                self.core.release(lease, self.core.default_last_use, "dropped unreleased")
+
+    def _abandon(self, made: LayerLease | None) -> None:
+        """A fetch that raised (an interrupt, a failure) after pinning: release what it
+        made, which its caller never got (``made``, or every lease without a face)."""
+        orphans = [c for c in self.core.leases() if c.owner is None]
+        for lease in orphans if made is None else [made]:
+            self.core.release(lease, self.core.default_last_use, "its fetch was interrupted")
+
+    def _pinned_by(self) -> str:
+        """Who holds the pins, for a fetch that cannot fit."""
+        held = sorted(self.core.leases(), key=lambda c: (c.fetched_at, c.layer))
+        words = [f"layer {c.layer} experts {list(c.experts)} (fetched in token {c.fetched_at}"
+                 + (", never used)" if c.on_use is not None else ")") for c in held]
+        hinted = self.core.hinted_layers()
+        return ("pins held by " + (f"{len(held)} leases: " + "; ".join(words) if held
+                                   else "no lease")
+                + (f", and prefetch hints of layers {hinted}" if hinted else "")
+                + " (release leases once their compute is queued; a lease used and still "
+                  "held ends at end_token)")
+
     # -- experts ---------------------------------------------------------------------------
 
     def fetch(self, layer: int, experts: Sequence[int]) -> Lease:
@@ -480,7 +556,20 @@ class Session:
             DeviceMemoryError: the device refused memory even after the budget shrank.
         """
         self._here()
-        return Lease(self, self.core.fetch(layer, experts))
+        layer = index(layer, "layer")
+        chosen = expert_ids(experts, layer)
+        if self._drops:
+            self._release_drops()
+        core: LayerLease | None = None
+        try:
+            core = self.core.fetch(layer, chosen)
+            core.fetched_at = self.core.token
+            return Lease(self, core)
+        except BaseException as exc:
+            self._abandon(core)
+            if isinstance(exc, UsageError) and "does not fit the cache budget" in str(exc):
+                raise UsageError(f"{exc}: {self._pinned_by()}") from exc
+            raise
 
     def ready(self, layer: int, experts: Sequence[int]) -> bool:
         """Whether every one of ``experts`` is cached on its device with its upload landed:
@@ -492,7 +581,8 @@ class Session:
             UsageError: called from another loop or thread.
         """
         self._here()
-        return self.core.all_ready(layer, experts)
+        layer = index(layer, "layer")
+        return self.core.all_ready(layer, expert_ids(experts, layer))
 
     def prefetch(self, layer: int, experts: Sequence[int]) -> int:
         """Hint: start loading experts a later layer will likely fetch (those not cached,
@@ -505,7 +595,11 @@ class Session:
             UsageError: as ``fetch``.
         """
         self._here()
-        return self.core.prefetch(layer, experts)
+        layer = index(layer, "layer")
+        chosen = expert_ids(experts, layer)
+        if self._drops:
+            self._release_drops()
+        return self.core.prefetch(layer, chosen)
 
     async def end_token(self, *, compute_ms: float | Sequence[float] | None = None,
                         upload_ms: float = 0.0) -> TokenStats:
@@ -529,13 +623,33 @@ class Session:
             OutputError: the log file stopped taking lines.
         """
         self._here()
-        f = await self.core.end_token(compute_ms=compute_ms, upload_ms=upload_ms)
+        engine_ms = self._engine_ms(compute_ms)
+        upload = milliseconds(upload_ms, "upload_ms")
+        if self._drops:
+            self._release_drops()
+        f = await self.core.end_token(compute_ms=engine_ms, upload_ms=upload)
         return TokenStats(
             token=f["token"], wall_ms=f["wall_ms"], stall_ms=f["stall_ms"],
             compute_ms=f["compute_ms"], hits=f["hits"], misses=f["misses"],
             evictions=f["evictions"], file_bytes=f["file_bytes"], cache_bytes=f["cache_bytes"],
             storage_bytes=f["storage_bytes"], mode=f["mode"],
             experts=tuple(tuple(layer) for layer in f["experts"]), time=f["time"])
+
+    def _engine_ms(self, compute_ms: object) -> float | list[float] | None:
+        """``end_token``'s ``compute_ms``, checked: a number, or one per device."""
+        if compute_ms is None:
+            return None
+        if isinstance(compute_ms, Sequence) and not isinstance(compute_ms, (str, bytes)):
+            figures = [milliseconds(ms, "compute_ms (per device)") for ms in compute_ms]
+            if len(figures) != len(self.core.backends):
+                raise UsageError(f"compute_ms gives {len(figures)} figures for "
+                                 f"{len(self.core.backends)} devices: give one per device "
+                                 "(devices order), or one number")
+            return figures if len(figures) > 1 else figures[0]
+        if not isinstance(compute_ms, (int, float)):
+            raise UsageTypeError(f"compute_ms must be a number of milliseconds or one per "
+                                 f"device, not {type(compute_ms).__name__}")
+        return milliseconds(compute_ms, "compute_ms")
 
     def counters(self) -> Counters:
         """Totals so far (a snapshot; cheap).
@@ -571,7 +685,7 @@ def open(
     model: str | os.PathLike[str] | None = None,
     *,
     devices: int | Sequence[int] | None = None,
-    budget: str | Budget | None = None,
+    budget: int | str | Budget | None = None,
     mode: Mode = "auto",
     policy: str = "lru",
     verify: bool = True,
@@ -585,8 +699,10 @@ def open(
         model: a GGUF file; None makes (once) and uses the embedded tiny model.
         devices: a device index or several (experts are sharded over them); None: every
             visible device. On the host backend indices emulate devices.
-        budget: the device cache: ``"2522"`` (experts), ``"20GiB"``, ``"11GB"``, or a
-            ``Budget``; None holds every expert. Clamped (logged) to free device memory.
+        budget: the device cache, in experts or bytes: an int or its text (``2522`` or
+            ``"2522"``: that many experts of the model's largest size), a size with its
+            unit (``"20GiB"``, ``"11GB"``: bytes), or a ``Budget``; None holds every
+            expert. Clamped (logged) to free device memory.
         mode: ``auto`` (the controller picks direct or resident from live RAM, and
             switches while running), ``direct`` (O_DIRECT) or ``resident`` (page cache).
         policy: eviction, ``lru`` or ``freq``.
@@ -603,13 +719,25 @@ def open(
         OutputError: (when opened) the log cannot be written.
         StageError: (when opened) a device or pinned allocation failed.
     """
+    if model is not None and not isinstance(model, (str, os.PathLike)):
+        raise UsageTypeError(f"model must be a path, not {type(model).__name__}")
+    if log is not None and not isinstance(log, (str, os.PathLike)):
+        raise UsageTypeError(f"log must be a path, not {type(log).__name__}")
+    if not isinstance(verify, bool):
+        raise UsageTypeError(f"verify must be True or False, not {verify!r}")
+    if tuning is not None and not isinstance(tuning, Tuning):
+        raise UsageTypeError(f"tuning must be a moestream.Tuning, not {type(tuning).__name__}")
     tuning = tuning or Tuning()
-    chosen = (devices,) if isinstance(devices, int) else devices
+    chosen = devices_of(devices)
+    choice(mode, "mode", ("auto", "direct", "resident"))
+    choice(policy, "policy", ("lru", "freq"))
+    choice(backend, "backend", ("auto", "cupy", "host"))
+    route_unconfigured()
     cfg = RunConfig(
         model=Path(model) if model is not None else None,
-        budget=parse_budget(budget) if isinstance(budget, str) else budget,
+        budget=budget_of(budget),
         mode=mode, policy=policy, backend=backend,
-        devices=tuple(chosen) if chosen is not None else None,
+        devices=chosen,
         queue_depth=tuning.queue_depth, chunk_bytes=tuning.chunk_bytes,
         staging_slots=tuning.staging_slots, upload_streams=tuning.upload_streams,
         verify=verify, log=Path(log) if log is not None else None,

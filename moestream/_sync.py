@@ -1,10 +1,18 @@
 """The synchronous API, for engines without asyncio: the same session on a private loop.
 
-``open_sync`` starts a uvloop event loop on a daemon thread and opens a ``Session`` there;
-every call hops to that loop and waits for its answer (tens of microseconds), so the calls
-may come from any of the engine's threads, one at a time or concurrently (they run in the
-order they reach the loop). A call interrupted while it waits (``KeyboardInterrupt``)
-cancels its work on the loop: a fetch interrupted part way behaves as a cancelled one.
+``open_sync`` starts an event loop on a daemon thread and opens a ``Session`` there. The
+loop's thread holds the session's lock whenever it runs (every callback and task step),
+and lets go of it only while it waits for events. A call that never waits (``fetch``,
+``prefetch``, ``ready``, ``available``, ``release``, ``counters``, and iterating a lease
+whose next expert has landed) takes the lock and runs on the caller's own thread, with
+the session's loop set as that thread's running loop meanwhile: no hop to the loop, so it
+costs about what the same call costs on the asynchronous face. A call that waits
+(iterating a lease whose next expert is loading, ``gather`` of one not yet landed,
+``end_token``, ``close``) runs on the loop and the caller blocks without the lock.
+
+Calls may come from any of the engine's threads, one at a time or concurrently: they are
+serialized by the lock. A call interrupted while it waits (``KeyboardInterrupt``) cancels
+its work on the loop; a fetch interrupted part way releases what it pinned.
 """
 
 from __future__ import annotations
@@ -12,12 +20,12 @@ from __future__ import annotations
 import asyncio
 import functools
 import os
+import selectors
 import threading
+from asyncio import events
 from collections.abc import Callable, Coroutine, Iterator, Mapping, Sequence
 from types import TracebackType
 from typing import Any, TypeVar
-
-import uvloop
 
 from gpu.interop import stream_pointer
 from moestream._handles import ExpertHandle
@@ -36,41 +44,65 @@ from moestream._session import (
 from moestream._session import open as open_session
 from pipeline.foundation.config import Budget
 from pipeline.foundation.errors import UsageError
+from pipeline.lease import NOT_YET
 
 __all__ = ["SyncLease", "SyncSession", "open_sync"]
 
 T = TypeVar("T")
 
 
+class _LockedSelector(selectors.DefaultSelector):
+    """The loop's selector: the loop's thread lets go of ``lock`` only while it waits in
+    ``select``, so it runs everything else under the lock."""
+
+    def __init__(self, lock: threading.Lock) -> None:
+        super().__init__()
+        self._lock = lock
+
+    def select(self, timeout: float | None = None) -> list[tuple[selectors.SelectorKey, int]]:
+        self._lock.release()
+        try:
+            return super().select(timeout)
+        finally:
+            self._lock.acquire()
+
+
 class _LoopThread:
-    """A private event loop on a daemon thread, running coroutines for other threads."""
+    """A private event loop on a daemon thread, and the lock that makes its state safe to
+    touch from other threads (see the module's docstring)."""
 
     def __init__(self) -> None:
-        self.loop = uvloop.new_event_loop()
+        self.lock = threading.Lock()
+        self.loop = asyncio.SelectorEventLoop(_LockedSelector(self.lock))
+        self.closed = False
         self.thread = threading.Thread(target=self._serve, name="moestream-loop", daemon=True)
         self.thread.start()
 
     def _serve(self) -> None:
-        asyncio.set_event_loop(self.loop)
-        try:
-            self.loop.run_forever()
-        finally:
-            self.loop.run_until_complete(self.loop.shutdown_asyncgens())
-            self.loop.run_until_complete(self.loop.shutdown_default_executor())
-            self.loop.close()
+        with self.lock:
+            asyncio.set_event_loop(self.loop)
+            try:
+                self.loop.run_forever()
+            finally:
+                self.loop.run_until_complete(self.loop.shutdown_asyncgens())
+                self.loop.run_until_complete(self.loop.shutdown_default_executor())
+                self.loop.close()
+
+    def _refuse_own_thread(self) -> None:
+        if threading.current_thread() is self.thread:
+            raise UsageError("a SyncSession is not called from its own loop's thread "
+                             "(use the Session it wraps there)")
 
     def run(self, work: Coroutine[Any, Any, T]) -> T:
         """Run ``work`` on the loop and wait for its result (its error is raised here).
 
         Raises:
-            UsageError: called from the loop's own thread (it would wait on itself).
+            UsageError: called from the loop's own thread (it would wait on itself), or the
+                session is closed.
         """
-        if threading.current_thread() is self.thread:
+        if threading.current_thread() is self.thread or self.closed:
             work.close()
-            raise UsageError("a SyncSession is not called from its own loop's thread "
-                             "(use the Session it wraps there)")
-        if not self.thread.is_alive():
-            work.close()
+            self._refuse_own_thread()
             raise UsageError("the session is closed")
         future = asyncio.run_coroutine_threadsafe(work, self.loop)
         try:
@@ -80,24 +112,31 @@ class _LoopThread:
             raise
 
     def call(self, fn: Callable[..., T], *args: Any) -> T:
-        """Run a plain function on the loop's thread."""
-
-        async def called() -> T:
-            return fn(*args)
-
-        return self.run(called())
+        """Run ``fn`` (which never waits) on the calling thread, under the lock, with the
+        loop as this thread's running loop; the loop is woken if ``fn`` gave it work."""
+        self._refuse_own_thread()
+        loop = self.loop
+        with self.lock:
+            if self.closed:
+                raise UsageError("the session is closed")
+            # private fields of asyncio's loop, read to wake it only when needed: a wake
+            # is a write to its self-pipe, which would cost more than most calls
+            ready, timers = len(loop._ready), len(loop._scheduled)  # type: ignore[attr-defined]
+            outer = events._get_running_loop()
+            events._set_running_loop(loop)
+            try:
+                return fn(*args)
+            finally:
+                events._set_running_loop(outer)
+                if (len(loop._ready) != ready  # type: ignore[attr-defined]
+                        or len(loop._scheduled) != timers):  # type: ignore[attr-defined]
+                    loop._write_to_self()  # type: ignore[attr-defined]
 
     def stop(self) -> None:
+        self.closed = True
         if self.thread.is_alive():
             self.loop.call_soon_threadsafe(self.loop.stop)
             self.thread.join()
-
-
-async def _next(lease: Lease) -> ExpertHandle | None:
-    try:
-        return await lease.__anext__()
-    except StopAsyncIteration:
-        return None
 
 
 class SyncLease(LeaseFacts):
@@ -116,15 +155,24 @@ class SyncLease(LeaseFacts):
         return self
 
     def __next__(self) -> ExpertHandle:
-        """As ``Lease.__anext__``."""
-        handle = self._loop.run(_next(self._lease))
+        """As ``Lease.__anext__``: on the caller's thread if the expert has landed, else
+        waiting on the loop."""
+        handle = self._loop.call(self._lease._next_nowait)
+        if handle is NOT_YET:
+            handle = self._loop.run(_next(self._lease))
         if handle is None:
             raise StopIteration
+        assert isinstance(handle, ExpertHandle)
         return handle
 
     def gather(self) -> list[ExpertHandle]:
-        """As ``Lease.gather``."""
-        return self._loop.run(self._lease.gather())
+        """As ``Lease.gather``: on the caller's thread if every expert has landed."""
+        done = self._loop.call(self._gathered_now)
+        return done if done is not None else self._loop.run(self._lease.gather())
+
+    def _gathered_now(self) -> list[ExpertHandle] | None:
+        self._lease.available()
+        return self._lease._in_order() if self._core.pending == 0 else None
 
     def available(self) -> list[ExpertHandle]:
         """As ``Lease.available``."""
@@ -132,7 +180,9 @@ class SyncLease(LeaseFacts):
 
     def release(self, after: After = None, *, ordered: bool = False) -> None:
         """As ``Lease.release``; None means each device's current CuPy stream *of the
-        calling thread* (looked up here, before the hop to the loop's thread)."""
+        calling thread*."""
+        if self._core.released:
+            return
         if after is None and self._session.backend == "cupy":
             after = _current_streams(self._session.devices)
         self._loop.call(functools.partial(self._lease.release, after, ordered=ordered))
@@ -145,6 +195,13 @@ class SyncLease(LeaseFacts):
 
     def __repr__(self) -> str:
         return f"Sync{self._lease!r}"
+
+
+async def _next(lease: Lease) -> ExpertHandle | None:
+    try:
+        return await lease.__anext__()
+    except StopAsyncIteration:
+        return None
 
 
 def _current_streams(devices: Sequence[int]) -> Mapping[int, int]:
@@ -193,26 +250,33 @@ class SyncSession:
         return self._loop.call(self._session.router, seed)
 
     def fetch(self, layer: int, experts: Sequence[int]) -> SyncLease:
-        """As ``Session.fetch``."""
-        return SyncLease(self, self._loop.call(self._session.fetch, layer, list(experts)),
-                         self._loop)
+        """As ``Session.fetch`` (on the caller's thread: it never waits)."""
+        return self._loop.call(self._fetch, layer, experts)
+
+    def _fetch(self, layer: int, experts: Sequence[int]) -> SyncLease:
+        lease = self._session.fetch(layer, experts)
+        try:
+            return SyncLease(self, lease, self._loop)
+        except BaseException:  # interrupted before the caller got it: it pins nothing
+            lease.release()
+            raise
 
     def prefetch(self, layer: int, experts: Sequence[int]) -> int:
-        """As ``Session.prefetch``."""
-        return self._loop.call(self._session.prefetch, layer, list(experts))
+        """As ``Session.prefetch`` (on the caller's thread)."""
+        return self._loop.call(self._session.prefetch, layer, experts)
 
     def ready(self, layer: int, experts: Sequence[int]) -> bool:
-        """As ``Session.ready``."""
-        return self._loop.call(self._session.ready, layer, list(experts))
+        """As ``Session.ready`` (on the caller's thread)."""
+        return self._loop.call(self._session.ready, layer, experts)
 
     def end_token(self, *, compute_ms: float | Sequence[float] | None = None,
                   upload_ms: float = 0.0) -> TokenStats:
-        """As ``Session.end_token``."""
+        """As ``Session.end_token`` (on the loop: it may wait for the controller)."""
         return self._loop.run(self._session.end_token(compute_ms=compute_ms,
                                                       upload_ms=upload_ms))
 
     def counters(self) -> Counters:
-        """As ``Session.counters``."""
+        """As ``Session.counters`` (on the caller's thread)."""
         return self._loop.call(self._session.counters)
 
     def close(self) -> None:
@@ -224,7 +288,7 @@ class SyncSession:
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
-        if not self._loop.thread.is_alive():  # closed already
+        if self._loop.closed:  # closed already
             return
         try:  # as ``Session.__aexit__``: a failed with block closes without raising over it
             self._loop.run(self._session.__aexit__(exc_type, exc, tb))
@@ -239,7 +303,7 @@ def open_sync(
     model: str | os.PathLike[str] | None = None,
     *,
     devices: int | Sequence[int] | None = None,
-    budget: str | Budget | None = None,
+    budget: int | str | Budget | None = None,
     mode: Mode = "auto",
     policy: str = "lru",
     verify: bool = True,
@@ -249,8 +313,8 @@ def open_sync(
 ) -> SyncSession:
     """``moestream.open`` for synchronous code: the session is open when this returns.
 
-    Arguments and errors as ``open``; the session's own loop (uvloop) runs on a daemon
-    thread until ``close``.
+    Arguments and errors as ``open`` (a bad value raises here, before any thread starts);
+    the session's own event loop runs on a daemon thread until ``close``.
     """
     session = open_session(model, devices=devices, budget=budget, mode=mode, policy=policy,
                            verify=verify, backend=backend, log=log, tuning=tuning)

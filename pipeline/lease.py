@@ -31,7 +31,8 @@ from gpu.cache import DeviceCache, Entry
 from pipeline.foundation.errors import MoestreamError, StageError, UsageError
 from pipeline.streamer import ExpertStreamer, LayerLoad
 
-__all__ = ["Arrival", "EventJoiner", "LayerLease", "LeasePart", "plan_parts", "unpin_when_landed"]
+__all__ = ["NOT_YET", "Arrival", "EventJoiner", "LayerLease", "LeasePart", "plan_parts",
+           "unpin_when_landed"]
 
 
 class EventJoiner:
@@ -120,6 +121,9 @@ def _load_error(entry: Entry, error: BaseException) -> MoestreamError:
 _ABORT = object()
 """Put in a lease's queue to wake a waiter when the lease is released or aborted."""
 
+NOT_YET: Any = object()
+"""What ``LayerLease.next_nowait`` returns when the next expert has not landed yet."""
+
 
 @dataclass(eq=False)
 class LayerLease:
@@ -156,6 +160,11 @@ class LayerLease:
     """Entries (by id) this lease still pins: each pin is dropped exactly once."""
     _stashed: Any = None
     """A failed arrival ``take_landed`` stopped at, for ``next`` to raise."""
+    fetched_at: int = -1
+    """The token the fetch was made in (for messages naming who holds pins)."""
+    owner: Any = None
+    """The public object that hands this lease out (set once it exists): a lease without
+    one was made by a fetch that never returned, and is released by it."""
 
     def __post_init__(self) -> None:
         for part in self.parts:
@@ -304,19 +313,10 @@ class LayerLease:
                 non-stage errors as themselves.
             UsageError: the lease was released (or its session closed), also while waiting.
         """
-        self._check()
-        if self._ready:
-            arrival = self._ready.pop(0)
-            self._handed.add(id(arrival.entry))
+        arrival = self.next_nowait()
+        if arrival is not NOT_YET:
             return arrival
-        if self._stashed is not None:
-            stashed, self._stashed = self._stashed, None
-            return self._arrival(stashed)
-        if self._pending == 0:
-            return None
         queue = self._arrivals()
-        if not queue.empty():  # landed already: no wait to charge (a gathered layer's case)
-            return self._arrival(queue.get_nowait())
         t0 = time.perf_counter()
         item: Any = _ABORT
         try:
@@ -330,6 +330,28 @@ class LayerLease:
                 own = item[0] in part.load.plan.misses
                 self.on_wait(item[0], part.load if own else None, t0, t1)
         return self._arrival(item)
+
+    def next_nowait(self) -> Arrival | Any | None:
+        """As ``next`` without waiting: the next expert if it is available now, None when
+        all were handed out, ``NOT_YET`` when ``next`` would wait.
+
+        Raises:
+            As ``next``.
+        """
+        self._check()
+        if self._ready:
+            arrival = self._ready.pop(0)
+            self._handed.add(id(arrival.entry))
+            return arrival
+        if self._stashed is not None:
+            stashed, self._stashed = self._stashed, None
+            return self._arrival(stashed)
+        if self._pending == 0:
+            return None
+        queue = self._queue
+        if queue is not None and not queue.empty():  # landed already: no wait to charge
+            return self._arrival(queue.get_nowait())
+        return NOT_YET
 
     def _arrival(self, item: Any) -> Arrival:
         """Hand out one queued arrival (raising its load's error)."""

@@ -32,7 +32,12 @@ from pipeline.closing import close_devices, finish
 from pipeline.compute import resolve_compute
 from pipeline.controller import ModeController, Sampler
 from pipeline.foundation.config import ComputeSpec, RunConfig
-from pipeline.foundation.errors import MoestreamError, UsageError, VerificationError
+from pipeline.foundation.errors import (
+    ModelChangedError,
+    MoestreamError,
+    UsageError,
+    VerificationError,
+)
 from pipeline.foundation.faults import FaultPlan, parse_faults
 from pipeline.foundation.table import ExpertTable, open_table
 from pipeline.lease import EventJoiner, LayerLease, LeasePart, plan_parts, unpin_when_landed
@@ -138,6 +143,12 @@ class StreamSession:
         self._first_t0: float | None = None
         self._totals = TokenTotals()
         self._experts: list[list[int]] = []
+        self._counted: dict[int, list[LayerLease]] = {}  # this token's leases, by layer
+        self._hinted_now: set[int] = set()  # layers hinted this token (carried over once)
+        self._build_reported = False  # the manifest builder's failure was raised
+        self._unexplained_ms = 0.0  # this token's stall not charged to a phase (host)
+        self._clamped = False  # an engine's compute_ms above the wall time was logged
+        self._settle_error: BaseException | None = None
         self._position: dict[int, int] = {}
         self._read_bytes = 0
         self._reported = 0  # mismatches end_token has raised for
@@ -191,6 +202,7 @@ class StreamSession:
         else:  # default: every routed expert
             budget = sum(size * table.layers[n].n_experts for n, size in device_sizes.items())
         min_bytes = self._layers_in_flight * table.top_k * max(device_sizes.values())
+        self._check_budget(budget, min_bytes, max(device_sizes.values()))
         # by device memory; the host backend's emulated devices share one RAM, whose free
         # bytes move between two readings: split evenly (a tight budget split by two
         # readings a few KiB apart left one device short of a layer, a flaky refusal)
@@ -247,6 +259,22 @@ class StreamSession:
         )
         await self.controller.start()  # its first decision follows the header
         self._read_bytes = process_read_bytes()
+
+    def _check_budget(self, budget: int, min_bytes: int, expert_bytes: int) -> None:
+        """Refuse a budget that cannot pin ``layers_in_flight`` layers' top-k experts on
+        every device, in the caller's terms (experts and bytes)."""
+        devices = len(self.backends)
+        if budget >= min_bytes * devices:
+            return
+        assert self.table is not None
+        experts = min_bytes // expert_bytes * devices
+        raise UsageError(
+            f"cache budget of {budget} bytes ({self.config.budget}) holds "
+            f"{budget // expert_bytes} experts of {expert_bytes} bytes; it must hold "
+            f"{self._layers_in_flight} layers' top-{self.table.top_k} experts"
+            + (f" on each of {devices} devices" if devices > 1 else "")
+            + f" ({experts} experts, {min_bytes * devices} bytes): give a budget of at least "
+            f"{experts} experts, or lower layers_in_flight")
 
     # -- fetch -----------------------------------------------------------------------------
 
@@ -327,6 +355,10 @@ class StreamSession:
 
     def _count(self, lease: LayerLease) -> None:
         """A lease's release: its figures go to the token under way."""
+        before = self._counted.get(lease.layer)
+        if before:
+            self._count_again(lease, before)
+            return
         totals, devices = self._totals, self._devices
         totals.hits += lease.hits
         totals.misses += lease.misses
@@ -341,11 +373,46 @@ class StreamSession:
                 device.hits += len(plan.hits)
                 device.misses += len(plan.misses)
                 device.file_bytes += file_bytes
+        self._counted.setdefault(lease.layer, []).append(lease)
+        self._experts[self._position[lease.layer]].extend(lease.experts)
+
+    def _count_again(self, lease: LayerLease, before: list[LayerLease]) -> None:
+        """A second lease of a layer in one token: each expert counts once in the token
+        (the log's ``experts`` is the union, ``hits + misses`` its length), a miss if any
+        lease of the token loaded it; a second read of one (evicted meanwhile) counts its
+        bytes only."""
+        was_miss: dict[int, bool] = {}
+        for old in before:
+            for part in old.parts:
+                for entry in part.load.plan.hits:
+                    was_miss.setdefault(entry.key[1], False)
+                for entry in part.load.plan.misses:
+                    was_miss[entry.key[1]] = True
+        totals, devices = self._totals, self._devices
+        totals.evictions += lease.evicted
+        for part in lease.parts:
+            device = devices[part.device] if devices else _DeviceTotals()
+            for entry in part.load.plan.hits:
+                if entry.key[1] not in was_miss:
+                    was_miss[entry.key[1]] = False
+                    totals.hits += 1
+                    device.hits += 1
+                    totals.cache_bytes += entry.nbytes
+            for entry in part.load.plan.misses:
+                before_miss = was_miss.get(entry.key[1])
+                totals.file_bytes += entry.nbytes
+                device.file_bytes += entry.nbytes
+                if before_miss is None or not before_miss:
+                    totals.misses += 1
+                    device.misses += 1
+                if before_miss is False:  # counted a hit (another lease's load): a miss
+                    totals.hits -= 1
+                    device.hits -= 1
+                    totals.cache_bytes -= entry.nbytes
+                was_miss[entry.key[1]] = True
         seen = self._experts[self._position[lease.layer]]
-        if seen:  # a second lease of the layer in this token: what it adds
-            seen.extend(e for e in lease.experts if e not in seen)
-        else:
-            seen.extend(lease.experts)
+        seen.extend(e for e in lease.experts if e not in seen)
+        before.append(lease)
 
     def _hold(self, owner: object) -> None:
         """``owner``'s loads are decode's: background reads (the digest manifest's builder)
@@ -366,7 +433,15 @@ class StreamSession:
         for e in experts:
             key = (layer, int(e))
             entry = caches[place(key) if several else 0].get(key)
-            if entry is None or not entry.ready:
+            if entry is None:
+                return False
+            if entry.ready:
+                continue
+            # landed (a lease's miss or a hint, this token) but not yet marked: a lease
+            # hands it out at once, as ``LayerLease`` does
+            loaded = entry.loaded
+            if loaded is not None and (not loaded.done() or loaded.cancelled()
+                                       or loaded.exception() is not None):
                 return False
         return True
 
@@ -386,6 +461,7 @@ class StreamSession:
                            self._place, prefetch=True)
         self._track(parts)
         self._hints.setdefault(layer, []).append((chosen, parts))
+        self._hinted_now.add(layer)
         self._hinted = True
         started = sum(len(p.load.plan.misses) for p in parts)
         if started and self._background is not None:
@@ -435,15 +511,24 @@ class StreamSession:
                 if phases is not None:
                     break
         if phases is not None:
+            charged = totals.time.measured_ms
             phases.charge(totals.time, start, end)
+            # the part of the wait its load's phases leave as ``host`` (its launch not yet
+            # begun, its arrival's hop to the engine): a stall all the same, never compute
+            self._unexplained_ms += (end - start) * 1000.0 - (totals.time.measured_ms - charged)
         else:
             totals.time.charge("read", end - start)
 
-    def _drop_hints(self) -> None:
-        for hints in self._hints.values():
-            for _, parts in hints:
-                self._end_hint(parts)
-        self._hints.clear()
+    def _drop_hints(self, *, carry: bool = False) -> None:
+        """End the hints no fetch took; with ``carry`` (a token's end) those made during
+        this token are kept for the next one (a hint for the next token's first layers)."""
+        kept = {n: self._hints[n] for n in self._hinted_now if n in self._hints} if carry else {}
+        for layer, hints in self._hints.items():
+            if layer not in kept:
+                for _, parts in hints:
+                    self._end_hint(parts)
+        self._hints = kept
+        self._hinted_now = set()
         self._guess_loads.clear()
 
     @property
@@ -458,6 +543,14 @@ class StreamSession:
     @property
     def open_leases(self) -> int:
         return len(self._leases)
+
+    def leases(self) -> list[LayerLease]:
+        """The leases held now (not released), in no particular order."""
+        return list(self._leases)
+
+    def hinted_layers(self) -> list[int]:
+        """The layers whose prefetch hints are held now (pinned until used or ended)."""
+        return sorted(self._hints)
 
     # -- token boundary --------------------------------------------------------------------
 
@@ -492,7 +585,7 @@ class StreamSession:
             _log.warning("lease_released_at_token_end", layer=lease.layer, token=self._token,
                          hint="release leases (a with block) before end_token")
             self.release(lease, self.default_last_use, "at the end of its token")
-        self._drop_hints()
+        self._drop_hints(carry=True)
         for streamer in self.streamers:
             streamer.poll_installs()
         self.cache.advance_token()
@@ -511,18 +604,30 @@ class StreamSession:
             times.add(streamer.take_times())
         now = time.perf_counter()
         wall_ms = totals.wall_ms = (now - self._token_t0) * 1000.0
+        # what neither moestream's waits (experts, the controller) nor its stalls explain
+        room = max(0.0, wall_ms - totals.time.measured_ms - self._unexplained_ms)
+        self._unexplained_ms = 0.0
         if compute_ms is not None:  # the engine measured its compute: the rest is host
-            if not isinstance(compute_ms, (int, float)):
-                for device, ms in zip(self._devices, compute_ms, strict=False):
-                    device.compute_ms += ms
-                compute_ms = sum(compute_ms)
-            totals.compute_ms = compute_ms
-            totals.time.charge("compute", compute_ms / 1000.0)
-            totals.time.charge("upload", upload_ms / 1000.0)
+            figures = None if isinstance(compute_ms, (int, float)) else list(compute_ms)
+            given = float(compute_ms) if isinstance(compute_ms, (int, float)) else sum(
+                figures or ())
+            # never more than the token's wall time leaves: the parts add up to it
+            scale = min(1.0, room / (given + upload_ms)) if given + upload_ms > 0 else 1.0
+            if scale < 1.0 and not self._clamped:
+                self._clamped = True
+                _log.warning("engine_time_clamped", token=self._token,
+                             compute_ms=round(given, 3), upload_ms=round(upload_ms, 3),
+                             room_ms=round(room, 3),
+                             reason="more than the token's wall time leaves beside "
+                                    "moestream's waits (logged once)")
+            for device, ms in zip(self._devices, figures or (), strict=False):
+                device.compute_ms += ms * scale
+            totals.compute_ms = given * scale
+            totals.time.charge("compute", totals.compute_ms / 1000.0)
+            totals.time.charge("upload", upload_ms * scale / 1000.0)
         else:
-            # the engine computes between its fetches: its time is what moestream's
-            # waits (experts, the controller) do not explain
-            totals.compute_ms = max(0.0, wall_ms - totals.time.measured_ms)
+            # the engine computes between its fetches: its time is the rest
+            totals.compute_ms = room
             totals.time.charge("compute", totals.compute_ms / 1000.0)
         fields: dict[str, Any] = {
             "token": self._token, "wall_ms": round(wall_ms, 3),
@@ -558,13 +663,33 @@ class StreamSession:
         self._token_t0 = None
         self._totals = TokenTotals()
         self._experts = [[] for _ in table.moe_layers]
+        self._counted = {}
         self.runlog.raise_if_failed()
         self._reported = self.verifier.mismatches
         if self.verifier.mismatches > mismatches:
             raise VerificationError(
                 f"{self.verifier.mismatches - mismatches} experts loaded during token "
                 f"{self._token - 1} differ from the file, first: {self.verifier.first_mismatch}")
+        failed = self._manifest_failure()
+        if failed is not None and not self._build_reported:
+            self._build_reported = True
+            raise failed
         return fields
+
+    def _manifest_failure(self, error: BaseException | None = None) -> MoestreamError | None:
+        """What to raise when the digest manifest's computation stopped (``error``, or the
+        builder's): the experts waiting for it can never be verified. A changed file is a
+        ``ModelChangedError``; any other stop a ``VerificationError``."""
+        builder = self.manifest.builder if self.manifest is not None else None
+        error = error or (builder.error if builder is not None else None)
+        if error is None:
+            return None
+        waiting = self.verifier.unverified if self.verifier is not None else 0
+        if isinstance(error, ModelChangedError):
+            return ModelChangedError(error.path, f"{error.problem}; {waiting} expert checks "
+                                     "wait for digests that will never be computed")
+        return VerificationError(f"{waiting} expert checks can never be compared with the "
+                                 f"file: the digest manifest's computation stopped ({error})")
 
     def record_verification(self) -> None:
         """Copy the verifier's counts into the summary (after each token, and at close)."""
@@ -627,6 +752,10 @@ class StreamSession:
         if outcome == "ok" and found:  # compared at close: not yet raised by end_token
             raise VerificationError(f"{found} experts differ from the file, "
                                     f"first: {self.summary.first_mismatch}")
+        if outcome == "ok" and self.summary.unverified:
+            # never a clean close with experts consumed but not compared with the file
+            raise (self._manifest_failure(self._settle_error) or VerificationError(
+                f"{self.summary.unverified} expert checks were never compared with the file"))
 
     async def _close(self, *, outcome: str, settle: bool) -> None:
         self.closed = True
@@ -648,7 +777,8 @@ class StreamSession:
             if settle and self.verifier is not None:
                 try:
                     await self.manifest.settle(self.verifier)
-                except Exception as exc:  # what stopped the builder: logged, not raised
+                except Exception as exc:  # what stopped the builder: ``aclose`` raises it
+                    self._settle_error = exc
                     _log.warning("digest_manifest_unsettled", reason=str(exc))
             await self.manifest.aclose()
             summary.manifest_bytes = self.manifest.bytes_read

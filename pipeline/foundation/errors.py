@@ -6,7 +6,8 @@ layer and expert, the byte offset. The CLI prints ``str(error)`` on one line and
 ``error.exit_code``::
 
     MoestreamError
-    ├── UsageError                 bad option or argument value (exit 2)
+    ├── UsageError                 bad option or argument value (exit 2); a ValueError
+    │   └── UsageTypeError         an argument of the wrong type; also a TypeError
     ├── ModelFileError             the model file cannot be used (exit 2)
     │   ├── NotGGUFError           wrong magic or unsupported version
     │   ├── TruncatedFileError     header or tensor data past the end of the file
@@ -15,7 +16,7 @@ layer and expert, the byte offset. The CLI prints ``str(error)`` on one line and
     ├── TraceError                 a routing trace or log that does not fit the model (exit 2)
     ├── OutputError                an output file that cannot be written (exit 2)
     ├── StageError                 a pipeline stage failed while running (exit 1)
-    │   ├── ReadError              a read failed or came back short
+    │   ├── ReadError              a read failed or came back short; an OSError
     │   ├── UploadError            a host-to-device copy failed
     │   └── DeviceMemoryError      device or pinned allocation failed
     ├── ResidencyError             mincore / mlock / fadvise refused (exit 1)
@@ -39,6 +40,7 @@ __all__ = [
     "TruncatedFileError",
     "UploadError",
     "UsageError",
+    "UsageTypeError",
     "VerificationError",
 ]
 
@@ -49,10 +51,15 @@ class MoestreamError(Exception):
     exit_code = 1
 
 
-class UsageError(MoestreamError):
-    """An option or argument has a value that cannot be used."""
+class UsageError(MoestreamError, ValueError):
+    """An option or argument has a value that cannot be used (also a ``ValueError``, the
+    builtin a Python caller catches for a bad value)."""
 
     exit_code = 2
+
+
+class UsageTypeError(UsageError, TypeError):
+    """An argument of a type that cannot be used (also a ``TypeError``)."""
 
 
 class ModelFileError(MoestreamError):
@@ -112,8 +119,8 @@ class StageError(MoestreamError):
     """A pipeline stage failed while running."""
 
 
-class ReadError(StageError):
-    """A read of expert bytes failed or came back short."""
+class ReadError(StageError, OSError):
+    """A read of expert bytes failed or came back short (also an ``OSError``)."""
 
 
 class UploadError(StageError):
