@@ -45,7 +45,7 @@ import numpy as np
 import numpy.typing as npt
 
 from pipeline.foundation.errors import TraceError
-from pipeline.foundation.inputs import open_input
+from pipeline.foundation.inputs import JSONDepthError, load_json_bounded, open_input
 from pipeline.foundation.outputs import atomic_output
 
 __all__ = [
@@ -535,7 +535,9 @@ def _read_jsonl(path: str | os.PathLike[str], source: str) -> _Arrays:
 
 def _json_object(line: str, where: str) -> dict[str, Any]:
     try:
-        value = json.loads(line)
+        value = load_json_bounded(line, where)
+    except JSONDepthError as exc:
+        raise TraceError(str(exc)) from None
     except json.JSONDecodeError as exc:
         raise TraceError(f"{where}: not JSON ({exc.msg}); truncated file?") from exc
     if not isinstance(value, dict):

@@ -6,8 +6,9 @@ models, benchmark results. The rules, checked by :func:`check_output` when a com
 
 - a symbolic link is followed: the file it names is written, the link itself stays
   (user-named outputs); files moestream names itself in its own cache (the digest manifest)
-  are written with ``follow_links=False``: a link there is replaced by the new file, never
-  written through, so a link planted at that path cannot make a run overwrite its target;
+  are written atomically with ``follow_links=False``: whatever entry is at that path (a
+  link, a FIFO) is replaced by the rename, never opened nor written through, so a link
+  planted there cannot make a run overwrite its target (only a directory is refused);
 - the target is absent or a regular file: a directory, a character or block device
   (``/dev/null``, ``/dev/full``), a FIFO or a socket is refused, never replaced nor
   written into;
@@ -70,8 +71,8 @@ def _stat_target(shown: Path, target: Path, what: str | None, *,
                  follow_links: bool = True) -> os.stat_result | None:
     """The target's status, None when absent (a missing directory is reported later).
 
-    With ``follow_links`` False a symbolic link at ``target`` is not followed: it is
-    accepted as it is (a rename replaces the link itself).
+    With ``follow_links`` False the entry at ``target`` is not followed nor opened: a
+    rename replaces it, so anything but a directory (a link, a FIFO) is accepted.
     """
     try:
         st = os.stat(target) if follow_links else os.lstat(target)
@@ -79,7 +80,7 @@ def _stat_target(shown: Path, target: Path, what: str | None, *,
         return None
     except OSError as exc:
         raise OutputError(shown, f"cannot write: {_reason(exc)}", what=what) from exc
-    if not follow_links and stat.S_ISLNK(st.st_mode):
+    if not follow_links and not stat.S_ISDIR(st.st_mode):
         return st
     _refuse_kind(shown, target, st.st_mode, what)
     return st
@@ -141,8 +142,9 @@ def check_output(
         make_parents: missing directories will be made: check the nearest existing one.
         in_place: the file will be written in place (not renamed over): an existing one must
             open for writing and not be locked by another writer.
-        follow_links: False: a symbolic link at ``path`` is to be replaced (renamed over),
-            not followed; only with atomic writes, never with ``in_place``.
+        follow_links: False: the entry at ``path`` (a link, a FIFO; not a directory) is to
+            be replaced (renamed over), never followed nor opened; only with atomic writes,
+            never with ``in_place``.
 
     Raises:
         OutputError: the path is a directory or a special file, its directory is missing or

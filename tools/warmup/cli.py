@@ -111,7 +111,8 @@ def _parser() -> argparse.ArgumentParser:
                         help="select the header and every tensor that is not a routed expert")
     parser.add_argument("--hot", type=Path, metavar="LOG",
                         help="select the experts a moestream run log used, most used first")
-    parser.add_argument("--max-bytes", type=parse_size, metavar="SIZE",
+    # parsed in _run, not by argparse: its one-line error names the limit, not the function
+    parser.add_argument("--max-bytes", metavar="SIZE",
                         help="with --hot: at most this many bytes of hot experts (20GiB, 11GB)")
     parser.add_argument("--threads", type=int, metavar="N",
                         help="reader threads for warming or --digests")
@@ -126,6 +127,7 @@ def _run(args: argparse.Namespace, memory: MemoryProbe) -> int:
         raise UsageError("--per-expert and --json go with --report")
     if args.max_bytes is not None and args.hot is None:
         raise UsageError("--max-bytes goes with --hot")
+    max_hot_bytes = parse_size(args.max_bytes) if args.max_bytes is not None else None
     if args.threads is not None and args.threads < 1:
         raise UsageError(f"--threads must be >= 1, not {args.threads}")
     selects = (args.layers, args.experts, args.hot, args.max_bytes)
@@ -140,7 +142,7 @@ def _run(args: argparse.Namespace, memory: MemoryProbe) -> int:
               file=sys.stderr)
     selection = build_selection(table, layers=args.layers, experts=args.experts,
                                 non_routed=args.non_routed, hot=hot,
-                                max_hot_bytes=args.max_bytes)
+                                max_hot_bytes=max_hot_bytes)
     path = table.path
 
     if args.report:

@@ -10,7 +10,6 @@ stay ranges (``IndexRanges``) until checked against the model, so ``--layers
 
 from __future__ import annotations
 
-import json
 import re
 from collections import Counter
 from collections.abc import Sequence
@@ -20,7 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from pipeline.foundation.errors import TraceError, UsageError
-from pipeline.foundation.inputs import open_input
+from pipeline.foundation.inputs import JSONDepthError, load_json_bounded, open_input
 from pipeline.foundation.table import ByteRange, ExpertTable
 from stages.residency import coalesce
 
@@ -110,8 +109,10 @@ def _check_starts_a_run(path: Path) -> None:
             first = next((line for line in log_lines(f) if line is None or line.strip()), b"")
     except OSError as exc:
         raise TraceError(f"{path}: cannot read ({exc.strerror})") from None
-    try:
-        event = json.loads(first or b"")  # None: a first line longer than any log line
+    try:  # None: a first line longer than any log line
+        event = load_json_bounded(first or b"", f"{path}:1")
+    except JSONDepthError as exc:
+        raise TraceError(f"{path}: not a moestream run log ({exc})") from None
     except ValueError:
         event = None
     if not isinstance(event, dict) or event.get("event") != "run_start":
