@@ -121,13 +121,27 @@ def from_pretrained(
             module.moestream_stream = stream
             module.moestream_layer = layer
         model.moestream = stream
-        model.register_forward_pre_hook(lambda *_: stream.begin_step())
-        model.register_forward_hook(lambda *_: stream.end_step())
+        model.register_forward_pre_hook(_begin_hook(stream))
+        model.register_forward_hook(_end_hook(stream))
         model.eval()
     except BaseException:
         session.close()
         raise
     return model
+
+
+def _begin_hook(stream: ExpertStream) -> Any:
+    def begin(module: Any, args: Any) -> None:  # None: the forward's inputs stay as they are
+        stream.begin_step()
+
+    return begin
+
+
+def _end_hook(stream: ExpertStream) -> Any:
+    def end(module: Any, args: Any, output: Any) -> None:  # None: the output stays
+        stream.end_step()
+
+    return end
 
 
 def _device(device: Any) -> Any:
