@@ -41,7 +41,7 @@ import numpy as np
 import structlog
 
 from pipeline.foundation.errors import ResidencyError
-from pipeline.foundation.files import ModelFile, open_checked
+from pipeline.foundation.files import ModelFile, open_checked, pieces
 from pipeline.foundation.table import ByteRange
 
 __all__ = [
@@ -236,11 +236,14 @@ class Residency:
         name: the path (or ``fd N``) measured, for messages.
         file_bytes: the file's size then.
         pages: one bool per page (``PAGE_BYTES``), True where resident.
+        short_pages: (page, data bytes) of pages before the last that hold less than a page
+            of data (the ends of a model's files but the last).
     """
 
     name: str
     file_bytes: int
     pages: np.ndarray
+    short_pages: tuple[tuple[int, int], ...] = ()
 
     @classmethod
     def of_file(cls, target: FileRef) -> Residency:
@@ -273,8 +276,10 @@ class Residency:
             finally:
                 os.close(fd)
             vec[f.base // PAGE_BYTES : f.base // PAGE_BYTES + got.size] = got
+        short = tuple((f.span_end // PAGE_BYTES - 1, f.nbytes % PAGE_BYTES)
+                      for f in files[:-1] if f.nbytes % PAGE_BYTES)
         return cls(name=str(files[0].path), file_bytes=files[-1].end,
-                   pages=(vec & 1).astype(bool))
+                   pages=(vec & 1).astype(bool), short_pages=short)
 
     @property
     def n_pages(self) -> int:
@@ -291,7 +296,9 @@ class Residency:
             return 0
         tail = self.file_bytes - (self.n_pages - 1) * PAGE_BYTES
         full = int(np.count_nonzero(self.pages[:-1])) * PAGE_BYTES
-        return full + (tail if self.pages[-1] else 0)
+        # the last pages of a model's other files hold data only up to their ends
+        short = sum(PAGE_BYTES - n for page, n in self.short_pages if self.pages[page])
+        return full + (tail if self.pages[-1] else 0) - short
 
     @property
     def fraction(self) -> float:
@@ -452,6 +459,20 @@ def _memlock_text(value: int) -> str:
     return f"{value} bytes ({value / 2**20:.1f} MiB)"
 
 
+def ranges_by_file(
+    files: Sequence[ModelFile], ranges: Iterable[RangeLike] | None = None
+) -> list[tuple[ModelFile, list[ByteRange]]]:
+    """``ranges`` of a model's address space (every file whole when None) as each file's own
+    ranges, for the calls that work on one file (``evict``, ``lock_pages``)."""
+    wanted = [ByteRange(f.base, f.nbytes) for f in files] if ranges is None else coalesce(ranges)
+    out: dict[int, tuple[ModelFile, list[ByteRange]]] = {}
+    for r in wanted:
+        for part in pieces(files, r.offset, r.nbytes):
+            out.setdefault(part.file.base, (part.file, []))[1].append(
+                ByteRange(part.local, part.nbytes))
+    return list(out.values())
+
+
 class PageLock:
     """Pages of a file pinned in RAM with ``mlock``; they stay until ``unlock()``.
 
@@ -462,6 +483,11 @@ class PageLock:
     def __init__(self, name: str, maps: list[tuple[int, int]]) -> None:
         self.name = name
         self._maps = maps
+
+    @classmethod
+    def joined(cls, name: str, locks: Iterable[PageLock]) -> PageLock:
+        """One lock holding what ``locks`` held (a model's files locked one by one)."""
+        return cls(name, [m for lock in locks for m in lock._maps])
 
     @property
     def locked_bytes(self) -> int:

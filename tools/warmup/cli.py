@@ -1,4 +1,5 @@
-"""Warm, inspect, drop or pin a model file's pages in the page cache, like vmtouch for GGUF.
+"""Warm, inspect, drop or pin a model's pages in the page cache, like vmtouch for GGUF files
+and checkpoints (every shard).
 
 Why: resident mode is only as good as the page cache behind it. Before a run (or on a
 machine where RAM >= model) an operator wants the file, or just the non-routed tensors and
@@ -24,6 +25,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import signal
 import sys
 import time
@@ -34,10 +36,18 @@ from typing import Any
 from pipeline.foundation.cli import UsageParser, closable_stdout, print_error
 from pipeline.foundation.config import parse_size
 from pipeline.foundation.errors import MoestreamError, UsageError
+from pipeline.foundation.files import ModelFile, open_checked
 from pipeline.foundation.table import ByteRange, open_table
 from pipeline.logs import configure_console
 from pipeline.warm import WarmEngine
-from stages.residency import PageLock, Residency, coalesce, evict, lock_pages
+from stages.residency import (
+    PageLock,
+    Residency,
+    coalesce,
+    evict,
+    lock_pages,
+    ranges_by_file,
+)
 from tools.warmup.digests import compute_digests
 from tools.warmup.ram_guard import MemoryProbe, PsutilMemory, check_ram
 from tools.warmup.report import format_percent, format_report, format_size, residency_report
@@ -51,7 +61,8 @@ PROG = "moestream-warmup"
 # --- actions -----------------------------------------------------------------------------------
 
 
-def _warm(path: Path, ranges: list[ByteRange], threads: int | None) -> tuple[int, float]:
+def _warm(files: Sequence[ModelFile], ranges: list[ByteRange],
+          threads: int | None) -> tuple[int, float]:
     """Load ``ranges`` with a progress bar; returns bytes read and seconds."""
     from tqdm import tqdm  # imported here: start-up time counts against every warm-up
 
@@ -63,7 +74,7 @@ def _warm(path: Path, ranges: list[ByteRange], threads: int | None) -> tuple[int
         bar.update(done - bar.n)
 
     async def run() -> tuple[int, float]:
-        async with WarmEngine(path, threads=threads) as engine:
+        async with WarmEngine(files, threads=threads) as engine:
             result = await engine.warm(ranges, progress=progress)
         return result.bytes_read, result.seconds
 
@@ -143,11 +154,12 @@ def _run(args: argparse.Namespace, memory: MemoryProbe) -> int:
     selection = build_selection(table, layers=args.layers, experts=args.experts,
                                 non_routed=args.non_routed, hot=hot,
                                 max_hot_bytes=max_hot_bytes)
+    files = table.files
     path = table.path
 
     if args.report:
         started = time.perf_counter()
-        report = residency_report(table, Residency.of_file(path), selection=selection,
+        report = residency_report(table, Residency.of_files(files), selection=selection,
                                   per_expert=args.per_expert)
         report["seconds"] = round(time.perf_counter() - started, 4)
         print(json.dumps(report) if args.json else format_report(report))
@@ -155,31 +167,54 @@ def _run(args: argparse.Namespace, memory: MemoryProbe) -> int:
 
     union = coalesce(selection.ranges)
     if args.evict:
-        before = Residency.of_file(path).resident_bytes(union)
-        left = evict(path, union)
-        after = Residency.of_file(path).resident_bytes(union)
+        before = Residency.of_files(files).resident_bytes(union)
+        left = 0
+        for f, local in ranges_by_file(files, union):
+            fd = open_checked(f)
+            try:
+                left += evict(fd, local)
+            finally:
+                os.close(fd)
+        after = Residency.of_files(files).resident_bytes(union)
         print(f"evicted {format_size(left)} of {path}: selection resident {format_size(before)} -> "
               f"{format_size(after)} of {format_size(selection.nbytes)}")
         return 0
 
-    missing = Residency.of_file(path).missing(selection.ranges)
+    missing = Residency.of_files(files).missing(selection.ranges)
     need = sum(r.nbytes for r in coalesce(missing))
     if not args.force:
         check_ram(need, memory, "lock" if args.lock else "warm")
     if args.lock:
-        with lock_pages(path, union) as lock:
+        with _lock(path, files, union) as lock:
             _hold(lock, sys.stdout)
         return 0
 
-    read_bytes, seconds = _warm(path, missing, args.threads) if missing else (0, 0.0)
-    residency = Residency.of_file(path)
+    read_bytes, seconds = _warm(files, missing, args.threads) if missing else (0, 0.0)
+    residency = Residency.of_files(files)
     resident = residency.resident_bytes(union)
     rate = f" ({read_bytes / seconds / 1e9:.2f} GB/s)" if seconds > 0 else ""
-    file_pct = format_percent(residency.file_resident_bytes, table.file_bytes)
+    file_pct = format_percent(residency.file_resident_bytes, table.data_bytes)
     print(f"resident: {format_size(resident)} of {format_size(selection.nbytes)} selected "
           f"({format_percent(resident, selection.nbytes)}); file {file_pct}; "
           f"read {format_size(read_bytes)} in {seconds:.2f} s{rate}")
     return 0
+
+
+def _lock(path: Path, files: Sequence[ModelFile], ranges: list[ByteRange]) -> PageLock:
+    """Lock ``ranges`` of every file of the model, each file opened against its identity."""
+    locks: list[PageLock] = []
+    try:
+        for f, local in ranges_by_file(files, ranges):
+            fd = open_checked(f)
+            try:
+                locks.append(lock_pages(fd, local))
+            finally:
+                os.close(fd)  # the locked mappings keep the pages
+    except BaseException:
+        for lock in locks:
+            lock.unlock()
+        raise
+    return PageLock.joined(str(path), locks)
 
 
 def main(argv: Sequence[str] | None = None, *, memory: MemoryProbe | None = None) -> int:

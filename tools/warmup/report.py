@@ -71,7 +71,7 @@ def residency_report(
         parts.append(row)
     report: dict[str, Any] = {
         "path": str(table.path),
-        "file_bytes": table.file_bytes,
+        "file_bytes": table.data_bytes,
         "resident_bytes": residency.file_resident_bytes,
         "expert_bytes": {str(i): layer.expert_bytes for i, layer in table.layers.items()},
         "parts": parts,

@@ -260,7 +260,8 @@ def build_selection(
                       for r in table.slices((index, e)).ranges]
             parts.append((f"layer {index}", coalesce(ranges)))
     if not parts:
-        return Selection([("file", [ByteRange(0, table.file_bytes)])], whole_file=True)
+        return Selection([("file", [ByteRange(f.base, f.nbytes) for f in table.files])],
+                         whole_file=True)
     return Selection(parts, hot_experts=hot_keys)
 
 
