@@ -199,6 +199,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Decode a MoE model while streaming its routed experts into a device cache.",
     )
     p.add_argument("-m", "--model", type=Path, help="GGUF model (default: the embedded tiny model)")
+    p.add_argument("--engine", default="proxy", choices=["proxy", "transformers"],
+                   help="proxy: moestream's proxy engine; transformers: generate with the "
+                   "checkpoint directory's real model (moestream.transformers) (proxy)")
     p.add_argument("-n", "--tokens", type=int, default=32, help="tokens to decode (32)")
     p.add_argument("--cache-budget", help="device cache: N experts or a size (11GB, 20GiB); "
                    "default holds every expert")
@@ -242,6 +245,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--inject", default="", metavar="SPEC",
                    help="fault injection, a test facility: kind[=value]@N[+],... e.g. "
                    "read_eio@3,device_oom@10 (kinds: see pipeline/foundation/faults.py)")
+    from moestream.transformers._cli import add_arguments
+
+    add_arguments(p)
     return p
 
 
@@ -345,6 +351,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
         configure_console(debug=args.debug)
+        if args.engine == "transformers":  # a real model through moestream.transformers
+            from moestream.transformers._cli import main as generate
+
+            return generate(args)
         return _main(args)
     finally:
         restore_signals(previous)

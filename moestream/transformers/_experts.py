@@ -29,7 +29,7 @@ large batch) are fetched in groups that do, each released before the next is fet
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, Literal
 
@@ -121,6 +121,8 @@ class ExpertStream:
         self.last: TokenStats | None = None
         """The last token's stats (``end_token``'s answer)."""
         self.tokens = 0
+        self.on_token: Callable[[TokenStats], None] | None = None
+        """Called with each token's stats (a live progress line, say)."""
         self._cuda = self.device.type == "cuda"
         self._started: Any = None
 
@@ -151,6 +153,8 @@ class ExpertStream:
         self._started = None
         self.last = self.session.end_token(compute_ms=compute_ms)
         self.tokens += 1
+        if self.on_token is not None:
+            self.on_token(self.last)
         return self.last
 
     def close(self) -> None:
