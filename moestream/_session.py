@@ -556,6 +556,10 @@ class Session:
             DeviceMemoryError: the device refused memory even after the budget shrank.
         """
         self._here()
+        return self._fetch(layer, experts)
+
+    def _fetch(self, layer: int, experts: Sequence[int]) -> Lease:
+        """``fetch`` once the caller's place was checked (the sync face's path)."""
         layer = index(layer, "layer")
         chosen = expert_ids(experts, layer)
         if self._drops:
@@ -581,6 +585,9 @@ class Session:
             UsageError: called from another loop or thread.
         """
         self._here()
+        return self._ready(layer, experts)
+
+    def _ready(self, layer: int, experts: Sequence[int]) -> bool:
         layer = index(layer, "layer")
         return self.core.all_ready(layer, expert_ids(experts, layer))
 
@@ -595,6 +602,9 @@ class Session:
             UsageError: as ``fetch``.
         """
         self._here()
+        return self._prefetch(layer, experts)
+
+    def _prefetch(self, layer: int, experts: Sequence[int]) -> int:
         layer = index(layer, "layer")
         chosen = expert_ids(experts, layer)
         if self._drops:
@@ -658,6 +668,9 @@ class Session:
             UsageError: called from another loop or thread.
         """
         self._here()
+        return self._counters()
+
+    def _counters(self) -> Counters:
         core = self.core
         done, now = core.counters_now()
         cache, caches = core.cache, core.caches

@@ -22,8 +22,9 @@ import functools
 import os
 import selectors
 import threading
-from asyncio import events
+from asyncio.events import _get_running_loop, _set_running_loop
 from collections.abc import Callable, Coroutine, Iterator, Mapping, Sequence
+from threading import get_ident
 from types import TracebackType
 from typing import Any, TypeVar
 
@@ -77,6 +78,7 @@ class _LoopThread:
         self.closed = False
         self.thread = threading.Thread(target=self._serve, name="moestream-loop", daemon=True)
         self.thread.start()
+        self._ident = self.thread.ident
 
     def _serve(self) -> None:
         with self.lock:
@@ -89,7 +91,7 @@ class _LoopThread:
                 self.loop.close()
 
     def _refuse_own_thread(self) -> None:
-        if threading.current_thread() is self.thread:
+        if threading.get_ident() == self._ident:
             raise UsageError("a SyncSession is not called from its own loop's thread "
                              "(use the Session it wraps there)")
 
@@ -100,7 +102,7 @@ class _LoopThread:
             UsageError: called from the loop's own thread (it would wait on itself), or the
                 session is closed.
         """
-        if threading.current_thread() is self.thread or self.closed:
+        if threading.get_ident() == self._ident or self.closed:
             work.close()
             self._refuse_own_thread()
             raise UsageError("the session is closed")
@@ -114,23 +116,32 @@ class _LoopThread:
     def call(self, fn: Callable[..., T], *args: Any) -> T:
         """Run ``fn`` (which never waits) on the calling thread, under the lock, with the
         loop as this thread's running loop; the loop is woken if ``fn`` gave it work."""
-        self._refuse_own_thread()
+        if get_ident() == self._ident:
+            self._refuse_own_thread()
         loop = self.loop
         with self.lock:
             if self.closed:
                 raise UsageError("the session is closed")
             # private fields of asyncio's loop, read to wake it only when needed: a wake
             # is a write to its self-pipe, which would cost more than most calls
-            ready, timers = len(loop._ready), len(loop._scheduled)  # type: ignore[attr-defined]
-            outer = events._get_running_loop()
-            events._set_running_loop(loop)
+            ready = loop._ready  # type: ignore[attr-defined]
+            queued, timers = len(ready), len(loop._scheduled)  # type: ignore[attr-defined]
+            outer = _get_running_loop()
+            _set_running_loop(loop)
             try:
                 return fn(*args)
             finally:
-                events._set_running_loop(outer)
-                if (len(loop._ready) != ready  # type: ignore[attr-defined]
-                        or len(loop._scheduled) != timers):  # type: ignore[attr-defined]
+                _set_running_loop(outer)
+                if len(ready) != queued or len(loop._scheduled) != timers:  # type: ignore[attr-defined]
                     loop._write_to_self()  # type: ignore[attr-defined]
+
+    def query(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run ``fn``, a pure query of the session's state, on the calling thread under
+        the lock (no running loop needed, nothing to wake)."""
+        with self.lock:
+            if self.closed:
+                raise UsageError("the session is closed")
+            return fn(*args)
 
     def stop(self) -> None:
         self.closed = True
@@ -183,7 +194,7 @@ class SyncLease(LeaseFacts):
         calling thread*."""
         if self._core.released:
             return
-        if after is None and self._session.backend == "cupy":
+        if after is None and self._session._cupy:
             after = _current_streams(self._session.devices)
         self._loop.call(functools.partial(self._lease.release, after, ordered=ordered))
 
@@ -224,6 +235,7 @@ class SyncSession:
     def __init__(self, session: Session, loop: _LoopThread) -> None:
         self._session = session
         self._loop = loop
+        self._cupy = session.backend == "cupy"
 
     @property
     def model(self) -> ModelInfo:
@@ -254,7 +266,7 @@ class SyncSession:
         return self._loop.call(self._fetch, layer, experts)
 
     def _fetch(self, layer: int, experts: Sequence[int]) -> SyncLease:
-        lease = self._session.fetch(layer, experts)
+        lease = self._session._fetch(layer, experts)
         try:
             return SyncLease(self, lease, self._loop)
         except BaseException:  # interrupted before the caller got it: it pins nothing
@@ -263,11 +275,11 @@ class SyncSession:
 
     def prefetch(self, layer: int, experts: Sequence[int]) -> int:
         """As ``Session.prefetch`` (on the caller's thread)."""
-        return self._loop.call(self._session.prefetch, layer, experts)
+        return self._loop.call(self._session._prefetch, layer, experts)
 
     def ready(self, layer: int, experts: Sequence[int]) -> bool:
         """As ``Session.ready`` (on the caller's thread)."""
-        return self._loop.call(self._session.ready, layer, experts)
+        return self._loop.query(self._session._ready, layer, experts)
 
     def end_token(self, *, compute_ms: float | Sequence[float] | None = None,
                   upload_ms: float = 0.0) -> TokenStats:
@@ -277,7 +289,7 @@ class SyncSession:
 
     def counters(self) -> Counters:
         """As ``Session.counters`` (on the caller's thread)."""
-        return self._loop.call(self._session.counters)
+        return self._loop.query(self._session._counters)
 
     def close(self) -> None:
         """As ``Session.aclose``, then stop the loop's thread. Idempotent."""

@@ -143,7 +143,8 @@ class StreamSession:
         self._first_t0: float | None = None
         self._totals = TokenTotals()
         self._experts: list[list[int]] = []
-        self._counted: dict[int, list[LayerLease]] = {}  # this token's leases, by layer
+        # by layer, this token's first lease, or once there were more, what they counted
+        self._counted: dict[int, LayerLease | dict[int, bool]] = {}
         self._hinted_now: set[int] = set()  # layers hinted this token (carried over once)
         self._build_reported = False  # the manifest builder's failure was raised
         self._unexplained_ms = 0.0  # this token's stall not charged to a phase (host)
@@ -373,21 +374,25 @@ class StreamSession:
                 device.hits += len(plan.hits)
                 device.misses += len(plan.misses)
                 device.file_bytes += file_bytes
-        self._counted.setdefault(lease.layer, []).append(lease)
+        self._counted[lease.layer] = lease
         self._experts[self._position[lease.layer]].extend(lease.experts)
 
-    def _count_again(self, lease: LayerLease, before: list[LayerLease]) -> None:
+    def _count_again(self, lease: LayerLease, before: LayerLease | dict[int, bool]) -> None:
         """A second lease of a layer in one token: each expert counts once in the token
         (the log's ``experts`` is the union, ``hits + misses`` its length), a miss if any
         lease of the token loaded it; a second read of one (evicted meanwhile) counts its
-        bytes only."""
-        was_miss: dict[int, bool] = {}
-        for old in before:
-            for part in old.parts:
+        bytes only. ``before``: the token's first lease of the layer, or what the leases
+        so far counted (expert: was a miss)."""
+        if isinstance(before, dict):
+            was_miss = before
+        else:
+            was_miss = {}
+            for part in before.parts:
                 for entry in part.load.plan.hits:
-                    was_miss.setdefault(entry.key[1], False)
+                    was_miss[entry.key[1]] = False
                 for entry in part.load.plan.misses:
                     was_miss[entry.key[1]] = True
+            self._counted[lease.layer] = was_miss
         totals, devices = self._totals, self._devices
         totals.evictions += lease.evicted
         for part in lease.parts:
@@ -412,7 +417,6 @@ class StreamSession:
                 was_miss[entry.key[1]] = True
         seen = self._experts[self._position[lease.layer]]
         seen.extend(e for e in lease.experts if e not in seen)
-        before.append(lease)
 
     def _hold(self, owner: object) -> None:
         """``owner``'s loads are decode's: background reads (the digest manifest's builder)
