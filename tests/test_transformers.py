@@ -1,0 +1,305 @@
+"""moestream.transformers: real transformers MoE models generating through moestream.
+
+Tiny random-init checkpoints written by transformers' own ``save_pretrained`` (Qwen3-MoE,
+Qwen2-MoE with its shared expert, Mixtral, DeepSeek-V3 with shared experts and a dense first
+layer) run on the host backend and CPU torch, against the same checkpoint loaded whole by
+transformers' ``from_pretrained``: logits ``torch.equal`` and greedy tokens identical.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("transformers.integrations.moe")
+
+import moestream  # noqa: E402
+from moestream import transformers as mt  # noqa: E402
+from pipeline import run as pipeline_run  # noqa: E402
+
+ATTENTION = dict(num_attention_heads=4, num_key_value_heads=2, vocab_size=96,
+                 max_position_embeddings=128)
+ARCHS: dict[str, dict[str, Any]] = {
+    "qwen3_moe": dict(hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+                      num_experts=8, num_experts_per_tok=2, num_hidden_layers=2, head_dim=16,
+                      **ATTENTION),
+    "qwen2_moe": dict(hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+                      shared_expert_intermediate_size=48, num_experts=8, num_experts_per_tok=2,
+                      num_hidden_layers=2, **ATTENTION),
+    "mixtral": dict(hidden_size=64, intermediate_size=32, num_local_experts=8,
+                    num_experts_per_tok=2, num_hidden_layers=2, **ATTENTION),
+    "deepseek_v3": dict(hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+                        n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
+                        first_k_dense_replace=1, n_group=2, topk_group=1,
+                        num_hidden_layers=3, q_lora_rank=None, kv_lora_rank=16,
+                        qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
+                        **{**ATTENTION, "num_key_value_heads": 4}),
+}
+REFERENCE = {"grouped": "grouped_mm", "eager": "eager"}
+PROMPTS = [[3, 17, 42, 5, 9, 11], [7, 8, 9, 10, 11, 12]]
+
+
+def _save(kind: str, where: Path, dtype: Any = None, **overrides: Any) -> Path:
+    config = transformers.AutoConfig.for_model(kind, **{**ARCHS[kind], **overrides})
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype or torch.bfloat16)
+    model.save_pretrained(where)
+    return where
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("checkpoints")
+    return {kind: _save(kind, root / kind) for kind in ARCHS}
+
+
+@pytest.fixture
+def loops() -> Any:
+    """No moestream session (its loop thread) outlives a test."""
+    yield
+    left = [t for t in threading.enumerate() if t.name == "moestream-loop"]
+    assert not left, f"{len(left)} sessions left open"
+
+
+def _whole(path: Path, implementation: str) -> Any:
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        path, experts_implementation=implementation)
+
+
+def _generate(model: Any, tokens: int = 6) -> Any:
+    ids = torch.tensor(PROMPTS)
+    return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=tokens,
+                          min_new_tokens=tokens, do_sample=False)
+
+
+class TestExactness:
+    """Streamed experts compute what the whole model computes."""
+
+    @pytest.mark.parametrize("compute", ["grouped", "eager"])
+    @pytest.mark.parametrize("kind", list(ARCHS))
+    def test_logits_and_tokens(self, checkpoints: dict[str, Path], kind: str, compute: str,
+                               loops: None) -> None:
+        """Logits torch.equal to the whole model with the matching experts implementation,
+        greedy tokens identical, batch of 2, every expert loaded through moestream."""
+        whole = _whole(checkpoints[kind], REFERENCE[compute])
+        model = mt.from_pretrained(checkpoints[kind], device="cpu", compute=compute)
+        try:
+            with torch.no_grad():
+                expected = whole(torch.tensor(PROMPTS)).logits
+                got = model(torch.tensor(PROMPTS)).logits
+            assert torch.equal(expected, got)
+            assert torch.equal(_generate(whole), _generate(model))
+            assert model.moestream.session.counters().misses > 0
+        finally:
+            model.moestream.close()
+
+    def test_default_implementation_tokens(self, checkpoints: dict[str, Path],
+                                           loops: None) -> None:
+        """Greedy tokens identical to the whole model with transformers' default experts
+        implementation."""
+        whole = transformers.AutoModelForCausalLM.from_pretrained(checkpoints["qwen3_moe"])
+        model = mt.from_pretrained(checkpoints["qwen3_moe"], device="cpu")
+        try:
+            assert torch.equal(_generate(whole, 8), _generate(model, 8))
+        finally:
+            model.moestream.close()
+
+    @pytest.mark.parametrize("compute", ["grouped", "eager"])
+    def test_small_budget_evicts_and_stays_exact(self, checkpoints: dict[str, Path],
+                                                 compute: str, loops: None) -> None:
+        """A budget of two layers' top-k: the prefill's experts come in groups, the cache
+        evicts, and the tokens do not change."""
+        path = checkpoints["deepseek_v3"]
+        whole = _whole(path, REFERENCE[compute])
+        model = mt.from_pretrained(path, device="cpu", budget="4", compute=compute)
+        try:
+            assert model.moestream.group_experts == 2
+            assert torch.equal(_generate(whole, 8), _generate(model, 8))
+            counters = model.moestream.session.counters()
+            assert counters.evictions > 0
+            assert counters.peak_device_bytes <= counters.budget_bytes
+        finally:
+            model.moestream.close()
+
+    def test_float32_checkpoint(self, tmp_path: Path, loops: None) -> None:
+        """F32 experts compute as F32, equal to the whole model."""
+        path = _save("qwen3_moe", tmp_path / "f32", dtype=torch.float32)
+        whole = _whole(path, "eager")
+        model = mt.from_pretrained(path, device="cpu", compute="eager")
+        try:
+            with torch.no_grad():
+                assert torch.equal(whole(torch.tensor(PROMPTS)).logits,
+                                   model(torch.tensor(PROMPTS)).logits)
+        finally:
+            model.moestream.close()
+
+
+class TestModel:
+    """What from_pretrained hands out."""
+
+    def test_routed_experts_never_loaded(self, checkpoints: dict[str, Path],
+                                         loops: None) -> None:
+        """The experts' parameters stay on the meta device (no storage anywhere); every
+        other parameter is real; the registry names the implementation."""
+        model = mt.from_pretrained(checkpoints["qwen2_moe"], device="cpu")
+        try:
+            assert "moestream" in transformers.integrations.moe.ALL_EXPERTS_FUNCTIONS
+            assert model.config._experts_implementation == "moestream"
+            meta = {n for n, p in model.named_parameters() if p.is_meta}
+            assert meta == {f"model.layers.{i}.mlp.experts.{w}" for i in range(2)
+                            for w in ("gate_up_proj", "down_proj")}
+            assert not any(b.is_meta for b in model.buffers())
+        finally:
+            model.moestream.close()
+
+    def test_one_token_per_forward(self, checkpoints: dict[str, Path], loops: None) -> None:
+        """generate(N) ends N moestream tokens: the prefill's, then one per decode step."""
+        model = mt.from_pretrained(checkpoints["mixtral"], device="cpu")
+        try:
+            seen: list[int] = []
+            model.moestream.on_token = lambda stats: seen.append(stats.token)
+            _generate(model, 5)
+            assert seen == [0, 1, 2, 3, 4]
+            assert model.moestream.last is not None
+        finally:
+            model.moestream.close()
+
+    def test_plain_model_refuses_the_implementation(self, checkpoints: dict[str, Path]) -> None:
+        """A model not loaded by moestream cannot use experts_implementation="moestream"."""
+        mt.register()
+        model = _whole(checkpoints["qwen3_moe"], "moestream")
+        with pytest.raises(moestream.UsageError, match="from_pretrained"):
+            model(torch.tensor(PROMPTS))
+
+    def test_is_available(self) -> None:
+        assert mt.is_available()
+
+
+def _copy(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+def _edit_config(path: Path, **changes: Any) -> None:
+    config = json.loads((path / "config.json").read_text())
+    config.update(changes)
+    (path / "config.json").write_text(json.dumps(config))
+
+
+def _drop_tensor(path: Path, name: str) -> None:
+    from safetensors.torch import load_file, save_file
+
+    file = path / "model.safetensors"
+    tensors = load_file(file)
+    del tensors[name]
+    save_file(tensors, file, metadata={"format": "pt"})
+
+
+class TestBadInput:
+    """Bad input: one line, a moestream error, nothing left open."""
+
+    def test_config_disagrees_with_experts(self, checkpoints: dict[str, Path], tmp_path: Path,
+                                           loops: None) -> None:
+        path = _copy(checkpoints["qwen3_moe"], tmp_path / "m")
+        _edit_config(path, moe_intermediate_size=16)
+        with pytest.raises(moestream.ExpertLayoutError, match="FFN.* 16"):
+            mt.from_pretrained(path, device="cpu")
+
+    def test_expert_count_disagrees(self, checkpoints: dict[str, Path], tmp_path: Path,
+                                    loops: None) -> None:
+        path = _copy(checkpoints["qwen3_moe"], tmp_path / "m")
+        _edit_config(path, num_experts=4)
+        with pytest.raises(moestream.ModelFileError):
+            mt.from_pretrained(path, device="cpu")
+
+    def test_missing_expert_tensor(self, checkpoints: dict[str, Path], tmp_path: Path,
+                                   loops: None) -> None:
+        path = _copy(checkpoints["qwen3_moe"], tmp_path / "m")
+        _drop_tensor(path, "model.layers.1.mlp.experts.3.down_proj.weight")
+        with pytest.raises(moestream.ModelFileError):
+            mt.from_pretrained(path, device="cpu")
+
+    def test_missing_dense_tensor(self, checkpoints: dict[str, Path], tmp_path: Path,
+                                  loops: None) -> None:
+        path = _copy(checkpoints["qwen3_moe"], tmp_path / "m")
+        _drop_tensor(path, "model.norm.weight")
+        with pytest.raises(moestream.ModelFileError, match=r"lacks 1 tensors.*model\.norm"):
+            mt.from_pretrained(path, device="cpu")
+
+    def test_experts_torch_cannot_compute(self, checkpoints: dict[str, Path], tmp_path: Path,
+                                          loops: None) -> None:
+        from safetensors.torch import load_file, save_file
+
+        path = _copy(checkpoints["qwen3_moe"], tmp_path / "m")
+        file = path / "model.safetensors"
+        tensors = {k: (v.to(torch.int8) if ".experts." in k else v)
+                   for k, v in load_file(file).items()}
+        save_file(tensors, file, metadata={"format": "pt"})
+        with pytest.raises(moestream.ModelFileError):
+            mt.from_pretrained(path, device="cpu")
+
+    def test_budget_below_a_layer(self, checkpoints: dict[str, Path], loops: None) -> None:
+        with pytest.raises(moestream.UsageError, match="budget"):
+            mt.from_pretrained(checkpoints["qwen3_moe"], device="cpu", budget="1")
+
+    def test_model_without_routed_experts(self, tmp_path: Path, loops: None) -> None:
+        config = transformers.AutoConfig.for_model(
+            "qwen3", hidden_size=64, intermediate_size=96, num_hidden_layers=1, head_dim=16,
+            **ATTENTION)
+        transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "d")
+        with pytest.raises(moestream.ModelFileError, match="no routed experts"):
+            mt.from_pretrained(tmp_path / "d", device="cpu")
+
+    def test_not_a_checkpoint(self, tmp_path: Path) -> None:
+        with pytest.raises(moestream.ModelFileError, match=r"no config\.json"):
+            mt.from_pretrained(tmp_path, device="cpu")
+
+    def test_bad_compute(self, checkpoints: dict[str, Path]) -> None:
+        with pytest.raises(moestream.UsageError, match="compute"):
+            mt.from_pretrained(checkpoints["qwen3_moe"], device="cpu",
+                               compute="fast")  # type: ignore[arg-type]
+
+
+class TestCli:
+    """python -m pipeline.run --engine transformers."""
+
+    def test_generates_and_logs(self, checkpoints: dict[str, Path], tmp_path: Path,
+                                capsys: pytest.CaptureFixture[str], loops: None) -> None:
+        log = tmp_path / "run.jsonl"
+        code = pipeline_run.main(["--engine", "transformers", "-m", str(checkpoints["qwen3_moe"]),
+                                  "--prompt-ids", "3,17,42", "--tokens", "5",
+                                  "--cache-budget", "6", "--log", str(log)])
+        out = capsys.readouterr().out
+        assert code == 0
+        assert "decoded    5 tokens" in out
+        whole = _whole(checkpoints["qwen3_moe"], "grouped_mm")
+        ids = torch.tensor([[3, 17, 42]])
+        expected = whole.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=5,
+                                  min_new_tokens=5, do_sample=False)[0, 3:].tolist()
+        assert f"tokens     {','.join(map(str, expected))}" in out
+        events = [json.loads(line)["event"] for line in log.read_text().splitlines()]
+        assert events.count("token") == 5
+        assert events[0] == "run_start" and events[-1] == "run_end"
+
+    @pytest.mark.parametrize("argv, message", [
+        (["--prompt-ids", "1,2", "--cache-budget", "1"], "budget"),
+        (["--prompt", "hello"], "no tokenizer"),
+        (["--prompt-ids", "1,x"], "--prompt-ids"),
+        ([], "--prompt"),
+    ])
+    def test_bad_input_one_line_exit_2(self, checkpoints: dict[str, Path], argv: list[str],
+                                       message: str, capsys: pytest.CaptureFixture[str],
+                                       loops: None) -> None:
+        code = pipeline_run.main(["--engine", "transformers", "-m",
+                                  str(checkpoints["qwen3_moe"]), *argv])
+        err = capsys.readouterr().err
+        assert code == 2
+        assert err.startswith("moestream: error: ") and err.count("\n") == 1
+        assert message in err
