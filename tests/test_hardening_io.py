@@ -15,6 +15,7 @@ import os
 import shutil
 import subprocess
 import sys
+from collections.abc import MutableMapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -103,7 +104,7 @@ def _at_manifest_path(model: Path) -> Path:
     return path
 
 
-def _one_warning(logs: list[dict[str, Any]], event: str) -> dict[str, Any]:
+def _one_warning(logs: Sequence[MutableMapping[str, Any]], event: str) -> MutableMapping[str, Any]:
     warnings = [e for e in logs if e.get("log_level") == "warning"]
     assert [e["event"] for e in warnings] == [event], warnings
     return warnings[0]
