@@ -19,6 +19,7 @@ import uvloop
 
 from pipeline.foundation.config import Budget, Mode
 from pipeline.foundation.errors import MoestreamError, UsageError
+from pipeline.foundation.files import ModelFile, model_files
 from pipeline.foundation.table import ByteRange, ExpertTable
 from pipeline.logs import configure_console
 from pipeline.warm import WarmEngine
@@ -27,23 +28,24 @@ from stages.residency import Residency
 __all__ = ["budget_for", "drop_caches", "make_resident", "parse_modes", "run_command"]
 
 
-def drop_caches(path: Path) -> None:
-    """Make the next read of ``path`` come from storage."""
+def drop_caches(model: Path | Sequence[ModelFile]) -> None:
+    """Make the next read of the model (a file, or a table's files) come from storage."""
     os.sync()
     try:
         with open("/proc/sys/vm/drop_caches", "w") as f:
             f.write("3\n")
     except OSError:
         pass
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
+    for file in model_files(model):
+        fd = os.open(file.path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
 
 
-def make_resident(path: Path) -> dict[str, Any]:
-    """Read the file's non-resident pages once, so a resident run starts warm.
+def make_resident(model: Path | Sequence[ModelFile]) -> dict[str, Any]:
+    """Read the model's non-resident pages once, so a resident run starts warm.
 
     Returns what it read, how long it took and the resident share after.
 
@@ -52,12 +54,12 @@ def make_resident(path: Path) -> dict[str, Any]:
     """
     from tools.warmup.ram_guard import PsutilMemory, check_ram
 
-    size = path.stat().st_size
-    missing = Residency.of_file(path).missing([ByteRange(0, size)])
+    files = model_files(model)
+    missing = Residency.of_files(files).missing([ByteRange(f.base, f.nbytes) for f in files])
     check_ram(sum(r.nbytes for r in missing), PsutilMemory(), "warm")
 
     async def warm() -> int:
-        async with WarmEngine(path) as engine:
+        async with WarmEngine(files) as engine:
             return (await engine.warm(missing)).bytes_read
 
     t0 = time.perf_counter()
@@ -65,7 +67,7 @@ def make_resident(path: Path) -> dict[str, Any]:
     return {
         "read_bytes": read_bytes,
         "seconds": round(time.perf_counter() - t0, 3),
-        "resident_share": round(Residency.of_file(path).fraction, 4),
+        "resident_share": round(Residency.of_files(files).fraction, 4),
     }
 
 

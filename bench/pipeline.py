@@ -44,6 +44,7 @@ from bench.record import git_commit, write_result
 from gpu.backend import aligned_host_array
 from gpu.selection import select_backend
 from pipeline.foundation.config import Budget, ComputeSpec, RunConfig
+from pipeline.foundation.files import ModelFile, locate
 from pipeline.foundation.table import ExpertTable, open_table
 from pipeline.run import RunSummary, run
 from pipeline.trace import Trace, save_trace
@@ -77,26 +78,46 @@ def expert_ranges(table: ExpertTable, trace: Trace) -> list[tuple[int, int]]:
     return out
 
 
-def raw_read_gbps(path: Path, ranges: Sequence[tuple[int, int]], threads: int,
+def _open_all(files: Sequence[ModelFile], flags: int) -> dict[int, int]:
+    """A descriptor per file of the model, by its base in the model's address space."""
+    fds: dict[int, int] = {}
+    try:
+        for f in files:
+            fds[f.base] = os.open(f.path, os.O_RDONLY | flags)
+    except BaseException:
+        for fd in fds.values():
+            os.close(fd)
+        raise
+    return fds
+
+
+def _local(files: Sequence[ModelFile], offset: int) -> tuple[int, int]:
+    """(base of the file holding ``offset``, the offset in that file)."""
+    f = locate(files, offset)
+    return f.base, offset - f.base
+
+
+def raw_read_gbps(files: Sequence[ModelFile], ranges: Sequence[tuple[int, int]], threads: int,
                   chunk_bytes: int, direct: bool) -> float:
-    """Read the ranges' aligned covers in chunks on ``threads`` threads; GB/s of range bytes."""
-    flags = os.O_RDONLY | (os.O_DIRECT if direct else 0)
-    fd = os.open(path, flags)
+    """Read the ranges' aligned covers in chunks on ``threads`` threads, each from its own
+    file (the model's address space is page-aligned per file); GB/s of range bytes."""
+    fds = _open_all(files, os.O_DIRECT if direct else 0)
     jobs = [
-        piece
+        (*_local(files, start), n)
         for off, n in ranges
-        for piece in iter_chunks(*aligned_cover(off, n), chunk_bytes)
+        for start, n in iter_chunks(*aligned_cover(off, n), chunk_bytes)
     ]
     buffers: dict[int, np.ndarray] = {}
 
-    def read(job: tuple[int, int]) -> int:
+    def read(job: tuple[int, int, int]) -> int:
         import threading
 
         ident = threading.get_ident()
         buf = buffers.get(ident)
         if buf is None:
             buf = buffers[ident] = aligned_host_array(chunk_bytes)
-        return os.preadv(fd, [buf[: job[1]].data], job[0])
+        base, local, n = job
+        return os.preadv(fds[base], [buf[:n].data], local)
 
     try:
         t0 = time.perf_counter()
@@ -104,7 +125,8 @@ def raw_read_gbps(path: Path, ranges: Sequence[tuple[int, int]], threads: int,
             list(pool.map(read, jobs))
         elapsed = time.perf_counter() - t0
     finally:
-        os.close(fd)
+        for fd in fds.values():
+            os.close(fd)
     return sum(n for _, n in ranges) / elapsed / GB
 
 
@@ -141,7 +163,8 @@ def pinned_h2d_gbps(nbytes: int = 1 << 30, repeats: int = 5) -> float:
     return nbytes / float(np.median(times[1:])) / GB
 
 
-def kvikio_gbps(path: Path, ranges: Sequence[tuple[int, int]], threads: int) -> float | None:
+def kvikio_gbps(files: Sequence[ModelFile], ranges: Sequence[tuple[int, int]],
+                threads: int) -> float | None:
     """kvikio ``CuFile.pread`` of the ranges into device buffers, or None without kvikio."""
     try:
         import cupy
@@ -152,15 +175,20 @@ def kvikio_gbps(path: Path, ranges: Sequence[tuple[int, int]], threads: int) -> 
     kvikio.defaults.set({"num_threads": threads})
     largest = max(n for _, n in ranges)
     bufs = [cupy.empty(largest, dtype=cupy.uint8) for _ in range(threads)]
+    handles = {f.base: kvikio.CuFile(f.path, "r") for f in files}
     t0 = time.perf_counter()
-    with kvikio.CuFile(path, "r") as f:
+    try:
         futures = []
         for i, (off, n) in enumerate(ranges):
-            futures.append(f.pread(bufs[i % threads][:n], n, off))
+            base, local = _local(files, off)
+            futures.append(handles[base].pread(bufs[i % threads][:n], n, local))
             if len(futures) >= threads:
                 futures.pop(0).get()
         for fut in futures:
             fut.get()
+    finally:
+        for handle in handles.values():
+            handle.close()
     cupy.cuda.runtime.deviceSynchronize()
     return sum(n for _, n in ranges) / (time.perf_counter() - t0) / GB
 
@@ -175,7 +203,7 @@ def naive_tps(table: ExpertTable, trace: Trace, tokens: int, layer_ms: float) ->
 
     kernels = CudaKernels()
     stream = CudaStream()
-    fd = os.open(table.path, os.O_RDONLY | os.O_DIRECT)
+    fds = _open_all(table.files, os.O_DIRECT)
     largest = max(aligned_cover(r.offset, r.nbytes)[1]
                   for r in table.slices((table.moe_layers[0], 0)).ranges)
     bounce = aligned_host_array(largest)
@@ -187,7 +215,8 @@ def naive_tps(table: ExpertTable, trace: Trace, tokens: int, layer_ms: float) ->
                     dev = []
                     for r in table.slices((layer, int(e))).ranges:
                         start, length = aligned_cover(r.offset, r.nbytes)
-                        os.preadv(fd, [bounce[:length].data], start)
+                        base, local = _local(table.files, start)
+                        os.preadv(fds[base], [bounce[:length].data], local)
                         skip = r.offset - start
                         pageable = np.array(bounce[skip : skip + r.nbytes])
                         dev.append(cupy.asarray(pageable))
@@ -195,7 +224,8 @@ def naive_tps(table: ExpertTable, trace: Trace, tokens: int, layer_ms: float) ->
                 stream.synchronize()
         return tokens / (time.perf_counter() - t0)
     finally:
-        os.close(fd)
+        for fd in fds.values():
+            os.close(fd)
 
 
 def compute_only_tps(n_layers: int, top_k: int, layer_ms: float, tokens: int) -> float:
@@ -285,7 +315,7 @@ def _phase(name: str, results: dict[str, Any], fn: Callable[[], Any]) -> Any:
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.pipeline", description=__doc__.split("\n")[0])
-    p.add_argument("--model", type=Path, required=True, help="GGUF model (ds4-flash-q2 shaped)")
+    p.add_argument("--model", type=Path, required=True, help="GGUF model or checkpoint directory")
     p.add_argument("--backend", default="auto")
     p.add_argument("--queue-depth", type=int, default=16)
     p.add_argument("--chunk-mib", type=int, default=1)
@@ -340,13 +370,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         if "warm" not in skip:
             print("warm (file in page cache):", flush=True)
             results["warm_file"] = _phase("make_resident", {},
-                                          lambda: make_resident(table.path))
+                                          lambda: make_resident(table.files))
             _phase("page_cache_read_gbps", ref, lambda: raw_read_gbps(
-                table.path, ranges_other, args.queue_depth, args.chunk_mib * MIB, direct=False))
+                table.files, ranges_other, args.queue_depth, args.chunk_mib * MIB, direct=False))
             if gpu:
                 _phase("pinned_h2d_gbps", ref, pinned_h2d_gbps)
                 _phase("kvikio_warm_gbps", ref, lambda: kvikio_gbps(
-                    table.path, ranges_other, args.queue_depth))
+                    table.files, ranges_other, args.queue_depth))
             _, ev = bench.run("resident_sweep", sweep, cyc, mode="resident",
                               budget_bytes=sweep_budget, layer_ms=0.0)
             results["resident_miss_layer_by_layer"] = _phase(
@@ -364,15 +394,16 @@ def main(argv: Sequence[str] | None = None) -> int:
                     lambda: window_rate(ev[args.sweep_tokens:]))
         if "cold" not in skip:
             print("cold (caches dropped):", flush=True)
-            drop_caches(table.path)
+            drop_caches(table.files)
             _phase("odirect_read_gbps", ref, lambda: raw_read_gbps(
-                table.path, ranges_other, args.queue_depth, args.chunk_mib * MIB, direct=True))
+                table.files, ranges_other, args.queue_depth, args.chunk_mib * MIB, direct=True))
             # the best raw O_DIRECT read of these ranges over thread counts (on 2 GiB of them)
             part = _leading(ranges_other, 2 << 30)
             sweep_gbps = {}
             for threads in args.odirect_threads:
-                drop_caches(table.path)
-                sweep_gbps[threads] = raw_read_gbps(table.path, part, threads,
+                drop_caches(table.files)
+                sweep_gbps[threads] = raw_read_gbps(
+                table.files, part, threads,
                                                     args.chunk_mib * MIB, direct=True)
             best = max(sweep_gbps, key=lambda n: sweep_gbps[n])
             ref["odirect_threads_gbps"] = {str(n): round(v, 3) for n, v in sweep_gbps.items()}
@@ -380,17 +411,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             ref["odirect_best_threads"] = best
             # the same ranges again: a storage layer below (a VM host's cache) shows here
             _phase("odirect_reread_gbps", ref, lambda: raw_read_gbps(
-                table.path, ranges_other, args.queue_depth, args.chunk_mib * MIB, direct=True))
+                table.files, ranges_other, args.queue_depth, args.chunk_mib * MIB, direct=True))
             if gpu:
-                drop_caches(table.path)
+                drop_caches(table.files)
                 _phase("kvikio_cold_gbps", ref, lambda: kvikio_gbps(
-                    table.path, ranges_other, args.queue_depth))
-            drop_caches(table.path)
+                    table.files, ranges_other, args.queue_depth))
+            drop_caches(table.files)
             _, ev = bench.run("direct_sweep", sweep, cyc, mode="direct",
                               budget_bytes=sweep_budget, layer_ms=0.0)
             results["direct_miss_layer_by_layer"] = _phase(
                 "direct_miss_layer_by_layer", {}, lambda: window_rate(ev[args.sweep_tokens:]))
-            drop_caches(table.path)
+            drop_caches(table.files)
             _, ev = bench.run("direct_sweep_ahead", sweep, cyc, mode="direct",
                               budget_bytes=sweep_budget, layer_ms=0.0, lookahead=args.lookahead)
             results["direct_miss"] = _phase("direct_miss", {},
@@ -402,10 +433,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if "cache" not in skip and gpu:
             print("cache vs naive (cold start, direct mode):", flush=True)
             hit50 = args.hit50_experts or round(2522 * n_layers / 43)
-            drop_caches(table.path)
+            drop_caches(table.files)
             _phase("naive_tps", ref, lambda: naive_tps(table, calibrated, args.naive_tokens,
                                                         args.layer_ms))
-            drop_caches(table.path)
+            drop_caches(table.files)
             _, ev = bench.run("cache_hit50", calibrated, args.tokens, mode="direct",
                                     budget_bytes=hit50 * (expert_bytes + 1024),
                                     layer_ms=args.layer_ms)

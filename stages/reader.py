@@ -26,6 +26,7 @@ import structlog
 from pipeline.foundation.errors import ModelChangedError, ReadError
 from pipeline.foundation.faults import FaultPlan
 from pipeline.foundation.files import (
+    PAGE_BYTES,
     FileIdentity,
     ModelFile,
     model_files,
@@ -179,8 +180,13 @@ class ModelReader:
                 dst[done : piece.at] = 0
             opened = self._by_base[piece.file.base]
             end = piece.at + piece.nbytes
-            self._read_piece(opened, dst[piece.at : end], piece.local, direct)
+            # an O_DIRECT read asks for whole pages: the page past a file's end comes back short
+            room = min(dst.size, piece.at + -(-piece.nbytes // PAGE_BYTES) * PAGE_BYTES)
+            self._read_piece(opened, dst[piece.at : room], piece.nbytes, piece.local, direct)
             done = end
+        if done < need:  # the range ends in the padding after a file's data
+            dst[done:need] = 0
+            done = need
         now = time.monotonic()
         check_path = self._seen_replaced or now - self._path_checked >= _PATH_CHECK_S
         self.check_unchanged(path=check_path)
@@ -188,10 +194,9 @@ class ModelReader:
             self._path_checked = now
         return done
 
-    def _read_piece(self, opened: _Opened, dst: npt.NDArray[np.uint8], offset: int,
+    def _read_piece(self, opened: _Opened, dst: npt.NDArray[np.uint8], need: int, offset: int,
                     direct: bool) -> None:
-        """All of ``dst`` from ``offset`` of one file (which holds all of it)."""
-        need = dst.size
+        """``need`` bytes from ``offset`` of one file into ``dst`` (which may be larger)."""
         fd = opened.direct if direct else None
         got = 0
         failures = 0
