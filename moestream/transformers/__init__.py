@@ -20,12 +20,18 @@ checkpoint. ``docs/TRANSFORMERS.md`` is the guide.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 from moestream.transformers._gate import EXTRA, is_available
+
+if TYPE_CHECKING:  # the names __getattr__ hands out, for type checkers
+    from moestream.transformers._experts import ExpertStream, register, stream_of
+    from moestream.transformers._loader import from_pretrained
 
 __all__ = ["EXTRA", "ExpertStream", "from_pretrained", "is_available", "register", "stream_of"]
 
 
-def __getattr__(name: str) -> object:
+def __getattr__(name: str) -> Any:
     # torch and transformers are imported only when something that needs them is asked for:
     # ``import moestream.transformers`` stays cheap and works without them
     if name in ("ExpertStream", "register", "stream_of"):
