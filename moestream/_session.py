@@ -266,7 +266,7 @@ class Lease(LeaseFacts):
         self._handed: list[ExpertHandle] = []
         self._source = LeaseSource(core, session.backends, session.table.layers[core.layer],
                                    session._dropped)
-        core.owner = self
+        core.owner = session  # not the lease: the core must not keep its face alive
 
     def _handle(self, arrival: Arrival) -> ExpertHandle:
         handle = ExpertHandle(self._source, arrival)
