@@ -16,6 +16,7 @@ import pytest
 
 import moestream
 from gpu.host import HostBackend
+from pipeline.checkpointgen import CheckpointOptions, write_checkpoint
 from pipeline.foundation.errors import ModelChangedError, MoestreamError
 from pipeline.foundation.manifest import DigestManifest
 from pipeline.foundation.table import ExpertTable, open_table
@@ -138,3 +139,31 @@ def test_rename_at_random_moments(twins: tuple[Path, Path], tmp_path: Path, mode
         assert any(all(got == truth[key] for key, got in seen.items()) for truth in truths), \
             f"attempt {attempt}: the session handed out bytes of both files"
     assert sum(outcomes.values()) == 16, outcomes
+
+
+@pytest.mark.parametrize("mode", ["direct", "resident"])
+def test_checkpoint_shard_written_mid_decode(tmp_path: Path, mode: str) -> None:
+    """A shard of a checkpoint written in place while a session decodes: the session raises
+    (a changed file, or bytes that fail verification) before it can close clean."""
+    model = tmp_path / "ckpt"
+    write_checkpoint(spec_for("tiny", layers=2, experts=8), model,
+                     CheckpointOptions(shard_bytes=1 << 20))
+    table = open_table(model)
+    assert len(table.files) > 2
+    with pytest.raises((ModelChangedError, moestream.VerificationError)):
+        ms = moestream.open_sync(model, budget="8", mode=mode)  # type: ignore[arg-type]
+        try:
+            for token in range(8):
+                if token == 2:
+                    for f in table.files:
+                        with f.path.open("r+b") as out:
+                            out.seek(f.nbytes - 64)
+                            out.write(b"\xff" * 64)
+                for layer in ms.model.moe_layers:
+                    experts = [(token * 2 + i) % 8 for i in range(ms.model.top_k)]
+                    with ms.fetch(layer, experts) as lease:
+                        for _ in lease:
+                            pass
+                ms.end_token()
+        finally:
+            ms.close()
