@@ -19,6 +19,7 @@ from collections.abc import MutableMapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -358,3 +359,56 @@ class TestSizes:
         log.write_text("{}\n")
         _refused(_cli("tools.warmup", str(tiny_model), "--hot", str(log), "--max-bytes", HUGE),
                  "larger than")
+
+
+LONG_TOKENS = 9000
+"""Tokens of ``long_log``: past two of ``FloatRows``' 4096-row blocks."""
+
+
+@pytest.fixture(scope="module")
+def long_log(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A synthetic run log of 43 MoE layers x top-6, about 2 KB a token line."""
+    from bench.analyze import SyntheticRun, write_synthetic_log
+
+    path = tmp_path_factory.mktemp("long") / "run.jsonl"
+    write_synthetic_log(path, SyntheticRun(tokens=LONG_TOKENS, budget_experts=600))
+    return path
+
+
+class TestAnalyzeMemory:
+    """``tools.analyze`` holds numbers per token, never the lines; expert ids only for the
+    what-if replay."""
+
+    TOKENS = LONG_TOKENS
+
+    def test_summary_without_expert_ids_is_the_same(self, long_log: Path) -> None:
+        from tools.analyze.cli import summarize
+
+        whole, lean = read_log(long_log), read_log(long_log, experts=False)
+        assert whole.tokens.experts.shape[0] == self.TOKENS
+        assert lean.tokens.experts.shape[0] == 0
+        assert summarize(whole) == summarize(lean)
+        assert whole.problems == lean.problems == ()
+        for name in whole.tokens.values:
+            assert np.array_equal(whole.tokens[name], lean.tokens[name], equal_nan=True)
+
+    def test_held_per_token(self, long_log: Path) -> None:
+        import tracemalloc
+
+        tracemalloc.start()
+        try:
+            run = read_log(long_log, experts=False)
+            _, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+        assert len(run.tokens) == self.TOKENS
+        # about 30 float64 values a token, twice while the columns are built; the lines
+        # (2 KB each here), tuples of Python floats (about 1.2 KB) and the expert ids (1 KB)
+        # are not held: 4.5 KB a token before
+        assert peak / self.TOKENS < 1000, peak
+
+    def test_replay_refuses_a_log_read_without_ids(self, long_log: Path) -> None:
+        from tools.analyze.whatif_replay import AccessTrace
+
+        with pytest.raises(ValueError, match="experts=True"):
+            AccessTrace.from_log(read_log(long_log, experts=False))

@@ -162,12 +162,12 @@ class _ExpertBuffer:
     Ids at or above ``n_experts`` are counted block by block for the consistency check.
     """
 
-    __slots__ = ("_block", "_blocks", "_in_block", "_keep", "_layers", "_n_experts",
-                 "_outside", "_used", "_width")
-
-    BLOCK_ROWS = 4096
+    __slots__ = ("_block", "_block_rows", "_blocks", "_in_block", "_keep", "_layers",
+                 "_n_experts", "_outside", "_used", "_width")
 
     def __init__(self, layers: int, width: int, *, keep: bool, n_experts: int | None) -> None:
+        # kept blocks are many: large ones; the one reused block small (it is fixed cost)
+        self._block_rows = 4096 if keep else 256
         self._layers = max(layers, 0)
         self._width = max(width, 1)
         self._keep = keep
@@ -179,11 +179,11 @@ class _ExpertBuffer:
         self._in_block = 0
 
     def _new_block(self) -> npt.NDArray[np.int32]:
-        return np.full((self.BLOCK_ROWS, self._layers, self._width), -1, np.int32)
+        return np.full((self._block_rows, self._layers, self._width), -1, np.int32)
 
     def append(self, experts: Any) -> bool:
         """Store one token's lists; False when their shape did not match (padded)."""
-        if self._in_block == self.BLOCK_ROWS:
+        if self._in_block == self._block_rows:
             self._flush()
         row = self._in_block
         self._in_block += 1
@@ -204,7 +204,7 @@ class _ExpertBuffer:
         return False
 
     def _widen(self, width: int) -> None:
-        grown = np.full((self.BLOCK_ROWS, self._layers, width), -1, np.int32)
+        grown = np.full((self._block_rows, self._layers, width), -1, np.int32)
         grown[:, :, : self._width] = self._block
         self._block = grown
         self._width = width
@@ -215,7 +215,7 @@ class _ExpertBuffer:
         if self._n_experts is not None:
             self._outside += int((block >= self._n_experts).sum())
         if self._keep:
-            self._blocks.append(block.copy() if self._in_block < self.BLOCK_ROWS else block)
+            self._blocks.append(block.copy() if self._in_block < self._block_rows else block)
             self._block = self._new_block()
         else:
             self._block.fill(-1)

@@ -83,6 +83,9 @@ class AccessTrace:
                 raise TraceError(f"{run.path}: run_start gives layer {layer} expert_bytes "
                                  f"{size}: an expert's size must be positive")
         experts = run.tokens.experts
+        if experts.shape[0] != len(run.tokens):
+            raise ValueError(f"{run.path}: read without its expert ids: a replay needs "
+                             "read_log(path, experts=True)")
         if experts.shape[0] and not (experts >= 0).any():
             raise TraceError(f"{run.path}: token lines carry no expert lists")
         return cls(header.moe_layers, header.expert_bytes, experts, run.tokens["hits"])

@@ -10,12 +10,16 @@ from __future__ import annotations
 
 from typing import Any
 
+import structlog
+
 from tools.analyze.logrecords import RunLog
 from tools.analyze.report_text import size_text, text_table
 from tools.analyze.whatif import WhatIfReport, default_budgets, parse_budget, what_if
 from tools.analyze.whatif_replay import AccessTrace
 
 __all__ = ["run_what_if", "what_if_json", "what_if_text"]
+
+_log = structlog.get_logger(__name__)
 
 
 def run_what_if(run: RunLog, budgets: list[str] | None, target: float,
@@ -30,6 +34,10 @@ def run_what_if(run: RunLog, budgets: list[str] | None, target: float,
         jobs: worker processes, or None for the default.
     """
     trace = AccessTrace.from_log(run)
+    # the one part of the analysis that holds every token: say how much (--debug shows it)
+    _log.info("what_if_holds", log=str(run.path), tokens=trace.tokens,
+              expert_id_bytes=int(trace.experts.nbytes),
+              bytes_per_token=int(trace.experts[0].nbytes) if trace.tokens else 0)
     header = run.header
     run_budget = header.budget_bytes if header else None
     if budgets:
