@@ -74,7 +74,7 @@ def _whole(path: Path, implementation: str) -> Any:
 
 
 def _generate(model: Any, tokens: int = 6) -> Any:
-    ids = torch.tensor(PROMPTS)
+    ids = torch.tensor(PROMPTS, device=model.device)
     return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=tokens,
                           min_new_tokens=tokens, do_sample=False)
 
@@ -209,7 +209,7 @@ class TestBadInput:
                                            loops: None) -> None:
         path = _copy(checkpoints["qwen3_moe"], tmp_path / "m")
         _edit_config(path, moe_intermediate_size=16)
-        with pytest.raises(moestream.ExpertLayoutError, match="FFN.* 16"):
+        with pytest.raises(moestream.ExpertLayoutError, match=r"FFN.* 16"):
             mt.from_pretrained(path, device="cpu")
 
     def test_expert_count_disagrees(self, checkpoints: dict[str, Path], tmp_path: Path,
@@ -265,6 +265,32 @@ class TestBadInput:
         with pytest.raises(moestream.UsageError, match="compute"):
             mt.from_pretrained(checkpoints["qwen3_moe"], device="cpu",
                                compute="fast")  # type: ignore[arg-type]
+
+
+_CUDA = torch.cuda.is_available()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _CUDA, reason="torch sees no CUDA device")
+class TestGpu:
+    """On a GPU (CuPy backend, torch's stream waiting on the uploads): the same equalities."""
+
+    @pytest.mark.parametrize("compute", ["grouped", "eager"])
+    @pytest.mark.parametrize("kind", list(ARCHS))
+    def test_logits_and_tokens(self, checkpoints: dict[str, Path], kind: str, compute: str,
+                               loops: None) -> None:
+        whole = _whole(checkpoints[kind], REFERENCE[compute]).to("cuda")
+        for budget in (None, "4"):
+            model = mt.from_pretrained(checkpoints[kind], device="cuda", compute=compute,
+                                       budget=budget)
+            try:
+                assert model.moestream.session.backend == "cupy"
+                ids = torch.tensor(PROMPTS, device="cuda")
+                with torch.no_grad():
+                    assert torch.equal(whole(ids).logits, model(ids).logits)
+                assert torch.equal(_generate(whole.to("cuda"), 8).cpu(), _generate(model, 8).cpu())
+            finally:
+                model.moestream.close()
 
 
 class TestCli:

@@ -250,7 +250,9 @@ def _view(matrix: Any, dtype: Any) -> Any:
     """A matrix of the cache as a torch tensor of its shape (no copy; BF16 included, which
     numpy has no type for), cast to ``dtype`` if it differs."""
     source = TORCH_DTYPES[matrix.ggml_type.name]
-    tensor = torch.utils.dlpack.from_dlpack(matrix.bytes).view(source).view(matrix.shape)
+    # the matrix's own export: on a GPU it orders torch's stream after the upload (already
+    # waited for) and nothing else; BF16 comes as its raw bytes (numpy has no bfloat16)
+    tensor = torch.utils.dlpack.from_dlpack(matrix).view(source).view(matrix.shape)
     return tensor if source == dtype else tensor.to(dtype)
 
 

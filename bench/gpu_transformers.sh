@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# One device lease for moestream.transformers (issue 24): the GPU tests of
+# tests/test_transformers.py, then python -m bench.transformers on a random Qwen3-MoE of
+# Qwen3-30B-A3B's per-layer shape (8 layers, 11.2 GB, made here). Writes under $OUT. Usage
+# (on the GPU machine, repo root): MOESTREAM_COMMIT=<sha> bash bench/gpu_transformers.sh
+set -u
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>/dev/null
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+nvidia-smi -L; free -g | head -2; df -h . | tail -1
+python3 -c 'import torch, transformers, cupy; print("torch", torch.__version__, "transformers", transformers.__version__, "cupy", cupy.__version__)'
+timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_transformers.py -k "Gpu" 2>&1 | tail -15 | tee $OUT/gpu-tests.log
+M=$PWD/qwen3-30b-a3b-8l
+if [ ! -f $M/config.json ]; then
+  t0=$(date +%s)
+  timeout 240 python3 -c "from bench.transformers import make_checkpoint as m; m(__import__('pathlib').Path('$M'), 'qwen3-30b-a3b', 8, 'cuda')" 2>&1 | tail -2
+  echo "made $M in $(( $(date +%s) - t0 )) s: $(du -sh $M | cut -f1)"
+fi
+timeout ${BENCH_S:-420} python3 -m bench.transformers -m $M --total 3GiB --tokens ${TOKENS:-16} \
+  --runs ${RUNS:-resident,eager,accelerate,warm,cold,all} --out $OUT/transformers-h200.json \
+  > $OUT/bench.log 2>&1
+echo "bench rc=$? (commit ${MOESTREAM_COMMIT:-unknown})"
+grep -v "Warning\|warn(" $OUT/bench.log | tail -40
