@@ -346,6 +346,13 @@ class TestSizes:
             parse_budget(HUGE)
         assert Budget(experts=2**32).resolve(2**40) == MAX_SIZE_BYTES
 
+    @pytest.mark.parametrize("budget", [HUGE, HUGE + "GB", 10**400])
+    def test_api_budget(self, budget: str | int) -> None:
+        import moestream
+
+        with pytest.raises(UsageError, match=r"experts a budget may hold|larger than"):
+            moestream.open_sync(budget=budget, backend="host")
+
     @pytest.mark.parametrize("option", ["--cache-budget", "--chunk", "--ram-limit", "--margin",
                                         "--limits"])
     def test_run_options(self, tiny_model: Path, option: str) -> None:
