@@ -54,11 +54,14 @@ SAFETENSORS_TYPES = {
 _ITEM_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1,
                "I16": 2, "U16": 2, "F16": 2, "BF16": 2, "I32": 4, "U32": 4, "F32": 4,
                "I64": 8, "U64": 8, "F64": 8}
+# re.ASCII: \d would also take other scripts' digits, which int() reads ("\u0663" is 3)
 _EXPERT = re.compile(r"^(?:.*\.)?layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\."
-                     r"(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
+                     r"(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$", re.ASCII)
 _FUSED = re.compile(r"^(?:.*\.)?layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\."
-                    r"(gate_up_proj|down_proj)(?:\.weight)?$")
-_ROUTER = re.compile(r"^(?:.*\.)?layers\.(\d+)\.(?:mlp|block_sparse_moe)\.gate\.weight$")
+                    r"(gate_up_proj|down_proj)(?:\.weight)?$", re.ASCII)
+_ROUTER = re.compile(r"^(?:.*\.)?layers\.(\d+)\.(?:mlp|block_sparse_moe)\.gate\.weight$",
+                     re.ASCII)
+_BLOCK = re.compile(r"(?:^|\.)layers\.(\d+)\.", re.ASCII)
 _MATRIX = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up",
            "down_proj": "down", "w2": "down"}
 _PARTS = ("gate", "up", "down")
@@ -272,19 +275,24 @@ def _build(path: Path, files: tuple[ModelFile, ...], tensors: dict[str, _Tensor]
     n_blocks = 0
     for t in sorted(tensors.values(), key=lambda t: t.offset):
         info = TensorInfo(t.name, t.dtype, t.offset, t.nbytes)
-        block = re.search(r"(?:^|\.)layers\.(\d+)\.", t.name)
+        block = _BLOCK.search(t.name)
         if block:
             n_blocks = max(n_blocks, int(block.group(1)) + 1)
         if (m := _EXPERT.match(t.name)) is not None:
             layer, expert = int(m.group(1)), int(m.group(2))
             parts = per_expert.setdefault(layer, {}).setdefault(expert, {})
-            parts[_MATRIX[m.group(3)]] = t
+            _claim(path, parts, _MATRIX[m.group(3)], t, f"layer {layer} expert {expert}'s")
         elif (m := _FUSED.match(t.name)) is not None:
-            fused.setdefault(int(m.group(1)), {})[m.group(2)] = t
+            layer = int(m.group(1))
+            _claim(path, fused.setdefault(layer, {}), m.group(2), t, f"layer {layer}'s")
         else:
             non_routed.append(info)
             if (m := _ROUTER.match(t.name)) is not None:
-                routers[int(m.group(1))] = info
+                layer = int(m.group(1))
+                if layer in routers:
+                    raise ExpertLayoutError(path, f"tensors {routers[layer].name!r} and "
+                                                  f"{t.name!r} are both layer {layer}'s router")
+                routers[layer] = info
     both = sorted(set(per_expert) & set(fused))
     if both:
         raise ExpertLayoutError(path, f"layer {both[0]} has both per-expert and fused experts")
@@ -340,6 +348,15 @@ def _build(path: Path, files: tuple[ModelFile, ...], tensors: dict[str, _Tensor]
     )
 
 
+def _claim(path: Path, slots: dict[str, _Tensor], slot: str, t: _Tensor, whose: str) -> None:
+    """Put ``t`` in ``slots[slot]``, refusing a second tensor for it (``experts.01`` beside
+    ``experts.1``, ``w1`` beside ``gate_proj``, two prefixes): never a silent pick."""
+    if slot in slots:
+        raise ExpertLayoutError(path, f"tensors {slots[slot].name!r} and {t.name!r} are both "
+                                      f"{whose} {slot}")
+    slots[slot] = t
+
+
 def _expert_type(path: Path, index: int, t: _Tensor) -> GGMLQuantizationType:
     kind = SAFETENSORS_TYPES.get(t.dtype)
     if kind is None:
@@ -352,9 +369,9 @@ def _per_expert_layer(path: Path, index: int, experts: dict[int, dict[str, _Tens
                       router: TensorInfo | None) -> MoeLayer:
     """A layer whose every expert matrix is a tensor of its own."""
     n = max(experts) + 1
-    missing = [e for e in range(n) if e not in experts]
-    if missing:
-        raise ExpertLayoutError(path, f"layer {index}: expert {missing[0]} is missing "
+    if len(experts) != n:  # the first gap lies within len(experts): never walk a huge n
+        missing = next(e for e in range(n) if e not in experts)
+        raise ExpertLayoutError(path, f"layer {index}: expert {missing} is missing "
                                       f"(experts 0..{n - 1} are named)")
     first = experts[0]
     for e in range(n):

@@ -1,0 +1,391 @@
+"""Tests of pipeline.foundation.safetensors_table on checkpoints from other writers: odd but
+valid layouts map every expert to its bytes; hostile ones are refused in one line, by the
+table and through ``python -m pipeline.run``. The files are written here byte by byte (an
+8-byte little-endian header length, the JSON header, the data)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import struct
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from pipeline.foundation.errors import ExpertLayoutError, ModelFileError
+from pipeline.foundation.experts import ExpertTable
+from pipeline.foundation.table import open_table
+from pipeline.run import main as run_main
+
+D, F, E, LAYERS = 8, 4, 3, 2  # hidden, expert FFN, experts, layers
+ITEM = {"F16": 2, "BF16": 2, "F32": 4, "F8_E4M3": 1, "I8": 1, "I32": 4}
+CONFIG = {"model_type": "qwen3_moe", "hidden_size": D, "moe_intermediate_size": F,
+          "num_experts": E, "num_experts_per_tok": 2, "num_hidden_layers": LAYERS}
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class T:
+    """One tensor: name, dtype, shape and its bytes."""
+
+    __slots__ = ("data", "dtype", "name", "shape")
+
+    def __init__(self, name: str, dtype: str, shape: tuple[int, ...], data: bytes) -> None:
+        self.name, self.dtype, self.shape, self.data = name, dtype, shape, data
+
+
+def _names(layer: int, expert: int, mixtral: bool = False) -> tuple[str, str, str]:
+    """(gate, up, down) tensor names of one expert."""
+    if mixtral:
+        p = f"model.layers.{layer}.block_sparse_moe.experts.{expert}."
+        return p + "w1.weight", p + "w3.weight", p + "w2.weight"
+    p = f"model.layers.{layer}.mlp.experts.{expert}."
+    return p + "gate_proj.weight", p + "up_proj.weight", p + "down_proj.weight"
+
+
+def model(dtype: str = "F16", *, seed: int = 0, mixtral: bool = False,
+          expert_dtype: str | None = None) -> list[T]:
+    """A small MoE model's tensors, every one with distinct random bytes."""
+    rng = np.random.default_rng(seed)
+
+    def t(name: str, shape: tuple[int, ...], kind: str = dtype) -> T:
+        return T(name, kind, shape, rng.bytes(math.prod(shape) * ITEM[kind]))
+
+    out = [t("model.embed_tokens.weight", (16, D))]
+    for layer in range(LAYERS):
+        out.append(t(f"model.layers.{layer}.input_layernorm.weight", (D,)))
+        moe = "block_sparse_moe" if mixtral else "mlp"
+        out.append(t(f"model.layers.{layer}.{moe}.gate.weight", (E, D)))
+        for e in range(E):
+            gate, up, down = _names(layer, e, mixtral)
+            kind = expert_dtype or dtype
+            out += [t(gate, (F, D), kind), t(up, (F, D), kind), t(down, (D, F), kind)]
+    out.append(t("model.norm.weight", (D,)))
+    return out
+
+
+def shard_bytes(tensors: Sequence[T], *, gap: int = 0, header_pad: bytes = b"",
+                data_order: Sequence[int] | None = None,
+                entries: dict[str, Any] | None = None) -> bytes:
+    """A shard holding ``tensors``: header keys in their order, data in ``data_order``, with
+    ``gap`` zero bytes before each tensor and ``header_pad`` after the JSON. ``entries``
+    replaces or adds header entries as they are."""
+    order = range(len(tensors)) if data_order is None else data_order
+    offsets: dict[str, list[int]] = {}
+    data = bytearray()
+    for i in order:
+        data += bytes(gap)
+        offsets[tensors[i].name] = [len(data), len(data) + len(tensors[i].data)]
+        data += tensors[i].data
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    for t in tensors:
+        header[t.name] = {"dtype": t.dtype, "shape": list(t.shape),
+                          "data_offsets": offsets[t.name]}
+    header.update(entries or {})
+    raw = json.dumps(header).encode() + header_pad
+    return struct.pack("<Q", len(raw)) + raw + bytes(data)
+
+
+def write_dir(directory: Path, shards: Sequence[Sequence[T]], *, index: bool = True,
+              config: dict[str, Any] | None = CONFIG, **shard_options: Any) -> Path:
+    """A checkpoint directory of ``shards`` (with the index when ``index``)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    n = len(shards)
+    names = [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+    weight_map = {}
+    for name, tensors in zip(names, shards, strict=True):
+        (directory / name).write_bytes(shard_bytes(tensors, **shard_options))
+        weight_map.update({t.name: name for t in tensors})
+    if index:
+        doc = {"metadata": {"total_size": 0}, "weight_map": weight_map}
+        (directory / "model.safetensors.index.json").write_text(json.dumps(doc))
+    if config is not None:
+        (directory / "config.json").write_text(json.dumps(config))
+    return directory
+
+
+def assert_maps(table: ExpertTable, tensors: Sequence[T], mixtral: bool = False) -> None:
+    """Every expert of ``table`` reads back as its three tensors' bytes."""
+    by_name = {t.name: t.data for t in tensors}
+    assert table.moe_layers == list(range(LAYERS))
+    assert table.n_experts == E and table.hidden == D
+    for layer in range(LAYERS):
+        assert table.layers[layer].shape == (D, F)
+        for e in range(E):
+            s = table.slices((layer, e))
+            got = [table.read_bytes(r.offset, r.nbytes) for r in s.ranges]
+            assert got == [by_name[n] for n in _names(layer, e, mixtral)]
+
+
+class TestOddLayouts:
+    """Layouts other writers produce map every expert to its bytes."""
+
+    def test_shuffled_header_and_data_order(self, tmp_path: Path) -> None:
+        tensors = model()
+        order = list(range(len(tensors)))
+        random.Random(1).shuffle(order)
+        shuffled = [tensors[i] for i in reversed(order)]
+        path = write_dir(tmp_path / "c", [shuffled], data_order=order)
+        assert_maps(open_table(path), tensors)
+
+    def test_an_experts_matrices_over_two_shards(self, tmp_path: Path) -> None:
+        tensors = model()
+        gate = _names(1, 2)[0]
+        first = [t for t in tensors if t.name != gate]
+        path = write_dir(tmp_path / "c", [first, [t for t in tensors if t.name == gate]])
+        table = open_table(path)
+        assert_maps(table, tensors)
+        s = table.slices((1, 2))
+        assert table.file_of(s.gate.offset) != table.file_of(s.up.offset)
+
+    def test_padding_between_tensors_and_trailing_whitespace(self, tmp_path: Path) -> None:
+        tensors = model()
+        path = write_dir(tmp_path / "c", [tensors[:20], tensors[20:]], gap=13,
+                         header_pad=b"    \n\t ")
+        assert_maps(open_table(path), tensors)
+
+    def test_one_tensor_a_shard(self, tmp_path: Path) -> None:
+        tensors = model("F32")
+        path = write_dir(tmp_path / "c", [[t] for t in tensors])
+        table = open_table(path)
+        assert len(table.files) == len(tensors)
+        assert all(f.base % 4096 == 0 for f in table.files)
+        assert_maps(table, tensors)
+
+    def test_shards_without_an_index(self, tmp_path: Path) -> None:
+        tensors = model("BF16")
+        path = write_dir(tmp_path / "c", [tensors[:9], tensors[9:]], index=False)
+        assert_maps(open_table(path), tensors)
+
+    def test_mixtral_names(self, tmp_path: Path) -> None:
+        tensors = model(mixtral=True)
+        table = open_table(write_dir(tmp_path / "c", [tensors]))
+        assert_maps(table, tensors, mixtral=True)
+        assert table.layers[0].router is not None
+
+    @pytest.mark.parametrize("with_config", [True, False])
+    def test_a_single_file(self, tmp_path: Path, with_config: bool) -> None:
+        tensors = model()
+        path = tmp_path / "one.safetensors"
+        path.write_bytes(shard_bytes(tensors))
+        if with_config:
+            (tmp_path / "config.json").write_text(json.dumps(CONFIG))
+        table = open_table(path)
+        assert_maps(table, tensors)
+        assert table.top_k == (2 if with_config else E)  # without: min(8, experts)
+        assert table.n_layers == LAYERS
+
+    def test_fused_written_by_hand(self, tmp_path: Path) -> None:
+        rng = np.random.default_rng(3)
+        gate_up = rng.bytes(E * 2 * F * D * 2)
+        down = rng.bytes(E * D * F * 2)
+        tensors = [T("model.layers.0.mlp.experts.down_proj", "BF16", (E, D, F), down),
+                   T("model.layers.0.mlp.experts.gate_up_proj", "BF16", (E, 2 * F, D), gate_up)]
+        config = {**CONFIG, "num_hidden_layers": 1}
+        table = open_table(write_dir(tmp_path / "c", [tensors], config=config))
+        per, half = 2 * F * D * 2, F * D * 2
+        for e in range(E):
+            s = table.slices((0, e))
+            assert table.read_bytes(s.gate.offset, half) == gate_up[e * per: e * per + half]
+            assert table.read_bytes(s.up.offset, half) == gate_up[e * per + half: (e + 1) * per]
+            assert table.read_bytes(s.down.offset, s.down.nbytes) == down[
+                e * D * F * 2: (e + 1) * D * F * 2]
+
+    def test_other_scripts_digits_name_no_expert(self, tmp_path: Path) -> None:
+        tensors = model()
+        alias = T("model.layers.0.mlp.experts.\u0663.gate_proj.weight", "F16", (F, D),
+                  bytes(F * D * 2))  # U+0663 is a 3 to int(), not to the table
+        table = open_table(write_dir(tmp_path / "c", [[*tensors, alias]]))
+        assert_maps(table, tensors)
+        assert alias.name in {t.name for t in table.non_routed}
+
+    @settings(max_examples=30, deadline=None,
+              suppress_health_check=[HealthCheck.function_scoped_fixture])
+    @given(seed=st.integers(0, 2**32 - 1), n_shards=st.integers(1, 5), gap=st.integers(0, 40),
+           index=st.booleans())
+    def test_any_split_and_order_maps_the_same_bytes(self, seed: int, n_shards: int, gap: int,
+                                                     index: bool) -> None:
+        tensors = model(seed=seed % 7)
+        rnd = random.Random(seed)
+        shards: list[list[T]] = [[] for _ in range(n_shards)]
+        for t in tensors:
+            shards[rnd.randrange(n_shards)].append(t)
+        shards = [s for s in shards if s]
+        orders = []
+        for s in shards:
+            rnd.shuffle(s)
+            order = list(range(len(s)))
+            rnd.shuffle(order)
+            orders.append(order)
+        with tempfile.TemporaryDirectory() as tmp:
+            directory = Path(tmp) / "c"
+            write_dir(directory, shards, index=index, gap=gap)
+            for shard, s, order in zip(sorted(directory.glob("*.safetensors")), shards, orders,
+                                       strict=True):  # rewrite each with its own data order
+                shard.write_bytes(shard_bytes(s, gap=gap, data_order=order))
+            assert_maps(open_table(directory), tensors)
+
+
+# --- hostile checkpoints: each builder makes one in ``directory`` and returns the path ---
+
+def _raw(directory: Path, header: bytes, data: bytes = b"", length: int | None = None) -> Path:
+    directory.mkdir()
+    path = directory / "model.safetensors"
+    n = len(header) if length is None else length
+    path.write_bytes(struct.pack("<Q", n) + header + data)
+    (directory / "config.json").write_text(json.dumps(CONFIG))
+    return directory
+
+
+def _entries(directory: Path, entries: dict[str, Any], data: bytes = bytes(64)) -> Path:
+    return _raw(directory, json.dumps(entries).encode(), data)
+
+
+def _with(directory: Path, change: Callable[[list[T]], list[T]], **options: Any) -> Path:
+    return write_dir(directory, [change(model())], **options)
+
+
+def _two_shards_same_name(directory: Path) -> Path:
+    tensors = model()
+    return write_dir(directory, [tensors, tensors[:1]], index=False)
+
+
+def _index_names(directory: Path, shard: str) -> Path:
+    write_dir(directory, [model()])
+    index = directory / "model.safetensors.index.json"
+    doc = json.loads(index.read_text())
+    doc["weight_map"]["model.norm.weight"] = shard
+    index.write_text(json.dumps(doc))
+    return directory
+
+
+def _wrong_shard(directory: Path) -> Path:
+    tensors = model()
+    write_dir(directory, [tensors[:-1], tensors[-1:]])
+    index = directory / "model.safetensors.index.json"
+    doc = json.loads(index.read_text())
+    doc["weight_map"]["model.norm.weight"] = "model-00001-of-00002.safetensors"
+    index.write_text(json.dumps(doc))
+    return directory
+
+
+def _special_shard(directory: Path, make: Callable[[Path], None]) -> Path:
+    tensors = model()
+    write_dir(directory, [tensors, []], index=False)
+    second = directory / "model-00002-of-00002.safetensors"
+    second.unlink()
+    make(second)
+    return directory
+
+
+def _drop(*names: str) -> Callable[[list[T]], list[T]]:
+    return lambda tensors: [t for t in tensors if t.name not in names]
+
+
+HOSTILE: dict[str, tuple[Callable[[Path], Path], str]] = {
+    "header length past the file": (lambda d: _raw(d, b"{}", length=1000), "past its end"),
+    "header over 100 MiB": (lambda d: _raw(d, b"{}", length=200 << 20), "over the"),
+    "header not JSON": (lambda d: _raw(d, b"{not json"), "not JSON"),
+    "header not an object": (lambda d: _raw(d, b"[1, 2]"), "not a JSON object"),
+    "header nests 3000 deep": (
+        lambda d: _raw(d, b'{"a":' + b"[" * 3000 + b"]" * 3000 + b"}"), "nests too deeply"),
+    "offsets past the file": (lambda d: _entries(d, {"x": {
+        "dtype": "F16", "shape": [100], "data_offsets": [0, 200]}}), "outside"),
+    "overlapping tensors": (lambda d: _entries(d, {
+        "a": {"dtype": "F16", "shape": [8], "data_offsets": [0, 16]},
+        "b": {"dtype": "F16", "shape": [8], "data_offsets": [8, 24]}}), "overlap"),
+    "offsets not dtype x shape": (lambda d: _entries(d, {"x": {
+        "dtype": "F32", "shape": [4], "data_offsets": [0, 8]}}), "spans 8"),
+    "negative or float offsets": (lambda d: _entries(d, {"x": {
+        "dtype": "F16", "shape": [4], "data_offsets": [0, 8.0]}}), "bad shape or data_offsets"),
+    "duplicate name in a header": (lambda d: _raw(
+        d, b'{"x": {"dtype": "F16", "shape": [1], "data_offsets": [0, 2]}, '
+           b'"x": {"dtype": "F16", "shape": [1], "data_offsets": [2, 4]}}', bytes(4)), "twice"),
+    "duplicate name across shards": (_two_shards_same_name, "is also in"),
+    "index names a missing shard": (
+        lambda d: _index_names(d, "model-00009-of-00009.safetensors"), "which is missing"),
+    "index names ../x.safetensors": (
+        lambda d: _index_names(d, "../x.safetensors"), "outside the checkpoint directory"),
+    "index names an absolute path": (
+        lambda d: _index_names(d, "/etc/x.safetensors"), "outside the checkpoint directory"),
+    "index puts a tensor in the wrong shard": (_wrong_shard, "but it is in"),
+    "a FIFO shard": (lambda d: _special_shard(d, os.mkfifo), "is a FIFO"),
+    "a directory shard": (lambda d: _special_shard(d, Path.mkdir), "is a directory"),
+    "config expert count": (lambda d: _with(d, list, config={**CONFIG, "num_experts": 5}),
+                            "config.json says experts 5"),
+    "config hidden size": (lambda d: _with(d, list, config={**CONFIG, "hidden_size": 16}),
+                           "config.json says hidden_size 16"),
+    "config layer count": (lambda d: _with(d, list, config={**CONFIG, "num_hidden_layers": 1}),
+                           "says 1 layers"),
+    "config top-k": (lambda d: _with(d, list, config={**CONFIG, "num_experts_per_tok": 9}),
+                     "num_experts_per_tok 9"),
+    "a missing expert": (lambda d: _with(d, _drop(*_names(0, 1))), "expert 1 is missing"),
+    "a missing down matrix": (lambda d: _with(d, _drop(_names(1, 2)[2])), "no down matrix"),
+    "no experts at all": (lambda d: _with(d, lambda ts: [t for t in ts if "experts" not in
+                                                         t.name]), "no routed expert"),
+    "F8_E4M3 experts": (lambda d: write_dir(d, [model(expert_dtype="F8_E4M3")]), "F8_E4M3"),
+    "I8 experts": (lambda d: write_dir(d, [model(expert_dtype="I8")]), "is I8"),
+    "a huge expert index": (lambda d: _with(d, lambda ts: [*ts, T(
+        "model.layers.0.mlp.experts.999999999999.gate_proj.weight", "F16", (F, D),
+        bytes(F * D * 2))]), "is missing"),
+    "two names for one matrix": (lambda d: _with(d, lambda ts: [*ts, T(
+        "model.layers.0.mlp.experts.01.gate_proj.weight", "F16", (F, D),
+        bytes(F * D * 2))]), "both"),
+    "two routers for one layer": (lambda d: _with(d, lambda ts: [*ts, T(
+        "vision.layers.1.mlp.gate.weight", "F16", (E, D), bytes(E * D * 2))]), "both"),
+    "mixed names for one matrix": (lambda d: _with(d, lambda ts: [*ts, T(
+        "model.layers.1.mlp.experts.2.w2.weight", "F16", (D, F), bytes(F * D * 2))]), "both"),
+    "no config.json in a directory": (lambda d: _with(d, list, config=None),
+                                      "no config.json"),
+    "a directory of no shards": (lambda d: write_dir(d, [], index=False), "no .safetensors file"),
+}
+
+
+class TestHostile:
+    """Every hostile checkpoint is one ModelFileError line, at once."""
+
+    @pytest.mark.parametrize("case", list(HOSTILE))
+    def test_refused_in_one_line(self, tmp_path: Path, case: str) -> None:
+        build, message = HOSTILE[case]
+        path = build(tmp_path / "c")
+        with pytest.raises(ModelFileError) as caught:
+            open_table(path)
+        text = str(caught.value)
+        assert message in text and "\n" not in text and len(text) < 400
+
+    def test_unsupported_dtypes_are_layout_errors(self, tmp_path: Path) -> None:
+        path = write_dir(tmp_path / "c", [model(expert_dtype="F8_E4M3")])
+        with pytest.raises(ExpertLayoutError, match="F8_E4M3; experts must be BF16, F16, F32"):
+            open_table(path)
+
+    @pytest.mark.parametrize("case", list(HOSTILE))
+    def test_run_exits_2_with_one_line(self, tmp_path: Path, case: str,
+                                       capsys: pytest.CaptureFixture[str]) -> None:
+        build, message = HOSTILE[case]
+        path = build(tmp_path / "c")
+        assert run_main(["-m", str(path), "--tokens", "1", "--backend", "host"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        errors = [line for line in err if line.startswith("moestream: error: ")]
+        assert len(errors) == 1 and message in errors[0]
+        assert not any("Traceback" in line for line in err)
+
+    @pytest.mark.parametrize("case", ["header nests 3000 deep", "a FIFO shard"])
+    def test_the_command_itself(self, tmp_path: Path, case: str) -> None:
+        build, message = HOSTILE[case]
+        path = build(tmp_path / "c")
+        done = subprocess.run([sys.executable, "-m", "pipeline.run", "-m", str(path),
+                               "--tokens", "1"], cwd=ROOT, capture_output=True, text=True,
+                              timeout=120, check=False)
+        assert done.returncode == 2
+        lines = done.stderr.strip().splitlines()
+        assert lines[-1].startswith("moestream: error: ") and message in lines[-1]
+        assert "Traceback" not in done.stderr
