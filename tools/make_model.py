@@ -26,7 +26,8 @@ from pipeline.modelgen import PRESETS, spec_for, write_model
 
 __all__ = ["main"]
 
-_DESCRIPTION = ("Write a GGUF model shaped like a public MoE model (DeepSeek V4 Flash, "
+_DESCRIPTION = ("Write a GGUF model (or, with --format safetensors, a Hugging Face "
+                "checkpoint) shaped like a public MoE model (DeepSeek V4 Flash, "
                 "Qwen3-30B-A3B, Mixtral-8x7B) with known expert bytes.")
 
 
@@ -54,7 +55,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--dtype", choices=sorted(DTYPES), help="safetensors: tensor dtype "
                         "(default bf16)")
     parser.add_argument("--shard-size", metavar="SIZE", help="safetensors: largest shard "
-                        "(default 2GiB; 5GB = 10^9 x 5)")
+                        "(default 2GiB; 5GB is 5 x 10^9 bytes)")
     parser.add_argument("--force", action="store_true", help="replace OUT if it exists")
     parser.add_argument("--debug", action="store_true", help="tracebacks on errors")
     debug = "--debug" in (sys.argv[1:] if argv is None else argv)
