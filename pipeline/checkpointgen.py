@@ -66,7 +66,7 @@ _KEEP = frozenset({"config.json", INDEX_NAME, "generation_config.json"})
 _HEADS, _KV_HEADS, _HEAD_DIM = 4, 2, 128
 _OTHER = 0xFFFF_FFFF  # seed-key namespace of non-expert tensors (layer ids stay below it)
 _SCALE = np.float32(0.02 * 3**0.5 / 32768)  # int16 -> uniform values of std 0.02
-Fill = Literal["normal", "ones"]
+Fill = Literal["random", "ones"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,7 +128,7 @@ def _plan(spec: ModelSpec, fused: bool) -> list[_Tensor]:
     d, f, n = spec.hidden, spec.expert_ffn, spec.n_experts
     out: list[_Tensor] = []
 
-    def whole(name: str, shape: tuple[int, ...], fill: Fill = "normal") -> None:
+    def whole(name: str, shape: tuple[int, ...], fill: Fill = "random") -> None:
         key = (spec.seed, _OTHER, zlib.crc32(name.encode()))
         rows = int(np.prod(shape[:-1]))  # 1 for a vector
         out.append(_Tensor(name, shape, (_Piece(key, 0, rows, fill),)))
@@ -139,7 +139,7 @@ def _plan(spec: ModelSpec, fused: bool) -> list[_Tensor]:
         first = 0 if expert is None else expert
         count = n if expert is None else 1
         pieces = tuple(_Piece((spec.seed, layer, e, m), (i * len(matrices) + j) * rows, rows,
-                              "normal")
+                              "random")
                        for i, e in enumerate(range(first, first + count))
                        for j, m in enumerate(matrices))
         out.append(_Tensor(name, shape, pieces))
