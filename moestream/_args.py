@@ -10,14 +10,21 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, TypeAlias
 
 import numpy as np
+import numpy.typing as npt
 
 from pipeline.foundation.config import Budget, parse_budget
 from pipeline.foundation.errors import UsageError, UsageTypeError
 
-__all__ = ["budget_of", "choice", "devices_of", "expert_ids", "index", "milliseconds"]
+__all__ = ["ExpertIds", "Index", "budget_of", "choice", "devices_of", "expert_ids", "index",
+           "milliseconds"]
+
+Index: TypeAlias = int | np.integer[Any]
+"""A layer or expert index: an int, or a numpy integer (normalized to int)."""
+ExpertIds: TypeAlias = Sequence[int | np.integer[Any]] | npt.NDArray[np.integer[Any]]
+"""A fetch's experts: a list, tuple or range of them, or a 1-D integer array."""
 
 
 def index(value: object, what: str) -> int:

@@ -21,7 +21,16 @@ from gguf import GGMLQuantizationType
 
 from gpu.backend import Event
 from gpu.interop import StreamLike, event_after
-from moestream._args import budget_of, choice, devices_of, expert_ids, index, milliseconds
+from moestream._args import (
+    ExpertIds,
+    Index,
+    budget_of,
+    choice,
+    devices_of,
+    expert_ids,
+    index,
+    milliseconds,
+)
 from moestream._handles import ExpertHandle, LeaseSource
 from moestream._logging import route_unconfigured
 from pipeline.controller import Sampler
@@ -531,15 +540,19 @@ class Session:
         words = [f"layer {c.layer} experts {list(c.experts)} (fetched in token {c.fetched_at}"
                  + (", never used)" if c.on_use is not None else ")") for c in held]
         hinted = self.core.hinted_layers()
+        loading = sum(1 for c in self.core.caches for e in c.entries()
+                      if e.pins and e.loaded is not None and not e.loaded.done())
         return ("pins held by " + (f"{len(held)} leases: " + "; ".join(words) if held
                                    else "no lease")
                 + (f", and prefetch hints of layers {hinted}" if hinted else "")
+                + (f", and {loading} loads in flight (a released lease's misses keep their "
+                   "pins until they land)" if loading else "")
                 + " (release leases once their compute is queued; a lease used and still "
                   "held ends at end_token)")
 
     # -- experts ---------------------------------------------------------------------------
 
-    def fetch(self, layer: int, experts: Sequence[int]) -> Lease:
+    def fetch(self, layer: Index, experts: ExpertIds) -> Lease:
         """Pin a layer's experts and start loading the misses; returns at once.
 
         Two fetches of one layer may be held at once: each pins its own experts, and an
@@ -558,7 +571,7 @@ class Session:
         self._here()
         return self._fetch(layer, experts)
 
-    def _fetch(self, layer: int, experts: Sequence[int]) -> Lease:
+    def _fetch(self, layer: Index, experts: ExpertIds) -> Lease:
         """``fetch`` once the caller's place was checked (the sync face's path)."""
         layer = index(layer, "layer")
         chosen = expert_ids(experts, layer)
@@ -575,7 +588,7 @@ class Session:
                 raise UsageError(f"{exc}: {self._pinned_by()}") from exc
             raise
 
-    def ready(self, layer: int, experts: Sequence[int]) -> bool:
+    def ready(self, layer: Index, experts: ExpertIds) -> bool:
         """Whether every one of ``experts`` is cached on its device with its upload landed:
         a ``fetch`` of them now would load nothing and hand every one out at once. A
         query (no pin, no count): an engine that knows a later layer's experts can fetch
@@ -587,11 +600,11 @@ class Session:
         self._here()
         return self._ready(layer, experts)
 
-    def _ready(self, layer: int, experts: Sequence[int]) -> bool:
+    def _ready(self, layer: Index, experts: ExpertIds) -> bool:
         layer = index(layer, "layer")
         return self.core.all_ready(layer, expert_ids(experts, layer))
 
-    def prefetch(self, layer: int, experts: Sequence[int]) -> int:
+    def prefetch(self, layer: Index, experts: ExpertIds) -> int:
         """Hint: start loading experts a later layer will likely fetch (those not cached,
         as far as the budget has room). Held until the lease of that layer's next fetch
         is released (the guesses it did not ask for are then unpinned), or until the token
@@ -604,7 +617,7 @@ class Session:
         self._here()
         return self._prefetch(layer, experts)
 
-    def _prefetch(self, layer: int, experts: Sequence[int]) -> int:
+    def _prefetch(self, layer: Index, experts: ExpertIds) -> int:
         layer = index(layer, "layer")
         chosen = expert_ids(experts, layer)
         if self._drops:

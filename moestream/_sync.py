@@ -22,6 +22,7 @@ import functools
 import os
 import selectors
 import threading
+from _thread import allocate_lock
 from asyncio.events import _get_running_loop, _set_running_loop
 from collections.abc import Callable, Coroutine, Iterator, Mapping, Sequence
 from threading import get_ident
@@ -29,6 +30,7 @@ from types import TracebackType
 from typing import Any, TypeVar
 
 from gpu.interop import stream_pointer
+from moestream._args import ExpertIds, Index
 from moestream._handles import ExpertHandle
 from moestream._session import (
     After,
@@ -43,6 +45,7 @@ from moestream._session import (
     Tuning,
 )
 from moestream._session import open as open_session
+from moestream._signals import DEFERRAL
 from pipeline.foundation.config import Budget
 from pipeline.foundation.errors import UsageError
 from pipeline.lease import NOT_YET
@@ -98,53 +101,98 @@ class _LoopThread:
     def run(self, work: Coroutine[Any, Any, T]) -> T:
         """Run ``work`` on the loop and wait for its result (its error is raised here).
 
+        The wait is a plain lock's acquire, which a signal interrupts cleanly (a
+        ``Condition``'s wait, as ``Future.result`` does, can break its lock); the future's
+        own bookkeeping runs with the main thread's handlers deferred. Interrupted while
+        waiting, the work on the loop is cancelled.
+
         Raises:
             UsageError: called from the loop's own thread (it would wait on itself), or the
                 session is closed.
         """
-        if threading.get_ident() == self._ident or self.closed:
+        if get_ident() == self._ident or self.closed:
             work.close()
             self._refuse_own_thread()
             raise UsageError("the session is closed")
-        future = asyncio.run_coroutine_threadsafe(work, self.loop)
+        deferral = DEFERRAL
+        main = get_ident() == deferral.main
+        waiter = allocate_lock()
+        waiter.acquire()
+        with deferral.holding(main):
+            future = asyncio.run_coroutine_threadsafe(work, self.loop)
+            future.add_done_callback(lambda _: waiter.release())
         try:
-            return future.result()
+            waiter.acquire()
         except BaseException:
-            future.cancel()  # interrupted while waiting: stop the work too
+            with deferral.holding(main):
+                future.cancel()  # interrupted while waiting: stop the work too
             raise
+        with deferral.holding(main):
+            return future.result()
 
     def call(self, fn: Callable[..., T], *args: Any) -> T:
         """Run ``fn`` (which never waits) on the calling thread, under the lock, with the
         loop as this thread's running loop; the loop is woken if ``fn`` gave it work."""
-        if get_ident() == self._ident:
+        ident = get_ident()
+        if ident == self._ident:
             self._refuse_own_thread()
-        loop = self.loop
-        with self.lock:
-            if self.closed:
-                raise UsageError("the session is closed")
-            # private fields of asyncio's loop, read to wake it only when needed: a wake
-            # is a write to its self-pipe, which would cost more than most calls
-            ready = loop._ready  # type: ignore[attr-defined]
-            queued, timers = len(ready), len(loop._scheduled)  # type: ignore[attr-defined]
-            outer = _get_running_loop()
-            _set_running_loop(loop)
-            try:
-                return fn(*args)
-            finally:
-                _set_running_loop(outer)
-                if len(ready) != queued or len(loop._scheduled) != timers:  # type: ignore[attr-defined]
-                    loop._write_to_self()  # type: ignore[attr-defined]
+        deferral = DEFERRAL
+        main = ident == deferral.main  # where signal handlers run: deferred meanwhile
+        if main:  # first: an interrupt must not land between taking the lock and ``try``
+            deferral.busy += 1
+        done = False
+        try:
+            with self.lock:
+                if self.closed:
+                    raise UsageError("the session is closed")
+                loop = self.loop
+                # private fields of asyncio's loop, read to wake it only when needed: a
+                # wake is a write to its self-pipe, which would cost more than most calls
+                ready = loop._ready  # type: ignore[attr-defined]
+                queued, timers = len(ready), len(loop._scheduled)  # type: ignore[attr-defined]
+                outer = _get_running_loop()
+                _set_running_loop(loop)
+                try:
+                    result = fn(*args)
+                    done = True
+                finally:
+                    _set_running_loop(outer)
+                    if len(ready) != queued or len(loop._scheduled) != timers:  # type: ignore[attr-defined]
+                        loop._write_to_self()  # type: ignore[attr-defined]
+        finally:
+            if main:
+                deferral.busy -= 1
+                if deferral.pending:
+                    try:
+                        deferral.run_pending()  # outside the lock: a handler may call us
+                    except BaseException:
+                        if done and isinstance(result, SyncLease):  # never handed out
+                            result.release()
+                        raise
+        return result
 
     def query(self, fn: Callable[..., T], *args: Any) -> T:
         """Run ``fn``, a pure query of the session's state, on the calling thread under
         the lock (no running loop needed, nothing to wake)."""
-        with self.lock:
-            if self.closed:
-                raise UsageError("the session is closed")
-            return fn(*args)
+        deferral = DEFERRAL
+        main = get_ident() == deferral.main
+        if main:
+            deferral.busy += 1
+        try:
+            with self.lock:
+                if self.closed:
+                    raise UsageError("the session is closed")
+                return fn(*args)
+        finally:
+            if main:
+                deferral.busy -= 1
+                if deferral.pending:
+                    deferral.run_pending()
 
     def stop(self) -> None:
-        self.closed = True
+        if not self.closed:
+            self.closed = True
+            DEFERRAL.uninstall()
         if self.thread.is_alive():
             self.loop.call_soon_threadsafe(self.loop.stop)
             self.thread.join()
@@ -261,11 +309,11 @@ class SyncSession:
         """As ``Session.router``; the router itself may be called from any thread."""
         return self._loop.call(self._session.router, seed)
 
-    def fetch(self, layer: int, experts: Sequence[int]) -> SyncLease:
+    def fetch(self, layer: Index, experts: ExpertIds) -> SyncLease:
         """As ``Session.fetch`` (on the caller's thread: it never waits)."""
         return self._loop.call(self._fetch, layer, experts)
 
-    def _fetch(self, layer: int, experts: Sequence[int]) -> SyncLease:
+    def _fetch(self, layer: Index, experts: ExpertIds) -> SyncLease:
         lease = self._session._fetch(layer, experts)
         try:
             return SyncLease(self, lease, self._loop)
@@ -273,11 +321,11 @@ class SyncSession:
             lease.release()
             raise
 
-    def prefetch(self, layer: int, experts: Sequence[int]) -> int:
+    def prefetch(self, layer: Index, experts: ExpertIds) -> int:
         """As ``Session.prefetch`` (on the caller's thread)."""
         return self._loop.call(self._session._prefetch, layer, experts)
 
-    def ready(self, layer: int, experts: Sequence[int]) -> bool:
+    def ready(self, layer: Index, experts: ExpertIds) -> bool:
         """As ``Session.ready`` (on the caller's thread)."""
         return self._loop.query(self._session._ready, layer, experts)
 
@@ -330,6 +378,7 @@ def open_sync(
     """
     session = open_session(model, devices=devices, budget=budget, mode=mode, policy=policy,
                            verify=verify, backend=backend, log=log, tuning=tuning)
+    DEFERRAL.install()
     loop = _LoopThread()
     try:
         loop.run(session._open())
