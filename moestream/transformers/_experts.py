@@ -204,6 +204,44 @@ class ExpertStream:
         dtype = module.down_proj.dtype
         return _view(h.gate, dtype), _view(h.up, dtype), _view(h.down, dtype)
 
+    def _stacked(self, module: Any, handles: Sequence[ExpertHandle]) -> tuple[Any, Any]:
+        """The experts' weights stacked for one grouped product: ``gate_up`` ``(n, 2F, D)``
+        (gate the first F rows, as transformers keeps them) and ``down`` ``(n, D, F)``,
+        copied from the cache on the device. On a GPU the copies are queued on torch's
+        stream by address (``cudaMemcpyAsync``, gate and up in one when they are adjacent):
+        no tensor is made per matrix, whose DLPack import costs more host time than the
+        copy; elsewhere, and when a cast is needed, one multi-tensor copy of the views."""
+        n = len(handles)
+        ffn, dim = handles[0].gate.shape
+        dtype = module.down_proj.dtype
+        gate_up = torch.empty((n, 2 * ffn, dim), dtype=dtype, device=self.device)
+        down = torch.empty((n, dim, ffn), dtype=dtype, device=self.device)
+        same = all(TORCH_DTYPES[m.ggml_type.name] == dtype for h in handles for m in h.matrices)
+        if self._cuda and same:
+            import cupy  # the session's backend on a GPU: present whenever this runs
+
+            copy = cupy.cuda.runtime.memcpyAsync
+            kind = cupy.cuda.runtime.memcpyDeviceToDevice
+            stream = torch.cuda.current_stream(self.device).cuda_stream
+            row = gate_up.stride(0) * gate_up.element_size()
+            base, down_base = gate_up.data_ptr(), down.data_ptr()
+            for i, h in enumerate(handles):
+                gate, up, d = h.gate, h.up, h.down
+                g = gate.ptr
+                if up.ptr == g + gate.nbytes:
+                    copy(base + i * row, g, 2 * gate.nbytes, kind, stream)
+                else:
+                    copy(base + i * row, g, gate.nbytes, kind, stream)
+                    copy(base + i * row + gate.nbytes, up.ptr, up.nbytes, kind, stream)
+                copy(down_base + i * d.nbytes, d.ptr, d.nbytes, kind, stream)
+            return gate_up, down
+        views = [self._weights(module, h) for h in handles]
+        targets = ([gate_up[i, :ffn] for i in range(n)] + [gate_up[i, ffn:] for i in range(n)]
+                   + [down[i] for i in range(n)])
+        sources = [v[0] for v in views] + [v[1] for v in views] + [v[2] for v in views]
+        torch._foreach_copy_(targets, sources)
+        return gate_up, down
+
     def _eager(self, layer: int, module: Any, hidden: Any, top_k_index: Any,
                top_k_weights: Any, wanted: Sequence[int]) -> Any:
         final = torch.zeros_like(hidden)
@@ -266,14 +304,7 @@ def _grouped_rows(stream: ExpertStream, module: Any, hidden: Any, expert_ids: An
     grouped product skips, and are left as they were."""
     handles = sorted(batch, key=lambda h: h.expert)
     n = len(handles)
-    views = [stream._weights(module, h) for h in handles]
-    ffn, dim = views[0][0].shape
-    gate_up = torch.empty((n, 2 * ffn, dim), dtype=views[0][0].dtype, device=hidden.device)
-    down = torch.empty((n, dim, ffn), dtype=views[0][2].dtype, device=hidden.device)
-    targets = ([gate_up[i, :ffn] for i in range(n)] + [gate_up[i, ffn:] for i in range(n)]
-               + [down[i] for i in range(n)])
-    sources = [v[0] for v in views] + [v[1] for v in views] + [v[2] for v in views]
-    torch._foreach_copy_(targets, sources)
+    gate_up, down = stream._stacked(module, handles)
 
     device = hidden.device
     # local ids: the batch's experts 0..n-1 in ascending expert order, every other expert n
