@@ -21,6 +21,7 @@ import json
 import os
 import re
 import stat
+from collections.abc import Callable
 from itertools import accumulate
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -167,7 +168,9 @@ def json_depth(text: str | bytes | bytearray) -> int:
 
 
 def load_json_bounded(text: str | bytes | bytearray, what: str,
-                      max_depth: int = JSON_MAX_DEPTH) -> Any:
+                      max_depth: int = JSON_MAX_DEPTH, *,
+                      object_pairs_hook: Callable[[list[tuple[str, Any]]], Any] | None = None,
+                      ) -> Any:
     """``json.loads(text)`` for an input document, refusing nesting deeper than
     ``max_depth`` before the parser recurses into it.
 
@@ -178,6 +181,7 @@ def load_json_bounded(text: str | bytes | bytearray, what: str,
         text: the document (a line of a JSON-lines file, a header).
         what: what it is, for the message (``trace.jsonl:3``, ``manifest header``).
         max_depth: the deepest nesting accepted.
+        object_pairs_hook: as ``json.loads`` takes it (to refuse duplicate keys).
 
     Raises:
         JSONDepthError: nested deeper than ``max_depth``.
@@ -193,4 +197,4 @@ def load_json_bounded(text: str | bytes | bytearray, what: str,
         if depth > max_depth:
             raise JSONDepthError(f"{what}: JSON nested {depth} levels deep, deeper than the "
                                  f"{max_depth} accepted")
-    return json.loads(text)
+    return json.loads(text, object_pairs_hook=object_pairs_hook)
