@@ -24,7 +24,6 @@ offset, size and name is checked against the file and the dtype x shape it claim
 from __future__ import annotations
 
 import itertools
-import json
 import math
 import os
 import re
@@ -37,6 +36,7 @@ from gguf import GGMLQuantizationType
 from pipeline.foundation.errors import ExpertLayoutError, ModelFileError
 from pipeline.foundation.experts import ExpertTable, MoeLayer, TensorInfo
 from pipeline.foundation.files import ModelFile, check_identity, lay_out, open_identified
+from pipeline.foundation.inputs import JSONDepthError, load_json_bounded, read_input
 
 __all__ = ["HEADER_LIMIT_BYTES", "SAFETENSORS_TYPES", "open_checkpoint"]
 
@@ -165,19 +165,16 @@ def _check_index(directory: Path, tensors: dict[str, _Tensor]) -> None:
 
 def _read_json(path: Path, limit: int) -> dict[str, Any]:
     """A JSON object from a small regular file, refused in one line when it is not one."""
-    fd, identity = open_identified(path, "JSON file")
     try:
-        if identity.size > limit:
-            raise ModelFileError(path, f"is {identity.size} bytes, over the {limit}-byte limit")
-        data = os.pread(fd, identity.size, 0)
-    finally:
-        os.close(fd)
+        data = read_input(path, limit)
+    except OSError as exc:
+        raise ModelFileError(path, f"cannot read: {exc.strerror or exc}") from exc
     return _parse_object(path, data, "file")
 
 
 def _parse_object(path: Path, data: bytes, what: str) -> dict[str, Any]:
-    """``data`` as a JSON object without duplicate keys; nesting past the parser's recursion
-    limit is refused in one line, not a traceback."""
+    """``data`` as a JSON object without duplicate keys, its nesting bounded; refused in one
+    line otherwise."""
 
     def no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
         out: dict[str, Any] = {}
@@ -188,10 +185,10 @@ def _parse_object(path: Path, data: bytes, what: str) -> dict[str, Any]:
         return out
 
     try:
-        doc = json.loads(data, object_pairs_hook=no_duplicates)
-    except RecursionError:
-        raise ModelFileError(path, f"its {what} nests too deeply to be JSON we read") from None
-    except (ValueError, UnicodeDecodeError) as exc:
+        doc = load_json_bounded(data, f"its {what}", object_pairs_hook=no_duplicates)
+    except JSONDepthError as exc:
+        raise ModelFileError(path, f"its {what} nests too deeply ({exc})") from None
+    except ValueError as exc:  # not JSON, or not UTF-8
         raise ModelFileError(path, f"its {what} is not JSON ({str(exc)[:80]})") from None
     if not isinstance(doc, dict):
         raise ModelFileError(path, f"its {what} is not a JSON object")
