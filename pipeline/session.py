@@ -675,7 +675,9 @@ class StreamSession:
                 f"{self.verifier.mismatches - mismatches} experts loaded during token "
                 f"{self._token - 1} differ from the file, first: {self.verifier.first_mismatch}")
         failed = self._manifest_failure()
-        if failed is not None and not self._build_reported:
+        if isinstance(failed, ModelChangedError) and not self._build_reported:
+            # the file changed: what is read now is not the file verified (a failed read
+            # leaves the experts unverified, which the close raises for)
             self._build_reported = True
             raise failed
         return fields
