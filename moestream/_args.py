@@ -150,8 +150,3 @@ def budget_of(budget: object) -> Budget | None:
         raise UsageError(f"a cache budget must be at least 1 expert or byte, not {budget!r}")
     return parsed
 
-
-def positive(value: Any, what: str) -> None:
-    """Refuse a setting below 1 (an int)."""
-    if index(value, what) < 1:
-        raise UsageError(f"{what} must be >= 1, not {value!r}")

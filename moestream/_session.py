@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import os
 import warnings
+from asyncio.events import _get_running_loop
 from collections.abc import AsyncIterator, Generator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -324,8 +325,10 @@ class Lease(LeaseFacts):
         on with those still to come.
 
         Raises:
-            UsageError: the lease was released or the session closed.
+            UsageError: the lease was released or the session closed; called from another
+                thread than the session's loop.
         """
+        self._session._on_loop()
         core = self._core
         arrivals = core.take_ready()
         arrivals.extend(core.take_landed())
@@ -361,9 +364,14 @@ class Lease(LeaseFacts):
                 on a device stream (a join per expert saved).
 
         A miss still loading (a fetch cancelled part way) keeps its pin until it lands.
+
+        Raises:
+            UsageError: called from another thread than the session's loop (a
+                ``SyncLease`` may be released from any thread).
         """
         if self._core.released:
             return
+        self._session._on_loop()
         backends = self._session.backends
 
         def last_use(part: LeasePart) -> Event | None:
@@ -446,6 +454,13 @@ class Session:
     @property
     def closed(self) -> bool:
         return self.core.closed
+
+    def _on_loop(self) -> None:
+        """Refuse a lease's call from another thread than the session's loop (the sync
+        face's calls run with that loop set as their thread's running loop)."""
+        if _get_running_loop() is not self._loop:
+            raise UsageError("a Lease is used from the event loop that opened its session; "
+                             "from other threads use moestream.open_sync")
 
     def _here(self) -> None:
         """Refuse calls from anywhere but the session's own event loop."""
@@ -563,9 +578,12 @@ class Session:
             experts: distinct expert indices of that layer.
 
         Raises:
+            UsageTypeError: ``layer`` or an expert is not an integer (an ``int`` or a numpy
+                integer), or ``experts`` is not a list, tuple, range or 1-D integer array.
             UsageError: the session is closed, or called from another loop or thread; a
                 layer that is not a MoE layer, an expert out of range or named twice; more
-                pinned than the budget holds (see ``Tuning.layers_in_flight``).
+                pinned than the budget holds (the message names the leases, hints and
+                loads in flight that hold the pins).
             DeviceMemoryError: the device refused memory even after the budget shrank.
         """
         self._here()

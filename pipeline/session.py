@@ -270,12 +270,12 @@ class StreamSession:
         assert self.table is not None
         experts = min_bytes // expert_bytes * devices
         raise UsageError(
-            f"cache budget of {budget} bytes ({self.config.budget}) holds "
-            f"{budget // expert_bytes} experts of {expert_bytes} bytes; it must hold "
-            f"{self._layers_in_flight} layers' top-{self.table.top_k} experts"
-            + (f" on each of {devices} devices" if devices > 1 else "")
-            + f" ({experts} experts, {min_bytes * devices} bytes): give a budget of at least "
-            f"{experts} experts, or lower layers_in_flight")
+            f"cache budget of {budget} bytes ({self.config.budget}) cannot hold one layer's "
+            f"top-{self.table.top_k} experts for each of the {self._layers_in_flight} layers "
+            "in flight" + (f" on each of {devices} devices" if devices > 1 else "")
+            + f" ({experts} experts, {min_bytes * devices} bytes; it holds "
+            f"{budget // expert_bytes} experts of {expert_bytes} bytes): give a budget of "
+            f"at least {experts} experts")
 
     # -- fetch -----------------------------------------------------------------------------
 
