@@ -181,6 +181,19 @@ class TestModel:
     def test_is_available(self) -> None:
         assert mt.is_available()
 
+    def test_core_never_imports_torch(self) -> None:
+        """moestream, pipeline.run (its parser included) and moestream.transformers' gate
+        import neither torch nor transformers."""
+        import subprocess
+        import sys
+
+        code = ("import sys, moestream, moestream.transformers, pipeline.run; "
+                "pipeline.run.build_parser(); "
+                "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                             check=True).stdout
+        assert out.strip() == "[]"
+
 
 def _copy(src: Path, dst: Path) -> Path:
     shutil.copytree(src, dst)
