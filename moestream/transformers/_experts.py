@@ -166,8 +166,9 @@ class ExpertStream:
     def forward(self, layer: int, module: Any, hidden: Any, top_k_index: Any,
                 top_k_weights: Any) -> Any:
         """The routed experts' output for ``hidden``, as the module's experts would give."""
-        # the one host read of a layer: which experts to ask for (eager reads it too)
-        wanted = [int(e) for e in torch.unique(top_k_index).tolist()]
+        # the one host read of a layer: which experts to ask for (eager reads it too); one
+        # copy of the ids, not a device unique (which would synchronize once more)
+        wanted = sorted({int(e) for e in top_k_index.flatten().tolist()})
         if self.compute == "eager":
             return self._eager(layer, module, hidden, top_k_index, top_k_weights, wanted)
         return self._grouped(layer, module, hidden, top_k_index, top_k_weights, wanted)
@@ -309,8 +310,11 @@ def _grouped_rows(stream: ExpertStream, module: Any, hidden: Any, expert_ids: An
     device = hidden.device
     # local ids: the batch's experts 0..n-1 in ascending expert order, every other expert n
     lookup = torch.full((module.num_experts,), n, dtype=expert_ids.dtype, device=device)
-    lookup[torch.tensor([h.expert for h in handles], dtype=expert_ids.dtype, device=device)] = (
-        torch.arange(n, dtype=expert_ids.dtype, device=device))
+    ids = torch.tensor([h.expert for h in handles], dtype=expert_ids.dtype,
+                       pin_memory=device.type == "cuda")
+    # from pinned memory the copy is queued, not waited for: no second host synchronization
+    lookup[ids.to(device, non_blocking=True)] = torch.arange(n, dtype=expert_ids.dtype,
+                                                             device=device)
     local = lookup[expert_ids]
     local_sorted, perm = torch.sort(local)
     selected = hidden[perm // top_k]
