@@ -148,6 +148,18 @@ class TestExactness:
 class TestModel:
     """What from_pretrained hands out."""
 
+    def test_single_file(self, checkpoints: dict[str, Path], loops: None) -> None:
+        """One .safetensors file given (its config.json beside it) loads as its directory."""
+        path = checkpoints["mixtral"]
+        whole = _whole(path, "grouped_mm")
+        model = mt.from_pretrained(path / "model.safetensors", device="cpu")
+        try:
+            with torch.no_grad():
+                assert torch.equal(whole(torch.tensor(PROMPTS)).logits,
+                                   model(torch.tensor(PROMPTS)).logits)
+        finally:
+            model.moestream.close()
+
     def test_routed_experts_never_loaded(self, checkpoints: dict[str, Path],
                                          loops: None) -> None:
         """The experts' parameters stay on the meta device (no storage anywhere); every
@@ -273,6 +285,10 @@ class TestBadInput:
         transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "d")
         with pytest.raises(moestream.ModelFileError, match="no routed experts"):
             mt.from_pretrained(tmp_path / "d", device="cpu")
+
+    def test_gguf_refused(self, tmp_path: Path) -> None:
+        with pytest.raises(moestream.ModelFileError, match="GGUF"):
+            mt.from_pretrained(tmp_path / "model.gguf", device="cpu")
 
     def test_not_a_checkpoint(self, tmp_path: Path) -> None:
         with pytest.raises(moestream.ModelFileError, match=r"no config\.json"):

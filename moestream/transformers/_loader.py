@@ -74,7 +74,8 @@ def from_pretrained(
     """Load a transformers MoE causal LM whose routed experts moestream serves.
 
     Args:
-        path: a checkpoint directory (``config.json`` and safetensors shards).
+        path: a checkpoint directory (``config.json`` and safetensors shards), or one
+            ``.safetensors`` file with the ``config.json`` beside it.
         budget: the device cache for the routed experts: ``"64"`` (experts), ``"3GiB"``,
             or a ``Budget``; None holds every expert.
         mode: moestream's I/O mode, ``auto``, ``direct`` or ``resident``.
@@ -103,19 +104,24 @@ def from_pretrained(
     if compute not in COMPUTES:
         raise UsageError(f"compute must be one of {', '.join(COMPUTES)}, got {compute!r}")
     register()
-    root = Path(path)
+    given = Path(path)
+    if given.suffix == ".gguf":
+        raise ModelFileError(given, "moestream.transformers reads safetensors checkpoints "
+                             "(a directory with config.json); GGUF is not supported yet")
+    # a checkpoint directory, or one .safetensors file with the config.json beside it
+    root, single = (given.parent, given.name) if given.is_file() else (given, None)
     torch_device = _device(device)
     config = _config(root)
     model = _meta_model(root, config, dtype)
     experts = _experts_modules(root, model, config)
     backend = "cupy" if torch_device.type == "cuda" else "host"
     devices = [torch_device.index or 0] if backend == "cupy" else None
-    session = moestream.open_sync(root, budget=budget, mode=mode, policy=policy,  # type: ignore[arg-type]
+    session = moestream.open_sync(given, budget=budget, mode=mode, policy=policy,  # type: ignore[arg-type]
                                   verify=verify, backend=backend, devices=devices, log=log,
                                   tuning=tuning)
     try:
         group = _check_experts(session, experts)
-        _load_dense(model, root, torch_device, progress)
+        _load_dense(model, root, torch_device, progress, single)
         stream = ExpertStream(session, torch_device, compute=compute, group_experts=group)
         for layer, module in experts.items():
             module.moestream_stream = stream
@@ -241,10 +247,10 @@ def _check_experts(session: moestream.SyncSession, experts: dict[int, Any]) -> i
     return max(1, budget // largest // 2)
 
 
-def _shards(root: Path) -> dict[str, list[str]]:
-    """Each shard's tensor names."""
+def _shards(root: Path, single: str | None) -> dict[str, list[str]]:
+    """Each shard's tensor names (``single``: the one file given)."""
     index = root / _INDEX
-    if index.is_file():
+    if single is None and index.is_file():
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
         except (OSError, ValueError, KeyError, TypeError) as exc:
@@ -253,7 +259,7 @@ def _shards(root: Path) -> dict[str, list[str]]:
         for name, shard in weight_map.items():
             shards.setdefault(str(shard), []).append(str(name))
         return shards
-    files = sorted(p.name for p in root.glob("*.safetensors"))
+    files = [single] if single is not None else sorted(p.name for p in root.glob("*.safetensors"))
     if len(files) != 1:
         raise ModelFileError(root, f"expected one .safetensors file or {_INDEX}, "
                              f"found {len(files)} shards")
@@ -290,14 +296,15 @@ def _renamer(model: Any) -> Any:
     return rename
 
 
-def _load_dense(model: Any, root: Path, device: Any, progress: bool | None) -> None:
+def _load_dense(model: Any, root: Path, device: Any, progress: bool | None,
+                single: str | None = None) -> None:
     """Read every non-expert tensor onto ``device`` and assign it; make the buffers; tie."""
     from safetensors import safe_open
 
     params = dict(model.named_parameters())
     expected = set(model.state_dict())
     rename = _renamer(model)
-    shards = _shards(root)
+    shards = _shards(root, single)
     total = sum(1 for names in shards.values() for n in names if not _ROUTED.search(n))
     loaded: dict[str, Any] = {}
     unexpected: list[str] = []
