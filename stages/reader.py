@@ -175,10 +175,12 @@ class ModelReader:
         """
         need = max(0, min(dst.size, self.file_bytes - offset))
         done = 0
+        touched = []
         for piece in pieces(self.files, offset, need):
             if piece.at > done:
                 dst[done : piece.at] = 0
             opened = self._by_base[piece.file.base]
+            touched.append(opened)
             end = piece.at + piece.nbytes
             # an O_DIRECT read asks for whole pages: the page past a file's end comes back short
             room = min(dst.size, piece.at + -(-piece.nbytes // PAGE_BYTES) * PAGE_BYTES)
@@ -189,7 +191,8 @@ class ModelReader:
             done = need
         now = time.monotonic()
         check_path = self._seen_replaced or now - self._path_checked >= _PATH_CHECK_S
-        self.check_unchanged(path=check_path)
+        # the files read from, and every file's path now and then
+        self.check_unchanged(path=check_path, files=None if check_path else touched)
         if check_path:
             self._path_checked = now
         return done
@@ -266,11 +269,11 @@ class ModelReader:
             return 0
         return n
 
-    def check_unchanged(self, *, path: bool = True) -> None:
-        """Raise ``ModelChangedError`` if an open file, or with ``path`` the file a path
-        names, is no longer the one the table saw (a ``fstat``, plus a ``stat`` with
-        ``path``)."""
-        for opened in self._open:
+    def check_unchanged(self, *, path: bool = True, files: Sequence[_Opened] | None = None) -> None:
+        """Raise ``ModelChangedError`` if an open file (of ``files``; all when None), or with
+        ``path`` the file a path names, is no longer the one the table saw (a ``fstat``, plus
+        a ``stat`` with ``path``)."""
+        for opened in self._open if files is None else files:
             was = opened.file.identity
             now = FileIdentity.of(os.fstat(opened.buffered))
             if self._seen_size is not None:
