@@ -389,3 +389,28 @@ class TestHostile:
         lines = done.stderr.strip().splitlines()
         assert lines[-1].startswith("moestream: error: ") and message in lines[-1]
         assert "Traceback" not in done.stderr
+
+
+def test_implausible_layer_index_refused(tmp_path: Path) -> None:
+    """A tensor naming layer 10^12 (no config.json to say otherwise) is refused in one line,
+    not counted as a model of 10^12 layers."""
+    import json
+
+    import pipeline.foundation.table as table_module
+    from pipeline.foundation.errors import ExpertLayoutError
+
+    header: dict[str, object] = {}
+    data = b""
+    names = ["model.layers.0.mlp.experts.0.gate_proj.weight",
+             "model.layers.0.mlp.experts.0.up_proj.weight",
+             "model.layers.0.mlp.experts.0.down_proj.weight",
+             "model.layers.999999999999.input_layernorm.weight"]
+    for name in names:
+        header[name] = {"dtype": "F32", "shape": [2, 2],
+                        "data_offsets": [len(data), len(data) + 16]}
+        data += bytes(16)
+    raw = json.dumps(header).encode()
+    path = tmp_path / "one.safetensors"
+    path.write_bytes(len(raw).to_bytes(8, "little") + raw + data)
+    with pytest.raises(ExpertLayoutError, match="no model has that many"):
+        table_module.open_table(path)

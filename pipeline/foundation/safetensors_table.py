@@ -274,6 +274,9 @@ def _build(path: Path, files: tuple[ModelFile, ...], tensors: dict[str, _Tensor]
         info = TensorInfo(t.name, t.dtype, t.offset, t.nbytes)
         block = _BLOCK.search(t.name)
         if block:
+            if len(block.group(1)) > 6:  # a million layers: no model, a name to refuse
+                raise ExpertLayoutError(path, f"tensor {t.name[:120]!r} names layer "
+                                              f"{block.group(1)[:12]}...: no model has that many")
             n_blocks = max(n_blocks, int(block.group(1)) + 1)
         if (m := _EXPERT.match(t.name)) is not None:
             layer, expert = int(m.group(1)), int(m.group(2))
