@@ -45,7 +45,7 @@ from tqdm import tqdm
 
 from pipeline.foundation.errors import OutputError, UsageError
 from pipeline.foundation.inputs import file_kind
-from pipeline.foundation.outputs import check_output_dir
+from pipeline.foundation.outputs import check_output_dir, fsync_path
 from pipeline.modelgen import ModelSpec
 
 __all__ = ["DTYPES", "INDEX_NAME", "CheckpointOptions", "CheckpointWritten",
@@ -282,15 +282,7 @@ def _write_shard(tensors: Sequence[_Tensor], path: Path, options: CheckpointOpti
                                 data_ptr=buffers[t.name].ctypes.data,
                                 data_len=buffers[t.name].nbytes) for t in tensors}
     serialize_file(specs, path, metadata)  # reads the buffers, which live until it returns
-    _fsync(path)
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    fsync_path(path)
 
 
 def _umask() -> int:
@@ -392,7 +384,7 @@ def write_checkpoint(spec: ModelSpec, path: Path, options: CheckpointOptions = C
     try:
         config = json.dumps(checkpoint_config(spec, options), indent=2) + "\n"
         (made / "config.json").write_text(config, encoding="utf-8")
-        _fsync(made / "config.json")
+        fsync_path(made / "config.json")
         workers = min(8, len(os.sched_getaffinity(0)))
         with ThreadPoolExecutor(workers, thread_name_prefix="make_checkpoint") as pool, \
                 tqdm(total=sum(sizes), unit="B", unit_scale=True, disable=not progress,
@@ -407,11 +399,11 @@ def write_checkpoint(spec: ModelSpec, path: Path, options: CheckpointOptions = C
                      "weight_map": dict(sorted(weight_map.items()))}
             (made / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n",
                                            encoding="utf-8")
-            _fsync(made / INDEX_NAME)
+            fsync_path(made / INDEX_NAME)
         _open_modes(made)
-        _fsync(made)
+        fsync_path(made)
         _swap_in(made, target, exists)
-        _fsync(parent)
+        fsync_path(parent)
     except (OSError, SafetensorError) as exc:
         reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
         raise OutputError(shown, f"cannot write: {reason}", what="OUT") from exc

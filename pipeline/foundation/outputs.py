@@ -45,6 +45,7 @@ __all__ = [
     "check_not_input",
     "check_output",
     "check_output_dir",
+    "fsync_path",
     "open_exclusive",
     "write_atomic",
 ]
@@ -234,7 +235,8 @@ def open_exclusive(path: PathLike, *, what: str | None = None) -> int:
     return _open_locked(shown, target, what, truncate=True)
 
 
-def _fsync_path(path: Path) -> None:
+def fsync_path(path: Path) -> None:
+    """``fsync`` a file or a directory by path (a directory: its entries are durable)."""
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
         os.fsync(fd)
@@ -272,9 +274,9 @@ def atomic_path(
         # it may have changed since the check
         _stat_target(shown, target, what, follow_links=follow_links)
         try:
-            _fsync_path(tmp)
+            fsync_path(tmp)
             os.replace(tmp, target)
-            _fsync_path(target.parent)
+            fsync_path(target.parent)
         except OSError as exc:
             raise OutputError(shown, f"cannot write: {_reason(exc)}", what=what) from exc
     finally:
