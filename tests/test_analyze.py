@@ -89,6 +89,18 @@ class TestReadLog:
         assert "prefetch_predicted" in run.tokens
         assert run.counts.skipped == 0 and not run.problems
 
+    def test_prefill_and_deduplicated_lists_are_well_formed(self, tmp_path: Path) -> None:
+        """A prefill token lists every expert its prompt routed to (more than top-k per
+        layer), a layer fetched twice lists each expert once (fewer): neither is a problem;
+        a token that is not one list per layer is."""
+        lines = [header(), token(0, hits=0, misses=10, experts=[[0, 1, 2, 3, 4, 5], [2, 3, 4, 5]]),
+                 token(1, hits=1, misses=1, experts=[[1], [2]])]
+        run = read_log(write(tmp_path / "prefill.jsonl", lines))
+        assert not run.problems
+        assert run.tokens.experts.shape == (2, 2, 6)
+        bad = read_log(write(tmp_path / "bad.jsonl", [header(), token(0, experts=[[0, 1]])]))
+        assert any("unexpected shape" in p for p in bad.problems)
+
     def test_inconsistent_counts_are_reported(self, tmp_path: Path) -> None:
         path = write(tmp_path / "bad.jsonl", [header(), token(0, hits=3, misses=3)])
         run = read_log(path)

@@ -154,6 +154,9 @@ def log_lines(handle: IO[bytes]) -> Iterator[bytes | None]:
         yield None
 
 
+_INT32_MAX = 2**31 - 1
+
+
 class _ExpertBuffer:
     """The tokens' expert ids as ``(tokens, layers, width)`` int32, -1 padded, in blocks.
 
@@ -182,26 +185,38 @@ class _ExpertBuffer:
         return np.full((self._block_rows, self._layers, self._width), -1, np.int32)
 
     def append(self, experts: Any) -> bool:
-        """Store one token's lists; False when their shape did not match (padded)."""
+        """Store one token's lists; False when they are not one list of expert ids per layer
+        (stored padded). Lists of another length than top-k are well formed: a prefill
+        token lists every expert its prompt routed to, and a layer fetched twice in a
+        token lists each expert once."""
         if self._in_block == self._block_rows:
             self._flush()
         row = self._in_block
         self._in_block += 1
-        try:
-            self._block[row] = experts  # the common case: a full, rectangular top-k matrix
-            return True
+        try:  # the common case: a rectangular matrix, one row of ids per layer
+            ids = np.asarray(experts)
+            if (ids.ndim == 2 and ids.shape[0] == self._layers and ids.shape[1] <= self._width
+                    and ids.dtype.kind in "iu"):
+                if ids.size and int(ids.max()) > _INT32_MAX:
+                    raise OverflowError("an expert id outside int32")  # never wrapped
+                self._block[row, :, : ids.shape[1]] = ids  # never broadcast a short list
+                return True
         except (ValueError, TypeError):
-            self._block[row] = -1
+            pass
+        self._block[row] = -1
         if not isinstance(experts, list):
             return False
+        well_formed = len(experts) == self._layers
         for pos, ids in enumerate(experts[: self._layers]):
             if not isinstance(ids, list):
+                well_formed = False
                 continue
             clean = [e for e in ids if isinstance(e, int) and not isinstance(e, bool)]
+            well_formed = well_formed and len(clean) == len(ids)
             if len(clean) > self._width:
                 self._widen(len(clean))
             self._block[row, pos, : len(clean)] = clean
-        return False
+        return well_formed
 
     def _widen(self, width: int) -> None:
         grown = np.full((self._block_rows, self._layers, width), -1, np.int32)
