@@ -1,5 +1,49 @@
-"""``python -m tools.warmup``: preload, report, evict or lock a model's pages."""
+"""``python -m tools.warmup``: preload, report, evict or lock a model's pages.
 
-from tools.warmup.cli import main
+This package imports nothing heavy: ``main`` sets up the process (see
+``single_threaded_blas``) before ``tools.warmup.cli`` brings in numpy and the pipeline.
+"""
 
-__all__ = ["main"]
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from tools.warmup.ram_guard import MemoryProbe
+
+__all__ = ["main", "single_threaded_blas"]
+
+_BLAS_THREAD_VARIABLES = ("OPENBLAS_NUM_THREADS",)
+
+
+def single_threaded_blas() -> bool:
+    """Ask numpy's OpenBLAS for one thread, when numpy is not imported yet; returns whether
+    it was asked.
+
+    Why: OpenBLAS starts a thread per CPU when numpy is imported, and each spins for a while
+    (about 0.08 s of CPU on the dev VM) before it sleeps; a 16-CPU machine paid more than a
+    second of CPU for threads the command never uses (it does no floating-point linear
+    algebra; the digest's integer ``np.dot`` does not go through BLAS). A value the user set
+    is kept.
+    """
+    if "numpy" in sys.modules:
+        return False
+    for name in _BLAS_THREAD_VARIABLES:
+        os.environ.setdefault(name, "1")
+    return True
+
+
+def main(argv: Sequence[str] | None = None, *, memory: MemoryProbe | None = None) -> int:
+    """The ``moestream-warmup`` command (``tools.warmup.cli.main``), started lean.
+
+    Args:
+        argv: arguments (``sys.argv[1:]`` when None).
+        memory: where the RAM guard reads available memory (psutil when None).
+    """
+    single_threaded_blas()
+    from tools.warmup.cli import main as cli_main  # after the BLAS setting: it imports numpy
+
+    return cli_main(argv, memory=memory)

@@ -1,5 +1,5 @@
 import sys
 
-from tools.warmup.cli import main
+from tools.warmup import main
 
 sys.exit(main())

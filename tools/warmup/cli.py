@@ -29,7 +29,7 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -48,7 +48,6 @@ from stages.residency import (
     lock_pages,
     ranges_by_file,
 )
-from tools.warmup.digests import compute_digests
 from tools.warmup.ram_guard import MemoryProbe, PsutilMemory, check_ram
 from tools.warmup.report import format_percent, format_report, format_size, residency_report
 from tools.warmup.select import build_selection, parse_index_list, read_hot_log
@@ -63,15 +62,20 @@ PROG = "moestream-warmup"
 
 def _warm(files: Sequence[ModelFile], ranges: list[ByteRange],
           threads: int | None) -> tuple[int, float]:
-    """Load ``ranges`` with a progress bar; returns bytes read and seconds."""
-    from tqdm import tqdm  # imported here: start-up time counts against every warm-up
-
+    """Load ``ranges`` with a progress bar on a terminal; returns bytes read and seconds."""
     total = sum(r.nbytes for r in ranges)
-    bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1000, file=sys.stderr,
-               desc="warming", dynamic_ncols=True, disable=None)
+    progress: Callable[[int, int], None] | None = None
+    bar: Any = None
+    # tqdm's own rule (disable=None: no bar unless stderr is a terminal), checked before
+    # importing it: its import is start-up time that a warm-up into a pipe or a log saves.
+    if sys.stderr is not None and sys.stderr.isatty():
+        from tqdm import tqdm
 
-    def progress(done: int, _total: int) -> None:
-        bar.update(done - bar.n)
+        bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1000,
+                   file=sys.stderr, desc="warming", dynamic_ncols=True)
+
+        def progress(done: int, _total: int) -> None:
+            bar.update(done - bar.n)
 
     async def run() -> tuple[int, float]:
         async with WarmEngine(files, threads=threads) as engine:
@@ -81,7 +85,8 @@ def _warm(files: Sequence[ModelFile], ranges: list[ByteRange],
     try:
         return asyncio.run(run())
     finally:
-        bar.close()
+        if bar is not None:
+            bar.close()
 
 
 def _hold(lock: PageLock, out: Any) -> None:
@@ -146,6 +151,8 @@ def _run(args: argparse.Namespace, memory: MemoryProbe) -> int:
         raise UsageError("--digests covers every expert: it takes no selection")
     table = open_table(args.model)
     if args.digests:
+        from tools.warmup.digests import compute_digests  # only --digests: keep start-up short
+
         return compute_digests(table, args.threads)
     hot = read_hot_log(args.hot, table) if args.hot is not None else None
     if hot is not None and hot.skipped_lines:
