@@ -274,19 +274,14 @@ class Lease(LeaseFacts):
         self._session = session
         self._core = core
         self._handed: list[ExpertHandle] = []
-        self._source = LeaseSource(core, session.backends, session.table.layers[core.layer],
-                                   session._dropped)
+        self._source = LeaseSource(core, session._core.backends,
+                                   session._table.layers[core.layer], session._dropped)
         core.owner = session  # not the lease: the core must not keep its face alive
 
     def _handle(self, arrival: Arrival) -> ExpertHandle:
         handle = ExpertHandle(self._source, arrival)
         self._handed.append(handle)
         return handle
-
-    @property
-    def core(self) -> LayerLease:
-        """The ``pipeline.lease.LayerLease`` underneath (not part of the stable API)."""
-        return self._core
 
     def __aiter__(self) -> AsyncIterator[ExpertHandle]:
         return self
@@ -372,13 +367,13 @@ class Lease(LeaseFacts):
         if self._core.released:
             return
         self._session._on_loop()
-        backends = self._session.backends
+        backends = self._session._core.backends
 
         def last_use(part: LeasePart) -> Event | None:
             target = after.get(part.device) if isinstance(after, Mapping) else after
             return event_after(backends[part.device], target)
 
-        self._session.core.release(self._core, last_use, ordered=ordered)
+        self._session._core.release(self._core, last_use, ordered=ordered)
 
     def __enter__(self) -> Lease:
         return self
@@ -408,7 +403,7 @@ class Session:
         """The face of ``core`` (not yet opened). ``open`` makes one; ``pipeline.run``
         makes its own core, with what only the run has (its summary, fault plan,
         compute)."""
-        self.core = core
+        self._core = core
         self._loop: asyncio.AbstractEventLoop | None = None
         self._model: ModelInfo | None = None
         self._drops: list[LayerLease] = []
@@ -418,12 +413,12 @@ class Session:
     async def _open(self) -> Session:
         if self._loop is not None:
             return self
-        await self.core.open()
+        await self._core.open()
         self._loop = asyncio.get_running_loop()
-        assert self.core.table is not None
-        self._model = ModelInfo.of(self.core.table)
-        backends = self.core.backends
-        self.core.default_last_use = lambda part: event_after(backends[part.device], None)
+        assert self._core.table is not None
+        self._model = ModelInfo.of(self._core.table)
+        backends = self._core.backends
+        self._core.default_last_use = lambda part: event_after(backends[part.device], None)
         return self
 
     def __await__(self) -> Generator[Any, None, Session]:
@@ -437,7 +432,7 @@ class Session:
         if exc is None:
             await self.aclose()
         else:
-            await self.core.aclose(outcome="cancelled" if isinstance(exc, asyncio.CancelledError)
+            await self._core.aclose(outcome="cancelled" if isinstance(exc, asyncio.CancelledError)
                                    else str(exc) or type(exc).__name__)
 
     async def aclose(self) -> None:
@@ -449,11 +444,11 @@ class Session:
                 digests) differs from the file.
             OutputError: the log's last lines could not be written.
         """
-        await self.core.aclose()
+        await self._core.aclose()
 
     @property
     def closed(self) -> bool:
-        return self.core.closed
+        return self._core.closed
 
     def _on_loop(self) -> None:
         """Refuse a lease's call from another thread than the session's loop (the sync
@@ -483,28 +478,24 @@ class Session:
         return self._model
 
     @property
-    def table(self) -> ExpertTable:
-        assert self.core.table is not None
-        return self.core.table
-
-    @property
-    def backends(self) -> Sequence[Any]:
-        return self.core.backends
+    def _table(self) -> ExpertTable:
+        assert self._core.table is not None
+        return self._core.table
 
     @property
     def backend(self) -> str:
         """``cupy`` (views are CuPy arrays) or ``host`` (numpy arrays)."""
-        return self.core.backends[0].name if self.core.backends else "host"
+        return self._core.backends[0].name if self._core.backends else "host"
 
     @property
     def devices(self) -> tuple[int, ...]:
         """The device numbers, in the order ``ExpertHandle.device`` indexes them."""
-        return tuple(b.device for b in self.core.backends)
+        return tuple(b.device for b in self._core.backends)
 
     @property
     def mode(self) -> str:
         """The I/O mode in force: ``direct`` or ``resident``."""
-        return self.core.mode
+        return self._core.mode
 
     def router(self, seed: int = 0) -> Router:
         """The model's own router on the first device (see ``Router``).
@@ -515,9 +506,9 @@ class Session:
         from pipeline.routing import LiveRouter
 
         self._here()
-        home = self.core.backends[0]
+        home = self._core.backends[0]
         with home.activate():
-            return LiveRouter(self.table, home, seed)
+            return LiveRouter(self._table, home, seed)
 
     # -- leases dropped unreleased ---------------------------------------------------------
 
@@ -539,23 +530,23 @@ class Session:
     def _release_drops(self) -> None:
         while self._drops:
             lease = self._drops.pop()
-            if not lease.released and not self.core.closed:
-                self.core.release(lease, self.core.default_last_use, "dropped unreleased")
+            if not lease.released and not self._core.closed:
+                self._core.release(lease, self._core.default_last_use, "dropped unreleased")
 
     def _abandon(self, made: LayerLease | None) -> None:
         """A fetch that raised (an interrupt, a failure) after pinning: release what it
         made, which its caller never got (``made``, or every lease without a face)."""
-        orphans = [c for c in self.core.leases() if c.owner is None]
+        orphans = [c for c in self._core.leases() if c.owner is None]
         for lease in orphans if made is None else [made]:
-            self.core.release(lease, self.core.default_last_use, "its fetch was interrupted")
+            self._core.release(lease, self._core.default_last_use, "its fetch was interrupted")
 
     def _pinned_by(self) -> str:
         """Who holds the pins, for a fetch that cannot fit."""
-        held = sorted(self.core.leases(), key=lambda c: (c.fetched_at, c.layer))
+        held = sorted(self._core.leases(), key=lambda c: (c.fetched_at, c.layer))
         words = [f"layer {c.layer} experts {list(c.experts)} (fetched in token {c.fetched_at}"
                  + (", never used)" if c.on_use is not None else ")") for c in held]
-        hinted = self.core.hinted_layers()
-        loading = sum(1 for c in self.core.caches for e in c.entries()
+        hinted = self._core.hinted_layers()
+        loading = sum(1 for c in self._core.caches for e in c.entries()
                       if e.pins and e.loaded is not None and not e.loaded.done())
         return ("pins held by " + (f"{len(held)} leases: " + "; ".join(words) if held
                                    else "no lease")
@@ -597,8 +588,8 @@ class Session:
             self._release_drops()
         core: LayerLease | None = None
         try:
-            core = self.core.fetch(layer, chosen)
-            core.fetched_at = self.core.token
+            core = self._core.fetch(layer, chosen)
+            core.fetched_at = self._core.token
             return Lease(self, core)
         except BaseException as exc:
             self._abandon(core)
@@ -620,7 +611,7 @@ class Session:
 
     def _ready(self, layer: Index, experts: ExpertIds) -> bool:
         layer = index(layer, "layer")
-        return self.core.all_ready(layer, expert_ids(experts, layer))
+        return self._core.all_ready(layer, expert_ids(experts, layer))
 
     def prefetch(self, layer: Index, experts: ExpertIds) -> int:
         """Hint: start loading experts a later layer will likely fetch (those not cached,
@@ -640,7 +631,7 @@ class Session:
         chosen = expert_ids(experts, layer)
         if self._drops:
             self._release_drops()
-        return self.core.prefetch(layer, chosen)
+        return self._core.prefetch(layer, chosen)
 
     async def end_token(self, *, compute_ms: float | Sequence[float] | None = None,
                         upload_ms: float = 0.0) -> TokenStats:
@@ -668,7 +659,7 @@ class Session:
         upload = milliseconds(upload_ms, "upload_ms")
         if self._drops:
             self._release_drops()
-        f = await self.core.end_token(compute_ms=engine_ms, upload_ms=upload)
+        f = await self._core.end_token(compute_ms=engine_ms, upload_ms=upload)
         return TokenStats(
             token=f["token"], wall_ms=f["wall_ms"], stall_ms=f["stall_ms"],
             compute_ms=f["compute_ms"], hits=f["hits"], misses=f["misses"],
@@ -682,9 +673,9 @@ class Session:
             return None
         if isinstance(compute_ms, Sequence) and not isinstance(compute_ms, (str, bytes)):
             figures = [milliseconds(ms, "compute_ms (per device)") for ms in compute_ms]
-            if len(figures) != len(self.core.backends):
+            if len(figures) != len(self._core.backends):
                 raise UsageError(f"compute_ms gives {len(figures)} figures for "
-                                 f"{len(self.core.backends)} devices: give one per device "
+                                 f"{len(self._core.backends)} devices: give one per device "
                                  "(devices order), or one number")
             return figures if len(figures) > 1 else figures[0]
         if not isinstance(compute_ms, (int, float)):
@@ -702,7 +693,7 @@ class Session:
         return self._counters()
 
     def _counters(self) -> Counters:
-        core = self.core
+        core = self._core
         done, now = core.counters_now()
         cache, caches = core.cache, core.caches
         controller = core.controller
@@ -722,7 +713,7 @@ class Session:
 
     def __repr__(self) -> str:
         state = "closed" if self.closed else "open" if self._loop else "not open"
-        return f"Session({self.core.config.model}, {self.backend}, {state})"
+        return f"Session({self._core.config.model}, {self.backend}, {state})"
 
 
 def open(

@@ -207,7 +207,7 @@ class SyncLease(LeaseFacts):
     def __init__(self, session: SyncSession, lease: Lease, loop: _LoopThread) -> None:
         self._session = session
         self._lease = lease
-        self._core = lease.core
+        self._core = lease._core
         self._loop = loop
 
     def __iter__(self) -> Iterator[ExpertHandle]:

@@ -153,8 +153,8 @@ async def run(
         ms = await Session(session)
         assert session.compute is not None and session.verifier is not None
         # the proxy engine's own compute: its kernels and streams on the session's devices
-        decode = Decode.for_devices(session.compute, table, ms.backends,
-                                    [make_kernels(b.name) for b in ms.backends], cfg.seed)
+        decode = Decode.for_devices(session.compute, table, session.backends,
+                                    [make_kernels(b.name) for b in session.backends], cfg.seed)
         routing: Routing = replay if replay is not None else ms.router(cfg.seed)
         loop = DecodeLoop(cfg, table, routing, session=ms, decode=decode,
                           checker=session.verifier, runlog=session.runlog, recorder=recorder)

@@ -40,7 +40,7 @@ def _sync(model: Path, **kwargs: Any) -> moestream.SyncSession:
 async def _landed(ms: moestream.Session) -> None:
     for _ in range(500):
         if not any(e.loaded is not None and not e.loaded.done()
-                   for c in ms.core.caches for e in c.entries()):
+                   for c in ms._core.caches for e in c.entries()):
             break
         await asyncio.sleep(0.01)
     await asyncio.sleep(0)
@@ -256,6 +256,21 @@ class TestConventions:
     def test_version(self) -> None:
         assert isinstance(moestream.__version__, str) and moestream.__version__[0].isdigit()
 
+    def test_public_face_is_the_documented_one(self, tiny_model: Path) -> None:
+        """Sessions and leases expose what docs/API.md's reference lists, no internals
+        (``table``, ``backends``, ``core``)."""
+        session = {"model", "backend", "devices", "mode", "closed", "fetch", "prefetch",
+                   "ready", "end_token", "counters", "router"}
+        lease = {"layer", "experts", "hits", "misses", "released", "remaining", "available",
+                 "gather", "release"}
+        with _sync(tiny_model) as ms, ms.fetch(ms.model.moe_layers[0], [0]) as held:
+            faces: list[tuple[object, set[str]]] = [
+                (ms, session | {"close"}), (ms._session, session | {"aclose"}),
+                (held, lease), (held._lease, lease)]
+            for face, documented in faces:
+                public = {n for n in dir(face) if not n.startswith("_")}
+                assert public == documented, type(face).__name__
+
     def test_host_views_convert(self, tiny_model: Path) -> None:
         with _sync(tiny_model) as ms, ms.fetch(ms.model.moe_layers[0], [0]) as lease:
             (h,) = lease.gather()
@@ -370,7 +385,7 @@ class TestDroppedLeases:
     def test_interrupt_after_the_pins_releases_them(self, tiny_model: Path,
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
         with _sync(tiny_model, budget="8") as ms:
-            core = ms._session.core
+            core = ms._session._core
             real = core.fetch
 
             def interrupted(*args: Any) -> Any:
@@ -432,7 +447,7 @@ class TestDroppedLeases:
             assert failures == 0
             assert ms.counters().open_leases == 0
             for _ in range(200):  # loads a cancelled fetch left in flight keep pins until landed
-                pins = {e.key: e.pins for c in ms._session.core.caches for e in c.entries()
+                pins = {e.key: e.pins for c in ms._session._core.caches for e in c.entries()
                         if e.pins}
                 if not pins:
                     break
@@ -458,7 +473,7 @@ class TestUnverifiedAtClose:
     @pytest.mark.parametrize("mode", ["direct", "resident"])
     async def test_failed_manifest_build_surfaces(self, bare_model: Path, mode: str) -> None:
         ms = await _open(bare_model, mode=mode, verify=True)
-        builder = ms.core.manifest.builder if ms.core.manifest is not None else None
+        builder = ms._core.manifest.builder if ms._core.manifest is not None else None
         assert builder is not None
         builder.pause()  # the build has not reached these experts yet
         layer = ms.model.moe_layers[0]
