@@ -399,3 +399,48 @@ class TestLock:
                 proc.wait()
         assert proc.returncode == 0
         assert "released (SIGTERM)" in out
+
+
+class TestStartUp:
+    """The command's lean start: BLAS threads and the early read of a plain warm-up."""
+
+    @pytest.mark.parametrize(("argv", "expected"), [
+        (["m.gguf"], ("m.gguf", False)),
+        (["m.gguf", "--threads", "4", "--force", "--debug"], ("m.gguf", True)),
+        (["--threads=4", "m.gguf"], ("m.gguf", False)),
+        (["m.gguf", "--report"], None),
+        (["m.gguf", "--layers", "1"], None),
+        (["m.gguf", "other.gguf"], None),
+        (["--help"], None),
+        ([], None),
+    ])
+    def test_plain_warm_target(self, argv: list[str], expected: tuple[str, bool] | None) -> None:
+        from tools.warmup.early import plain_warm_target
+
+        assert plain_warm_target(argv) == expected
+
+    def test_early_read_loads_the_start(self, cold_model: Path) -> None:
+        from tools.warmup.early import start_early
+
+        thread = start_early([str(cold_model), "--force"])
+        assert thread is not None
+        thread.join(timeout=30)
+        assert Residency.of_file(cold_model).fraction == 1.0  # smaller than the early cap
+
+    def test_no_early_read_for_other_modes_or_files(self, cold_model: Path,
+                                                    tmp_path: Path) -> None:
+        from tools.warmup.early import start_early
+
+        plain = tmp_path / "plain.bin"
+        plain.write_bytes(b"not a gguf" * 100)
+        assert start_early([str(cold_model), "--evict"]) is None
+        assert start_early([str(plain), "--force"]) is None
+        assert start_early([str(tmp_path / "missing.gguf")]) is None
+        assert Residency.of_file(cold_model).resident_page_count <= 16
+
+    def test_command_runs_with_one_blas_thread(self) -> None:
+        done = subprocess.run(
+            [sys.executable, "-c", "import os, tools.warmup as w; w.single_threaded_blas(); "
+             "import numpy; print(os.environ['OPENBLAS_NUM_THREADS'])"],
+            cwd=REPO, capture_output=True, text=True, check=True, timeout=60)
+        assert done.stdout.strip() == "1"

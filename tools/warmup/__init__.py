@@ -1,7 +1,8 @@
 """``python -m tools.warmup``: preload, report, evict or lock a model's pages.
 
-This package imports nothing heavy: ``main`` sets up the process (see
-``single_threaded_blas``) before ``tools.warmup.cli`` brings in numpy and the pipeline.
+This package imports nothing heavy: ``main`` sets up the process (``single_threaded_blas``)
+and, for a plain warm-up, starts the reads (``tools.warmup.early``) before
+``tools.warmup.cli`` brings in numpy and the pipeline.
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ import os
 import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
+
+from tools.warmup.early import start_early
 
 if TYPE_CHECKING:
     from tools.warmup.ram_guard import MemoryProbe
@@ -43,7 +46,10 @@ def main(argv: Sequence[str] | None = None, *, memory: MemoryProbe | None = None
         argv: arguments (``sys.argv[1:]`` when None).
         memory: where the RAM guard reads available memory (psutil when None).
     """
+    args = list(sys.argv[1:] if argv is None else argv)
     single_threaded_blas()
+    if memory is None:  # a given probe fakes RAM: leave the guard's decision to the command
+        start_early(args)
     from tools.warmup.cli import main as cli_main  # after the BLAS setting: it imports numpy
 
-    return cli_main(argv, memory=memory)
+    return cli_main(args, memory=memory)
