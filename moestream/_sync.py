@@ -13,18 +13,26 @@ costs about what the same call costs on the asynchronous face. A call that waits
 Calls may come from any of the engine's threads, one at a time or concurrently: they are
 serialized by the lock. A call interrupted while it waits (``KeyboardInterrupt``) cancels
 its work on the loop; a fetch interrupted part way releases what it pinned.
+
+A wait is a stall on this face as on the asynchronous one: a call blocked on the loop for
+a lease's experts is charged, from the moment the caller blocked to the moment it is back
+(the hops to the loop and back included), to what the awaited load was doing meanwhile
+(``_CallerWait``), not left to the token's ``host`` time.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import os
 import selectors
 import threading
+import time
 from _thread import allocate_lock
 from asyncio.events import _get_running_loop, _set_running_loop
 from collections.abc import Callable, Coroutine, Iterator, Mapping, Sequence
+from contextvars import ContextVar
 from threading import get_ident
 from types import TracebackType
 from typing import Any, TypeVar
@@ -48,7 +56,7 @@ from moestream._session import open as open_session
 from moestream._signals import DEFERRAL
 from pipeline.foundation.config import Budget
 from pipeline.foundation.errors import UsageError
-from pipeline.lease import NOT_YET
+from pipeline.lease import NOT_YET, LayerLease
 
 __all__ = ["SyncLease", "SyncSession", "open_sync"]
 
@@ -198,6 +206,107 @@ class _LoopThread:
             self.thread.join()
 
 
+WaitCharge = Callable[[Any, Any, float, float], None]
+"""A lease's ``on_wait``: (entry, load, start, end), as ``pipeline.lease.LayerLease``."""
+
+
+class _CallerWait:
+    """One call of an engine's thread blocked on the loop for a lease's experts (iterating
+    one still loading, ``gather``).
+
+    The lease measures its waits on the loop, from when the call's work started there to
+    when the expert was delivered there; the caller was blocked longer, by the hop to the
+    loop (while the load went on) and the hop back. The waits seen on the loop are kept
+    here (``saw``, on the loop's thread) and charged once the caller is back (``settle``,
+    on the caller's thread), the first from when the caller blocked, the last to when it
+    was back: the session splits each by what the load was doing, as for an async engine
+    whose wait is its own. Both run under the session's lock.
+    """
+
+    __slots__ = ("settled", "started", "waits")
+
+    def __init__(self) -> None:
+        self.started = time.perf_counter()
+        self.waits: list[tuple[WaitCharge, Any, Any, float, float]] = []
+        self.settled = False
+
+    def saw(self, charge: WaitCharge, entry: Any, load: Any, start: float,
+            end: float) -> None:
+        if self.settled:  # the caller left (interrupted): nothing more to stretch
+            charge(entry, load, start, end)
+        else:
+            self.waits.append((charge, entry, load, start, end))
+
+    def settle(self, ended: float) -> None:
+        self.settled = True
+        last = len(self.waits) - 1
+        for i, (charge, entry, load, start, end) in enumerate(self.waits):
+            charge(entry, load, min(start, self.started) if i == 0 else start,
+                   max(end, ended) if i == last else end)
+        self.waits.clear()
+
+
+_CALLER: ContextVar[_CallerWait | None] = ContextVar("moestream_caller_wait", default=None)
+"""The blocked call whose work runs in this task on the loop (None: an async caller)."""
+
+
+class _Relay:
+    """A lease's ``on_wait`` once a sync caller waited on it: a wait seen in the work of a
+    blocked call goes to that call's ``_CallerWait``, any other straight on."""
+
+    __slots__ = ("charge",)
+
+    def __init__(self, charge: WaitCharge) -> None:
+        self.charge = charge
+
+    def __call__(self, entry: Any, load: Any, start: float, end: float) -> None:
+        wait = _CALLER.get()
+        if wait is None:
+            self.charge(entry, load, start, end)
+        else:
+            wait.saw(self.charge, entry, load, start, end)
+
+
+def _waiting_for(lease: Lease, wait: _CallerWait) -> tuple[LayerLease, int]:
+    """On the loop, at the start of a blocked call's work: route the lease's waits to
+    ``wait``; returns the lease's core and how many handles it had handed out."""
+    core = lease._core
+    if not isinstance(core.on_wait, _Relay):
+        core.on_wait = _Relay(core.on_wait)
+    _CALLER.set(wait)  # the task's own context: this call's work only
+    return core, len(lease._handed)
+
+
+def _landed_meanwhile(lease: Lease, wait: _CallerWait, core: LayerLease, handed: int) -> None:
+    """The expert the caller blocked for landed during its hop to the loop (the lease
+    waited for nothing): the caller's wait is still one for that expert's load."""
+    if wait.waits or len(lease._handed) <= handed:
+        return
+    first = lease._handed[handed]
+    relay = core.on_wait
+    assert isinstance(relay, _Relay)
+    now = time.perf_counter()
+    wait.saw(relay.charge, first._entry, first._part.load, now, now)
+
+
+async def _next(lease: Lease, wait: _CallerWait) -> ExpertHandle | None:
+    core, handed = _waiting_for(lease, wait)
+    try:
+        return await lease.__anext__()
+    except StopAsyncIteration:
+        return None
+    finally:
+        _landed_meanwhile(lease, wait, core, handed)
+
+
+async def _gather(lease: Lease, wait: _CallerWait) -> list[ExpertHandle]:
+    core, handed = _waiting_for(lease, wait)
+    try:
+        return await lease.gather()
+    finally:
+        _landed_meanwhile(lease, wait, core, handed)
+
+
 class SyncLease(LeaseFacts):
     """A ``Lease`` for synchronous code: iterate it, or ``gather()``; leave its ``with``
     block (or ``release``) once the compute on its experts is queued."""
@@ -218,7 +327,7 @@ class SyncLease(LeaseFacts):
         waiting on the loop."""
         handle = self._loop.call(self._lease._next_nowait)
         if handle is NOT_YET:
-            handle = self._loop.run(_next(self._lease))
+            handle = self._blocked(_next)
         if handle is None:
             raise StopIteration
         assert isinstance(handle, ExpertHandle)
@@ -227,7 +336,18 @@ class SyncLease(LeaseFacts):
     def gather(self) -> list[ExpertHandle]:
         """As ``Lease.gather``: on the caller's thread if every expert has landed."""
         done = self._loop.call(self._gathered_now)
-        return done if done is not None else self._loop.run(self._lease.gather())
+        return done if done is not None else self._blocked(_gather)
+
+    def _blocked(self, work: Callable[[Lease, _CallerWait], Coroutine[Any, Any, T]]) -> T:
+        """Run ``work`` on the loop, the caller blocked: its whole wait is a stall
+        (``_CallerWait``)."""
+        wait = _CallerWait()
+        try:
+            return self._loop.run(work(self._lease, wait))
+        finally:
+            ended = time.perf_counter()
+            with contextlib.suppress(UsageError):  # closed meanwhile: nothing to count
+                self._loop.query(wait.settle, ended)
 
     def _gathered_now(self) -> list[ExpertHandle] | None:
         self._lease.available()
@@ -254,13 +374,6 @@ class SyncLease(LeaseFacts):
 
     def __repr__(self) -> str:
         return f"Sync{self._lease!r}"
-
-
-async def _next(lease: Lease) -> ExpertHandle | None:
-    try:
-        return await lease.__anext__()
-    except StopAsyncIteration:
-        return None
 
 
 def _current_streams(devices: Sequence[int]) -> Mapping[int, int]:

@@ -121,6 +121,75 @@ class TestTokenAccounting:
                 assert stats.stall_ms + stats.compute_ms <= stats.wall_ms + 0.01
                 assert sum(stats.time.values()) == pytest.approx(stats.wall_ms, abs=0.01)
 
+    def test_a_sync_engines_wait_for_a_load_is_a_stall(self, tiny_model: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+        """Bug 3, the sync face: the whole time an engine's thread is blocked for a load is
+        stall, split by what the load did (here its read), not ``host``; also when the
+        loop is slow to take the call (simulated: 20 ms to get there, 5 ms back)."""
+        from moestream._sync import _LoopThread
+
+        real = _LoopThread.run
+
+        def slow_hop(loop: Any, work: Any) -> Any:
+            if getattr(work, "__name__", "") not in ("_next", "_gather", "gather"):
+                return real(loop, work)
+            time.sleep(0.020)
+            try:
+                return real(loop, work)
+            finally:
+                time.sleep(0.005)
+
+        monkeypatch.setattr(_LoopThread, "run", slow_hop)
+        tuning = moestream.Tuning(faults="slow_ms=30@1+")  # every read takes 30 ms
+        with _sync(tiny_model, budget="16", verify=False, tuning=tuning) as ms:
+            for token in range(2):
+                blocked = computing = 0.0
+                for layer in ms.model.moe_layers:
+                    experts = [(token * 4 + i) % ms.model.n_experts for i in range(4)]
+                    with ms.fetch(layer, experts) as lease:
+                        while True:
+                            t0 = time.perf_counter()
+                            h = next(lease, None)
+                            t1 = time.perf_counter()
+                            blocked += t1 - t0
+                            if h is None:
+                                break
+                            h.down.array.astype(np.float32).sum()  # the engine's compute
+                            computing += time.perf_counter() - t1
+                stats = ms.end_token(compute_ms=computing * 1000.0)
+                blocked_ms = blocked * 1000.0
+                assert stats.misses == 4 * len(ms.model.moe_layers)
+                assert stats.stall_ms >= 0.8 * blocked_ms, (stats, blocked_ms)
+                t = stats.time
+                assert t["read_ms"] + t["upload_ms"] + t["slot_ms"] >= 0.5 * blocked_ms, t
+                assert t["host_ms"] <= 0.4 * blocked_ms, t
+                assert stats.stall_ms + stats.compute_ms <= stats.wall_ms + 0.01
+
+    async def test_an_async_engines_wait_for_a_load_is_a_stall(self, tiny_model: Path) -> None:
+        """Bug 3, the async face, as the sync test above: its waits are its own."""
+        tuning = moestream.Tuning(faults="slow_ms=30@1+")
+        async with _open(tiny_model, budget="16", verify=False, tuning=tuning) as ms:
+            for token in range(2):
+                blocked = computing = 0.0
+                for layer in ms.model.moe_layers:
+                    experts = [(token * 4 + i) % ms.model.n_experts for i in range(4)]
+                    async with ms.fetch(layer, experts) as lease:
+                        while True:
+                            t0 = time.perf_counter()
+                            h = await anext(lease, None)
+                            t1 = time.perf_counter()
+                            blocked += t1 - t0
+                            if h is None:
+                                break
+                            h.down.array.astype(np.float32).sum()
+                            computing += time.perf_counter() - t1
+                stats = await ms.end_token(compute_ms=computing * 1000.0)
+                blocked_ms = blocked * 1000.0
+                assert stats.stall_ms >= 0.8 * blocked_ms, (stats, blocked_ms)
+                t = stats.time
+                assert t["read_ms"] + t["upload_ms"] + t["slot_ms"] >= 0.5 * blocked_ms, t
+                assert t["host_ms"] <= 0.4 * blocked_ms, t
+
     async def test_engine_compute_checked_and_bounded(self, tiny_model: Path) -> None:
         async with _open(tiny_model) as ms:
             for bad in (-5, float("nan"), float("inf")):
