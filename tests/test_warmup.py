@@ -422,9 +422,9 @@ class TestStartUp:
     def test_early_read_loads_the_start(self, cold_model: Path) -> None:
         from tools.warmup.early import start_early
 
-        thread = start_early([str(cold_model), "--force"])
-        assert thread is not None
-        thread.join(timeout=30)
+        early = start_early([str(cold_model), "--force"])
+        assert early is not None
+        early.join(timeout_s=30)
         assert Residency.of_file(cold_model).fraction == 1.0  # smaller than the early cap
 
     def test_no_early_read_for_other_modes_or_files(self, cold_model: Path,

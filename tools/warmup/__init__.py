@@ -48,8 +48,8 @@ def main(argv: Sequence[str] | None = None, *, memory: MemoryProbe | None = None
     """
     args = list(sys.argv[1:] if argv is None else argv)
     single_threaded_blas()
-    if memory is None:  # a given probe fakes RAM: leave the guard's decision to the command
-        start_early(args)
+    # a given probe fakes RAM: leave the guard's decision to the command
+    early = start_early(args) if memory is None else None
     from tools.warmup.cli import main as cli_main  # after the BLAS setting: it imports numpy
 
-    return cli_main(args, memory=memory)
+    return cli_main(args, memory=memory, early=early)

@@ -48,6 +48,7 @@ from stages.residency import (
     lock_pages,
     ranges_by_file,
 )
+from tools.warmup.early import EarlyRead
 from tools.warmup.ram_guard import MemoryProbe, PsutilMemory, check_ram
 from tools.warmup.report import format_percent, format_report, format_size, residency_report
 from tools.warmup.select import build_selection, parse_index_list, read_hot_log
@@ -138,7 +139,7 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _run(args: argparse.Namespace, memory: MemoryProbe) -> int:
+def _run(args: argparse.Namespace, memory: MemoryProbe, early: EarlyRead | None = None) -> int:
     if (args.per_expert or args.json) and not args.report:
         raise UsageError("--per-expert and --json go with --report")
     if args.max_bytes is not None and args.hot is None:
@@ -187,6 +188,8 @@ def _run(args: argparse.Namespace, memory: MemoryProbe) -> int:
               f"{format_size(after)} of {format_size(selection.nbytes)}")
         return 0
 
+    if early is not None:
+        early.stop()  # from here the engine reads what is missing; the two would overlap
     missing = Residency.of_files(files).missing(selection.ranges)
     need = sum(r.nbytes for r in coalesce(missing))
     if not args.force:
@@ -224,19 +227,22 @@ def _lock(path: Path, files: Sequence[ModelFile], ranges: list[ByteRange]) -> Pa
     return PageLock.joined(str(path), locks)
 
 
-def main(argv: Sequence[str] | None = None, *, memory: MemoryProbe | None = None) -> int:
+def main(argv: Sequence[str] | None = None, *, memory: MemoryProbe | None = None,
+         early: EarlyRead | None = None) -> int:
     """Command line entry point; returns the exit code.
 
     Args:
         argv: arguments (``sys.argv[1:]`` when None).
         memory: where the RAM guard reads available memory (psutil when None).
+        early: the head start of a plain warm-up (``tools.warmup.early``), stopped before
+            residency is measured, or at the end.
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv
     configure_console(debug=debug)
     try:
         with closable_stdout():
-            return _run(_parser().parse_args(argv), memory or PsutilMemory())
+            return _run(_parser().parse_args(argv), memory or PsutilMemory(), early)
     except MoestreamError as exc:
         if debug:
             raise
@@ -245,6 +251,9 @@ def main(argv: Sequence[str] | None = None, *, memory: MemoryProbe | None = None
     except KeyboardInterrupt:
         print(f"{PROG}: interrupted", file=sys.stderr)
         return 130
+    finally:
+        if early is not None:
+            early.stop()
     return 0  # stdout's reader went away (`| head`): the rest of the report is dropped
 
 

@@ -20,12 +20,12 @@ import stat
 import threading
 from collections.abc import Sequence
 
-__all__ = ["EARLY_MAX_BYTES", "plain_warm_target", "start_early"]
+__all__ = ["EARLY_MAX_BYTES", "EarlyRead", "plain_warm_target", "start_early"]
 
 EARLY_MAX_BYTES = 1 << 30
 """At most this much of the file is asked for early: more than the start-up hides."""
 
-_PIECE_BYTES = 32 << 20
+_PIECE_BYTES = 8 << 20  # stop() waits for at most one piece
 _MARGIN_BYTES = 2 << 30  # tools.warmup.ram_guard.MARGIN_BYTES (importing it costs start-up)
 _MARGIN_FRACTION = 0.05  # tools.warmup.ram_guard.MARGIN_FRACTION
 
@@ -70,36 +70,64 @@ def _room_bytes() -> int | None:
     return fields["MemAvailable"] - margin
 
 
-def _read_start(fd: int, nbytes: int) -> None:
-    """Splice the first ``nbytes`` of ``fd`` to ``/dev/null``: the kernel reads the pages
-    (with sequential readahead) and copies nothing to user space. Closes ``fd``.
+class EarlyRead:
+    """The head start's reading thread; ``stop()`` ends it once the engine takes over.
 
-    Not ``WILLNEED``: the kernel caps one such hint at the device's readahead window.
+    Args:
+        fd: the model, opened; closed by the thread when it ends.
+        nbytes: how much of its start to read.
     """
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
-        devnull = os.open(os.devnull, os.O_WRONLY | os.O_CLOEXEC)
+
+    __slots__ = ("_fd", "_nbytes", "_stop", "_thread")
+
+    def __init__(self, fd: int, nbytes: int) -> None:
+        self._fd = fd
+        self._nbytes = nbytes
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._read, name="moestream-warm-early",
+                                        daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 1.0) -> None:
+        """Stop after the piece being read (the engine then reads the rest, not both)."""
+        self._stop.set()
+        self._thread.join(timeout_s)
+
+    def join(self, timeout_s: float | None = None) -> None:
+        """Wait for the reading to end by itself."""
+        self._thread.join(timeout_s)
+
+    def _read(self) -> None:
+        """Splice the first bytes to ``/dev/null``: the kernel reads the pages (with
+        sequential readahead) and copies nothing to user space. Closes the file.
+
+        Not ``WILLNEED``: the kernel caps one such hint at the device's readahead window.
+        """
+        fd = self._fd
         try:
-            done = 0
-            while done < nbytes:
-                n = os.sendfile(devnull, fd, done, min(_PIECE_BYTES, nbytes - done))
-                if n == 0:
-                    break
-                done += n
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+            devnull = os.open(os.devnull, os.O_WRONLY | os.O_CLOEXEC)
+            try:
+                done = 0
+                while done < self._nbytes and not self._stop.is_set():
+                    n = os.sendfile(devnull, fd, done, min(_PIECE_BYTES, self._nbytes - done))
+                    if n == 0:
+                        break
+                    done += n
+            finally:
+                os.close(devnull)
+        except OSError:
+            pass  # a head start only: the engine reads what this did not, and reports errors
         finally:
-            os.close(devnull)
-    except OSError:
-        pass  # a head start only: the engine reads whatever this did not, and reports errors
-    finally:
-        os.close(fd)
+            os.close(fd)
 
 
-def start_early(argv: Sequence[str]) -> threading.Thread | None:
-    """Ask for the start of the model when ``argv`` is a plain warm-up that would go ahead.
+def start_early(argv: Sequence[str]) -> EarlyRead | None:
+    """Start reading the model when ``argv`` is a plain warm-up that would go ahead.
 
     Returns:
-        The thread reading (a daemon: nothing waits for it), or None when nothing
-        was started.
+        The reading (stop it before measuring what is resident), or None when nothing was
+        started.
     """
     target = plain_warm_target(argv)
     if target is None:
@@ -119,7 +147,4 @@ def start_early(argv: Sequence[str]) -> threading.Thread | None:
     if not usable:
         os.close(fd)
         return None
-    thread = threading.Thread(target=_read_start, args=(fd, min(info.st_size, EARLY_MAX_BYTES)),
-                              name="moestream-warm-early", daemon=True)
-    thread.start()
-    return thread
+    return EarlyRead(fd, min(info.st_size, EARLY_MAX_BYTES))
