@@ -344,8 +344,11 @@ def _run(args: argparse.Namespace) -> int:
         if args.jobs is not None and args.jobs < 1:
             raise UsageError(f"--jobs must be >= 1, got {args.jobs}")
     _check_outputs(args)
-    # the expert ids of every token (1 KB a token at 43 layers x top-6) only for the replay
-    runs = [read_log(path, experts=args.what_if) for path in args.logs]
+    # the expert ids of every token (1 KB a token at 43 layers x top-6) only for the replay;
+    # every token's columns only for the CSV, the plots and the replay: the summaries are
+    # computed from sums kept as the log is read, and the latencies
+    keep_columns = bool(args.csv or args.plot or args.what_if)
+    runs = [read_log(path, experts=args.what_if, columns=keep_columns) for path in args.logs]
     summaries = [summarize(run) for run in runs]
     out = sys.stdout
     reports = []

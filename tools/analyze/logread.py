@@ -43,7 +43,15 @@ from tools.analyze.logrecords import (
     RunLog,
     TokenColumns,
 )
-from tools.analyze.logvalues import FloatArray, FloatRows, int_or_none, mapping, str_or_none
+from tools.analyze.logstats import TokenStats, bandwidth_limits
+from tools.analyze.logvalues import (
+    FloatArray,
+    FloatRows,
+    float_table,
+    int_or_none,
+    mapping,
+    str_or_none,
+)
 
 __all__ = ["KNOWN_EVENTS", "MAX_LINE_BYTES", "SCHEMA_VERSION", "SCHEMA_VERSIONS", "TIME_COLUMNS",
            "TOKEN_COLUMNS", "log_lines", "read_log"]
@@ -90,6 +98,14 @@ _PREFETCH_COLUMNS = ("predicted", "correct", "wasted_bytes")
 _TIME_FIELDS = tuple(f"{part}_ms" for part in PARTS)
 TIME_COLUMNS = tuple(f"time_{name}" for name in _TIME_FIELDS)
 """Columns of the token event's ``time`` parts (schema 2), present when any token had one."""
+
+_ROW_COLUMNS = (*TOKEN_COLUMNS, *(f"prefetch_{name}" for name in _PREFETCH_COLUMNS),
+                *TIME_COLUMNS)
+_NO_PREFETCH = (math.nan,) * len(_PREFETCH_COLUMNS)
+_NO_TIME = (math.nan,) * len(_TIME_FIELDS)
+_WALL = _ROW_COLUMNS.index("wall_ms")
+_CHECKED = tuple(_ROW_COLUMNS.index(name) for name in ("token", "hits", "misses", "file_bytes"))
+_BLOCK_ROWS = 4096
 
 _FIELDS: dict[str, frozenset[str]] = {
     "run_start": frozenset(
@@ -225,6 +241,8 @@ class _ExpertBuffer:
         self._width = width
 
     def _flush(self) -> None:
+        if not self._in_block:
+            return
         block = self._block[: self._in_block]
         self._used.append((block >= 0).sum(axis=(1, 2), dtype=np.int32))
         if self._n_experts is not None:
@@ -236,17 +254,23 @@ class _ExpertBuffer:
             self._block.fill(-1)
         self._in_block = 0
 
-    def result(self) -> tuple[npt.NDArray[np.int32], npt.NDArray[np.int32], int]:
-        """The ids (no tokens unless ``keep``), the ids used per token, and how many ids
-        were at or above ``n_experts``."""
+    def take_used(self) -> npt.NDArray[np.int32]:
+        """The ids used per token since the last call (the buffer forgets them)."""
         self._flush()
         used = np.concatenate(self._used) if self._used else np.zeros(0, np.int32)
+        self._used = []
+        return used
+
+    def result(self) -> tuple[npt.NDArray[np.int32], int]:
+        """The ids (no tokens unless ``keep``) and how many ids were at or above
+        ``n_experts``."""
+        self._flush()
         blocks = [np.pad(b, ((0, 0), (0, 0), (0, self._width - b.shape[2])), constant_values=-1)
                   if b.shape[2] < self._width else b for b in self._blocks]
         experts = (np.concatenate(blocks) if blocks
                    else np.full((0, self._layers, self._width), -1, np.int32))
         self._blocks = []
-        return experts, used, self._outside
+        return experts, self._outside
 
 
 def _first_object(path: Path, line: bytes) -> dict[str, Any]:
@@ -275,7 +299,7 @@ def _first_object(path: Path, line: bytes) -> dict[str, Any]:
 class _Reader:
     """One pass over a file; collects columns and counts, then builds a ``RunLog``."""
 
-    def __init__(self, path: Path, *, keep_experts: bool) -> None:
+    def __init__(self, path: Path, *, keep_experts: bool, keep_columns: bool) -> None:
         self.path = path
         self.schema = SCHEMA_VERSION
         self._required = _REQUIRED
@@ -284,13 +308,21 @@ class _Reader:
         self.end: RunEnd | None = None
         self.decisions: list[ControllerDecision] = []
         self.switches: list[ModeSwitch] = []
-        # per token: numbers only (8 bytes a value), never the decoded line
-        self.token_rows = FloatRows(TOKEN_COLUMNS)
+        # per token: the numbers of the block being read (never the decoded line), folded
+        # into self.stats per block; kept as float64 columns only with keep_columns, else
+        # only wall_ms (the latency percentiles) and the mode code, 9 bytes a token
+        self.tokens = 0
+        self._rows: list[tuple[Any, ...]] = []
+        self._unfolded: list[tuple[FloatArray, int, npt.NDArray[np.int32]]] = []
+        self.stats = TokenStats(_ROW_COLUMNS, TIME_COLUMNS)
+        self._keep_columns = keep_columns
+        self._kept: list[FloatArray] = []  # (rows, columns) blocks, with keep_columns
+        self._walls: list[FloatArray] = []
+        self._checked: list[FloatArray | int] = []  # per block: its device-check columns
+        self._block_devices = False
         self.mode_codes = bytearray()  # index into mode_names, 255 where absent
         self.mode_names: list[str] = []
-        self.prefetch_rows = FloatRows(_PREFETCH_COLUMNS)
         self.prefetch_seen = False
-        self.time_rows = FloatRows(_TIME_FIELDS)
         self.time_seen = False
         self.layer_rows = FloatRows(_LAYER_COLUMNS)
         self.device_rows = TokenDeviceRows()
@@ -344,6 +376,7 @@ class _Reader:
         elif event == "run_start":
             self.header = RunHeader.from_event(obj)
             self._check_header(self.header)
+            self._fold_held()
             self._check_device_list(event, obj, self.header.devices)
         elif event == "controller_decision":
             self.decisions.append(
@@ -351,7 +384,7 @@ class _Reader:
                     mode=str_or_none(obj.get("mode")),
                     reason=str_or_none(obj.get("reason")),
                     readings=mapping(obj.get("readings")),
-                    after_tokens=len(self.token_rows),
+                    after_tokens=self.tokens,
                     token=int_or_none(obj.get("token")),
                 )
             )
@@ -363,7 +396,7 @@ class _Reader:
                     reason=str_or_none(obj.get("reason")),
                     readings=mapping(obj.get("readings")),
                     token=int_or_none(obj.get("token")),
-                    after_tokens=len(self.token_rows),
+                    after_tokens=self.tokens,
                 )
             )
         elif event == "run_end":
@@ -383,7 +416,8 @@ class _Reader:
             )
 
     def _token(self, obj: dict[str, Any]) -> None:
-        self.token_rows.append(tuple(obj.get(name, math.nan) for name in TOKEN_COLUMNS))
+        self.tokens += 1
+        row = tuple(obj.get(name, math.nan) for name in TOKEN_COLUMNS)
         self.mode_codes.append(self._mode_code(obj.get("mode")))
         experts = obj.get("experts")
         try:
@@ -400,19 +434,55 @@ class _Reader:
         prefetch = obj.get("prefetch")
         if isinstance(prefetch, dict):
             self.prefetch_seen = True
-            row = tuple(prefetch.get(name, math.nan) for name in _PREFETCH_COLUMNS)
+            row += tuple(prefetch.get(name, math.nan) for name in _PREFETCH_COLUMNS)
         else:
-            row = (math.nan, math.nan, math.nan)
-        self.prefetch_rows.append(row)
+            row += _NO_PREFETCH
         split = obj.get("time")
         if isinstance(split, dict):
             self.time_seen = True
-            self.time_rows.append(tuple(split.get(name, math.nan) for name in _TIME_FIELDS))
+            row += tuple(split.get(name, math.nan) for name in _TIME_FIELDS)
         else:
-            self.time_rows.append((math.nan,) * len(_TIME_FIELDS))
+            row += _NO_TIME
+        self._rows.append(row)
         devices = obj.get("devices")
         if devices is not None:
-            self.device_rows.add(len(self.token_rows) - 1, devices)
+            self._block_devices = True
+            self.device_rows.add(self.tokens - 1, devices)
+        if len(self._rows) == _BLOCK_ROWS:
+            self._end_block()
+
+    def _end_block(self) -> None:
+        """Turn the block's rows into numbers: kept (columns, or only what the reports need
+        per token) and folded into ``stats`` once the header is known."""
+        if not self._rows:
+            return
+        table = float_table(self._rows)  # (rows, columns)
+        self._rows = []
+        start = self.tokens - table.shape[0]
+        used = self._experts.take_used() if self._experts is not None else np.zeros(
+            table.shape[0], np.int32)
+        if self._keep_columns:
+            self._kept.append(table)
+        else:
+            self._walls.append(table[:, _WALL].copy())
+            # the devices' sums are checked per token: their tokens' columns, when any
+            self._checked.append(table[:, _CHECKED].copy() if self._block_devices
+                                 else table.shape[0])
+        self._block_devices = False
+        self._unfolded.append((np.ascontiguousarray(table.T), start, used))
+        if self.header is not None:
+            self._fold_held()
+
+    def _fold_held(self) -> None:
+        """Fold the blocks read so far into ``stats`` (held until the header, whose
+        bandwidth limits the time split's device limit needs, is known)."""
+        limits = bandwidth_limits(self.header.limits) if self.header is not None else {}
+        resident = self.mode_names.index("resident") if "resident" in self.mode_names else -2
+        codes = np.frombuffer(self.mode_codes, dtype=np.int8)
+        for columns, start, used in self._unfolded:
+            self.stats.add_block(columns, codes[start: start + columns.shape[1]], used, limits,
+                                 resident)
+        self._unfolded = []
 
     def _shape_text(self) -> str:
         if self.header is None:
@@ -425,30 +495,53 @@ class _Reader:
             self._problem(problem)
         return columns
 
+    def _values(self) -> tuple[dict[str, FloatArray], dict[str, FloatArray]]:
+        """The kept columns (all, or ``wall_ms`` only), and those the devices' sums are
+        checked against (empty when no token listed devices)."""
+        present = [name for name in _ROW_COLUMNS if self.prefetch_seen
+                   or not name.startswith("prefetch_")]
+        present = [name for name in present if self.time_seen or name not in TIME_COLUMNS]
+        if self._keep_columns:
+            table = (np.concatenate(self._kept) if len(self._kept) > 1 else self._kept[0]
+                     if self._kept else np.zeros((0, len(_ROW_COLUMNS))))
+            self._kept = []
+            rows = np.ascontiguousarray(table.T)  # one row per column: views below
+            values = {name: rows[_ROW_COLUMNS.index(name)] for name in present}
+            return values, values
+        wall = np.concatenate(self._walls) if self._walls else np.zeros(0)
+        self._walls = []
+        checked: dict[str, FloatArray] = {}
+        if any(not isinstance(block, int) for block in self._checked):
+            blocks = [np.full((block, len(_CHECKED)), math.nan) if isinstance(block, int)
+                      else block for block in self._checked]
+            rows = np.ascontiguousarray(np.concatenate(blocks).T)
+            checked = {_ROW_COLUMNS[i]: rows[k] for k, i in enumerate(_CHECKED)}
+        self._checked = []
+        return {"wall_ms": wall}, checked
+
     def build(self) -> RunLog:
-        values = self.token_rows.columns()
-        if self.prefetch_seen:
-            prefetch = self.prefetch_rows.columns()
-            for name in _PREFETCH_COLUMNS:
-                values[f"prefetch_{name}"] = prefetch[name]
-        if self.time_seen:
-            split = self.time_rows.columns()
-            for name, column in zip(_TIME_FIELDS, TIME_COLUMNS, strict=True):
-                values[column] = split[name]
+        self._end_block()
+        self._fold_held()
+        values, checked = self._values()
+        totals = {name: self.stats.totals[name] for name in _ROW_COLUMNS
+                  if (self.prefetch_seen or not name.startswith("prefetch_"))
+                  and (self.time_seen or name not in TIME_COLUMNS)}
         codes = np.frombuffer(bytes(self.mode_codes), dtype=np.int8)  # 255 reads as -1
         if self._experts is not None:
-            experts, used, outside = self._experts.result()
+            experts, outside = self._experts.result()
         else:
             layers = len(self.header.moe_layers) if self.header else 0
-            experts, used, outside = np.full((0, layers, 1), -1, np.int32), None, 0
+            experts, outside = np.full((0, layers, 1), -1, np.int32), 0
         tokens = TokenColumns(
             values=values,
             mode_codes=codes,
             mode_names=tuple(self.mode_names),
             experts=experts,
             devices=self._device_columns(len(codes)),
+            totals=totals,
+            stats=self.stats,
         )
-        self._check_tokens(tokens, used, outside)
+        self._check_tokens(tokens, checked, outside)
         return RunLog(
             path=self.path,
             header=self.header,
@@ -462,40 +555,32 @@ class _Reader:
             schema=self.schema,
         )
 
-    def _check_tokens(self, tokens: TokenColumns, used: npt.NDArray[np.int32] | None,
+    def _check_tokens(self, tokens: TokenColumns, checked: Mapping[str, FloatArray],
                       outside: int) -> None:
-        """Cross-check the columns against the expert lists (``used``: ids per token, None
-        when no token line was read) and the header (``outside``: ids >= n_experts)."""
+        """Cross-check the token rows against the expert lists and the header
+        (``outside``: ids >= n_experts), and the devices' sums against ``checked``, the
+        token columns they add up to."""
         if not len(tokens):
             return
-        index = tokens["token"]
-        expected = np.arange(index.shape[0], dtype=np.float64)
-        if not np.array_equal(index, expected):
-            first = int(np.argmax(index != expected))
-            self._problem(f"token indices are not consecutive from row {first}")
-        counted = tokens["hits"] + tokens["misses"]
-        if used is None:
-            used = np.zeros(len(tokens), np.int32)
-        differs = np.flatnonzero(~np.isnan(counted) & (counted != used))
-        if differs.size:
+        stats = self.stats
+        if stats.gap_row is not None:
+            self._problem(f"token indices are not consecutive from row {stats.gap_row}")
+        if stats.differs:
             self._problem(
-                f"{differs.size} tokens have hits + misses != experts used"
-                f" (first: token {int(index[differs[0]])})"
+                f"{stats.differs} tokens have hits + misses != experts used"
+                f" (first: token {stats.differs_token})"
             )
         if outside:
             self._problem(f"{outside} expert ids >= n_experts")
         if self.ragged_tokens:
             self._problem(f"{self.ragged_tokens} tokens with experts of an unexpected shape")
         if tokens.devices:
-            self._check_devices(tokens)
-
-    def _check_devices(self, tokens: TokenColumns) -> None:
-        """Per token, the devices' hits, misses and file bytes add up to the token's."""
-        for problem in sum_problems(tokens.devices, tokens.values):
-            self._problem(problem)
+            # per token, the devices' hits, misses and file bytes add up to the token's
+            for problem in sum_problems(tokens.devices, checked):
+                self._problem(problem)
 
 
-def read_log(path: str | Path, *, experts: bool = True) -> RunLog:
+def read_log(path: str | Path, *, experts: bool = True, columns: bool = True) -> RunLog:
     """Read one run log.
 
     What is held per token line: its numbers as float64 columns (about 30 values, 8 bytes
@@ -520,7 +605,7 @@ def read_log(path: str | Path, *, experts: bool = True) -> RunLog:
     except OSError as exc:
         raise TraceError(f"{path}: cannot read ({exc.strerror or exc})") from exc
     with handle:
-        reader = _Reader(path, keep_experts=experts)
+        reader = _Reader(path, keep_experts=experts, keep_columns=columns)
         counts = reader.counts
         pending_bad = 0  # unparsable lines not yet known to be the last one
         started = False

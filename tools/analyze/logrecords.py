@@ -17,6 +17,7 @@ import numpy as np
 import numpy.typing as npt
 
 from tools.analyze.logdevices import DeviceEnd, DeviceStart, device_ends, device_starts
+from tools.analyze.logstats import TokenStats
 from tools.analyze.logvalues import (
     FloatArray,
     float_or_none,
@@ -195,6 +196,11 @@ class TokenColumns:
             per token like ``values``, from the tokens' ``devices`` lists (runs over several
             devices); NaN where a token had no entry for that device. Devices in order of
             first appearance (the home device first); empty for one-device and older logs.
+        totals: column name -> its sum over every token, NaN ignored, summed as the log
+            was read: for every column of ``values`` and, when ``values`` holds only
+            ``wall_ms`` (``read_log(columns=False)``), for those it would hold.
+        stats: the reader's streaming sums (``tools.analyze.logstats``): the time split
+            and the checks; None only for columns built by hand.
     """
 
     values: Mapping[str, FloatArray]
@@ -202,6 +208,8 @@ class TokenColumns:
     mode_names: tuple[str, ...]
     experts: npt.NDArray[np.int32]
     devices: Mapping[int, Mapping[str, FloatArray]]
+    totals: Mapping[str, float] = field(default_factory=dict)
+    stats: TokenStats | None = None
 
     def __len__(self) -> int:
         return int(self.mode_codes.shape[0])
@@ -210,10 +218,13 @@ class TokenColumns:
         return self.values[name]
 
     def __contains__(self, name: object) -> bool:
-        return name in self.values
+        return name in self.values or name in self.totals
 
     def total(self, name: str) -> float:
-        """Sum of a column, ignoring NaN (0.0 for an empty or all-NaN column)."""
+        """Sum of a column, ignoring NaN (0.0 for an empty or all-NaN column); from
+        ``totals`` when the reader summed it as it read."""
+        if name in self.totals:
+            return self.totals[name]
         column = self.values[name]
         return float(np.nansum(column)) if column.size else 0.0
 

@@ -20,6 +20,7 @@ __all__ = [
     "FloatRows",
     "float_columns",
     "float_or_none",
+    "float_table",
     "int_or_none",
     "int_tuple",
     "mapping",
@@ -58,8 +59,8 @@ def mapping(value: object) -> Mapping[str, Any]:
     return value if isinstance(value, dict) else {}
 
 
-def _float_table(rows: list[tuple[Any, ...]]) -> FloatArray:
-    """Rows of JSON scalars as one float64 array; non-numbers become NaN."""
+def float_table(rows: list[tuple[Any, ...]]) -> FloatArray:
+    """Rows of JSON scalars as one ``(rows, columns)`` float64 array; non-numbers become NaN."""
     try:
         return np.array(rows, dtype=np.float64)
     except (ValueError, TypeError):
@@ -74,7 +75,7 @@ def float_columns(rows: list[tuple[Any, ...]], names: tuple[str, ...]) -> dict[s
     """Turn rows of JSON scalars into float64 columns; non-numbers become NaN."""
     if not rows:
         return {name: np.zeros(0, dtype=np.float64) for name in names}
-    table = _float_table(rows)
+    table = float_table(rows)
     return {name: table[:, col].copy() for col, name in enumerate(names)}
 
 
@@ -111,7 +112,7 @@ class FloatRows:
 
     def _flush(self) -> None:
         if self._pending:
-            self._blocks.append(_float_table(self._pending))
+            self._blocks.append(float_table(self._pending))
             self._pending = []
 
     def columns(self) -> dict[str, FloatArray]:

@@ -24,11 +24,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-
 from pipeline.timesplit import BOUND_OF_PART, PARTS, Part
 from tools.analyze.logread import TIME_COLUMNS
 from tools.analyze.logrecords import RunLog
+from tools.analyze.logstats import ModeSplit, TokenStats, bandwidth_limits
 from tools.analyze.report_text import GB, MB, text_table
 
 __all__ = ["PART_LABELS", "LowerBound", "TimeReport", "time_report"]
@@ -125,61 +124,43 @@ class TimeReport:
         return text_table(rows) + self.verdict + "\n"
 
 
-def _limits(run: RunLog) -> dict[str, float]:
-    raw = run.header.limits if run.header is not None else {}
-    out: dict[str, float] = {}
-    for key in ("read_bytes_per_s", "copy_bytes_per_s"):
-        value = raw.get(key)
-        if isinstance(value, int | float) and not isinstance(value, bool) and value > 0:
-            out[key] = float(value)
-    return out
-
-
-def _lower_bound(run: RunLog, rows: np.ndarray[Any, Any], compute: np.ndarray[Any, Any]
-                 ) -> LowerBound | None:
+def _lower_bound(run: RunLog, stats: TokenStats) -> LowerBound | None:
     """max(compute, miss bytes / bandwidth) per token, with direct tokens limited by reads
     (and copies, if slower) and resident tokens by copies; None when a limit is missing."""
-    limits = _limits(run)
-    cols = run.tokens
-    miss_bytes = np.nan_to_num(cols["file_bytes"][rows])
-    resident = cols.mode_mask("resident")[rows]
-    read = limits.get("read_bytes_per_s")
-    copy = limits.get("copy_bytes_per_s")
-    if (read is None and not resident.all()) or (copy is None and resident.any()):
+    limits = bandwidth_limits(run.header.limits if run.header is not None else {})
+    n = stats.split.rows
+    resident = stats.split_resident
+    if (("read_bytes_per_s" not in limits and resident < n)
+            or ("copy_bytes_per_s" not in limits and resident > 0)):
         return None
-    # a direct miss is read, then copied: the slower of the two limits it
-    direct = read if copy is None or read is None else min(read, copy)
-    bandwidth = np.where(resident, copy or np.inf, direct or np.inf)
-    io_ms = miss_bytes / bandwidth * 1000.0
-    floor = np.maximum(compute, io_ms)
-    total = float(floor.sum())
-    n = int(rows.sum())
+    total = stats.floor_ms
     return LowerBound(ms_per_token=total / n, tokens_per_s=n * 1000.0 / total if total else
-                      float("inf"), compute_ms_per_token=float(compute.mean()),
-                      io_ms_per_token=float(io_ms.mean()), limits=limits)
+                      float("inf"), compute_ms_per_token=stats.compute_ms / n,
+                      io_ms_per_token=stats.io_ms / n, limits=limits)
 
 
 def time_report(run: RunLog) -> TimeReport | None:
-    """The run's time split and bound; None when no token logged its ``time`` (schema 1)."""
+    """The run's time split and bound; None when no token logged its ``time`` (schema 1).
+
+    Computed from the sums the reader kept (``TokenColumns.stats``), not per-token columns.
+    """
     cols = run.tokens
-    if TIME_COLUMNS[0] not in cols or not len(cols):
+    stats = cols.stats
+    if stats is None or TIME_COLUMNS[0] not in cols or not len(cols):
         return None
-    split = np.stack([cols[c] for c in TIME_COLUMNS], axis=1)
-    wall = cols["wall_ms"]
-    rows = np.isfinite(split).all(axis=1) & np.isfinite(wall)
-    n = int(rows.sum())
+    n = stats.split.rows
     if n == 0:
         return None
-    parts, wall_per_token, top = _mean_split(split, wall, rows)
+    parts, wall_per_token, top = _mean_split(stats.split)
     measured = 1000.0 / wall_per_token if wall_per_token > 0 else float("inf")
-    low = _lower_bound(run, rows, split[rows, 0])
-    verdict = _verdict(run, rows, top, parts, wall_per_token, measured, low)
+    low = _lower_bound(run, stats)
+    verdict = _verdict(run, stats, top, parts, wall_per_token, measured, low)
     by_mode: dict[str, str] = {}
     if len(cols.mode_names) > 1:  # a run that switched: each mode has its own bound
-        for mode in cols.mode_names:
-            in_mode = rows & cols.mode_mask(mode)
-            if in_mode.any():
-                mode_parts, mode_wall, mode_top = _mean_split(split, wall, in_mode)
+        for code, mode in enumerate(cols.mode_names):
+            in_mode = stats.by_mode.get(code)
+            if in_mode is not None and in_mode.rows:
+                mode_parts, mode_wall, mode_top = _mean_split(in_mode)
                 by_mode[mode] = BOUND_OF_PART[mode_top]
                 share = 100.0 * mode_parts[mode_top] / mode_wall if mode_wall > 0 else 0.0
                 verdict += (f"{'; by mode: ' if len(by_mode) == 1 else ', '}{mode} "
@@ -188,22 +169,21 @@ def time_report(run: RunLog) -> TimeReport | None:
                       by_mode)
 
 
-def _mean_split(split: np.ndarray[Any, Any], wall: np.ndarray[Any, Any],
-                rows: np.ndarray[Any, Any]) -> tuple[dict[str, float], float, Part]:
-    """Mean ms per token of each part over ``rows``, the mean wall time, the largest part."""
-    n = max(int(rows.sum()), 1)
-    parts: dict[str, float] = {p: float(split[rows, i].sum()) / n for i, p in enumerate(_PARTS)}
-    return parts, float(wall[rows].sum()) / n, max(_PARTS, key=parts.__getitem__)
+def _mean_split(split: ModeSplit) -> tuple[dict[str, float], float, Part]:
+    """Mean ms per token of each part over ``split``'s rows, the mean wall time, the
+    largest part."""
+    n = max(split.rows, 1)
+    parts: dict[str, float] = {p: split.parts_ms[i] / n for i, p in enumerate(_PARTS)}
+    return parts, split.wall_ms / n, max(_PARTS, key=parts.__getitem__)
 
 
-def _verdict(run: RunLog, rows: np.ndarray[Any, Any], top: Part, parts: dict[str, float],
+def _verdict(run: RunLog, stats: TokenStats, top: Part, parts: dict[str, float],
              wall: float, measured: float, low: LowerBound | None) -> str:
     """One line: the bound, its share of the token time, and what would move it."""
-    cols = run.tokens
-    n = int(rows.sum())
+    n = stats.split.rows
     share = 100.0 * parts[top] / wall if wall > 0 else 0.0
-    miss_mb = float(np.nansum(cols["file_bytes"][rows])) / MB / n
-    hits, misses = float(np.nansum(cols["hits"][rows])), float(np.nansum(cols["misses"][rows]))
+    miss_mb = stats.split_file_bytes / MB / n
+    hits, misses = stats.split_hits, stats.split_misses
     hit_rate = hits / (hits + misses) if hits + misses else float("nan")
     # the rate misses were delivered at while decode ran: file bytes over wall time
     rate = miss_mb * MB / GB / (wall / 1000.0) if wall > 0 else 0.0
