@@ -353,3 +353,53 @@ class TestUsage:
     def test_no_arguments(self, capsys: pytest.CaptureFixture[str]) -> None:
         assert main([]) == 2
 
+
+
+class TestStreamingSums:
+    """Without per-token columns (``read_log(columns=False)``, the CLI without --csv, --plot
+    or --what-if) the summary, time split and checks come out the same."""
+
+    @staticmethod
+    def _same(path: Path) -> tuple[Any, Any]:
+        from tools.analyze.time_report import time_report
+
+        whole, lean = read_log(path), read_log(path, columns=False)
+        assert set(lean.tokens.values) == {"wall_ms"}
+        assert len(lean.tokens) == len(whole.tokens)
+        assert summarize(lean) == summarize(whole)
+        assert time_report(lean) == time_report(whole)
+        assert lean.problems == whole.problems
+        return whole, lean
+
+    def test_synthetic_run(self, synthetic: tuple[Path, dict[str, int]]) -> None:
+        whole, _ = self._same(synthetic[0])
+        assert whole.problems == ()
+
+    def test_problems_are_the_same(self, tmp_path: Path) -> None:
+        lines = [header(), token(0), token(1, hits=3), token(3), token(4, hits=9)]
+        _, lean = self._same(write(tmp_path / "bad.jsonl", lines))
+        assert lean.problems == ("token indices are not consecutive from row 2",
+                                 "2 tokens have hits + misses != experts used (first: token 1)")
+
+    def test_header_after_tokens(self, tmp_path: Path) -> None:
+        self._same(write(tmp_path / "late.jsonl", [token(0), token(1), header(), token(2)]))
+
+    def test_sums_over_several_blocks(self, tmp_path: Path) -> None:
+        """Blocks of 4096 rows are summed one at a time: equal to a whole column's sum up to
+        the rounding of the last bits."""
+        import numpy as np
+
+        from tools.analyze.time_report import time_report
+
+        path = tmp_path / "long.jsonl"
+        write_synthetic_log(path, SyntheticRun(tokens=9000, moe_layers=2, n_experts=16,
+                                               top_k=2, expert_bytes=UNIT, budget_experts=8,
+                                               switch_at=5000))
+        whole, lean = read_log(path), read_log(path, columns=False)
+        for name, column in whole.tokens.values.items():
+            assert lean.tokens.total(name) == pytest.approx(float(np.nansum(column)), rel=1e-12)
+        full, sums = time_report(whole), time_report(lean)
+        assert full is not None and sums is not None
+        assert sums.parts_ms_per_token == pytest.approx(full.parts_ms_per_token, rel=1e-12)
+        assert (sums.bound, sums.bound_by_mode) == (full.bound, full.bound_by_mode)
+        assert summarize(lean)["latency_p99_ms"] == summarize(whole)["latency_p99_ms"]

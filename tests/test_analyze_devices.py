@@ -98,7 +98,8 @@ class TestReadDevices:
         assert older.header is not None and older.header.devices == ()
         assert not older.problems
 
-    def test_bad_entries_are_reported(self, tmp_path: Path) -> None:
+    @pytest.mark.parametrize("columns", [True, False], ids=["columns", "sums-only"])
+    def test_bad_entries_are_reported(self, tmp_path: Path, columns: bool) -> None:
         per = {"hits": 1, "misses": 1, "file_bytes": 1000, "stall_ms": 1.0, "compute_ms": 2.0,
                "cache_live_bytes": 2000}
         lines = [
@@ -107,13 +108,25 @@ class TestReadDevices:
             token(1, devices=[{"device": 0, **per}, "x", {"device": "gpu", **per}]),
             token(2),
         ]
-        log = read_log(write(tmp_path / "bad.jsonl", lines))
+        log = read_log(write(tmp_path / "bad.jsonl", lines), columns=columns)
         assert list(log.tokens.devices) == [0, 1]
         assert log.tokens.devices[1]["hits"].tolist()[0] == 1.0
         assert all(v != v for v in log.tokens.devices[1]["hits"].tolist()[1:])  # NaN
         assert log.tokens.device_total(0, "misses") == 2.0
         assert any("without an int device" in p for p in log.problems)
         assert any("do not add up" in p and "token 1" in p for p in log.problems)
+
+    def test_devices_only_in_a_later_block(self, tmp_path: Path) -> None:
+        """Without columns the sums are checked against the token columns of the blocks
+        that listed devices (4096 token rows a block); the others are not held."""
+        per = {"hits": 1, "misses": 1, "file_bytes": 1000, "stall_ms": 1.0, "compute_ms": 2.0,
+               "cache_live_bytes": 2000}
+        lines = [header(), *(token(t) for t in range(4100))]
+        lines[4099] = token(4098, devices=[{"device": 0, **per}, {"device": 1, **per, "hits": 2}])
+        path = write(tmp_path / "late.jsonl", lines)
+        whole, lean = read_log(path), read_log(path, columns=False)
+        assert lean.problems == whole.problems
+        assert any("do not add up" in p and "token 4098" in p for p in lean.problems)
 
 
 class TestDeviceAnalysis:
@@ -131,6 +144,8 @@ class TestDeviceAnalysis:
         assert _sum(rows, "file_share") == pytest.approx(1.0)
         assert _sum(rows, "peak_device_bytes") == log.end.peak_device_bytes
         assert _sum(rows, "budget_bytes") == log.header.budget_bytes
+        lean = read_log(two_devices, columns=False)  # the CLI without --csv, --plot, --what-if
+        assert (device_rows(lean), lean.problems) == (rows, log.problems)
         for event in _events(two_devices, "token"):  # one thread waits for each in turn
             for name in ("stall_ms", "compute_ms"):
                 assert sum(d[name] for d in event["devices"]) == pytest.approx(

@@ -414,6 +414,28 @@ class TestAnalyzeMemory:
         # are not held: 4.5 KB a token before
         assert peak / self.TOKENS < 1000, peak
 
+    def test_summary_holds_a_few_bytes_per_token(self, long_log: Path,
+                                                 tmp_path: Path) -> None:
+        """Without columns (the CLI without --csv, --plot, --what-if) a token adds its
+        wall_ms and mode code (9 bytes) to what is held; the rest is one block's fixed cost."""
+        import tracemalloc
+
+        lines = long_log.read_bytes().splitlines(keepends=True)
+        half = tmp_path / "half.jsonl"
+        half.write_bytes(b"".join(lines[: 1 + self.TOKENS // 2]))  # run_start, then tokens
+        peaks = []
+        for path in (half, long_log):
+            tracemalloc.start()
+            try:
+                run = read_log(path, experts=False, columns=False)
+                _, peak = tracemalloc.get_traced_memory()
+            finally:
+                tracemalloc.stop()
+            peaks.append(peak)
+            assert set(run.tokens.values) == {"wall_ms"}
+        # the columns: 230 bytes a token (twice while built); sums only: about 9
+        assert (peaks[1] - peaks[0]) / (self.TOKENS - self.TOKENS // 2) < 64, peaks
+
     def test_replay_refuses_a_log_read_without_ids(self, long_log: Path) -> None:
         from tools.analyze.whatif_replay import AccessTrace
 
