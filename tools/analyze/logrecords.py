@@ -221,9 +221,10 @@ class TokenColumns:
         return name in self.values or name in self.totals
 
     def total(self, name: str) -> float:
-        """Sum of a column, ignoring NaN (0.0 for an empty or all-NaN column); from
-        ``totals`` when the reader summed it as it read."""
-        if name in self.totals:
+        """Sum of a column, ignoring NaN (0.0 for an empty or all-NaN column): over the
+        column when it is held, else from ``totals`` (summed block by block as the log was
+        read, which may differ in the last bit)."""
+        if name not in self.values:
             return self.totals[name]
         column = self.values[name]
         return float(np.nansum(column)) if column.size else 0.0

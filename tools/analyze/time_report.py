@@ -24,9 +24,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+import numpy.typing as npt
+
 from pipeline.timesplit import BOUND_OF_PART, PARTS, Part
 from tools.analyze.logread import TIME_COLUMNS
-from tools.analyze.logrecords import RunLog
+from tools.analyze.logrecords import RunLog, TokenColumns
 from tools.analyze.logstats import ModeSplit, TokenStats, bandwidth_limits
 from tools.analyze.report_text import GB, MB, text_table
 
@@ -151,7 +154,7 @@ def time_report(run: RunLog) -> TimeReport | None:
     n = stats.split.rows
     if n == 0:
         return None
-    parts, wall_per_token, top = _mean_split(stats.split)
+    parts, wall_per_token, top = _mean_split(stats.split, _wall_ms(cols, stats.split, None))
     measured = 1000.0 / wall_per_token if wall_per_token > 0 else float("inf")
     low = _lower_bound(run, stats)
     verdict = _verdict(run, stats, top, parts, wall_per_token, measured, low)
@@ -160,7 +163,8 @@ def time_report(run: RunLog) -> TimeReport | None:
         for code, mode in enumerate(cols.mode_names):
             in_mode = stats.by_mode.get(code)
             if in_mode is not None and in_mode.rows:
-                mode_parts, mode_wall, mode_top = _mean_split(in_mode)
+                mode_parts, mode_wall, mode_top = _mean_split(
+                    in_mode, _wall_ms(cols, in_mode, cols.mode_mask(mode)))
                 by_mode[mode] = BOUND_OF_PART[mode_top]
                 share = 100.0 * mode_parts[mode_top] / mode_wall if mode_wall > 0 else 0.0
                 verdict += (f"{'; by mode: ' if len(by_mode) == 1 else ', '}{mode} "
@@ -169,12 +173,23 @@ def time_report(run: RunLog) -> TimeReport | None:
                       by_mode)
 
 
-def _mean_split(split: ModeSplit) -> tuple[dict[str, float], float, Part]:
-    """Mean ms per token of each part over ``split``'s rows, the mean wall time, the
-    largest part."""
+def _wall_ms(cols: TokenColumns, split: ModeSplit, mask: npt.NDArray[np.bool_] | None
+             ) -> float:
+    """The summed wall time of ``split``'s rows: over the held ``wall_ms`` column when they
+    are all the tokens (of ``mask``), as numpy sums a column; else the reader's sum."""
+    wall = cols.values.get("wall_ms")
+    if wall is None:
+        return split.wall_ms
+    picked = wall if mask is None else wall[mask]
+    return float(picked.sum()) if picked.shape[0] == split.rows else split.wall_ms
+
+
+def _mean_split(split: ModeSplit, wall_ms: float) -> tuple[dict[str, float], float, Part]:
+    """Mean ms per token of each part over ``split``'s rows, the mean wall time (of
+    ``wall_ms``, their summed wall time), the largest part."""
     n = max(split.rows, 1)
     parts: dict[str, float] = {p: split.parts_ms[i] / n for i, p in enumerate(_PARTS)}
-    return parts, split.wall_ms / n, max(_PARTS, key=parts.__getitem__)
+    return parts, wall_ms / n, max(_PARTS, key=parts.__getitem__)
 
 
 def _verdict(run: RunLog, stats: TokenStats, top: Part, parts: dict[str, float],
