@@ -502,10 +502,15 @@ class _Reader:
                    or not name.startswith("prefetch_")]
         present = [name for name in present if self.time_seen or name not in TIME_COLUMNS]
         if self._keep_columns:
-            table = (np.concatenate(self._kept) if len(self._kept) > 1 else self._kept[0]
-                     if self._kept else np.zeros((0, len(_ROW_COLUMNS))))
-            self._kept = []
-            rows = np.ascontiguousarray(table.T)  # one row per column: views below
+            # one row per column (views below), filled a block at a time while the blocks
+            # are let go: the numbers are held once, not twice
+            rows = np.empty((len(_ROW_COLUMNS), self.tokens))
+            self._kept.reverse()
+            start = 0
+            while self._kept:
+                block = self._kept.pop()
+                rows[:, start: start + block.shape[0]] = block.T
+                start += block.shape[0]
             values = {name: rows[_ROW_COLUMNS.index(name)] for name in present}
             return values, values
         wall = np.concatenate(self._walls) if self._walls else np.zeros(0)
