@@ -513,8 +513,13 @@ class _Reader:
                 start += block.shape[0]
             values = {name: rows[_ROW_COLUMNS.index(name)] for name in present}
             return values, values
-        wall = np.concatenate(self._walls) if self._walls else np.zeros(0)
-        self._walls = []
+        wall = np.empty(self.tokens)  # filled while the blocks are let go: held once
+        self._walls.reverse()
+        start = 0
+        while self._walls:
+            part = self._walls.pop()
+            wall[start: start + part.shape[0]] = part
+            start += part.shape[0]
         checked: dict[str, FloatArray] = {}
         if any(not isinstance(block, int) for block in self._checked):
             blocks = [np.full((block, len(_CHECKED)), math.nan) if isinstance(block, int)
