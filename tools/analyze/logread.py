@@ -8,9 +8,10 @@ and so is an expert id no int32 holds (naming the line). Lines are read with a l
 (``MAX_LINE_BYTES``): a longer one is skipped a piece at a time, never held whole, so a file
 without newlines costs no more memory than one line.
 
-Per-token values become numpy columns so that summaries, intervals and plots over 100,000
-tokens are vector operations; the expert ids of every token become one ``(tokens, layers,
-top_k)`` array that the what-if simulator replays. Plain ``json`` parsing dominates the cost;
+Token lines are turned into numbers 4096 at a time, folded into running sums
+(``tools.analyze.logstats``) and, where asked, kept as numpy columns for intervals and
+plots; where asked, the expert ids of every token become one ``(tokens, layers, top_k)``
+array that the what-if simulator replays. Plain ``json`` parsing dominates the cost;
 reading is synchronous because there is nothing to overlap it with (a single sequential
 file read, CPU-bound parsing), so ``aiofiles`` would only add overhead.
 
@@ -593,14 +594,19 @@ class _Reader:
 def read_log(path: str | Path, *, experts: bool = True, columns: bool = True) -> RunLog:
     """Read one run log.
 
-    What is held per token line: its numbers as float64 columns (about 30 values, 8 bytes
-    each) and, with ``experts``, its expert ids (4 bytes per MoE layer and top-k slot: 1 KB
-    at 43 layers x top-6, what the what-if replay needs); never the decoded line.
+    What is held per token line: with ``columns``, its numbers as float64 columns (about 30
+    values, 8 bytes each), else only ``wall_ms`` and the mode code (9 bytes); with
+    ``experts``, its expert ids (4 bytes per MoE layer and top-k slot: 1 KB at 43 layers x
+    top-6, what the what-if replay needs); never the decoded line. The sums the summary,
+    the time split and the checks need are kept as the log is read (``tokens.stats``,
+    ``tokens.totals``) either way.
 
     Args:
         path: the JSON-lines file written by a moestream run.
         experts: keep every token's expert ids (``tokens.experts``); without, that array
-            has no rows and only the per-token count of ids used is kept for the checks.
+            has no rows.
+        columns: keep every token's numbers (``tokens.values``: the CSV, plots and the
+            replay need them); without, ``tokens.values`` holds only ``wall_ms``.
 
     Returns:
         The run's header, token columns, controller events, summary line and line counts.
