@@ -178,13 +178,18 @@ def lay_out(paths: Sequence[tuple[Path, FileIdentity]]) -> tuple[ModelFile, ...]
     return tuple(out)
 
 
+def _base(file: ModelFile) -> int:
+    return file.base
+
+
 def locate(files: Sequence[ModelFile], offset: int) -> ModelFile:
     """The file whose span holds ``offset`` of the address space.
 
     Raises:
         IndexError: the offset lies in no file.
     """
-    i = bisect.bisect_right([f.base for f in files], offset) - 1
+    # on every read's path: one file is the common case, and no list of bases is built
+    i = 0 if len(files) == 1 else bisect.bisect_right(files, offset, key=_base) - 1
     if i < 0 or offset >= files[i].span_end:
         raise IndexError(f"offset {offset} lies in no file of the model")
     return files[i]
