@@ -10,7 +10,9 @@ values of a small magnitude (so compute can run a real SwiGLU) or valid quantize
 with finite scales. Presets: ``tiny`` (F16), ``ds4-flash-q2`` and ``ds4-flash-q4`` (DeepSeek
 V4 Flash in the quantizations people run), ``ds4-flash-f16`` (the same shape with 48 MiB F16
 experts, for real-compute runs), ``qwen3-30b-a3b`` (48 layers x 128 experts, top-8, Q4_K:
-2.53 MiB experts, the small-expert case) and ``mixtral-8x7b`` (32 layers x 8 experts, top-2,
+2.53 MiB experts, the small-expert case), ``qwen3-next-80b-a3b`` (512 experts, top-10: 1.69
+MiB experts, the fine-grained case), ``deepseek-v2-lite`` (26 MoE layers x 64 experts, top-6,
+Q5_K: 6.19 MiB experts) and ``mixtral-8x7b`` (32 layers x 8 experts, top-2,
 Q4_K: 94.5 MiB experts, the large-expert case). ``--layers``/``--experts`` scale any preset
 down; the per-expert sizes stay.
 
@@ -64,6 +66,7 @@ _SCALE_OFFSETS: dict[QType, tuple[int, ...]] = {
     QType.IQ2_XXS: (0,),
     QType.Q2_K: (80, 82),
     QType.Q4_K: (0, 2),
+    QType.Q5_K: (0, 2),
 }
 
 Fill = Literal["bits", "ones", "normal"]
@@ -146,6 +149,15 @@ PRESETS: dict[str, ModelSpec] = {
     # Small experts: 3 x 864 KiB Q4_K matrices = 2.53 MiB per expert, 15.2 GiB routed.
     "qwen3-30b-a3b": ModelSpec("qwen3-30b-a3b", 48, 0, 0, 128, 8, 2048, 768,
                                QType.Q4_K, QType.Q4_K, arch="qwen3moe", shared_experts=0),
+    # Fine-grained experts (Qwen3-Next-80B-A3B's routed shape: 512 experts, top-10, one
+    # shared): 3 x 576 KiB Q4_K matrices = 1.69 MiB per expert; ``--layers 20`` is 16.9 GiB.
+    "qwen3-next-80b-a3b": ModelSpec("qwen3-next-80b-a3b", 48, 0, 0, 512, 10, 2048, 512,
+                                    QType.Q4_K, QType.Q4_K, arch="qwen3moe"),
+    # Mid-sized experts (DeepSeek-V2-Lite's layer plan: one dense layer, 26 MoE layers of 64
+    # experts, top-6): FFN 1536 (1408 there, not a multiple of Q5_K's 256-value block), Q5_K:
+    # 3 x 2.06 MiB = 6.19 MiB per expert, 10.1 GiB routed.
+    "deepseek-v2-lite": ModelSpec("deepseek-v2-lite", 27, 1, 0, 64, 6, 2048, 1536,
+                                  QType.Q5_K, QType.Q5_K),
     # Large experts: 3 x 31.5 MiB Q4_K matrices = 94.5 MiB per expert, 23.6 GiB routed.
     "mixtral-8x7b": ModelSpec("mixtral-8x7b", 32, 0, 0, 8, 2, 4096, 14336,
                               QType.Q4_K, QType.Q4_K, arch="llama", shared_experts=0),

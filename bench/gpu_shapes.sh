@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# Issue 26's H200 leases (repo root on the GPU machine, .whl carried): every shape at its
+# limit. Steps, comma-separated (default: api,warmup,gaps):
+#   api       python -m bench.api_calls on the tiny preset (issue 25: sync vs async per call)
+#   warmup    python -m bench.warmup --size-gib 8 --runs 3, and numpy's import CPU with and
+#             without OPENBLAS_NUM_THREADS=1
+#   gaps      bench.gaps (device idle per token, all cached) on each shape, with and without
+#             the run log; bench.profile's all-cached phase
+#   pipeline  bench.pipeline --skip cold on each shape, RUNS times (default 3)
+#   contention  bench.contention on each shape
+# Shapes (SHAPES, default qwen,dsv2,fine): Qwen3-30B-A3B (48 x 128, top-8, 2.5 MiB experts),
+# DeepSeek-V2-Lite's plan (26 x 64, top-6, 6.2 MiB), Qwen3-Next-like fine-grained (20 x 512,
+# top-10, 1.7 MiB); files made here by tools.make_model --no-digests (no recorded digests:
+# the first run builds the manifest) and kept in $MODELS between calls of one lease.
+# Usage: STEPS=pipeline SHAPES=fine RUNS=3 bash bench/gpu_shapes.sh
+set -u
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>/dev/null
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 XDG_CACHE_HOME=/tmp/cache
+MODELS=${MODELS:-/tmp/models}; mkdir -p $MODELS
+steps=${STEPS:-api,warmup,gaps}; shapes=${SHAPES:-qwen,dsv2,fine}
+echo "commit ${MOESTREAM_COMMIT:-unknown}"; nvidia-smi -L; nproc; free -g | head -2; df -h /tmp | tail -1
+model() {  # model SHAPE: the file, made once
+  local m=$MODELS/$1.gguf
+  if [[ ! -f $m ]]; then
+    case $1 in
+      qwen) python3 -m tools.make_model $m --preset qwen3-30b-a3b --no-digests | tail -1 ;;
+      dsv2) python3 -m tools.make_model $m --preset deepseek-v2-lite --no-digests | tail -1 ;;
+      fine) python3 -m tools.make_model $m --preset qwen3-next-80b-a3b --layers 20 --no-digests | tail -1 ;;
+    esac
+    python3 -m tools.warmup $m --digests > /dev/null 2>&1  # resident, and its manifest built
+  fi >&2
+  echo $m
+}
+if [[ $steps == *api* ]]; then
+  python3 -m tools.make_model /tmp/tiny.gguf --preset tiny > /dev/null 2>&1
+  timeout 120 python3 -m bench.api_calls /tmp/tiny.gguf --rounds 3000 --out $OUT/api-calls.json \
+    > $OUT/api-calls.log 2>&1; echo "api_calls rc=$?"; tail -12 $OUT/api-calls.log
+fi
+if [[ $steps == *warmup* ]]; then
+  for v in unset 1; do
+    ( [[ $v == 1 ]] && export OPENBLAS_NUM_THREADS=1
+      /usr/bin/time -f "import numpy OPENBLAS_NUM_THREADS=$v: %e s wall %U s user %S s sys" \
+        python3 -c "import numpy" ) 2>&1 | tail -1
+  done | tee $OUT/numpy-import.log
+  timeout 300 python3 -m bench.warmup --size-gib 8 --runs 3 --dir /tmp --out $OUT/warmup.json \
+    > $OUT/warmup.log 2>&1; echo "warmup rc=$?"; tail -14 $OUT/warmup.log
+fi
+for s in ${shapes//,/ }; do
+  [[ $steps == *gaps* || $steps == *pipeline* || $steps == *contention* ]] || break
+  m=$(model $s)
+  if [[ $steps == *gaps* ]]; then
+    for extra in "" --no-log; do
+      timeout 60 python3 -m bench.gaps --model $m --backend cupy $extra \
+        --out $OUT/gaps-$s${extra:+-nolog}.json 2>&1 | tail -6
+    done
+    timeout 60 python3 -m bench.profile --model $m --backend cupy --phase all-cached --top 40 \
+      > $OUT/profile-$s.log 2>&1; grep "us/layer" $OUT/profile-$s.log
+  fi
+  if [[ $steps == *pipeline* ]]; then
+    for r in $(seq 1 ${RUNS:-3}); do
+      timeout 200 python3 -m bench.pipeline --model $m --backend cupy --skip cold --naive-tokens 8 \
+        --lookahead 8 --out $OUT/pipeline-$s-run$r.json > $OUT/pipeline-$s-run$r.log 2>&1
+      echo "pipeline $s run $r rc=$?"; grep -E "^  [0-9]_" $OUT/pipeline-$s-run$r.log
+    done
+  fi
+  if [[ $steps == *contention* ]]; then
+    timeout 200 python3 -m bench.contention --model $m --backend cupy \
+      --out $OUT/contention-$s.json > $OUT/contention-$s.log 2>&1
+    echo "contention $s rc=$?"; tail -15 $OUT/contention-$s.log
+  fi
+done
