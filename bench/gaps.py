@@ -81,7 +81,8 @@ class _Clock:
 
 def _patches(clock: _Clock) -> list[Any]:
     wait_for_layer = decode.Decoder.wait_for_layer
-    busy_of = {cls: cls.busy for cls in (kernel_module.CudaKernels, kernel_module.HostKernels)}
+    busy_of: dict[type, Callable[..., None]] = {
+        cls: cls.busy for cls in (kernel_module.CudaKernels, kernel_module.HostKernels)}
 
     def waited(self: decode.Decoder, done: Any, split: Any) -> None:
         wait_for_layer(self, done, split)
