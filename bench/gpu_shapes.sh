@@ -17,6 +17,8 @@ set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>/dev/null
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 XDG_CACHE_HOME=/tmp/cache
 MODELS=${MODELS:-/tmp/models}; mkdir -p $MODELS
+FINAL=$OUT; OUT=/tmp/out-shapes; rm -rf $OUT; mkdir -p $OUT  # at most 8 files come back: one tar
+trap 'tar -czf $FINAL/results.tgz -C $OUT .' EXIT
 steps=${STEPS:-api,warmup,gaps}; shapes=${SHAPES:-qwen,dsv2,fine}
 echo "commit ${MOESTREAM_COMMIT:-unknown}"; nvidia-smi -L; nproc; free -g | head -2; df -h /tmp | tail -1
 model() {  # model SHAPE: the file, made once
@@ -37,6 +39,8 @@ if [[ $steps == *api* ]]; then
     > $OUT/api-calls.log 2>&1; echo "api_calls rc=$?"; tail -12 $OUT/api-calls.log
 fi
 if [[ $steps == *warmup* ]]; then
+  # vmtouch is not installed there: its Debian package travels in .whl (apt-get download)
+  for d in .whl/vmtouch*.deb; do dpkg -x $d /tmp/vmtouch && export PATH=/tmp/vmtouch/usr/bin:$PATH; done
   for v in unset 1; do
     ( [[ $v == 1 ]] && export OPENBLAS_NUM_THREADS=1
       /usr/bin/time -f "import numpy OPENBLAS_NUM_THREADS=$v: %e s wall %U s user %S s sys" \
