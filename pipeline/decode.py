@@ -271,6 +271,7 @@ class Decode:
         lease: Lease,
         weights: Sequence[float],
         meanwhile: Callable[[], None] | None = None,
+        taken: Sequence[ExpertHandle] | None = None,
     ) -> LayerResult:
         """Consume one MoE layer's experts as its lease hands them out: those available at
         once, then the others as they land; release the lease after the layer's compute
@@ -281,6 +282,8 @@ class Decode:
             weights: the router weights of ``lease.experts``, in that order.
             meanwhile: host work for the caller while the devices compute the layer (run
                 after their work is queued and the lease released, before the wait).
+            taken: the handles ``lease.available()`` gave the caller already (it planned
+                the layer while the devices computed the one before).
 
         Raises:
             StageError: a miss could not be loaded (or the model file changed: its own
@@ -295,7 +298,7 @@ class Decode:
         device_s = [0.0] * len(decoders)  # several devices: the host's time on each
         failures: list[MoestreamError] = []
         compute_s = stall_s = 0.0
-        batch = lease.available()
+        batch = lease.available() if taken is None else taken
         while True:
             if batch:
                 t0 = time.perf_counter()

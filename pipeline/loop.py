@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import functools
 
-from moestream import Lease, Session, TokenStats
+from moestream import ExpertHandle, Lease, Session, TokenStats
 from pipeline.decode import Decode
 from pipeline.foundation.config import RunConfig
 from pipeline.foundation.table import ExpertTable
@@ -66,6 +66,7 @@ class DecodeLoop:
         self._debug = config.log_level == "debug"
         self._end = config.tokens * len(self._layers)
         self._fetched: dict[int, Lease] = {}  # layers fetched ahead, by position
+        self._taken: dict[int, list[ExpertHandle]] = {}  # their handles, taken ahead
         # a trace routes every layer ahead: all-hit layers are planned during the one before
         self._plans_ahead = not self._live
         self.recorder = recorder
@@ -75,18 +76,29 @@ class DecodeLoop:
         experts, _ = self._routing.route(token, i, None)
         return self._ms.fetch(self._layers[i], experts)
 
-    def _plan_ready(self, position: int) -> None:
-        """While the devices compute a layer: fetch the next one now if every expert it
-        routes to (a trace knows) is cached and ready (``Session.ready``). Such a fetch
-        starts no load, so a run without prefetch still loads nothing early; it only takes
-        the next layer's planning off the host's path between one layer's end and the
-        next one's kernels (issue 14: all cached at compute speed)."""
-        if position in self._fetched:
+    def _meanwhile(self, position: int) -> None:
+        """Host work while the devices compute the layer before ``position``: render the
+        run log's pending lines, and plan the next layer if a trace knows its experts.
+
+        The plan: fetch the next layer now if every expert it routes to is cached and
+        ready (``Session.ready``), and take its handles (``Lease.available``) when it is
+        in this token (taking them counts the lease in the token it is taken in). Such a
+        fetch starts no load, so a run without prefetch still loads nothing early; it takes
+        the next layer's planning off the host's path between one layer's end and the next
+        one's kernels (issue 26: all cached at compute speed).
+        """
+        self._runlog.render()
+        if not self._plans_ahead or position >= self._end or position in self._taken:
             return
         token, i = divmod(position, len(self._layers))
-        experts, _ = self._routing.route(token, i, None)
-        if self._ms.ready(self._layers[i], experts):
-            self._fetched[position] = self._ms.fetch(self._layers[i], experts)
+        lease = self._fetched.get(position)
+        if lease is None:
+            experts, _ = self._routing.route(token, i, None)
+            if not self._ms.ready(self._layers[i], experts):
+                return
+            lease = self._fetched[position] = self._ms.fetch(self._layers[i], experts)
+        if i > 0:  # in this token: hand its experts out now (a planned layer: all of them)
+            self._taken[position] = lease.available()
 
     async def token(self, t: int) -> TokenStats:
         """Decode token ``t``; returns what the session counted (and logged) for it.
@@ -118,14 +130,13 @@ class DecodeLoop:
             lease = self._fetched.pop(position, None)
             if lease is None:
                 lease = ms.fetch(layer, experts)
+            taken = self._taken.pop(position, None)
             if self._predict and i + 1 < n:
                 # guess the next layer from the hidden state before this layer runs, so
                 # its loads overlap this layer's compute
                 ms.prefetch(self._layers[i + 1], routing.predict(t, i + 1, decode.hidden))
             result = await decode.run_layer(
-                lease, weights,
-                functools.partial(self._plan_ready, position + 1)
-                if self._plans_ahead and i + 1 < n else None)
+                lease, weights, functools.partial(self._meanwhile, position + 1), taken)
             compute_ms += result.time.compute_ms
             upload_ms += result.time.upload_ms
             for device, ms_on_it in enumerate(result.device_compute_ms):

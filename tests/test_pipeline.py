@@ -147,22 +147,25 @@ class TestOrdering:
 
 class TestPlanAhead:
     """With trace routing, a layer whose experts are all cached and ready is leased while the
-    layer before it computes (``DecodeLoop._plan_ready``, ``Session.ready``); nothing else
-    changes."""
+    layer before it computes (``DecodeLoop._meanwhile``, ``Session.ready``), across token
+    boundaries too, its handles taken then within a token; nothing else changes."""
 
     @staticmethod
     def _run(model: Path, monkeypatch: pytest.MonkeyPatch, *, ahead: bool
              ) -> tuple[RunSummary, list[bool]]:
         planned: list[bool] = []
-        original = DecodeLoop._plan_ready
+        original = DecodeLoop._meanwhile
 
         def spy(self: DecodeLoop, position: int) -> None:
             before = position in self._fetched
             if ahead:
                 original(self, position)
-            planned.append(not before and position in self._fetched)
+            now = position in self._fetched
+            first = position % len(self._layers) == 0  # a token's first layer: not taken yet
+            assert not now or first or position in self._taken
+            planned.append(not before and now)
 
-        monkeypatch.setattr(DecodeLoop, "_plan_ready", spy)
+        monkeypatch.setattr(DecodeLoop, "_meanwhile", spy)
         cfg = RunConfig(model=model, tokens=24, mode="resident", backend="host",
                         compute=ComputeSpec("fixed", 0.0), budget=Budget(experts=40))
         return asyncio.run(run(cfg)), planned
