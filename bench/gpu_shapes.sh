@@ -1,17 +1,19 @@
 #!/usr/bin/env bash
 # Issue 26's H200 leases (repo root on the GPU machine, .whl carried): every shape at its
 # limit. Steps, comma-separated (default: api,warmup,gaps):
+#   tests     the GPU tests (pytest -m gpu)
 #   api       python -m bench.api_calls on the tiny preset (issue 25: sync vs async per call)
 #   warmup    python -m bench.warmup --size-gib 8 --runs 3, and numpy's import CPU with and
 #             without OPENBLAS_NUM_THREADS=1
 #   gaps      bench.gaps (device idle per token, all cached) on each shape, with and without
-#             the run log; bench.profile's all-cached phase
+#             the run log
 #   pipeline  bench.pipeline --skip cold on each shape, RUNS times (default 3)
 #   contention  bench.contention on each shape
 # Shapes (SHAPES, default qwen,dsv2,fine): Qwen3-30B-A3B (48 x 128, top-8, 2.5 MiB experts),
 # DeepSeek-V2-Lite's plan (26 x 64, top-6, 6.2 MiB), Qwen3-Next-like fine-grained (20 x 512,
 # top-10, 1.7 MiB); files made here by tools.make_model --no-digests (no recorded digests:
 # the first run builds the manifest) and kept in $MODELS between calls of one lease.
+# NOLOG=1: gaps without the run log too; PROFILE=1: bench.profile's all-cached phase too.
 # Usage: STEPS=pipeline SHAPES=fine RUNS=3 bash bench/gpu_shapes.sh
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>/dev/null
@@ -33,6 +35,10 @@ model() {  # model SHAPE: the file, made once
   fi >&2
   echo $m
 }
+if [[ $steps == *tests* ]]; then
+  timeout 240 python3 -m pytest -m gpu -q -rs -p no:cacheprovider tests > $OUT/gpu-tests.log 2>&1
+  echo "gpu tests rc=$?"; tail -4 $OUT/gpu-tests.log
+fi
 if [[ $steps == *api* ]]; then
   python3 -m tools.make_model /tmp/tiny.gguf --preset tiny > /dev/null 2>&1
   timeout 120 python3 -m bench.api_calls /tmp/tiny.gguf --rounds 3000 --out $OUT/api-calls.json \
@@ -53,12 +59,12 @@ for s in ${shapes//,/ }; do
   [[ $steps == *gaps* || $steps == *pipeline* || $steps == *contention* ]] || break
   m=$(model $s)
   if [[ $steps == *gaps* ]]; then
-    for extra in "" --no-log; do
+    for extra in "" ${NOLOG:+--no-log}; do
       timeout 60 python3 -m bench.gaps --model $m --backend cupy $extra \
         --out $OUT/gaps-$s${extra:+-nolog}.json 2>&1 | tail -6
     done
-    timeout 60 python3 -m bench.profile --model $m --backend cupy --phase all-cached --top 40 \
-      > $OUT/profile-$s.log 2>&1; grep "us/layer" $OUT/profile-$s.log
+    [[ -n ${PROFILE:-} ]] && timeout 60 python3 -m bench.profile --model $m --backend cupy --phase all-cached --top 40 \
+      > $OUT/profile-$s.log 2>&1 && grep "us/layer" $OUT/profile-$s.log
   fi
   if [[ $steps == *pipeline* ]]; then
     for r in $(seq 1 ${RUNS:-3}); do
@@ -68,7 +74,7 @@ for s in ${shapes//,/ }; do
     done
   fi
   if [[ $steps == *contention* ]]; then
-    timeout 200 python3 -m bench.contention --model $m --backend cupy \
+    timeout 200 python3 -m bench.contention --model $m --backend cupy --rounds 2 --engine-s 2 \
       --out $OUT/contention-$s.json > $OUT/contention-$s.log 2>&1
     echo "contention $s rc=$?"; tail -15 $OUT/contention-$s.log
   fi
