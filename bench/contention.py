@@ -446,6 +446,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--chunk-mib", type=int, default=1)
     p.add_argument("--staging-slots", type=int, default=32)
     p.add_argument("--streams", type=int, default=4)
+    p.add_argument("--gather-blocks", type=int, default=16,
+                   help="the gather kernel's blocks per copy, at most: its SM budget (16)")
     p.add_argument("--no-verify", action="store_true",
                    help="sweeps without verification (with copies, its digest is a kernel)")
     p.add_argument("--out", type=Path, help="result JSON (bench/results/contention-HOST.json)")

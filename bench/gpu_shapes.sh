@@ -5,10 +5,9 @@
 #   api       python -m bench.api_calls on the tiny preset (issue 25: sync vs async per call)
 #   warmup    python -m bench.warmup --size-gib 8 --runs 3, and numpy's import CPU with and
 #             without OPENBLAS_NUM_THREADS=1
-#   gaps      bench.gaps (device idle per token, all cached) on each shape, with and without
-#             the run log
+#   gaps      bench.gaps (device idle per token, all cached) on each shape
 #   pipeline  bench.pipeline --skip cold on each shape, RUNS times (default 3)
-#   contention  bench.contention on each shape
+#   contention  bench.contention on each shape (GATHER_BLOCKS=N: the gather's SM budget)
 # Shapes (SHAPES, default qwen,dsv2,fine): Qwen3-30B-A3B (48 x 128, top-8, 2.5 MiB experts),
 # DeepSeek-V2-Lite's plan (26 x 64, top-6, 6.2 MiB), Qwen3-Next-like fine-grained (20 x 512,
 # top-10, 1.7 MiB); files made here by tools.make_model --no-digests (no recorded digests:
@@ -74,8 +73,9 @@ for s in ${shapes//,/ }; do
     done
   fi
   if [[ $steps == *contention* ]]; then
+    c=contention-$s${GATHER_BLOCKS:+-blocks$GATHER_BLOCKS}
     timeout 200 python3 -m bench.contention --model $m --backend cupy --rounds 2 --engine-s 2 \
-      --out $OUT/contention-$s.json > $OUT/contention-$s.log 2>&1
-    echo "contention $s rc=$?"; tail -15 $OUT/contention-$s.log
+      ${GATHER_BLOCKS:+--gather-blocks $GATHER_BLOCKS} --out $OUT/$c.json > $OUT/$c.log 2>&1
+    echo "$c rc=$?"; tail -9 $OUT/$c.log
   fi
 done

@@ -292,7 +292,7 @@ class Bench:
             queue_depth=self.args.queue_depth, chunk_bytes=self.args.chunk_mib * MIB,
             staging_slots=self.args.staging_slots, upload_streams=self.args.streams,
             log=log, policy=policy, prefetch="oracle" if lookahead else "none",
-            lookahead=lookahead, gather=gather,
+            lookahead=lookahead, gather=gather, gather_blocks=self.args.gather_blocks,
             verify=not self.args.no_verify if verify is None else verify,
         )
         summary = uvloop.run(run(cfg))
@@ -321,6 +321,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--chunk-mib", type=int, default=1)
     p.add_argument("--staging-slots", type=int, default=32)
     p.add_argument("--streams", type=int, default=4)
+    p.add_argument("--gather-blocks", type=int, default=16,
+                   help="the gather kernel's blocks per copy, at most (16)")
     p.add_argument("--lookahead", type=int, default=4,
                    help="oracle prefetch depth for the miss-throughput runs (4)")
     p.add_argument("--sweep-tokens", type=int, default=8, help="tokens per sweep pass")

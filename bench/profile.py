@@ -65,7 +65,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 session, "open_backends", lambda cfg: [hostpath.NullDevice()]))
             for module in (session, client):  # the streamer's kernels and the decode's
                 stack.enter_context(mock.patch.object(
-                    module, "make_kernels", lambda backend_name: hostpath.NullKernels()))
+                    module, "make_kernels", lambda backend_name, *_: hostpath.NullKernels()))
         _profile(args)
     return 0
 

@@ -35,18 +35,24 @@ from gpu.cuda import CudaDeviceBuffer, CudaStream
 from gpu.host import HostDeviceBuffer
 from pipeline.foundation.digest import mix_digests
 
-__all__ = ["COPY_FIELDS", "NO_FLIP", "CudaKernels", "HostKernels", "copy_rows", "make_kernels"]
+__all__ = ["COPY_FIELDS", "GATHER_BLOCKS", "NO_FLIP", "CudaKernels", "HostKernels", "copy_rows",
+           "make_kernels"]
 
 COPY_FIELDS = 5
 """A ``gather`` row, uint64: source address (device-readable registered host memory),
 destination device address, bytes, digest address (two uint64 sums, a results row as
 ``digest3`` fills; 0 for none), byte offset to invert (``NO_FLIP`` for none)."""
 NO_FLIP = (1 << 64) - 1
+GATHER_BLOCKS = 16
+"""The gather's blocks per copy, at most (``RunConfig.gather_blocks``): 24 copies (8
+experts) make 384 blocks, ~3 per H200 SM. Its SM budget: fewer leave more of the SMs to an
+engine's kernels while a layer loads (``bench.contention``)."""
 
 
 def copy_rows(rows: Sequence[tuple[int, int, int, int, int]]) -> npt.NDArray[np.uint64]:
     """``gather``'s (n, ``COPY_FIELDS``) array from row tuples."""
     return np.array(rows, dtype=np.uint64).reshape(len(rows), COPY_FIELDS)
+
 
 _CUDA_SOURCE = r"""
 extern "C" __global__ void digest3(const unsigned char* base,
@@ -252,7 +258,7 @@ class HostKernels:
 class CudaKernels:
     """CuPy raw kernels, queued on the given stream."""
 
-    def __init__(self) -> None:
+    def __init__(self, gather_blocks: int = GATHER_BLOCKS) -> None:
         import cupy
 
         self._cp = cupy
@@ -261,6 +267,7 @@ class CudaKernels:
         self._busy = module.get_function("busy_ns")
         self._gather = module.get_function("gather")
         self._rows = _CopySlots(_SLOTS, _SLOT_ROWS)
+        self._gather_blocks = gather_blocks
 
     def new_results(self, n: int) -> DeviceArray:
         results = self._cp.zeros((n, 2), dtype=self._cp.uint64)
@@ -311,7 +318,7 @@ class CudaKernels:
             slot, rows = self._rows.take()
             rows[: len(part)] = part
             largest = int(part[:, 2].max())
-            blocks = max(1, min(_GATHER_BLOCKS, -(-largest // _GATHER_BYTES_PER_BLOCK)))
+            blocks = max(1, min(self._gather_blocks, -(-largest // _GATHER_BYTES_PER_BLOCK)))
             with raw:
                 self._gather((blocks, len(part)), (256,), (np.uint64(rows.ctypes.data),))
             self._rows.used(slot, raw)
@@ -339,7 +346,6 @@ class CudaKernels:
 
 _SLOTS = 64
 _SLOT_ROWS = 256
-_GATHER_BLOCKS = 16  # per copy: 24 copies (8 experts) make 384 blocks, ~3 per H200 SM
 _GATHER_BYTES_PER_BLOCK = 64 << 10
 
 
@@ -400,6 +406,6 @@ def _cuda_parts(buf: DeviceBuffer | None, stream: Stream) -> tuple[int, Any]:
     return (buf.ptr if buf is not None else 0), stream.raw
 
 
-def make_kernels(backend_name: str) -> Kernels:
-    """The kernels matching a backend's name."""
-    return CudaKernels() if backend_name == "cupy" else HostKernels()
+def make_kernels(backend_name: str, gather_blocks: int = GATHER_BLOCKS) -> Kernels:
+    """The kernels matching a backend's name (``gather_blocks``: the gather's SM budget)."""
+    return CudaKernels(gather_blocks) if backend_name == "cupy" else HostKernels()

@@ -58,6 +58,10 @@ class Tuning:
         chunk_bytes: largest single read (a multiple of 4096).
         staging_slots: experts staged in pinned memory at once, per device.
         upload_streams: upload streams per device.
+        gather: a layer's resident misses copied by one gather kernel on the SMs, where it
+            serves (small expert matrices, ``pipeline.streamer.GATHER_BELOW_BYTES``); False:
+            always the copy engines, which leave the SMs to the engine's kernels.
+        gather_blocks: the gather's blocks per copy, at most (its SM budget).
         layers_in_flight: layers whose experts may be pinned at once (a fetched layer and
             a prefetched one, or concurrent fetches); the budget must hold that many
             layers' top-k experts.
@@ -74,6 +78,8 @@ class Tuning:
     chunk_bytes: int = 4 << 20
     staging_slots: int = 16
     upload_streams: int = 2
+    gather: bool = True
+    gather_blocks: int = 16
     layers_in_flight: int = 2
     ram_limit: int | None = None
     sample_ms: float = 250.0
@@ -84,9 +90,12 @@ class Tuning:
     faults: str = ""
 
     def __post_init__(self) -> None:
-        for name in ("queue_depth", "staging_slots", "upload_streams", "layers_in_flight"):
+        for name in ("queue_depth", "staging_slots", "upload_streams", "layers_in_flight",
+                     "gather_blocks"):
             if index(getattr(self, name), f"Tuning.{name}") < 1:
                 raise UsageError(f"Tuning.{name} must be >= 1, not {getattr(self, name)}")
+        if not isinstance(self.gather, bool):
+            raise UsageTypeError(f"Tuning.gather must be True or False, not {self.gather!r}")
         chunk = index(self.chunk_bytes, "Tuning.chunk_bytes")
         if chunk < 4096 or chunk % 4096:
             raise UsageError(f"Tuning.chunk_bytes must be a multiple of 4096, not {chunk}")
@@ -775,6 +784,7 @@ def open(
         devices=chosen,
         queue_depth=tuning.queue_depth, chunk_bytes=tuning.chunk_bytes,
         staging_slots=tuning.staging_slots, upload_streams=tuning.upload_streams,
+        gather=tuning.gather, gather_blocks=tuning.gather_blocks,
         verify=verify, log=Path(log) if log is not None else None,
         ram_limit=tuning.ram_limit, sample_ms=tuning.sample_ms,
         margin_bytes=tuning.margin_bytes, warmup=tuning.warmup, dwell_s=tuning.dwell_s,

@@ -228,6 +228,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-gather", action="store_true",
                    help="resident misses by cudaMemcpyAsync per range on the copy engines, "
                         "not one gather kernel per layer (leaves the SMs to compute)")
+    p.add_argument("--gather-blocks", type=int, default=16,
+                   help="the gather kernel's blocks per copy, at most: its SM budget (16)")
     p.add_argument("--seed", type=int, default=0, help="routing seed (0)")
     p.add_argument("--trace", type=Path, help="replay this routing trace (.npz or .jsonl)")
     p.add_argument("--record-trace", type=Path, help="write the routing used here")
@@ -266,7 +268,7 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         staging_slots=args.staging_slots,
         upload_streams=args.streams,
         verify=not args.no_verify,
-        gather=not args.no_gather,
+        gather=not args.no_gather, gather_blocks=args.gather_blocks,
         prefetch=args.prefetch,
         lookahead=args.lookahead,
         seed=args.seed,

@@ -211,7 +211,7 @@ class StreamSession:
                    else [float(b.device_free_bytes()) for b in self.backends])
         for backend, share in zip(self.backends, split_budget(budget, weights), strict=True):
             with backend.activate():
-                kernels = make_kernels(backend.name)
+                kernels = make_kernels(backend.name, cfg.gather_blocks)
                 self.kernels.append(kernels)
                 cache = DeviceCache(backend, share, cfg.policy, min_bytes=min_bytes,
                                     faults=self.faults)

@@ -60,15 +60,17 @@ __all__ = ["ExpertStreamer", "LayerLoad", "StageTimes"]
 _log = structlog.get_logger("moestream.streamer")
 
 
-GATHER_BELOW_BYTES = 5 << 19
+GATHER_BELOW_BYTES = 2 << 20
 """Resident misses go through the gather kernel when an expert's matrices average under
-2.5 MiB, and through the copy engines otherwise. On the H200 (PCIe gen5) the gather beat
-the copy engines where each copy is small: 0.74 against 0.39 x pinned H2D with 0.84 MiB
-matrices (Qwen3-30B-A3B's Q4_K), 0.84 against 0.50 with 0.56 MiB (fine-grained), 0.91
-against 0.87 with 2.06 MiB (DeepSeek-V2-Lite's Q5_K shape); from ~2.5 MiB the copy engines
-matched or beat it: 0.96 against 0.96 (ds4-flash-q2, 2.1-2.6 MiB), 0.94 against 0.78 (bf16
-per-expert checkpoint, 3 MiB), 0.93 against 0.94 (fused bf16, 3-6 MiB), and they leave
-every SM to the engine's compute (``bench.contention`` measures what the gather takes)."""
+2 MiB, and through the copy engines otherwise. On the H200 (PCIe gen5), delivered / pinned
+H2D, gather against copy engines: 0.74 against 0.39 with 0.84 MiB matrices (Qwen3-30B-A3B's
+Q4_K), 0.73 against 0.38 with 0.56 MiB (fine-grained, three runs), where the copy engines'
+per-matrix host work bounds them; from 2 MiB up they match or beat it: 0.87 against 0.88
+with 2.06 MiB (DeepSeek-V2-Lite's Q5_K shape, three runs each), 0.96 against 0.96
+(ds4-flash-q2, 2.1-2.6 MiB), 0.78 against 0.94 (bf16 per-expert checkpoint, 3 MiB). The
+copy engines also leave the SMs to the engine: beside the gather an engine's bf16 GEMM kept
+0.36-0.53 of its rate and a decode-like GEMV 0.09-0.25, beside the copy engines 0.93-0.98
+(``bench.contention``, ``bench/results/shapes-h200-b322dfe/``)."""
 
 
 def _small_ranges(table: ExpertTable) -> bool:

@@ -112,8 +112,8 @@ def _decode(cfg: RunConfig, monkeypatch: pytest.MonkeyPatch, tokens: int) -> Run
     import pipeline.session as session_module
 
     monkeypatch.setattr(session_module, "open_backends", lambda cfg: [DeferredBackend()])
-    monkeypatch.setattr(session_module, "make_kernels", lambda name: DeferredKernels())
-    monkeypatch.setattr(run_module, "make_kernels", lambda name: DeferredKernels())
+    monkeypatch.setattr(session_module, "make_kernels", lambda name, *_: DeferredKernels())
+    monkeypatch.setattr(run_module, "make_kernels", lambda name, *_: DeferredKernels())
     summary = RunSummary()
     with contextlib.suppress(VerificationError):
         asyncio.run(run(replace(cfg, tokens=tokens, mode="direct", backend="host"),

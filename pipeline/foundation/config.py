@@ -239,10 +239,12 @@ class RunConfig:
         upload_streams: CUDA streams used in turn for uploads.
         gather: resident misses of a layer copied by one gather kernel that reads the
             registered mapping (and digests as it writes), where the device maps registered
-            memory and the experts' matrices average under 2.5 MiB
+            memory and the experts' matrices average under 2 MiB
             (``pipeline.streamer.GATHER_BELOW_BYTES``: above it the copy engines are as fast);
             False: per-range ``cudaMemcpyAsync`` on the copy engines always, which leaves
             the SMs to an engine's compute (``--no-gather``).
+        gather_blocks: the gather kernel's blocks per copy, at most: its SM budget beside
+            an engine's kernels (``--gather-blocks``).
         verify: check every installed expert against the file's bytes.
         prefetch: ``none``; ``predict``: while a layer computes, load the experts the next
             layer is guessed to pick; ``oracle``: start loads of the next layers early from
@@ -281,6 +283,7 @@ class RunConfig:
     chunk_bytes: int = 4 << 20
     staging_slots: int = 16
     upload_streams: int = 2
+    gather_blocks: int = 16
     gather: bool = True
     verify: bool = True
     prefetch: str = "none"
@@ -311,6 +314,8 @@ class RunConfig:
              f"--chunk must be a multiple of 4096, got {self.chunk_bytes}"),
             (self.staging_slots >= 1, f"--staging-slots must be >= 1, got {self.staging_slots}"),
             (self.upload_streams >= 1, f"--streams must be >= 1, got {self.upload_streams}"),
+            (self.gather_blocks >= 1,
+             f"--gather-blocks must be >= 1, got {self.gather_blocks}"),
             (self.mode in ("auto", "direct", "resident"), f"unknown --mode {self.mode!r}"),
             (self.policy in ("lru", "freq"), f"unknown --policy {self.policy!r}"),
             (self.log_level in ("info", "debug"), f"unknown --log-level {self.log_level!r}"),
