@@ -19,7 +19,8 @@ python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 XDG_CACHE_HOME=/tmp/cache
 MODELS=${MODELS:-/tmp/models}; mkdir -p $MODELS
 FINAL=$OUT; OUT=/tmp/out-shapes; rm -rf $OUT; mkdir -p $OUT  # at most 8 files come back: one tar
-trap 'tar -czf $FINAL/results.tgz -C $OUT .' EXIT
+pack() { tar -czf $FINAL/results.tgz -C $OUT .; }  # after every step: a cut run keeps them
+trap pack EXIT
 steps=${STEPS:-api,warmup,gaps}; shapes=${SHAPES:-qwen,dsv2,fine}
 echo "commit ${MOESTREAM_COMMIT:-unknown}"; nvidia-smi -L; nproc; free -g | head -2; df -h /tmp | tail -1
 model() {  # model SHAPE: the file, made once
@@ -52,7 +53,7 @@ if [[ $steps == *warmup* ]]; then
         python3 -c "import numpy" ) 2>&1 | tail -1
   done | tee $OUT/numpy-import.log
   timeout 300 python3 -m bench.warmup --size-gib 8 --runs 3 --dir /tmp --out $OUT/warmup.json \
-    > $OUT/warmup.log 2>&1; echo "warmup rc=$?"; tail -14 $OUT/warmup.log
+    > $OUT/warmup.log 2>&1; echo "warmup rc=$?"; tail -14 $OUT/warmup.log; pack
 fi
 for s in ${shapes//,/ }; do
   [[ $steps == *gaps* || $steps == *pipeline* || $steps == *contention* ]] || break
@@ -69,13 +70,13 @@ for s in ${shapes//,/ }; do
     for r in $(seq 1 ${RUNS:-3}); do
       timeout 200 python3 -m bench.pipeline --model $m --backend cupy --skip cold --naive-tokens 8 \
         --lookahead 8 --out $OUT/pipeline-$s-run$r.json > $OUT/pipeline-$s-run$r.log 2>&1
-      echo "pipeline $s run $r rc=$?"; grep -E "^  [0-9]_" $OUT/pipeline-$s-run$r.log
+      echo "pipeline $s run $r rc=$?"; grep -E "^  [0-9]_" $OUT/pipeline-$s-run$r.log; pack
     done
   fi
   if [[ $steps == *contention* ]]; then
     c=contention-$s${GATHER_BLOCKS:+-blocks$GATHER_BLOCKS}
     timeout 200 python3 -m bench.contention --model $m --backend cupy --rounds 2 --engine-s 2 \
       ${GATHER_BLOCKS:+--gather-blocks $GATHER_BLOCKS} --out $OUT/$c.json > $OUT/$c.log 2>&1
-    echo "$c rc=$?"; tail -9 $OUT/$c.log
+    echo "$c rc=$?"; tail -9 $OUT/$c.log; pack
   fi
 done
