@@ -4,7 +4,7 @@ Why: ``python -m tools.warmup MODEL`` spends a few tenths of a second importing 
 and the pipeline, opening the table and measuring residency before its engine reads a byte;
 ``vmtouch -t`` reads from its first millisecond. For the plain warm-up (the whole file, no
 mode or selection option) the command's first bytes are known from its arguments alone, so
-``start_early`` reads the file from its start on a thread (``sendfile`` to ``/dev/null``, as
+``start_early`` reads the start of the file on a thread (``sendfile`` to ``/dev/null``, as
 the engine does) while the imports run. The engine later measures
 residency as usual and skips what is already there.
 
@@ -20,7 +20,10 @@ import stat
 import threading
 from collections.abc import Sequence
 
-__all__ = ["EarlyRead", "plain_warm_target", "start_early"]
+__all__ = ["EARLY_MAX_BYTES", "EarlyRead", "plain_warm_target", "start_early"]
+
+EARLY_MAX_BYTES = 1 << 30
+"""At most this much of the file is asked for early: more than the start-up hides."""
 
 _PIECE_BYTES = 8 << 20  # stop() waits for at most one piece
 _MARGIN_BYTES = 2 << 30  # tools.warmup.ram_guard.MARGIN_BYTES (importing it costs start-up)
@@ -144,8 +147,4 @@ def start_early(argv: Sequence[str]) -> EarlyRead | None:
     if not usable:
         os.close(fd)
         return None
-    # the whole file, not a first part: how long the start-up lasts depends on the CPU (0.4
-    # s on the dev VM, ~1 s on the H200 machine's host, where a 1 GiB head start ran out
-    # half-way and the command reached 0.87 x vmtouch); the engine stops this when it takes
-    # over, and reads only what is still missing
-    return EarlyRead(fd, info.st_size)
+    return EarlyRead(fd, min(info.st_size, EARLY_MAX_BYTES))
