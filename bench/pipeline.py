@@ -43,7 +43,7 @@ from bench.kit import drop_caches, make_resident
 from bench.record import git_commit, write_result
 from gpu.backend import aligned_host_array
 from gpu.selection import select_backend
-from pipeline.foundation.config import Budget, ComputeSpec, RunConfig
+from pipeline.foundation.config import GATHER_BLOCKS, Budget, ComputeSpec, RunConfig
 from pipeline.foundation.files import ModelFile, locate
 from pipeline.foundation.table import ExpertTable, open_table
 from pipeline.run import RunSummary, run
@@ -321,8 +321,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--chunk-mib", type=int, default=1)
     p.add_argument("--staging-slots", type=int, default=32)
     p.add_argument("--streams", type=int, default=4)
-    p.add_argument("--gather-blocks", type=int, default=16,
-                   help="the gather kernel's blocks per copy, at most (16)")
+    p.add_argument("--gather-blocks", type=int, default=GATHER_BLOCKS,
+                   help=f"the gather kernel's blocks per copy, at most ({GATHER_BLOCKS})")
     p.add_argument("--lookahead", type=int, default=4,
                    help="oracle prefetch depth for the miss-throughput runs (4)")
     p.add_argument("--sweep-tokens", type=int, default=8, help="tokens per sweep pass")

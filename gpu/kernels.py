@@ -33,6 +33,7 @@ import numpy.typing as npt
 from gpu.backend import DeviceArray, DeviceBuffer, Kernels, Stream
 from gpu.cuda import CudaDeviceBuffer, CudaStream
 from gpu.host import HostDeviceBuffer
+from pipeline.foundation.config import GATHER_BLOCKS
 from pipeline.foundation.digest import mix_digests
 
 __all__ = ["COPY_FIELDS", "GATHER_BLOCKS", "NO_FLIP", "CudaKernels", "HostKernels", "copy_rows",
@@ -43,10 +44,6 @@ COPY_FIELDS = 5
 destination device address, bytes, digest address (two uint64 sums, a results row as
 ``digest3`` fills; 0 for none), byte offset to invert (``NO_FLIP`` for none)."""
 NO_FLIP = (1 << 64) - 1
-GATHER_BLOCKS = 16
-"""The gather's blocks per copy, at most (``RunConfig.gather_blocks``): 24 copies (8
-experts) make 384 blocks, ~3 per H200 SM. Its SM budget: fewer leave more of the SMs to an
-engine's kernels while a layer loads (``bench.contention``)."""
 
 
 def copy_rows(rows: Sequence[tuple[int, int, int, int, int]]) -> npt.NDArray[np.uint64]:

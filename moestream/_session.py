@@ -35,7 +35,7 @@ from moestream._args import (
 from moestream._handles import ExpertHandle, LeaseSource
 from moestream._logging import route_unconfigured
 from pipeline.controller import Sampler
-from pipeline.foundation.config import Budget, RunConfig
+from pipeline.foundation.config import GATHER_BLOCKS, Budget, RunConfig
 from pipeline.foundation.errors import UsageError, UsageTypeError
 from pipeline.foundation.table import ExpertTable
 from pipeline.lease import NOT_YET, Arrival, LayerLease, LeasePart
@@ -79,7 +79,7 @@ class Tuning:
     staging_slots: int = 16
     upload_streams: int = 2
     gather: bool = True
-    gather_blocks: int = 16
+    gather_blocks: int = GATHER_BLOCKS
     layers_in_flight: int = 2
     ram_limit: int | None = None
     sample_ms: float = 250.0

@@ -49,6 +49,7 @@ from pipeline.controller import Sampler
 from pipeline.decode import Decode
 from pipeline.foundation.cli import closable_stdout, print_error
 from pipeline.foundation.config import (
+    GATHER_BLOCKS,
     RunConfig,
     parse_budget,
     parse_compute,
@@ -228,8 +229,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-gather", action="store_true",
                    help="resident misses by cudaMemcpyAsync per range on the copy engines, "
                         "not one gather kernel per layer (leaves the SMs to compute)")
-    p.add_argument("--gather-blocks", type=int, default=16,
-                   help="the gather kernel's blocks per copy, at most: its SM budget (16)")
+    p.add_argument("--gather-blocks", type=int, default=GATHER_BLOCKS,
+                   help="the gather kernel's blocks per copy, at most: its SM budget "
+                        f"({GATHER_BLOCKS})")
     p.add_argument("--seed", type=int, default=0, help="routing seed (0)")
     p.add_argument("--trace", type=Path, help="replay this routing trace (.npz or .jsonl)")
     p.add_argument("--record-trace", type=Path, help="write the routing used here")

@@ -14,6 +14,14 @@ from typing import Literal
 
 from pipeline.foundation.errors import UsageError
 
+GATHER_BLOCKS = 2
+"""The gather kernel's blocks per copy, at most: its SM budget beside an engine's kernels.
+On the H200, 2 blocks loaded as fast as 16 (fine-grained shape, loading alone: 44.4 against
+45.6 GB/s; Qwen3-30B-A3B shape, warm misses 0.889 and 0.878 against 0.889 and 0.842 x
+pinned H2D) while an engine's bf16 GEMM beside it kept 0.80-0.83 of its rate instead of
+0.53, and a decode-like GEMV 0.43-0.47 instead of 0.25 (``bench.contention``,
+``bench/results/shapes-h200-843c99d/``)."""
+
 __all__ = [
     "MAX_BUDGET_EXPERTS",
     "MAX_LAYER_MS",
@@ -283,7 +291,7 @@ class RunConfig:
     chunk_bytes: int = 4 << 20
     staging_slots: int = 16
     upload_streams: int = 2
-    gather_blocks: int = 16
+    gather_blocks: int = GATHER_BLOCKS
     gather: bool = True
     verify: bool = True
     prefetch: str = "none"
