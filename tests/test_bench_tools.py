@@ -49,3 +49,28 @@ def test_profile_puts_the_devices_back(tiny_model: Path) -> None:
     assert profile_main(["--model", str(tiny_model), "--null", "--tokens", "2",
                          "--top", "1"]) == 0
     assert (session.open_backends, session.make_kernels) == before  # type: ignore[attr-defined]
+
+
+def test_gaps_times_both_kinds_and_puts_everything_back(tiny_model: Path,
+                                                        tmp_path: Path) -> None:
+    """``bench.gaps`` on the host backend: every layer after the first of a token is a gap
+    within it, every token's first one a boundary gap after ``end_token``; the run counted
+    only hits in its second pass, and the classes it wrapped are themselves again after."""
+    from bench.gaps import main as gaps_main
+    from gpu.kernels import HostKernels
+    from pipeline.decode import Decoder
+    from pipeline.session import StreamSession
+
+    before = (Decoder.wait_for_layer, HostKernels.busy, StreamSession.end_token)
+    out = tmp_path / "gaps.json"
+    assert gaps_main(["--model", str(tiny_model), "--backend", "host", "--tokens", "6",
+                      "--layer-ms", "0.01", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    layers = len(result["model"]["moe_layers"])
+    # the second half of 12 tokens: 11 boundaries (none before the first token) -> 6, and
+    # 12 x (layers - 1) gaps within tokens -> 6 x (layers - 1)
+    assert result["boundary"]["n"] == 6 and result["end_token"]["n"] == 6
+    assert result["within"]["n"] == 6 * (layers - 1)
+    assert result["emit"]["n"] >= 6
+    assert result["idle_us_per_token"] > 0 and result["wall_ms_per_token"] > 0
+    assert (Decoder.wait_for_layer, HostKernels.busy, StreamSession.end_token) == before
