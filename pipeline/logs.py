@@ -78,8 +78,8 @@ def _stamp(_logger: Any, _name: str,
            event_dict: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
     """``ts``, the float ``emit`` took, as ISO 8601 in UTC (structlog's ``TimeStamper``
     form, stamped when the event happened rather than when its line was rendered)."""
-    ts = datetime.fromtimestamp(event_dict["ts"], UTC)
-    event_dict["ts"] = ts.isoformat().replace("+00:00", "Z")
+    ts = datetime.fromtimestamp(event_dict.pop("ts"), UTC)
+    event_dict["ts"] = ts.isoformat().replace("+00:00", "Z")  # last, after ``event``, as before
     return event_dict
 
 
@@ -144,8 +144,8 @@ class RunLog:
         self._writer = asyncio.get_running_loop().create_task(self._write_loop())
 
     def emit(self, event: str, **fields: Any) -> None:
-        """One event line (``event`` and ``schema`` first, then the fields, then ``ts``, the
-        time of this call). Rendered later (``render``): the caller must not change the
+        """One event line: ``schema``, the fields, ``event``, then ``ts``, the time of this
+        call. Rendered later (``render``): the caller must not change the
         values it passed (a token's lists are made fresh for each line)."""
         if self.path is None or self.error is not None:
             return
