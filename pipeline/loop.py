@@ -67,6 +67,7 @@ class DecodeLoop:
         self._end = config.tokens * len(self._layers)
         self._fetched: dict[int, Lease] = {}  # layers fetched ahead, by position
         self._taken: dict[int, list[ExpertHandle]] = {}  # their handles, taken ahead
+        self._routed: dict[int, tuple[list[int], list[float]]] = {}  # their routes
         # a trace routes every layer ahead: all-hit layers are planned during the one before
         self._plans_ahead = not self._live
         self.recorder = recorder
@@ -93,7 +94,8 @@ class DecodeLoop:
         token, i = divmod(position, len(self._layers))
         lease = self._fetched.get(position)
         if lease is None:
-            experts, _ = self._routing.route(token, i, None)
+            route = self._routed[position] = self._routing.route(token, i, None)
+            experts = route[0]
             if not self._ms.ready(self._layers[i], experts):
                 return
             lease = self._fetched[position] = self._ms.fetch(self._layers[i], experts)
@@ -120,10 +122,13 @@ class DecodeLoop:
         if self._live:
             decode.set_hidden(routing.embedding(t))  # type: ignore[attr-defined]
         for i, layer in enumerate(self._layers):
-            experts, weights = routing.route(t, i, decode.hidden)
+            position = t * n + i
+            # a trace's route ignores the hidden state: the one planned ahead is this one
+            routed = self._routed.pop(position, None)
+            experts, weights = routed if routed is not None else routing.route(
+                t, i, decode.hidden)
             used.append(experts)
             used_weights.append(weights)
-            position = t * n + i
             for q in range(position + 1, min(self._end, position + 1 + self._ahead)):
                 if q not in self._fetched:  # oracle: the trace names later layers' experts
                     self._fetched[q] = self._fetch(q)
