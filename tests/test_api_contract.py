@@ -21,6 +21,7 @@ import pytest
 import moestream
 from pipeline.foundation.table import ExpertTable
 from pipeline.modelgen import spec_for, write_model
+from tests.test_api import _landed
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -35,15 +36,6 @@ def _sync(model: Path, **kwargs: Any) -> moestream.SyncSession:
     kwargs.setdefault("mode", "direct")
     kwargs.setdefault("backend", "host")
     return moestream.open_sync(model, **kwargs)
-
-
-async def _landed(ms: moestream.Session) -> None:
-    for _ in range(500):
-        if not any(e.loaded is not None and not e.loaded.done()
-                   for c in ms._core.caches for e in c.entries()):
-            break
-        await asyncio.sleep(0.01)
-    await asyncio.sleep(0)
 
 
 class TestReady:
