@@ -11,7 +11,8 @@
 # Shapes (SHAPES, default qwen,dsv2,fine): Qwen3-30B-A3B (48 x 128, top-8, 2.5 MiB experts),
 # DeepSeek-V2-Lite's plan (26 x 64, top-6, 6.2 MiB), Qwen3-Next-like fine-grained (20 x 512,
 # top-10, 1.7 MiB); files made here by tools.make_model --no-digests (no recorded digests:
-# the first run builds the manifest) and kept in $MODELS between calls of one lease.
+# tools.warmup --digests builds each one's manifest first) and kept in $MODELS between calls
+# of one lease.
 # NOLOG=1: gaps without the run log too; PROFILE=1: bench.profile's all-cached phase too.
 # Usage: STEPS=pipeline SHAPES=fine RUNS=3 bash bench/gpu_shapes.sh
 set -u
