@@ -46,10 +46,9 @@ from typing import Any, Protocol
 import structlog
 
 from bench.kit import make_resident, run_command
-from bench.pipeline import Bench, pinned_h2d_gbps, sweep_trace, window_rate
+from bench.pipeline import Bench, add_run_options, pinned_h2d_gbps, sweep_trace, window_rate
 from bench.record import git_commit, machine, write_result
 from gpu.selection import select_backend
-from pipeline.foundation.config import GATHER_BLOCKS
 from pipeline.foundation.errors import UsageError
 from pipeline.foundation.table import open_table
 
@@ -443,12 +442,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--sweep-tokens", type=int, default=8, help="tokens per sweep pass (8)")
     p.add_argument("--passes", type=int, default=8, help="sweep passes; the first unmeasured")
     p.add_argument("--lookahead", type=int, default=8, help="oracle prefetch depth (8)")
-    p.add_argument("--queue-depth", type=int, default=16)
-    p.add_argument("--chunk-mib", type=int, default=1)
-    p.add_argument("--staging-slots", type=int, default=32)
-    p.add_argument("--streams", type=int, default=4)
-    p.add_argument("--gather-blocks", type=int, default=GATHER_BLOCKS,
-                   help=f"the gather kernel's blocks per copy, at most ({GATHER_BLOCKS})")
+    add_run_options(p)
     p.add_argument("--no-verify", action="store_true",
                    help="sweeps without verification (with copies, its digest is a kernel)")
     p.add_argument("--out", type=Path, help="result JSON (bench/results/contention-HOST.json)")

@@ -50,7 +50,7 @@ from pipeline.run import RunSummary, run
 from pipeline.trace import Trace, save_trace
 from stages.layout import aligned_cover, iter_chunks
 
-__all__ = ["main"]
+__all__ = ["Bench", "add_run_options", "main"]
 
 GB = 1e9
 MIB = 1 << 20
@@ -313,16 +313,22 @@ def _phase(name: str, results: dict[str, Any], fn: Callable[[], Any]) -> Any:
     return value
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.pipeline", description=__doc__.split("\n")[0])
-    p.add_argument("--model", type=Path, required=True, help="GGUF model or checkpoint directory")
-    p.add_argument("--backend", default="auto")
+def add_run_options(p: argparse.ArgumentParser) -> None:
+    """The pipeline settings ``Bench.run`` reads from its arguments (every bench that runs
+    the pipeline through ``Bench`` takes the same ones, with the same defaults)."""
     p.add_argument("--queue-depth", type=int, default=16)
     p.add_argument("--chunk-mib", type=int, default=1)
     p.add_argument("--staging-slots", type=int, default=32)
     p.add_argument("--streams", type=int, default=4)
     p.add_argument("--gather-blocks", type=int, default=GATHER_BLOCKS,
                    help=f"the gather kernel's blocks per copy, at most ({GATHER_BLOCKS})")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.pipeline", description=__doc__.split("\n")[0])
+    p.add_argument("--model", type=Path, required=True, help="GGUF model or checkpoint directory")
+    p.add_argument("--backend", default="auto")
+    add_run_options(p)
     p.add_argument("--lookahead", type=int, default=4,
                    help="oracle prefetch depth for the miss-throughput runs (4)")
     p.add_argument("--sweep-tokens", type=int, default=8, help="tokens per sweep pass")
