@@ -153,6 +153,8 @@ class RunLog:
 
     def render(self) -> None:
         """Render the emitted events into lines (the writer appends them)."""
+        if not self._pending:  # called once a layer: most calls find nothing
+            return
         pending, self._pending = self._pending, []
         msg = self._logger.msg
         for event, ts, fields in pending:
