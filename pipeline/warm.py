@@ -39,6 +39,7 @@ from pipeline.foundation.errors import ReadError, ResidencyError, UsageError
 from pipeline.foundation.files import ModelFile, model_files, open_checked
 from pipeline.foundation.files import pieces as file_parts
 from pipeline.foundation.table import ByteRange
+from pipeline.foundation.warm_threads import default_threads
 from stages.residency import PAGE_BYTES, RangeLike, hint_willneed
 
 __all__ = [
@@ -230,14 +231,6 @@ Loader = Literal["sendfile", "preadv"]
 
 class _SpliceUnsupported(Exception):
     """The file cannot be spliced (sendfile EINVAL/ENOSYS): use preadv instead."""
-
-
-def default_threads() -> int:
-    """Reader threads for a warm-up: mostly waiting on the disk, so more than the CPUs.
-
-    16 kept a virtio disk at its ceiling on a 2-core machine; more CPUs get up to 32.
-    """
-    return min(32, max(16, 2 * (os.cpu_count() or 2)))
 
 
 class WarmEngine(Pausable):

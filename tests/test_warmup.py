@@ -4,6 +4,7 @@ tools.ram_guard) on a real, small GGUF model."""
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -405,16 +406,19 @@ class TestStartUp:
     """The command's lean start: BLAS threads and the early read of a plain warm-up."""
 
     @pytest.mark.parametrize(("argv", "expected"), [
-        (["m.gguf"], ("m.gguf", False)),
-        (["m.gguf", "--threads", "4", "--force", "--debug"], ("m.gguf", True)),
-        (["--threads=4", "m.gguf"], ("m.gguf", False)),
+        (["m.gguf"], ("m.gguf", False, None)),
+        (["m.gguf", "--threads", "4", "--force", "--debug"], ("m.gguf", True, 4)),
+        (["--threads=4", "m.gguf"], ("m.gguf", False, 4)),
+        (["m.gguf", "--threads", "0"], None),
+        (["m.gguf", "--threads"], None),
         (["m.gguf", "--report"], None),
         (["m.gguf", "--layers", "1"], None),
         (["m.gguf", "other.gguf"], None),
         (["--help"], None),
         ([], None),
     ])
-    def test_plain_warm_target(self, argv: list[str], expected: tuple[str, bool] | None) -> None:
+    def test_plain_warm_target(self, argv: list[str],
+                                expected: tuple[str, bool, int | None] | None) -> None:
         from tools.warmup.early import plain_warm_target
 
         assert plain_warm_target(argv) == expected
@@ -426,6 +430,44 @@ class TestStartUp:
         assert early is not None
         early.join(timeout_s=30)
         assert Residency.of_file(cold_model).fraction == 1.0  # smaller than the early cap
+
+    @pytest.mark.parametrize("stop_at_once", [True, False])
+    def test_stop_hands_over_a_read_start(self, cold_model: Path, stop_at_once: bool) -> None:
+        """Whenever it is stopped, the head start has read the whole start it reports."""
+        from tools.warmup.early import EarlyRead
+
+        size = cold_model.stat().st_size
+        fd = os.open(cold_model, os.O_RDONLY)
+        early = EarlyRead(fd, size, threads=3, piece_bytes=3 * PAGE_BYTES)
+        if not stop_at_once:
+            early.join(timeout_s=30)
+        read = early.stop()
+        assert 0 <= read <= size
+        assert read == size or stop_at_once
+        assert Residency.of_file(cold_model).resident_bytes([ByteRange(0, read)]) == read
+
+    def test_engine_reads_only_past_the_head_start(self, cold_model: Path,
+                                                   table: ExpertTable) -> None:
+        from tools.warmup.cli import _past_early
+        from tools.warmup.early import start_early
+
+        early = start_early([str(cold_model), "--force"])
+        assert early is not None
+        early.stop()
+        ranges = [ByteRange(0, 100), ByteRange(4000, 200), ByteRange(5000, 10)]
+        assert _past_early(table.files, ranges, early, 4096) == [
+            ByteRange(4096, 104), ByteRange(5000, 10)]
+        assert _past_early(table.files, ranges, early, 0) == ranges
+
+    def test_plain_warm_up_reports_its_head_start(
+        self, cold_model: Path, capsys: pytest.CaptureFixture[str]
+    ) -> None:
+        from tools.warmup import main as lean_main
+
+        assert lean_main([str(cold_model), "--force"]) == 0
+        out = capsys.readouterr().out
+        assert "file 100.0%" in out and "during start-up" in out
+        assert Residency.of_file(cold_model).fraction == 1.0
 
     def test_no_early_read_for_other_modes_or_files(self, cold_model: Path,
                                                     tmp_path: Path) -> None:

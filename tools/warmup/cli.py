@@ -188,8 +188,7 @@ def _run(args: argparse.Namespace, memory: MemoryProbe, early: EarlyRead | None 
               f"{format_size(after)} of {format_size(selection.nbytes)}")
         return 0
 
-    if early is not None:
-        early.stop()  # from here the engine reads what is missing; the two would overlap
+    # the head start reads on meanwhile (a refusal below stops it in main)
     missing = Residency.of_files(files).missing(selection.ranges)
     need = sum(r.nbytes for r in coalesce(missing))
     if not args.force:
@@ -199,6 +198,11 @@ def _run(args: argparse.Namespace, memory: MemoryProbe, early: EarlyRead | None 
             _hold(lock, sys.stdout)
         return 0
 
+    head_start = ""
+    if early is not None:
+        early_bytes = early.stop()
+        missing = _past_early(files, missing, early, early_bytes)
+        head_start = f"; the first {format_size(early_bytes)} during start-up"
     read_bytes, seconds = _warm(files, missing, args.threads) if missing else (0, 0.0)
     residency = Residency.of_files(files)
     resident = residency.resident_bytes(union)
@@ -206,8 +210,20 @@ def _run(args: argparse.Namespace, memory: MemoryProbe, early: EarlyRead | None 
     file_pct = format_percent(residency.file_resident_bytes, table.data_bytes)
     print(f"resident: {format_size(resident)} of {format_size(selection.nbytes)} selected "
           f"({format_percent(resident, selection.nbytes)}); file {file_pct}; "
-          f"read {format_size(read_bytes)} in {seconds:.2f} s{rate}")
+          f"read {format_size(read_bytes)} in {seconds:.2f} s{rate}{head_start}")
     return 0
+
+
+def _past_early(files: Sequence[ModelFile], ranges: list[ByteRange], early: EarlyRead,
+                early_bytes: int) -> list[ByteRange]:
+    """``ranges`` less the start of the model's first file that the head start read
+    through (``early_bytes`` of it; the head start reads only that file)."""
+    first = files[0]
+    if (first.identity.dev, first.identity.ino) != early.file_id:
+        return ranges  # replaced since: the engine reads (and the run reports) the new one
+    start = first.base + early_bytes
+    return [r if r.offset >= start else ByteRange(start, r.offset + r.nbytes - start)
+            for r in ranges if r.offset + r.nbytes > start]
 
 
 def _lock(path: Path, files: Sequence[ModelFile], ranges: list[ByteRange]) -> PageLock:
@@ -235,7 +251,7 @@ def main(argv: Sequence[str] | None = None, *, memory: MemoryProbe | None = None
         argv: arguments (``sys.argv[1:]`` when None).
         memory: where the RAM guard reads available memory (psutil when None).
         early: the head start of a plain warm-up (``tools.warmup.early``), stopped before
-            residency is measured, or at the end.
+            the engine reads, or at the end.
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv
