@@ -32,10 +32,11 @@ if __name__ == "__main__":
 import argparse
 import asyncio
 import contextlib
+import gc
 import os
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -160,9 +161,10 @@ async def run(
         loop = DecodeLoop(cfg, table, routing, session=ms, decode=decode,
                           checker=session.verifier, runlog=session.runlog, recorder=recorder)
         live = LiveLine(cfg.tokens, enabled=not cfg.json and sys.stderr.isatty())
-        for t in range(cfg.tokens):
-            stats = await loop.token(t)
-            live.update(stats.hits, stats.misses, stats.time, stats.mode)
+        with _quiet_gc():
+            for t in range(cfg.tokens):
+                stats = await loop.token(t)
+                live.update(stats.hits, stats.misses, stats.time, stats.mode)
         # compare what still waits for its digests, decode done
         await session.settle()
         summary.exit = "ok"
@@ -183,6 +185,38 @@ async def run(
         summary.exit = str(session.runlog.error)
         raise session.runlog.error
     return summary
+
+
+DECODE_GC_YOUNG = 20_000
+"""The garbage collector's first threshold during decode: above the objects a token holds
+at once (its leases, handles and log fields: a few thousand on the shapes of issue 26), so
+a steady decode crosses it only when garbage really accumulates (a few reference cycles a
+token)."""
+
+
+@contextlib.contextmanager
+def _quiet_gc() -> Iterator[None]:
+    """Decode with the garbage collector out of the token's way; restored at the run's end
+    (``run`` is also called in-process, by benches and tests).
+
+    Why: CPython collects its youngest generation every 700 net new container objects, and
+    a token's working set swings by more than that, so collections came every token or two,
+    each traversing what the token held: on the dev VM with a null device the token boundary
+    took 170-230 us with them and 115-140 us with collections off, and ``end_token`` 120-150
+    against 65-80 (Qwen3-30B-A3B shape, 48 layers x top-8). Decode makes almost no reference
+    cycles (a few a token), so a young threshold above the token's swing collects only when
+    they add up. ``gc.freeze`` first moves set-up's objects (the table, the caches, the
+    imports) to the permanent generation, so the full collections that remain traverse only
+    what decode allocated (~22 ms each on the dev VM before, a token's stall).
+    """
+    before = gc.get_threshold()
+    gc.freeze()
+    gc.set_threshold(max(before[0], DECODE_GC_YOUNG), *before[1:])
+    try:
+        yield
+    finally:
+        gc.set_threshold(*before)
+        gc.unfreeze()
 
 
 async def _close(cfg: RunConfig, session: StreamSession, loop: DecodeLoop | None) -> None:

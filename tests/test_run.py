@@ -57,6 +57,36 @@ class TestModesAndCompute:
         assert code == 0 and json.loads(out)["mismatches"] == 0
 
 
+class TestGarbageCollector:
+    """Decode runs with a young threshold above a token's objects, set-up frozen; a run
+    leaves the collector as it found it, also when it fails."""
+
+    @pytest.mark.parametrize("fails", [False, True])
+    def test_restored(self, capsys: pytest.CaptureFixture[str], tiny_model: Path,
+                      monkeypatch: pytest.MonkeyPatch, fails: bool) -> None:
+        import gc
+
+        from pipeline import loop
+        from pipeline.run import DECODE_GC_YOUNG
+
+        seen: list[tuple[int, int]] = []
+        token = loop.DecodeLoop.token
+
+        async def watched(self: loop.DecodeLoop, t: int) -> object:
+            seen.append((gc.get_threshold()[0], gc.get_freeze_count()))
+            if fails:
+                raise KeyboardInterrupt
+            return await token(self, t)
+
+        monkeypatch.setattr(loop.DecodeLoop, "token", watched)
+        before = gc.get_threshold()
+        code = _run(capsys, "-m", str(tiny_model), "-n", "2", "--backend", "host")[0]
+        assert code == (130 if fails else 0)  # 130: interrupted
+        assert gc.get_threshold() == before and gc.get_freeze_count() == 0
+        assert seen and all(young == max(before[0], DECODE_GC_YOUNG) and frozen > 0
+                            for young, frozen in seen)
+
+
 class TestRoutingAndPrefetch:
     """The live router and predicted prefetch decode, verify and log their accuracy."""
 
