@@ -52,6 +52,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--layer-ms", type=float, default=0.57)
     p.add_argument("--top", type=int, default=30, help="functions listed (30)")
+    p.add_argument("--no-profile", action="store_true",
+                   help="time only: the per-layer and per-miss figures without cProfile")
     args = p.parse_args(argv)
     with contextlib.ExitStack() as stack:
         if args.null:
@@ -95,18 +97,22 @@ def _profile(args: argparse.Namespace) -> None:
             lookahead=8, verify=not (args.no_verify or args.null), gather=not args.no_gather,
             log=log,
         )
-        profile = cProfile.Profile()
-        profile.enable()
+        profile = None if args.no_profile else cProfile.Profile()
+        if profile is not None:
+            profile.enable()
         uvloop.run(run(cfg))
-        profile.disable()
+        if profile is not None:
+            profile.disable()
         with log.open() as f:
             events = [e for e in map(json.loads, f) if e.get("event") == "token"][skip:]
     wall_ms = sum(e["wall_ms"] for e in events) / len(events)
     misses = sum(e["misses"] for e in events) / len(events)
-    print(f"{args.phase}: {wall_ms * 1000 / n_layers:.1f} us/layer under the profiler"
+    under = "" if profile is None else " under the profiler"
+    print(f"{args.phase}: {wall_ms * 1000 / n_layers:.1f} us/layer{under}"
           + (f", {wall_ms * 1000 / misses:.1f} us/miss" if misses else "")
           + f" ({len(events)} tokens, {misses:.1f} misses a token)")
-    pstats.Stats(profile).sort_stats("tottime").print_stats(args.top)
+    if profile is not None:
+        pstats.Stats(profile).sort_stats("tottime").print_stats(args.top)
 
 
 if __name__ == "__main__":
