@@ -39,7 +39,7 @@ from pipeline.foundation.errors import ReadError, ResidencyError, UsageError
 from pipeline.foundation.files import ModelFile, model_files, open_checked
 from pipeline.foundation.files import pieces as file_parts
 from pipeline.foundation.table import ByteRange
-from pipeline.foundation.warm_threads import default_threads
+from pipeline.foundation.warm_threads import STREAM_PIECE_BYTES, default_threads
 from stages.residency import PAGE_BYTES, RangeLike, hint_willneed
 
 __all__ = [
@@ -293,7 +293,7 @@ class WarmEngine(Pausable):
         in_flight: int | None = None,
         hint_ahead: bool = True,
         stream_min_bytes: int | None = 64 << 20,
-        stream_piece_bytes: int = 32 << 20,
+        stream_piece_bytes: int = STREAM_PIECE_BYTES,
         buffer_bytes: int = 1 << 20,
         loader: Loader = "sendfile",
     ) -> None:

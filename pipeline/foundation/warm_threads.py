@@ -1,11 +1,14 @@
-"""How many threads read a warm-up, in a module that imports nothing (the warm-up command's
-head start needs it before its imports)."""
+"""How a warm-up streams a file (its threads, its pieces), in a module that imports nothing:
+the warm-up command's head start reads like the engine before its imports."""
 
 from __future__ import annotations
 
 import os
 
-__all__ = ["default_threads"]
+__all__ = ["STREAM_PIECE_BYTES", "default_threads"]
+
+STREAM_PIECE_BYTES = 32 << 20
+"""Bytes a reader thread takes at a time when it streams a long stretch of a file."""
 
 
 def default_threads() -> int:

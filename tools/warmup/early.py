@@ -22,11 +22,10 @@ import threading
 from collections.abc import Sequence
 from typing import NamedTuple
 
-from pipeline.foundation.warm_threads import default_threads
+from pipeline.foundation.warm_threads import STREAM_PIECE_BYTES, default_threads
 
 __all__ = ["EarlyRead", "PlainWarm", "plain_warm_target", "start_early"]
 
-_PIECE_BYTES = 32 << 20  # WarmEngine's stream pieces; stop() waits for the ones being read
 _MARGIN_BYTES = 2 << 30  # tools.warmup.ram_guard.MARGIN_BYTES (importing it costs start-up)
 _MARGIN_FRACTION = 0.05  # tools.warmup.ram_guard.MARGIN_FRACTION
 
@@ -113,7 +112,7 @@ class EarlyRead:
                  "_stop", "_threads", "file_id")
 
     def __init__(self, fd: int, nbytes: int, threads: int,
-                 piece_bytes: int = _PIECE_BYTES) -> None:
+                 piece_bytes: int = STREAM_PIECE_BYTES) -> None:
         info = os.fstat(fd)
         self.file_id = (info.st_dev, info.st_ino)
         self._fd = fd
