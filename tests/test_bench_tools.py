@@ -7,7 +7,10 @@ import json
 from pathlib import Path
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
+from bench.pipeline import _median_round
 from bench.pipeline import main as pipeline_main
 from bench.profile import main as profile_main
 
@@ -28,6 +31,28 @@ def test_pipeline_verify_ab_when_nothing_misses(tiny_model: Path, tmp_path: Path
     assert result["figures"]["6_verify_cost_resident_miss"] is None
     assert result["figures"]["5_budget_never_exceeded"] is True
     assert "nothing to compare" in capsys.readouterr().out
+
+
+def test_pipeline_figures_are_the_median_round(tiny_model: Path, tmp_path: Path) -> None:
+    """``--rounds 3``: the warm-miss run three times; its figure is the median round's,
+    with every round's rate beside it."""
+    out = tmp_path / "bench.json"
+    assert pipeline_main(["--model", str(tiny_model), "--backend", "host", "--skip",
+                          "cold,cache,all", "--rounds", "3", "--passes", "2",
+                          "--sweep-tokens", "2", "--out", str(out)]) == 0
+    miss = json.loads(out.read_text())["resident_miss"]
+    assert len(miss["rounds"]) == 3
+    assert miss["delivered_gbps"] == pytest.approx(sorted(miss["rounds"])[1], abs=1e-4)
+
+
+@given(st.lists(st.floats(0.0, 100.0), min_size=1, max_size=7))
+def test_median_round_picks_a_middle_round(rates: list[float]) -> None:
+    rounds = [{"rate": r, "round": i} for i, r in enumerate(rates)]
+    chosen = _median_round(rounds, "rate")
+    below = sum(r < chosen["rate"] for r in rates)
+    above = sum(r > chosen["rate"] for r in rates)
+    assert below <= len(rates) // 2 and above <= len(rates) // 2
+    assert chosen["rounds"] == [round(r, 4) for r in rates]
 
 
 @pytest.mark.parametrize("phase", ["all-cached", "resident-miss"])
