@@ -8,7 +8,8 @@ measured) and times those gaps directly, split in two:
 
 - **within a token**: between two layers of one token (routing, the fetch, handing out);
 - **at a token boundary**: between a token's last layer and the next token's first one
-  (``end_token``: verification, the controller, the log line; the loop's yield).
+  (``end_token``: verification, the controller, the log line; the loop's yield; all of
+  them run beside the last layer's compute when it loaded nothing, ``pipeline.loop``).
 
 It also times ``end_token`` and the run log's ``emit`` on their own. The wrapping is done
 on this run's objects' classes for this process only; each timer adds one
@@ -46,9 +47,11 @@ __all__ = ["main"]
 class _Clock:
     """The gap from each layer's end to the next layer's first kernel, by kind."""
 
-    def __init__(self) -> None:
+    def __init__(self, n_layers: int) -> None:
+        self.n_layers = n_layers
+        self.layers = 0  # layers waited for so far
         self.layer_end: float | None = None
-        self.boundary = False  # end_token ran since the last layer's end
+        self.boundary = False  # the last layer waited for was a token's last
         self.gaps: dict[str, list[float]] = {"within": [], "boundary": []}
         self.calls: dict[str, list[float]] = {"end_token": [], "emit": []}
 
@@ -67,7 +70,6 @@ class _Clock:
                     return await fn(*args, **kwargs)
                 finally:
                     calls.append(time.perf_counter() - t0)
-                    self.boundary = True
             return wrapped_async
 
         def wrapped(*args: Any, **kwargs: Any) -> Any:
@@ -87,7 +89,8 @@ def _patches(clock: _Clock) -> list[Any]:
     def waited(self: decode.Decoder, done: Any, split: Any) -> None:
         wait_for_layer(self, done, split)
         clock.layer_end = time.perf_counter()
-        clock.boundary = False
+        clock.layers += 1
+        clock.boundary = clock.layers % clock.n_layers == 0
 
     def busy_for(cls: type) -> Callable[..., None]:
         def busy(self: Any, ms: float, data: Any, stream: Any) -> None:
@@ -126,7 +129,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = p.parse_args(argv)
     table = open_table(args.model)
     make_resident(table.files)
-    clock = _Clock()
+    clock = _Clock(len(table.moe_layers))
     with tempfile.TemporaryDirectory(prefix="moestream-gaps-") as tmp:
         trace_path, log = Path(tmp) / "trace.npz", Path(tmp) / "run.jsonl"
         save_trace(synthetic_trace("ds4-flash", args.tokens, seed=1, n_layers=len(table.layers),

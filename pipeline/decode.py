@@ -33,7 +33,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -258,6 +258,12 @@ class Decode:
     def hidden(self) -> Any:
         return self._home.hidden
 
+    @property
+    def queues(self) -> bool:
+        """Whether the devices run the compute after the host queued it (a GPU), rather
+        than inline as it is queued (the host backend)."""
+        return self._home.queues
+
     def set_hidden(self, hidden: Any) -> None:
         self._home.set_hidden(hidden)
         for d in self._decoders[1:]:
@@ -270,7 +276,7 @@ class Decode:
         self,
         lease: Lease,
         weights: Sequence[float],
-        meanwhile: Callable[[], None] | None = None,
+        meanwhile: Callable[[], Awaitable[None] | None] | None = None,
         taken: Sequence[ExpertHandle] | None = None,
     ) -> LayerResult:
         """Consume one MoE layer's experts as its lease hands them out: those available at
@@ -281,7 +287,8 @@ class Decode:
             lease: the layer's fetch.
             weights: the router weights of ``lease.experts``, in that order.
             meanwhile: host work for the caller while the devices compute the layer (run
-                after their work is queued and the lease released, before the wait).
+                after their work is queued and the lease released, before the wait); an
+                awaitable it returns is awaited there too.
             taken: the handles ``lease.available()`` gave the caller already (it planned
                 the layer while the devices computed the one before).
 
@@ -345,7 +352,9 @@ class Decode:
                 raise error  # e.g. the model file changed: its own class and exit code
             raise StageError(str(error)) from error
         if meanwhile is not None:  # the devices compute the layer meanwhile
-            meanwhile()
+            more = meanwhile()
+            if more is not None:
+                await more
         split = TimeSplit()
         waits: dict[int, TimeSplit] = {}
         for i, event in done.items():

@@ -7,16 +7,20 @@ proxy engine (``pipeline.decode``) consume and release them, and at each token's
 checks what ``digest`` compute read, then ends the token through the session
 (``Session.end_token``: verification, the controller, the token's log line), telling it
 the compute the decode measured so the line splits the wall time into compute, upload
-stalls and host work.
+stalls and host work. On a device that computes after the host queued the work (a GPU),
+when the token's last layer loaded nothing and the next token's first layer is leased
+already, the token ends while the device computes that last layer, so the boundary costs
+the device no more than the step between two layers.
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
+from collections.abc import Awaitable, Callable
 
 from moestream import ExpertHandle, Lease, Session, TokenStats
-from pipeline.decode import Decode
+from pipeline.decode import Decode, LayerResult
 from pipeline.foundation.config import RunConfig
 from pipeline.foundation.table import ExpertTable
 from pipeline.logs import RunLog
@@ -25,6 +29,28 @@ from pipeline.trace import TraceRecorder
 from pipeline.verify import Verifier
 
 __all__ = ["DecodeLoop"]
+
+
+class _Work:
+    """The engine's measure of a token's compute, for ``end_token``: its layers' compute
+    and upload waits, and each device's part when there are several."""
+
+    __slots__ = ("compute_ms", "device_ms", "upload_ms")
+
+    def __init__(self, devices: int) -> None:
+        self.compute_ms = self.upload_ms = 0.0
+        self.device_ms = [0.0] * devices
+
+    def add(self, result: LayerResult) -> None:
+        self.compute_ms += result.time.compute_ms
+        self.upload_ms += result.time.upload_ms
+        for device, ms in enumerate(result.device_compute_ms):
+            self.device_ms[device] += ms
+
+    async def end(self, session: Session) -> TokenStats:
+        several = len(self.device_ms) > 1
+        return await session.end_token(
+            compute_ms=self.device_ms if several else self.compute_ms, upload_ms=self.upload_ms)
 
 
 class DecodeLoop:
@@ -70,6 +96,9 @@ class DecodeLoop:
         self._routed: dict[int, tuple[list[int], list[float]]] = {}  # their routes
         # a trace routes every layer ahead: all-hit layers are planned during the one before
         self._plans_ahead = not self._live
+        self._ended: TokenStats | None = None  # the token ended beside its last layer
+        self._carried: _Work | None = None  # that layer's compute, the next token's
+        self._yielded = False  # the next token's yield happened beside the last layer too
         self.recorder = recorder
 
     def _fetch(self, position: int) -> Lease:
@@ -102,6 +131,28 @@ class DecodeLoop:
         if i > 0:  # in this token: hand its experts out now (a planned layer: all of them)
             self._taken[position] = lease.available()
 
+    async def _end_beside(self, position: int, last: Lease, work: _Work) -> None:
+        """Host work while the devices compute a token's last layer: plan the next token's
+        first layer (``_meanwhile``), and when it is leased already, end the token now,
+        yield to the loop, and take that layer's handles, which starts the next token's
+        clock (issue 26: the token boundary's host work off the devices' path).
+
+        The last layer's compute then counts in the next token (its wall time and
+        ``compute_ms``): the tokens' times still add up to the run's. A token ends after
+        its last layer's wait as before when that layer loaded experts (their digests are
+        checked at the token's end, once their copies ran) or the next layer is not
+        leased yet (the next token's clock would start only after the wait).
+        """
+        self._meanwhile(position)
+        lease = self._fetched.get(position)
+        if lease is None or last.misses:
+            return
+        self._checker.check(self._decode.take_use_digests())
+        self._ended = await work.end(self._ms)
+        await asyncio.sleep(0)  # the next token's yield (see ``token``)
+        self._yielded = True
+        self._taken[position] = lease.available()
+
     async def token(self, t: int) -> TokenStats:
         """Decode token ``t``; returns what the session counted (and logged) for it.
 
@@ -110,15 +161,20 @@ class DecodeLoop:
             StageError: an expert could not be loaded.
         """
         # A token whose experts all hit never suspends: yield once per token, before it
-        # starts, so signals (cancellation), the log writer and the controller's sampler
-        # still run, and a cancelled run has counted exactly the tokens it decoded.
-        await asyncio.sleep(0)
+        # starts (or right after the token before ended beside its last layer), so signals
+        # (cancellation), the log writer and the controller's sampler still run, and a
+        # cancelled run has counted exactly the tokens it decoded.
+        if not self._yielded:
+            await asyncio.sleep(0)
+        self._yielded = False
         ms, decode, routing = self._ms, self._decode, self._routing
         n = len(self._layers)
         used: list[list[int]] = []
         used_weights: list[list[float]] = []
-        compute_ms = upload_ms = 0.0
-        device_ms = [0.0] * len(ms.devices)  # several devices: each one's compute
+        work, self._carried = self._carried or _Work(len(ms.devices)), None
+        # ending beside the last layer needs devices computing it meanwhile, and ``digest``
+        # compute's use digests are checked once its kernels ran: after the wait
+        beside = self._plans_ahead and decode.queues and decode.compute.kind != "digest"
         if self._live:
             decode.set_hidden(routing.embedding(t))  # type: ignore[attr-defined]
         for i, layer in enumerate(self._layers):
@@ -140,19 +196,25 @@ class DecodeLoop:
                 # guess the next layer from the hidden state before this layer runs, so
                 # its loads overlap this layer's compute
                 ms.prefetch(self._layers[i + 1], routing.predict(t, i + 1, decode.hidden))
-            result = await decode.run_layer(
-                lease, weights, functools.partial(self._meanwhile, position + 1), taken)
-            compute_ms += result.time.compute_ms
-            upload_ms += result.time.upload_ms
-            for device, ms_on_it in enumerate(result.device_compute_ms):
-                device_ms[device] += ms_on_it
+            meanwhile: Callable[[], Awaitable[None] | None]
+            if i == n - 1 and beside and position + 1 < self._end:
+                meanwhile = functools.partial(self._end_beside, position + 1, lease, work)
+            else:
+                meanwhile = functools.partial(self._meanwhile, position + 1)
+            result = await decode.run_layer(lease, weights, meanwhile, taken)
+            if self._ended is not None:  # the token ended during this, its last, layer
+                self._carried = _Work(len(ms.devices))
+                self._carried.add(result)
+            else:
+                work.add(result)
             if self._debug:
                 self._runlog.emit("layer", token=t, layer=layer, hits=result.hits,
                                   misses=result.misses, stall_ms=round(result.stall_ms, 3),
                                   compute_ms=round(result.compute_ms, 3))
-        self._checker.check(decode.take_use_digests())
-        stats = await ms.end_token(compute_ms=device_ms if len(device_ms) > 1 else compute_ms,
-                                   upload_ms=upload_ms)
+        stats, self._ended = self._ended, None
+        if stats is None:
+            self._checker.check(decode.take_use_digests())
+            stats = await work.end(ms)
         if self.recorder is not None:
             self.recorder.add(used, used_weights)
         return stats

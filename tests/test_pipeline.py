@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import threading
 from collections.abc import Callable
 from dataclasses import replace
@@ -179,3 +180,72 @@ class TestPlanAhead:
         for name in ("hits", "misses", "evictions", "verified", "mismatches"):
             assert getattr(ahead, name) == getattr(inline, name), name
         assert ahead.verified > 0 and ahead.mismatches == 0
+
+
+class TestEndBeside:
+    """With trace routing, a token whose last layer loaded nothing and whose next token's
+    first layer is leased already ends while the devices compute that last layer
+    (``DecodeLoop._end_beside``): the same figures and log lines as ending after the
+    wait, the last layer's time counted in the next token."""
+
+    @staticmethod
+    def _run(model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, *, beside: bool
+             ) -> tuple[RunSummary, list[dict[str, Any]], int]:
+        import pipeline.run as run_module
+        import pipeline.session as session_module
+
+        # a device that computes after the host queued the work, as a GPU does
+        backend = type("QueuingBackend", (DeferredBackend,), {"async_copies": True})
+        monkeypatch.setattr(session_module, "open_backends", lambda cfg: [backend()])
+        monkeypatch.setattr(session_module, "make_kernels", lambda name, *_: DeferredKernels())
+        monkeypatch.setattr(run_module, "make_kernels", lambda name, *_: DeferredKernels())
+        original = DecodeLoop._end_beside
+        early = 0
+
+        async def spy(self: DecodeLoop, position: int, last: Any, work: Any) -> None:
+            nonlocal early
+            if not beside:
+                self._meanwhile(position)
+                return
+            await original(self, position, last, work)
+            early += self._ended is not None
+
+        monkeypatch.setattr(DecodeLoop, "_end_beside", spy)
+        log = tmp_path / f"beside-{beside}.jsonl"
+        cfg = RunConfig(model=model, tokens=24, mode="resident", backend="host",
+                        compute=ComputeSpec("fixed", 0.2), budget=Budget(experts=40), log=log)
+        summary = asyncio.run(run(cfg))
+        lines = [json.loads(line) for line in log.read_text().splitlines()]
+        return summary, lines, early
+
+    def test_same_figures_and_lines(self, tiny_model: Path, tmp_path: Path,
+                                    monkeypatch: pytest.MonkeyPatch,
+                                    capfd: pytest.CaptureFixture[str]) -> None:
+        beside, lines, early = self._run(tiny_model, tmp_path, monkeypatch, beside=True)
+        assert "engine_time_clamped" not in "".join(capfd.readouterr())
+        after, after_lines, none = self._run(tiny_model, tmp_path, monkeypatch, beside=False)
+        assert 0 < early < 23 and none == 0  # warm tokens end beside; others after the wait
+        for name in ("tokens", "hits", "misses", "evictions", "verified", "mismatches"):
+            assert getattr(beside, name) == getattr(after, name), name
+        tokens = [e for e in lines if e["event"] == "token"]
+        assert [e["experts"] for e in tokens] == [
+            e["experts"] for e in after_lines if e["event"] == "token"]
+        assert [e["token"] for e in tokens] == list(range(24))
+        # every token's wall time is counted once: they add up to (nearly) the run's
+        elapsed_ms = beside.elapsed_s * 1000.0
+        assert 0.9 * elapsed_ms <= sum(e["wall_ms"] for e in tokens) <= elapsed_ms * 1.0001
+        # the last layer's compute went to the next token, inside its wall time
+        assert all(e["compute_ms"] <= e["wall_ms"] for e in tokens)
+
+    @pytest.mark.parametrize("compute", ["digest", "fixed"])
+    def test_never_without_a_queuing_device_or_with_digest_compute(
+            self, tiny_model: Path, monkeypatch: pytest.MonkeyPatch, compute: str) -> None:
+        """On the host backend the compute is done when the layer is queued: nothing to end
+        beside. ``digest`` compute's use digests are read once its kernels ran: after."""
+        calls: list[int] = []
+        monkeypatch.setattr(DecodeLoop, "_end_beside",
+                            lambda self, position, *_: calls.append(position))
+        cfg = RunConfig(model=tiny_model, tokens=6, mode="resident", backend="host",
+                        compute=ComputeSpec(compute))  # type: ignore[arg-type]
+        summary = asyncio.run(run(cfg))
+        assert calls == [] and summary.mismatches == 0 and summary.verified > 0
