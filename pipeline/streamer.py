@@ -345,14 +345,17 @@ class ExpertStreamer:
         if not plan.misses:  # all-hit layers (the common case when warm) create nothing more
             return load
         load.launch = LaunchTimes(time.perf_counter())
-        load.phases = {entry.key: LoadPhases(load.launch) for entry in plan.misses}
         load.arrived = asyncio.Queue()
         for entry in plan.misses:
             entry.loaded = loop.create_future()
         sources = self._registered_sources(plan.misses)
         if sources is not None:  # nothing to read: no gate, task or worker
-            self._queue_registered(load, sources)
+            # queued together, in one pass: the layer's misses share one timeline
+            shared = LoadPhases(load.launch)
+            load.phases = {entry.key: shared for entry in plan.misses}
+            self._queue_registered(load, sources, shared)
             return load
+        load.phases = {entry.key: LoadPhases(load.launch) for entry in plan.misses}
         load.gate = self.warm_gate
         if load.gate is not None:
             load.gate.pause()  # decode reads first: background warm-up waits
@@ -397,7 +400,8 @@ class ExpertStreamer:
         self._sources.clear()
         self._sources_of = None
 
-    def _queue_registered(self, load: LayerLoad, sources: Sequence[_Source]) -> None:
+    def _queue_registered(self, load: LayerLoad, sources: Sequence[_Source],
+                          phases: LoadPhases) -> None:
         """Loop: queue a whole layer's misses from the registered mapping, in one pass.
 
         Where the device reads registered memory in place (``Backend.maps_host``, and
@@ -417,18 +421,17 @@ class ExpertStreamer:
         t0 = time.perf_counter()
         try:
             rows: list[tuple[Any, int]] = []
+            phases.begin(t0)
             for entry in misses:
-                load.phases[entry.key].begin(t0)
                 self.host_tier.missed(entry.key)
                 if digests is not None:
                     rows.append(digests.reserve(entry.key))
             with self._backend.activate():  # CUDA's current device, once for the layer
                 events = (self._gather(misses, sources, rows) if self._gathers
                           else self._copy(misses, sources, rows))
-            t1 = time.perf_counter()
+            phases.mark("upload", time.perf_counter())  # queued: the device copy shows
+            load.launched += len(misses)                 # where decode waits
             for i, (entry, event) in enumerate(zip(misses, events, strict=True)):
-                load.phases[entry.key].mark("upload", t1)  # queued: the device copy shows
-                load.launched += 1                         # where decode waits
                 if isinstance(event, Exception):
                     if digests is not None:
                         digests.drop(*rows[i])
@@ -679,8 +682,8 @@ class ExpertStreamer:
             else:
                 entry.loaded.set_exception(StageError(f"load of {entry.key} failed: {error}"))
                 entry.loaded.exception()  # retrieved here too: no "never retrieved" warning
-        if error is not None and load.prefetch and self._cache.get(entry.key) is entry:
-            self._cache.drop(entry.key)  # a failed guess: nobody else will drop it
+        if error is not None and self._cache.get(entry.key) is entry:
+            self._cache.drop(entry.key)  # failed: never a hit (its lease, if any, is told)
         load.delivered += 1
         if load.delivered == len(load.plan.misses) and load.gate is not None:
             load.gate.resume()
