@@ -46,9 +46,10 @@ destination device address, bytes, digest address (two uint64 sums, a results ro
 NO_FLIP = (1 << 64) - 1
 
 
-def copy_rows(rows: Sequence[tuple[int, int, int, int, int]]) -> npt.NDArray[np.uint64]:
-    """``gather``'s (n, ``COPY_FIELDS``) array from row tuples."""
-    return np.array(rows, dtype=np.uint64).reshape(len(rows), COPY_FIELDS)
+def copy_rows(fields: Sequence[int]) -> npt.NDArray[np.uint64]:
+    """``gather``'s (n, ``COPY_FIELDS``) array from its rows' fields, one row after another
+    (a flat list converts in half the time of a list of row tuples)."""
+    return np.array(fields, dtype=np.uint64).reshape(-1, COPY_FIELDS)
 
 
 _CUDA_SOURCE = r"""

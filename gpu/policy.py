@@ -243,14 +243,14 @@ class CacheIndex:
             return False, []
         victims: list[ExpertKey] = []
         freed = 0
-        chosen = _Either(protected, set())  # not a copy of ``protected`` per admission
+        chosen = protected  # then the victims too, without copying ``protected``
         while self._live - freed + nbytes > self._capacity:
             victim = self._policy.victim(chosen)
             if victim is None:
                 return False, []
-            chosen.extra.add(victim)
             victims.append(victim)
             freed += self._sizes[victim]
+            chosen = _Either(protected, set(victims))  # rarely more than one a miss
         for victim in victims:
             self.remove(victim)
         self._sizes[key] = nbytes

@@ -351,6 +351,7 @@ class Decode:
             if not isinstance(error, StageError):
                 raise error  # e.g. the model file changed: its own class and exit code
             raise StageError(str(error)) from error
+        hits, misses = lease.hits, lease.misses  # counted while the devices compute
         if meanwhile is not None:  # the devices compute the layer meanwhile
             more = meanwhile()
             if more is not None:
@@ -364,8 +365,7 @@ class Decode:
         if several and self._home.acc is not None and not failures:
             self._combine([i for i in done if i])
         compute_s += time.perf_counter() - t0
-        result = LayerResult(lease.hits, lease.misses, stall_s * 1000.0, compute_s * 1000.0,
-                             split)
+        result = LayerResult(hits, misses, stall_s * 1000.0, compute_s * 1000.0, split)
         queues = self._home.queues
         if not queues:  # kernels ran inline: the time spent in them is compute
             result.time = TimeSplit(compute_ms=compute_s * 1000.0)

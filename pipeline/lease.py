@@ -28,6 +28,7 @@ from typing import Any
 
 from gpu.backend import Event, Stream
 from gpu.cache import DeviceCache, Entry
+from pipeline.arrivals import Arrivals
 from pipeline.foundation.errors import MoestreamError, StageError, UsageError
 from pipeline.streamer import ExpertStreamer, LayerLoad
 
@@ -151,7 +152,7 @@ class LayerLease:
     released: bool = False
     closed_reason: str = ""
     _ready: list[Arrival] = field(default_factory=list)
-    _queue: asyncio.Queue[Any] | None = None
+    _queue: Arrivals[Any] | None = None
     """Arrivals still to come, made on first use (an all-hit lease needs none)."""
     _part_of: dict[int, LeasePart] = field(default_factory=dict)
     _pending: int = 0
@@ -197,9 +198,9 @@ class LayerLease:
                     part.load.arrived = self._arrivals()
                 self._pending += len(plan.misses)
 
-    def _arrivals(self) -> asyncio.Queue[Any]:
+    def _arrivals(self) -> Arrivals[Any]:
         if self._queue is None:
-            self._queue = asyncio.Queue()
+            self._queue = Arrivals()
         return self._queue
 
     # -- counts ----------------------------------------------------------------------------

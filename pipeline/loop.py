@@ -185,9 +185,10 @@ class DecodeLoop:
                 t, i, decode.hidden)
             used.append(experts)
             used_weights.append(weights)
-            for q in range(position + 1, min(self._end, position + 1 + self._ahead)):
-                if q not in self._fetched:  # oracle: the trace names later layers' experts
-                    self._fetched[q] = self._fetch(q)
+            if self._ahead:
+                for q in range(position + 1, min(self._end, position + 1 + self._ahead)):
+                    if q not in self._fetched:  # oracle: the trace names later layers' experts
+                        self._fetched[q] = self._fetch(q)
             lease = self._fetched.pop(position, None)
             if lease is None:
                 lease = ms.fetch(layer, experts)

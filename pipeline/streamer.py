@@ -40,6 +40,7 @@ import structlog
 
 from gpu.backend import Backend, Event, Kernels, Stream
 from gpu.cache import DeviceCache, Entry, LayerPlan
+from pipeline.arrivals import Arrivals
 from pipeline.foundation.config import RunConfig
 from pipeline.foundation.errors import StageError
 from pipeline.foundation.faults import FaultPlan
@@ -116,7 +117,7 @@ class LayerLoad:
     """
 
     plan: LayerPlan
-    arrived: asyncio.Queue[tuple[Entry, BaseException | None]] | None = None
+    arrived: Arrivals[tuple[Entry, BaseException | None]] | None = None
     launcher: asyncio.Task[None] | None = None
     pending: int = 0
     launched: int = 0
@@ -345,7 +346,7 @@ class ExpertStreamer:
         if not plan.misses:  # all-hit layers (the common case when warm) create nothing more
             return load
         load.launch = LaunchTimes(time.perf_counter())
-        load.arrived = asyncio.Queue()
+        load.arrived = Arrivals()
         for entry in plan.misses:
             entry.loaded = loop.create_future()
         sources = self._registered_sources(plan.misses)

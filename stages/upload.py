@@ -27,7 +27,7 @@ import structlog
 
 from gpu.backend import Backend, Event, Kernels, Stream
 from gpu.cache import Entry
-from gpu.kernels import NO_FLIP, copy_rows
+from gpu.kernels import COPY_FIELDS, NO_FLIP, copy_rows
 from pipeline.foundation.errors import MoestreamError, UploadError
 from pipeline.foundation.faults import FaultPlan
 
@@ -143,7 +143,7 @@ class Uploader:
         stream = self.next_stream()
         faults = self._faults if self._faults else None
         failed: list[Exception | None] = []  # per item: its injected failure, or queued
-        rows: list[tuple[int, int, int, int, int]] = []
+        rows: list[int] = []  # the launch's copies, ``COPY_FIELDS`` fields each
         queued: list[Entry] = []
         waited: Event | None = None
         for entry, copies, outs in items:
@@ -156,11 +156,12 @@ class Uploader:
                 stream.wait(waited)
             base = entry.buffer.ptr
             first = len(rows)
-            rows.extend([(src, base + offset, nbytes, out, NO_FLIP) for (offset, src, nbytes), out
-                         in zip(copies, outs or [0] * len(copies), strict=True)])
+            for (offset, src, nbytes), out in zip(copies, outs or [0] * len(copies),
+                                                  strict=True):
+                rows += (src, base + offset, nbytes, out, NO_FLIP)
             if faults is not None and copies and faults.hit("corrupt") is not None:
-                src, dst, nbytes, out, _ = rows[first]
-                rows[first] = (src, dst, nbytes, out, nbytes // 2)
+                nbytes = rows[first + 2]
+                rows[first + 4] = nbytes // 2
                 _log.warning("corrupt_injected", key=entry.key,
                              device_offset=copies[0][0] + nbytes // 2)
             queued.append(entry)
@@ -172,13 +173,14 @@ class Uploader:
                 result = stream.record()
             except Exception as exc:
                 self._settle(stream, queued[0])
-                result = UploadError(f"gather of {len(rows)} copies to the device failed: {exc}")
+                result = UploadError(f"gather of {len(rows) // COPY_FIELDS} copies to the "
+                                     f"device failed: {exc}")
             else:
                 for entry in queued:
                     entry.upload = result
                 with self._lock:
-                    self.bytes_uploaded += sum(r[2] for r in rows)
-                    self.copies += len(rows)
+                    self.bytes_uploaded += sum(rows[2::COPY_FIELDS])
+                    self.copies += len(rows) // COPY_FIELDS
         return [result if f is None else f for f in failed]
 
     def _corrupt(self, entry: Entry, piece: tuple[int, npt.NDArray[np.uint8]],

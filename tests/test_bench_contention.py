@@ -17,7 +17,7 @@ from bench.contention import main as contention_main
 # tiny's sweep: 3 MoE layers, 4 tokens x top-4 = all 16 experts a pass, 0.75 MiB each; with
 # lookahead 1 the session needs 2 layers' top-4 pinned, under half the sweep
 _SMALL = ["--backend", "host", "--rounds", "2", "--engine-s", "0.1", "--sweep-tokens", "4",
-          "--passes", "3", "--lookahead", "1", "--no-verify"]
+          "--passes", "6", "--lookahead", "1", "--no-verify"]  # a window many engine steps long
 
 
 def _positive(value: Any) -> bool:

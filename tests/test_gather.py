@@ -68,7 +68,7 @@ class TestHostGather:
                          k.results_address(results, i),
                          flip if i == 0 and flip is not None else NO_FLIP))
             at += n + 64
-        k.gather(copy_rows(rows), HostStream())
+        k.gather(copy_rows([f for row in rows for f in row]), HostStream())
         want, digests = _expected(src, ranges, flip)
         at = dst_skew
         for (_, n), data in zip(ranges, want, strict=True):
@@ -81,7 +81,7 @@ class TestHostGather:
         dst = np.zeros(1000, dtype=np.uint8)
         k = HostKernels()
         results = k.new_results(1)
-        k.gather(copy_rows([(src.ctypes.data, dst.ctypes.data, 1000, 0, NO_FLIP)]),
+        k.gather(copy_rows([src.ctypes.data, dst.ctypes.data, 1000, 0, NO_FLIP]),
                  HostStream())
         assert (dst == src).all()
         assert not results.any()
@@ -127,7 +127,7 @@ class TestCudaGather:
                                  flip if i == 0 and flip is not None else NO_FLIP))
                     places.append(at)
                     at += (n + 255) // 256 * 256
-                k.gather(copy_rows(rows), stream)
+                k.gather(copy_rows([f for row in rows for f in row]), stream)
                 stream.synchronize()
                 got = cupy.asnumpy(backend.device_bytes(dst, 0, dst.nbytes))
                 want, digests = _expected(src, ranges, flip)

@@ -19,6 +19,7 @@ import numpy.typing as npt
 import pytest
 
 from gpu.cache import DeviceCache
+from pipeline.arrivals import Arrivals
 from pipeline.foundation.config import Budget, ComputeSpec, RunConfig
 from pipeline.foundation.errors import StageError
 from pipeline.foundation.faults import parse_faults
@@ -226,7 +227,7 @@ class TestRegisteredLayerBatch:
                 assert all(e.upload is not None for e in load.plan.misses)  # queued
                 futures = [e.loaded for e in load.plan.misses]
                 assert all(f is not None and not f.done() for f in futures)
-                mine: asyncio.Queue[Any] = asyncio.Queue()
+                mine: Arrivals[Any] = Arrivals()
                 load.arrived = mine  # what ``LayerLease`` does right after the start
                 got = [await mine.get() for _ in range(3)]
                 assert [e.key for e, _ in got] == [e.key for e in load.plan.misses]
