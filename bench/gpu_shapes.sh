@@ -13,7 +13,9 @@
 # top-10, 1.7 MiB); files made here by tools.make_model --no-digests (no recorded digests:
 # tools.warmup --digests builds each one's manifest first) and kept in $MODELS between calls
 # of one lease.
-# NOLOG=1: gaps without the run log too; PROFILE=1: bench.profile's all-cached phase too.
+# NOLOG=1: gaps without the run log too; PROFILE=1: bench.profile's all-cached phase too;
+# PASSES=N: bench.pipeline's sweep passes (default 4: 24 measured tokens a warm-miss round,
+# ~0.25 s on the fine shape, whose rounds swung 29-48 GB/s within one run at 40b54b0).
 # Usage: STEPS=pipeline SHAPES=fine RUNS=3 bash bench/gpu_shapes.sh
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>/dev/null
@@ -70,7 +72,8 @@ for s in ${shapes//,/ }; do
   if [[ $steps == *pipeline* ]]; then
     for r in $(seq 1 ${RUNS:-3}); do
       timeout 200 python3 -m bench.pipeline --model $m --backend cupy --skip cold --naive-tokens 8 \
-        --lookahead 8 --out $OUT/pipeline-$s-run$r.json > $OUT/pipeline-$s-run$r.log 2>&1
+        --lookahead 8 ${PASSES:+--passes $PASSES} --out $OUT/pipeline-$s-run$r.json \
+        > $OUT/pipeline-$s-run$r.log 2>&1
       echo "pipeline $s run $r rc=$?"; grep -E "^  [0-9]_" $OUT/pipeline-$s-run$r.log; pack
     done
   fi
