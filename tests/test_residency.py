@@ -27,6 +27,7 @@ from stages.residency import (
     lock_pages,
     resident_pages,
 )
+from tests.reclaim import assert_all_resident
 
 MIB = 1 << 20
 
@@ -80,10 +81,7 @@ class TestResidencyMeasure:
         assert before.n_pages == 24 * MIB // PAGE_BYTES + 1
         assert before.resident_page_count == 0
         read_all(cold)
-        after = Residency.of_file(cold)
-        assert after.pages.all()
-        assert after.file_resident_bytes == after.file_bytes
-        assert after.fraction == 1.0
+        assert_all_resident(Residency.of_file(cold))
 
     def test_accepts_an_open_fd(self, cold: Path) -> None:
         read_all(cold, ByteRange(0, MIB))

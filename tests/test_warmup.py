@@ -17,6 +17,7 @@ from pipeline.foundation.errors import UsageError
 from pipeline.foundation.table import ByteRange, ExpertTable, open_table
 from pipeline.modelgen import spec_for, write_model
 from stages.residency import PAGE_BYTES, Residency, evict
+from tests.reclaim import assert_all_resident
 from tools.warmup.cli import main
 from tools.warmup.ram_guard import check_ram
 from tools.warmup.select import (
@@ -250,7 +251,7 @@ class TestReportAndEvict:
 
     def test_evict_selection(self, model: Path, table: ExpertTable) -> None:
         assert main([str(model), "--force"]) == 0
-        assert Residency.of_file(model).fraction == 1.0
+        assert_all_resident(Residency.of_file(model))
         assert main([str(model), "--evict", "--layers", "2"]) == 0
         res = Residency.of_file(model)
         layer2 = expert_ranges(table, [(2, e) for e in range(8)])
@@ -288,7 +289,7 @@ class TestRamGuard:
         assert Residency.of_file(cold_model).resident_bytes(
             expert_ranges(table, all_keys(table))) == 0
         assert main([str(cold_model), "--force"], memory=tight) == 0
-        assert Residency.of_file(cold_model).fraction == 1.0
+        assert_all_resident(Residency.of_file(cold_model))
 
     def test_resident_pages_do_not_count(self, model: Path) -> None:
         assert main([str(model), "--force"]) == 0
@@ -429,7 +430,7 @@ class TestStartUp:
         early = start_early([str(cold_model), "--force"])
         assert early is not None
         early.join(timeout_s=30)
-        assert Residency.of_file(cold_model).fraction == 1.0  # smaller than the early cap
+        assert_all_resident(Residency.of_file(cold_model))  # smaller than the early cap
 
     @pytest.mark.parametrize("stop_at_once", [True, False])
     def test_stop_hands_over_a_read_start(self, cold_model: Path, stop_at_once: bool) -> None:
@@ -467,7 +468,7 @@ class TestStartUp:
         assert lean_main([str(cold_model), "--force"]) == 0
         out = capsys.readouterr().out
         assert "file 100.0%" in out and "during start-up" in out
-        assert Residency.of_file(cold_model).fraction == 1.0
+        assert_all_resident(Residency.of_file(cold_model))
 
     def test_no_early_read_for_other_modes_or_files(self, cold_model: Path,
                                                     tmp_path: Path) -> None:
