@@ -458,6 +458,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             results["cache_hit50"] = _phase("cache_hit50", {}, lambda: window_rate(ev))
         if "all" not in skip and gpu:
             print("all cached (second pass of a replayed trace):", flush=True)
+            # the cold phases dropped the file's pages: without them the first round's
+            # resident-mode run warmed 17 GB in the background beside its measured tokens
+            # (H200, fine shape at 40b54b0: 12.7 s of reading and window registration)
+            _phase("make_resident", {}, lambda: make_resident(table.files))
             # alternating, so drift between the two (clocks, the host) falls on both alike
             rounds = []
             for _ in range(args.rounds):
