@@ -31,9 +31,6 @@ class Arrivals(Generic[T]):
     def empty(self) -> bool:
         return not self._items
 
-    def qsize(self) -> int:
-        return len(self._items)
-
     def put_nowait(self, item: T) -> None:
         self._items.append(item)
         if self._getters:

@@ -26,6 +26,7 @@ from pipeline.foundation.errors import VerificationError
 from pipeline.loop import DecodeLoop
 from pipeline.run import RunSummary, run
 from stages.staging import StagingSlot
+from tests.gguf_files import write_plain_moe
 
 
 class DeferredStream:
@@ -189,8 +190,8 @@ class TestEndBeside:
     wait, the last layer's time counted in the next token."""
 
     @staticmethod
-    def _run(model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, *, beside: bool
-             ) -> tuple[RunSummary, list[dict[str, Any]], int]:
+    def _run(model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, *, beside: bool,
+             mode: str = "resident") -> tuple[RunSummary, list[dict[str, Any]], int]:
         import pipeline.run as run_module
         import pipeline.session as session_module
 
@@ -212,18 +213,25 @@ class TestEndBeside:
 
         monkeypatch.setattr(DecodeLoop, "_end_beside", spy)
         log = tmp_path / f"beside-{beside}.jsonl"
-        cfg = RunConfig(model=model, tokens=24, mode="resident", backend="host",
+        cfg = RunConfig(model=model, tokens=24, mode=mode, backend="host",  # type: ignore[arg-type]
                         compute=ComputeSpec("fixed", 0.2), budget=Budget(experts=40), log=log)
         summary = asyncio.run(run(cfg))
         lines = [json.loads(line) for line in log.read_text().splitlines()]
         return summary, lines, early
 
+    @pytest.mark.parametrize("mode", ["resident", "direct"])
+    @pytest.mark.parametrize("kind", ["ours", "gguf-writer"])
     def test_same_figures_and_lines(self, tiny_model: Path, tmp_path: Path,
                                     monkeypatch: pytest.MonkeyPatch,
-                                    capfd: pytest.CaptureFixture[str]) -> None:
-        beside, lines, early = self._run(tiny_model, tmp_path, monkeypatch, beside=True)
+                                    capfd: pytest.CaptureFixture[str], kind: str,
+                                    mode: str) -> None:
+        """On this project's model and on one gguf's writer made (slices at odd offsets, no
+        recorded digests: the run builds its manifest), in both modes."""
+        model = tiny_model if kind == "ours" else write_plain_moe(tmp_path / "plain.gguf")
+        beside, lines, early = self._run(model, tmp_path, monkeypatch, beside=True, mode=mode)
         assert "engine_time_clamped" not in "".join(capfd.readouterr())
-        after, after_lines, none = self._run(tiny_model, tmp_path, monkeypatch, beside=False)
+        after, after_lines, none = self._run(model, tmp_path, monkeypatch, beside=False,
+                                             mode=mode)
         assert 0 < early < 23 and none == 0  # warm tokens end beside; others after the wait
         for name in ("tokens", "hits", "misses", "evictions", "verified", "mismatches"):
             assert getattr(beside, name) == getattr(after, name), name
