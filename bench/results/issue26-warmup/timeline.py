@@ -12,8 +12,26 @@ import time
 T0 = time.perf_counter()
 
 
+def disk_read_bytes() -> int:
+    """Bytes read from the disk holding the model so far (/proc/diskstats, whole disks)."""
+    total = 0
+    with open("/proc/diskstats") as f:
+        for line in f:
+            fields = line.split()
+            name = fields[2]
+            if name.startswith(("vd", "sd", "nvme")) and not name[-1].isdigit() or (
+                    name.startswith("nvme") and "p" not in name[4:]):
+                total += int(fields[5]) * 512
+    return total
+
+
+DISK0 = disk_read_bytes()
+
+
 def mark(what: str) -> None:
-    print(f"{time.perf_counter() - T0:7.3f} s  {what}", file=sys.stderr, flush=True)
+    disk = (disk_read_bytes() - DISK0) / 1e9
+    print(f"{time.perf_counter() - T0:7.3f} s  disk {disk:5.2f} GB  {what}", file=sys.stderr,
+          flush=True)
 
 
 mark("python up")
@@ -81,6 +99,13 @@ def stop(self, timeout_s=5.0):  # type: ignore[no-untyped-def]
 
 
 tw.start_early, early.EarlyRead.stop = start, stop
+def sample() -> None:  # the disk's progress every 50 ms, beside the command's own marks
+    while True:
+        time.sleep(0.05)
+        mark("")
+
+
+threading.Thread(target=sample, daemon=True).start()
 code = tw.main(sys.argv[1:])
 mark("main returned")
 sys.exit(code)

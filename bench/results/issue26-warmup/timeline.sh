@@ -12,10 +12,9 @@ import os; fd=os.open('$F', os.O_RDONLY); os.posix_fadvise(fd,0,0,os.POSIX_FADV_
   python3 -c "import tools.warmup.cli, psutil, stages.residency" ; }
 for i in 1 2 3; do
   echo "--- round $i"
-  drop; /usr/bin/time -f "timeline: %e s wall %U user %S sys" python3 bench/results/issue26-warmup/timeline.py $F
+  drop; /usr/bin/time -f "timeline: %e s wall %U user %S sys" python3 bench/results/issue26-warmup/timeline.py $F 2>&1 | grep -v "GB  $" | tail -40
+  drop; /usr/bin/time -f "timeline (every 50 ms): %e s wall" python3 bench/results/issue26-warmup/timeline.py $F
   drop; /usr/bin/time -f "cli: %e s wall %U user %S sys" python3 -m tools.warmup $F
-  drop; /usr/bin/time -f "cli --threads 16: %e s wall %U user %S sys" python3 -m tools.warmup $F --threads 16
   drop; /usr/bin/time -f "vmtouch: %e s wall %U user %S sys" vmtouch -qt $F
   drop; /usr/bin/time -f "python -c pass: %e s wall" python3 -c pass
-  drop; /usr/bin/time -f "import cli: %e s wall" python3 -c "import tools.warmup.cli"
 done 2>&1
