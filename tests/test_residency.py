@@ -10,13 +10,15 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from structlog.testing import capture_logs
 
 from pipeline.foundation.errors import ModelFileError, ResidencyError, UsageError
+from pipeline.foundation.files import FileIdentity, ModelFile
 from pipeline.foundation.table import ByteRange
 from pipeline.warm import Loader, TokenBucket, WarmEngine
+from stages import cachestat
 from stages import residency as residency_module
 from stages.residency import (
     PAGE_BYTES,
@@ -25,6 +27,7 @@ from stages.residency import (
     evict,
     hint_willneed,
     lock_pages,
+    resident_bytes_of,
     resident_pages,
 )
 from tests.reclaim import assert_all_resident
@@ -176,6 +179,79 @@ class TestResidencyArithmetic:
     def test_coalesce(self) -> None:
         got = coalesce([ByteRange(10, 5), ByteRange(0, 10), ByteRange(30, 0), ByteRange(12, 8)])
         assert got == [ByteRange(0, 20)]
+
+
+def _model_files(*paths: Path) -> list[ModelFile]:
+    """The files as one model's address space (each at the page after the last one's end)."""
+    files: list[ModelFile] = []
+    for path in paths:
+        base = files[-1].span_end if files else 0
+        files.append(ModelFile(path, base, FileIdentity.of(os.stat(path))))
+    return files
+
+
+def _scattered(path: Path) -> None:
+    """Make some of ``path``'s pages resident, with unaligned edges and gaps."""
+    for start, n in ((0, 3), (PAGE_BYTES * 7 + 5, 9000), (3 * MIB + 1, MIB), (20 * MIB, 4 * MIB)):
+        read_all(path, ByteRange(start, n))
+
+
+_range_lists = st.lists(st.tuples(st.integers(0, 25 * MIB), st.integers(0, 3 * MIB)),
+                        max_size=8)
+
+
+class TestCachedBytes:
+    """cachestat's counts (stages.cachestat) agree byte for byte with mincore's page map on
+    real files, per file and over a model's files; without cachestat, mincore answers."""
+
+    @pytest.fixture
+    def scattered(self, cold: Path) -> Path:
+        fd = os.open(cold, os.O_RDONLY)
+        try:
+            if cachestat.cached_bytes(fd, [(0, 1)]) is None:
+                pytest.skip("this kernel has no cachestat (Linux < 6.5)")
+        finally:
+            os.close(fd)
+        _scattered(cold)
+        return cold
+
+    @settings(max_examples=60, deadline=None,
+              suppress_health_check=[HealthCheck.function_scoped_fixture])
+    @given(spans=_range_lists)
+    def test_agrees_with_mincore(self, scattered: Path, spans: list[tuple[int, int]]) -> None:
+        size = scattered.stat().st_size
+        ranges = coalesce(ByteRange(o, min(n, size - o)) for o, n in spans if o < size)
+        fd = os.open(scattered, os.O_RDONLY)
+        try:
+            got = cachestat.cached_bytes(fd, [(r.offset, r.nbytes) for r in ranges])
+            assert got == Residency.of_file(fd).resident_bytes(ranges)
+        finally:
+            os.close(fd)
+
+    @settings(max_examples=30, deadline=None,
+              suppress_health_check=[HealthCheck.function_scoped_fixture])
+    @given(spans=_range_lists)
+    def test_model_files_agree_with_mincore(self, scattered: Path, tmp_path: Path,
+                                            spans: list[tuple[int, int]]) -> None:
+        second = tmp_path / "second.bin"
+        if not second.exists():
+            write_cold(second, 3 * MIB + 77, seed=1)
+            read_all(second, ByteRange(MIB - 3, MIB))
+        files = _model_files(scattered, second)
+        selection = [ByteRange(o, n) for o, n in spans]
+        whole = [ByteRange(f.base, f.nbytes) for f in files]
+        residency = Residency.of_files(files)
+        assert resident_bytes_of(files, selection, whole) == [
+            residency.resident_bytes(selection), residency.file_resident_bytes]
+
+    def test_without_cachestat_mincore_answers(self, scattered: Path,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+        files = _model_files(scattered)
+        selection = [ByteRange(PAGE_BYTES * 7, 3 * MIB)]
+        with_it = resident_bytes_of(files, selection)
+        monkeypatch.setattr(cachestat, "_available", False)
+        assert resident_bytes_of(files, iter(selection)) == with_it
+        assert with_it == [Residency.of_files(files).resident_bytes(selection)]
 
 
 class TestEvict:

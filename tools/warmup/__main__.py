@@ -1,5 +1,5 @@
 import sys
 
-from tools.warmup import main
+from tools.warmup import command
 
-sys.exit(main())
+sys.exit(command())
