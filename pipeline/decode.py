@@ -48,7 +48,7 @@ from pipeline.foundation.table import ExpertTable
 from pipeline.timesplit import TimeSplit
 from pipeline.verify import DigestRows, Digests
 
-__all__ = ["Decode", "Decoder", "LayerResult"]
+__all__ = ["Decode", "Decoder", "Launched", "LayerResult"]
 
 _HOST_SLICE_MS = 10.0
 """``fixed`` compute on the host backend spins the CPU on the event loop's thread, in slices
@@ -69,6 +69,16 @@ class LayerResult:
     time: TimeSplit = field(default_factory=TimeSplit)
     device_compute_ms: list[float] = field(default_factory=list)
     """Several devices: each one's part of ``time``'s compute."""
+
+
+@dataclass(slots=True)
+class Launched:
+    """A layer's compute queued ahead of its ``run_layer`` (``Decode.launch``): the devices
+    it used, the host's time on each (several devices) and in all."""
+
+    used: list[bool]
+    device_s: list[float]
+    seconds: float = 0.0
 
 
 class _OnDevice:
@@ -272,12 +282,51 @@ class Decode:
     def take_use_digests(self) -> Digests:
         return Digests.join(d.take_use_digests() for d in self._decoders)
 
+    def launch(self, lease: Lease, weights: Sequence[float],
+               handles: Sequence[ExpertHandle]) -> Launched:
+        """Queue a layer's compute now, with every expert of it in hand (``handles``: all
+        that ``lease.available()`` gave; a planned all-hit layer), so the devices start on
+        it the moment the layer before it ends; its ``run_layer(launched=...)`` then
+        releases the lease, waits and counts. A device that queues only (a GPU): the host
+        backend runs compute inline.
+        """
+        t0 = time.perf_counter()
+        for d in self._decoders:
+            d.begin()
+        launched = Launched([False] * len(self._decoders), [0.0] * len(self._decoders))
+        self._consume(handles, dict(zip(lease.experts, weights, strict=True)),
+                      launched.used, launched.device_s)
+        launched.seconds = time.perf_counter() - t0
+        return launched
+
+    def _consume(self, batch: Sequence[ExpertHandle], weight_of: dict[int, float],
+                 used: list[bool], device_s: list[float]) -> None:
+        """Queue ``batch``'s compute, each expert on its device's stream."""
+        per_expert_ms = self._per_expert_ms
+        if self._several:
+            for h in batch:
+                t_one = time.perf_counter()
+                d = self._decoders[h.device]
+                used[h.device] = True
+                with d.ctx:
+                    d.consume(h, weight_of[h.expert], per_expert_ms)
+                device_s[h.device] += time.perf_counter() - t_one
+            return
+        used[0] = True
+        d = self._home
+        with d.ctx:
+            for h in batch:
+                d.consume(h, weight_of[h.expert], per_expert_ms)
+
     async def run_layer(
         self,
         lease: Lease,
         weights: Sequence[float],
         meanwhile: Callable[[], Awaitable[None] | None] | None = None,
         taken: Sequence[ExpertHandle] | None = None,
+        *,
+        launched: Launched | None = None,
+        then: Callable[[], None] | None = None,
     ) -> LayerResult:
         """Consume one MoE layer's experts as its lease hands them out: those available at
         once, then the others as they land; release the lease after the layer's compute
@@ -291,43 +340,41 @@ class Decode:
                 awaitable it returns is awaited there too.
             taken: the handles ``lease.available()`` gave the caller already (it planned
                 the layer while the devices computed the one before).
+            launched: the layer's compute, queued already (``launch``).
+            then: host work for the caller right after the wait, before this layer's
+                counting: the next layer's ``launch``, which then starts on the devices
+                with only the wait's wake-up between the two layers (issue 26: all cached
+                at compute speed). Its time is not this layer's.
 
         Raises:
             StageError: a miss could not be loaded (or the model file changed: its own
                 class); the layer's other experts were consumed and the lease released.
         """
         weight_of = dict(zip(lease.experts, weights, strict=True))
-        per_expert_ms = self._per_expert_ms
         decoders, several = self._decoders, self._several
-        for d in decoders:
-            d.begin()
-        used = [False] * len(decoders)
-        device_s = [0.0] * len(decoders)  # several devices: the host's time on each
         failures: list[MoestreamError] = []
-        compute_s = stall_s = 0.0
-        batch = lease.available() if taken is None else taken
+        stall_s = 0.0
+        if launched is None:
+            for d in decoders:
+                d.begin()
+            used = [False] * len(decoders)
+            device_s = [0.0] * len(decoders)  # several devices: the host's time on each
+            compute_s = 0.0
+            batch = lease.available() if taken is None else taken
+        else:
+            used, device_s, compute_s = launched.used, launched.device_s, launched.seconds
+            batch = []
         while True:
             if batch:
                 t0 = time.perf_counter()
+                self._consume(batch, weight_of, used, device_s)
                 if several:
-                    for h in batch:
-                        t_one = time.perf_counter()
-                        d = decoders[h.device]
-                        used[h.device] = True
-                        with d.ctx:
-                            d.consume(h, weight_of[h.expert], per_expert_ms)
-                        device_s[h.device] += time.perf_counter() - t_one
                     for i, d in enumerate(decoders):
                         t_one = time.perf_counter()
                         await d.spend_host_compute()
                         device_s[i] += time.perf_counter() - t_one
                 else:
-                    used[0] = True
-                    d = decoders[0]
-                    with d.ctx:
-                        for h in batch:
-                            d.consume(h, weight_of[h.expert], per_expert_ms)
-                    await d.spend_host_compute()
+                    await self._home.spend_host_compute()
                 compute_s += time.perf_counter() - t0
             if not lease.remaining:  # all handed out (a warm layer: at the first look)
                 break
@@ -364,7 +411,10 @@ class Decode:
             split.add(waits[i])
         if several and self._home.acc is not None and not failures:
             self._combine([i for i in done if i])
-        compute_s += time.perf_counter() - t0
+        t_then = time.perf_counter()
+        if then is not None:
+            then()
+        compute_s += t_then - t0
         result = LayerResult(hits, misses, stall_s * 1000.0, compute_s * 1000.0, split)
         queues = self._home.queues
         if not queues:  # kernels ran inline: the time spent in them is compute

@@ -20,7 +20,7 @@ import functools
 from collections.abc import Awaitable, Callable
 
 from moestream import ExpertHandle, Lease, Session, TokenStats
-from pipeline.decode import Decode, LayerResult
+from pipeline.decode import Decode, Launched, LayerResult
 from pipeline.foundation.config import RunConfig
 from pipeline.foundation.table import ExpertTable
 from pipeline.logs import RunLog
@@ -94,6 +94,7 @@ class DecodeLoop:
         self._fetched: dict[int, Lease] = {}  # layers fetched ahead, by position
         self._taken: dict[int, list[ExpertHandle]] = {}  # their handles, taken ahead
         self._routed: dict[int, tuple[list[int], list[float]]] = {}  # their routes
+        self._launched: dict[int, Launched] = {}  # their compute, queued (``_launch``)
         # a trace routes every layer ahead: all-hit layers are planned during the one before
         self._plans_ahead = not self._live
         self._ended: TokenStats | None = None  # the token ended beside its last layer
@@ -130,6 +131,21 @@ class DecodeLoop:
             lease = self._fetched[position] = self._ms.fetch(self._layers[i], experts)
         if i > 0:  # in this token: hand its experts out now (a planned layer: all of them)
             self._taken[position] = lease.available()
+
+    def _launch(self, position: int) -> None:
+        """Right after the wait for the layer before ``position``: queue that layer's compute
+        now when every expert of it is in hand (planned by ``_meanwhile`` or
+        ``_end_beside``), so the devices go on to it with only the wait's wake-up between
+        the two layers, not the loop's counting and the next ``run_layer``'s set-up."""
+        lease = self._fetched.get(position)
+        if lease is None or lease.remaining or position not in self._taken:
+            return
+        route = self._routed.get(position)
+        if route is None:
+            token, i = divmod(position, len(self._layers))
+            route = self._routed[position] = self._routing.route(token, i, None)
+        self._launched[position] = self._decode.launch(lease, route[1],
+                                                       self._taken.pop(position))
 
     async def _end_beside(self, position: int, last: Lease, work: _Work) -> None:
         """Host work while the devices compute a token's last layer: plan the next token's
@@ -202,7 +218,9 @@ class DecodeLoop:
                 meanwhile = functools.partial(self._end_beside, position + 1, lease, work)
             else:
                 meanwhile = functools.partial(self._meanwhile, position + 1)
-            result = await decode.run_layer(lease, weights, meanwhile, taken)
+            result = await decode.run_layer(
+                lease, weights, meanwhile, taken, launched=self._launched.pop(position, None),
+                then=functools.partial(self._launch, position + 1) if beside else None)
             if self._ended is not None:  # the token ended during this, its last, layer
                 self._carried = _Work(len(ms.devices))
                 self._carried.add(result)

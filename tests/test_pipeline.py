@@ -186,8 +186,9 @@ class TestPlanAhead:
 class TestEndBeside:
     """With trace routing, a token whose last layer loaded nothing and whose next token's
     first layer is leased already ends while the devices compute that last layer
-    (``DecodeLoop._end_beside``): the same figures and log lines as ending after the
-    wait, the last layer's time counted in the next token."""
+    (``DecodeLoop._end_beside``), and a planned layer's compute is queued right after the
+    wait for the one before (``DecodeLoop._launch``): the same figures and log lines as
+    without either, the last layer's time counted in the next token."""
 
     @staticmethod
     def _run(model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, *, beside: bool,
@@ -212,11 +213,22 @@ class TestEndBeside:
             early += self._ended is not None
 
         monkeypatch.setattr(DecodeLoop, "_end_beside", spy)
+        launch = DecodeLoop._launch
+        launched = 0
+
+        def launch_spy(self: DecodeLoop, position: int) -> None:
+            nonlocal launched
+            if beside:
+                launch(self, position)
+                launched += position in self._launched
+
+        monkeypatch.setattr(DecodeLoop, "_launch", launch_spy)
         log = tmp_path / f"beside-{beside}.jsonl"
         cfg = RunConfig(model=model, tokens=24, mode=mode, backend="host",  # type: ignore[arg-type]
                         compute=ComputeSpec("fixed", 0.2), budget=Budget(experts=40), log=log)
         summary = asyncio.run(run(cfg))
         lines = [json.loads(line) for line in log.read_text().splitlines()]
+        assert (launched > 0) == beside  # planned layers' compute queued right after a wait
         return summary, lines, early
 
     @pytest.mark.parametrize("mode", ["resident", "direct"])
