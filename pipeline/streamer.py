@@ -470,13 +470,20 @@ class ExpertStreamer:
 
     def _copy(self, misses: Sequence[Entry], sources: Sequence[_Source],
               rows: Sequence[tuple[Any, int]]) -> list[Event | Exception]:
-        """Per expert: its copies, then its install digest kernel, on the next stream."""
-        return self.uploader.upload_many([
-            (entry, source.pieces,
-             functools.partial(self._kernels.digest3, entry.buffer, source.ranges, *rows[i])
-             if rows else None)
-            for i, (entry, source) in enumerate(zip(misses, sources, strict=True))
-        ])
+        """On the copy engines: verified, the layer's copies on one stream and their install
+        digests in one launch after them; else each expert's copies on the next stream."""
+        if not rows:
+            return self.uploader.upload_many(
+                [(entry, source.pieces, None) for entry, source in zip(misses, sources,
+                                                                       strict=True)])
+        assert self.digests is not None
+        items = []
+        for i, (entry, source) in enumerate(zip(misses, sources, strict=True)):
+            at = self.digests.address(*rows[i])
+            items.append((entry, source.pieces,
+                          [(offset, nbytes, at + 16 * m)
+                           for m, (offset, nbytes) in enumerate(source.ranges)]))
+        return self.uploader.upload_digested(self._kernels, items)
 
     def _deliver_layer(self, load: LayerLoad,
                        arrived: Sequence[tuple[Entry, BaseException | None]]) -> None:

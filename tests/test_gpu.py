@@ -64,3 +64,17 @@ class TestEndToEnd:
         assert summary.mismatches == 0 and summary.verified >= summary.misses > 0
         assert summary.peak_device_bytes <= summary.budget_bytes
         assert summary.allocations == summary.frees
+
+    @pytest.mark.parametrize("compute", ["real", "fixed"])
+    @pytest.mark.parametrize("prefetch", ["none", "oracle"])
+    def test_resident_on_the_copy_engines(self, tiny_model: Path, compute: str,
+                                          prefetch: str) -> None:
+        """``--no-gather``: a layer's misses copied on one stream, their install digests
+        in one launch after them (``Uploader.upload_digested``)."""
+        cfg = RunConfig(model=tiny_model, tokens=8, mode="resident", gather=False,
+                        compute=ComputeSpec(compute, 0.2 if compute == "fixed" else 0.0),  # type: ignore[arg-type]
+                        budget=Budget(experts=14), backend="cupy", prefetch=prefetch,
+                        lookahead=2)
+        summary = asyncio.run(run(cfg))
+        assert summary.mismatches == 0 and summary.verified >= summary.misses > 0
+        assert summary.allocations == summary.frees
