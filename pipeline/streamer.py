@@ -68,8 +68,9 @@ H2D, gather against copy engines: 0.74 against 0.39 with 0.84 MiB matrices (Qwen
 Q4_K), 0.73 against 0.38 with 0.56 MiB (fine-grained, three runs), where the copy engines'
 per-matrix host work bounds them; from 2 MiB up they match or beat it: 0.87 against 0.88
 with 2.06 MiB (DeepSeek-V2-Lite's Q5_K shape, three runs each; on a later lease 0.87 against
-0.92, where verification's digest launch per expert is the copy engines' difference: 0.95
-without verification, ``bench/results/shapes-h200-1952d34/``), 0.96 against 0.96
+0.92, where verification's digest launch per expert made the copy engines' difference: 0.95
+without verification, ``bench/results/shapes-h200-1952d34/``; one digest launch a layer,
+``Uploader.upload_digested``, took them to 0.86-0.96), 0.96 against 0.96
 (ds4-flash-q2, 2.1-2.6 MiB), 0.78 against 0.94 (bf16 per-expert checkpoint, 3 MiB). The
 copy engines also leave the SMs to the engine: beside the gather an engine's bf16 GEMM kept
 0.36-0.53 of its rate and a decode-like GEMV 0.09-0.25, beside the copy engines 0.93-0.98

@@ -2,7 +2,9 @@
 
 Uploads go round-robin over at least two non-default streams, so the copy of one expert
 overlaps the read of the next. A layer's resident misses from the registered mapping go as
-one ``gather`` launch instead, where the device reads registered memory in place. Before
+one ``gather`` launch instead, where the device reads registered memory in place; on the
+copy engines, verified, they share one stream and one install-digest launch
+(``upload_digested``). Before
 writing into a recycled device buffer the stream waits (on the device, the host never
 blocks) for the last compute that read it.
 
