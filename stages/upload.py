@@ -163,20 +163,8 @@ class Uploader:
                 rows += (base + offset, base + offset, nbytes, out, NO_FLIP)
             queued.append(entry)
             failed.append(None)
-        result: Event | Exception = UploadError("nothing queued")
-        if queued:
-            try:
-                if rows:
-                    kernels.gather(copy_rows(rows), stream)
-                result = stream.record()
-            except Exception as exc:
-                self._settle(stream, queued[0])
-                result = UploadError(f"install digest of {len(queued)} experts on the "
-                                     f"device failed: {exc}")
-            else:
-                for entry in queued:
-                    entry.upload = result
-        return [result if f is None else f for f in failed]
+        return self._one_event(kernels, rows, stream, queued, failed,
+                               f"install digest of {len(queued)} experts on the device")
 
     def upload_many(
         self,
@@ -239,21 +227,32 @@ class Uploader:
                              device_offset=copies[0][0] + nbytes // 2)
             queued.append(entry)
             failed.append(None)
+        return self._one_event(kernels, rows, stream, queued, failed,
+                               f"gather of {len(rows) // COPY_FIELDS} copies to the device",
+                               counts=(sum(rows[2::COPY_FIELDS]), len(rows) // COPY_FIELDS))
+
+    def _one_event(self, kernels: Kernels, rows: list[int], stream: Stream,
+                   queued: Sequence[Entry], failed: Sequence[Exception | None], what: str,
+                   counts: tuple[int, int] = (0, 0)) -> list[Event | Exception]:
+        """A layer's one ``gather`` launch of ``rows`` (if any) on ``stream`` and one event
+        for every expert ``queued`` there; a failed launch fails them all (the stream
+        synchronized first). Returns ``failed`` with that event (or error) in the places
+        of the queued experts; ``counts`` (bytes, copies) are added once it was queued."""
         result: Event | Exception = UploadError("nothing queued")
         if queued:
             try:
-                kernels.gather(copy_rows(rows), stream)
+                if rows:
+                    kernels.gather(copy_rows(rows), stream)
                 result = stream.record()
             except Exception as exc:
                 self._settle(stream, queued[0])
-                result = UploadError(f"gather of {len(rows) // COPY_FIELDS} copies to the "
-                                     f"device failed: {exc}")
+                result = UploadError(f"{what} failed: {exc}")
             else:
                 for entry in queued:
                     entry.upload = result
                 with self._lock:
-                    self.bytes_uploaded += sum(rows[2::COPY_FIELDS])
-                    self.copies += len(rows) // COPY_FIELDS
+                    self.bytes_uploaded += counts[0]
+                    self.copies += counts[1]
         return [result if f is None else f for f in failed]
 
     def _corrupt(self, entry: Entry, piece: tuple[int, npt.NDArray[np.uint8]],
