@@ -19,7 +19,7 @@ def disk_read_bytes() -> int:
         for line in f:
             fields = line.split()
             name = fields[2]
-            if name.startswith(("vd", "sd", "nvme")) and not name[-1].isdigit() or (
+            if (name.startswith(("vd", "sd", "nvme")) and not name[-1].isdigit()) or (
                     name.startswith("nvme") and "p" not in name[4:]):
                 total += int(fields[5]) * 512
     return total
