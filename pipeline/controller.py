@@ -138,13 +138,15 @@ class Sampler(Protocol):
 
 
 class MachineSampler:
-    """Readings from psutil, /proc/self/io and mincore, capped by ``--ram-limit``.
+    """Readings from psutil, /proc/self/io and cachestat (or mincore), capped by
+    ``--ram-limit``.
 
     Args:
         table: the model (its path and size).
         pinned_bytes: how many model bytes we hold page-locked right now.
         ram_limit: the RAM the controller may believe in, at most.
-        mincore: also count the model's resident pages (slower on huge files).
+
+    Calling it with ``full`` also counts the model's resident bytes (run off the loop).
     """
 
     def __init__(
@@ -168,9 +170,12 @@ class MachineSampler:
         if pinned >= self._table.file_bytes:
             self._resident = pinned  # all page-locked: resident, no need to ask mincore
         elif full or self._resident < 0:
-            from stages.residency import Residency
+            from stages.residency import resident_bytes_of
 
-            self._resident = Residency.of_files(self._table.files).file_resident_bytes
+            # a count: cachestat where the kernel has it (no page map of a 40 GB file)
+            files = self._table.files
+            self._resident = resident_bytes_of(
+                files, [ByteRange(f.base, f.nbytes) for f in files])[0]
         return ControllerReadings(
             ram_available_bytes=available,
             ram_total_bytes=total,
