@@ -20,10 +20,10 @@ import uvloop
 from pipeline.foundation.config import Budget, Mode
 from pipeline.foundation.errors import MoestreamError, UsageError
 from pipeline.foundation.files import ModelFile, model_files
-from pipeline.foundation.table import ByteRange, ExpertTable
+from pipeline.foundation.table import ExpertTable
 from pipeline.logs import configure_console
 from pipeline.warm import WarmEngine
-from stages.residency import Residency
+from stages.residency import Residency, file_ranges
 
 __all__ = ["budget_for", "drop_caches", "make_resident", "parse_modes", "run_command"]
 
@@ -55,7 +55,7 @@ def make_resident(model: Path | Sequence[ModelFile]) -> dict[str, Any]:
     from tools.warmup.ram_guard import PsutilMemory, check_ram
 
     files = model_files(model)
-    missing = Residency.of_files(files).missing([ByteRange(f.base, f.nbytes) for f in files])
+    missing = Residency.of_files(files).missing(file_ranges(files))
     check_ram(sum(r.nbytes for r in missing), PsutilMemory(), "warm")
 
     async def warm() -> int:

@@ -30,7 +30,7 @@ from typing import Any, Literal, Protocol
 import structlog
 
 from pipeline.foundation.config import RunConfig
-from pipeline.foundation.table import ByteRange, ExpertTable
+from pipeline.foundation.table import ExpertTable
 from pipeline.logs import RunLog
 from pipeline.machine import ram_available_bytes, read_machine
 
@@ -170,12 +170,11 @@ class MachineSampler:
         if pinned >= self._table.file_bytes:
             self._resident = pinned  # all page-locked: resident, no need to ask mincore
         elif full or self._resident < 0:
-            from stages.residency import resident_bytes_of
+            from stages.residency import file_ranges, resident_bytes_of
 
             # a count: cachestat where the kernel has it (no page map of a 40 GB file)
             files = self._table.files
-            self._resident = resident_bytes_of(
-                files, [ByteRange(f.base, f.nbytes) for f in files])[0]
+            self._resident = resident_bytes_of(files, file_ranges(files))[0]
         return ControllerReadings(
             ram_available_bytes=available,
             ram_total_bytes=total,
@@ -347,16 +346,14 @@ class ModeController:
     async def _start_warmup(self) -> None:
         """Warm the model's non-resident pages in the background, after decode's reads."""
         from pipeline.warm import WarmEngine
-        from stages.residency import Residency
+        from stages.residency import Residency, file_ranges
 
         if self._warm_task is not None:
             return
         files = self._table.files
         loop = asyncio.get_running_loop()
         missing = await loop.run_in_executor(
-            None, lambda: Residency.of_files(files).missing(
-                [ByteRange(f.base, f.nbytes) for f in files])
-        )
+            None, lambda: Residency.of_files(files).missing(file_ranges(files)))
         if not missing:
             return
         engine = WarmEngine(files, threads=8)

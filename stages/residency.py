@@ -53,6 +53,7 @@ __all__ = [
     "Residency",
     "coalesce",
     "evict",
+    "file_ranges",
     "hint_willneed",
     "lock_pages",
     "resident_bytes_of",
@@ -461,12 +462,17 @@ def _memlock_text(value: int) -> str:
     return f"{value} bytes ({value / 2**20:.1f} MiB)"
 
 
+def file_ranges(files: Sequence[ModelFile]) -> list[ByteRange]:
+    """Every file of a model whole, as ranges of its address space (no padding)."""
+    return [ByteRange(f.base, f.nbytes) for f in files]
+
+
 def ranges_by_file(
     files: Sequence[ModelFile], ranges: Iterable[RangeLike] | None = None
 ) -> list[tuple[ModelFile, list[ByteRange]]]:
     """``ranges`` of a model's address space (every file whole when None) as each file's own
     ranges, for the calls that work on one file (``evict``, ``lock_pages``)."""
-    wanted = [ByteRange(f.base, f.nbytes) for f in files] if ranges is None else coalesce(ranges)
+    wanted = file_ranges(files) if ranges is None else coalesce(ranges)
     out: dict[int, tuple[ModelFile, list[ByteRange]]] = {}
     for r in wanted:
         for part in pieces(files, r.offset, r.nbytes):

@@ -45,6 +45,7 @@ from stages.residency import (
     Residency,
     coalesce,
     evict,
+    file_ranges,
     lock_pages,
     ranges_by_file,
     resident_bytes_of,
@@ -206,8 +207,7 @@ def _run(args: argparse.Namespace, memory: MemoryProbe, early: EarlyRead | None 
         head_start = f"; the first {format_size(early_bytes)} during start-up"
     read_bytes, seconds = _warm(files, missing, args.threads) if missing else (0, 0.0)
     # counts only: cachestat, not a page map (0.1 s of the H200 host's warm-up was this check)
-    resident, file_resident = resident_bytes_of(
-        files, union, [ByteRange(f.base, f.nbytes) for f in files])
+    resident, file_resident = resident_bytes_of(files, union, file_ranges(files))
     rate = f" ({read_bytes / seconds / 1e9:.2f} GB/s)" if seconds > 0 else ""
     file_pct = format_percent(file_resident, table.data_bytes)
     print(f"resident: {format_size(resident)} of {format_size(selection.nbytes)} selected "

@@ -21,7 +21,7 @@ import numpy as np
 from pipeline.foundation.errors import TraceError, UsageError
 from pipeline.foundation.inputs import JSONDepthError, load_json_bounded, open_input
 from pipeline.foundation.table import ByteRange, ExpertTable
-from stages.residency import coalesce
+from stages.residency import coalesce, file_ranges
 
 __all__ = [
     "HotLog",
@@ -260,7 +260,7 @@ def build_selection(
                       for r in table.slices((index, e)).ranges]
             parts.append((f"layer {index}", coalesce(ranges)))
     if not parts:
-        return Selection([("file", [ByteRange(f.base, f.nbytes) for f in table.files])],
+        return Selection([("file", file_ranges(table.files))],
                          whole_file=True)
     return Selection(parts, hot_experts=hot_keys)
 
