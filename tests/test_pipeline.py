@@ -183,6 +183,62 @@ class TestPlanAhead:
         assert ahead.verified > 0 and ahead.mismatches == 0
 
 
+def _save_pretrained_moe(path: Path) -> Path:
+    """A Qwen3-MoE checkpoint as transformers writes it (sharded safetensors, bf16)."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.Qwen3MoeConfig(
+        hidden_size=64, num_hidden_layers=3, vocab_size=128, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=32, num_experts_per_tok=2, intermediate_size=96,
+        moe_intermediate_size=48, num_experts=8)
+    model = transformers.Qwen3MoeForCausalLM(config).to(torch.bfloat16)
+    model.save_pretrained(path, max_shard_size="40KB")
+    return path
+
+
+class TestRegisteredCopies:
+    """Resident misses from the registered mapping on a GPU-like device, both paths (the
+    gather; verified copy engines: a layer on one stream, one digest launch, one event) on
+    files this project did not write, without recorded digests (the run builds the
+    manifest): every expert verified, the same counts either way."""
+
+    @pytest.mark.parametrize("kind", ["gguf-writer", "save-pretrained"])
+    def test_both_paths_verify(self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                               kind: str) -> None:
+        import pipeline.run as run_module
+        import pipeline.session as session_module
+        from stages.upload import Uploader
+
+        model = (write_plain_moe(tmp_path / "plain.gguf") if kind == "gguf-writer"
+                 else _save_pretrained_moe(tmp_path / "hf"))
+        backend = type("RegisteringBackend", (DeferredBackend,), {
+            "async_copies": True, "registers_host": True,
+            "register_host": lambda self, array: True, "unregister_host": lambda self, a: None})
+        monkeypatch.setattr(session_module, "open_backends", lambda cfg: [backend()])
+        monkeypatch.setattr(session_module, "make_kernels", lambda name, *_: DeferredKernels())
+        monkeypatch.setattr(run_module, "make_kernels", lambda name, *_: DeferredKernels())
+        digested = 0
+        upload_digested = Uploader.upload_digested
+
+        def spy(self: Uploader, kernels: Any, items: Any) -> Any:
+            nonlocal digested
+            digested += 1
+            return upload_digested(self, kernels, items)
+
+        monkeypatch.setattr(Uploader, "upload_digested", spy)
+        summaries = {}
+        for gather in (True, False):
+            cfg = RunConfig(model=model, tokens=12, mode="resident", backend="host",
+                            compute=ComputeSpec("fixed", 0.1), budget=Budget(experts=10),
+                            gather=gather)
+            summaries[gather] = asyncio.run(run(cfg))
+            assert (digested > 0) == (not gather)
+        for summary in summaries.values():
+            assert summary.mismatches == 0 and summary.verified == summary.misses > 0
+        assert summaries[True].misses == summaries[False].misses
+
+
 class TestEndBeside:
     """With trace routing, a token whose last layer loaded nothing and whose next token's
     first layer is leased already ends while the devices compute that last layer
