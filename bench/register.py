@@ -10,6 +10,9 @@ file in one run:
   cudaHostAlloc'd memory;
 - ``staged_gbps``: buffered ``preadv`` into pinned memory on ``--threads`` threads, then
   copied (the path a miss takes while its window is not registered);
+- ``h2d_by_piece_gbps``: back-to-back copies of one GiB cut into pieces of each size, on
+  1, 2 and 4 streams in turn, from the registered mapping and from pinned memory (one sync
+  at the end): what a copy's own fixed cost takes from the link at experts' slice sizes;
 - ``h2d_during_register_gbps``: copies from pinned memory on one thread while another
   thread registers windows (does registration stall uploads?), with the longest single
   copy's latency against the same copies with no registration running.
@@ -69,6 +72,34 @@ def _copies(cp: Any, src: np.ndarray, dst: Any, stream: CudaStream, piece: int,
     return rounds * src.size / (time.perf_counter() - t0) / GB, longest * 1000.0
 
 
+def _sweep(cp: Any, src: np.ndarray, dst: Any, pieces_mib: Sequence[float],
+           streams: Sequence[CudaStream], window: int) -> dict[str, dict[str, float]]:
+    """GB/s of ``src`` copied as back-to-back piece-sized copies, per piece size and per
+    number of streams used in turn, timed from the first queue to one final sync (the best
+    of 3). No piece crosses a multiple of ``window`` (CUDA rejects a copy spanning two
+    registrations)."""
+    rt = cp.cuda.runtime
+    out: dict[str, dict[str, float]] = {}
+    for mib in pieces_mib:
+        piece = int(mib * MIB)
+        starts = [at for at in range(0, src.size - piece + 1, piece)
+                  if at // window == (at + piece - 1) // window]
+        row: dict[str, float] = {}
+        for n in (1, 2, 4):
+            best = 0.0
+            for _ in range(3):
+                t0 = time.perf_counter()
+                for i, at in enumerate(starts):
+                    rt.memcpyAsync(dst.data.ptr + at, src.ctypes.data + at, piece,
+                                   rt.memcpyHostToDevice, streams[i % n].raw.ptr)
+                for s in streams[:n]:
+                    s.synchronize()
+                best = max(best, len(starts) * piece / (time.perf_counter() - t0) / GB)
+            row[f"{n}_streams"] = round(best, 2)
+        out[f"{mib:g}MiB"] = row
+    return out
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.register",
                                 description=__doc__.split("\n")[0])
@@ -95,7 +126,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     stream = CudaStream()
     piece = 8 * MIB
     dst = cp.empty(piece, dtype=cp.uint8)
+    sweep_dst = cp.empty(1 << 30, dtype=cp.uint8)
+    streams = [stream, CudaStream(), CudaStream(), CudaStream()]
+    sizes = (0.5, 1, 2, 3, 8, 64)
     try:
+        by_piece: dict[str, Any] = {}
         register: dict[str, float] = {}
         for window_mib in (64, 256):
             w = window_mib * MIB
@@ -105,12 +140,16 @@ def main(argv: Sequence[str] | None = None) -> int:
                 rt.hostRegister(part.ctypes.data + at, w, _READ_ONLY)
             register[f"{window_mib}MiB"] = part.size / (time.perf_counter() - t0) / GB
             result["h2d_registered_gbps"] = _copies(cp, part[: 1 << 30], dst, stream, piece, 2)[0]
+            if window_mib == 256:
+                by_piece["registered"] = _sweep(cp, part[: 1 << 30], sweep_dst, sizes, streams, w)
             for at in range(0, part.size, w):
                 rt.hostUnregister(part.ctypes.data + at)
         result["register_gbps"] = register
         pinned = CudaPinned(1 << 30)
         pinned.array[:] = 1
         result["h2d_pinned_gbps"], quiet_ms = _copies(cp, pinned.array, dst, stream, piece, 4)
+        by_piece["pinned"] = _sweep(cp, pinned.array, sweep_dst, sizes, streams, 1 << 30)
+        result["h2d_by_piece_gbps"] = by_piece
         result["longest_copy_ms_quiet"] = quiet_ms
 
         def staged(at: int) -> None:
