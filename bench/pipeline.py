@@ -310,7 +310,9 @@ def token_events(log: Path) -> list[dict[str, Any]]:
 
 
 def window_rate(events: Sequence[dict[str, Any]]) -> dict[str, float]:
-    """Tokens/s, delivered GB/s and hit rate over a window of token events."""
+    """Tokens/s, delivered GB/s and hit rate over a window of token events, and the
+    median and longest token (a round of a few hundred ms moves with one slow token)."""
+    walls = [e["wall_ms"] for e in events]
     wall_s = sum(e["wall_ms"] for e in events) / 1000.0
     file_bytes = sum(e["file_bytes"] for e in events)
     hits = sum(e["hits"] for e in events)
@@ -323,6 +325,9 @@ def window_rate(events: Sequence[dict[str, Any]]) -> dict[str, float]:
         "stall_ms_per_token": sum(e["stall_ms"] for e in events) / max(1, len(events)),
         "compute_ms_per_token": sum(e["compute_ms"] for e in events) / max(1, len(events)),
         "wall_ms_per_token": wall_s * 1000.0 / max(1, len(events)),
+        "wall_ms_median": float(np.median(walls)) if walls else 0.0,
+        "wall_ms_max": max(walls, default=0.0),
+        "stall_ms_max": max((e["stall_ms"] for e in events), default=0.0),
     }
 
 
@@ -573,7 +578,11 @@ def _median_round(rounds: Sequence[dict[str, Any]], key: str) -> dict[str, Any]:
     """The round whose ``key`` is the median (the lower one of an even count), with every
     round's ``key`` beside it: one slow round moves neither the figure nor its context."""
     chosen = sorted(rounds, key=lambda r: r[key])[(len(rounds) - 1) // 2]
-    return {**chosen, "rounds": [round(r[key], 4) for r in rounds]}
+    out = {**chosen, "rounds": [round(r[key], 4) for r in rounds]}
+    if all("wall_ms_max" in r for r in rounds):  # token walls: (median, longest) per round
+        out["rounds_wall_ms"] = [[round(r["wall_ms_median"], 2), round(r["wall_ms_max"], 2)]
+                                 for r in rounds]
+    return out
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
