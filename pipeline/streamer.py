@@ -70,7 +70,9 @@ per-matrix host work bounds them; from 2 MiB up they match or beat it: 0.87 agai
 with 2.06 MiB (DeepSeek-V2-Lite's Q5_K shape, three runs each; on a later lease 0.87 against
 0.92, where verification's digest launch per expert made the copy engines' difference: 0.95
 without verification, ``bench/results/shapes-h200-1952d34/``; one digest launch a layer,
-``Uploader.upload_digested``, took them to 0.86-0.96), 0.96 against 0.96
+``Uploader.upload_digested``, took them to 0.91-0.95: the copy engines' own rate for
+2 MiB copies, which beat the gather's on the same bytes, 51.6 against 48.7 GB/s,
+``bench/results/shapes-h200-e5ddd6d/``), 0.96 against 0.96
 (ds4-flash-q2, 2.1-2.6 MiB), 0.78 against 0.94 (bf16 per-expert checkpoint, 3 MiB). The
 copy engines also leave the SMs to the engine: beside the gather an engine's bf16 GEMM kept
 0.36-0.53 of its rate and a decode-like GEMV 0.09-0.25, beside the copy engines 0.93-0.98
