@@ -35,7 +35,7 @@ from typing import Any
 import psutil
 import uvloop
 
-from bench.kit import budget_for, drop_caches
+from bench.kit import budget_for, drop_caches, exit_with
 from bench.record import git_commit, write_result
 from pipeline.foundation.config import ComputeSpec, RunConfig, parse_size
 from pipeline.foundation.table import open_table
@@ -304,4 +304,4 @@ def _figures(r: dict[str, Any]) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_with("python -m bench.controller", main)

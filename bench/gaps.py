@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
@@ -31,7 +30,7 @@ from unittest import mock
 
 import uvloop
 
-from bench.kit import make_resident
+from bench.kit import exit_with, make_resident
 from gpu import kernels as kernel_module
 from pipeline import decode, logs
 from pipeline import session as session_module
@@ -170,4 +169,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_with("python -m bench.gaps", main)

@@ -40,7 +40,7 @@ import numpy as np
 import numpy.typing as npt
 import uvloop
 
-from bench.kit import make_resident
+from bench.kit import exit_with, make_resident
 from bench.record import git_commit, write_result
 from gpu.backend import DeviceArray, DeviceBuffer, Stream
 from gpu.cache import DeviceCache
@@ -234,4 +234,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_with("python -m bench.hostpath", main)

@@ -13,7 +13,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import uvloop
 
@@ -25,7 +25,7 @@ from pipeline.logs import configure_console
 from pipeline.warm import WarmEngine
 from stages.residency import Residency, file_ranges
 
-__all__ = ["budget_for", "drop_caches", "make_resident", "parse_modes", "run_command"]
+__all__ = ["budget_for", "drop_caches", "exit_with", "make_resident", "parse_modes", "run_command"]
 
 
 def drop_caches(model: Path | Sequence[ModelFile]) -> None:
@@ -89,6 +89,19 @@ def parse_modes(text: str, option: str = "--modes") -> list[Mode]:
     if not modes or bad:
         raise UsageError(f"{option} takes direct and/or resident, not {text!r}")
     return modes  # type: ignore[return-value]  # checked just above
+
+
+def exit_with(prog: str, main: Callable[[], int]) -> NoReturn:
+    """Run a bench module as a command: exit with ``main``'s code, and turn a
+    ``MoestreamError`` (bad input: a missing model, a refused option) into one line on
+    stderr and its exit code instead of a traceback. ``main`` itself still raises, for
+    callers and tests."""
+    try:
+        code = main()
+    except MoestreamError as exc:
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        code = exc.exit_code
+    sys.exit(code)
 
 
 def run_command(

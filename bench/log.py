@@ -18,6 +18,7 @@ from pathlib import Path
 
 import uvloop
 
+from bench.kit import exit_with
 from bench.record import git_commit, write_result
 from pipeline.foundation.config import Budget, ComputeSpec, RunConfig
 from pipeline.run import run
@@ -90,4 +91,4 @@ def _emit_cost_us(model: Path | None, n: int = 5000) -> float:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_with("python -m bench.log", main)

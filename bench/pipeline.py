@@ -46,7 +46,7 @@ from typing import Any
 import numpy as np
 import uvloop
 
-from bench.kit import drop_caches, make_resident
+from bench.kit import drop_caches, exit_with, make_resident
 from bench.record import git_commit, write_result
 from gpu.backend import Backend, aligned_host_array
 from gpu.selection import select_backend
@@ -628,4 +628,4 @@ def _figures(r: dict[str, Any]) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_with("python -m bench.pipeline", main)

@@ -21,7 +21,6 @@ import contextlib
 import cProfile
 import json
 import pstats
-import sys
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
@@ -29,7 +28,7 @@ from unittest import mock
 
 import uvloop
 
-from bench.kit import make_resident
+from bench.kit import exit_with, make_resident
 from bench.pipeline import sweep_trace
 from pipeline.foundation.config import Budget, ComputeSpec, RunConfig
 from pipeline.foundation.table import open_table
@@ -116,4 +115,4 @@ def _profile(args: argparse.Namespace) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_with("python -m bench.profile", main)

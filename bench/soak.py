@@ -43,6 +43,7 @@ from typing import Any
 import psutil
 import uvloop
 
+from bench.kit import exit_with
 from bench.record import git_commit, write_result
 from pipeline.foundation.config import Budget, RunConfig, parse_compute, parse_size
 from pipeline.foundation.table import open_table
@@ -309,4 +310,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_with("python -m bench.soak", main)

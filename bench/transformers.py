@@ -297,6 +297,8 @@ def _bench(args: argparse.Namespace) -> dict[str, Any]:
         args.model = args.make
     if args.model is None:
         raise UsageError("give -m CHECKPOINT or --make DIR")
+    if not (args.model / "config.json").is_file():
+        raise UsageError(f"{args.model}: not a checkpoint directory (no config.json)")
     args.total_bytes = parse_size(args.total)
     dense = dense_bytes(args.model)
     cache = args.total_bytes - dense

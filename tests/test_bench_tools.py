@@ -4,6 +4,8 @@ say (the figures themselves are measured on the GPU machine, never in tests)."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -99,3 +101,16 @@ def test_gaps_times_both_kinds_and_puts_everything_back(tiny_model: Path,
     assert result["emit"]["n"] >= 6
     assert result["idle_us_per_token"] > 0 and result["wall_ms_per_token"] > 0
     assert (Decoder.wait_for_layer, HostKernels.busy, StreamSession.end_token) == before
+
+
+@pytest.mark.parametrize("module", ["pipeline", "profile", "hostpath", "gaps", "soak",
+                                    "controller", "log"])
+def test_bench_command_names_a_missing_model_in_one_line(module: str, tmp_path: Path) -> None:
+    """Run as a command, a bench module turns bad input into one line and exit code 2."""
+    missing = tmp_path / "absent.gguf"
+    done = subprocess.run([sys.executable, "-m", f"bench.{module}", "--model", str(missing)],
+                          capture_output=True, text=True, timeout=120, check=False,
+                          cwd=Path(__file__).resolve().parent.parent)
+    assert done.returncode == 2
+    lines = done.stderr.strip().splitlines()
+    assert lines == [f"python -m bench.{module}: error: {missing}: no such file"]
