@@ -7,10 +7,10 @@ the same expert ranges, because these machines are noisy:
   such read over ``--odirect-threads`` thread counts (on their first 2 GiB);
 - parallel page-cache read of the same ranges (warm);
 - pinned host-to-device copy (one GiB in one copy: the link's rate);
-- the copy engines' rate at the experts' own slice sizes: the warm-miss sweep's ranges
-  copied back-to-back on one stream from the registered mapping, one copy per range (a
-  copy's fixed cost of ~2.7 us held 2 MiB copies at 0.93 x one GiB's on the H200,
-  ``bench/results/dsv2-h200-6fff5dd/``);
+- each resident path's own rate on the warm-miss sweep's bytes, from the registered
+  mapping, back-to-back on one stream: the copy engines one copy per range (a copy's fixed
+  cost of ~2.7 us held 2 MiB copies at 0.93 x one GiB's on the H200,
+  ``bench/results/dsv2-h200-6fff5dd/``), the gather kernel one launch per layer;
 - kvikio ``CuFile.pread`` of the same ranges into device buffers, when kvikio is installed;
 - a naive baseline: synchronous buffered read, pageable copy, no cache (what ds4's CUDA
   path did before its cache was fixed);
@@ -313,7 +313,7 @@ def window_rate(events: Sequence[dict[str, Any]]) -> dict[str, float]:
     """Tokens/s, delivered GB/s and hit rate over a window of token events, and the
     median and longest token (a round of a few hundred ms moves with one slow token)."""
     walls = [e["wall_ms"] for e in events]
-    wall_s = sum(e["wall_ms"] for e in events) / 1000.0
+    wall_s = sum(walls) / 1000.0
     file_bytes = sum(e["file_bytes"] for e in events)
     hits = sum(e["hits"] for e in events)
     misses = sum(e["misses"] for e in events)
