@@ -32,6 +32,7 @@ tell two runs apart).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import platform
@@ -447,9 +448,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 table.files, ranges_other, args.queue_depth, args.chunk_mib * MIB, direct=False))
             if gpu:
                 _phase("pinned_h2d_gbps", ref, pinned_h2d_gbps)
+                moved = expert_ranges(table, sweep)
                 for name, gather in (("slice_h2d_gbps", False), ("slice_gather_gbps", True)):
-                    _phase(name, ref, lambda gather=gather: slice_h2d_gbps(
-                        table, backend, expert_ranges(table, sweep), gather))
+                    _phase(name, ref, functools.partial(slice_h2d_gbps, table, backend, moved,
+                                                        gather))
                 _phase("kvikio_warm_gbps", ref, lambda: kvikio_gbps(
                     table.files, ranges_other, args.queue_depth))
             _, ev = bench.run("resident_sweep", sweep, cyc, mode="resident",
