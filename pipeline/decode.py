@@ -350,7 +350,8 @@ class Decode:
             StageError: a miss could not be loaded (or the model file changed: its own
                 class); the layer's other experts were consumed and the lease released.
         """
-        weight_of = dict(zip(lease.experts, weights, strict=True))
+        # a launched layer's experts were all consumed by ``launch``: no weights to look up
+        weight_of = dict(zip(lease.experts, weights, strict=True)) if launched is None else {}
         decoders, several = self._decoders, self._several
         failures: list[MoestreamError] = []
         stall_s = 0.0
