@@ -8,13 +8,17 @@
 #   gaps      bench.gaps (device idle per token, all cached) on each shape
 #   pipeline  bench.pipeline --skip cold on each shape, RUNS times (default 3)
 #   contention  bench.contention on each shape (GATHER_BLOCKS=N: the gather's SM budget)
+#   register  python -m bench.register --size-gib 4 (copy engines by piece, strided copies)
+#   spy       one warm-miss-only bench.pipeline per shape under py-spy (--native --idle,
+#             raw stacks per thread; py-spy's wheel carried in .whl): where the loop
+#             thread's time goes when a round runs slow
 # Shapes (SHAPES, default qwen,dsv2,fine): Qwen3-30B-A3B (48 x 128, top-8, 2.5 MiB experts),
 # DeepSeek-V2-Lite's plan (26 x 64, top-6, 6.2 MiB), Qwen3-Next-like fine-grained (20 x 512,
 # top-10, 1.7 MiB); files made here by tools.make_model --no-digests (no recorded digests:
 # tools.warmup --digests builds each one's manifest first) and kept in $MODELS between calls
 # of one lease.
 # NOLOG=1: gaps without the run log too; PROFILE=1: bench.profile's all-cached phase too;
-# PASSES=N: bench.pipeline's sweep passes (default 4: 24 measured tokens a warm-miss round,
+# SKIP=phases: bench.pipeline's --skip (default cold). PASSES=N: bench.pipeline's sweep passes (default 4: 24 measured tokens a warm-miss round,
 # ~0.25 s on the fine shape, whose rounds swung 29-48 GB/s within one run at 40b54b0).
 # Usage: STEPS=pipeline SHAPES=fine RUNS=3 bash bench/gpu_shapes.sh
 set -u
@@ -47,6 +51,11 @@ if [[ $steps == *api* ]]; then
   timeout 120 python3 -m bench.api_calls /tmp/tiny.gguf --rounds 3000 --out $OUT/api-calls.json \
     > $OUT/api-calls.log 2>&1; echo "api_calls rc=$?"; tail -12 $OUT/api-calls.log
 fi
+if [[ $steps == *register* ]]; then
+  timeout 200 python3 -m bench.register --size-gib 4 --dir /tmp --out $OUT/register.json \
+    > $OUT/register.log 2>&1; echo "register rc=$?"; grep -A30 strided $OUT/register.log | head -12
+  pack
+fi
 if [[ $steps == *warmup* ]]; then
   # vmtouch is not installed there: its Debian package travels in .whl (apt-get download)
   for d in .whl/vmtouch*.deb; do dpkg -x $d /tmp/vmtouch && export PATH=/tmp/vmtouch/usr/bin:$PATH; done
@@ -59,7 +68,7 @@ if [[ $steps == *warmup* ]]; then
     > $OUT/warmup.log 2>&1; echo "warmup rc=$?"; tail -14 $OUT/warmup.log; pack
 fi
 for s in ${shapes//,/ }; do
-  [[ $steps == *gaps* || $steps == *pipeline* || $steps == *contention* ]] || break
+  [[ $steps == *gaps* || $steps == *pipeline* || $steps == *contention* || $steps == *spy* ]] || break
   m=$(model $s)
   if [[ $steps == *gaps* ]]; then
     for extra in "" ${NOLOG:+--no-log}; do
@@ -69,9 +78,15 @@ for s in ${shapes//,/ }; do
     [[ -n ${PROFILE:-} ]] && timeout 60 python3 -m bench.profile --model $m --backend cupy --phase all-cached --top 40 \
       > $OUT/profile-$s.log 2>&1 && grep "us/layer" $OUT/profile-$s.log
   fi
+  if [[ $steps == *spy* ]]; then
+    timeout 200 /tmp/site/bin/py-spy record --native --idle --threads -r 200 -f raw \
+      -o $OUT/spy-$s.txt -- python3 -m bench.pipeline --model $m --backend cupy \
+      --skip cold,cache,all --lookahead 8 --out $OUT/spy-$s.json > $OUT/spy-$s.log 2>&1
+    echo "spy $s rc=$?"; grep -E "^  [0-9]_" $OUT/spy-$s.log; pack
+  fi
   if [[ $steps == *pipeline* ]]; then
     for r in $(seq 1 ${RUNS:-3}); do
-      timeout 200 python3 -m bench.pipeline --model $m --backend cupy --skip cold --naive-tokens 8 \
+      timeout 200 python3 -m bench.pipeline --model $m --backend cupy --skip ${SKIP:-cold} --naive-tokens 8 \
         --lookahead 8 ${PASSES:+--passes $PASSES} --out $OUT/pipeline-$s-run$r.json \
         > $OUT/pipeline-$s-run$r.log 2>&1
       echo "pipeline $s run $r rc=$?"; grep -E "^  [0-9]_" $OUT/pipeline-$s-run$r.log; pack

@@ -329,6 +329,11 @@ def window_rate(events: Sequence[dict[str, Any]]) -> dict[str, float]:
         "wall_ms_median": float(np.median(walls)) if walls else 0.0,
         "wall_ms_max": max(walls, default=0.0),
         "stall_ms_max": max((e["stall_ms"] for e in events), default=0.0),
+        # the loop thread's CPU against its wall: near 1, it computes; well below, it waits
+        # outside moestream's measured waits (a full launch queue, the GIL)
+        "cpu_ms_per_token": sum(e.get("cpu_ms", 0.0) for e in events) / max(1, len(events)),
+        "process_cpu_ms_per_token": sum(e.get("process_cpu_ms", 0.0) for e in events)
+        / max(1, len(events)),
     }
 
 

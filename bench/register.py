@@ -13,6 +13,9 @@ file in one run:
 - ``h2d_by_piece_gbps``: back-to-back copies of one GiB cut into pieces of each size, on
   1, 2 and 4 streams in turn, from the registered mapping and from pinned memory (one sync
   at the end): what a copy's own fixed cost takes from the link at experts' slice sizes;
+- ``h2d_strided_gbps``: experts of three row-sized slices in three tensors (GGUF's layout)
+  copied slice by slice, as one ``cudaMemcpy2DAsync`` each, and as one plain copy each:
+  whether a strided copy pays the copy engines' per-copy cost once for the three;
 - ``h2d_during_register_gbps``: copies from pinned memory on one thread while another
   thread registers windows (does registration stall uploads?), with the longest single
   copy's latency against the same copies with no registration running.
@@ -100,6 +103,43 @@ def _sweep(cp: Any, src: np.ndarray, dst: Any, pieces_mib: Sequence[float],
     return out
 
 
+def _rows(cp: Any, src: np.ndarray, dst: Any, row_mib: Sequence[float], rows: int,
+          stream: CudaStream) -> dict[str, dict[str, float]]:
+    """GB/s of experts laid out as a GGUF file lays them out (``rows`` tensors one after
+    the other, an expert one ``row``-byte slice of each) copied into contiguous slots: one
+    copy per slice (``1d``, the pipeline's way), one ``cudaMemcpy2DAsync`` per expert (the
+    slices as the rows of one strided copy, ``2d``), and the same bytes as one plain copy
+    per expert (``contiguous``, the bound). Best of 3, one sync at the end. ``src`` is one
+    allocation or one registration (a copy may not span two)."""
+    rt = cp.cuda.runtime
+    h2d, raw = rt.memcpyHostToDevice, stream.raw.ptr
+    out: dict[str, dict[str, float]] = {}
+    for mib in row_mib:
+        row = int(mib * MIB)
+        tensor = src.size // rows // row * row
+        experts = min(tensor // row, dst.size // (row * rows))
+        base, slots = src.ctypes.data, dst.data.ptr
+        entry: dict[str, float] = {}
+        for name in ("1d", "2d", "contiguous"):
+            best = 0.0
+            for _ in range(3):
+                t0 = time.perf_counter()
+                for e in range(experts):
+                    slot, at = slots + e * rows * row, base + e * row
+                    if name == "1d":
+                        for r in range(rows):
+                            rt.memcpyAsync(slot + r * row, at + r * tensor, row, h2d, raw)
+                    elif name == "2d":
+                        rt.memcpy2DAsync(slot, row, at, tensor, row, rows, h2d, raw)
+                    else:
+                        rt.memcpyAsync(slot, base + e * rows * row, rows * row, h2d, raw)
+                stream.synchronize()
+                best = max(best, experts * rows * row / (time.perf_counter() - t0) / GB)
+            entry[name] = round(best, 2)
+        out[f"{mib:g}MiB_x{rows}"] = entry
+    return out
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.register",
                                 description=__doc__.split("\n")[0])
@@ -150,6 +190,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         result["h2d_pinned_gbps"], quiet_ms = _copies(cp, pinned.array, dst, stream, piece, 4)
         by_piece["pinned"] = _sweep(cp, pinned.array, sweep_dst, sizes, streams, 1 << 30)
         result["h2d_by_piece_gbps"] = by_piece
+        # an expert's three slices as one strided copy: from pinned memory, and from one
+        # registration of 1 GiB of the mapping (the strided copy spans the three tensors)
+        rows_mib = (0.5, 1, 2, 3)
+        by_rows = {"pinned": _rows(cp, pinned.array, sweep_dst, rows_mib, 3, stream)}
+        part = mapping[: 1 << 30]
+        rt.hostRegister(part.ctypes.data, part.size, _READ_ONLY)
+        try:
+            by_rows["registered"] = _rows(cp, part, sweep_dst, rows_mib, 3, stream)
+        finally:
+            rt.hostUnregister(part.ctypes.data)
+        result["h2d_strided_gbps"] = by_rows
         result["longest_copy_ms_quiet"] = quiet_ms
 
         def staged(at: int) -> None:

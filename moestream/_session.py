@@ -180,6 +180,10 @@ class TokenStats:
     """The wall time by what it went to, ms: ``compute_ms``, ``read_ms``, ``upload_ms``,
     ``slot_ms``, ``switch_ms``, ``host_ms`` (the log's ``time`` object; they add up to
     ``wall_ms``)."""
+    cpu_ms: float = 0.0
+    """CPU time of the session's event-loop thread during the token: ``wall_ms`` well above
+    it and its waits means that thread was blocked elsewhere (a full CUDA launch queue, the
+    GIL held by another thread), not computing."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -674,7 +678,8 @@ class Session:
             compute_ms=f["compute_ms"], hits=f["hits"], misses=f["misses"],
             evictions=f["evictions"], file_bytes=f["file_bytes"], cache_bytes=f["cache_bytes"],
             storage_bytes=f["storage_bytes"], mode=f["mode"],
-            experts=tuple(tuple(layer) for layer in f["experts"]), time=f["time"])
+            experts=tuple(tuple(layer) for layer in f["experts"]), time=f["time"],
+            cpu_ms=f["cpu_ms"])
 
     def _engine_ms(self, compute_ms: object) -> float | list[float] | None:
         """``end_token``'s ``compute_ms``, checked: a number, or one per device."""

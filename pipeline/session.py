@@ -141,6 +141,7 @@ class StreamSession:
         self._token = 0
         self._token_t0: float | None = None
         self._first_t0: float | None = None
+        self._token_cpu0 = (0.0, 0.0)  # this thread's and the process's CPU at the start
         self._totals = TokenTotals()
         self._experts: list[list[int]] = []
         # by layer, this token's first lease, or once there were more, what they counted
@@ -310,6 +311,7 @@ class StreamSession:
     def _clock(self) -> None:
         if self._token_t0 is None:
             self._token_t0 = time.perf_counter()
+            self._token_cpu0 = (time.thread_time(), time.process_time())
             if self._first_t0 is None:
                 self._first_t0 = self._token_t0
 
@@ -608,6 +610,7 @@ class StreamSession:
             times.add(streamer.take_times())
         now = time.perf_counter()
         wall_ms = totals.wall_ms = (now - self._token_t0) * 1000.0
+        thread_cpu0, process_cpu0 = self._token_cpu0
         # what neither moestream's waits (experts, the controller) nor its stalls explain
         room = max(0.0, wall_ms - totals.time.measured_ms - self._unexplained_ms)
         self._unexplained_ms = 0.0
@@ -646,6 +649,8 @@ class StreamSession:
             "cache_parked_bytes": self.cache.parked_bytes,
             "experts": self._experts,
             "time": totals.time.record(wall_ms),
+            "cpu_ms": round((time.thread_time() - thread_cpu0) * 1000.0, 3),
+            "process_cpu_ms": round((time.process_time() - process_cpu0) * 1000.0, 3),
         }
         if self._devices:
             fields["devices"] = [

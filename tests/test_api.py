@@ -7,6 +7,7 @@ import asyncio
 import importlib.util
 import re
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
@@ -275,6 +276,23 @@ class TestFetch:
             assert sum(stats.time.values()) == pytest.approx(stats.wall_ms, abs=0.01)
             stats = await ms.end_token()  # no measure: the rest is the engine's compute
             assert stats.time["host_ms"] <= 0.002  # rounding
+
+    async def test_cpu_time_tells_blocked_from_busy(self, tiny_model: Path) -> None:
+        """A token whose loop thread sleeps has a wall well above its CPU time; one that
+        spins has them close, and the process's CPU covers the thread's."""
+        async with _open(tiny_model) as ms:
+            async with ms.fetch(ms.model.moe_layers[0], [0]) as lease:
+                await lease.gather()
+            time.sleep(0.05)  # blocked outside moestream's waits, as in a full launch queue
+            slept = await ms.end_token()
+            async with ms.fetch(ms.model.moe_layers[0], [0]) as lease:
+                await lease.gather()
+            end = time.perf_counter() + 0.05
+            while time.perf_counter() < end:
+                pass
+            spun = await ms.end_token()
+        assert slept.wall_ms >= 50.0 and slept.cpu_ms < 0.5 * slept.wall_ms
+        assert spun.wall_ms >= 50.0 and spun.cpu_ms > 0.5 * spun.wall_ms
 
     async def test_unused_hint_released_at_the_next_token_end(self, tiny_model: Path) -> None:
         async with _open(tiny_model) as ms:

@@ -60,6 +60,10 @@ class TestTheSplitAddsUp:
                                   "host_ms"}
             assert min(parts.values()) >= 0
             assert sum(parts.values()) == pytest.approx(e["wall_ms"], rel=0.05, abs=0.003)
+            # the loop thread's CPU within the token's wall (clock granularity aside), and
+            # within the process's, which counts every thread
+            assert 0.0 <= e["cpu_ms"] <= e["wall_ms"] + 1.0
+            assert e["process_cpu_ms"] >= e["cpu_ms"] - 1.0
         entry = _analysis(log, capsys)
         split = entry["time_breakdown_ms_per_token"]
         assert sum(split.values()) == pytest.approx(entry["wall_ms_per_token"], rel=0.05)

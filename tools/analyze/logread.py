@@ -113,7 +113,8 @@ _FIELDS: dict[str, frozenset[str]] = {
         {"config", "model", "machine", "budget_bytes", "policy", "compute", "backend",
          "devices", "limits"}
     ),
-    "token": frozenset(TOKEN_COLUMNS) | {"mode", "experts", "prefetch", "devices", "time"},
+    "token": frozenset(TOKEN_COLUMNS) | {"mode", "experts", "prefetch", "devices", "time",
+                                         "cpu_ms", "process_cpu_ms"},
     "layer": frozenset({"token", "layer", "hits", "misses", "read_ms", "stall_ms"}),
     "controller_decision": frozenset({"mode", "readings", "reason", "token"}),
     "mode_switch": frozenset({"from", "to", "reason", "readings", "token", "took_ms"}),
