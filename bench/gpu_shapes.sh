@@ -9,6 +9,7 @@
 #   pipeline  bench.pipeline --skip cold on each shape, RUNS times (default 3)
 #   contention  bench.contention on each shape (GATHER_BLOCKS=N: the gather's SM budget)
 #   register  python -m bench.register --size-gib 4 (copy engines by piece, strided copies)
+#   strided   python -m bench.strided (an expert's slices as one copy across registrations)
 #   spy       one warm-miss-only bench.pipeline per shape under py-spy (--native --idle,
 #             raw stacks per thread; py-spy's wheel carried in .whl): where the loop
 #             thread's time goes when a round runs slow
@@ -55,6 +56,10 @@ if [[ $steps == *register* ]]; then
   timeout 200 python3 -m bench.register --size-gib 4 --dir /tmp --out $OUT/register.json \
     > $OUT/register.log 2>&1; echo "register rc=$?"; grep -A30 strided $OUT/register.log | head -12
   pack
+fi
+if [[ $steps == *strided* ]]; then
+  timeout 200 python3 -m bench.strided --dir /tmp --out $OUT/strided.json > $OUT/strided.log 2>&1
+  echo "strided rc=$?"; tail -6 $OUT/strided.log; pack
 fi
 if [[ $steps == *warmup* ]]; then
   # vmtouch is not installed there: its Debian package travels in .whl (apt-get download)

@@ -159,11 +159,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             if found is not None:
                 call = found[1]
                 for per in (1, 10):  # experts a call
-                    groups = [(sum(dsts[g : g + per], []), sum(srcs[g : g + per], []))
+                    groups = [([d for d3 in dsts[g : g + per] for d in d3],
+                               [s for s3 in srcs[g : g + per] for s in s3])
                               for g in range(0, experts, per)]
 
                     def batch(groups: list[tuple[list[int], list[int]]] = groups,
-                              row: int = row) -> None:
+                              row: int = row, call: Any = call) -> None:
                         for d, s in groups:
                             status = call(d, s, [row] * len(d), raw)
                             if status:
