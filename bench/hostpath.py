@@ -79,6 +79,10 @@ class NullDevice(HostBackend):
         self.copies += 1
         self.bytes_copied += int(src.size)
 
+    def copy_h2d_batch(self, copies: npt.NDArray[np.uint64], stream: Stream) -> None:
+        self.copies += len(copies)
+        self.bytes_copied += int(copies[:, 2].sum())
+
 
 class NullKernels(HostKernels):
     """Kernels that do nothing: digests stay zero, ``busy`` returns at once."""

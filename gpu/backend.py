@@ -116,6 +116,15 @@ class Backend(Protocol):
         alive and unchanged until an event recorded after this completes.
         """
 
+    def copy_h2d_batch(self, copies: npt.NDArray[np.uint64], stream: Stream) -> None:
+        """Queue ``copies`` ((n, 3) rows: host address, device address, bytes) as one call
+        where the device has one (``gpu.batchcopy``), else one copy each.
+
+        Each source lies in pinned memory or in one registration (a copy may not span two)
+        and stays unchanged until an event recorded after this completes; called under
+        ``activate()``. Raises ``UploadError`` when the device refuses them.
+        """
+
     def register_host(self, array: npt.NDArray[np.uint8]) -> bool:
         """Page-lock ``array`` (read-only) so copies DMA straight from it; False if refused."""
 

@@ -21,6 +21,7 @@ import numpy.typing as npt
 import structlog
 
 from gpu.backend import PAGE, DeviceArray, DeviceBuffer, Event, Stream
+from gpu.batchcopy import open_batch_copy
 from pipeline.foundation.errors import DeviceMemoryError, UploadError
 
 __all__ = ["CupyBackend", "unavailable_reason"]
@@ -152,6 +153,7 @@ class CupyBackend:
         self.device_name = raw_name.decode() if isinstance(raw_name, bytes) else str(raw_name)
         self.maps_host = bool(cupy.cuda.runtime.deviceGetAttribute(
             _CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM, device))
+        self._batch = open_batch_copy(device)
 
     def activate(self) -> Any:
         # a new Device each time: a Device keeps the devices it replaced in a list of its
@@ -186,6 +188,19 @@ class CupyBackend:
                            raw.ptr)
         except Exception as exc:
             raise UploadError(f"host-to-device copy of {src.size} bytes failed: {exc}") from exc
+
+    def copy_h2d_batch(self, copies: npt.NDArray[np.uint64], stream: Stream) -> None:
+        raw = cast(CudaStream, stream).raw
+        if self._batch is not None:
+            self._batch(copies, raw.ptr)
+            return
+        rt = self._cp.cuda.runtime  # a driver before CUDA 12.8: one copy each
+        try:
+            for src, dst, nbytes in copies.tolist():
+                rt.memcpyAsync(dst, src, nbytes, rt.memcpyHostToDevice, raw.ptr)
+        except Exception as exc:
+            raise UploadError(f"host-to-device copy of {len(copies)} pieces failed: "
+                              f"{exc}") from exc
 
     def adopt(self, arr: Any) -> Any:
         with self.activate():

@@ -9,6 +9,7 @@ exercised for real by the CuPy backend.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 from typing import Any, cast
 
 import numpy as np
@@ -107,6 +108,10 @@ class HostBackend:
     ) -> None:
         # a backend is only ever handed its own buffers (the cache allocates them here)
         cast(HostDeviceBuffer, dst).array[dst_offset : dst_offset + src.size] = src
+
+    def copy_h2d_batch(self, copies: npt.NDArray[np.uint64], stream: Stream) -> None:
+        for src, dst, nbytes in copies.tolist():  # addresses of host memory on both sides
+            ctypes.memmove(dst, src, nbytes)
 
     def register_host(self, array: npt.NDArray[np.uint8]) -> bool:
         return False  # host memory needs no registration (``registers_host`` is False)

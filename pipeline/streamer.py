@@ -70,7 +70,7 @@ per-matrix host work bounds them; from 2 MiB up they match or beat it: 0.87 agai
 with 2.06 MiB (DeepSeek-V2-Lite's Q5_K shape, three runs each; on a later lease 0.87 against
 0.92, where verification's digest launch per expert made the copy engines' difference: 0.95
 without verification, ``bench/results/shapes-h200-1952d34/``; one digest launch a layer,
-``Uploader.upload_digested``, took them to 0.91-0.95: the copy engines' own rate for
+``Uploader.upload_layer``, took them to 0.91-0.95: the copy engines' own rate for
 2 MiB copies, which beat the gather's on the same bytes, 51.6 against 48.7 GB/s,
 ``bench/results/shapes-h200-e5ddd6d/``), 0.96 against 0.96
 (ds4-flash-q2, 2.1-2.6 MiB), 0.78 against 0.94 (bf16 per-expert checkpoint, 3 MiB). The
@@ -135,14 +135,13 @@ class LayerLoad:
 
 class _Source(NamedTuple):
     """A registered miss's copies, computed once per expert and mapping, for the path the
-    streamer takes: for the copy engines, (device offset, view of the registered mapping)
-    pieces and the (device offset, nbytes) ranges its install digest reads; for the gather,
-    its copies (device offset, mapping address, nbytes), one per range. The other path's
-    lists stay empty."""
+    streamer takes: (device offset, mapping address, bytes), one per range for the gather
+    (which reads across windows), one per window piece for the copy engines (a copy may
+    not span two registrations); and for the copy engines the (device offset, bytes)
+    ranges its install digest reads."""
 
-    pieces: list[tuple[int, npt.NDArray[np.uint8]]]
-    ranges: list[tuple[int, int]]
     copies: list[tuple[int, int, int]]
+    ranges: list[tuple[int, int]]
 
 
 @dataclass(slots=True, eq=False)
@@ -387,16 +386,15 @@ class ExpertStreamer:
                 if not all(mapping.is_registered(s.file_offset, s.nbytes) for s in ranges):
                     return None
                 # only what this streamer's path reads: the gather's copies, or the copy
-                # engines' pieces (views of the mapping) and their digest's ranges
-                gathers = self._gathers
-                source = _Source(
-                    [] if gathers else
-                    [(s.device_offset + at, view)
-                     for s in ranges for at, view in mapping.pieces(s.file_offset, s.nbytes)],
-                    [] if gathers else [(s.device_offset, s.nbytes) for s in ranges],
-                    [(s.device_offset, mapping.address(s.file_offset), s.nbytes)
-                     for s in ranges] if gathers else [],
-                )
+                # engines' pieces and their digest's ranges
+                if self._gathers:
+                    source = _Source([(s.device_offset, mapping.address(s.file_offset), s.nbytes)
+                                      for s in ranges], [])
+                else:
+                    source = _Source(
+                        [(s.device_offset + at, mapping.address(s.file_offset + at), view.size)
+                         for s in ranges for at, view in mapping.pieces(s.file_offset, s.nbytes)],
+                        [(s.device_offset, s.nbytes) for s in ranges])
                 self._sources[entry.key] = source
             out.append(source)
         return out
@@ -412,13 +410,14 @@ class ExpertStreamer:
 
         Where the device reads registered memory in place (``Backend.maps_host``, and
         ``RunConfig.gather``), the layer is one ``gather`` launch: every range copied and
-        digested as it is written, one event for the layer. Otherwise, per expert, its
-        copies on the next upload stream, its install digest and its event
-        (``Uploader.upload_many``). Either way: the device waits for each buffer's last
-        reader first, a failed upload fails that expert only, there is no job, worker or
-        ``call_soon_threadsafe`` per expert, and a single callback delivers the layer's
-        misses to whoever waits on ``load.arrived`` (it runs after this returns, so a
-        caller may still swap that queue, as ``pipeline.lease`` does). An entry is visible
+        digested as it is written, one event for the layer. Otherwise the layer's copies
+        are one batched copy on the copy engines, its install digests one launch after
+        them, one event (``Uploader.upload_layer``). Either way: the device waits for each
+        buffer's last reader first, a failed upload fails that expert only, there is no
+        job, worker or ``call_soon_threadsafe`` per expert, and a single callback delivers
+        the layer's misses to whoever waits on ``load.arrived`` (it runs after this
+        returns, so a caller may still swap that queue, as ``pipeline.lease`` does). An
+        entry is visible
         only after its upload event.
         """
         digests = self.digests
@@ -473,20 +472,18 @@ class ExpertStreamer:
 
     def _copy(self, misses: Sequence[Entry], sources: Sequence[_Source],
               rows: Sequence[tuple[Any, int]]) -> list[Event | Exception]:
-        """On the copy engines: verified, the layer's copies on one stream and their install
-        digests in one launch after them; else each expert's copies on the next stream."""
-        if not rows:
-            return self.uploader.upload_many(
-                [(entry, source.pieces, None) for entry, source in zip(misses, sources,
-                                                                       strict=True)])
-        assert self.digests is not None
+        """On the copy engines: the layer's copies as one batched copy on one stream, and
+        (verified) their install digests in one launch after them."""
         items = []
         for i, (entry, source) in enumerate(zip(misses, sources, strict=True)):
-            at = self.digests.address(*rows[i])
-            items.append((entry, source.pieces,
-                          [(offset, nbytes, at + 16 * m)
-                           for m, (offset, nbytes) in enumerate(source.ranges)]))
-        return self.uploader.upload_digested(self._kernels, items)
+            digests: list[tuple[int, int, int]] = []
+            if rows:
+                assert self.digests is not None
+                at = self.digests.address(*rows[i])
+                digests = [(offset, nbytes, at + 16 * m)
+                           for m, (offset, nbytes) in enumerate(source.ranges)]
+            items.append((entry, source.copies, digests))
+        return self.uploader.upload_layer(self._kernels, items)
 
     def _deliver_layer(self, load: LayerLoad,
                        arrived: Sequence[tuple[Entry, BaseException | None]]) -> None:

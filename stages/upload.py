@@ -2,9 +2,9 @@
 
 Uploads go round-robin over at least two non-default streams, so the copy of one expert
 overlaps the read of the next. A layer's resident misses from the registered mapping go as
-one ``gather`` launch instead, where the device reads registered memory in place; on the
-copy engines, verified, they share one stream and one install-digest launch
-(``upload_digested``). Before
+one ``gather`` launch instead, where the device reads registered memory in place, or, on
+the copy engines, as one batched copy on one stream with one install-digest launch
+(``upload_layer``). Before
 writing into a recycled device buffer the stream waits (on the device, the host never
 blocks) for the last compute that read it.
 
@@ -114,7 +114,7 @@ class Uploader:
                     raise UploadError(f"copy of {sum(int(s.size) for _, s in pieces)} bytes "
                                       "to the device failed (injected)")
             if self._faults and pieces and self._faults.hit("corrupt") is not None:
-                self._corrupt(entry, pieces[0], stream)
+                self._corrupt(entry, pieces[0][0] + pieces[0][1].size // 2, stream)
         except BaseException as exc:
             self._settle(stream, entry)
             if isinstance(exc, MoestreamError) or not isinstance(exc, Exception):
@@ -124,68 +124,72 @@ class Uploader:
             self.bytes_uploaded += sum(int(src.size) for _, src in pieces)
             self.copies += len(pieces)
 
-    def upload_digested(
+    def upload_layer(
         self, kernels: Kernels,
-        items: Sequence[tuple[Entry, Sequence[tuple[int, npt.NDArray[np.uint8]]],
+        items: Sequence[tuple[Entry, Sequence[tuple[int, int, int]],
                               Sequence[tuple[int, int, int]]]],
     ) -> list[Event | Exception]:
-        """Queue a layer's experts on one stream, then the install digests of them all as
-        one ``Kernels.gather`` launch over the copies in place, then one event for the
-        layer (as the gather path's).
+        """Queue a layer's experts on one stream as one batched copy
+        (``Backend.copy_h2d_batch``), then the install digests of them all as one
+        ``Kernels.gather`` launch over the copies in place, then one event for the layer
+        (as the gather path's).
 
-        Why: an install digest launched per expert (``upload``'s ``then``) is host work a
-        miss; on the H200 it held the copy engines' warm misses on DeepSeek-V2-Lite's shape
-        (6.2 MiB experts) at 0.87 x pinned H2D with verification against 0.95 without it
-        (``bench/results/shapes-h200-1952d34/``). Each digest row's source is its
-        destination: the kernel reads the copied words, adds them to the row's digest and
-        writes them back unchanged.
+        Why: the copy engines pay a fixed cost per copy, and the host one Python call per
+        copy; a layer's slices in one driver call move at the copy engines' rate for large
+        copies (``gpu.batchcopy``). An install digest launched per expert was host work a
+        miss that held DeepSeek-V2-Lite's shape at 0.87 x pinned H2D against 0.95 without
+        verification (``bench/results/shapes-h200-1952d34/``): one launch a layer. Each
+        digest row's source is its destination: the kernel reads the copied words, adds
+        them to the row's digest and writes them back unchanged.
 
-        ``items``: per expert, its pieces (as ``upload``) and its digest ranges (device
-        offset, bytes, results row address). A failed expert is returned in its place as
-        its error (``upload``'s: its stream synchronized, ``entry.upload`` unset); the
-        others go on. A failed digest launch fails every expert queued. The caller makes the
-        device current.
+        ``items``: per expert, its copies (device offset, host address in pinned or
+        registered memory, bytes; none spanning two registrations) and its digest ranges
+        (device offset, bytes, results row address; none when unverified). The stream first
+        waits for every buffer's ``reuse_after``. Per expert, as ``upload``: an ``upload``
+        fault fails it alone (its copies left out), a ``corrupt`` fault inverts the middle
+        byte of its first copy after the copies, before its digest. A refused batch or a
+        failed digest launch fails every expert queued (the stream synchronized first).
+        The caller makes the device current.
         """
         stream = self.next_stream()
+        faults = self._faults if self._faults else None
         failed: list[Exception | None] = []
+        copies: list[int] = []  # (host address, device address, bytes) per copy
         rows: list[int] = []  # the digest launch's rows, ``COPY_FIELDS`` fields each
         queued: list[Entry] = []
-        waited: Event | None = None  # buffers a layer's compute freed share its event
+        corrupt: list[tuple[Entry, int]] = []
+        waited: Event | None = None
         for entry, pieces, digests in items:
-            try:
-                self._queue(entry, pieces, stream, waited)
-            except MoestreamError as exc:  # that expert fails; the layer's others go on
-                failed.append(exc)
+            if faults is not None and faults.hit("upload") is not None:
+                failed.append(UploadError(f"copy of {sum(n for _, _, n in pieces)} bytes to "
+                                          "the device failed (injected)"))
                 continue
-            waited = entry.reuse_after or waited
+            if entry.reuse_after is not None and entry.reuse_after is not waited:
+                waited = entry.reuse_after  # buffers a layer's compute freed share its event
+                stream.wait(waited)
             base = entry.buffer.ptr
+            for offset, src, nbytes in pieces:
+                copies += (src, base + offset, nbytes)
+            if faults is not None and pieces and faults.hit("corrupt") is not None:
+                corrupt.append((entry, pieces[0][0] + pieces[0][2] // 2))
             for offset, nbytes, out in digests:
                 rows += (base + offset, base + offset, nbytes, out, NO_FLIP)
             queued.append(entry)
             failed.append(None)
-        return self._one_event(kernels, rows, stream, queued, failed,
-                               f"install digest of {len(queued)} experts on the device")
-
-    def upload_many(
-        self,
-        items: Sequence[tuple[Entry, Sequence[tuple[int, npt.NDArray[np.uint8]]],
-                              Callable[[Stream], None] | None]],
-    ) -> list[Event | Exception]:
-        """Queue several experts at once, each on the next stream: per item what ``upload``
-        does (its copies after its buffer's ``reuse_after``, then ``then``, then its own
-        event), the streams drawn under one lock. A failed item is returned in its place as
-        its error (``upload``'s: its stream synchronized, ``entry.upload`` unset); the others
-        go on. The caller makes the device current (``Backend.activate``) around the call.
-        """
-        with self._lock:
-            streams = [self.streams[next(self._turn)] for _ in items]
-        out: list[Event | Exception] = []
-        for (entry, pieces, then), stream in zip(items, streams, strict=True):
+        if queued and copies:
             try:
-                out.append(self.upload(entry, pieces, stream, then))
-            except MoestreamError as exc:  # that expert fails; the layer's others go on
-                out.append(exc)
-        return out
+                self._backend.copy_h2d_batch(
+                    np.array(copies, dtype=np.uint64).reshape(-1, 3), stream)
+                for entry, at in corrupt:
+                    self._corrupt(entry, at, stream)
+            except Exception as exc:
+                self._settle(stream, queued[0])
+                error = UploadError(f"copy of {len(queued)} experts to the device failed: "
+                                    f"{exc}")
+                return [error if f is None else f for f in failed]
+        return self._one_event(kernels, rows, stream, queued, failed,
+                               f"install digest of {len(queued)} experts on the device",
+                               counts=(sum(copies[2::3]), len(copies) // 3))
 
     def gather(
         self, kernels: Kernels,
@@ -255,11 +259,10 @@ class Uploader:
                     self.copies += counts[1]
         return [result if f is None else f for f in failed]
 
-    def _corrupt(self, entry: Entry, piece: tuple[int, npt.NDArray[np.uint8]],
-                 stream: Stream) -> None:
-        """Injected: flip the middle byte of the first piece in the device copy, queued on
-        ``stream`` after the copies (on the host backend, at once: its copies are done)."""
-        at = piece[0] + piece[1].size // 2
+    def _corrupt(self, entry: Entry, at: int, stream: Stream) -> None:
+        """Injected: flip the byte at device offset ``at`` (the middle of the first piece)
+        in the device copy, queued on ``stream`` after the copies (on the host backend, at
+        once: its copies are done)."""
         view = self._backend.device_bytes(entry.buffer, at, 1)
         raw = getattr(stream, "raw", None)  # a CUDA stream: make it current for the kernel
         with raw if raw is not None else contextlib.nullcontext():

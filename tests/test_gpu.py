@@ -69,8 +69,8 @@ class TestEndToEnd:
     @pytest.mark.parametrize("prefetch", ["none", "oracle"])
     def test_resident_on_the_copy_engines(self, tiny_model: Path, compute: str,
                                           prefetch: str) -> None:
-        """``--no-gather``: a layer's misses copied on one stream, their install digests
-        in one launch after them (``Uploader.upload_digested``)."""
+        """``--no-gather``: a layer's misses as one batched copy on one stream, their
+        install digests in one launch after them (``Uploader.upload_layer``)."""
         cfg = RunConfig(model=tiny_model, tokens=8, mode="resident", gather=False,
                         compute=ComputeSpec(compute, 0.2 if compute == "fixed" else 0.0),  # type: ignore[arg-type]
                         budget=Budget(experts=14), backend="cupy", prefetch=prefetch,

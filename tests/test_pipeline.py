@@ -86,6 +86,9 @@ class DeferredBackend(HostBackend):
 
         stream.enqueue(op)
 
+    def copy_h2d_batch(self, copies: Any, stream: Any) -> None:
+        stream.enqueue(lambda: HostBackend.copy_h2d_batch(self, copies, stream))
+
 
 class DeferredKernels(HostKernels):
     """Digests and busy work run in stream order too."""
@@ -219,14 +222,14 @@ class TestRegisteredCopies:
         monkeypatch.setattr(session_module, "make_kernels", lambda name, *_: DeferredKernels())
         monkeypatch.setattr(run_module, "make_kernels", lambda name, *_: DeferredKernels())
         digested = 0
-        upload_digested = Uploader.upload_digested
+        upload_layer = Uploader.upload_layer
 
         def spy(self: Uploader, kernels: Any, items: Any) -> Any:
             nonlocal digested
             digested += 1
-            return upload_digested(self, kernels, items)
+            return upload_layer(self, kernels, items)
 
-        monkeypatch.setattr(Uploader, "upload_digested", spy)
+        monkeypatch.setattr(Uploader, "upload_layer", spy)
         summaries = {}
         for gather in (True, False):
             cfg = RunConfig(model=model, tokens=12, mode="resident", backend="host",

@@ -1,7 +1,7 @@
 """The streamer's per-layer fast paths: registered misses queued in one pass, all-hit layers.
 
 A resident layer whose misses all lie in registered windows is queued at once on the loop
-thread (``ExpertStreamer._queue_registered``, one ``Uploader.upload_many`` call); an all-hit
+thread (``ExpertStreamer._queue_registered``, one ``Uploader.upload_layer`` call); an all-hit
 layer is planned by the cache's fast path and starts nothing. Both must keep every
 contract of the per-expert paths: here on ``DeferredBackend`` copies (a copy runs when its
 stream does), a consumer that did not wait on an upload event, or an event recorded before

@@ -1,5 +1,6 @@
-"""Tests of stages.upload's ``Uploader.upload_digested`` on the host backend: a layer's
-copies on one stream, their install digests in one in-place ``gather`` launch, one event."""
+"""Tests of stages.upload's ``Uploader.upload_layer`` on the host backend: a layer's copies
+as one batched copy on one stream, their install digests in one in-place ``gather`` launch,
+one event."""
 
 from __future__ import annotations
 
@@ -47,32 +48,41 @@ class _Layer:
         self.results = self.kernels.new_results(3 * n)
         rng = np.random.default_rng(seed)
         self.data = [rng.integers(0, 256, SIZE, dtype=np.uint8) for _ in range(n)]
+        self._pinned = []
+        if gpu:  # copies come from pinned (or registered) memory, as upload_layer asks
+            self._pinned = [self.backend.alloc_host(SIZE) for _ in range(n)]
+            for pinned, data in zip(self._pinned, self.data, strict=True):
+                pinned.array[:] = data
+            self.data = [pinned.array for pinned in self._pinned]
         self.uploader = Uploader(self.backend, 2, parse_faults(faults) if faults else None)
 
-    def items(self, cuts: tuple[int, int]) -> list[tuple[Entry, list[tuple[int, Any]],
+    def items(self, cuts: tuple[int, int]) -> list[tuple[Entry, list[tuple[int, int, int]],
                                                          list[tuple[int, int, int]]]]:
-        """Per expert: two pieces split at ``cuts[0]``, three digest ranges split at
+        """Per expert: two copies split at ``cuts[0]``, three digest ranges split at
         ``cuts`` (odd offsets and sizes: the word-by-byte paths too)."""
         a, b = cuts
         out = []
         for i, (entry, data) in enumerate(zip(self.entries, self.data, strict=True)):
             row = self.kernels.results_address(self.results, 3 * i)
-            out.append((entry, [(0, data[:a]), (a, data[a:])],
+            at = data.ctypes.data
+            out.append((entry, [(0, at, a), (a, at + a, SIZE - a)],
                         [(0, a, row), (a, b - a, row + 16), (b, SIZE - b, row + 32)]))
         return out
 
     def close(self) -> None:
         self.cache.close()
+        for pinned in self._pinned:
+            pinned.close()
 
 
-class TestUploadDigested:
+class TestUploadLayer:
     @settings(max_examples=25, deadline=None)
     @given(a=st.integers(1, SIZE - 2), width=st.integers(1, SIZE - 2))
     def test_digests_are_the_copied_bytes(self, a: int, width: int) -> None:
         b = min(SIZE - 1, a + width)
         layer = _Layer(3)
         try:
-            out = layer.uploader.upload_digested(layer.kernels, layer.items((a, b)))
+            out = layer.uploader.upload_layer(layer.kernels, layer.items((a, b)))
             assert all(not isinstance(e, Exception) for e in out)
             assert out[0] is out[1] is out[2]  # one event for the layer
             assert all(entry.upload is out[0] for entry in layer.entries)
@@ -90,7 +100,7 @@ class TestUploadDigested:
     def test_a_failed_expert_fails_alone(self) -> None:
         layer = _Layer(3, faults="upload@2")
         try:
-            out = layer.uploader.upload_digested(layer.kernels, layer.items((100, 5000)))
+            out = layer.uploader.upload_layer(layer.kernels, layer.items((100, 5000)))
             assert isinstance(out[1], UploadError) and "injected" in str(out[1])
             assert out[0] is out[2] and not isinstance(out[0], Exception)
             assert layer.entries[1].upload is None
@@ -103,7 +113,7 @@ class TestUploadDigested:
         """The ``corrupt`` fault inverts a byte after the copies, before the digests."""
         layer = _Layer(2, faults="corrupt@2")
         try:
-            layer.uploader.upload_digested(layer.kernels, layer.items((4096, 6000)))
+            layer.uploader.upload_layer(layer.kernels, layer.items((4096, 6000)))
             clean = layer.data[0].tobytes()
             assert tuple(int(v) for v in layer.results[0]) == _sums(clean[:4096])
             bad = layer.data[1].tobytes()
@@ -115,7 +125,7 @@ class TestUploadDigested:
     def test_nothing_queued(self) -> None:
         layer = _Layer(1, faults="upload@1")
         try:
-            (out,) = layer.uploader.upload_digested(layer.kernels, layer.items((10, 20)))
+            (out,) = layer.uploader.upload_layer(layer.kernels, layer.items((10, 20)))
             assert isinstance(out, UploadError)
         finally:
             layer.close()
@@ -123,7 +133,7 @@ class TestUploadDigested:
     def test_empty_layer(self) -> None:
         layer = _Layer(1)
         try:
-            assert layer.uploader.upload_digested(layer.kernels, []) == []
+            assert layer.uploader.upload_layer(layer.kernels, []) == []
         finally:
             layer.close()
 
@@ -139,7 +149,7 @@ def test_on_the_gpu(cuts: tuple[int, int]) -> None:
     layer = _Layer(3, faults="corrupt@2", gpu=True)
     try:
         with layer.backend.activate():
-            out = layer.uploader.upload_digested(layer.kernels, layer.items(cuts))
+            out = layer.uploader.upload_layer(layer.kernels, layer.items(cuts))
             event = out[0]
             assert out[1] is event and out[2] is event and not isinstance(event, Exception)
             event.synchronize()
