@@ -334,6 +334,10 @@ def window_rate(events: Sequence[dict[str, Any]]) -> dict[str, float]:
         "cpu_ms_per_token": sum(e.get("cpu_ms", 0.0) for e in events) / max(1, len(events)),
         "process_cpu_ms_per_token": sum(e.get("process_cpu_ms", 0.0) for e in events)
         / max(1, len(events)),
+        # where the wall went (the token's ``time`` parts): ``host_ms`` against the waits
+        # for the device (``compute_ms``, ``upload_ms``) says which side bounds a round
+        "time_ms_per_token": {part: sum(e["time"][part] for e in events) / len(events)
+                              for part in (events[0]["time"] if events else {})},
     }
 
 
