@@ -19,7 +19,7 @@
 # tools.warmup --digests builds each one's manifest first) and kept in $MODELS between calls
 # of one lease.
 # NOLOG=1: gaps without the run log too; PROFILE=1: bench.profile's all-cached phase too;
-# SKIP=phases: bench.pipeline's --skip (default cold). PASSES=N: bench.pipeline's sweep passes (default 4: 24 measured tokens a warm-miss round,
+# SKIP=phases: bench.pipeline's --skip (default cold); EXTRA: more bench.pipeline options. PASSES=N: bench.pipeline's sweep passes (default 4: 24 measured tokens a warm-miss round,
 # ~0.25 s on the fine shape, whose rounds swung 29-48 GB/s within one run at 40b54b0).
 # Usage: STEPS=pipeline SHAPES=fine RUNS=3 bash bench/gpu_shapes.sh
 set -u
@@ -92,7 +92,7 @@ for s in ${shapes//,/ }; do
   if [[ $steps == *pipeline* ]]; then
     for r in $(seq 1 ${RUNS:-3}); do
       timeout 200 python3 -m bench.pipeline --model $m --backend cupy --skip ${SKIP:-cold} --naive-tokens 8 \
-        --lookahead 8 ${PASSES:+--passes $PASSES} --out $OUT/pipeline-$s-run$r.json \
+        --lookahead 8 ${PASSES:+--passes $PASSES} ${EXTRA:-} --out $OUT/pipeline-$s-run$r.json \
         > $OUT/pipeline-$s-run$r.log 2>&1
       echo "pipeline $s run $r rc=$?"; grep -E "^  [0-9]_" $OUT/pipeline-$s-run$r.log; pack
     done

@@ -175,11 +175,12 @@ def pinned_h2d_gbps(nbytes: int = 1 << 30, repeats: int = 5) -> float:
 def slice_h2d_gbps(table: ExpertTable, backend: Backend, ranges: Sequence[tuple[int, int]],
                    gather: bool, repeats: int = 3) -> float:
     """The ranges copied from the model's registered mapping into one device buffer,
-    back-to-back on one stream: one copy-engine copy per range (split at registration
-    windows, as resident mode's), or with ``gather`` one gather launch per layer's worth
-    of them (top-k experts' ranges, the kernel's default SM budget, no digests). GB/s, the
-    best of ``repeats``: the path's own rate on exactly the bytes a warm-miss run moves. The
-    file must be resident (its windows are registered as resident mode's are)."""
+    back-to-back on one stream, a layer's worth (top-k experts' ranges) at a time: as one
+    batched copy on the copy engines (``Backend.copy_h2d_batch``, the pieces split at
+    registration windows), or with ``gather`` as one gather launch (the kernel's default SM
+    budget, no digests), as resident mode's two paths queue them. GB/s, the best of
+    ``repeats``: the path's own rate on exactly the bytes a warm-miss run moves. The file
+    must be resident (its windows are registered as resident mode's are)."""
     import cupy
 
     from gpu.cuda import CudaStream
@@ -194,29 +195,29 @@ def slice_h2d_gbps(table: ExpertTable, backend: Backend, ranges: Sequence[tuple[
         stream = CudaStream()
         kernels = make_kernels(backend.name)
         per_launch = table.top_k * len(table.slices((table.moe_layers[0], 0)).ranges)
-        launches, at = [], 0
+        launches, batches, at = [], [], 0
         for i in range(0, len(ranges), per_launch):
             rows: list[int] = []
+            copies: list[int] = []
             for off, n in ranges[i : i + per_launch]:
                 rows += (mapping.address(off), dst.ptr + at, n, 0, NO_FLIP)
+                for piece_at, view in mapping.pieces(off, n):
+                    copies += (mapping.address(off + piece_at), dst.ptr + at + piece_at,
+                               view.size)
                 at += n
             launches.append(copy_rows(rows))
-        pieces = [view for off, n in ranges for _, view in mapping.pieces(off, n)]
-        rt = cupy.cuda.runtime
+            batches.append(np.array(copies, dtype=np.uint64).reshape(-1, 3))
         best = 0.0
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            if gather:
-                for launch in launches:
-                    kernels.gather(launch, stream)
-            else:
-                at = 0
-                for view in pieces:
-                    rt.memcpyAsync(dst.ptr + at, view.ctypes.data, view.size,
-                                   rt.memcpyHostToDevice, stream.raw.ptr)
-                    at += view.size
-            stream.synchronize()
-            best = max(best, total / (time.perf_counter() - t0) / GB)
+        with backend.activate():
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                for launch, batch in zip(launches, batches, strict=True):
+                    if gather:
+                        kernels.gather(launch, stream)
+                    else:
+                        backend.copy_h2d_batch(batch, stream)
+                stream.synchronize()
+                best = max(best, total / (time.perf_counter() - t0) / GB)
         return best
 
 
