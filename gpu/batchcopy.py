@@ -5,8 +5,8 @@ a GGUF file keeps an expert as one slice in each of its layer's three expert ten
 layer's misses are three copies each, all small: one ``cudaMemcpyAsync`` a slice moved
 0.5 MiB slices at 40.9 GB/s and 2 MiB ones at 49.3, against 55 for one GiB. Ten experts'
 slices in one batched call moved 52.5 and 52.6 GB/s (``bench.strided`` on the H200,
-``bench/results/strided-h200-ce3689f/``), and the host makes one call a layer instead of
-one a slice. A strided copy (``cudaMemcpy2DAsync``, the three slices as rows) would do as
+``bench/results/batched-h200-33f25da/23e342e/``), and the host makes one call a layer
+instead of one a slice. A strided copy (``cudaMemcpy2DAsync``, the three slices as rows) would do as
 well but may not span two registrations, and the mapping is registered in windows.
 
 CuPy does not bind it; the driver library is there wherever CUDA is. CUDA 13 dropped the

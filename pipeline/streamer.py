@@ -79,6 +79,15 @@ copy engines also leave the SMs to the engine: beside the gather an engine's bf1
 (``bench.contention``, ``bench/results/shapes-h200-b322dfe/``)."""
 
 
+# (continued) Since the copy engines take a layer's copies as one batched call
+# (``gpu.batchcopy``, CUDA 12.8+), small copies cost them no more than large ones: the same
+# bytes as the fine-grained shape's warm misses (0.57 MiB matrices) moved 53.0-54.2 GB/s
+# batched against 47.6-47.7 through the gather (``bench/results/batched-h200-33f25da/``), and
+# DeepSeek-V2-Lite's warm misses reached 1.00-1.03 x pinned H2D on them. Where the device
+# batches copies the gather is not used: the copy engines are faster and leave the SMs to
+# the engine.
+
+
 def _small_ranges(table: ExpertTable) -> bool:
     """Whether the model's experts are made of matrices small enough for the gather."""
     ranges = table.slices((table.moe_layers[0], 0)).ranges
@@ -227,7 +236,8 @@ class ExpertStreamer:
         ahead = config.lookahead if config.prefetch == "oracle" else 0
         capacity = (len(table.layers) + ahead) * table.top_k
         self.digests = DigestRows(kernels, capacity) if config.verify else None
-        self._gathers = config.gather and backend.maps_host and _small_ranges(table)
+        self._gathers = (config.gather and backend.maps_host and not backend.batches_copies
+                         and _small_ranges(table))
 
     def layout(self, key: tuple[int, int]) -> ExpertLayout:
         """The staging/device layout of an expert (cached: offsets never change)."""

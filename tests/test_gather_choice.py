@@ -1,8 +1,10 @@
 """Which path resident misses take on a GPU, and the settings that choose it.
 
-The gather kernel serves models whose expert matrices are small (there it copies twice as
-fast as the copy engines on the H200); larger matrices go to the copy engines, as fast
-there and leaving the SMs to the engine (``pipeline.streamer.GATHER_BELOW_BYTES``).
+The gather kernel serves models whose expert matrices are small where the device has no
+batched copy (there it copied twice as fast as one copy a slice on the H200); larger
+matrices, and every size where the copy engines take a layer's copies in one call, go to
+the copy engines, as fast or faster and leaving the SMs to the engine
+(``pipeline.streamer.GATHER_BELOW_BYTES``).
 ``gather_blocks`` is the gather's SM budget, settable from the CLI, ``RunConfig`` and
 ``moestream.Tuning``, checked where it is given.
 """
@@ -10,9 +12,11 @@ there and leaving the SMs to the engine (``pipeline.streamer.GATHER_BELOW_BYTES`
 from __future__ import annotations
 
 import dataclasses
+import functools
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -22,7 +26,7 @@ from pipeline.foundation.config import RunConfig
 from pipeline.foundation.errors import UsageError
 from pipeline.foundation.table import open_table
 from pipeline.modelgen import spec_for, write_model
-from pipeline.streamer import GATHER_BELOW_BYTES, _small_ranges
+from pipeline.streamer import GATHER_BELOW_BYTES, ExpertStreamer, _small_ranges
 
 
 def test_small_matrices_gather_large_ones_copy(tiny_model: Path, tmp_path: Path) -> None:
@@ -34,6 +38,55 @@ def test_small_matrices_gather_large_ones_copy(tiny_model: Path, tmp_path: Path)
     ranges = big.slices((big.moe_layers[0], 0)).ranges
     assert min(r.nbytes for r in ranges) >= GATHER_BELOW_BYTES
     assert not _small_ranges(big)
+
+
+@pytest.mark.parametrize("batches", [True, False])
+def test_batched_copies_take_small_experts_too(tiny_model: Path, batches: bool,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """Small matrices (the tiny preset's 256 KiB) go through the gather only where the
+    device cannot batch copies; otherwise a layer is one batched copy."""
+    import asyncio
+
+    from gpu.cache import DeviceCache
+    from pipeline.foundation.config import ComputeSpec
+    from stages.layout import plan_expert
+    from stages.upload import Uploader
+    from tests.test_pipeline import DeferredKernels
+    from tests.test_streamer import RegisteringDeferredBackend
+
+    table = open_table(tiny_model)
+    backend = type("Batching", (RegisteringDeferredBackend,), {"batches_copies": batches})()
+    called: list[str] = []
+
+    def spy(self: Uploader, name: str, real: Any, *args: Any) -> Any:
+        called.append(name)
+        return real(self, *args)
+
+    for name in ("gather", "upload_layer"):
+        real = getattr(Uploader, name)
+        monkeypatch.setattr(Uploader, name, functools.partialmethod(spy, name, real))
+
+    async def go() -> None:
+        size = plan_expert(table.slices((table.moe_layers[0], 0))).device_bytes
+        cache = DeviceCache(backend, 1 << 30, "lru", min_bytes=table.top_k * size)
+        cfg = RunConfig(model=table.path, compute=ComputeSpec("digest"), gather=True)
+        streamer = ExpertStreamer(cfg, table, backend, cache, DeferredKernels())
+        with table.path.open("rb") as f:  # only windows with every page resident register
+            while f.read(8 << 20):
+                pass
+        try:
+            await streamer.set_mode("resident")
+            load = streamer.start_layer(table.moe_layers[0], [0, 1])
+            for _ in range(load.pending):
+                assert load.arrived is not None
+                _, error = await load.arrived.get()
+                assert error is None
+        finally:
+            await streamer.aclose()
+            cache.close()
+
+    asyncio.run(go())
+    assert called == (["upload_layer"] if batches else ["gather"])
 
 
 def test_gather_blocks_checked_everywhere(tiny_model: Path) -> None:
