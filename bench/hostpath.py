@@ -80,8 +80,8 @@ class NullDevice(HostBackend):
         self.bytes_copied += int(src.size)
 
     def copy_h2d_batch(self, copies: npt.NDArray[np.uint64], stream: Stream) -> None:
-        self.copies += len(copies)
-        self.bytes_copied += int(copies[:, 2].sum())
+        self.copies += copies.shape[1]
+        self.bytes_copied += int(copies[2].sum())
 
 
 class NullKernels(HostKernels):

@@ -206,7 +206,7 @@ def slice_h2d_gbps(table: ExpertTable, backend: Backend, ranges: Sequence[tuple[
                                view.size)
                 at += n
             launches.append(copy_rows(rows))
-            batches.append(np.array(copies, dtype=np.uint64).reshape(-1, 3))
+            batches.append(np.array(copies, dtype=np.uint64).reshape(-1, 3).T.copy())
         best = 0.0
         with backend.activate():
             for _ in range(repeats):

@@ -120,7 +120,7 @@ class Backend(Protocol):
         """
 
     def copy_h2d_batch(self, copies: npt.NDArray[np.uint64], stream: Stream) -> None:
-        """Queue ``copies`` ((n, 3) rows: host address, device address, bytes) as one call
+        """Queue ``copies`` ((3, n): host addresses, device addresses, bytes) as one call
         where the device has one (``gpu.batchcopy``), else one copy each.
 
         Each source lies in pinned memory or in one registration (a copy may not span two)

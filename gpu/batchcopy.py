@@ -55,17 +55,16 @@ class BatchCopy:
         self._first = (ctypes.c_size_t * 1)(0)
 
     def __call__(self, copies: npt.NDArray[np.uint64], stream: int) -> None:
-        """Queue ``copies`` ((n, 3): host address, device address, bytes) on ``stream``
-        (a ``CUstream``). The caller made the device current.
+        """Queue ``copies`` ((3, n) uint64, C order: host addresses, device addresses,
+        bytes) on ``stream`` (a ``CUstream``). The caller made the device current.
 
         Raises:
             UploadError: the driver refused the batch (nothing of it was queued).
         """
-        n = len(copies)
-        srcs = np.ascontiguousarray(copies[:, 0])
-        dsts = np.ascontiguousarray(copies[:, 1])
-        sizes = np.ascontiguousarray(copies[:, 2])
-        args: list[object] = [dsts.ctypes.data, srcs.ctypes.data, sizes.ctypes.data, n,
+        n = copies.shape[1]
+        rows = np.ascontiguousarray(copies, dtype=np.uint64)  # as given, from the uploader
+        base = rows.ctypes.data  # ``rows`` stays referenced until the call returns
+        args: list[object] = [base + 8 * n, base, base + 16 * n, n,
                               ctypes.byref(self._attrs), self._first, 1]
         if self._fail_index:
             args.append(ctypes.byref(ctypes.c_size_t(0)))

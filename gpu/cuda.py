@@ -197,10 +197,10 @@ class CupyBackend:
             return
         rt = self._cp.cuda.runtime  # a driver before CUDA 12.8: one copy each
         try:
-            for src, dst, nbytes in copies.tolist():
+            for src, dst, nbytes in zip(*copies.tolist(), strict=True):
                 rt.memcpyAsync(dst, src, nbytes, rt.memcpyHostToDevice, raw.ptr)
         except Exception as exc:
-            raise UploadError(f"host-to-device copy of {len(copies)} pieces failed: "
+            raise UploadError(f"host-to-device copy of {copies.shape[1]} pieces failed: "
                               f"{exc}") from exc
 
     def adopt(self, arr: Any) -> Any:

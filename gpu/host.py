@@ -111,7 +111,7 @@ class HostBackend:
         cast(HostDeviceBuffer, dst).array[dst_offset : dst_offset + src.size] = src
 
     def copy_h2d_batch(self, copies: npt.NDArray[np.uint64], stream: Stream) -> None:
-        for src, dst, nbytes in copies.tolist():  # addresses of host memory on both sides
+        for src, dst, nbytes in zip(*copies.tolist(), strict=True):  # host memory both sides
             ctypes.memmove(dst, src, nbytes)
 
     def register_host(self, array: npt.NDArray[np.uint8]) -> bool:

@@ -154,7 +154,9 @@ class Uploader:
         stream = self.next_stream()
         faults = self._faults if self._faults else None
         failed: list[Exception | None] = []
-        copies: list[int] = []  # (host address, device address, bytes) per copy
+        srcs: list[int] = []  # per copy: host address, device address, bytes
+        dsts: list[int] = []
+        sizes: list[int] = []
         rows: list[int] = []  # the digest launch's rows, ``COPY_FIELDS`` fields each
         queued: list[Entry] = []
         corrupt: list[tuple[Entry, int]] = []
@@ -169,17 +171,19 @@ class Uploader:
                 stream.wait(waited)
             base = entry.buffer.ptr
             for offset, src, nbytes in pieces:
-                copies += (src, base + offset, nbytes)
+                srcs.append(src)
+                dsts.append(base + offset)
+                sizes.append(nbytes)
             if faults is not None and pieces and faults.hit("corrupt") is not None:
                 corrupt.append((entry, pieces[0][0] + pieces[0][2] // 2))
             for offset, nbytes, out in digests:
                 rows += (base + offset, base + offset, nbytes, out, NO_FLIP)
             queued.append(entry)
             failed.append(None)
-        if queued and copies:
+        if queued and srcs:
             try:
-                self._backend.copy_h2d_batch(
-                    np.array(copies, dtype=np.uint64).reshape(-1, 3), stream)
+                self._backend.copy_h2d_batch(np.array((srcs, dsts, sizes), dtype=np.uint64),
+                                             stream)
                 for entry, at in corrupt:
                     self._corrupt(entry, at, stream)
             except Exception as exc:
@@ -189,7 +193,7 @@ class Uploader:
                 return [error if f is None else f for f in failed]
         return self._one_event(kernels, rows, stream, queued, failed,
                                f"install digest of {len(queued)} experts on the device",
-                               counts=(sum(copies[2::3]), len(copies) // 3))
+                               counts=(sum(sizes), len(sizes)))
 
     def gather(
         self, kernels: Kernels,
