@@ -98,9 +98,6 @@ class Backend(Protocol):
     maps_host: bool
     """True when kernels read registered host memory at its host address
     (``Kernels.gather``; on CUDA, ``cudaDevAttrCanUseHostPointerForRegisteredMem``)."""
-    batches_copies: bool
-    """True when ``copy_h2d_batch`` is one call on the device (``gpu.batchcopy``): small
-    copies then cost the copy engines no more than large ones."""
 
     def alloc_host(self, nbytes: int) -> HostBuffer: ...
 

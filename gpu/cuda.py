@@ -154,7 +154,6 @@ class CupyBackend:
         self.maps_host = bool(cupy.cuda.runtime.deviceGetAttribute(
             _CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM, device))
         self._batch = open_batch_copy(device)
-        self.batches_copies = self._batch is not None
 
     def activate(self) -> Any:
         # a new Device each time: a Device keeps the devices it replaced in a list of its

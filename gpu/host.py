@@ -86,7 +86,6 @@ class HostBackend:
     async_copies = False
     registers_host = False
     maps_host = True  # its "device" memory is host memory
-    batches_copies = False
 
     def __init__(self, device: int = 0) -> None:
         self.device = device

@@ -59,9 +59,8 @@ class Tuning:
         staging_slots: experts staged in pinned memory at once, per device.
         upload_streams: upload streams per device.
         gather: a layer's resident misses copied by one gather kernel on the SMs, where it
-            serves (small expert matrices, no batched copy on the device,
-            ``pipeline.streamer.GATHER_BELOW_BYTES``); False: always the copy engines, which
-            leave the SMs to the engine's kernels.
+            serves (small expert matrices, ``pipeline.streamer.GATHER_BELOW_BYTES``); False:
+            always the copy engines, which leave the SMs to the engine's kernels.
         gather_blocks: the gather's blocks per copy, at most (its SM budget).
         layers_in_flight: layers whose experts may be pinned at once (a fetched layer and
             a prefetched one, or concurrent fetches); the budget must hold that many

@@ -80,12 +80,14 @@ copy engines also leave the SMs to the engine: beside the gather an engine's bf1
 
 
 # (continued) Since the copy engines take a layer's copies as one batched call
-# (``gpu.batchcopy``, CUDA 12.8+), small copies cost them no more than large ones: the same
-# bytes as the fine-grained shape's warm misses (0.57 MiB matrices) moved 53.0-54.2 GB/s
-# batched against 47.6-47.7 through the gather (``bench/results/batched-h200-33f25da/``), and
-# DeepSeek-V2-Lite's warm misses reached 1.00-1.03 x pinned H2D on them. Where the device
-# batches copies the gather is not used: the copy engines are faster and leave the SMs to
-# the engine.
+# (``gpu.batchcopy``, CUDA 12.8+), DeepSeek-V2-Lite's warm misses reach 1.00-1.02 x pinned
+# H2D, and the copy engines move the smaller shapes' bytes faster than the gather too (the
+# fine-grained shape's: 54.6 against 47.8 GB/s, ``bench/results/shapes-h200-bbcc026/``).
+# But those shapes are host-bound (10-20 misses a layer), and the gather is the lighter
+# path for the host (one launch copies and digests; the copy engines take a batched copy
+# and a digest launch): with the copy engines by default Qwen3-30B-A3B's warm misses fell
+# to 0.58-0.89 x pinned (three runs at 63262e7) from 0.85-0.97 through the gather. So the
+# line stays; ``gather=False`` gives an engine every SM at 0.5-0.8 x pinned there.
 
 
 def _small_ranges(table: ExpertTable) -> bool:
@@ -236,8 +238,7 @@ class ExpertStreamer:
         ahead = config.lookahead if config.prefetch == "oracle" else 0
         capacity = (len(table.layers) + ahead) * table.top_k
         self.digests = DigestRows(kernels, capacity) if config.verify else None
-        self._gathers = (config.gather and backend.maps_host and not backend.batches_copies
-                         and _small_ranges(table))
+        self._gathers = config.gather and backend.maps_host and _small_ranges(table)
 
     def layout(self, key: tuple[int, int]) -> ExpertLayout:
         """The staging/device layout of an expert (cached: offsets never change)."""

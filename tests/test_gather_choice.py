@@ -1,9 +1,8 @@
 """Which path resident misses take on a GPU, and the settings that choose it.
 
-The gather kernel serves models whose expert matrices are small where the device has no
-batched copy (there it copied twice as fast as one copy a slice on the H200); larger
-matrices, and every size where the copy engines take a layer's copies in one call, go to
-the copy engines, as fast or faster and leaving the SMs to the engine
+The gather kernel serves models whose expert matrices are small (there the host's work a
+layer is lightest: one launch copies and digests); larger matrices go to the copy engines,
+a layer's copies as one batched call, as fast or faster and leaving the SMs to the engine
 (``pipeline.streamer.GATHER_BELOW_BYTES``).
 ``gather_blocks`` is the gather's SM budget, settable from the CLI, ``RunConfig`` and
 ``moestream.Tuning``, checked where it is given.
@@ -40,11 +39,11 @@ def test_small_matrices_gather_large_ones_copy(tiny_model: Path, tmp_path: Path)
     assert not _small_ranges(big)
 
 
-@pytest.mark.parametrize("batches", [True, False])
-def test_batched_copies_take_small_experts_too(tiny_model: Path, batches: bool,
-                                               monkeypatch: pytest.MonkeyPatch) -> None:
-    """Small matrices (the tiny preset's 256 KiB) go through the gather only where the
-    device cannot batch copies; otherwise a layer is one batched copy."""
+@pytest.mark.parametrize("gather", [True, False])
+def test_small_experts_gather_unless_told(tiny_model: Path, gather: bool,
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Small matrices (the tiny preset's 256 KiB) go through one gather launch a layer;
+    with ``gather=False`` a layer is one batched copy on the copy engines."""
     import asyncio
 
     from gpu.cache import DeviceCache
@@ -55,7 +54,7 @@ def test_batched_copies_take_small_experts_too(tiny_model: Path, batches: bool,
     from tests.test_streamer import RegisteringDeferredBackend
 
     table = open_table(tiny_model)
-    backend = type("Batching", (RegisteringDeferredBackend,), {"batches_copies": batches})()
+    backend = RegisteringDeferredBackend()
     called: list[str] = []
 
     def spy(self: Uploader, name: str, real: Any, *args: Any) -> Any:
@@ -69,7 +68,7 @@ def test_batched_copies_take_small_experts_too(tiny_model: Path, batches: bool,
     async def go() -> None:
         size = plan_expert(table.slices((table.moe_layers[0], 0))).device_bytes
         cache = DeviceCache(backend, 1 << 30, "lru", min_bytes=table.top_k * size)
-        cfg = RunConfig(model=table.path, compute=ComputeSpec("digest"), gather=True)
+        cfg = RunConfig(model=table.path, compute=ComputeSpec("digest"), gather=gather)
         streamer = ExpertStreamer(cfg, table, backend, cache, DeferredKernels())
         with table.path.open("rb") as f:  # only windows with every page resident register
             while f.read(8 << 20):
@@ -86,7 +85,7 @@ def test_batched_copies_take_small_experts_too(tiny_model: Path, batches: bool,
             cache.close()
 
     asyncio.run(go())
-    assert called == (["upload_layer"] if batches else ["gather"])
+    assert called == (["gather"] if gather else ["upload_layer"])
 
 
 def test_gather_blocks_checked_everywhere(tiny_model: Path) -> None:

@@ -247,11 +247,10 @@ class RunConfig:
         upload_streams: CUDA streams used in turn for uploads.
         gather: resident misses of a layer copied by one gather kernel that reads the
             registered mapping (and digests as it writes), where the device maps registered
-            memory, has no batched copy (``Backend.batches_copies``: before CUDA 12.8) and
-            the experts' matrices average under 2 MiB
+            memory and the experts' matrices average under 2 MiB
             (``pipeline.streamer.GATHER_BELOW_BYTES``: above it the copy engines are as fast);
-            False: the copy engines always, which leave the SMs to an engine's compute
-            (``--no-gather``).
+            False: the copy engines always (a layer's copies as one batched copy), which
+            leave the SMs to an engine's compute (``--no-gather``).
         gather_blocks: the gather kernel's blocks per copy, at most: its SM budget beside
             an engine's kernels (``--gather-blocks``).
         verify: check every installed expert against the file's bytes.
