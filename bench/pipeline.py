@@ -201,9 +201,9 @@ def slice_h2d_gbps(table: ExpertTable, backend: Backend, ranges: Sequence[tuple[
             copies: list[int] = []
             for off, n in ranges[i : i + per_launch]:
                 rows += (mapping.address(off), dst.ptr + at, n, 0, NO_FLIP)
-                for piece_at, view in mapping.pieces(off, n):
+                for piece_at, piece_n in mapping.spans(off, n):
                     copies += (mapping.address(off + piece_at), dst.ptr + at + piece_at,
-                               view.size)
+                               piece_n)
                 at += n
             launches.append(copy_rows(rows))
             batches.append(np.array(copies, dtype=np.uint64).reshape(-1, 3).T.copy())

@@ -76,18 +76,17 @@ without verification, ``bench/results/shapes-h200-1952d34/``; one digest launch 
 (ds4-flash-q2, 2.1-2.6 MiB), 0.78 against 0.94 (bf16 per-expert checkpoint, 3 MiB). The
 copy engines also leave the SMs to the engine: beside the gather an engine's bf16 GEMM kept
 0.36-0.53 of its rate and a decode-like GEMV 0.09-0.25, beside the copy engines 0.93-0.98
-(``bench.contention``, ``bench/results/shapes-h200-b322dfe/``)."""
+(``bench.contention``, ``bench/results/shapes-h200-b322dfe/``).
 
-
-# (continued) Since the copy engines take a layer's copies as one batched call
-# (``gpu.batchcopy``, CUDA 12.8+), DeepSeek-V2-Lite's warm misses reach 1.00-1.02 x pinned
-# H2D, and the copy engines move the smaller shapes' bytes faster than the gather too (the
-# fine-grained shape's: 54.6 against 47.8 GB/s, ``bench/results/shapes-h200-bbcc026/``).
-# But those shapes are host-bound (10-20 misses a layer), and the gather is the lighter
-# path for the host (one launch copies and digests; the copy engines take a batched copy
-# and a digest launch): with the copy engines by default Qwen3-30B-A3B's warm misses fell
-# to 0.58-0.89 x pinned (three runs at 63262e7) from 0.85-0.97 through the gather. So the
-# line stays; ``gather=False`` gives an engine every SM at 0.5-0.8 x pinned there.
+Since the copy engines take a layer's copies as one batched call (``gpu.batchcopy``, CUDA
+12.8+), DeepSeek-V2-Lite's warm misses reach 1.00-1.02 x pinned H2D, and the copy engines
+move the smaller shapes' bytes faster than the gather too (the fine-grained shape's: 54.6
+against 47.8 GB/s, ``bench/results/shapes-h200-bbcc026/``). But those shapes are
+host-bound (10-20 misses a layer), and the gather is the lighter path for the host (one
+launch copies and digests; the copy engines take a batched copy and a digest launch): with
+the copy engines by default Qwen3-30B-A3B's warm misses fell to 0.58-0.89 x pinned (three
+runs at 63262e7) from 0.85-0.97 through the gather. So the line stays; ``gather=False``
+gives an engine every SM at 0.5-0.9 x pinned there."""
 
 
 def _small_ranges(table: ExpertTable) -> bool:
@@ -403,8 +402,8 @@ class ExpertStreamer:
                                       for s in ranges], [])
                 else:
                     source = _Source(
-                        [(s.device_offset + at, mapping.address(s.file_offset + at), view.size)
-                         for s in ranges for at, view in mapping.pieces(s.file_offset, s.nbytes)],
+                        [(s.device_offset + at, mapping.address(s.file_offset + at), n)
+                         for s in ranges for at, n in mapping.spans(s.file_offset, s.nbytes)],
                         [(s.device_offset, s.nbytes) for s in ranges])
                 self._sources[entry.key] = source
             out.append(source)
@@ -428,8 +427,7 @@ class ExpertStreamer:
         job, worker or ``call_soon_threadsafe`` per expert, and a single callback delivers
         the layer's misses to whoever waits on ``load.arrived`` (it runs after this
         returns, so a caller may still swap that queue, as ``pipeline.lease`` does). An
-        entry is visible
-        only after its upload event.
+        entry is visible only after its upload event.
         """
         digests = self.digests
         misses = load.plan.misses

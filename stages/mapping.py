@@ -129,8 +129,8 @@ class ModelMapping:
         (``Backend.maps_host``) kernels read a registered range at it, across windows."""
         return self._addr + offset
 
-    def pieces(self, offset: int, nbytes: int) -> list[tuple[int, npt.NDArray[np.uint8]]]:
-        """(offset within the range, view) pieces of a range, split at window boundaries.
+    def spans(self, offset: int, nbytes: int) -> list[tuple[int, int]]:
+        """(offset within the range, bytes) pieces of a range, split at window boundaries.
 
         One copy may not span two registrations, so each piece lies in one window.
         """
@@ -140,9 +140,14 @@ class ModelMapping:
         while at < end:
             w = self._window_of(at)
             stop = min(end, self._starts[w] + self._lengths[w])
-            out.append((at - offset, self.array[at:stop]))
+            out.append((at - offset, stop - at))
             at = stop
         return out
+
+    def pieces(self, offset: int, nbytes: int) -> list[tuple[int, npt.NDArray[np.uint8]]]:
+        """``spans`` as (offset within the range, view of the mapping)."""
+        return [(at, self.array[offset + at : offset + at + n])
+                for at, n in self.spans(offset, nbytes)]
 
     def close(self) -> None:
         """Unregister every window, then unmap."""

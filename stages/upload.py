@@ -4,9 +4,8 @@ Uploads go round-robin over at least two non-default streams, so the copy of one
 overlaps the read of the next. A layer's resident misses from the registered mapping go as
 one ``gather`` launch instead, where the device reads registered memory in place, or, on
 the copy engines, as one batched copy on one stream with one install-digest launch
-(``upload_layer``). Before
-writing into a recycled device buffer the stream waits (on the device, the host never
-blocks) for the last compute that read it.
+(``upload_layer``). Before writing into a recycled device buffer the stream waits (on the
+device, the host never blocks) for the last compute that read it.
 
 A failed upload leaves no copy running: the stream is synchronized before the error is
 raised, so the entry's buffer (dropped, never installed) can be reused safely.
