@@ -26,13 +26,14 @@ CuPy only (a GPU machine). The result goes to ``--out`` with machine, commit and
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import os
 import platform
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -56,6 +57,24 @@ def _make_file(path: Path, nbytes: int) -> None:
     with path.open("wb") as f:
         for _ in range(nbytes // len(block)):
             f.write(block)
+
+
+@contextlib.contextmanager
+def scratch_mapping(path: Path, nbytes: int) -> Iterator[tuple[int, int, np.ndarray]]:
+    """A resident scratch file of ``nbytes`` (``_make_file``), mapped read-only:
+    (descriptor, address, uint8 array over the mapping); unmapped, closed and deleted
+    after, whatever happened."""
+    _make_file(path, nbytes)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        addr = libc.map_read(fd, 0, nbytes, str(path))
+        try:
+            yield fd, addr, np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(addr))
+        finally:
+            libc.munmap(addr, nbytes)
+    finally:
+        os.close(fd)
+        path.unlink()
 
 
 def _copies(cp: Any, src: np.ndarray, dst: Any, stream: CudaStream, piece: int,
@@ -158,18 +177,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         "command": "python -m bench.register " + " ".join(argv or sys.argv[1:]),
         "file_bytes": nbytes,
     }
-    _make_file(path, nbytes)
-    fd = os.open(path, os.O_RDONLY)
-    addr = libc.map_read(fd, 0, nbytes, str(path))
-    mapping = np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(addr))
-    rt = cp.cuda.runtime
-    stream = CudaStream()
-    piece = 8 * MIB
-    dst = cp.empty(piece, dtype=cp.uint8)
-    sweep_dst = cp.empty(1 << 30, dtype=cp.uint8)
-    streams = [stream, CudaStream(), CudaStream(), CudaStream()]
-    sizes = (0.5, 1, 2, 3, 8, 64)
-    try:
+    with scratch_mapping(path, nbytes) as (fd, _addr, mapping):
+        rt = cp.cuda.runtime
+        stream = CudaStream()
+        piece = 8 * MIB
+        dst = cp.empty(piece, dtype=cp.uint8)
+        sweep_dst = cp.empty(1 << 30, dtype=cp.uint8)
+        streams = [stream, CudaStream(), CudaStream(), CudaStream()]
+        sizes = (0.5, 1, 2, 3, 8, 64)
         by_piece: dict[str, Any] = {}
         register: dict[str, float] = {}
         for window_mib in (64, 256):
@@ -235,10 +250,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         for at in range(0, part.size - w + 1, w):
             rt.hostUnregister(part.ctypes.data + at)
         pinned.close()
-    finally:
-        libc.munmap(addr, nbytes)
-        os.close(fd)
-        path.unlink()
     for key, value in result.items():
         print(f"{key}: {value}")
     write_result(args.out, result)

@@ -32,9 +32,8 @@ from typing import Any
 import numpy as np
 
 from bench.record import git_commit, write_result
-from bench.register import _make_file
+from bench.register import scratch_mapping
 from gpu.cuda import CudaStream
-from stages.residency import libc
 
 __all__ = ["main"]
 
@@ -116,15 +115,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         "command": "python -m bench.strided " + " ".join(argv or sys.argv[1:]),
         "window_bytes": window,
     }
-    _make_file(path, nbytes)
-    fd = os.open(path, os.O_RDONLY)
-    addr = libc.map_read(fd, 0, nbytes, str(path))
-    mapping = np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(addr))
-    stream = CudaStream()
-    dst = cp.empty(nbytes // 2, dtype=cp.uint8)
-    raw = stream.raw.ptr
-    tensor = nbytes // _ROWS // MIB * MIB  # three "tensors" one after the other
-    try:
+    with scratch_mapping(path, nbytes) as (_fd, addr, mapping):
+        stream = CudaStream()
+        dst = cp.empty(nbytes // 2, dtype=cp.uint8)
+        raw = stream.raw.ptr
+        tensor = nbytes // _ROWS // MIB * MIB  # three "tensors" one after the other
         for at in range(0, nbytes, window):
             rt.hostRegister(addr + at, min(window, nbytes - at), _READ_ONLY)
         # a strided copy with its rows in different registrations
@@ -201,10 +196,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             batched[f"{mib:g}MiB_x{_ROWS}"]["2d_one_registration"] = _timed(
                 stream, experts * _ROWS * row, strided)
         rt.hostUnregister(addr)
-    finally:
-        libc.munmap(addr, nbytes)
-        os.close(fd)
-        path.unlink()
     for key, value in result.items():
         print(f"{key}: {value}")
     write_result(args.out, result)

@@ -4,6 +4,7 @@ say (the figures themselves are measured on the GPU machine, never in tests)."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -114,3 +115,17 @@ def test_bench_command_names_a_missing_model_in_one_line(module: str, tmp_path: 
     assert done.returncode == 2
     lines = done.stderr.strip().splitlines()
     assert lines == [f"python -m bench.{module}: error: {missing}: no such file"]
+
+
+def test_scratch_mapping_lives_only_in_its_block(tmp_path: Path) -> None:
+    """``bench.register``'s and ``bench.strided``'s scratch file: its bytes mapped while the
+    block runs, unmapped and deleted after it, an error inside included."""
+    from bench.register import scratch_mapping
+
+    path, nbytes = tmp_path / "scratch.bin", 64 << 20
+    with pytest.raises(RuntimeError, match="inside"), \
+            scratch_mapping(path, nbytes) as (fd, addr, mapping):
+        assert mapping.ctypes.data == addr and mapping.size == nbytes
+        assert mapping[:4096].tobytes() == os.pread(fd, 4096, 0)
+        raise RuntimeError("inside")
+    assert not path.exists()
