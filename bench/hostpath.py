@@ -213,7 +213,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=7, help="timed repeats per phase (7)")
     p.add_argument("--no-verify", action="store_true", help="no install digests")
     p.add_argument("--no-gather", action="store_true",
-                   help="resident misses through per-range copies, not one gather per layer")
+                   help="resident misses through the copy engines' batched copy, not one "
+                        "gather per layer")
     p.add_argument("--label", default="", help="a word stored with the result (before/after)")
     p.add_argument("--out", type=Path, help="result JSON (default: print only)")
     args = p.parse_args(argv)

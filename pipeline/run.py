@@ -261,8 +261,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lookahead", type=int, default=1, help="layers prefetched ahead (1)")
     p.add_argument("--no-verify", action="store_true", help="skip install-time verification")
     p.add_argument("--no-gather", action="store_true",
-                   help="resident misses by cudaMemcpyAsync per range on the copy engines, "
-                        "not one gather kernel per layer (leaves the SMs to compute)")
+                   help="resident misses on the copy engines (a layer's copies as one batched "
+                        "copy), not one gather kernel per layer (leaves the SMs to compute)")
     p.add_argument("--gather-blocks", type=int, default=GATHER_BLOCKS,
                    help="the gather kernel's blocks per copy, at most: its SM budget "
                         f"({GATHER_BLOCKS})")

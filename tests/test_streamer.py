@@ -205,7 +205,7 @@ class TestRegisteredLayerBatch:
         assert out["verifier"].first_mismatch.startswith("layer ")
 
     def test_gather_same_as_copy_engines(self, tiny_table: ExpertTable) -> None:
-        """One launch per layer or per-range copies: the same experts, bytes and counts."""
+        """One launch per layer or one batched copy: the same experts, bytes and counts."""
         routes = _routes(tiny_table, 6, seed=5)
         one = asyncio.run(_stream(tiny_table, routes, budget_experts=12, gather=True))
         per = asyncio.run(_stream(tiny_table, routes, budget_experts=12, gather=False))
