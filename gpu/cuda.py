@@ -192,8 +192,13 @@ class CupyBackend:
     def copy_h2d_batch(self, copies: npt.NDArray[np.uint64], stream: Stream) -> None:
         raw = cast(CudaStream, stream).raw
         if self._batch is not None:
-            self._batch(copies, raw.ptr)
-            return
+            try:
+                self._batch(copies, raw.ptr)
+                return
+            except UploadError as exc:  # a driver that has the call but refuses it here
+                _log.warning("batched_copy_refused", device=self.device, reason=str(exc),
+                             action="one copy a piece from now on")
+                self._batch = None
         rt = self._cp.cuda.runtime  # a driver before CUDA 12.8: one copy each
         try:
             for src, dst, nbytes in zip(*copies.tolist(), strict=True):
