@@ -82,11 +82,13 @@ Since the copy engines take a layer's copies as one batched call (``gpu.batchcop
 12.8+), DeepSeek-V2-Lite's warm misses reach 1.00-1.02 x pinned H2D, and the copy engines
 move the smaller shapes' bytes faster than the gather too (the fine-grained shape's: 54.6
 against 47.8 GB/s, ``bench/results/shapes-h200-bbcc026/``). But those shapes are
-host-bound (10-20 misses a layer), and the gather is the lighter path for the host (one
-launch copies and digests; the copy engines take a batched copy and a digest launch): with
-the copy engines by default Qwen3-30B-A3B's warm misses fell to 0.58-0.89 x pinned (three
-runs at 63262e7) from 0.85-0.97 through the gather. So the line stays; ``gather=False``
-gives an engine every SM at 0.5-0.9 x pinned there."""
+host-bound (10-20 misses a layer), and the gather costs the host less (one launch copies
+and digests, where the copy engines take a batched copy and a digest launch): with the
+copy engines by default Qwen3-30B-A3B's warm misses read 0.58, 0.58, 0.89 x pinned (63262e7)
+where the gather read 0.85-0.97 in every run of three earlier sessions. That lease's host
+was slow too (the fine shape's 0.49 there), so the two are not yet compared in one
+process; until they are, the gather, measured, stays the default for small experts, and
+``gather=False`` gives an engine every SM at 0.5-0.9 x pinned there."""
 
 
 def _small_ranges(table: ExpertTable) -> bool:
