@@ -8,16 +8,17 @@ the same expert ranges, because these machines are noisy:
 - parallel page-cache read of the same ranges (warm);
 - pinned host-to-device copy (one GiB in one copy: the link's rate);
 - each resident path's own rate on the warm-miss sweep's bytes, from the registered
-  mapping, back-to-back on one stream: the copy engines one copy per range (a copy's fixed
-  cost of ~2.7 us held 2 MiB copies at 0.93 x one GiB's on the H200,
-  ``bench/results/dsv2-h200-6fff5dd/``), the gather kernel one launch per layer;
+  mapping, back-to-back on one stream: the copy engines one batched copy per layer (one
+  copy per range paid ~2.7 us a copy, which held 2 MiB copies at 0.93 x one GiB's on the
+  H200, ``bench/results/dsv2-h200-6fff5dd/``), the gather kernel one launch per layer;
 - kvikio ``CuFile.pread`` of the same ranges into device buffers, when kvikio is installed;
 - a naive baseline: synchronous buffered read, pageable copy, no cache (what ds4's CUDA
   path did before its cache was fixed);
 - the compute-only rate: the same per-layer kernels and syncs with no I/O at all;
-- the warm-miss run (gather) and the all-cached run with its compute-only reference
-  (alternating) are repeated ``--rounds`` times, and each figure is the median round's:
-  one run of the same code swung 0.69-0.95 (warm misses) on the H200;
+- the warm-miss run (default path) and, on a GPU, the same on the copy engines, and the
+  all-cached run with its compute-only reference, each pair alternating, are repeated
+  ``--rounds`` times, and each figure is the median round's: one run of the same code
+  swung 0.69-0.95 (warm misses) on the H200, so two paths are compared in one process;
 - with ``--ab-verify N``, the same phases with verification on and off, alternating in one
   process: what verification costs, from medians, free of the drift between two runs.
 
@@ -468,18 +469,20 @@ def main(argv: Sequence[str] | None = None) -> int:
                               budget_bytes=sweep_budget, layer_ms=0.0)
             results["resident_miss_layer_by_layer"] = _phase(
                 "resident_miss_layer_by_layer", {}, lambda: window_rate(ev[args.sweep_tokens:]))
-            results["resident_miss"] = _phase("resident_miss", {}, lambda: _median_round(
-                [window_rate(bench.run("resident_sweep_ahead", sweep, cyc, mode="resident",
-                                       budget_bytes=sweep_budget, layer_ms=0.0,
-                                       lookahead=args.lookahead)[1][args.sweep_tokens:])
-                 for _ in range(args.rounds)], "delivered_gbps"))
-            if gpu:  # the same on the copy engines (``--no-gather``), in the same run
-                _, ev = bench.run("resident_sweep_copies", sweep, cyc, mode="resident",
-                                  budget_bytes=sweep_budget, layer_ms=0.0,
-                                  lookahead=args.lookahead, gather=False)
-                results["resident_miss_copy_engines"] = _phase(
-                    "resident_miss_copy_engines", {},
-                    lambda: window_rate(ev[args.sweep_tokens:]))
+            # the default path's rounds, alternating on a GPU with the same on the copy
+            # engines (``--no-gather``): the two compared in one process, round by round
+            paths = {"resident_miss": True, **({"resident_miss_copy_engines": False}
+                                               if gpu else {})}
+            by_path: dict[str, list[dict[str, Any]]] = {name: [] for name in paths}
+            for _ in range(args.rounds):
+                for name, gather in paths.items():
+                    by_path[name].append(window_rate(bench.run(
+                        name, sweep, cyc, mode="resident", budget_bytes=sweep_budget,
+                        layer_ms=0.0, lookahead=args.lookahead,
+                        gather=gather)[1][args.sweep_tokens:]))
+            for name in paths:
+                results[name] = _phase(name, {}, functools.partial(
+                    _median_round, by_path[name], "delivered_gbps"))
         if "cold" not in skip:
             print("cold (caches dropped):", flush=True)
             drop_caches(table.files)
@@ -619,6 +622,9 @@ def _figures(r: dict[str, Any]) -> dict[str, Any]:
         fig["2_warm_resident_copy_engines_vs_pinned_h2d"] = _ratio(
             r.get("resident_miss_copy_engines", {}).get("delivered_gbps"),
             ref.get("pinned_h2d_gbps"))
+        fig["2_warm_resident_vs_copy_engines"] = _ratio(
+            r["resident_miss"]["delivered_gbps"],
+            r.get("resident_miss_copy_engines", {}).get("delivered_gbps"))
         fig["2_warm_resident_vs_slice_h2d"] = _ratio(r["resident_miss"]["delivered_gbps"],
                                                      ref.get("slice_h2d_gbps"))
         fig["2_warm_resident_vs_slice_gather"] = _ratio(r["resident_miss"]["delivered_gbps"],
