@@ -6,8 +6,9 @@ layer's misses are three copies each, all small: one ``cudaMemcpyAsync`` a slice
 0.5 MiB slices at 40.9 GB/s and 2 MiB ones at 49.3, against 55 for one GiB. Ten experts'
 slices in one batched call moved 52.5 and 52.6 GB/s (``bench.strided`` on the H200,
 ``bench/results/batched-h200-33f25da/23e342e/``), and the host makes one call a layer
-instead of one a slice. A strided copy (``cudaMemcpy2DAsync``, the three slices as rows) would do as
-well but may not span two registrations, and the mapping is registered in windows.
+instead of one a slice. A strided copy (``cudaMemcpy2DAsync``, the three slices as rows)
+would do as well but may not span two registrations, and the mapping is registered in
+windows.
 
 CuPy does not bind it; the driver library is there wherever CUDA is. CUDA 13 dropped the
 failure index argument (``cuMemcpyBatchAsync_v2``); both forms are looked up.
@@ -44,8 +45,7 @@ class _Attributes(ctypes.Structure):
 class BatchCopy:
     """Host-to-device copies of one device as one driver call on a stream."""
 
-    def __init__(self, fn: Any, error_name: Any,
-                 fail_index: bool, device: int) -> None:
+    def __init__(self, fn: Any, error_name: Any, fail_index: bool, device: int) -> None:
         self._fn = fn
         self._error_name = error_name
         self._fail_index = fail_index
