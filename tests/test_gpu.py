@@ -49,6 +49,45 @@ class TestKernels:
         assert got == want
 
 
+@pytest.mark.parametrize("batched", [True, False])
+def test_batched_copy_from_registered_windows(tmp_path: Path, batched: bool) -> None:
+    """A layer's copies from a mapping registered in windows, cut at the windows, as one
+    ``cuMemcpyBatchAsync`` (and, with the driver's call taken away, one copy a piece as on
+    a driver before 12.8): the device holds exactly the file's bytes, at odd offsets."""
+    import cupy
+
+    from gpu.cuda import CupyBackend
+    from stages.mapping import ModelMapping
+
+    data = np.random.default_rng(7).integers(0, 256, 4 << 20, dtype=np.uint8)
+    path = tmp_path / "blob.bin"
+    path.write_bytes(data.tobytes())
+    backend = CupyBackend(0)
+    if not batched:
+        backend._batch = None
+    ranges = [(1001, 700_001), (1_048_000, 1_200_003), (3_000_017, 1_000_000)]
+    with ModelMapping(path, backend, window_bytes=1 << 20) as mapping:
+        mapping.register_resident_windows()
+        assert all(mapping.is_registered(off, n) for off, n in ranges)
+        dst = backend.alloc_device(sum(n for _, n in ranges))
+        srcs, dsts, sizes, at = [], [], [], 0
+        for off, n in ranges:
+            for piece_at, piece_n in mapping.spans(off, n):
+                srcs.append(mapping.address(off + piece_at))
+                dsts.append(dst.ptr + at + piece_at)
+                sizes.append(piece_n)
+            at += n
+        assert len(sizes) > len(ranges)  # some range crosses a window
+        stream = backend.new_stream()
+        with backend.activate():
+            backend.copy_h2d_batch(np.array((srcs, dsts, sizes), dtype=np.uint64), stream)
+            stream.synchronize()
+            got = cupy.asnumpy(backend.device_bytes(dst, 0, dst.nbytes))
+        dst.close()
+    want = np.concatenate([data[off : off + n] for off, n in ranges])
+    assert np.array_equal(got, want)
+
+
 class TestEndToEnd:
     """Every mode and compute kind verifies on the GPU."""
 
