@@ -15,7 +15,7 @@ import psutil
 
 from pipeline.foundation.outputs import write_atomic
 
-__all__ = ["git_commit", "machine", "write_result"]
+__all__ = ["git_commit", "machine", "report", "write_result"]
 
 _REPO = Path(__file__).resolve().parent.parent
 
@@ -49,6 +49,13 @@ def machine() -> dict[str, Any]:
         "ram_total_bytes": int(memory.total),
         "ram_available_bytes": int(memory.available),
     }
+
+
+def report(path: Path, result: dict[str, Any]) -> None:
+    """Print a probe's result a key a line, then write it (``write_result``)."""
+    for key, value in result.items():
+        print(f"{key}: {value}")
+    write_result(path, result)
 
 
 def write_result(path: Path, result: dict[str, Any]) -> None:

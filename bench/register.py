@@ -29,7 +29,6 @@ import argparse
 import contextlib
 import ctypes
 import os
-import platform
 import sys
 import threading
 import time
@@ -40,7 +39,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.record import git_commit, write_result
+from bench.record import git_commit, machine, report
 from gpu.cuda import CudaPinned, CudaStream
 from stages.residency import libc
 
@@ -172,7 +171,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     path = args.dir / "moestream-register-probe.bin"
     nbytes = int(args.size_gib * (1 << 30)) // (64 * MIB) * (64 * MIB)
     result: dict[str, Any] = {
-        "machine": {"host": platform.node(), "cpus": os.cpu_count()},
+        "machine": machine(),
         "commit": git_commit(),
         "command": "python -m bench.register " + " ".join(argv or sys.argv[1:]),
         "file_bytes": nbytes,
@@ -250,9 +249,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for at in range(0, part.size - w + 1, w):
             rt.hostUnregister(part.ctypes.data + at)
         pinned.close()
-    for key, value in result.items():
-        print(f"{key}: {value}")
-    write_result(args.out, result)
+    report(args.out, result)
     return 0
 
 

@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import os
-import platform
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -31,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.record import git_commit, write_result
+from bench.record import git_commit, machine, report
 from bench.register import scratch_mapping
 from gpu.cuda import CudaStream
 
@@ -110,7 +108,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     nbytes, window = 1 << 30, args.window_mib * MIB
     path = args.dir / "moestream-strided-probe.bin"
     result: dict[str, Any] = {
-        "machine": {"host": platform.node(), "cpus": os.cpu_count()},
+        "machine": machine(),
         "commit": git_commit(),
         "command": "python -m bench.strided " + " ".join(argv or sys.argv[1:]),
         "window_bytes": window,
@@ -196,9 +194,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             batched[f"{mib:g}MiB_x{_ROWS}"]["2d_one_registration"] = _timed(
                 stream, experts * _ROWS * row, strided)
         rt.hostUnregister(addr)
-    for key, value in result.items():
-        print(f"{key}: {value}")
-    write_result(args.out, result)
+    report(args.out, result)
     return 0
 
 

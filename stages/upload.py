@@ -20,7 +20,8 @@ from __future__ import annotations
 import contextlib
 import itertools
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -33,6 +34,10 @@ from pipeline.foundation.errors import MoestreamError, UploadError
 from pipeline.foundation.faults import FaultPlan
 
 __all__ = ["Uploader"]
+
+_Item = TypeVar("_Item", bound=tuple[Any, ...])
+"""A layer's expert for ``Uploader._admitted``: (entry, its copies (offset, address,
+bytes), then what its path adds)."""
 
 _log = structlog.get_logger("moestream.upload")
 
@@ -159,15 +164,7 @@ class Uploader:
         rows: list[int] = []  # the digest launch's rows, ``COPY_FIELDS`` fields each
         queued: list[Entry] = []
         corrupt: list[tuple[Entry, int]] = []
-        waited: Event | None = None
-        for entry, pieces, digests in items:
-            if faults is not None and faults.hit("upload") is not None:
-                failed.append(UploadError(f"copy of {sum(n for _, _, n in pieces)} bytes to "
-                                          "the device failed (injected)"))
-                continue
-            if entry.reuse_after is not None and entry.reuse_after is not waited:
-                waited = entry.reuse_after  # buffers a layer's compute freed share its event
-                stream.wait(waited)
+        for entry, pieces, digests in self._admitted(items, stream, failed):
             base = entry.buffer.ptr
             for offset, src, nbytes in pieces:
                 srcs.append(src)
@@ -178,7 +175,6 @@ class Uploader:
             for offset, nbytes, out in digests:
                 rows += (base + offset, base + offset, nbytes, out, NO_FLIP)
             queued.append(entry)
-            failed.append(None)
         if queued and srcs:
             try:
                 self._backend.copy_h2d_batch(np.array((srcs, dsts, sizes), dtype=np.uint64),
@@ -213,15 +209,7 @@ class Uploader:
         failed: list[Exception | None] = []  # per item: its injected failure, or queued
         rows: list[int] = []  # the launch's copies, ``COPY_FIELDS`` fields each
         queued: list[Entry] = []
-        waited: Event | None = None
-        for entry, copies, outs in items:
-            if faults is not None and faults.hit("upload") is not None:
-                failed.append(UploadError(f"copy of {sum(n for _, _, n in copies)} bytes to "
-                                          "the device failed (injected)"))
-                continue
-            if entry.reuse_after is not None and entry.reuse_after is not waited:
-                waited = entry.reuse_after  # buffers a layer's compute freed share its event
-                stream.wait(waited)
+        for entry, copies, outs in self._admitted(items, stream, failed):
             base = entry.buffer.ptr
             first = len(rows)
             for (offset, src, nbytes), out in zip(copies, outs or [0] * len(copies),
@@ -233,10 +221,30 @@ class Uploader:
                 _log.warning("corrupt_injected", key=entry.key,
                              device_offset=copies[0][0] + nbytes // 2)
             queued.append(entry)
-            failed.append(None)
         return self._one_event(kernels, rows, stream, queued, failed,
                                f"gather of {len(rows) // COPY_FIELDS} copies to the device",
                                counts=(sum(rows[2::COPY_FIELDS]), len(rows) // COPY_FIELDS))
+
+    def _admitted(self, items: Sequence[_Item], stream: Stream,
+                  failed: list[Exception | None]) -> Iterator[_Item]:
+        """The experts of a layer queued on one ``stream`` (``upload_layer``, ``gather``):
+        each one an injected ``upload`` fault fails has its error put in ``failed`` and is
+        skipped; for the others, in order, the stream waits for the buffer's ``reuse_after``
+        (once for the event a layer's freed buffers share), None goes in ``failed``, and
+        the item is yielded (the copies it names are the caller's to queue)."""
+        faults = self._faults if self._faults else None
+        waited: Event | None = None
+        for item in items:
+            entry, copies = item[0], item[1]
+            if faults is not None and faults.hit("upload") is not None:
+                failed.append(UploadError(f"copy of {sum(n for _, _, n in copies)} bytes to "
+                                          "the device failed (injected)"))
+                continue
+            if entry.reuse_after is not None and entry.reuse_after is not waited:
+                waited = entry.reuse_after
+                stream.wait(waited)
+            failed.append(None)
+            yield item
 
     def _one_event(self, kernels: Kernels, rows: list[int], stream: Stream,
                    queued: Sequence[Entry], failed: Sequence[Exception | None], what: str,
