@@ -85,10 +85,12 @@ against 47.8 GB/s, ``bench/results/shapes-h200-bbcc026/``). But those shapes are
 host-bound (10-20 misses a layer), and the gather costs the host less (one launch copies
 and digests, where the copy engines take a batched copy and a digest launch): with the
 copy engines by default Qwen3-30B-A3B's warm misses read 0.58, 0.58, 0.89 x pinned (63262e7)
-where the gather read 0.85-0.97 in every run of three earlier sessions. That lease's host
-was slow too (the fine shape's 0.49 there), so the two are not yet compared in one
-process; until they are, the gather, measured, stays the default for small experts, and
-``gather=False`` gives an engine every SM at 0.5-0.9 x pinned there."""
+where the gather read 0.85-0.97 in every run of three earlier sessions. Compared round by
+round in one process (``bench.pipeline``'s alternating warm-miss rounds,
+``bench/results/shapes-h200-24dccb3/``) the gather beat the batched copy engines by
+1.06-1.28 x on the fine-grained shape in three runs and 0.97 and 1.40 x on Qwen's in two:
+the gather stays the default for small experts, and ``gather=False`` gives an engine every
+SM at 0.5-0.9 x pinned there."""
 
 
 def _small_ranges(table: ExpertTable) -> bool:
