@@ -10,6 +10,12 @@
 #   contention  bench.contention on each shape (GATHER_BLOCKS=N: the gather's SM budget)
 #   register  python -m bench.register --size-gib 4 (copy engines by piece, strided copies)
 #   strided   python -m bench.strided (an expert's slices as one copy across registrations)
+#   hostcost  the host's time a layer on a 4-layer fine file: bench.hostpath (stand-in device)
+#             and bench.profile --backend cupy (timed twice, then under cProfile, which
+#             counts CuPy's calls as functions too), gather and --no-gather
+#   dmaload   topology (lscpu, nvidia-smi topo), then bench.hostpath on the 4-layer fine file
+#             alone and beside bench.dmaload's host -> device traffic (copy engines, gather):
+#             whether the device's reads of host memory slow the host's Python
 #   spy       one warm-miss-only bench.pipeline per shape under py-spy (--native --idle,
 #             raw stacks per thread; py-spy's wheel carried in .whl): where the loop
 #             thread's time goes when a round runs slow
@@ -71,6 +77,34 @@ if [[ $steps == *warmup* ]]; then
   done | tee $OUT/numpy-import.log
   timeout 300 python3 -m bench.warmup --size-gib 8 --runs 3 --dir /tmp --out $OUT/warmup.json \
     > $OUT/warmup.log 2>&1; echo "warmup rc=$?"; tail -14 $OUT/warmup.log; pack
+fi
+if [[ $steps == *hostcost* ]]; then
+  m=$MODELS/fine4.gguf
+  [[ -f $m ]] || { python3 -m tools.make_model $m --preset qwen3-next-80b-a3b --layers 4 --no-digests
+                   python3 -m tools.warmup $m --digests; } > /dev/null 2>&1
+  for g in "" --no-gather; do
+    echo "hostcost ${g:-gather}:"
+    timeout 120 python3 -m bench.hostpath --model $m --repeats 5 $g 2>&1 | grep -E "hit|miss"
+    for i in 1 2; do
+      timeout 60 python3 -m bench.profile --model $m --phase resident-miss --backend cupy \
+        --no-profile $g 2>&1 | grep "us/layer"
+    done
+    timeout 120 python3 -m bench.profile --model $m --phase resident-miss --backend cupy --top 70 \
+      $g > $OUT/hostcost-profile${g:--gather}.log 2>&1; grep "us/layer" $OUT/hostcost-profile${g:--gather}.log
+  done | tee $OUT/hostcost.log; pack
+fi
+if [[ $steps == *dmaload* ]]; then
+  m=$MODELS/fine4.gguf
+  [[ -f $m ]] || { python3 -m tools.make_model $m --preset qwen3-next-80b-a3b --layers 4 --no-digests
+                   python3 -m tools.warmup $m --digests; } > /dev/null 2>&1
+  { lscpu | grep -E "Model name|^CPU\(s\)|NUMA|MHz|Thread|Socket"; nvidia-smi topo -m; } > $OUT/topology.log 2>&1
+  for load in none copy gather none; do
+    if [[ $load != none ]]; then
+      python3 -m bench.dmaload --mode $load --seconds 40 > $OUT/dmaload-$load.log 2>&1 & pid=$!; sleep 4
+    fi
+    echo "hostpath beside $load:"; timeout 60 python3 -m bench.hostpath --model $m --repeats 5 2>&1 | grep -E "hit|miss"
+    if [[ $load != none ]]; then wait $pid; cat $OUT/dmaload-$load.log; fi
+  done | tee $OUT/dmaload.log; pack
 fi
 for s in ${shapes//,/ }; do
   [[ $steps == *gaps* || $steps == *pipeline* || $steps == *contention* || $steps == *spy* ]] || break

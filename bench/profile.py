@@ -30,6 +30,7 @@ import uvloop
 
 from bench.kit import exit_with, make_resident
 from bench.pipeline import sweep_trace
+from pipeline.foundation.affinity import parse_pin
 from pipeline.foundation.config import Budget, ComputeSpec, RunConfig
 from pipeline.foundation.table import open_table
 from pipeline.run import run
@@ -50,6 +51,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--no-gather", action="store_true")
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--layer-ms", type=float, default=0.57)
+    p.add_argument("--pin-cpu", default="auto", metavar="CPU",
+                   help="the decode loop's CPU: an index, auto or off (auto, as pipeline.run)")
     p.add_argument("--top", type=int, default=30, help="functions listed (30)")
     p.add_argument("--no-profile", action="store_true",
                    help="time only: the per-layer and per-miss figures without cProfile")
@@ -94,7 +97,7 @@ def _profile(args: argparse.Namespace) -> None:
             upload_streams=4, prefetch="oracle" if args.phase == "resident-miss" else "none",
             # the stand-in device copies nothing: no bytes to verify (its digests are zero)
             lookahead=8, verify=not (args.no_verify or args.null), gather=not args.no_gather,
-            log=log,
+            log=log, pin_cpu=parse_pin(args.pin_cpu),
         )
         profile = None if args.no_profile else cProfile.Profile()
         if profile is not None:
@@ -106,9 +109,13 @@ def _profile(args: argparse.Namespace) -> None:
             events = [e for e in map(json.loads, f) if e.get("event") == "token"][skip:]
     wall_ms = sum(e["wall_ms"] for e in events) / len(events)
     misses = sum(e["misses"] for e in events) / len(events)
+    # the loop thread's CPU against the wall: equal when it never sleeps (busy, or spinning
+    # in a CUDA wait), lower when it waits in the kernel (a read, a blocking sync)
+    cpu_ms = sum(e.get("cpu_ms", 0.0) for e in events) / len(events)
     under = "" if profile is None else " under the profiler"
     print(f"{args.phase}: {wall_ms * 1000 / n_layers:.1f} us/layer{under}"
           + (f", {wall_ms * 1000 / misses:.1f} us/miss" if misses else "")
+          + f", loop thread CPU {cpu_ms / wall_ms:.2f} x wall"
           + f" ({len(events)} tokens, {misses:.1f} misses a token)")
     if profile is not None:
         pstats.Stats(profile).sort_stats("tottime").print_stats(args.top)
