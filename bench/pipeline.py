@@ -52,7 +52,6 @@ from bench.kit import drop_caches, exit_with, make_resident
 from bench.record import git_commit, write_result
 from gpu.backend import Backend, aligned_host_array
 from gpu.selection import select_backend
-from pipeline.foundation.affinity import parse_pin
 from pipeline.foundation.config import GATHER_BLOCKS, Budget, ComputeSpec, RunConfig
 from pipeline.foundation.files import ModelFile, locate
 from pipeline.foundation.table import ExpertTable, open_table
@@ -368,7 +367,6 @@ class Bench:
             log=log, policy=policy, prefetch="oracle" if lookahead else "none",
             lookahead=lookahead, gather=gather, gather_blocks=self.args.gather_blocks,
             verify=not self.args.no_verify if verify is None else verify,
-            pin_cpu=parse_pin(self.args.pin_cpu),
         )
         summary = uvloop.run(run(cfg))
         events = token_events(log)
@@ -395,8 +393,6 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chunk-mib", type=int, default=1)
     p.add_argument("--staging-slots", type=int, default=32)
     p.add_argument("--streams", type=int, default=4)
-    p.add_argument("--pin-cpu", default="auto", metavar="CPU",
-                   help="the decode loop's CPU: an index, auto or off (auto, as pipeline.run)")
     p.add_argument("--gather-blocks", type=int, default=GATHER_BLOCKS,
                    help=f"the gather kernel's blocks per copy, at most ({GATHER_BLOCKS})")
 

@@ -30,7 +30,6 @@ import uvloop
 
 from bench.kit import exit_with, make_resident
 from bench.pipeline import sweep_trace
-from pipeline.foundation.affinity import parse_pin
 from pipeline.foundation.config import Budget, ComputeSpec, RunConfig
 from pipeline.foundation.table import open_table
 from pipeline.run import run
@@ -51,8 +50,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--no-gather", action="store_true")
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--layer-ms", type=float, default=0.57)
-    p.add_argument("--pin-cpu", default="auto", metavar="CPU",
-                   help="the decode loop's CPU: an index, auto or off (auto, as pipeline.run)")
     p.add_argument("--top", type=int, default=30, help="functions listed (30)")
     p.add_argument("--no-profile", action="store_true",
                    help="time only: the per-layer and per-miss figures without cProfile")
@@ -97,7 +94,7 @@ def _profile(args: argparse.Namespace) -> None:
             upload_streams=4, prefetch="oracle" if args.phase == "resident-miss" else "none",
             # the stand-in device copies nothing: no bytes to verify (its digests are zero)
             lookahead=8, verify=not (args.no_verify or args.null), gather=not args.no_gather,
-            log=log, pin_cpu=parse_pin(args.pin_cpu),
+            log=log,
         )
         profile = None if args.no_profile else cProfile.Profile()
         if profile is not None:

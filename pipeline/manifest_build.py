@@ -38,7 +38,6 @@ import structlog
 
 from gpu.backend import PAGE, aligned_host_array
 from gpu.policy import ExpertKey
-from pipeline.foundation.affinity import widen_thread
 from pipeline.foundation.digest import RunningDigest
 from pipeline.foundation.errors import (
     ModelChangedError,
@@ -132,8 +131,7 @@ class ManifestBuilder(Pausable):
         self.job_bytes = job_bytes
         self._direct = direct if callable(direct) else (lambda: direct)
         self._reader = ModelReader(table.files, direct=True)
-        self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="moestream-digest",
-                                        initializer=widen_thread)
+        self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="moestream-digest")
         self._local = threading.local()
         self._stop = threading.Event()
         self._progressed = asyncio.Event()

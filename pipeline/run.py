@@ -37,7 +37,6 @@ import os
 import signal
 import sys
 from collections.abc import Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -49,7 +48,6 @@ from moestream import Session
 from pipeline.closing import finish
 from pipeline.controller import Sampler
 from pipeline.decode import Decode
-from pipeline.foundation.affinity import parse_pin, pinned, resolve_cpu, widen_thread
 from pipeline.foundation.cli import closable_stdout, print_error
 from pipeline.foundation.config import (
     GATHER_BLOCKS,
@@ -130,12 +128,6 @@ async def run(
             raises or is cancelled (default: a new one).
     """
     _check_outputs(cfg)
-    cpu = resolve_cpu(cfg.pin_cpu)  # a CPU this process may not use fails before the model
-    if cpu is not None:
-        # the loop's helper threads (registration, RAM samples) start from the pinned
-        # thread: they take the mask it had before
-        asyncio.get_running_loop().set_default_executor(ThreadPoolExecutor(
-            thread_name_prefix="moestream-aux", initializer=widen_thread))
     if faults is None:
         faults = parse_faults(cfg.faults)
     if cfg.model is None:
@@ -169,7 +161,7 @@ async def run(
         loop = DecodeLoop(cfg, table, routing, session=ms, decode=decode,
                           checker=session.verifier, runlog=session.runlog, recorder=recorder)
         live = LiveLine(cfg.tokens, enabled=not cfg.json and sys.stderr.isatty())
-        with _quiet_gc(), pinned(cpu):
+        with _quiet_gc():
             for t in range(cfg.tokens):
                 stats = await loop.token(t)
                 live.update(stats.hits, stats.misses, stats.time, stats.mode)
@@ -274,9 +266,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gather-blocks", type=int, default=GATHER_BLOCKS,
                    help="the gather kernel's blocks per copy, at most: its SM budget "
                         f"({GATHER_BLOCKS})")
-    p.add_argument("--pin-cpu", default="auto", metavar="CPU",
-                   help="pin the decode loop's thread to this CPU: an index, auto (the "
-                        "highest CPU allowed) or off (auto)")
     p.add_argument("--seed", type=int, default=0, help="routing seed (0)")
     p.add_argument("--trace", type=Path, help="replay this routing trace (.npz or .jsonl)")
     p.add_argument("--record-trace", type=Path, help="write the routing used here")
@@ -332,7 +321,6 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         debug=args.debug,
         faults=args.inject,
         limits=parse_limits(args.limits) if args.limits else None,
-        pin_cpu=parse_pin(args.pin_cpu),
     )
 
 

@@ -41,7 +41,6 @@ import structlog
 from gpu.backend import Backend, Event, Kernels, Stream
 from gpu.cache import DeviceCache, Entry, LayerPlan
 from pipeline.arrivals import Arrivals
-from pipeline.foundation.affinity import widen_thread
 from pipeline.foundation.config import RunConfig
 from pipeline.foundation.errors import StageError
 from pipeline.foundation.faults import FaultPlan
@@ -224,8 +223,7 @@ class ExpertStreamer:
             self.reader.close()  # nobody else holds the streamer yet to close it
             raise
         self.installer = Installer(cache)
-        self._pool = ThreadPoolExecutor(config.queue_depth, thread_name_prefix="moestream-read",
-                                        initializer=widen_thread)
+        self._pool = ThreadPoolExecutor(config.queue_depth, thread_name_prefix="moestream-read")
         self._registrar = MappingRegistrar(table.files, backend, lambda: self.mode == "resident")
         self._resident_inflight = 0
         self.host_tier = HostTier(table, self.reader.drop_ranges)

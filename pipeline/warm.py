@@ -35,7 +35,6 @@ from typing import Literal
 
 import structlog
 
-from pipeline.foundation.affinity import widen_thread
 from pipeline.foundation.errors import ReadError, ResidencyError, UsageError
 from pipeline.foundation.files import ModelFile, model_files, open_checked
 from pipeline.foundation.files import pieces as file_parts
@@ -339,8 +338,7 @@ class WarmEngine(Pausable):
                 except OSError as exc:
                     _log.warning("warm.fadvise_refused", path=str(self.path), advice=name,
                                  reason=exc.strerror)
-        self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="moestream-warm",
-                                        initializer=widen_thread)
+        self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="moestream-warm")
         self._local = threading.local()
         self._bucket: TokenBucket | None = None
         self._busy = asyncio.Lock()

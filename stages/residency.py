@@ -40,7 +40,6 @@ from typing import Protocol
 import numpy as np
 import structlog
 
-from pipeline.foundation.affinity import widen_thread
 from pipeline.foundation.errors import ResidencyError
 from pipeline.foundation.files import ModelFile, open_checked, pieces
 from pipeline.foundation.table import ByteRange
@@ -222,8 +221,7 @@ def _mincore(fd: int, file_bytes: int, what: str) -> np.ndarray:
         for start, length in windows:
             _mincore_window(fd, start, length, base + start // PAGE_BYTES, what)
         return vec
-    with ThreadPoolExecutor(workers, thread_name_prefix="moestream-mincore",
-                            initializer=widen_thread) as pool:
+    with ThreadPoolExecutor(workers, thread_name_prefix="moestream-mincore") as pool:
         futures = [
             pool.submit(_mincore_window, fd, start, length, base + start // PAGE_BYTES, what)
             for start, length in windows

@@ -175,8 +175,6 @@ class TestErrors:
         (["--compute", "quantum"], 2, "--compute"),
         (["--queue-depth", "0"], 2, "--queue-depth"),
         (["--chunk", "1000"], 2, "multiple of 4096"),
-        (["--pin-cpu", "first"], 2, "--pin-cpu"),
-        (["--pin-cpu", "99999"], 2, "--pin-cpu 99999: not a CPU this process may use"),
     ])
     def test_bad_options(self, capsys: pytest.CaptureFixture[str], tiny_model: Path,
                          args: list[str], code: int, words: str) -> None:

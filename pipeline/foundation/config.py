@@ -12,7 +12,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from pipeline.foundation.affinity import PinSpec
 from pipeline.foundation.errors import UsageError
 
 GATHER_BLOCKS = 2
@@ -278,11 +277,6 @@ class RunConfig:
             (the default) injects nothing. A test facility.
         limits: storage-read and host-to-device bandwidths the run is told, logged in
             ``run_start`` for the analysis's device limit (None: none given).
-        pin_cpu: pin the decode loop's thread to this CPU for the decode (``"auto"``: the
-            highest CPU it may use, where it may use several; None: no pin), its helper
-            threads kept off the pin (``pipeline.foundation.affinity``: small experts'
-            warm misses are bound by that thread, which ran 1.4-1.7 x slower free to move
-            on the H200's host). ``python -m pipeline.run`` pins by default.
     """
 
     model: Path | None = None
@@ -318,7 +312,6 @@ class RunConfig:
     debug: bool = False
     faults: str = ""
     limits: Limits | None = None
-    pin_cpu: PinSpec = None
 
     def __post_init__(self) -> None:
         layer_ms_problem = _layer_ms_problem(self.compute.layer_ms)
@@ -342,9 +335,6 @@ class RunConfig:
             (not (self.router == "live" and self.prefetch == "oracle"),
              "--prefetch oracle needs the routing ahead: a trace, not --router live"),
             (self.lookahead >= 0, f"--lookahead must be >= 0, got {self.lookahead}"),
-            (self.pin_cpu in (None, "auto") or (isinstance(self.pin_cpu, int)
-                                                and self.pin_cpu >= 0),
-             f"--pin-cpu must be a CPU index or auto, got {self.pin_cpu!r}"),
             (self.devices is None or (len(self.devices) >= 1 and min(self.devices) >= 0
                                       and len(set(self.devices)) == len(self.devices)),
              f"--devices must name distinct device indices, got {self.devices}"),
