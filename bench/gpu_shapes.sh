@@ -51,7 +51,7 @@ model() {  # model SHAPE: the file, made once
 }
 if [[ $steps == *tests* ]]; then
   timeout 240 python3 -m pytest -m gpu -q -rs -p no:cacheprovider tests > $OUT/gpu-tests.log 2>&1
-  echo "gpu tests rc=$?"; tail -4 $OUT/gpu-tests.log
+  rc=$?; echo "gpu tests rc=$rc" | tee -a $OUT/gpu-tests.log; tail -4 $OUT/gpu-tests.log
 fi
 if [[ $steps == *api* ]]; then
   python3 -m tools.make_model /tmp/tiny.gguf --preset tiny > /dev/null 2>&1
