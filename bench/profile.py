@@ -48,7 +48,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--null", action="store_true", help="the stand-in device of bench.hostpath")
     p.add_argument("--no-verify", action="store_true")
     p.add_argument("--no-gather", action="store_true")
-    p.add_argument("--tokens", type=int, default=64)
+    p.add_argument("--tokens", type=int, default=64,
+                   help="tokens: all-cached replays this many twice; resident-miss sweeps them "
+                        "(the first 8 not counted) (64)")
     p.add_argument("--layer-ms", type=float, default=0.57)
     p.add_argument("--top", type=int, default=30, help="functions listed (30)")
     p.add_argument("--no-profile", action="store_true",
@@ -86,7 +88,7 @@ def _profile(args: argparse.Namespace) -> None:
             sweep = 8
             trace = sweep_trace(n_layers, table.n_experts, k, sweep, 0)
             budget = Budget(nbytes=n_layers * k * sweep * expert_bytes // 2 + (64 << 20))
-            tokens, layer_ms, skip = 2 * sweep * 4, 0.0, sweep
+            tokens, layer_ms, skip = max(args.tokens, 2 * sweep), 0.0, sweep
         save_trace(trace, trace_path)
         cfg = RunConfig(
             model=table.path, tokens=tokens, trace=trace_path, mode="resident", budget=budget,
