@@ -16,6 +16,8 @@
 #   dmaload   topology (lscpu, nvidia-smi topo), then bench.hostpath on the 4-layer fine file
 #             alone and beside bench.dmaload's host -> device traffic (copy engines, gather):
 #             whether the device's reads of host memory slow the host's Python
+#   cpus      bench.cpus (the same Python timed on every CPU, shuffled rounds) alone and
+#             beside bench.dmaload's gather traffic: whether some vCPUs are slower
 #   spy       one warm-miss-only bench.pipeline per shape under py-spy (--native --idle,
 #             raw stacks per thread; py-spy's wheel carried in .whl): where the loop
 #             thread's time goes when a round runs slow
@@ -105,6 +107,12 @@ if [[ $steps == *dmaload* ]]; then
     echo "hostpath beside $load:"; timeout 60 python3 -m bench.hostpath --model $m --repeats 5 2>&1 | grep -E "hit|miss"
     if [[ $load != none ]]; then wait $pid; cat $OUT/dmaload-$load.log; fi
   done | tee $OUT/dmaload.log; pack
+fi
+if [[ $steps == *cpus* ]]; then
+  { nproc; timeout 120 python3 -m bench.cpus --rounds 7 --out $OUT/cpus.json
+    python3 -m bench.dmaload --mode gather --seconds 60 > $OUT/dmaload-cpus.log 2>&1 & pid=$!; sleep 4
+    echo "beside the gather's traffic:"; timeout 120 python3 -m bench.cpus --rounds 7 --out $OUT/cpus-dma.json
+    wait $pid; cat $OUT/dmaload-cpus.log; } 2>&1 | tee $OUT/cpus.log; pack
 fi
 for s in ${shapes//,/ }; do
   [[ $steps == *gaps* || $steps == *pipeline* || $steps == *contention* || $steps == *spy* ]] || break

@@ -129,3 +129,19 @@ def test_scratch_mapping_lives_only_in_its_block(tmp_path: Path) -> None:
         assert mapping[:4096].tobytes() == os.pread(fd, 4096, 0)
         raise RuntimeError("inside")
     assert not path.exists()
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="needs CPU affinity")
+def test_cpus_times_every_cpu_and_gives_the_mask_back(tmp_path: Path) -> None:
+    """``bench.cpus``: one time a round for every CPU the process may use, and the
+    caller's thread runs where it could before."""
+    from bench.cpus import main as cpus_main
+
+    before = os.sched_getaffinity(0)
+    out = tmp_path / "cpus.json"
+    assert cpus_main(["--rounds", "2", "--misses", "2000", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert os.sched_getaffinity(0) == before
+    assert sorted(map(int, result["ms"])) == sorted(before)
+    assert all(len(times) == 2 and min(times) > 0 for times in result["ms"].values())
+    assert result["spread"] >= 1.0
