@@ -25,7 +25,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from bench.kit import exit_with
+from bench.kit import exit_with, require_gpu
 
 __all__ = ["main"]
 
@@ -39,7 +39,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--seconds", type=float, default=30.0)
     p.add_argument("--mib", type=int, default=1024, help="pinned source size (1024)")
     args = p.parse_args(argv)
-
+    require_gpu("bench.dmaload")
     import cupy
 
     from gpu.cuda import CupyBackend

@@ -91,6 +91,20 @@ def parse_modes(text: str, option: str = "--modes") -> list[Mode]:
     return modes  # type: ignore[return-value]  # checked just above
 
 
+def require_gpu(prog: str) -> None:
+    """A GPU-only probe's first step: one line instead of an ImportError's traceback where
+    CuPy or a CUDA device is missing.
+
+    Raises:
+        UsageError: no CUDA device can be used here (why, in a few words).
+    """
+    from gpu.cuda import unavailable_reason
+
+    reason = unavailable_reason()
+    if reason is not None:
+        raise UsageError(f"{prog} needs a CUDA device ({reason})")
+
+
 def exit_with(prog: str, main: Callable[[], int]) -> NoReturn:
     """Run a bench module as a command: exit with ``main``'s code, and turn a
     ``MoestreamError`` (bad input: a missing model, a refused option) into one line on

@@ -39,6 +39,7 @@ from typing import Any
 
 import numpy as np
 
+from bench.kit import exit_with, require_gpu
 from bench.record import git_commit, machine, report
 from gpu.cuda import CudaPinned, CudaStream
 from stages.residency import libc
@@ -166,6 +167,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=8, help="staged-read threads (8)")
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args(argv)
+    require_gpu("bench.register")
     import cupy as cp
 
     path = args.dir / "moestream-register-probe.bin"
@@ -254,4 +256,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    exit_with("python -m bench.register", main)

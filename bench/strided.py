@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from bench.kit import exit_with, require_gpu
 from bench.record import git_commit, machine, report
 from bench.register import scratch_mapping
 from gpu.cuda import CudaStream
@@ -101,6 +102,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--window-mib", type=int, default=256)
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args(argv)
+    require_gpu("bench.strided")
     import cupy as cp
 
     rt = cp.cuda.runtime
@@ -199,4 +201,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    exit_with("python -m bench.strided", main)

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from bench.pipeline import _median_round
 from bench.pipeline import main as pipeline_main
 from bench.profile import main as profile_main
+from gpu.cuda import unavailable_reason
 
 
 def test_pipeline_verify_ab_when_nothing_misses(tiny_model: Path, tmp_path: Path,
@@ -115,6 +116,23 @@ def test_bench_command_names_a_missing_model_in_one_line(module: str, tmp_path: 
     assert done.returncode == 2
     lines = done.stderr.strip().splitlines()
     assert lines == [f"python -m bench.{module}: error: {missing}: no such file"]
+
+
+@pytest.mark.skipif(unavailable_reason() is None, reason="a CUDA device is here")
+@pytest.mark.parametrize("module", ["dmaload", "strided", "register"])
+def test_gpu_only_probe_without_a_device_says_so_in_one_line(module: str,
+                                                             tmp_path: Path) -> None:
+    """The GPU-only probes, run where there is no CUDA device: one line, exit code 2."""
+    args = [] if module == "dmaload" else ["--out", str(tmp_path / "out.json")]
+    done = subprocess.run([sys.executable, "-m", f"bench.{module}", *args],
+                          capture_output=True, text=True, timeout=120, check=False,
+                          cwd=Path(__file__).resolve().parent.parent)
+    assert done.returncode == 2
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1
+    assert lines[0].startswith(f"python -m bench.{module}: error: bench.{module} needs a "
+                               "CUDA device (")
+    assert not (tmp_path / "out.json").exists()
 
 
 def test_scratch_mapping_lives_only_in_its_block(tmp_path: Path) -> None:
