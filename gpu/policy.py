@@ -243,14 +243,15 @@ class CacheIndex:
             return False, []
         victims: list[ExpertKey] = []
         freed = 0
-        chosen = protected  # then the victims too, without copying ``protected``
         while self._live - freed + nbytes > self._capacity:
-            victim = self._policy.victim(chosen)
+            # past the first victim (rare: one usually frees room for one expert) those
+            # chosen are skipped too, without copying ``protected``
+            victim = self._policy.victim(_Either(protected, set(victims)) if victims
+                                         else protected)
             if victim is None:
                 return False, []
             victims.append(victim)
             freed += self._sizes[victim]
-            chosen = _Either(protected, set(victims))  # rarely more than one a miss
         for victim in victims:
             self.remove(victim)
         self._sizes[key] = nbytes
