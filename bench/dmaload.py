@@ -20,12 +20,14 @@ Prints the bytes moved a second at the end (the load's own rate).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import time
 from collections.abc import Sequence
 
 import numpy as np
 
 from bench.kit import exit_with, require_gpu
+from pipeline.foundation.errors import UsageError
 
 __all__ = ["main"]
 
@@ -39,39 +41,43 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--seconds", type=float, default=30.0)
     p.add_argument("--mib", type=int, default=1024, help="pinned source size (1024)")
     args = p.parse_args(argv)
+    if args.seconds <= 0 or args.mib < 2:
+        raise UsageError("--seconds must be > 0 and --mib >= 2")
     require_gpu("bench.dmaload")
     import cupy
 
     from gpu.cuda import CupyBackend
     from gpu.kernels import COPY_FIELDS, NO_FLIP, CudaKernels
 
-    backend = CupyBackend()
     nbytes = args.mib << 20
-    host = backend.alloc_host(nbytes)
-    host.array[:] = 1
-    dev = backend.alloc_device(nbytes)
-    stream = backend.new_stream()
-    kernels = CudaKernels()
-    piece = 1792 << 10
-    n = nbytes // piece
-    rows = np.array([(host.array.ctypes.data + i * piece, dev.ptr + i * piece, piece, 0, NO_FLIP)
-                     for i in range(n)], dtype=np.uint64).reshape(n, COPY_FIELDS)
-    moved, t0 = 0, time.perf_counter()
-    while time.perf_counter() - t0 < args.seconds:
-        for _ in range(4):
-            if args.mode == "copy":
-                cupy.cuda.runtime.memcpyAsync(dev.ptr, host.array.ctypes.data, nbytes,
-                                              cupy.cuda.runtime.memcpyHostToDevice,
-                                              stream.raw.ptr)
-            else:
-                kernels.gather(rows, stream)
-            moved += n * piece
-        stream.synchronize()
-    elapsed = time.perf_counter() - t0
+    piece = 1792 << 10  # the fine-grained shape's expert
+    with contextlib.ExitStack() as stack:
+        backend = CupyBackend()
+        stack.callback(backend.close)
+        host = backend.alloc_host(nbytes)
+        stack.callback(host.close)
+        dev = backend.alloc_device(nbytes)
+        stack.callback(dev.close)
+        host.array[:] = 1
+        stream = backend.new_stream()
+        kernels = CudaKernels()
+        n = nbytes // piece
+        rows = np.array([(host.array.ctypes.data + i * piece, dev.ptr + i * piece, piece, 0,
+                          NO_FLIP) for i in range(n)], dtype=np.uint64).reshape(n, COPY_FIELDS)
+        step = nbytes if args.mode == "copy" else n * piece  # bytes one pass moves
+        moved, t0 = 0, time.perf_counter()
+        while time.perf_counter() - t0 < args.seconds:
+            for _ in range(4):
+                if args.mode == "copy":
+                    cupy.cuda.runtime.memcpyAsync(dev.ptr, host.array.ctypes.data, nbytes,
+                                                  cupy.cuda.runtime.memcpyHostToDevice,
+                                                  stream.raw.ptr)
+                else:
+                    kernels.gather(rows, stream)
+                moved += step
+            stream.synchronize()
+        elapsed = time.perf_counter() - t0
     print(f"dmaload {args.mode}: {moved / elapsed / GB:.1f} GB/s for {elapsed:.1f} s")
-    dev.close()
-    host.close()
-    backend.close()
     return 0
 
 
