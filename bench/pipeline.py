@@ -19,6 +19,8 @@ the same expert ranges, because these machines are noisy:
   all-cached run with its compute-only reference, each pair alternating, are repeated
   ``--rounds`` times, and each figure is the median round's: one run of the same code
   swung 0.69-0.95 (warm misses) on the H200, so two paths are compared in one process;
+  around each warm-miss round the host's own speed is timed too (``host_ref_ms``, a fixed
+  Python workload on the loop's thread): a slow round on a slow host tells itself apart;
 - with ``--ab-verify N``, the same phases with verification on and off, alternating in one
   process: what verification costs, from medians, free of the drift between two runs.
 
@@ -48,6 +50,7 @@ from typing import Any
 import numpy as np
 import uvloop
 
+from bench.cpus import workload_ms
 from bench.kit import drop_caches, exit_with, make_resident
 from bench.record import git_commit, write_result
 from gpu.backend import Backend, aligned_host_array
@@ -474,12 +477,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             paths = {"resident_miss": True, **({"resident_miss_copy_engines": False}
                                                if gpu else {})}
             by_path: dict[str, list[dict[str, Any]]] = {name: [] for name in paths}
+
+            def warm_round(name: str, gather: bool) -> dict[str, Any]:
+                return window_rate(bench.run(
+                    name, sweep, cyc, mode="resident", budget_bytes=sweep_budget,
+                    layer_ms=0.0, lookahead=args.lookahead, gather=gather)[1][args.sweep_tokens:])
+
             for _ in range(args.rounds):
                 for name, gather in paths.items():
-                    by_path[name].append(window_rate(bench.run(
-                        name, sweep, cyc, mode="resident", budget_bytes=sweep_budget,
-                        layer_ms=0.0, lookahead=args.lookahead,
-                        gather=gather)[1][args.sweep_tokens:]))
+                    by_path[name].append(_with_host_reference(
+                        functools.partial(warm_round, name, gather)))
             for name in paths:
                 results[name] = _phase(name, {}, functools.partial(
                     _median_round, by_path[name], "delivered_gbps"))
@@ -589,6 +596,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
+HOST_REFERENCE_MISSES = 50_000
+"""``bench.cpus``'s workload timed around each warm-miss round: ~20 ms of the cache-like
+Python the host-bound shapes spend their tokens on (tuple keys, an LRU's moves)."""
+
+
+def _with_host_reference(run_round: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """A round's result with ``host_ref_ms``: the same fixed Python timed on the loop's
+    thread right before and right after it (their mean). Why: the small shapes' rounds of
+    one process swing 25-51 GB/s with the loop thread busy throughout; a slow round whose
+    reference is slow too was a slow host (its CPU, a neighbour), one whose reference is
+    not was something in the run."""
+    before = workload_ms(HOST_REFERENCE_MISSES)
+    result = run_round()
+    after = workload_ms(HOST_REFERENCE_MISSES)
+    return {**result, "host_ref_ms": round((before + after) / 2, 2)}
+
+
 def _median_round(rounds: Sequence[dict[str, Any]], key: str) -> dict[str, Any]:
     """The round whose ``key`` is the median (the lower one of an even count), with every
     round's ``key`` beside it: one slow round moves neither the figure nor its context."""
@@ -597,6 +621,8 @@ def _median_round(rounds: Sequence[dict[str, Any]], key: str) -> dict[str, Any]:
     if all("wall_ms_max" in r for r in rounds):  # token walls: (median, longest) per round
         out["rounds_wall_ms"] = [[round(r["wall_ms_median"], 2), round(r["wall_ms_max"], 2)]
                                  for r in rounds]
+    if all("host_ref_ms" in r for r in rounds):
+        out["rounds_host_ref_ms"] = [r["host_ref_ms"] for r in rounds]
     return out
 
 

@@ -39,7 +39,8 @@ def test_pipeline_verify_ab_when_nothing_misses(tiny_model: Path, tmp_path: Path
 
 def test_pipeline_figures_are_the_median_round(tiny_model: Path, tmp_path: Path) -> None:
     """``--rounds 3``: the warm-miss run three times; its figure is the median round's,
-    with every round's rate beside it."""
+    with every round's rate beside it, and the host's speed around each round (a fixed
+    Python workload timed on the loop's thread)."""
     out = tmp_path / "bench.json"
     assert pipeline_main(["--model", str(tiny_model), "--backend", "host", "--skip",
                           "cold,cache,all", "--rounds", "3", "--passes", "2",
@@ -47,6 +48,8 @@ def test_pipeline_figures_are_the_median_round(tiny_model: Path, tmp_path: Path)
     miss = json.loads(out.read_text())["resident_miss"]
     assert len(miss["rounds"]) == 3
     assert miss["delivered_gbps"] == pytest.approx(sorted(miss["rounds"])[1], abs=1e-4)
+    assert len(miss["rounds_host_ref_ms"]) == 3 and min(miss["rounds_host_ref_ms"]) > 0
+    assert miss["host_ref_ms"] in miss["rounds_host_ref_ms"]
 
 
 @given(st.lists(st.floats(0.0, 100.0), min_size=1, max_size=7))
