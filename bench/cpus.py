@@ -19,7 +19,6 @@ import argparse
 import os
 import random
 import statistics
-import sys
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -27,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.kit import exit_with
-from bench.record import git_commit, machine, write_result
+from bench.record import provenance, write_result
 from pipeline.foundation.errors import UsageError
 
 __all__ = ["main", "workload_ms"]
@@ -82,9 +81,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"  medians, slowest / fastest CPU: {spread:.2f}")
     if args.out is not None:
         result: dict[str, Any] = {
-            "machine": machine(), "commit": git_commit(),
-            "command": "python -m bench.cpus " + " ".join(argv if argv is not None
-                                                          else sys.argv[1:]),
+            **provenance("bench.cpus", argv),
             "misses": args.misses, "rounds": args.rounds,
             "ms": {str(cpu): [round(t, 2) for t in times[cpu]] for cpu in cpus},
             "median_ms": {str(cpu): round(m, 2) for cpu, m in medians.items()},

@@ -8,6 +8,7 @@ import platform
 import socket
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +16,7 @@ import psutil
 
 from pipeline.foundation.outputs import write_atomic
 
-__all__ = ["git_commit", "machine", "report", "write_result"]
+__all__ = ["git_commit", "machine", "provenance", "report", "write_result"]
 
 _REPO = Path(__file__).resolve().parent.parent
 
@@ -49,6 +50,14 @@ def machine() -> dict[str, Any]:
         "ram_total_bytes": int(memory.total),
         "ram_available_bytes": int(memory.available),
     }
+
+
+def provenance(module: str, argv: Sequence[str] | None) -> dict[str, Any]:
+    """A result's first keys: the machine, the commit and the command that made it
+    (``module`` as run with ``-m``; ``argv`` None: this process's arguments)."""
+    args = sys.argv[1:] if argv is None else list(argv)
+    return {"machine": machine(), "commit": git_commit(),
+            "command": " ".join(["python -m " + module, *args])}
 
 
 def report(path: Path, result: dict[str, Any]) -> None:

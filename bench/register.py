@@ -29,7 +29,6 @@ import argparse
 import contextlib
 import ctypes
 import os
-import sys
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -40,7 +39,7 @@ from typing import Any
 import numpy as np
 
 from bench.kit import exit_with, require_gpu
-from bench.record import git_commit, machine, report
+from bench.record import provenance, report
 from gpu.cuda import CudaPinned, CudaStream
 from stages.residency import libc
 
@@ -172,12 +171,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     path = args.dir / "moestream-register-probe.bin"
     nbytes = int(args.size_gib * (1 << 30)) // (64 * MIB) * (64 * MIB)
-    result: dict[str, Any] = {
-        "machine": machine(),
-        "commit": git_commit(),
-        "command": "python -m bench.register " + " ".join(argv or sys.argv[1:]),
-        "file_bytes": nbytes,
-    }
+    result: dict[str, Any] = {**provenance("bench.register", argv), "file_bytes": nbytes}
     with scratch_mapping(path, nbytes) as (fd, _addr, mapping):
         rt = cp.cuda.runtime
         stream = CudaStream()

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -30,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from bench.kit import exit_with, require_gpu
-from bench.record import git_commit, machine, report
+from bench.record import provenance, report
 from bench.register import scratch_mapping
 from gpu.cuda import CudaStream
 
@@ -109,12 +108,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     h2d = rt.memcpyHostToDevice
     nbytes, window = 1 << 30, args.window_mib * MIB
     path = args.dir / "moestream-strided-probe.bin"
-    result: dict[str, Any] = {
-        "machine": machine(),
-        "commit": git_commit(),
-        "command": "python -m bench.strided " + " ".join(argv or sys.argv[1:]),
-        "window_bytes": window,
-    }
+    result: dict[str, Any] = {**provenance("bench.strided", argv), "window_bytes": window}
     with scratch_mapping(path, nbytes) as (_fd, addr, mapping):
         stream = CudaStream()
         dst = cp.empty(nbytes // 2, dtype=cp.uint8)
