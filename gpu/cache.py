@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import structlog
@@ -208,39 +208,69 @@ class DeviceCache:
 
     def _plan_layer(self, keys: Sequence[ExpertKey], sizes: Sequence[int]) -> LayerPlan:
         outcome = self._index.access_layer(keys, sizes, self._pinned)
+        entries = self._entries
         plan = LayerPlan(evicted=len(outcome.evicted))
+        # a victim's buffer goes straight to a miss of its size (what parking it and
+        # popping it again would do: the pool hands out the last parked first); before
+        # anything is allocated they are parked, where the budget counts them
+        freed: dict[int, list[tuple[DeviceBuffer, Event | None]]] = {}
         for key in outcome.evicted:
-            victim = self._entries.pop(key)
-            self.pool.park(victim.buffer, victim.last_use)
+            victim = entries.pop(key)
+            freed.setdefault(victim.nbytes, []).append((victim.buffer, victim.last_use))
         size_of = dict(zip(keys, sizes, strict=True))
+        misses = plan.misses
         try:
             for key in outcome.misses:
                 if key not in self._index:
                     raise UsageError(f"expert {key} does not fit the cache budget")
-                buffer, reuse_after = self._buffer_for(size_of[key])
-                self._entries[key] = Entry(key, buffer, size_of[key], reuse_after=reuse_after)
+                size = size_of[key]
+                spare = freed.get(size)
+                if spare:
+                    buffer, reuse_after = spare.pop()
+                else:
+                    self._park(freed)
+                    buffer, reuse_after = self._buffer_for(size)
+                entry = Entry(key, buffer, size, reuse_after=reuse_after)
+                entries[key] = entry
+                misses.append(entry)
         except BaseException:
+            self._park(freed)
             for key in outcome.misses:
-                if key in self._entries:
+                if key in entries:
                     self.drop(key)
                 elif key in self._index:  # admitted, but no buffer was reserved for it
                     self._index.remove(key)
             raise
+        self._park(freed)
+        pinned = self._pinned
+        hits = plan.hits
+        cache_bytes = file_bytes = 0
         for key in outcome.hits:
-            plan.hits.append(self._entries[key])
-        plan.misses = [self._entries[key] for key in outcome.misses]
-        for entry in (*plan.hits, *plan.misses):
+            entry = entries[key]
+            hits.append(entry)
             entry.pins += 1
-            self._pinned.add(entry.key)
+            pinned.add(key)
+            cache_bytes += entry.nbytes
+        for entry in misses:
+            entry.pins += 1
+            pinned.add(entry.key)
+            file_bytes += entry.nbytes
         c = self.counters
         c.lookups += len(keys)
-        c.hits += len(plan.hits)
-        c.misses += len(plan.misses)
+        c.hits += len(hits)
+        c.misses += len(misses)
         c.evictions += plan.evicted
-        c.bytes_from_cache += sum(e.nbytes for e in plan.hits)
-        c.bytes_from_file += sum(e.nbytes for e in plan.misses)
+        c.bytes_from_cache += cache_bytes
+        c.bytes_from_file += file_bytes
         c.peak_device_bytes = max(c.peak_device_bytes, self.device_bytes)
         return plan
+
+    def _park(self, freed: dict[int, list[tuple[DeviceBuffer, Event | None]]]) -> None:
+        """Victims' buffers no miss took: into the pool, as evicted buffers go."""
+        for spare in freed.values():
+            for buffer, last_use in spare:
+                self.pool.park(buffer, last_use)
+        freed.clear()
 
     def prefetch(self, keys: Sequence[ExpertKey], sizes: Sequence[int]) -> LayerPlan:
         """Admit guessed experts ahead of their layer: only the absent ones, only if room.
@@ -318,8 +348,13 @@ class DeviceCache:
         return buffer, None
 
     def release(self, entries: Sequence[Entry], last_use: Event | None) -> None:
-        """Unpin a layer's entries after its compute was queued; ``last_use`` ends it."""
+        """Unpin a layer's entries after its compute was queued; ``last_use`` ends it.
+        An entry the cache no longer holds (dropped: its key may belong to a new entry,
+        whose pins are not ours to take) is left as it is."""
+        held = self._entries
         for entry in entries:
+            if held.get(entry.key) is not entry:
+                continue
             entry.pins -= 1
             if last_use is not None:
                 entry.last_use = last_use
@@ -340,9 +375,17 @@ class DeviceCache:
         if self._entries.get(entry.key) is entry:  # a failed guess was dropped already
             self.release([entry], entry.upload)
 
-    def mark_ready(self, entry: Entry) -> None:
-        """The entry's upload event has completed: compute need not wait on it any more."""
-        entry.ready = True
+    def mark_ready(self, entries: Iterable[Entry]) -> int:
+        """Their upload events have completed: compute need not wait on them any more.
+        Entries the cache no longer holds (dropped, their key reloaded) are left as they
+        are; returns how many were marked."""
+        held = self._entries
+        marked = 0
+        for entry in entries:
+            if held.get(entry.key) is entry:
+                entry.ready = True
+                marked += 1
+        return marked
 
     def drop(self, key: ExpertKey) -> None:
         """Forget ``key`` (a failed load): its buffer goes back to the pool, never installed."""

@@ -292,16 +292,29 @@ class CacheIndex:
         what-if simulator replays. ``pinned`` adds keys that must not be evicted either
         (experts still in use or in flight elsewhere).
         """
+        held, policy = self._sizes, self._policy
         hits: list[ExpertKey] = []
         misses: list[tuple[ExpertKey, int]] = []
         for key, size in zip(keys, nbytes, strict=True):
-            if self.lookup(key):
+            if key in held:
+                policy.touch(key)
                 hits.append(key)
             else:
                 misses.append((key, size))
         evicted: list[ExpertKey] = []
         protected = _Either(pinned, set(keys))
         for key, size in misses:
+            # the warm case inline (a full cache, one victim frees room: a miss a layer
+            # cost five calls through ``admit``); anything else goes through it
+            victim = policy.victim(protected) if self._live + size > self._capacity else None
+            if (victim is not None and key not in held
+                    and self._live - held[victim] + size <= self._capacity):
+                self._live += size - held.pop(victim)
+                policy.remove(victim)
+                held[key] = size
+                policy.insert(key)
+                evicted.append(victim)
+                continue
             _, out = self.admit(key, size, protected)
             evicted.extend(out)
         return LayerOutcome(tuple(hits), tuple(k for k, _ in misses), tuple(evicted))

@@ -3,14 +3,15 @@
 ``asyncio.Queue`` did the job, but it also counts tasks for ``join`` and keeps putters
 for a bound no arrival queue has; on the fine-grained shape of issue 26 (200 misses a
 token) its ``put_nowait`` and ``get_nowait`` were a visible share of a warm miss's host
-time. This keeps what a lease uses: ``put_nowait``, ``get_nowait``, ``empty`` and
-``get``, for the event loop's thread only.
+time. This keeps what a lease uses: ``put_nowait`` (and ``put_many``), ``get_nowait``
+(and ``take_all``), ``empty`` and ``get``, for the event loop's thread only.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+from collections.abc import Sequence
 from typing import Generic, TypeVar
 
 __all__ = ["Arrivals"]
@@ -35,6 +36,24 @@ class Arrivals(Generic[T]):
         self._items.append(item)
         if self._getters:
             self._wake_next()
+
+    def put_many(self, items: Sequence[T]) -> None:
+        """``put_nowait`` each of ``items``, in order (a layer landed at once)."""
+        self._items.extend(items)
+        for _ in items:  # each item wakes one waiter, as ``put_nowait`` would
+            if not self._getters:
+                break
+            self._wake_next()
+
+    def take_all(self) -> list[T]:
+        """Every item queued, oldest first, at once (none: an empty list)."""
+        items = list(self._items)
+        self._items.clear()
+        return items
+
+    def put_back(self, items: Sequence[T]) -> None:
+        """Return ``items`` taken by ``take_all`` and not used to the front, in order."""
+        self._items.extendleft(reversed(items))
 
     def get_nowait(self) -> T:
         """The oldest item.

@@ -28,8 +28,11 @@ class HostTier:
         self.nbytes = 0
         self.miss_counts: dict[ExpertKey, int] = {}
 
-    def missed(self, key: ExpertKey) -> None:
-        self.miss_counts[key] = self.miss_counts.get(key, 0) + 1
+    def missed(self, keys: Sequence[ExpertKey]) -> None:
+        """Count a miss of each of ``keys`` (a layer's at once)."""
+        counts = self.miss_counts
+        for key in keys:
+            counts[key] = counts.get(key, 0) + 1
 
     async def resize(self, nbytes: int) -> int:
         """Hold the experts missed most often, up to ``nbytes`` of file bytes; experts that

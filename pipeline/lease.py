@@ -154,11 +154,12 @@ class LayerLease:
     _ready: list[Arrival] = field(default_factory=list)
     _queue: Arrivals[Any] | None = None
     """Arrivals still to come, made on first use (an all-hit lease needs none)."""
-    _part_of: dict[int, LeasePart] = field(default_factory=dict)
+    _part_of: dict[Entry, LeasePart] = field(default_factory=dict)
     _pending: int = 0
-    _handed: set[int] = field(default_factory=set)
-    _held: set[int] = field(default_factory=set)
-    """Entries (by id) this lease still pins: each pin is dropped exactly once."""
+    _handed: set[Entry] = field(default_factory=set)
+    _held: set[Entry] = field(default_factory=set)
+    """Entries (by identity: ``Entry`` compares so) this lease still pins: each pin is
+    dropped exactly once."""
     _stashed: Any = None
     """A failed arrival ``take_landed`` stopped at, for ``next`` to raise."""
     fetched_at: int = -1
@@ -170,8 +171,8 @@ class LayerLease:
     def __post_init__(self) -> None:
         for part in self.parts:
             plan = part.load.plan
-            self._held.update(map(id, plan.hits))
-            self._held.update(map(id, plan.misses))
+            self._held.update(plan.hits)
+            self._held.update(plan.misses)
             for entry in plan.hits:
                 loaded = entry.loaded
                 if entry.ready or loaded is None or (loaded.done() and not loaded.cancelled()
@@ -180,14 +181,14 @@ class LayerLease:
                     continue
                 # in flight for someone else (a prefetch, another lease), or just failed
                 # and not yet dropped: it arrives through the queue, with its error if any
-                self._part_of[id(entry)] = part
+                self._part_of[entry] = part
                 self._pending += 1
                 if loaded.done():
                     self._hit_landed(entry, loaded)
                 else:
                     loaded.add_done_callback(functools.partial(self._hit_landed, entry))
             for entry in plan.misses:  # a failed one is dropped by its streamer as it lands
-                self._part_of[id(entry)] = part
+                self._part_of[entry] = part
             if plan.misses:
                 # the streamer delivers this load's misses into our queue (it has not yet
                 # run: its launcher is a task that starts after this returns); one part's
@@ -249,13 +250,13 @@ class LayerLease:
 
     def _drop_failed(self, part: LeasePart, entry: Entry) -> None:
         """Our own load failed: its entry leaves the cache (if still there) with our pin."""
-        self._held.discard(id(entry))
+        self._held.discard(entry)
         if part.cache.get(entry.key) is entry:
             part.cache.drop(entry.key)
 
     def _unpin(self, part: LeasePart, entry: Entry, last_use: Event | None) -> None:
-        if id(entry) in self._held:
-            self._held.discard(id(entry))
+        if entry in self._held:
+            self._held.discard(entry)
             _unpin(part, entry, last_use)
 
     def _check(self) -> None:
@@ -280,7 +281,7 @@ class LayerLease:
         """
         self._check()
         ready, self._ready = self._ready, []
-        self._handed.update([id(arrival.entry) for arrival in ready])
+        self._handed.update([arrival.entry for arrival in ready])
         return ready
 
     def take_landed(self) -> list[Arrival]:
@@ -294,12 +295,19 @@ class LayerLease:
         self._check()
         out: list[Arrival] = []
         queue = self._queue
-        while self._stashed is None and queue is not None and not queue.empty():
-            item = queue.get_nowait()
+        if self._stashed is not None or queue is None:
+            return out
+        items = queue.take_all()
+        part_of, handed = self._part_of, self._handed
+        for i, item in enumerate(items):  # ``_arrival``'s work for the landed ones, inline
             if item is _ABORT or item[1] is not None:
                 self._stashed = item
+                queue.put_back(items[i + 1 :])
                 break
-            out.append(self._arrival(item))
+            entry = item[0]
+            handed.add(entry)
+            out.append(Arrival(entry, part_of[entry]))
+        self._pending -= len(out)
         return out
 
     async def next(self) -> Arrival | None:
@@ -325,7 +333,7 @@ class LayerLease:
             if item is _ABORT:
                 self.on_wait(None, None, t0, t1)
             else:
-                part = self._part_of[id(item[0])]
+                part = self._part_of[item[0]]
                 own = item[0] in part.load.plan.misses
                 self.on_wait(item[0], part.load if own else None, t0, t1)
         return self._arrival(item)
@@ -340,7 +348,7 @@ class LayerLease:
         self._check()
         if self._ready:
             arrival = self._ready.pop(0)
-            self._handed.add(id(arrival.entry))
+            self._handed.add(arrival.entry)
             return arrival
         if self._stashed is not None:
             stashed, self._stashed = self._stashed, None
@@ -360,12 +368,12 @@ class LayerLease:
         error: BaseException | None = item[1]
         self._pending -= 1
         if error is not None:
-            part = self._part_of[id(entry)]
+            part = self._part_of[entry]
             if entry in part.load.plan.misses:  # ours: dropped now, not when told later
                 self._drop_failed(part, entry)
             raise _load_error(entry, error) from error
-        self._handed.add(id(entry))
-        return Arrival(entry, self._part_of[id(entry)])
+        self._handed.add(entry)
+        return Arrival(entry, self._part_of[entry])
 
     # -- release ---------------------------------------------------------------------------
 
@@ -398,7 +406,7 @@ class LayerLease:
             batch_event: Event | None = None
             misses = len(plan.misses)
             for i, entry in enumerate((*plan.misses, *plan.hits)):
-                if id(entry) not in held:
+                if entry not in held:
                     continue
                 if i < misses:
                     loaded = entry.loaded
@@ -411,11 +419,9 @@ class LayerLease:
                                                or loaded.exception() is not None):
                         self._drop_failed(part, entry)
                         continue
-                held.discard(id(entry))
-                if cache.get(entry.key) is not entry:
-                    continue  # dropped: its key's new entry has pins that are not ours
+                held.discard(entry)  # a dropped one is left alone by ``cache.release``
                 event = None
-                if id(entry) in handed:
+                if entry in handed:
                     if not asked:
                         used, asked = last_use(part), True
                     event = used

@@ -436,14 +436,14 @@ class ExpertStreamer:
         digests = self.digests
         misses = load.plan.misses
         arrived: list[tuple[Entry, BaseException | None]] = []
+        landed: list[Entry] = []  # installed once their (shared) event completes
         t0 = time.perf_counter()
         try:
             rows: list[tuple[Any, int]] = []
             phases.begin(t0)
-            for entry in misses:
-                self.host_tier.missed(entry.key)
-                if digests is not None:
-                    rows.append(digests.reserve(entry.key))
+            self.host_tier.missed([entry.key for entry in misses])
+            if digests is not None:
+                rows = [digests.reserve(entry.key) for entry in misses]
             with self._backend.activate():  # CUDA's current device, once for the layer
                 events = (self._gather(misses, sources, rows) if self._gathers
                           else self._copy(misses, sources, rows))
@@ -457,7 +457,7 @@ class ExpertStreamer:
                     continue
                 if digests is not None:
                     digests.complete(*rows[i], event)
-                self.installer.submit(entry)
+                landed.append(entry)
                 arrived.append((entry, None))
         except BaseException as exc:  # interrupted: every miss not delivered fails with it
             if digests is not None:
@@ -466,6 +466,7 @@ class ExpertStreamer:
             arrived.extend((entry, exc) for entry in misses[len(arrived) :])
             raise
         finally:
+            self.installer.submit(landed)
             self._add_time("upload_ms", t0)
             assert self._loop is not None
             self._loop.call_soon(self._deliver_layer, load, arrived)
@@ -501,8 +502,20 @@ class ExpertStreamer:
     def _deliver_layer(self, load: LayerLoad,
                        arrived: Sequence[tuple[Entry, BaseException | None]]) -> None:
         """Loop: hand a queued layer's misses (or their failures) to the decoder at once."""
-        for entry, error in arrived:
-            self._deliver(load, entry, error)
+        if any(error is not None for _, error in arrived):
+            for entry, error in arrived:
+                self._deliver(load, entry, error)
+            return
+        # all queued (the common case): ``_deliver``'s work without a call a miss
+        assert load.arrived is not None
+        load.arrived.put_many(arrived)
+        for entry, _ in arrived:
+            loaded = entry.loaded
+            if loaded is not None and not loaded.done():
+                loaded.set_result(None)  # a later layer's lookup may wait on it
+        load.delivered += len(arrived)
+        if load.delivered == len(load.plan.misses) and load.gate is not None:
+            load.gate.resume()
 
     async def _launch(self, load: LayerLoad) -> None:
         """Start every miss of a layer: take slots (direct) and hand work to the pool.
@@ -524,7 +537,7 @@ class ExpertStreamer:
             # not send later misses to a mapping that is being released
             mode = self.mode
             layout = self.layout(entry.key)
-            self.host_tier.missed(entry.key)
+            self.host_tier.missed((entry.key,))
             # host tier (partial residency): a hot expert is read through the page cache and
             # its pages kept, the rest stays O_DIRECT
             job_mode: JobMode = ("tier" if mode == "direct" and entry.key in self.host_tier.keys
@@ -691,7 +704,7 @@ class ExpertStreamer:
             if self._resident_inflight == 0:
                 self._resident_idle.set()
         if job.error is None:
-            self.installer.submit(job.entry)
+            self.installer.submit((job.entry,))
         self._deliver(job.load, job.entry, job.error)
 
     def _deliver(self, load: LayerLoad, entry: Entry, error: BaseException | None) -> None:

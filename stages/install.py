@@ -8,6 +8,8 @@ queued) and then on the upload event, never reading the expert again.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from gpu.cache import DeviceCache, Entry
 
 __all__ = ["Installer"]
@@ -18,38 +20,52 @@ class Installer:
 
     def __init__(self, cache: DeviceCache) -> None:
         self._cache = cache
-        self._pending: list[Entry] = []
+        self._pending: list[Sequence[Entry]] = []
         self.installed = 0
 
-    def submit(self, entry: Entry) -> None:
-        """``entry`` was uploaded (its ``upload`` event is recorded)."""
-        self._pending.append(entry)
+    def submit(self, entries: Sequence[Entry]) -> None:
+        """``entries`` were uploaded (their ``upload`` events are recorded): one expert's,
+        or a layer's queued under one event, looked at together."""
+        if entries:
+            self._pending.append(entries)
 
     def poll(self) -> int:
         """Mark ready every pending entry whose upload has completed; returns how many."""
-        still: list[Entry] = []
+        still: list[Sequence[Entry]] = []
         done = 0
-        finished: set[int] = set()  # events seen complete: a gathered layer shares one
-        for entry in self._pending:
-            upload = entry.upload
-            if upload is not None and (id(upload) in finished or upload.done()):
-                finished.add(id(upload))
-                if entry.key in self._cache and self._cache.get(entry.key) is entry:
-                    self._cache.mark_ready(entry)
-                    done += 1
+        for group in self._pending:
+            if _landed(group):
+                done += self._cache.mark_ready(group)
             else:
-                still.append(entry)
+                still.append(group)
         self._pending = still
         self.installed += done
         return done
 
     def drain(self) -> None:
         """Wait for every pending upload and install it (end of run)."""
-        for entry in self._pending:
-            if entry.upload is not None:
-                entry.upload.synchronize()
+        for group in self._pending:
+            for entry in group:
+                if entry.upload is not None:
+                    entry.upload.synchronize()
         self.poll()
 
     @property
     def pending(self) -> int:
+        """Uploads still to be looked at (an expert's, or a layer's under one event)."""
         return len(self._pending)
+
+
+def _landed(group: Sequence[Entry]) -> bool:
+    """Whether every entry's upload has completed (each distinct event asked once: a
+    layer's entries share one)."""
+    asked = None
+    for entry in group:
+        upload = entry.upload
+        if upload is None:
+            return False
+        if upload is not asked:
+            if not upload.done():
+                return False
+            asked = upload
+    return True

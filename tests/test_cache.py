@@ -37,7 +37,7 @@ class CacheMachine(RuleBasedStateMachine):
         for key, entry in before.items():
             assert self.cache.get(key) is entry, "a pinned entry was evicted"
         for entry in plan.misses:
-            self.cache.mark_ready(entry)
+            self.cache.mark_ready([entry])
         if keep_pinned and len(self.pinned) < 2:
             self.pinned.append([*plan.hits, *plan.misses])
         else:
@@ -54,7 +54,7 @@ class CacheMachine(RuleBasedStateMachine):
             assert self.cache.get(key) is entry, "a prefetch evicted a pinned entry"
         assert not plan.hits
         for entry in plan.misses:
-            self.cache.mark_ready(entry)
+            self.cache.mark_ready([entry])
         if len(self.pinned) < 2:
             self.pinned.append(plan.misses)
         else:

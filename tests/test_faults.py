@@ -347,7 +347,7 @@ class TestDeviceOOM:
                 assert all(e.ready for e in cache.entries())  # the lookup left nothing
                 continue
             for entry in plan.misses:
-                cache.mark_ready(entry)
+                cache.mark_ready([entry])
             cache.release([*plan.hits, *plan.misses], None)
             assert cache.device_bytes <= cache.budget_bytes <= first_budget
             assert cache.live_bytes == sum(e.nbytes for e in cache.entries())
