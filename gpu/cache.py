@@ -208,7 +208,7 @@ class DeviceCache:
 
     def _plan_layer(self, keys: Sequence[ExpertKey], sizes: Sequence[int]) -> LayerPlan:
         outcome = self._index.access_layer(keys, sizes, self._pinned)
-        entries = self._entries
+        entries, pinned = self._entries, self._pinned
         plan = LayerPlan(evicted=len(outcome.evicted))
         # a victim's buffer goes straight to a miss of its size (what parking it and
         # popping it again would do: the pool hands out the last parked first); before
@@ -217,12 +217,13 @@ class DeviceCache:
         for key in outcome.evicted:
             victim = entries.pop(key)
             freed.setdefault(victim.nbytes, []).append((victim.buffer, victim.last_use))
-        size_of = dict(zip(keys, sizes, strict=True))
         misses = plan.misses
+        file_bytes = 0
         try:
+            if outcome.refused:
+                raise UsageError(f"expert {outcome.refused[0]} does not fit the cache budget")
+            size_of = dict(zip(keys, sizes, strict=True))
             for key in outcome.misses:
-                if key not in self._index:
-                    raise UsageError(f"expert {key} does not fit the cache budget")
                 size = size_of[key]
                 spare = freed.get(size)
                 if spare:
@@ -230,9 +231,12 @@ class DeviceCache:
                 else:
                     self._park(freed)
                     buffer, reuse_after = self._buffer_for(size)
-                entry = Entry(key, buffer, size, reuse_after=reuse_after)
+                entry = Entry(key, buffer, size, reuse_after)
+                entry.pins = 1
                 entries[key] = entry
+                pinned.add(key)
                 misses.append(entry)
+                file_bytes += size
         except BaseException:
             self._park(freed)
             for key in outcome.misses:
@@ -242,19 +246,14 @@ class DeviceCache:
                     self._index.remove(key)
             raise
         self._park(freed)
-        pinned = self._pinned
         hits = plan.hits
-        cache_bytes = file_bytes = 0
+        cache_bytes = 0
         for key in outcome.hits:
             entry = entries[key]
             hits.append(entry)
             entry.pins += 1
             pinned.add(key)
             cache_bytes += entry.nbytes
-        for entry in misses:
-            entry.pins += 1
-            pinned.add(entry.key)
-            file_bytes += entry.nbytes
         c = self.counters
         c.lookups += len(keys)
         c.hits += len(hits)

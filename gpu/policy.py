@@ -178,11 +178,14 @@ def make_policy(name: str) -> EvictionPolicy:
 
 @dataclass(frozen=True, slots=True)
 class LayerOutcome:
-    """What one layer's lookup decided: the keys that hit, missed, and were evicted."""
+    """What one layer's lookup decided: the keys that hit, missed, and were evicted, and
+    the misses that were not admitted (larger than the capacity, or only protected keys
+    left to evict): the caller serves those without caching them, or refuses."""
 
     hits: tuple[ExpertKey, ...]
     misses: tuple[ExpertKey, ...]
     evicted: tuple[ExpertKey, ...]
+    refused: tuple[ExpertKey, ...] = ()
 
 
 class CacheIndex:
@@ -302,6 +305,7 @@ class CacheIndex:
             else:
                 misses.append((key, size))
         evicted: list[ExpertKey] = []
+        refused: list[ExpertKey] = []
         protected = _Either(pinned, set(keys))
         for key, size in misses:
             # the warm case inline (a full cache, one victim frees room: a miss a layer
@@ -315,6 +319,9 @@ class CacheIndex:
                 policy.insert(key)
                 evicted.append(victim)
                 continue
-            _, out = self.admit(key, size, protected)
+            admitted, out = self.admit(key, size, protected)
             evicted.extend(out)
-        return LayerOutcome(tuple(hits), tuple(k for k, _ in misses), tuple(evicted))
+            if not admitted:
+                refused.append(key)
+        return LayerOutcome(tuple(hits), tuple(k for k, _ in misses), tuple(evicted),
+                            tuple(refused))

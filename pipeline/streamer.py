@@ -54,7 +54,7 @@ from stages.layout import ExpertLayout, iter_chunks, largest_slot_bytes, plan_ex
 from stages.mapping import ModelMapping
 from stages.reader import ModelReader
 from stages.staging import StagingRing, StagingSlot
-from stages.upload import Uploader
+from stages.upload import Uploader, gather_rows
 
 __all__ = ["ExpertStreamer", "LayerLoad", "StageTimes"]
 
@@ -149,11 +149,12 @@ class LayerLoad:
 
 class _Source(NamedTuple):
     """A registered miss's copies, computed once per expert and mapping, for the path the
-    streamer takes: (device offset, mapping address, bytes), one per range for the gather
-    (which reads across windows), one per window piece for the copy engines (a copy may
-    not span two registrations); and for the copy engines the (device offset, bytes)
-    ranges its install digest reads."""
+    streamer takes: for the gather (which reads across windows) its launch rows, one per
+    range (``gather_rows``); for the copy engines (device offset, mapping address,
+    bytes), one per window piece (a copy may not span two registrations); and for the
+    copy engines the (device offset, bytes) ranges its install digest reads."""
 
+    rows: list[int]
     copies: list[tuple[int, int, int]]
     ranges: list[tuple[int, int]]
 
@@ -402,11 +403,12 @@ class ExpertStreamer:
                 # only what this streamer's path reads: the gather's copies, or the copy
                 # engines' pieces and their digest's ranges
                 if self._gathers:
-                    source = _Source([(s.device_offset, mapping.address(s.file_offset), s.nbytes)
-                                      for s in ranges], [])
+                    source = _Source(gather_rows(
+                        [(s.device_offset, mapping.address(s.file_offset), s.nbytes)
+                         for s in ranges]), [], [])
                 else:
                     source = _Source(
-                        [(s.device_offset + at, mapping.address(s.file_offset + at), n)
+                        [], [(s.device_offset + at, mapping.address(s.file_offset + at), n)
                          for s in ranges for at, n in mapping.spans(s.file_offset, s.nbytes)],
                         [(s.device_offset, s.nbytes) for s in ranges])
                 self._sources[entry.key] = source
@@ -474,15 +476,12 @@ class ExpertStreamer:
     def _gather(self, misses: Sequence[Entry], sources: Sequence[_Source],
                 rows: Sequence[tuple[Any, int]]) -> list[Event | Exception]:
         """One launch: each range's digest goes straight into its results row."""
-        items = []
-        for i, (entry, source) in enumerate(zip(misses, sources, strict=True)):
-            outs = None
-            if rows:
-                assert self.digests is not None
-                at = self.digests.address(*rows[i])
-                outs = [at + 16 * m for m in range(len(source.copies))]
-            items.append((entry, source.copies, outs))
-        return self.uploader.gather(self._kernels, items)
+        digests = self.digests
+        ats = ([digests.address(*row) for row in rows] if rows and digests is not None
+               else [0] * len(misses))
+        return self.uploader.gather(self._kernels, [
+            (entry, source.rows, at)
+            for entry, source, at in zip(misses, sources, ats, strict=True)])
 
     def _copy(self, misses: Sequence[Entry], sources: Sequence[_Source],
               rows: Sequence[tuple[Any, int]]) -> list[Event | Exception]:

@@ -33,11 +33,11 @@ from gpu.kernels import COPY_FIELDS, NO_FLIP, copy_rows
 from pipeline.foundation.errors import MoestreamError, UploadError
 from pipeline.foundation.faults import FaultPlan
 
-__all__ = ["Uploader"]
+__all__ = ["Uploader", "gather_rows"]
 
 _Item = TypeVar("_Item", bound=tuple[Any, ...])
-"""A layer's expert for ``Uploader._admitted``: (entry, its copies (offset, address,
-bytes), then what its path adds)."""
+"""A layer's expert for ``Uploader._admitted``: (entry, its copies, then what its path
+adds)."""
 
 _log = structlog.get_logger("moestream.upload")
 
@@ -191,13 +191,13 @@ class Uploader:
                                counts=(sum(sizes), len(sizes)))
 
     def gather(
-        self, kernels: Kernels,
-        items: Sequence[tuple[Entry, Sequence[tuple[int, int, int]], Sequence[int] | None]],
+        self, kernels: Kernels, items: Sequence[tuple[Entry, Sequence[int], int]],
     ) -> list[Event | Exception]:
         """Queue several experts as one ``Kernels.gather`` launch on the next stream.
 
-        ``items``: per expert, its copies (device offset, source address in registered
-        memory the device maps, bytes) and the digest row address of each copy (or None).
+        ``items``: per expert, its launch rows relative to its buffer (``gather_rows``:
+        the device offset where the launch has the destination, no digest, no flip) and
+        the address of its first copy's digest row, the others 16 bytes apart (0: none).
         The stream first waits for every buffer's ``reuse_after``; every expert gets the
         launch's event. Per expert, as ``upload``: an ``upload`` fault fails it alone (its
         copies are left out of the launch), a ``corrupt`` fault inverts the middle byte of
@@ -209,17 +209,22 @@ class Uploader:
         failed: list[Exception | None] = []  # per item: its injected failure, or queued
         rows: list[int] = []  # the launch's copies, ``COPY_FIELDS`` fields each
         queued: list[Entry] = []
-        for entry, copies, outs in self._admitted(items, stream, failed):
-            base = entry.buffer.ptr
+        for entry, template, digest_at in self._admitted(items, stream, failed):
+            # an expert's rows in a few list operations, not five fields a copy
             first = len(rows)
-            for (offset, src, nbytes), out in zip(copies, outs or [0] * len(copies),
-                                                  strict=True):
-                rows += (src, base + offset, nbytes, out, NO_FLIP)
-            if faults is not None and copies and faults.hit("corrupt") is not None:
+            rows += template
+            end = len(rows)
+            base = entry.buffer.ptr
+            rows[first + 1 : end : COPY_FIELDS] = [base + offset
+                                                   for offset in template[1::COPY_FIELDS]]
+            if digest_at:
+                rows[first + 3 : end : COPY_FIELDS] = range(
+                    digest_at, digest_at + 16 * ((end - first) // COPY_FIELDS), 16)
+            if faults is not None and template and faults.hit("corrupt") is not None:
                 nbytes = rows[first + 2]
                 rows[first + 4] = nbytes // 2
                 _log.warning("corrupt_injected", key=entry.key,
-                             device_offset=copies[0][0] + nbytes // 2)
+                             device_offset=template[1] + nbytes // 2)
             queued.append(entry)
         return self._one_event(kernels, rows, stream, queued, failed,
                                f"gather of {len(rows) // COPY_FIELDS} copies to the device",
@@ -235,10 +240,10 @@ class Uploader:
         faults = self._faults if self._faults else None
         waited: Event | None = None
         for item in items:
-            entry, copies = item[0], item[1]
+            entry = item[0]
             if faults is not None and faults.hit("upload") is not None:
-                failed.append(UploadError(f"copy of {sum(n for _, _, n in copies)} bytes to "
-                                          "the device failed (injected)"))
+                failed.append(UploadError(f"copy of {entry.nbytes} bytes to the device "
+                                          "failed (injected)"))
                 continue
             if entry.reuse_after is not None and entry.reuse_after is not waited:
                 waited = entry.reuse_after
@@ -296,3 +301,10 @@ class Uploader:
 
     def close(self) -> None:
         self.synchronize()
+
+
+def gather_rows(copies: Sequence[tuple[int, int, int]]) -> list[int]:
+    """An expert's ``gather`` launch rows relative to its buffer, from its copies (device
+    offset, source address, bytes): made once per expert and mapping; ``Uploader.gather``
+    adds the buffer's address and the digest rows."""
+    return [f for offset, src, nbytes in copies for f in (src, offset, nbytes, 0, NO_FLIP)]
