@@ -297,17 +297,19 @@ class CacheIndex:
         """
         held, policy = self._sizes, self._policy
         hits: list[ExpertKey] = []
-        misses: list[tuple[ExpertKey, int]] = []
+        misses: list[ExpertKey] = []
+        miss_sizes: list[int] = []
         for key, size in zip(keys, nbytes, strict=True):
             if key in held:
                 policy.touch(key)
                 hits.append(key)
             else:
-                misses.append((key, size))
+                misses.append(key)
+                miss_sizes.append(size)
         evicted: list[ExpertKey] = []
         refused: list[ExpertKey] = []
         protected = _Either(pinned, set(keys))
-        for key, size in misses:
+        for key, size in zip(misses, miss_sizes, strict=True):
             # the warm case inline (a full cache, one victim frees room: a miss a layer
             # cost five calls through ``admit``); anything else goes through it
             victim = policy.victim(protected) if self._live + size > self._capacity else None
@@ -323,5 +325,4 @@ class CacheIndex:
             evicted.extend(out)
             if not admitted:
                 refused.append(key)
-        return LayerOutcome(tuple(hits), tuple(k for k, _ in misses), tuple(evicted),
-                            tuple(refused))
+        return LayerOutcome(tuple(hits), tuple(misses), tuple(evicted), tuple(refused))

@@ -64,3 +64,30 @@ async def test_a_cancelled_waiter_leaves_no_trace() -> None:
         await waiting
     q.put_nowait(1)
     assert await q.get() == 1
+
+
+@given(st.lists(st.integers(), max_size=20), st.lists(st.integers(), max_size=20),
+       st.integers(0, 20))
+def test_put_many_take_all_put_back(first: list[int], more: list[int], used: int) -> None:
+    """A layer's items put at once come out in order after those before them; what
+    ``take_all`` took and did not use goes back to the front, in order."""
+    q: Arrivals[int] = Arrivals()
+    q.put_many(first)
+    q.put_many(more)
+    taken = q.take_all()
+    assert taken == first + more and q.empty()
+    used = min(used, len(taken))
+    q.put_nowait(-1)
+    q.put_back(taken[used:])
+    assert q.take_all() == [*taken[used:], -1]
+
+
+async def test_put_many_wakes_one_waiter_an_item() -> None:
+    q: Arrivals[str] = Arrivals()
+    waiters = [asyncio.create_task(q.get()) for _ in range(3)]
+    await asyncio.sleep(0)
+    q.put_many(["a", "b"])
+    await asyncio.sleep(0)
+    assert [w.result() for w in waiters[:2]] == ["a", "b"] and not waiters[2].done()
+    q.put_many(["c"])
+    assert await waiters[2] == "c"

@@ -77,6 +77,43 @@ class TestCacheIndex:
             assert index.live_bytes == sum(sizes[k[0]] for k in index.keys())  # noqa: SIM118
             index.advance_token()
 
+    @given(
+        st.sampled_from(["lru", "freq"]),
+        st.integers(0, 40),
+        st.lists(st.tuples(st.lists(st.integers(0, 31), min_size=1, max_size=6, unique=True),
+                           st.sets(st.integers(0, 31), max_size=8)),
+                 min_size=1, max_size=60),
+    )
+    def test_access_layer_decides_as_lookups_then_admits(
+            self, policy: str, capacity: int,
+            layers: list[tuple[list[int], set[int]]]) -> None:
+        """``access_layer`` (which admits the warm case inline) makes the decisions of
+        its definition: each key looked up, then each miss admitted in order with the
+        layer and the pinned keys protected; a miss not admitted is told as refused."""
+        sizes = {0: 1, 1: 2, 2: 7}  # three size classes; 7 may not fit at all
+        index = CacheIndex(capacity, make_policy(policy))
+        reference = CacheIndex(capacity, make_policy(policy))
+        for n, (experts, pinned_experts) in enumerate(layers):
+            layer = n % 3
+            keys = [(layer, e) for e in experts]
+            pinned = {((layer + 1) % 3, e) for e in pinned_experts}
+            outcome = index.access_layer(keys, [sizes[layer]] * len(keys), pinned)
+            hits = [k for k in keys if reference.lookup(k)]
+            misses = [k for k in keys if k not in hits]
+            evicted: list[tuple[int, int]] = []
+            refused = []
+            for key in misses:
+                admitted, out = reference.admit(key, sizes[layer], pinned | set(keys))
+                evicted += out
+                if not admitted:
+                    refused.append(key)
+            assert (outcome.hits, outcome.misses, outcome.evicted, outcome.refused) == (
+                tuple(hits), tuple(misses), tuple(evicted), tuple(refused))
+            assert sorted(index.keys()) == sorted(reference.keys())
+            assert index.live_bytes == reference.live_bytes <= capacity
+            index.advance_token()
+            reference.advance_token()
+
     def test_entry_larger_than_capacity_is_not_admitted(self) -> None:
         index = CacheIndex(10, LRUPolicy())
         assert index.admit((0, 0), 11, ()) == (False, [])
