@@ -314,6 +314,20 @@ class ExpertHandle:
         entry = self._entry
         return entry.ready or entry.upload is None or entry.upload.done()
 
+    def pending_event(self) -> Event | None:
+        """The upload's event, or None once the expert is known to be on the device
+        (installed: its event was seen complete). Never queries the device, so an
+        engine that makes its stream wait on what this returns (once per distinct event:
+        a layer copied in one launch shares one) pays one wait a layer instead of a
+        ``ready()`` query per expert.
+
+        Raises:
+            UsageError: the lease was released.
+        """
+        self.check()
+        entry = self._entry
+        return None if entry.ready else entry.upload
+
     def wait(self, stream: StreamLike = None) -> None:
         """Make ``stream`` wait for the upload on the device; the host never blocks.
 

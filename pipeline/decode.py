@@ -178,14 +178,13 @@ class Decoder:
 
     def consume(self, h: ExpertHandle, weight: float, layer_ms: float) -> None:
         """Queue the compute of one expert on the compute stream (inside ``ctx``)."""
-        if not h.ready():
-            upload = h.event
-            # a layer gathered in one launch shares one event: the stream waits for it once
-            if upload is not self._waited_on:
-                self._waited_on = upload
-                if self.queues:
-                    self._device_waits.append((self.stream.record(), upload))
-                self.stream.wait(upload)
+        upload = h.pending_event()  # no device query: waiting on a done event is free
+        # a layer gathered in one launch shares one event: the stream waits for it once
+        if upload is not None and upload is not self._waited_on:
+            self._waited_on = upload
+            if self.queues:
+                self._device_waits.append((self.stream.record(), upload))
+            self.stream.wait(upload)
         kind = self.compute.kind
         if kind == "real":
             gate, up, down = h.matrices

@@ -25,20 +25,29 @@ class Installer:
 
     def submit(self, entries: Sequence[Entry]) -> None:
         """``entries`` were uploaded (their ``upload`` events are recorded): one expert's,
-        or a layer's queued under one event, looked at together."""
+        or a layer's queued under one event, looked at together.
+
+        Raises:
+            ValueError: an entry has no upload event (it would hold up every later one).
+        """
+        if any(entry.upload is None for entry in entries):
+            raise ValueError("submitted an entry with no upload event")
         if entries:
             self._pending.append(entries)
 
     def poll(self) -> int:
         """Mark ready every pending entry whose upload has completed; returns how many."""
-        still: list[Sequence[Entry]] = []
         done = 0
+        landed = 0
+        # in the order submitted, up to the first still in flight: a device query a poll
+        # for what is pending (uploads finish about in order; a later one that finished
+        # first is installed a poll later, which only delays its ``ready``)
         for group in self._pending:
-            if _landed(group):
-                done += self._cache.mark_ready(group)
-            else:
-                still.append(group)
-        self._pending = still
+            if not _landed(group):
+                break
+            done += self._cache.mark_ready(group)
+            landed += 1
+        del self._pending[:landed]
         self.installed += done
         return done
 
@@ -62,8 +71,7 @@ def _landed(group: Sequence[Entry]) -> bool:
     asked = None
     for entry in group:
         upload = entry.upload
-        if upload is None:
-            return False
+        assert upload is not None  # ``submit`` takes none without
         if upload is not asked:
             if not upload.done():
                 return False

@@ -143,6 +143,9 @@ class TestFetch:
                     order.append(h.expert)
                     assert _device_bytes(h) == _file_bytes(tiny_table, h.key)
                     assert h.ready()
+                    # the upload's event, or None once installed: never a device query
+                    pending = h.pending_event()
+                    assert pending is None or pending is h.event
                 assert order[:2] == [5, 6] and sorted(order[2:]) == [1, 2]
             stats = await ms.end_token()
             # each expert counts once in a token: 5 and 6 were the first lease's misses
