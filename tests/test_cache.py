@@ -9,7 +9,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from gpu.backend import Backend
 from gpu.cache import DeviceCache
-from gpu.host import HostBackend
+from gpu.host import HostBackend, HostEvent
 from pipeline.foundation.errors import UsageError
 
 SIZES = {0: 4096, 1: 6144, 2: 4096}  # layers of two size classes
@@ -123,6 +123,30 @@ class TestDeviceCache:
             cache.release(cache.plan_layer([(1, e)], [6144]).misses, None)
             assert cache.device_bytes <= cache.budget_bytes
         cache.close()
+
+    def test_a_victims_buffer_goes_to_a_miss_after_its_last_use(self) -> None:
+        """A miss evicting an expert of its size takes that expert's buffer, to be
+        written only after the victim's last compute (its ``last_use``); a victim of
+        another size is parked first, where the budget counts it, before anything new is
+        allocated."""
+        cache = DeviceCache(HostBackend(), 3 * 4096, "lru", min_bytes=4096)
+        first = cache.plan_layer([(0, 0), (0, 1), (0, 2)], [4096] * 3)
+        used = HostEvent()
+        cache.release(first.misses, used)
+        victim_buffers = {id(e.buffer) for e in first.misses}
+        allocs = cache.pool.allocations
+        second = cache.plan_layer([(0, 3), (0, 4), (0, 5)], [4096] * 3)
+        assert {id(e.buffer) for e in second.misses} == victim_buffers
+        assert all(e.reuse_after is used for e in second.misses)
+        assert cache.pool.allocations == allocs
+        cache.release(second.misses, None)
+        third = cache.plan_layer([(1, 0), (0, 6)], [6144, 4096])  # one new size, one reused
+        assert cache.device_bytes <= cache.budget_bytes
+        assert cache.counters.peak_device_bytes <= cache.budget_bytes
+        assert [e.nbytes for e in third.misses] == [6144, 4096]
+        cache.release(third.misses, None)
+        cache.close()
+        assert cache.pool.frees == cache.pool.allocations
 
     def test_budget_below_one_layer_is_refused(self) -> None:
         with pytest.raises(UsageError, match="cannot hold one layer"):
