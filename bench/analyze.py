@@ -28,7 +28,7 @@ from typing import Any, TextIO
 import numpy as np
 import numpy.typing as npt
 
-from bench.record import git_commit, machine, write_result
+from bench.record import provenance, write_result
 from gpu.policy import CacheIndex, make_policy
 from pipeline.foundation.errors import MoestreamError, UsageError
 
@@ -256,9 +256,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         flags = " ".join(whatif).replace(budget, "BUDGET")
         result = {
             "benchmark": "analyze",
-            "machine": machine(),
-            "commit": git_commit(),
-            "command": " ".join(["python -m bench.analyze", *(argv or sys.argv[1:])]),
+            **provenance("bench.analyze", argv),
             "log": {"tokens": run.tokens, "moe_layers": run.moe_layers, "top_k": run.top_k,
                     "n_experts": run.n_experts, "mb": round(log_mb, 1),
                     "budget_bytes": written["budget_bytes"]},

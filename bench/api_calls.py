@@ -18,10 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
-import subprocess
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -30,6 +27,7 @@ from typing import Any
 import uvloop
 
 import moestream
+from bench.record import provenance
 
 CALLS = ("layer", "layer_available", "ready", "counters")
 
@@ -111,13 +109,6 @@ async def _async_face(model: Path | None, rounds: int) -> dict[str, dict[str, fl
         return result
 
 
-def _commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.api_calls", description=__doc__,
@@ -132,10 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     ratio = {name: round(sync_face[name]["median_us"] / async_face[name]["median_us"], 2)
              for name in CALLS}
     result = {
-        "bench": "api_calls", "commit": _commit(),
-        "command": "python -m bench.api_calls " + " ".join(argv or sys.argv[1:]),
-        "machine": {"host": platform.node(), "cpu": platform.processor() or platform.machine(),
-                    "python": platform.python_version()},
+        "bench": "api_calls", **provenance("bench.api_calls", argv),
         "model": str(args.model) if args.model else "embedded tiny", "rounds": args.rounds,
         "async": async_face, "sync": sync_face, "sync_over_async": ratio,
     }

@@ -47,7 +47,7 @@ import structlog
 
 from bench.kit import make_resident, run_command
 from bench.pipeline import Bench, add_run_options, pinned_h2d_gbps, sweep_trace, window_rate
-from bench.record import git_commit, machine, write_result
+from bench.record import provenance, write_result
 from gpu.selection import select_backend
 from pipeline.foundation.errors import UsageError
 from pipeline.foundation.table import open_table
@@ -399,9 +399,7 @@ def _bench(args: argparse.Namespace, argv: Sequence[str]) -> int:
     expert_bytes = next(iter(table.layers.values())).expert_bytes
     budget = len(table.layers) * per_layer * expert_bytes // 2  # half the sweep: all miss
     result: dict[str, Any] = {
-        "machine": {**machine(), "device": device},
-        "commit": git_commit(),
-        "command": "python -m bench.contention " + " ".join(argv),
+        **provenance("bench.contention", argv, device=device),
         "model": table.summary(),
         "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
         "budget_bytes": budget,

@@ -36,7 +36,7 @@ import psutil
 import uvloop
 
 from bench.kit import budget_for, drop_caches, exit_with
-from bench.record import git_commit, write_result
+from bench.record import provenance, write_result
 from pipeline.foundation.config import ComputeSpec, RunConfig, parse_size
 from pipeline.foundation.table import open_table
 from pipeline.run import run
@@ -122,11 +122,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     skip = set(filter(None, args.skip.split(",")))
     table = open_table(args.model)
     results: dict[str, Any] = {
-        "machine": {"host": platform.node(), "cpus": psutil.cpu_count(),
-                    "ram_total_bytes": psutil.virtual_memory().total},
-        "commit": git_commit(),
-        "command": "python -m bench.controller " + " ".join(
-            argv if argv is not None else sys.argv[1:]),
+        **provenance("bench.controller", argv),
         "model": {"path": str(args.model), "file_bytes": table.file_bytes,
                   "layers": len(table.layers), "experts": table.n_experts},
     }

@@ -40,13 +40,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import psutil
 import uvloop
 
 from bench.h2d_copies import H2D_TARGET, h2d_figures
 from bench.kit import budget_for, drop_caches, make_resident, parse_modes, run_command
 from bench.pipeline import window_rate
-from bench.record import git_commit, write_result
+from bench.record import provenance, write_result
 from gpu.selection import select_backend
 from pipeline.foundation.config import Budget, ComputeSpec, Mode, RunConfig, parse_devices
 from pipeline.foundation.errors import UsageError
@@ -388,12 +387,9 @@ def _bench(args: argparse.Namespace, argv: Sequence[str]) -> int:
         backend = backends[0].name
         gpu = backends[0].device_name if backend == "cupy" else None
         result: dict[str, Any] = {
-            "machine": {"host": platform.node(), "python": sys.version.split()[0],
-                        **machine_info(table.path, gpu), "backend": backend,
-                        "devices": {str(b.device): b.device_name for b in backends},
-                        "ram_available_bytes": psutil.virtual_memory().available},
-            "commit": git_commit(),
-            "command": "python -m bench.devices " + " ".join(argv),
+            **provenance("bench.devices", argv, **machine_info(table.path, gpu),
+                         backend=backend,
+                         devices={str(b.device): b.device_name for b in backends}),
             "settings": {k: str(v) if isinstance(v, Path) else v
                          for k, v in vars(args).items()},
         }

@@ -27,10 +27,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
-import platform
 import statistics
-import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -41,7 +38,7 @@ import numpy.typing as npt
 import uvloop
 
 from bench.kit import exit_with, make_resident
-from bench.record import git_commit, write_result
+from bench.record import provenance, write_result
 from gpu.backend import DeviceArray, DeviceBuffer, Stream
 from gpu.cache import DeviceCache
 from gpu.host import HostBackend
@@ -219,12 +216,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--out", type=Path, help="result JSON (default: print only)")
     args = p.parse_args(argv)
     results: dict[str, Any] = {
-        "machine": {"host": platform.node(), "cpus": os.cpu_count(),
-                    "cpu": platform.processor() or platform.machine(),
-                    "python": sys.version.split()[0]},
-        "commit": git_commit(),
-        "command": "python -m bench.hostpath "
-                   + " ".join(argv if argv is not None else sys.argv[1:]),
+        **provenance("bench.hostpath", argv),
         "label": args.label,
         "models": {},
     }

@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import platform
 import statistics
-import sys
 import tempfile
 import time
 from collections.abc import Sequence
@@ -19,7 +18,7 @@ from pathlib import Path
 import uvloop
 
 from bench.kit import exit_with
-from bench.record import git_commit, write_result
+from bench.record import provenance, write_result
 from pipeline.foundation.config import Budget, ComputeSpec, RunConfig
 from pipeline.run import run
 
@@ -52,9 +51,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     emit_us = _emit_cost_us(args.model)
     token_us = 1e6 / med["no_log"]
     result = {
-        "machine": {"host": platform.node()},
-        "commit": git_commit(),
-        "command": "python -m bench.log " + " ".join(argv or sys.argv[1:]),
+        **provenance("bench.log", argv),
         "tokens_per_s": rates,
         "median_tokens_per_s": med,
         "log_overhead": round(overhead, 4),

@@ -39,7 +39,6 @@ import functools
 import json
 import os
 import platform
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
@@ -52,7 +51,7 @@ import uvloop
 
 from bench.cpus import workload_ms
 from bench.kit import drop_caches, exit_with, make_resident
-from bench.record import git_commit, write_result
+from bench.record import provenance, write_result
 from gpu.backend import Backend, aligned_host_array
 from gpu.selection import select_backend
 from pipeline.foundation.config import GATHER_BLOCKS, Budget, ComputeSpec, RunConfig
@@ -437,11 +436,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     n_layers, n_exp, k = len(table.layers), table.n_experts, table.top_k
     expert_bytes = next(iter(table.layers.values())).expert_bytes
     results: dict[str, Any] = {
-        "machine": {"host": platform.node(), "cpus": os.cpu_count(), "device": backend.device_name,
-                    "python": sys.version.split()[0]},
-        "commit": git_commit(),
-        "command": "python -m bench.pipeline "
-                   + " ".join(argv if argv is not None else sys.argv[1:]),
+        **provenance("bench.pipeline", argv, device=backend.device_name),
         "model": table.summary(),
         "settings": {k2: (str(v) if isinstance(v, Path) else v) for k2, v in vars(args).items()},
     }

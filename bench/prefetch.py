@@ -51,13 +51,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import psutil
-
 from bench.kit import make_resident, parse_modes, run_command
 from bench.prefetch_figures import PREFETCHES, gain_figures
 from bench.prefetch_live import live_compute, live_notes, live_runs, open_live_model, run_live
 from bench.prefetch_runs import MIB, PrefetchBench, RunSpec, has_router, run_tokens
-from bench.record import git_commit, write_result
+from bench.record import provenance, write_result
 from pipeline.foundation.config import ComputeSpec, Mode
 from pipeline.foundation.errors import UsageError
 from pipeline.foundation.table import ExpertTable, open_table
@@ -253,11 +251,7 @@ def _bench(args: argparse.Namespace, argv: Sequence[str]) -> int:
     first = table or live_table
     assert first is not None  # _check: --model, or --live-only with --live-model
     result: dict[str, Any] = {
-        "machine": {"host": platform.node(), "python": sys.version.split()[0],
-                    **machine_info(first.path, None),
-                    "ram_available_bytes": psutil.virtual_memory().available},
-        "commit": git_commit(),
-        "command": "python -m bench.prefetch " + " ".join(argv),
+        **provenance("bench.prefetch", argv, **machine_info(first.path, None)),
         "model": _model_info(table) if table is not None else None,
         "live_model": _model_info(live_table) if live_table is not None else None,
         "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},

@@ -52,11 +52,12 @@ def machine() -> dict[str, Any]:
     }
 
 
-def provenance(module: str, argv: Sequence[str] | None) -> dict[str, Any]:
-    """A result's first keys: the machine, the commit and the command that made it
-    (``module`` as run with ``-m``; ``argv`` None: this process's arguments)."""
+def provenance(module: str, argv: Sequence[str] | None, **facts: Any) -> dict[str, Any]:
+    """A result's first keys: the machine (with the bench's own ``facts`` about it, such
+    as its device), the commit and the command that made it (``module`` as run with
+    ``-m``; ``argv`` None: this process's arguments)."""
     args = sys.argv[1:] if argv is None else list(argv)
-    return {"machine": machine(), "commit": git_commit(),
+    return {"machine": {**machine(), **facts}, "commit": git_commit(),
             "command": " ".join(["python -m " + module, *args])}
 
 

@@ -44,7 +44,7 @@ import psutil
 import uvloop
 
 from bench.kit import exit_with
-from bench.record import git_commit, write_result
+from bench.record import provenance, write_result
 from pipeline.foundation.config import Budget, RunConfig, parse_compute, parse_size
 from pipeline.foundation.table import open_table
 from pipeline.run import RunSummary, run
@@ -284,12 +284,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         budget=Budget(experts=experts * len(table.layers)),
                         log=Path(tmp) / "soak.jsonl", ram_limit=ram_limit, margin_bytes=margin)
         figures = uvloop.run(soak(cfg, plan))
-    vm = psutil.virtual_memory()
     result = {
-        "command": "python -m bench.soak " + " ".join(argv if argv is not None else sys.argv[1:]),
-        "commit": git_commit(),
-        "machine": {"host": platform.node(), "cpus": psutil.cpu_count(),
-                    "ram_total_gib": round(vm.total / GIB, 1)},
+        **provenance("bench.soak", argv),
         "model": {"path": str(args.model or "generated ds4-flash-q2 4x32"),
                   "bytes": table.file_bytes},
         "plan": {"seconds": plan.seconds, "balloon_gib": plan.balloon_gib,

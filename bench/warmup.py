@@ -43,7 +43,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.record import git_commit, machine, write_result
+from bench.record import provenance, write_result
 from pipeline.foundation.errors import MoestreamError, UsageError
 from pipeline.foundation.table import ByteRange, open_table
 from pipeline.logs import configure_console
@@ -328,10 +328,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ratios = _ratios(cold)
     result = {
         "benchmark": "warmup",
-        "machine": machine(),
-        "commit": git_commit(),
-        "command": "python -m bench.warmup " + " ".join(
-            sys.argv[1:] if argv is None else list(argv)),
+        **provenance("bench.warmup", argv),
         "file": {"path": str(path), "bytes": size, "gguf": gguf,
                  "generated": generated is not None},
         "drop": {"fadvise_dontneed": True, "drop_caches": drop_caches},
