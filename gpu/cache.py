@@ -154,6 +154,11 @@ class DeviceCache:
     def get(self, key: ExpertKey) -> Entry | None:
         return self._entries.get(key)
 
+    def get_many(self, keys: Iterable[ExpertKey]) -> list[Entry | None]:
+        """``get`` of each of ``keys``, in one call (a layer's, checked between kernels)."""
+        held = self._entries
+        return [held.get(key) for key in keys]
+
     def entries(self) -> list[Entry]:
         """Every entry held now, ready or still loading (a snapshot)."""
         return list(self._entries.values())
@@ -191,11 +196,10 @@ class DeviceCache:
             if entry is None:
                 return None
             hits.append(entry)
-        index = self._index
+        self._index.used(keys)
         pinned = self._pinned
         cache_bytes = 0
         for entry in hits:
-            index.lookup(entry.key)
             entry.pins += 1
             pinned.add(entry.key)
             cache_bytes += entry.nbytes

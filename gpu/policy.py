@@ -230,6 +230,13 @@ class CacheIndex:
             return True
         return False
 
+    def used(self, keys: Iterable[ExpertKey]) -> None:
+        """A use of each of ``keys``, all held, in order (an all-hit layer: ``lookup``'s
+        count without a call a key)."""
+        touch = self._policy.touch
+        for key in keys:
+            touch(key)
+
     def admit(
         self, key: ExpertKey, nbytes: int, protected: Container[ExpertKey]
     ) -> tuple[bool, list[ExpertKey]]:

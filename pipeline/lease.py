@@ -208,11 +208,15 @@ class LayerLease:
 
     @property
     def hits(self) -> int:
-        return sum(len(p.load.plan.hits) for p in self.parts)
+        parts = self.parts  # one device: no generator a layer
+        return (len(parts[0].load.plan.hits) if len(parts) == 1
+                else sum(len(p.load.plan.hits) for p in parts))
 
     @property
     def misses(self) -> int:
-        return sum(len(p.load.plan.misses) for p in self.parts)
+        parts = self.parts
+        return (len(parts[0].load.plan.misses) if len(parts) == 1
+                else sum(len(p.load.plan.misses) for p in parts))
 
     @property
     def evicted(self) -> int:

@@ -435,10 +435,11 @@ class StreamSession:
     def all_ready(self, layer: int, experts: Sequence[int]) -> bool:
         """Every one of ``experts`` is cached on its device and its upload has landed: a
         lease of them now would load nothing and wait for nothing."""
-        caches, place, several = self.caches, self._place, len(self.caches) > 1
-        for e in experts:
-            key = (layer, int(e))
-            entry = caches[place(key) if several else 0].get(key)
+        caches, place = self.caches, self._place
+        keys = [(layer, int(e)) for e in experts]
+        found = (caches[0].get_many(keys) if len(caches) == 1
+                 else [caches[place(key)].get(key) for key in keys])
+        for entry in found:
             if entry is None:
                 return False
             if entry.ready:
