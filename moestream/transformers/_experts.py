@@ -181,17 +181,22 @@ class ExpertStream:
     @contextmanager
     def _leased(self, layer: int, experts: Sequence[int]) -> Iterator[Iterator[list[ExpertHandle]]]:
         """The experts' handles in batches: those already there first, then each as it
-        lands; each handle's upload waited for by torch's stream, on the device. The
-        lease is released on leaving, after the work queued on torch's stream."""
+        lands; torch's stream waits on the device for each upload not yet installed, once
+        per event (``ExpertHandle.pending_event``: no query an expert). The lease is
+        released on leaving, after the work queued on torch's stream."""
         lease = self.session.fetch(layer, experts)
         stream = torch.cuda.current_stream(self.device) if self._cuda else None
 
         def batches() -> Iterator[list[ExpertHandle]]:
+            waited = None  # the stream waits once per upload event: a layer's misses share one
             while lease.remaining:
                 batch = lease.available() or [next(lease)]
                 if stream is not None:
                     for h in batch:
-                        h.wait(stream)
+                        event = h.pending_event()  # None once installed: nothing to wait for
+                        if event is not None and event is not waited:
+                            h.wait(stream)
+                            waited = event
                 yield batch
 
         try:
