@@ -7,7 +7,10 @@ miss from the run's log, then the functions with the most time of their own:
 
 - ``all-cached``: a replayed trace whose second pass hits every expert (issue 14, part 4);
 - ``resident-miss``: the cyclic sweep under half its experts' budget, resident mode, so
-  every lookup misses and copies from the registered mapping (part 3).
+  every lookup misses and copies from the registered mapping (part 3);
+- ``direct-miss``: the same sweep in direct mode: every miss read with O_DIRECT into
+  staging and uploaded from there (the path of a cold start and of a model larger than
+  RAM), where the loop shares the GIL with the reader threads.
 
 ``--null`` runs on ``bench.hostpath``'s stand-in device (copies and kernels cost nothing)
 to isolate the Python from the device calls; without it the run uses ``--backend``.
@@ -43,7 +46,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.profile",
                                 description=__doc__.split("\n")[0] if __doc__ else None)
     p.add_argument("--model", type=Path, required=True)
-    p.add_argument("--phase", choices=("all-cached", "resident-miss"), default="all-cached")
+    p.add_argument("--phase", choices=("all-cached", "resident-miss", "direct-miss"),
+                   default="all-cached")
     p.add_argument("--backend", default="auto")
     p.add_argument("--null", action="store_true", help="the stand-in device of bench.hostpath")
     p.add_argument("--no-verify", action="store_true")
@@ -75,7 +79,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _profile(args: argparse.Namespace) -> None:
     table = open_table(args.model)
-    make_resident(table.path)  # resident misses copy from registered windows, all of them
+    if args.phase != "direct-miss":
+        make_resident(table.path)  # resident misses copy from registered windows, all of them
     n_layers, k = len(table.layers), table.top_k
     expert_bytes = next(iter(table.layers.values())).expert_bytes
     with tempfile.TemporaryDirectory(prefix="moestream-profile-") as tmp:
@@ -91,9 +96,10 @@ def _profile(args: argparse.Namespace) -> None:
             tokens, layer_ms, skip = max(args.tokens, 2 * sweep), 0.0, sweep
         save_trace(trace, trace_path)
         cfg = RunConfig(
-            model=table.path, tokens=tokens, trace=trace_path, mode="resident", budget=budget,
+            model=table.path, tokens=tokens, trace=trace_path,
+            mode="direct" if args.phase == "direct-miss" else "resident", budget=budget,
             compute=ComputeSpec("fixed", layer_ms), backend="host" if args.null else args.backend,
-            upload_streams=4, prefetch="oracle" if args.phase == "resident-miss" else "none",
+            upload_streams=4, prefetch="none" if args.phase == "all-cached" else "oracle",
             # the stand-in device copies nothing: no bytes to verify (its digests are zero)
             lookahead=8, verify=not (args.no_verify or args.null), gather=not args.no_gather,
             log=log,

@@ -62,7 +62,7 @@ def test_median_round_picks_a_middle_round(rates: list[float]) -> None:
     assert chosen["rounds"] == [round(r, 4) for r in rates]
 
 
-@pytest.mark.parametrize("phase", ["all-cached", "resident-miss"])
+@pytest.mark.parametrize("phase", ["all-cached", "resident-miss", "direct-miss"])
 def test_profile_on_the_stand_in_device(tiny_model: Path, phase: str,
                                         capsys: pytest.CaptureFixture[str]) -> None:
     assert profile_main(["--model", str(tiny_model), "--null", "--phase", phase,
