@@ -12,7 +12,9 @@
 #   strided   python -m bench.strided (an expert's slices as one copy across registrations)
 #   hostcost  the host's time a layer on a 4-layer fine file: bench.hostpath (stand-in device)
 #             and bench.profile --backend cupy (timed twice, then under cProfile, which
-#             counts CuPy's calls as functions too), gather and --no-gather
+#             counts CuPy's calls as functions too), gather and --no-gather; then the
+#             direct path (bench.profile --phase direct-miss: O_DIRECT into staging, the
+#             loop sharing the GIL with the readers), timed and under cProfile
 #   dmaload   topology (lscpu, nvidia-smi topo), then bench.hostpath on the 4-layer fine file
 #             alone and beside bench.dmaload's host -> device traffic (copy engines, gather):
 #             whether the device's reads of host memory slow the host's Python
@@ -93,7 +95,13 @@ if [[ $steps == *hostcost* ]]; then
     done
     timeout 120 python3 -m bench.profile --model $m --phase resident-miss --backend cupy --top 70 \
       $g > $OUT/hostcost-profile${g:--gather}.log 2>&1; grep "us/layer" $OUT/hostcost-profile${g:--gather}.log
-  done | tee $OUT/hostcost.log; pack
+  done | tee $OUT/hostcost.log
+  { echo "hostcost direct:"
+    timeout 120 python3 -m bench.profile --model $m --phase direct-miss --backend cupy --no-profile \
+      2>&1 | grep "us/layer"
+    timeout 120 python3 -m bench.profile --model $m --phase direct-miss --backend cupy --top 70 \
+      > $OUT/hostcost-profile-direct.log 2>&1; grep "us/layer" $OUT/hostcost-profile-direct.log
+  } | tee -a $OUT/hostcost.log; pack
 fi
 if [[ $steps == *dmaload* ]]; then
   m=$MODELS/fine4.gguf
