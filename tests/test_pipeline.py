@@ -242,6 +242,49 @@ class TestRegisteredCopies:
         assert summaries[True].misses == summaries[False].misses
 
 
+class TestGatheredLayerWithAFailure:
+    """A layer gathered in one launch lands at once, through one delivery: with an upload
+    failing in its middle, an engine's ``available()`` hands out the experts before the
+    failed one, iterating raises the failure (naming the expert), then goes on with the
+    rest; the failed expert leaves the cache, the others stay, no pin is left."""
+
+    async def test_before_the_failure_then_the_rest(self, tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+        import moestream
+        import pipeline.session as session_module
+        from stages.upload import Uploader
+
+        model = write_plain_moe(tmp_path / "plain.gguf")
+        backend = type("RegisteringBackend", (DeferredBackend,), {
+            "async_copies": True, "registers_host": True,
+            "register_host": lambda self, array: True, "unregister_host": lambda self, a: None})
+        monkeypatch.setattr(session_module, "open_backends", lambda cfg: [backend()])
+        monkeypatch.setattr(session_module, "make_kernels", lambda name, *_: DeferredKernels())
+        launches = 0
+        gather = Uploader.gather
+
+        def spy(self: Uploader, kernels: Any, items: Any) -> Any:
+            nonlocal launches
+            launches += 1
+            return gather(self, kernels, items)
+
+        monkeypatch.setattr(Uploader, "gather", spy)
+        tuning = moestream.Tuning(faults="upload@2")
+        async with moestream.open(model, backend="host", mode="resident",
+                                  tuning=tuning) as ms:
+            layer = ms.model.moe_layers[0]
+            async with ms.fetch(layer, [0, 1, 2, 3]) as lease:
+                await asyncio.sleep(0)  # the layer's one delivery
+                assert launches == 1
+                assert [h.expert for h in lease.available()] == [0]
+                with pytest.raises(moestream.UploadError, match=f"layer {layer} expert 1"):
+                    await lease.__anext__()
+                assert [h.expert for h in lease.available()] == [2, 3]
+                assert lease.remaining == 0
+            assert ms.ready(layer, [0, 2, 3]) and not ms.ready(layer, [1])
+            assert not any(e.pins for c in ms._core.caches for e in c.entries())
+
+
 class TestEndBeside:
     """With trace routing, a token whose last layer loaded nothing and whose next token's
     first layer is leased already ends while the devices compute that last layer
