@@ -200,6 +200,34 @@ def _save_pretrained_moe(path: Path) -> Path:
     return path
 
 
+def _registering_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Runs and sessions get a GPU-like device that registers host memory (the resident
+    copies from the mapping, gather or copy engines) and runs copies and kernels in stream
+    order."""
+    import pipeline.run as run_module
+    import pipeline.session as session_module
+
+    backend = type("RegisteringBackend", (DeferredBackend,), {
+        "async_copies": True, "registers_host": True,
+        "register_host": lambda self, array: True, "unregister_host": lambda self, a: None})
+    monkeypatch.setattr(session_module, "open_backends", lambda cfg: [backend()])
+    monkeypatch.setattr(session_module, "make_kernels", lambda name, *_: DeferredKernels())
+    monkeypatch.setattr(run_module, "make_kernels", lambda name, *_: DeferredKernels())
+
+
+def _counted(monkeypatch: pytest.MonkeyPatch, cls: type, name: str) -> list[int]:
+    """Count the calls of ``cls.name`` (the returned list's one item), still made."""
+    calls = [0]
+    method = getattr(cls, name)
+
+    def spy(self: Any, *args: Any) -> Any:
+        calls[0] += 1
+        return method(self, *args)
+
+    monkeypatch.setattr(cls, name, spy)
+    return calls
+
+
 class TestRegisteredCopies:
     """Resident misses from the registered mapping on a GPU-like device, both paths (the
     gather; verified copy engines: a layer on one stream, one digest launch, one event) on
@@ -209,34 +237,19 @@ class TestRegisteredCopies:
     @pytest.mark.parametrize("kind", ["gguf-writer", "save-pretrained"])
     def test_both_paths_verify(self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                kind: str) -> None:
-        import pipeline.run as run_module
-        import pipeline.session as session_module
         from stages.upload import Uploader
 
         model = (write_plain_moe(tmp_path / "plain.gguf") if kind == "gguf-writer"
                  else _save_pretrained_moe(tmp_path / "hf"))
-        backend = type("RegisteringBackend", (DeferredBackend,), {
-            "async_copies": True, "registers_host": True,
-            "register_host": lambda self, array: True, "unregister_host": lambda self, a: None})
-        monkeypatch.setattr(session_module, "open_backends", lambda cfg: [backend()])
-        monkeypatch.setattr(session_module, "make_kernels", lambda name, *_: DeferredKernels())
-        monkeypatch.setattr(run_module, "make_kernels", lambda name, *_: DeferredKernels())
-        digested = 0
-        upload_layer = Uploader.upload_layer
-
-        def spy(self: Uploader, kernels: Any, items: Any) -> Any:
-            nonlocal digested
-            digested += 1
-            return upload_layer(self, kernels, items)
-
-        monkeypatch.setattr(Uploader, "upload_layer", spy)
+        _registering_device(monkeypatch)
+        digested = _counted(monkeypatch, Uploader, "upload_layer")
         summaries = {}
         for gather in (True, False):
             cfg = RunConfig(model=model, tokens=12, mode="resident", backend="host",
                             compute=ComputeSpec("fixed", 0.1), budget=Budget(experts=10),
                             gather=gather)
             summaries[gather] = asyncio.run(run(cfg))
-            assert (digested > 0) == (not gather)
+            assert (digested[0] > 0) == (not gather)
         for summary in summaries.values():
             assert summary.mismatches == 0 and summary.verified == summary.misses > 0
         assert summaries[True].misses == summaries[False].misses
@@ -251,31 +264,18 @@ class TestGatheredLayerWithAFailure:
     async def test_before_the_failure_then_the_rest(self, tmp_path: Path,
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
         import moestream
-        import pipeline.session as session_module
         from stages.upload import Uploader
 
         model = write_plain_moe(tmp_path / "plain.gguf")
-        backend = type("RegisteringBackend", (DeferredBackend,), {
-            "async_copies": True, "registers_host": True,
-            "register_host": lambda self, array: True, "unregister_host": lambda self, a: None})
-        monkeypatch.setattr(session_module, "open_backends", lambda cfg: [backend()])
-        monkeypatch.setattr(session_module, "make_kernels", lambda name, *_: DeferredKernels())
-        launches = 0
-        gather = Uploader.gather
-
-        def spy(self: Uploader, kernels: Any, items: Any) -> Any:
-            nonlocal launches
-            launches += 1
-            return gather(self, kernels, items)
-
-        monkeypatch.setattr(Uploader, "gather", spy)
+        _registering_device(monkeypatch)
+        launches = _counted(monkeypatch, Uploader, "gather")
         tuning = moestream.Tuning(faults="upload@2")
         async with moestream.open(model, backend="host", mode="resident",
                                   tuning=tuning) as ms:
             layer = ms.model.moe_layers[0]
             async with ms.fetch(layer, [0, 1, 2, 3]) as lease:
                 await asyncio.sleep(0)  # the layer's one delivery
-                assert launches == 1
+                assert launches == [1]
                 assert [h.expert for h in lease.available()] == [0]
                 with pytest.raises(moestream.UploadError, match=f"layer {layer} expert 1"):
                     await lease.__anext__()
