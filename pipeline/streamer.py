@@ -512,9 +512,7 @@ class ExpertStreamer:
             loaded = entry.loaded
             if loaded is not None and not loaded.done():
                 loaded.set_result(None)  # a later layer's lookup may wait on it
-        load.delivered += len(arrived)
-        if load.delivered == len(load.plan.misses) and load.gate is not None:
-            load.gate.resume()
+        self._delivered(load, len(arrived))
 
     async def _launch(self, load: LayerLoad) -> None:
         """Start every miss of a layer: take slots (direct) and hand work to the pool.
@@ -719,7 +717,12 @@ class ExpertStreamer:
                 entry.loaded.exception()  # retrieved here too: no "never retrieved" warning
         if error is not None and self._cache.get(entry.key) is entry:
             self._cache.drop(entry.key)  # failed: never a hit (its lease, if any, is told)
-        load.delivered += 1
+        self._delivered(load, 1)
+
+    @staticmethod
+    def _delivered(load: LayerLoad, n: int) -> None:
+        """``n`` more of the load's misses were handed on; the last one lifts the gate."""
+        load.delivered += n
         if load.delivered == len(load.plan.misses) and load.gate is not None:
             load.gate.resume()
 
