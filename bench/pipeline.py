@@ -20,7 +20,8 @@ the same expert ranges, because these machines are noisy:
   ``--rounds`` times, and each figure is the median round's: one run of the same code
   swung 0.69-0.95 (warm misses) on the H200, so two paths are compared in one process;
   around each warm-miss round the host's own speed is timed too (``host_ref_ms``, a fixed
-  Python workload on the loop's thread): a slow round on a slow host tells itself apart;
+  Python workload on the loop's thread), and on a GPU a pinned copy's rate
+  (``h2d_ref_gbps``): a slow round on a slow host or a slow bus tells itself apart;
 - with ``--ab-verify N``, the same phases with verification on and off, alternating in one
   process: what verification costs, from medians, free of the drift between two runs.
 
@@ -480,8 +481,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             for _ in range(args.rounds):
                 for name, gather in paths.items():
-                    by_path[name].append(_with_host_reference(
-                        functools.partial(warm_round, name, gather)))
+                    by_path[name].append(_with_references(
+                        functools.partial(warm_round, name, gather), gpu))
             for name in paths:
                 results[name] = _phase(name, {}, functools.partial(
                     _median_round, by_path[name], "delivered_gbps"))
@@ -596,16 +597,27 @@ HOST_REFERENCE_MISSES = 50_000
 Python the host-bound shapes spend their tokens on (tuple keys, an LRU's moves)."""
 
 
-def _with_host_reference(run_round: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+H2D_REFERENCE_BYTES = 256 << 20
+"""The pinned copy timed around each warm-miss round on a GPU (~5 ms at 50 GB/s)."""
+
+
+def _with_references(run_round: Callable[[], dict[str, Any]], gpu: bool) -> dict[str, Any]:
     """A round's result with ``host_ref_ms``: the same fixed Python timed on the loop's
-    thread right before and right after it (their mean). Why: the small shapes' rounds of
-    one process swing 25-51 GB/s with the loop thread busy throughout; a slow round whose
-    reference is slow too was a slow host (its CPU, a neighbour), one whose reference is
-    not was something in the run."""
-    before = workload_ms(HOST_REFERENCE_MISSES)
+    thread right before and right after it (their mean), and on a GPU ``h2d_ref_gbps``: a
+    pinned host -> device copy timed the same way. Why: the small shapes' rounds of one
+    process swing 35-51 GB/s with the loop thread busy throughout; a slow round whose host
+    reference is slow too was a slow host (its CPU, a neighbour), one whose copy reference
+    is slow was the transfer itself (the bus, the host's memory), one with neither slow was
+    something in the run."""
+    refs = [(workload_ms(HOST_REFERENCE_MISSES),
+             pinned_h2d_gbps(H2D_REFERENCE_BYTES, repeats=3) if gpu else 0.0)]
     result = run_round()
-    after = workload_ms(HOST_REFERENCE_MISSES)
-    return {**result, "host_ref_ms": round((before + after) / 2, 2)}
+    refs.append((workload_ms(HOST_REFERENCE_MISSES),
+                 pinned_h2d_gbps(H2D_REFERENCE_BYTES, repeats=3) if gpu else 0.0))
+    out = {**result, "host_ref_ms": round((refs[0][0] + refs[1][0]) / 2, 2)}
+    if gpu:
+        out["h2d_ref_gbps"] = round((refs[0][1] + refs[1][1]) / 2, 2)
+    return out
 
 
 def _median_round(rounds: Sequence[dict[str, Any]], key: str) -> dict[str, Any]:
@@ -616,8 +628,9 @@ def _median_round(rounds: Sequence[dict[str, Any]], key: str) -> dict[str, Any]:
     if all("wall_ms_max" in r for r in rounds):  # token walls: (median, longest) per round
         out["rounds_wall_ms"] = [[round(r["wall_ms_median"], 2), round(r["wall_ms_max"], 2)]
                                  for r in rounds]
-    if all("host_ref_ms" in r for r in rounds):
-        out["rounds_host_ref_ms"] = [r["host_ref_ms"] for r in rounds]
+    for ref in ("host_ref_ms", "h2d_ref_gbps"):
+        if all(ref in r for r in rounds):
+            out[f"rounds_{ref}"] = [r[ref] for r in rounds]
     return out
 
 
