@@ -36,6 +36,7 @@ tell two runs apart).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import os
@@ -50,6 +51,7 @@ from typing import Any
 import numpy as np
 import uvloop
 
+from bench.copytimes import copy_timeline
 from bench.cpus import workload_ms
 from bench.kit import drop_caches, exit_with, make_resident
 from bench.record import provenance, write_result
@@ -427,6 +429,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="N rounds of verification on and off, alternating, for the warm-miss "
                         "and all-cached phases: the cost of verification within one run")
     p.add_argument("--skip", default="", help="comma list of phases to skip: cold,warm,cache,all")
+    p.add_argument("--copy-timeline", action="store_true",
+                   help="on a GPU, time each warm-miss round's copies on the device too "
+                        "(bench.copytimes: their rate while copying, the share of the span "
+                        "they copied; two events a layer)")
     p.add_argument("--no-verify", action="store_true",
                    help="pipeline runs without verification (the cost of the default's)")
     args = p.parse_args(argv)
@@ -475,9 +481,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             by_path: dict[str, list[dict[str, Any]]] = {name: [] for name in paths}
 
             def warm_round(name: str, gather: bool) -> dict[str, Any]:
-                return window_rate(bench.run(
-                    name, sweep, cyc, mode="resident", budget_bytes=sweep_budget,
-                    layer_ms=0.0, lookahead=args.lookahead, gather=gather)[1][args.sweep_tokens:])
+                with (copy_timeline() if gpu and args.copy_timeline
+                      else contextlib.nullcontext()) as timeline:
+                    rate = window_rate(bench.run(
+                        name, sweep, cyc, mode="resident", budget_bytes=sweep_budget,
+                        layer_ms=0.0, lookahead=args.lookahead,
+                        gather=gather)[1][args.sweep_tokens:])
+                return {**rate, **(timeline.summary() if timeline is not None else {})}
 
             for _ in range(args.rounds):
                 for name, gather in paths.items():
@@ -628,7 +638,7 @@ def _median_round(rounds: Sequence[dict[str, Any]], key: str) -> dict[str, Any]:
     if all("wall_ms_max" in r for r in rounds):  # token walls: (median, longest) per round
         out["rounds_wall_ms"] = [[round(r["wall_ms_median"], 2), round(r["wall_ms_max"], 2)]
                                  for r in rounds]
-    for ref in ("host_ref_ms", "h2d_ref_gbps"):
+    for ref in ("host_ref_ms", "h2d_ref_gbps", "copy_device_gbps", "copy_busy_share"):
         if all(ref in r for r in rounds):
             out[f"rounds_{ref}"] = [r[ref] for r in rounds]
     return out

@@ -13,6 +13,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from bench.copytimes import busy_and_span
 from bench.pipeline import _median_round
 from bench.pipeline import main as pipeline_main
 from bench.profile import main as profile_main
@@ -60,6 +61,21 @@ def test_median_round_picks_a_middle_round(rates: list[float]) -> None:
     above = sum(r > chosen["rate"] for r in rates)
     assert below <= len(rates) // 2 and above <= len(rates) // 2
     assert chosen["rounds"] == [round(r, 4) for r in rates]
+
+
+@given(st.lists(st.tuples(st.floats(0.0, 100.0), st.floats(0.0, 10.0)), max_size=12))
+def test_copy_busy_time_is_the_union_of_the_intervals(starts: list[tuple[float, float]]) -> None:
+    """bench.copytimes: overlapping copies (two streams) count once, gaps not at all;
+    checked against a 0.01-step sampling of the same intervals (whole-step values)."""
+    intervals = [(round(b, 0), round(b, 0) + round(n, 0)) for b, n in starts]
+    busy, span = busy_and_span(intervals)
+    covered = {t for b, e in intervals for t in range(int(b * 100), int(e * 100))}
+    assert busy == pytest.approx(len(covered) / 100)
+    if intervals:
+        assert span == max(e for _, e in intervals) - min(b for b, _ in intervals)
+        assert 0 <= busy <= span
+    else:
+        assert (busy, span) == (0.0, 0.0)
 
 
 @pytest.mark.parametrize("phase", ["all-cached", "resident-miss", "direct-miss"])
