@@ -4,7 +4,8 @@ A warm-miss round that runs slow is either the transfer (the device copies its l
 slower) or the host (the device copies at full rate and then waits for the next layer's
 launch). The wall time cannot tell them apart: the decode thread spins while it waits.
 ``copy_timeline`` records a timing event on the stream before and after every gather launch
-and every batched copy of this process, and ``CopyTimeline.summary`` reads them once the
+and every batched copy of this process (not the copy engines' in-place digest launches),
+and ``CopyTimeline.summary`` reads them once the
 run is over: the device's copy rate while copying, and the share of the span it copied.
 Each call gains two event records (a few microseconds of host time a layer).
 """
@@ -42,18 +43,20 @@ class CopyTimeline:
         end.record(raw)
         self.calls.append((start, end, nbytes))
 
-    def summary(self) -> dict[str, float]:
-        """``copy_device_gbps``: bytes over the time some copy ran (the union of the calls'
-        intervals, streams overlapping); ``copy_busy_share``: that time over the span from
-        the first copy's start to the last one's end."""
-        if not self.calls:
+    def summary(self, last: float = 1.0) -> dict[str, float]:
+        """Over the ``last`` share of the calls (a run's measured tokens, when each token
+        makes as many calls): ``copy_device_gbps``, bytes over the time some copy ran (the
+        union of the calls' intervals, streams overlapping); ``copy_busy_share``, that time
+        over the span from the first copy's start to the last one's end."""
+        calls = self.calls[len(self.calls) - round(len(self.calls) * last):]
+        if not calls:
             return {}
-        for _, end, _ in self.calls:
+        for _, end, _ in calls:
             end.synchronize()
         elapsed = self._cp.cuda.get_elapsed_time
         busy, span = busy_and_span([(elapsed(self.origin, s), elapsed(self.origin, e))
-                                    for s, e, _ in self.calls])
-        total = sum(n for _, _, n in self.calls)
+                                    for s, e, _ in calls])
+        total = sum(n for _, _, n in calls)
         return {"copy_device_gbps": round(total / busy / 1e6, 2) if busy else 0.0,
                 "copy_busy_share": round(busy / span, 3) if span else 0.0}
 
@@ -83,7 +86,12 @@ def copy_timeline() -> Iterator[CopyTimeline]:
     gather, batch = CudaKernels.gather, CupyBackend.copy_h2d_batch
 
     def timed_gather(self: CudaKernels, copies: npt.NDArray[np.uint64], stream: Stream) -> None:
-        timeline.around(stream, int(copies[:, 2].sum()), lambda: gather(self, copies, stream))
+        moved = copies[:, 0] != copies[:, 1]  # in place: a digest launch, no transfer
+        if not moved.any():
+            gather(self, copies, stream)
+            return
+        timeline.around(stream, int(copies[moved, 2].sum()),
+                        lambda: gather(self, copies, stream))
 
     def timed_batch(self: CupyBackend, copies: npt.NDArray[np.uint64], stream: Stream) -> None:
         timeline.around(stream, int(copies[2].sum()), lambda: batch(self, copies, stream))

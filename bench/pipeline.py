@@ -487,7 +487,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         name, sweep, cyc, mode="resident", budget_bytes=sweep_budget,
                         layer_ms=0.0, lookahead=args.lookahead,
                         gather=gather)[1][args.sweep_tokens:])
-                return {**rate, **(timeline.summary() if timeline is not None else {})}
+                measured = (cyc - args.sweep_tokens) / cyc  # the window's share of the calls
+                return {**rate, **(timeline.summary(measured) if timeline is not None else {})}
 
             for _ in range(args.rounds):
                 for name, gather in paths.items():
