@@ -29,7 +29,8 @@
 # tools.warmup --digests builds each one's manifest first) and kept in $MODELS between calls
 # of one lease.
 # NOLOG=1: gaps without the run log too; PROFILE=1: bench.profile's all-cached phase too;
-# SKIP=phases: bench.pipeline's --skip (default cold); EXTRA: more bench.pipeline options. PASSES=N: bench.pipeline's sweep passes (default 4: 24 measured tokens a warm-miss round,
+# SKIP=phases: bench.pipeline's --skip (default cold); EXTRA: more bench.pipeline options
+# (EXTRA=--copy-timeline: each warm-miss round's copies timed on the device, bench.copytimes). PASSES=N: bench.pipeline's sweep passes (default 4: 24 measured tokens a warm-miss round,
 # ~0.25 s on the fine shape, whose rounds swung 29-48 GB/s within one run at 40b54b0).
 # Usage: STEPS=pipeline SHAPES=fine RUNS=3 bash bench/gpu_shapes.sh
 set -u
