@@ -30,7 +30,9 @@
 # of one lease.
 # NOLOG=1: gaps without the run log too; PROFILE=1: bench.profile's all-cached phase too;
 # SKIP=phases: bench.pipeline's --skip (default cold); EXTRA: more bench.pipeline options
-# (EXTRA=--copy-timeline: each warm-miss round's copies timed on the device, bench.copytimes). PASSES=N: bench.pipeline's sweep passes (default 4: 24 measured tokens a warm-miss round,
+# (EXTRA=--copy-timeline: each warm-miss round's copies timed on the device, bench.copytimes).
+# NAIVE_TOKENS=N: the naive reference's tokens (16; at 8 it swung 2.04-2.64 tok/s on the fine
+# shape within one lease while the cache run held 5.68-5.80, shapes-h200-9504844/). PASSES=N: bench.pipeline's sweep passes (default 4: 24 measured tokens a warm-miss round,
 # ~0.25 s on the fine shape, whose rounds swung 29-48 GB/s within one run at 40b54b0).
 # Usage: STEPS=pipeline SHAPES=fine RUNS=3 bash bench/gpu_shapes.sh
 set -u
@@ -142,7 +144,7 @@ for s in ${shapes//,/ }; do
   fi
   if [[ $steps == *pipeline* ]]; then
     for r in $(seq 1 ${RUNS:-3}); do
-      timeout 200 python3 -m bench.pipeline --model $m --backend cupy --skip ${SKIP:-cold} --naive-tokens 8 \
+      timeout 200 python3 -m bench.pipeline --model $m --backend cupy --skip ${SKIP:-cold} --naive-tokens ${NAIVE_TOKENS:-16} \
         --lookahead 8 ${PASSES:+--passes $PASSES} ${EXTRA:-} --out $OUT/pipeline-$s-run$r.json \
         > $OUT/pipeline-$s-run$r.log 2>&1
       echo "pipeline $s run $r rc=$?"; grep -E "^  [0-9]_" $OUT/pipeline-$s-run$r.log; pack
