@@ -30,7 +30,6 @@ import functools
 import threading
 import time
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Literal, NamedTuple, Protocol
 
@@ -55,6 +54,7 @@ from stages.mapping import ModelMapping
 from stages.reader import ModelReader
 from stages.staging import StagingRing, StagingSlot
 from stages.upload import Uploader, gather_rows
+from stages.workers import WorkerPool
 
 __all__ = ["ExpertStreamer", "LayerLoad", "StageTimes"]
 
@@ -224,7 +224,7 @@ class ExpertStreamer:
             self.reader.close()  # nobody else holds the streamer yet to close it
             raise
         self.installer = Installer(cache)
-        self._pool = ThreadPoolExecutor(config.queue_depth, thread_name_prefix="moestream-read")
+        self._pool = WorkerPool(config.queue_depth, "moestream-read")
         self._registrar = MappingRegistrar(table.files, backend, lambda: self.mode == "resident")
         self._resident_inflight = 0
         self.host_tier = HostTier(table, self.reader.drop_ranges)
@@ -747,7 +747,7 @@ class ExpertStreamer:
         # the workers' last notifications meanwhile
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(
-            None, functools.partial(self._pool.shutdown, wait=True, cancel_futures=True)
+            None, functools.partial(self._pool.shutdown, cancel=True)
         )
         await asyncio.sleep(0)  # deliver the workers' last notifications
         for job in list(self._staged_jobs):  # reads dropped by the shutdown never finished
