@@ -620,14 +620,16 @@ def _with_references(run_round: Callable[[], dict[str, Any]], gpu: bool) -> dict
     reference is slow too was a slow host (its CPU, a neighbour), one whose copy reference
     is slow was the transfer itself (the bus, the host's memory), one with neither slow was
     something in the run."""
-    refs = [(workload_ms(HOST_REFERENCE_MISSES),
-             pinned_h2d_gbps(H2D_REFERENCE_BYTES, repeats=3) if gpu else 0.0)]
+    def references() -> tuple[float, float]:
+        return (workload_ms(HOST_REFERENCE_MISSES),
+                pinned_h2d_gbps(H2D_REFERENCE_BYTES, repeats=3) if gpu else 0.0)
+
+    before = references()
     result = run_round()
-    refs.append((workload_ms(HOST_REFERENCE_MISSES),
-                 pinned_h2d_gbps(H2D_REFERENCE_BYTES, repeats=3) if gpu else 0.0))
-    out = {**result, "host_ref_ms": round((refs[0][0] + refs[1][0]) / 2, 2)}
+    after = references()
+    out = {**result, "host_ref_ms": round((before[0] + after[0]) / 2, 2)}
     if gpu:
-        out["h2d_ref_gbps"] = round((refs[0][1] + refs[1][1]) / 2, 2)
+        out["h2d_ref_gbps"] = round((before[1] + after[1]) / 2, 2)
     return out
 
 

@@ -121,7 +121,7 @@ def _profile(args: argparse.Namespace) -> None:
     print(f"{args.phase}: {wall_ms * 1000 / n_layers:.1f} us/layer{under}"
           + (f", {wall_ms * 1000 / misses:.1f} us/miss" if misses else "")
           + f", loop thread CPU {cpu_ms / wall_ms:.2f} x wall"
-          + f" ({cpu_ms * 1000 / n_layers:.1f} us/layer)"
+          + f" = {cpu_ms * 1000 / n_layers:.1f} us a layer"
           + f" ({len(events)} tokens, {misses:.1f} misses a token)")
     if profile is not None:
         pstats.Stats(profile).sort_stats("tottime").print_stats(args.top)
