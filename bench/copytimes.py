@@ -5,15 +5,15 @@ slower) or the host (the device copies at full rate and then waits for the next 
 launch). The wall time cannot tell them apart: the decode thread spins while it waits.
 ``copy_timeline`` records a timing event on the stream before and after every gather launch
 and every batched copy of this process (not the copy engines' in-place digest launches),
-and ``CopyTimeline.summary`` reads them once the
-run is over: the device's copy rate while copying, and the share of the span it copied.
-Each call gains two event records (a few microseconds of host time a layer).
+and ``CopyTimeline.summary`` reads them once the run is over: the device's copy rate while
+copying, and the share of the span it copied. Each call gains two event records (a few
+microseconds of host time a layer).
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 from unittest import mock
 
@@ -34,7 +34,7 @@ class CopyTimeline:
         self.origin.record()  # the legacy stream: a shared zero for every stream's events
         self.calls: list[tuple[Any, Any, int]] = []
 
-    def around(self, stream: Stream, nbytes: int, queue: Any) -> None:
+    def around(self, stream: Stream, nbytes: int, queue: Callable[[], None]) -> None:
         """Queue ``queue()`` on ``stream`` between two timing events."""
         raw = stream.raw  # type: ignore[attr-defined]
         start, end = self._cp.cuda.Event(), self._cp.cuda.Event()
