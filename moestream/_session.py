@@ -707,6 +707,8 @@ class Session:
         return self._counters()
 
     def _counters(self) -> Counters:
+        if self._drops:  # a session call: what was dropped is released first (and counted)
+            self._release_drops()
         core = self._core
         done, now = core.counters_now()
         cache, caches = core.cache, core.caches

@@ -449,8 +449,9 @@ class SyncSession:
                                                       upload_ms=upload_ms))
 
     def counters(self) -> Counters:
-        """As ``Session.counters`` (on the caller's thread)."""
-        return self._loop.query(self._session._counters)
+        """As ``Session.counters`` (on the caller's thread; it releases leases dropped
+        meanwhile, as every call does)."""
+        return self._loop.call(self._session._counters)
 
     def close(self) -> None:
         """As ``Session.aclose``, then stop the loop's thread. Idempotent."""

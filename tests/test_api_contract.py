@@ -470,6 +470,25 @@ class TestDroppedLeases:
                 with ms.fetch(other, [4, 5, 6, 7]) as lease:
                     lease.gather()
 
+    def test_interrupt_in_a_with_exit_leaves_the_lease_to_its_drop(
+            self, tiny_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        """Python checks for signals at every function entry, so an interrupt can land in
+        a ``with`` block's ``__exit__`` before the release: the lease stays held while the
+        ``as`` name refers to it, and is released (warned) once dropped, at the next call."""
+        with _sync(tiny_model, budget="16") as ms:
+            layer = ms.model.moe_layers[0]
+            monkeypatch.setattr(moestream.SyncLease, "release", _interrupt)
+            with pytest.raises(KeyboardInterrupt), ms.fetch(layer, [0, 1, 2, 3]) as lease:
+                lease.gather()
+            monkeypatch.undo()
+            assert ms.counters().open_leases == 1  # still referenced: held
+            with pytest.warns(ResourceWarning, match="dropped without release"):
+                del lease
+                gc.collect()
+            assert ms.counters().open_leases == 0  # this call released it
+            with ms.fetch(layer, [0, 1, 2, 3]) as again:
+                again.gather()
+
     # an interrupt that lands in a finalizer is printed and dropped by Python itself
     @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
     def test_timer_interrupts_never_leak(self, tiny_model: Path) -> None:
@@ -503,7 +522,12 @@ class TestDroppedLeases:
                 armed[0] = False
                 signal.setitimer(signal.ITIMER_REAL, 0, 0)
                 signal.signal(signal.SIGALRM, previous)
-            gc.collect()
+            # an interrupt in the last ``__exit__`` before its release left that lease
+            # held by the ``as`` name: dropped here, it goes the dropped-lease path
+            lease = None
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", ResourceWarning)
+                gc.collect()
             assert interrupts > 10
             assert failures == 0
             assert ms.counters().open_leases == 0
