@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -120,7 +121,7 @@ class TestModelMapping:
         assert data == _read(path, offset, nbytes)
 
     def test_only_resident_windows_are_registered(
-        self, tiny_model: Path, monkeypatch: pytest.MonkeyPatch
+        self, tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     ) -> None:
         class Registering(HostBackend):
             registers_host = True
@@ -128,14 +129,16 @@ class TestModelMapping:
             def register_host(self, array: np.ndarray) -> bool:
                 return True
 
-        tiny_model.read_bytes()  # every page resident
-        evict(tiny_model, [ByteRange(3 << 20, 1 << 20)])  # but window 3
-        with ModelMapping(tiny_model, Registering(), window_bytes=1 << 20) as mapping:
+        # a copy of its own: the shared model's pages are evicted by other tests' cold reads
+        model = Path(shutil.copyfile(tiny_model, tmp_path / "tiny.gguf"))
+        model.read_bytes()  # every page resident
+        evict(model, [ByteRange(3 << 20, 1 << 20)])  # but window 3
+        with ModelMapping(model, Registering(), window_bytes=1 << 20) as mapping:
             added = mapping.register_resident_windows()
             assert mapping.is_registered(0, 3 << 20)
             assert not mapping.is_registered(3 << 20, 10)
             assert added >= 3 and mapping.registered_bytes == mapping.file_bytes - (1 << 20)
-            _read(tiny_model, 3 << 20, 1 << 20)  # window 3 resident again
+            _read(model, 3 << 20, 1 << 20)  # window 3 resident again
             assert mapping.register_resident_windows() == 1
             assert mapping.registered_bytes == mapping.file_bytes
 
