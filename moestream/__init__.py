@@ -20,7 +20,7 @@ configured structlog (``moestream._logging``).
 
 from importlib.metadata import PackageNotFoundError, version
 
-from moestream._handles import ExpertHandle, Matrix
+from moestream._handles import ExpertHandle, Matrix, wait_uploads
 from moestream._session import (
     Counters,
     LayerInfo,
@@ -87,4 +87,5 @@ __all__ = [
     "__version__",
     "open",
     "open_sync",
+    "wait_uploads",
 ]

@@ -9,7 +9,7 @@ must not be read after the release, as with any borrowed buffer.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -22,7 +22,7 @@ from pipeline.foundation.errors import UsageError
 from pipeline.foundation.table import MoeLayer
 from pipeline.lease import Arrival, LayerLease
 
-__all__ = ["ExpertHandle", "Matrix"]
+__all__ = ["ExpertHandle", "Matrix", "wait_uploads"]
 
 _LANDED = HostEvent()
 """The event of an expert whose bytes were on the device before it was handed out."""
@@ -343,3 +343,31 @@ class ExpertHandle:
     def __repr__(self) -> str:
         state = "released" if self.released else f"device {self.device}"
         return f"ExpertHandle(layer={self.layer}, expert={self.expert}, {state})"
+
+
+def wait_uploads(handles: Iterable[ExpertHandle], stream: StreamLike = None) -> int:
+    """Make ``stream`` wait on the device for the uploads of ``handles`` not yet known
+    installed, once per distinct event; the host never blocks.
+
+    A layer's misses copied in one launch share one event, so a batch of handles costs one
+    event query and at most one wait (``cudaStreamWaitEvent``) per launch, not a query
+    and a wait an expert; installed experts cost nothing (``ExpertHandle.pending_event``).
+
+    Args:
+        handles: handles of held leases (a ``gather()``, an ``available()`` batch).
+        stream: as ``ExpertHandle.wait``; ignored on the host backend.
+
+    Returns:
+        How many distinct upload events were still pending (each waited on unless it had
+        completed meanwhile).
+
+    Raises:
+        UsageError: a handle's lease was released.
+    """
+    pending: set[int] = set()
+    for h in handles:
+        event = h.pending_event()
+        if event is not None and id(event) not in pending:
+            pending.add(id(event))
+            wait_on(event, stream)
+    return len(pending)

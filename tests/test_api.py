@@ -154,6 +154,40 @@ class TestFetch:
             c = ms.counters()
             assert c.verified == 4 and c.mismatches == 0 and c.open_leases == 0
 
+    @pytest.mark.parametrize("backend", BACKENDS)
+    async def test_wait_uploads_once_per_pending_event(
+            self, tiny_model: Path, tiny_table: ExpertTable, backend: str) -> None:
+        """``wait_uploads``: one wait per distinct pending upload, none for installed
+        experts; the bytes read after it on the stream are the file's."""
+        stream = None
+        if backend == "cupy":
+            import cupy
+
+            stream = cupy.cuda.Stream(non_blocking=True)
+        async with _open(tiny_model, backend) as ms:
+            layer = ms.model.moe_layers[0]
+            async with ms.fetch(layer, [0, 1, 2, 3]) as lease:
+                handles = await lease.gather()
+                events = {id(e) for h in handles if (e := h.pending_event()) is not None}
+                assert len(events) >= 1  # four misses: one event a launch, shared
+                assert moestream.wait_uploads(handles, stream) == len(events)
+                if stream is not None:
+                    with stream:
+                        copies = [h.gate.array.copy() for h in handles]
+                    stream.synchronize()
+                    for h, copy in zip(handles, copies, strict=True):
+                        assert copy.get().tobytes() == _file_bytes(tiny_table, h.key)[0]
+                lease.release(after=stream)
+            await ms.end_token()
+            await _landed(ms)
+            await asyncio.sleep(0.05)  # the installer sees the uploads complete
+            async with ms.fetch(layer, [0, 1, 2, 3]) as lease:
+                handles = await lease.gather()
+                installed = [h for h in handles if h.pending_event() is None]
+                assert installed and moestream.wait_uploads(installed, stream) == 0
+            with pytest.raises(moestream.UsageError):
+                moestream.wait_uploads(handles, stream)  # released
+
     async def test_gather_in_the_order_asked(self, tiny_model: Path) -> None:
         async with _open(tiny_model) as ms:
             layer = ms.model.moe_layers[0]
