@@ -46,6 +46,7 @@ from typing import Any
 
 from pipeline.foundation.config import Budget, parse_size
 from pipeline.foundation.errors import MoestreamError, UsageError
+from pipeline.foundation.safetensors_table import is_routed
 
 __all__ = ["main"]
 
@@ -82,13 +83,11 @@ def dense_bytes(path: Path) -> int:
     device besides its cache)."""
     from safetensors import safe_open
 
-    from moestream.transformers._loader import _ROUTED
-
     total = 0
     for shard in _shards(path):
         with safe_open(str(shard), framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 (a safe_open is not iterable)
-                if not _ROUTED.search(name):
+                if not is_routed(name):
                     tensor = f.get_slice(name)
                     n = 1
                     for d in tensor.get_shape():

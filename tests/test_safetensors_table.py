@@ -24,6 +24,7 @@ from hypothesis import strategies as st
 
 from pipeline.foundation.errors import ExpertLayoutError, ModelFileError
 from pipeline.foundation.experts import ExpertTable
+from pipeline.foundation.safetensors_table import is_routed
 from pipeline.foundation.table import open_table
 from pipeline.run import main as run_main
 
@@ -183,6 +184,50 @@ class TestOddLayouts:
         assert_maps(table, tensors)
         assert table.top_k == (2 if with_config else E)  # without: min(8, experts)
         assert table.n_layers == LAYERS
+
+    @pytest.mark.parametrize("block, mixtral", [("ffn", True), ("feed_forward", False)])
+    def test_other_moe_block_names(self, tmp_path: Path, block: str, mixtral: bool) -> None:
+        """DeepSeek-V4's ``ffn.experts.E.w1`` and Jamba's ``feed_forward.experts.E.gate_proj``
+        (routers ``ffn.gate``, ``feed_forward.router``), as transformers writes them."""
+        moe = "block_sparse_moe" if mixtral else "mlp"
+        renamed = {t.name: t.name.replace(f".{moe}.", f".{block}.") for t in model(mixtral=mixtral)}
+        if block == "feed_forward":
+            renamed = {k: v.replace(".feed_forward.gate.", ".feed_forward.router.")
+                       for k, v in renamed.items()}
+        tensors = [T(renamed[t.name], t.dtype, t.shape, t.data) for t in model(mixtral=mixtral)]
+        table = open_table(write_dir(tmp_path / "c", [tensors]))
+        by_name = {t.name: t.data for t in tensors}
+        for layer in range(LAYERS):
+            assert table.layers[layer].router is not None
+            for e in range(E):
+                s = table.slices((layer, e))
+                want = [by_name[renamed[n]] for n in _names(layer, e, mixtral)]
+                assert [table.read_bytes(r.offset, r.nbytes) for r in s.ranges] == want
+        routed = [t.name for t in tensors if is_routed(t.name)]
+        assert len(routed) == LAYERS * E * 3
+        assert {t.name for t in table.non_routed} == {t.name for t in tensors} - set(routed)
+
+    def test_granite_fused_names(self, tmp_path: Path) -> None:
+        """Granite-MoE's ``block_sparse_moe.input_linear`` [E, 2F, D] and ``output_linear``
+        [E, D, F] are the fused form; its shared MLP's 2-D ``input_linear`` is not."""
+        rng = np.random.default_rng(5)
+        gate_up, down = rng.bytes(E * 2 * F * D * 2), rng.bytes(E * D * F * 2)
+        moe = "model.layers.0.block_sparse_moe."
+        tensors = [T(moe + "input_linear.weight", "BF16", (E, 2 * F, D), gate_up),
+                   T(moe + "output_linear.weight", "BF16", (E, D, F), down),
+                   T(moe + "router.layer.weight", "BF16", (E, D), rng.bytes(E * D * 2)),
+                   T("model.layers.0.shared_mlp.input_linear.weight", "BF16", (2 * F, D),
+                     rng.bytes(2 * F * D * 2))]
+        config = {**CONFIG, "num_hidden_layers": 1}
+        table = open_table(write_dir(tmp_path / "c", [tensors], config=config))
+        assert table.layers[0].router is not None
+        per, half = 2 * F * D * 2, F * D * 2
+        for e in range(E):
+            s = table.slices((0, e))
+            assert table.read_bytes(s.gate.offset, half) == gate_up[e * per: e * per + half]
+            assert table.read_bytes(s.down.offset, s.down.nbytes) == down[
+                e * D * F * 2: (e + 1) * D * F * 2]
+        assert [is_routed(t.name) for t in tensors] == [True, True, False, False]
 
     def test_fused_written_by_hand(self, tmp_path: Path) -> None:
         rng = np.random.default_rng(3)

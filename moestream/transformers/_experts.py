@@ -263,8 +263,8 @@ class ExpertStream:
                         top_k_pos, token_idx = torch.where(mask[h.expert])
                         current = hidden[token_idx]
                         gate_up = torch.cat((gate, up))
-                        g, u = torch.nn.functional.linear(current, gate_up).chunk(2, dim=-1)
-                        out = module.act_fn(g) * u
+                        # the module's own gate (its activation, or a clamped SwiGLU)
+                        out = module._apply_gate(torch.nn.functional.linear(current, gate_up))
                         out = torch.nn.functional.linear(out, down)
                         out = out * top_k_weights[token_idx, top_k_pos, None]
                         rows[h.expert] = (token_idx, out.to(final.dtype))

@@ -44,15 +44,12 @@ from pipeline.foundation.errors import (
     ModelFileError,
     UsageError,
 )
+from pipeline.foundation.safetensors_table import is_routed
 
 __all__ = ["from_pretrained"]
 
 _log = structlog.get_logger("moestream.transformers")
 
-_ROUTED = re.compile(r"(?:^|\.)layers\.\d+\.(?:mlp|block_sparse_moe)\.experts\."
-                     r"(?:\d+\.(?:gate_proj|up_proj|down_proj|w1|w2|w3)\.weight"
-                     r"|(?:gate_up_proj|down_proj)(?:\.weight)?)$")
-"""Routed-expert tensors, in the namings the moestream checkpoint source reads."""
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 _INDEX = "model.safetensors.index.json"
 
@@ -291,6 +288,10 @@ def _renamer(model: Any) -> Any:
 
     def rename(key: str) -> str:
         renamed: str = rename_source_key(key, renamings, [], prefix, meta_state)[0]
+        if renamed not in meta_state and key in meta_state:
+            # as transformers' loading: a renaming that should not have fired (DeepSeek-V4's
+            # ``.norm.`` -> ``.kv_norm.`` on the final ``model.norm``); the prefix only
+            renamed = rename_source_key(key, [], [], prefix, meta_state)[0]
         return renamed
 
     return rename
@@ -305,7 +306,7 @@ def _load_dense(model: Any, root: Path, device: Any, progress: bool | None,
     expected = set(model.state_dict())
     rename = _renamer(model)
     shards = _shards(root, single)
-    total = sum(1 for names in shards.values() for n in names if not _ROUTED.search(n))
+    total = sum(1 for names in shards.values() for n in names if not is_routed(n))
     loaded: dict[str, Any] = {}
     unexpected: list[str] = []
     if progress is None:
@@ -322,7 +323,7 @@ def _load_dense(model: Any, root: Path, device: Any, progress: bool | None,
                 raise ModelFileError(file, _first_line(exc)) from exc
             with opened as f:
                 for name in names:
-                    if _ROUTED.search(name):
+                    if is_routed(name):
                         continue
                     target = rename(name)
                     if target not in expected:

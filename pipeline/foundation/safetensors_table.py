@@ -6,16 +6,21 @@ when sharded, ``model.safetensors.index.json``; or a single ``.safetensors`` fil
 length, a JSON header (per tensor: dtype, shape, data offsets relative to the data start),
 then the data; each tensor is one contiguous range. Only the headers are read here.
 
-Routed experts are found by name, in the layouts transformers writes:
+Routed experts are found by name, in the layouts transformers writes, under a layer's MoE
+block ``B`` (``mlp``; ``block_sparse_moe`` in Mixtral and Granite, ``ffn`` in DeepSeek-V4,
+``feed_forward`` in Jamba):
 
-- per expert (Qwen2-MoE, Qwen3-MoE, OLMoE, DeepSeek-V2/V3): ``...layers.L.mlp.experts.E.
-  {gate_proj,up_proj,down_proj}.weight``, gate and up ``[F, D]``, down ``[D, F]``;
-- Mixtral: ``...layers.L.block_sparse_moe.experts.E.{w1,w3,w2}.weight`` (gate, up, down);
-- fused: ``...layers.L.mlp.experts.gate_up_proj`` ``[E, 2F, D]`` (gate the first F rows)
-  and ``...mlp.experts.down_proj`` ``[E, D, F]``, an expert one slice along the first axis.
+- per expert (Qwen2-MoE, Qwen3-MoE, OLMoE, DeepSeek-V2/V3, Jamba): ``...layers.L.B.experts.E.
+  {gate_proj,up_proj,down_proj}.weight``, gate and up ``[F, D]``, down ``[D, F]``; Mixtral
+  and DeepSeek-V4 name them ``{w1,w3,w2}`` (gate, up, down);
+- fused: ``...layers.L.B.experts.gate_up_proj`` ``[E, 2F, D]`` (gate the first F rows) and
+  ``...B.experts.down_proj`` ``[E, D, F]``, an expert one slice along the first axis;
+  Granite-MoE's ``block_sparse_moe.input_linear.weight`` and ``output_linear.weight`` are
+  the same two.
 
 Shared experts (``mlp.shared_expert(s)``), dense layers and everything else are non-routed
-tensors. The router of layer L is ``...layers.L.mlp.gate.weight`` (``[E, D]``). Experts in
+tensors (``is_routed`` tells which). The router of layer L is ``...layers.L.B.gate.weight``
+(``router.weight`` in Jamba, ``router.layer.weight`` in Granite; ``[E, D]``). Experts in
 BF16, F16 or F32 are accepted; any other expert dtype (FP8, integer, quantized) is refused
 in one line. A hostile file is refused before anything past its header is trusted: every
 offset, size and name is checked against the file and the dtype x shape it claims.
@@ -38,7 +43,7 @@ from pipeline.foundation.experts import ExpertTable, MoeLayer, TensorInfo
 from pipeline.foundation.files import ModelFile, check_identity, lay_out, open_identified
 from pipeline.foundation.inputs import JSONDepthError, load_json_bounded, read_input
 
-__all__ = ["HEADER_LIMIT_BYTES", "SAFETENSORS_TYPES", "open_checkpoint"]
+__all__ = ["HEADER_LIMIT_BYTES", "SAFETENSORS_TYPES", "is_routed", "open_checkpoint"]
 
 HEADER_LIMIT_BYTES = 100 << 20
 """The largest shard header read (safetensors' own limit)."""
@@ -55,16 +60,28 @@ _ITEM_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0
                "I16": 2, "U16": 2, "F16": 2, "BF16": 2, "I32": 4, "U32": 4, "F32": 4,
                "I64": 8, "U64": 8, "F64": 8}
 # re.ASCII: \d would also take other scripts' digits, which int() reads ("\u0663" is 3)
-_EXPERT = re.compile(r"^(?:.*\.)?layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\."
+_MOE = r"(?:mlp|block_sparse_moe|ffn|feed_forward)"
+"""A MoE block's name in a layer: Qwen/DeepSeek-V2/V3, Mixtral/Granite, DeepSeek-V4, Jamba."""
+_EXPERT = re.compile(rf"^(?:.*\.)?layers\.(\d+)\.{_MOE}\.experts\.(\d+)\."
                      r"(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$", re.ASCII)
-_FUSED = re.compile(r"^(?:.*\.)?layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\."
-                    r"(gate_up_proj|down_proj)(?:\.weight)?$", re.ASCII)
-_ROUTER = re.compile(r"^(?:.*\.)?layers\.(\d+)\.(?:mlp|block_sparse_moe)\.gate\.weight$",
-                     re.ASCII)
+_FUSED = re.compile(rf"^(?:.*\.)?layers\.(\d+)\.(?:{_MOE}\.experts\.(gate_up_proj|down_proj)"
+                    r"(?:\.weight)?|block_sparse_moe\.(input_linear|output_linear)\.weight)$",
+                    re.ASCII)
+_ROUTER = re.compile(rf"^(?:.*\.)?layers\.(\d+)\.{_MOE}\.(?:gate|router|router\.layer)"
+                     r"\.weight$", re.ASCII)
 _BLOCK = re.compile(r"(?:^|\.)layers\.(\d+)\.", re.ASCII)
 _MATRIX = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up",
            "down_proj": "down", "w2": "down"}
+_GRANITE = {"input_linear": "gate_up_proj", "output_linear": "down_proj"}
+"""Granite-MoE's fused expert names (``block_sparse_moe.input_linear`` [E, 2F, D], gate the
+first F rows, and ``output_linear`` [E, D, F]), as the fused form's."""
 _PARTS = ("gate", "up", "down")
+
+
+def is_routed(name: str) -> bool:
+    """Whether the checkpoint tensor ``name`` holds routed experts (read by moestream, not
+    loaded with the dense weights)."""
+    return _EXPERT.match(name) is not None or _FUSED.match(name) is not None
 
 
 @dataclass(frozen=True, slots=True)
@@ -284,7 +301,8 @@ def _build(path: Path, files: tuple[ModelFile, ...], tensors: dict[str, _Tensor]
             _claim(path, parts, _MATRIX[m.group(3)], t, f"layer {layer} expert {expert}'s")
         elif (m := _FUSED.match(t.name)) is not None:
             layer = int(m.group(1))
-            _claim(path, fused.setdefault(layer, {}), m.group(2), t, f"layer {layer}'s")
+            slot = m.group(2) or _GRANITE[m.group(3)]
+            _claim(path, fused.setdefault(layer, {}), slot, t, f"layer {layer}'s")
         else:
             non_routed.append(info)
             if (m := _ROUTER.match(t.name)) is not None:
@@ -297,7 +315,8 @@ def _build(path: Path, files: tuple[ModelFile, ...], tensors: dict[str, _Tensor]
     if both:
         raise ExpertLayoutError(path, f"layer {both[0]} has both per-expert and fused experts")
     if not per_expert and not fused:
-        raise ExpertLayoutError(path, "no routed expert tensors (layers.L.mlp.experts.*)")
+        raise ExpertLayoutError(path, "no routed expert tensors (layers.L.mlp.experts.*, or "
+                                      "a layout the module docstring lists)")
 
     n_experts = _config_int(config, "num_experts", "num_local_experts", "n_routed_experts")
     hidden = _config_int(config, "hidden_size")
