@@ -62,15 +62,44 @@ ARCHS: dict[str, dict[str, Any]] = {
     # fused experts named input_linear / output_linear
     "granitemoe": dict(hidden_size=64, intermediate_size=32, num_local_experts=8,
                        num_experts_per_tok=2, num_hidden_layers=2, **ATTENTION),
+    # dense weights transformers builds from three checkpoint tensors (its converter)
+    "kimi_linear": dict(hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+                        num_experts=8, num_experts_per_token=2, num_hidden_layers=4,
+                        kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8,
+                        qk_nope_head_dim=8, v_head_dim=16, linear_head_dim=16,
+                        linear_num_heads=4, num_expert_group=1, topk_group=1,
+                        mlp_layer_types=["dense", "sparse", "sparse", "sparse"],
+                        layer_types=["linear_attention", "full_attention"] * 2,
+                        pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                        **{**ATTENTION, "num_key_value_heads": 4}),
+    # no AutoModelForCausalLM entry: built by its own class, named in config.json
+    "mistral4": dict(hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+                     n_routed_experts=8, num_experts_per_tok=2, num_hidden_layers=3,
+                     kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=8,
+                     v_head_dim=16, first_k_dense_replace=1,
+                     **{**ATTENTION, "num_key_value_heads": 4}),
 }
+OWN_CLASS = {"mistral4": "Mistral4ForCausalLM"}
+"""Architectures transformers' AutoModelForCausalLM does not map (built by their class)."""
 REFERENCE = {"grouped": "grouped_mm", "eager": "eager"}
 PROMPTS = [[3, 17, 42, 5, 9, 11], [7, 8, 9, 10, 11, 12]]
+
+
+def _lm(kind: str) -> Any:
+    """The class that builds ``kind``: AutoModelForCausalLM, or its own (``OWN_CLASS``)."""
+    return getattr(transformers, OWN_CLASS.get(kind, ""), transformers.AutoModelForCausalLM)
+
+
+def _from_config(kind: str, config: Any, **kwargs: Any) -> Any:
+    lm = _lm(kind)
+    made = lm.from_config if lm is transformers.AutoModelForCausalLM else lm._from_config
+    return made(config, **kwargs)
 
 
 def _save(kind: str, where: Path, dtype: Any = None, **overrides: Any) -> Path:
     config = transformers.AutoConfig.for_model(kind, **{**ARCHS[kind], **overrides})
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype or torch.bfloat16)
+    model = _from_config(kind, config, dtype=dtype or torch.bfloat16)
     model.save_pretrained(where)
     return where
 
@@ -80,9 +109,11 @@ def _unserved(kind: str) -> str | None:
     machine's may be older than the newest), or None."""
     if kind not in transformers.CONFIG_MAPPING:
         return f"transformers {transformers.__version__} has no {kind}"
+    if kind in OWN_CLASS and not hasattr(transformers, OWN_CLASS[kind]):
+        return f"transformers {transformers.__version__} has no {OWN_CLASS[kind]}"
     config = transformers.AutoConfig.for_model(kind, **ARCHS[kind])
     with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(config)
+        model = _from_config(kind, config)
     if not any(hasattr(m, "has_gate") for m in model.modules()):
         return f"transformers {transformers.__version__} computes {kind}'s experts outside " \
                "its experts registry"
@@ -116,8 +147,8 @@ def loops() -> Any:
 
 
 def _whole(path: Path, implementation: str) -> Any:
-    return transformers.AutoModelForCausalLM.from_pretrained(
-        path, experts_implementation=implementation)
+    """The whole model as transformers loads it (``path``'s folder is named by its kind)."""
+    return _lm(path.name).from_pretrained(path, experts_implementation=implementation)
 
 
 def _generate(model: Any, tokens: int = 6) -> Any:

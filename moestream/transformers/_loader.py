@@ -18,6 +18,7 @@ a model type whose experts do not go through transformers' registry. Each is one
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import re
@@ -170,6 +171,19 @@ def _config(root: Path) -> Any:
         raise ModelFileError(root / "config.json", _first_line(exc)) from exc
 
 
+def _causal_lm(config: Any, **kwargs: Any) -> Any:
+    """The model, as ``AutoModelForCausalLM.from_config`` builds it, or by the checkpoint's
+    own causal-LM class (``config.architectures``) where the auto mapping lacks the model
+    type (Mistral-4's ``Mistral4ForCausalLM``)."""
+    auto = transformers.AutoModelForCausalLM
+    if type(config) not in auto._model_mapping:
+        for name in getattr(config, "architectures", None) or []:
+            cls = getattr(transformers, str(name), None)
+            if str(name).endswith("ForCausalLM") and cls is not None:
+                return cls._from_config(config, **kwargs)
+    return auto.from_config(config, **kwargs)  # its own error names what it lacks
+
+
 def _meta_model(root: Path, config: Any, dtype: Any) -> Any:
     """The model's modules with meta tensors (no storage), experts through the registry."""
     if dtype is None:
@@ -180,8 +194,7 @@ def _meta_model(root: Path, config: Any, dtype: Any) -> Any:
         dtype = torch.float32
     try:
         with torch.device("meta"):
-            model = transformers.AutoModelForCausalLM.from_config(
-                config, dtype=dtype, experts_implementation=IMPLEMENTATION)
+            model = _causal_lm(config, dtype=dtype, experts_implementation=IMPLEMENTATION)
     except (ValueError, KeyError, TypeError) as exc:
         raise ModelFileError(root, f"model type {config.model_type!r} cannot be served by "
                              f"moestream: {_first_line(exc)}") from exc
@@ -267,39 +280,45 @@ def _shards(root: Path, single: str | None) -> dict[str, list[str]]:
 
 
 def _renamer(model: Any) -> Any:
-    """Checkpoint name -> model name, by transformers' own renamings for this model (the
-    routed experts' converters aside)."""
+    """Checkpoint name -> (model name, the converter that builds it or None), by
+    transformers' own renamings and converters for this model; the routed experts are never
+    asked for (their converters stay unused)."""
     meta_state = model.state_dict()
     try:
         from transformers.conversion_mapping import (  # type: ignore[import-not-found, unused-ignore]
             get_model_conversion_mapping,
         )
         from transformers.core_model_loading import (  # type: ignore[import-not-found, unused-ignore]
+            WeightConverter,
             WeightRenaming,
             rename_source_key,
         )
     except ImportError as exc:  # an older 5.x: the names as they are
         _log.warning("transformers_renamings_unavailable", reason=str(exc),
                      fallback="checkpoint names used as they are")
-        return lambda key: key
-    renamings = [t for t in get_model_conversion_mapping(model)
-                 if isinstance(t, WeightRenaming)]
+        return lambda key: (key, None)
+    mapping = get_model_conversion_mapping(model)
+    renamings = [t for t in mapping if isinstance(t, WeightRenaming)]
+    converters = [t for t in mapping if isinstance(t, WeightConverter)]
+    by_pattern = {p: c for c in converters for p in c.source_patterns}
     prefix = getattr(model, "base_model_prefix", None)
 
-    def rename(key: str) -> str:
-        renamed: str = rename_source_key(key, renamings, [], prefix, meta_state)[0]
+    def rename(key: str) -> tuple[str, tuple[Any, str] | None]:
+        renamed, pattern = rename_source_key(key, renamings, converters, prefix, meta_state)
         if renamed not in meta_state and key in meta_state:
             # as transformers' loading: a renaming that should not have fired (DeepSeek-V4's
             # ``.norm.`` -> ``.kv_norm.`` on the final ``model.norm``); the prefix only
-            renamed = rename_source_key(key, [], [], prefix, meta_state)[0]
-        return renamed
+            return rename_source_key(key, [], [], prefix, meta_state)[0], None
+        return renamed, (by_pattern[pattern], pattern) if pattern is not None else None
 
     return rename
 
 
 def _load_dense(model: Any, root: Path, device: Any, progress: bool | None,
                 single: str | None = None) -> None:
-    """Read every non-expert tensor onto ``device`` and assign it; make the buffers; tie."""
+    """Read every non-expert tensor onto ``device`` and assign it (those transformers builds
+    from several, such as Kimi-Linear's stacked convolutions, by its own converter); make
+    the buffers; tie."""
     from safetensors import safe_open
 
     params = dict(model.named_parameters())
@@ -308,10 +327,20 @@ def _load_dense(model: Any, root: Path, device: Any, progress: bool | None,
     shards = _shards(root, single)
     total = sum(1 for names in shards.values() for n in names if not is_routed(n))
     loaded: dict[str, Any] = {}
+    merged: dict[str, Any] = {}  # model name -> its converter, collecting its sources
     unexpected: list[str] = []
     if progress is None:
         progress = sys.stderr.isatty()
     from tqdm import tqdm
+
+    def assign(file: Path, name: str, target: str, tensor: Any) -> None:
+        like = params.get(target)
+        if like is None:
+            like = model.get_buffer(target)
+        if tuple(tensor.shape) != tuple(like.shape):
+            raise ExpertLayoutError(file, f"{name} has shape {list(tensor.shape)}, the config "
+                                    f"makes {target} {list(like.shape)}")
+        loaded[target] = tensor.to(like.dtype)
 
     with tqdm(total=total, unit="tensor", desc="loading dense weights", disable=not progress,
               leave=False, file=sys.stderr) as bar:
@@ -325,21 +354,26 @@ def _load_dense(model: Any, root: Path, device: Any, progress: bool | None,
                 for name in names:
                     if is_routed(name):
                         continue
-                    target = rename(name)
+                    target, converter = rename(name)
+                    bar.update(1)
                     if target not in expected:
                         unexpected.append(name)
-                        bar.update(1)
-                        continue
-                    tensor = f.get_tensor(name)
-                    like = params.get(target)
-                    if like is None:
-                        like = model.get_buffer(target)
-                    if tuple(tensor.shape) != tuple(like.shape):
-                        raise ExpertLayoutError(
-                            file, f"{name} has shape {list(tensor.shape)}, the config makes "
-                            f"{target} {list(like.shape)}")
-                    loaded[target] = tensor.to(like.dtype)
-                    bar.update(1)
+                    elif converter is not None:
+                        into = merged.setdefault(target, copy.deepcopy(converter[0]))
+                        into.add_tensor(target, name, converter[1], f.get_tensor(name))
+                    else:
+                        assign(file, name, target, f.get_tensor(name))
+    for target, converter in merged.items():
+        try:
+            built = converter.convert(target, model=model, config=model.config)
+        except Exception as exc:  # transformers' ops raise their own errors
+            raise ModelFileError(root, f"{target}: transformers' converter failed: "
+                                 f"{_first_line(exc)}") from exc
+        for name, tensor in built.items():
+            if name not in expected:
+                unexpected.append(name)
+                continue
+            assign(root, target, name, tensor[0] if isinstance(tensor, list) else tensor)
     if unexpected:
         _log.warning("checkpoint_tensors_unused", count=len(unexpected),
                      first=unexpected[:4], path=str(root))
