@@ -59,9 +59,10 @@ async def decode(
     async with moestream.open(model, budget=budget, backend=backend, mode=mode,
                               tuning=tuning) as ms:
         f16 = GGMLQuantizationType.F16
-        if any(info.gate_up_type != f16 or info.down_type != f16
+        if any(info.gate_up_type != f16 or info.down_type != f16 or info.transposed
                for info in ms.model.layers.values()):
-            raise moestream.UsageError("this example computes SwiGLU on F16 experts only")
+            raise moestream.UsageError("this example computes SwiGLU on F16 experts of the "
+                                       "(ffn, hidden) layout only")
         router = ms.router(seed)
         routes: list[list[Route]] = []
         for t in range(tokens):

@@ -38,7 +38,9 @@ class Matrix:
         ggml_type: its GGUF tensor type (``GGMLQuantizationType``: ``.name`` is ``F16``,
             ``Q2_K``...; the int value is GGML's type id).
         shape: (rows, columns) in elements, GGUF order: gate and up are (ffn, hidden), down
-            is (hidden, ffn).
+            is (hidden, ffn). In a transposed layer (gpt-oss, ``LayerInfo.transposed``)
+            gate and up are the two row halves of gate_up (hidden, 2 * ffn), gate and up
+            interleaved by column, each (hidden / 2, 2 * ffn), and down is (ffn, hidden).
         nbytes: its bytes (the quantized blocks as the file stores them).
     """
 
@@ -232,7 +234,8 @@ class ExpertHandle:
         entry, part, info = self._entry, self._part, self._source.info
         backend = self._source.backends[part.device]
         hidden, ffn = info.shape
-        shapes = ((ffn, hidden), (ffn, hidden), (hidden, ffn))
+        shapes = ((ffn, hidden), (ffn, hidden), (hidden, ffn)) if not info.transposed else (
+            (hidden // 2, 2 * ffn), (hidden // 2, 2 * ffn), (ffn, hidden))
         types = (info.gate_up_type, info.gate_up_type, info.down_type)
         host = backend.name == "host"
         matrices = []

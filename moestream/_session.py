@@ -120,6 +120,9 @@ class LayerInfo:
     down_type: GGMLQuantizationType
     expert_bytes: int
     """Bytes of one expert's three matrices in the file."""
+    transposed: bool = False
+    """gpt-oss's layout: gate_up (hidden, 2 * ffn), gate and up interleaved by column, its
+    row halves handed out as ``gate`` and ``up``; down (ffn, hidden) (see ``Matrix``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,7 +151,7 @@ class ModelInfo:
     def of(cls, table: ExpertTable) -> ModelInfo:
         layers = {
             n: LayerInfo(n, m.n_experts, m.shape[0], m.shape[1], m.gate_up_type, m.down_type,
-                         m.expert_bytes)
+                         m.expert_bytes, m.transposed)
             for n, m in table.layers.items()
         }
         return cls(table.path, tuple(table.moe_layers), layers, table.n_experts, table.top_k,

@@ -50,6 +50,10 @@ def resolve_compute(compute: ComputeSpec, table: ExpertTable) -> ComputeSpec:
     Raises:
         ExpertLayoutError: some MoE layers are F16 and others are not.
     """
+    if compute.kind == "real" and any(layer.transposed for layer in table.layers.values()):
+        _log.warning("compute_fallback", requested="real", using="digest",
+                     reason="transposed, interleaved experts (gpt-oss): no SwiGLU of its own")
+        return ComputeSpec("digest")
     if compute.kind == "real" and not _all_f16(table):
         return ComputeSpec("digest")
     return compute

@@ -22,6 +22,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import moestream
+from pipeline.compute import ComputeSpec, resolve_compute
 from pipeline.foundation.errors import ExpertLayoutError, ModelFileError
 from pipeline.foundation.experts import ExpertTable
 from pipeline.foundation.safetensors_table import is_routed
@@ -228,6 +230,50 @@ class TestOddLayouts:
             assert table.read_bytes(s.down.offset, s.down.nbytes) == down[
                 e * D * F * 2: (e + 1) * D * F * 2]
         assert [is_routed(t.name) for t in tensors] == [True, True, False, False]
+
+    def test_transposed_fused_layout(self, tmp_path: Path) -> None:
+        """gpt-oss: gate_up [E, D, 2F] and down [E, F, D], told apart by their shapes; an
+        expert's gate and up are its gate_up's two halves, its biases non-routed; the
+        session hands them out as the row halves, and real compute falls back."""
+        rng = np.random.default_rng(7)
+        gate_up, down = rng.bytes(E * D * 2 * F * 2), rng.bytes(E * F * D * 2)
+        moe = "model.layers.0.mlp.experts."
+        tensors = [T(moe + "gate_up_proj", "BF16", (E, D, 2 * F), gate_up),
+                   T(moe + "down_proj", "BF16", (E, F, D), down),
+                   T(moe + "gate_up_proj_bias", "BF16", (E, 2 * F), rng.bytes(E * 2 * F * 2)),
+                   T(moe + "down_proj_bias", "BF16", (E, D), rng.bytes(E * D * 2))]
+        config = {**CONFIG, "num_hidden_layers": 1, "num_experts_per_tok": 1}
+        path = write_dir(tmp_path / "c", [tensors], config=config)
+        table = open_table(path)
+        layer = table.layers[0]
+        assert layer.transposed and layer.shape == (D, F)
+        per = D * 2 * F * 2
+        for e in range(E):
+            s = table.slices((0, e))
+            got = table.read_bytes(s.gate.offset, s.gate.nbytes) + table.read_bytes(
+                s.up.offset, s.up.nbytes)
+            assert got == gate_up[e * per: (e + 1) * per]
+            assert table.read_bytes(s.down.offset, s.down.nbytes) == down[
+                e * F * D * 2: (e + 1) * F * D * 2]
+        assert [is_routed(t.name) for t in tensors] == [True, True, False, False]
+        assert resolve_compute(ComputeSpec("real"), table).kind == "digest"
+        with moestream.open_sync(path, backend="host", verify=False) as ms:
+            assert ms.model.layers[0].transposed
+            with ms.fetch(0, [1]) as lease:
+                (h,) = lease.gather()
+                assert h.gate.shape == h.up.shape == (D // 2, 2 * F)
+                assert h.down.shape == (F, D)
+                assert h.gate.bytes.tobytes() + h.up.bytes.tobytes() == gate_up[per: 2 * per]
+
+    def test_transposed_with_an_odd_hidden_size_refused(self, tmp_path: Path) -> None:
+        """Its halves would split a row: refused in one line."""
+        odd = D + 1
+        moe = "model.layers.0.mlp.experts."
+        tensors = [T(moe + "gate_up_proj", "BF16", (E, odd, 2 * F), bytes(E * odd * 4 * F)),
+                   T(moe + "down_proj", "BF16", (E, F, odd), bytes(E * F * odd * 2))]
+        path = write_dir(tmp_path / "c", [tensors], config={"num_hidden_layers": 1})
+        with pytest.raises(ExpertLayoutError, match="D even"):
+            open_table(path)
 
     def test_fused_written_by_hand(self, tmp_path: Path) -> None:
         rng = np.random.default_rng(3)

@@ -72,6 +72,11 @@ ARCHS: dict[str, dict[str, Any]] = {
                         layer_types=["linear_attention", "full_attention"] * 2,
                         pad_token_id=0, bos_token_id=1, eos_token_id=2,
                         **{**ATTENTION, "num_key_value_heads": 4}),
+    # transposed gate_up, gate and up interleaved, per-expert biases, its own clamped gate
+    "gpt_oss": dict(hidden_size=64, intermediate_size=32, num_local_experts=8,
+                    num_experts_per_tok=2, num_hidden_layers=4, head_dim=16,
+                    swiglu_limit=0.001,
+                    layer_types=["sliding_attention", "full_attention"] * 2, **ATTENTION),
     # no AutoModelForCausalLM entry: built by its own class, named in config.json
     "mistral4": dict(hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
                      n_routed_experts=8, num_experts_per_tok=2, num_hidden_layers=3,
@@ -100,6 +105,10 @@ def _save(kind: str, where: Path, dtype: Any = None, **overrides: Any) -> Path:
     config = transformers.AutoConfig.for_model(kind, **{**ARCHS[kind], **overrides})
     torch.manual_seed(0)
     model = _from_config(kind, config, dtype=dtype or torch.bfloat16)
+    with torch.no_grad():  # experts' biases (gpt-oss) start at zero: make them count
+        for name, param in model.named_parameters():
+            if ".experts." in name and name.endswith("_bias"):
+                param.normal_(0.0, 0.02)
     model.save_pretrained(where)
     return where
 

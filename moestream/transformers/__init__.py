@@ -12,10 +12,11 @@ and top-k, and each experts call fetches the routed experts from a moestream ses
 
 Requires torch and transformers >= 5 (``pip install 'moestream[transformers]'``);
 :func:`is_available` says whether they are here. The rest of moestream never imports
-either. Supported: the model types whose experts transformers keeps as ``gate_up_proj``
-``[E, 2F, D]`` and ``down_proj`` ``[E, D, F]`` behind the registry (Qwen3-MoE, Qwen2-MoE,
-Mixtral, DeepSeek-V3 and their kin), with F16, BF16 or F32 experts in a safetensors
-checkpoint. ``docs/TRANSFORMERS.md`` is the guide.
+either. Supported: the model types whose routed experts transformers computes behind its
+experts registry (``gate_up_proj`` and ``down_proj``, transposed and biased as gpt-oss's
+included: 33 of its MoE types, DeepSeek-V2/V3/V4, Qwen2/3-MoE, Qwen3-Next, Mixtral,
+gpt-oss, GLM-4-MoE, Kimi-Linear...), with F16, BF16 or F32 experts in a safetensors
+checkpoint. ``docs/TRANSFORMERS.md`` is the guide and lists them.
 """
 
 from __future__ import annotations

@@ -205,23 +205,27 @@ class ExpertStream:
             lease.release(after=stream)
 
     def _weights(self, module: Any, h: ExpertHandle) -> tuple[Any, Any, Any]:
-        """The expert's gate ``(F, D)``, up ``(F, D)`` and down ``(D, F)``: views of the
-        cache, cast (copied) only when the model computes in another dtype."""
+        """The expert's gate ``(F, D)``, up ``(F, D)`` and down ``(D, F)`` (transposed: the
+        row halves of gate_up ``(D, 2F)`` and down ``(F, D)``): views of the cache, cast
+        (copied) only when the model computes in another dtype. Gate and up together are
+        the module's gate_up of the expert either way."""
         dtype = module.down_proj.dtype
         return _view(h.gate, dtype), _view(h.up, dtype), _view(h.down, dtype)
 
     def _stacked(self, module: Any, handles: Sequence[ExpertHandle]) -> tuple[Any, Any]:
-        """The experts' weights stacked for one grouped product: ``gate_up`` ``(n, 2F, D)``
-        (gate the first F rows, as transformers keeps them) and ``down`` ``(n, D, F)``,
-        copied from the cache on the device. On a GPU the copies are queued on torch's
-        stream by address (``cudaMemcpyAsync``, gate and up in one when they are adjacent):
-        no tensor is made per matrix, whose DLPack import costs more host time than the
-        copy; elsewhere, and when a cast is needed, one multi-tensor copy of the views."""
+        """The experts' weights stacked for one grouped product, as the module keeps its
+        own: ``gate_up`` ``(n, 2F, D)`` (gate the first F rows) and ``down`` ``(n, D, F)``,
+        or transposed ``(n, D, 2F)`` and ``(n, F, D)``, copied from the cache on the device
+        (an expert's gate_up is its gate and up bytes in order, in either layout). On a GPU
+        the copies are queued on torch's stream by address (``cudaMemcpyAsync``, gate and
+        up in one when they are adjacent): no tensor is made per matrix, whose DLPack import
+        costs more host time than the copy; elsewhere, and when a cast is needed, one
+        multi-tensor copy of the views."""
         n = len(handles)
-        ffn, dim = handles[0].gate.shape
         dtype = module.down_proj.dtype
-        gate_up = torch.empty((n, 2 * ffn, dim), dtype=dtype, device=self.device)
-        down = torch.empty((n, dim, ffn), dtype=dtype, device=self.device)
+        gate_up = torch.empty((n, *module.gate_up_proj.shape[1:]), dtype=dtype,
+                              device=self.device)
+        down = torch.empty((n, *module.down_proj.shape[1:]), dtype=dtype, device=self.device)
         same = all(TORCH_DTYPES[m.ggml_type.name] == dtype for h in handles for m in h.matrices)
         if self._cuda and same:
             import cupy  # the session's backend on a GPU: present whenever this runs
@@ -242,15 +246,18 @@ class ExpertStream:
                 copy(down_base + i * d.nbytes, d.ptr, d.nbytes, kind, stream)
             return gate_up, down
         views = [self._weights(module, h) for h in handles]
-        targets = ([gate_up[i, :ffn] for i in range(n)] + [gate_up[i, ffn:] for i in range(n)]
+        flat, half = gate_up.view(n, -1), gate_up[0].numel() // 2
+        targets = ([flat[i, :half] for i in range(n)] + [flat[i, half:] for i in range(n)]
                    + [down[i] for i in range(n)])
-        sources = [v[0] for v in views] + [v[1] for v in views] + [v[2] for v in views]
+        sources = ([v[0].reshape(-1) for v in views] + [v[1].reshape(-1) for v in views]
+                   + [v[2].view(down.shape[1:]) for v in views])
         torch._foreach_copy_(targets, sources)
         return gate_up, down
 
     def _eager(self, layer: int, module: Any, hidden: Any, top_k_index: Any,
                top_k_weights: Any, wanted: Sequence[int]) -> Any:
         final = torch.zeros_like(hidden)
+        transposed = bool(getattr(module, "is_transposed", False))
         with torch.no_grad():
             mask = torch.nn.functional.one_hot(top_k_index, num_classes=module.num_experts + 1)
             mask = mask.permute(2, 1, 0)
@@ -263,9 +270,14 @@ class ExpertStream:
                         top_k_pos, token_idx = torch.where(mask[h.expert])
                         current = hidden[token_idx]
                         gate_up = torch.cat((gate, up))
-                        # the module's own gate (its activation, or a clamped SwiGLU)
-                        out = module._apply_gate(torch.nn.functional.linear(current, gate_up))
-                        out = torch.nn.functional.linear(out, down)
+                        if transposed:  # gpt-oss's own eager: x @ W + b
+                            out = module._apply_gate(current @ gate_up
+                                                     + module.gate_up_proj_bias[h.expert])
+                            out = out @ down + module.down_proj_bias[h.expert]
+                        else:  # the module's own gate (its activation, a clamped SwiGLU)
+                            out = module._apply_gate(torch.nn.functional.linear(current,
+                                                                                gate_up))
+                            out = torch.nn.functional.linear(out, down)
                         out = out * top_k_weights[token_idx, top_k_pos, None]
                         rows[h.expert] = (token_idx, out.to(final.dtype))
         for expert in sorted(rows):  # eager's order, whatever order they landed in
@@ -300,6 +312,14 @@ def _view(matrix: Any, dtype: Any) -> Any:
     return tensor if source == dtype else tensor.to(dtype)
 
 
+def _grouped_linear(x: Any, weight: Any, offsets: Any, bias: Any, transposed: bool) -> Any:
+    """transformers' grouped product; its bias and transposed arguments only when used
+    (older transformers 5 releases take neither)."""
+    if bias is None and not transposed:
+        return hf_moe._grouped_linear(x, weight, offsets)
+    return hf_moe._grouped_linear(x, weight, offsets, bias=bias, is_transposed=transposed)
+
+
 def _grouped_rows(stream: ExpertStream, module: Any, hidden: Any, expert_ids: Any,
                   sample_weights: Any, top_k: int, batch: Sequence[ExpertHandle],
                   weighted: Any) -> Any:
@@ -326,9 +346,15 @@ def _grouped_rows(stream: ExpertStream, module: Any, hidden: Any, expert_ids: An
     offsets = torch.searchsorted(
         local_sorted, torch.arange(1, n + 1, dtype=local_sorted.dtype, device=device)
     ).to(torch.int32)
-    proj = hf_moe._grouped_linear(selected, gate_up, offsets)
+    transposed = bool(getattr(module, "is_transposed", False))
+    up_bias = down_bias = None
+    if getattr(module, "has_bias", False):  # per sorted row, as grouped_mm_experts_forward
+        row_experts = expert_ids[perm]  # the tail's rows (other experts) are never used
+        up_bias = module.gate_up_proj_bias[row_experts]
+        down_bias = module.down_proj_bias[row_experts]
+    proj = _grouped_linear(selected, gate_up, offsets, up_bias, transposed)
     proj = module._apply_gate(proj)
-    proj = hf_moe._grouped_linear(proj, down, offsets)
+    proj = _grouped_linear(proj, down, offsets, down_bias, transposed)
     rows = proj * sample_weights[perm].unsqueeze(-1)
     inverse = torch.empty_like(perm)
     inverse[perm] = torch.arange(perm.size(0), device=device)

@@ -216,8 +216,9 @@ def _experts_modules(root: Path, model: Any, config: Any) -> dict[int, Any]:
         layer = _LAYER.search(name)
         if layer is None:
             continue
-        layout = {"has_gate": True, "has_bias": False, "is_transposed": False,
-                  "is_concatenated": True, "has_post_expert_norm": False}
+        # biases, a transposed gate_up and its interleaving (the module's own _apply_gate)
+        # are computed as transformers computes them (gpt-oss); these are not
+        layout = {"has_gate": True, "has_post_expert_norm": False}
         odd = [k for k, v in layout.items() if getattr(module, k, v) != v]
         if odd:
             raise ModelFileError(root, f"model type {config.model_type!r}: experts with "
@@ -225,9 +226,8 @@ def _experts_modules(root: Path, model: Any, config: Any) -> dict[int, Any]:
         found[int(layer.group(1))] = module
     if not found:
         raise ModelFileError(root, f"model type {config.model_type!r} has no routed experts "
-                             "behind transformers' experts registry (supported: Qwen3-MoE, "
-                             "Qwen2-MoE, "
-                             "Mixtral, DeepSeek-V3 and kin)")
+                             "behind transformers' experts registry (docs/TRANSFORMERS.md "
+                             "lists the supported ones)")
     return found
 
 
@@ -242,9 +242,16 @@ def _check_experts(session: moestream.SyncSession, experts: dict[int, Any]) -> i
                                 f"the checkpoint in layers {theirs}")
     for layer, module in experts.items():
         got = info.layers[layer]
+        transposed = bool(getattr(module, "is_transposed", False))
+        if transposed != got.transposed:
+            raise ExpertLayoutError(path, f"layer {layer}: the model keeps gate_up "
+                                    f"{'transposed' if transposed else 'as [E, 2F, D]'}, the "
+                                    "checkpoint's experts are laid out otherwise")
+        _, rows, cols = module.gate_up_proj.shape  # the model's own, whatever its names
+        hidden, ffn = (rows, cols // 2) if transposed else (cols, rows // 2)
         for what, want, have in (("experts", module.num_experts, got.n_experts),
-                                 ("hidden size", module.hidden_dim, got.hidden),
-                                 ("expert FFN size", module.intermediate_dim, got.ffn)):
+                                 ("hidden size", hidden, got.hidden),
+                                 ("expert FFN size", ffn, got.ffn)):
             if want != have:
                 raise ExpertLayoutError(path, f"layer {layer}: the config says {what} "
                                         f"{want}, the checkpoint's experts have {have}")

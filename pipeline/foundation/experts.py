@@ -75,6 +75,11 @@ class MoeLayer:
     tensor and ``up_offset = gate_offset + gate_bytes`` with a stride of both. A checkpoint
     that stores every expert's matrices as tensors of their own (anywhere, in any shard)
     lists them in ``expert_offsets``: per expert, the (gate, up, down) offsets.
+
+    ``transposed`` (gpt-oss): an expert's fused gate_up is ``[hidden, 2 * ffn]`` with gate
+    and up interleaved by column, and down ``[ffn, hidden]``; its "gate" and "up" slices
+    are then the two row halves of that gate_up (``[hidden / 2, 2 * ffn]`` each), which the
+    engine puts back together (its bytes are the two slices in order).
     """
 
     index: int
@@ -92,6 +97,7 @@ class MoeLayer:
     router: TensorInfo | None
     shape: tuple[int, int]  # (hidden, expert_ffn)
     expert_offsets: tuple[tuple[int, int, int], ...] | None = None
+    transposed: bool = False
 
     @property
     def expert_bytes(self) -> int:

@@ -16,7 +16,8 @@ block ``B`` (``mlp``; ``block_sparse_moe`` in Mixtral and Granite, ``ffn`` in De
 - fused: ``...layers.L.B.experts.gate_up_proj`` ``[E, 2F, D]`` (gate the first F rows) and
   ``...B.experts.down_proj`` ``[E, D, F]``, an expert one slice along the first axis;
   Granite-MoE's ``block_sparse_moe.input_linear.weight`` and ``output_linear.weight`` are
-  the same two.
+  the same two; gpt-oss's are transposed, ``[E, D, 2F]`` (gate and up interleaved by
+  column) and ``[E, F, D]`` (``MoeLayer.transposed``), their biases non-routed tensors.
 
 Shared experts (``mlp.shared_expert(s)``), dense layers and everything else are non-routed
 tensors (``is_routed`` tells which). The router of layer L is ``...layers.L.B.gate.weight``
@@ -429,7 +430,9 @@ def _per_expert_layer(path: Path, index: int, experts: dict[int, dict[str, _Tens
 
 def _fused_layer(path: Path, index: int, parts: dict[str, _Tensor],
                  router: TensorInfo | None) -> MoeLayer:
-    """A layer of the fused form: ``gate_up_proj`` [E, 2F, D] and ``down_proj`` [E, D, F]."""
+    """A layer of the fused form: ``gate_up_proj`` [E, 2F, D] and ``down_proj`` [E, D, F],
+    or transposed (gpt-oss) [E, D, 2F] and [E, F, D]; the shapes tell which (both at once
+    only when empty)."""
     gate_up, down = parts.get("gate_up_proj"), parts.get("down_proj")
     if gate_up is None or down is None:
         missing = "gate_up_proj" if gate_up is None else "down_proj"
@@ -437,12 +440,13 @@ def _fused_layer(path: Path, index: int, parts: dict[str, _Tensor],
     if len(gate_up.shape) != 3 or len(down.shape) != 3:
         raise ExpertLayoutError(path, f"layer {index}: fused experts must be 3-D, got "
                                       f"{list(gate_up.shape)} and {list(down.shape)}")
-    n, two_ffn, hidden = gate_up.shape
-    ffn = two_ffn // 2
-    if two_ffn % 2 or down.shape != (n, hidden, ffn) or n == 0 or ffn == 0 or hidden == 0:
+    n, rows, cols = gate_up.shape
+    transposed = cols % 2 == 0 and down.shape == (n, cols // 2, rows) and rows % 2 == 0
+    hidden, ffn = (rows, cols // 2) if transposed else (cols, rows // 2)
+    if (not transposed and (rows % 2 or down.shape != (n, hidden, ffn))) or 0 in (n, ffn, hidden):
         raise ExpertLayoutError(path, f"layer {index}: gate_up_proj {list(gate_up.shape)} and "
                                       f"down_proj {list(down.shape)} are not [E, 2F, D] and "
-                                      f"[E, D, F]")
+                                      f"[E, D, F] (nor [E, D, 2F] and [E, F, D] with D even)")
     gate_up_type = _expert_type(path, index, gate_up)
     down_type = _expert_type(path, index, down)
     stride = gate_up.nbytes // n
@@ -451,5 +455,5 @@ def _fused_layer(path: Path, index: int, parts: dict[str, _Tensor],
         gate_offset=gate_up.offset, up_offset=gate_up.offset + stride // 2,
         down_offset=down.offset, gate_bytes=stride // 2, up_bytes=stride // 2,
         down_bytes=down.nbytes // n, gate_up_stride=stride, fused_gate_up=True,
-        router=router, shape=(hidden, ffn),
+        router=router, shape=(hidden, ffn), transposed=transposed,
     )
