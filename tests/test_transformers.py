@@ -160,6 +160,17 @@ def _whole(path: Path, implementation: str) -> Any:
     return _lm(path.name).from_pretrained(path, experts_implementation=implementation)
 
 
+def _reference(whole: Any, ids: Any, kind: str) -> Any:
+    """The whole model's logits; skipped where transformers' own model of ``kind`` fails to
+    run here (5.17's DeepSeek-V4 mixes float32 and bfloat16 on the CPU): nothing to match."""
+    try:
+        with torch.no_grad():
+            return whole(ids).logits
+    except RuntimeError as exc:
+        pytest.skip(f"transformers {transformers.__version__}'s own {kind} fails: "
+                    f"{str(exc).splitlines()[0]}")
+
+
 def _generate(model: Any, tokens: int = 6) -> Any:
     ids = torch.tensor(PROMPTS, device=model.device)
     return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=tokens,
@@ -176,10 +187,10 @@ class TestExactness:
         """Logits torch.equal to the whole model with the matching experts implementation,
         greedy tokens identical, batch of 2, every expert loaded through moestream."""
         whole = _whole(checkpoints[kind], REFERENCE[compute])
+        expected = _reference(whole, torch.tensor(PROMPTS), kind)
         model = mt.from_pretrained(checkpoints[kind], device="cpu", compute=compute)
         try:
             with torch.no_grad():
-                expected = whole(torch.tensor(PROMPTS)).logits
                 got = model(torch.tensor(PROMPTS)).logits
             assert torch.equal(expected, got)
             assert torch.equal(_generate(whole), _generate(model))
@@ -396,6 +407,7 @@ class TestGpu:
     def test_logits_and_tokens(self, checkpoints: dict[str, Path], kind: str, compute: str,
                                loops: None) -> None:
         whole = _whole(checkpoints[kind], REFERENCE[compute]).to("cuda")
+        expected = _reference(whole, torch.tensor(PROMPTS, device="cuda"), kind)
         for budget in (None, "4"):
             model = mt.from_pretrained(checkpoints[kind], device="cuda", compute=compute,
                                        budget=budget)
@@ -403,7 +415,7 @@ class TestGpu:
                 assert model.moestream.session.backend == "cupy"
                 ids = torch.tensor(PROMPTS, device="cuda")
                 with torch.no_grad():
-                    assert torch.equal(whole(ids).logits, model(ids).logits)
+                    assert torch.equal(expected, model(ids).logits)
                 assert torch.equal(_generate(whole.to("cuda"), 8).cpu(), _generate(model, 8).cpu())
             finally:
                 model.moestream.close()
