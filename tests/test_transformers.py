@@ -210,11 +210,13 @@ class TestExactness:
             model.moestream.close()
 
     @pytest.mark.parametrize("compute", ["grouped", "eager"])
+    @pytest.mark.parametrize("kind", ["deepseek_v3", "gpt_oss"])
     def test_small_budget_evicts_and_stays_exact(self, checkpoints: dict[str, Path],
-                                                 compute: str, loops: None) -> None:
-        """A budget of two layers' top-k: the prefill's experts come in groups, the cache
-        evicts, and the tokens do not change."""
-        path = checkpoints["deepseek_v3"]
+                                                 kind: str, compute: str, loops: None) -> None:
+        """A budget of two layers' top-k: the prefill's experts come in groups (gpt-oss:
+        each group's rows with their experts' biases), the cache evicts, and the tokens do
+        not change."""
+        path = checkpoints[kind]
         whole = _whole(path, REFERENCE[compute])
         model = mt.from_pretrained(path, device="cpu", budget="4", compute=compute)
         try:
