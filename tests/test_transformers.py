@@ -387,6 +387,21 @@ class TestBadInput:
         with pytest.raises(moestream.ModelFileError):
             mt.from_pretrained(path, device="cpu")
 
+    def test_layout_disagrees_with_the_model(self, checkpoints: dict[str, Path],
+                                             tmp_path: Path, loops: None) -> None:
+        """gpt-oss's experts rewritten in the [E, 2F, D] layout: the table reads them as
+        such, the model keeps them transposed: refused, not computed wrong."""
+        from safetensors.torch import load_file, save_file
+
+        path = _copy(checkpoints["gpt_oss"], tmp_path / "m")
+        file = path / "model.safetensors"
+        tensors = {k: (v.transpose(1, 2).contiguous() if k.endswith(("experts.gate_up_proj",
+                                                                      "experts.down_proj"))
+                       else v) for k, v in load_file(file).items()}
+        save_file(tensors, file, metadata={"format": "pt"})
+        with pytest.raises(moestream.ExpertLayoutError, match="transposed"):
+            mt.from_pretrained(path, device="cpu")
+
     def test_budget_below_a_layer(self, checkpoints: dict[str, Path], loops: None) -> None:
         with pytest.raises(moestream.UsageError, match="budget"):
             mt.from_pretrained(checkpoints["qwen3_moe"], device="cpu", budget="1")
