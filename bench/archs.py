@@ -60,12 +60,14 @@ PROG = "bench.archs"
 REPO = Path(__file__).resolve().parent.parent
 
 KINDS = (
-    "afmoe", "cohere2_moe", "deepseek_v2", "deepseek_v3", "deepseek_v32", "deepseek_v4", "dots1",
-    "ernie4_5_moe", "exaone_moe", "flex_olmo", "glm4_moe", "glm4_moe_lite", "gpt_oss",
-    "granitemoe", "granitemoeshared", "hunyuan_v1_moe", "jamba", "kimi_linear", "lfm2_moe",
-    "longcat_flash", "minimax", "minimax_m2", "mixtral", "olmoe", "phimoe", "qwen2_moe",
-    "qwen3_moe", "qwen3_next", "qwen3_5_moe", "mistral4", "solar_open", "laguna", "step3p7",
-    "mimo_v2_flash",
+    "afmoe", "axk1", "axk2", "bailing_hybrid", "beam", "cohere2_moe", "deepseek_v2",
+    "deepseek_v3", "deepseek_v32", "deepseek_v4", "dots1", "ergo", "ernie4_5_moe",
+    "exaone_moe", "flex_olmo", "flint", "glm4_moe", "glm4_moe_lite", "glm_moe_dsa", "gpt_oss",
+    "granitemoe", "granitemoe_swa", "granitemoehybrid", "granitemoeshared", "hunyuan_v1_moe",
+    "hy_v3", "hy_v4", "jamba", "kimi_linear", "kolibri1", "laguna", "lara_mini", "lfm2_moe",
+    "longcat_flash", "mellum", "mimo_v2_flash", "minicpm5_moe", "minimax", "minimax_m2",
+    "mistral4", "mixtral", "nemotron_h", "olmoe", "phimoe", "qwen2_moe", "qwen3_5_moe",
+    "qwen3_moe", "qwen3_next", "solar_open", "step3p7",
 )
 """The MoE model types swept by default (those the installed transformers knows)."""
 
@@ -113,11 +115,14 @@ FIXES: dict[str, dict[str, Any]] = {
                     "swiglu_limit": 0.001,
                     "compress_rates": {"compressed_sparse_attention": 4,
                                        "heavily_compressed_attention": 8}},
+    "bailing_hybrid": {"layer_types": ["linear_attention", "full_attention"] * (LAYERS // 2),
+                       "num_expert_group": 2, "topk_group": 1},
     "dots1": {"n_shared_experts": 1},
     "ernie4_5_moe": {"moe_num_shared_experts": 1},
     "flex_olmo": _SMALL_EXPERTS,
     "gpt_oss": {**_SMALL_EXPERTS, "swiglu_limit": 0.001},  # a clamp that binds
     "granitemoe": _SMALL_EXPERTS,
+    "granitemoehybrid": {"layer_types": ["linear_attention", "attention"] * (LAYERS // 2)},
     "granitemoeshared": {**_SMALL_EXPERTS, "shared_intermediate_size": 48},
     "jamba": {**_SMALL_EXPERTS, "attn_layer_period": 2, "attn_layer_offset": 1,
               "expert_layer_period": 2, "expert_layer_offset": 1},
@@ -130,6 +135,10 @@ FIXES: dict[str, dict[str, Any]] = {
     "minimax": _SMALL_EXPERTS,
     "minimax_m2": _SMALL_EXPERTS,
     "mixtral": _SMALL_EXPERTS,
+    # Mamba, MoE and attention layers; a small shared expert and Mamba heads
+    "nemotron_h": {"moe_shared_expert_intermediate_size": 48, "mamba_num_heads": 4,
+                   "mamba_head_dim": 16, "ssm_state_size": 8, "n_groups": 1,
+                   "layers_block_type": ["mamba", "moe", "attention", "moe"]},
     "olmoe": _SMALL_EXPERTS,
     "phimoe": _SMALL_EXPERTS,
 }

@@ -60,7 +60,7 @@ async def decode(
                               tuning=tuning) as ms:
         f16 = GGMLQuantizationType.F16
         if any(info.gate_up_type != f16 or info.down_type != f16 or info.transposed
-               for info in ms.model.layers.values()):
+               or not info.gated for info in ms.model.layers.values()):
             raise moestream.UsageError("this example computes SwiGLU on F16 experts of the "
                                        "(ffn, hidden) layout only")
         router = ms.router(seed)

@@ -41,6 +41,9 @@ class Matrix:
             is (hidden, ffn). In a transposed layer (gpt-oss, ``LayerInfo.transposed``)
             gate and up are the two row halves of gate_up (hidden, 2 * ffn), gate and up
             interleaved by column, each (hidden / 2, 2 * ffn), and down is (ffn, hidden).
+            In a layer without gates (Nemotron-H, ``LayerInfo.gated`` false) gate and up
+            are the two row halves of the up projection (ffn, hidden), each (ffn / 2,
+            hidden).
         nbytes: its bytes (the quantized blocks as the file stores them).
     """
 
@@ -234,8 +237,12 @@ class ExpertHandle:
         entry, part, info = self._entry, self._part, self._source.info
         backend = self._source.backends[part.device]
         hidden, ffn = info.shape
-        shapes = ((ffn, hidden), (ffn, hidden), (hidden, ffn)) if not info.transposed else (
-            (hidden // 2, 2 * ffn), (hidden // 2, 2 * ffn), (ffn, hidden))
+        if info.transposed:
+            shapes = ((hidden // 2, 2 * ffn), (hidden // 2, 2 * ffn), (ffn, hidden))
+        elif not info.gated:
+            shapes = ((ffn // 2, hidden), (ffn // 2, hidden), (hidden, ffn))
+        else:
+            shapes = ((ffn, hidden), (ffn, hidden), (hidden, ffn))
         types = (info.gate_up_type, info.gate_up_type, info.down_type)
         host = backend.name == "host"
         matrices = []

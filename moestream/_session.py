@@ -123,6 +123,9 @@ class LayerInfo:
     transposed: bool = False
     """gpt-oss's layout: gate_up (hidden, 2 * ffn), gate and up interleaved by column, its
     row halves handed out as ``gate`` and ``up``; down (ffn, hidden) (see ``Matrix``)."""
+    gated: bool = True
+    """False for experts without a gate (Nemotron-H): the up projection (ffn, hidden) is
+    handed out as its row halves in ``gate`` and ``up`` (see ``Matrix``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,7 +154,7 @@ class ModelInfo:
     def of(cls, table: ExpertTable) -> ModelInfo:
         layers = {
             n: LayerInfo(n, m.n_experts, m.shape[0], m.shape[1], m.gate_up_type, m.down_type,
-                         m.expert_bytes, m.transposed)
+                         m.expert_bytes, m.transposed, m.gated)
             for n, m in table.layers.items()
         }
         return cls(table.path, tuple(table.moe_layers), layers, table.n_experts, table.top_k,

@@ -50,9 +50,11 @@ def resolve_compute(compute: ComputeSpec, table: ExpertTable) -> ComputeSpec:
     Raises:
         ExpertLayoutError: some MoE layers are F16 and others are not.
     """
-    if compute.kind == "real" and any(layer.transposed for layer in table.layers.values()):
+    if compute.kind == "real" and any(layer.transposed or not layer.gated
+                                      for layer in table.layers.values()):
         _log.warning("compute_fallback", requested="real", using="digest",
-                     reason="transposed, interleaved experts (gpt-oss): no SwiGLU of its own")
+                     reason="transposed (gpt-oss) or gate-less (Nemotron-H) experts: not the "
+                            "SwiGLU layout real compute runs")
         return ComputeSpec("digest")
     if compute.kind == "real" and not _all_f16(table):
         return ComputeSpec("digest")

@@ -265,6 +265,39 @@ class TestOddLayouts:
                 assert h.down.shape == (F, D)
                 assert h.gate.bytes.tobytes() + h.up.bytes.tobytes() == gate_up[per: 2 * per]
 
+    def test_experts_without_a_gate(self, tmp_path: Path) -> None:
+        """Nemotron-H: ``backbone.layers.L.mixer.experts.E.{up,down}_proj`` only; the up
+        projection's two row halves stand as the expert's gate and up slices."""
+        rng = np.random.default_rng(11)
+        tensors, ups = [], {}
+        for e in range(E):
+            p = f"backbone.layers.0.mixer.experts.{e}."
+            ups[e] = rng.bytes(F * D * 2)
+            tensors += [T(p + "up_proj.weight", "BF16", (F, D), ups[e]),
+                        T(p + "down_proj.weight", "BF16", (D, F), rng.bytes(D * F * 2))]
+        config = {**CONFIG, "num_hidden_layers": 1, "num_experts_per_tok": 1}
+        path = write_dir(tmp_path / "c", [tensors], config=config)
+        table = open_table(path)
+        assert not table.layers[0].gated and table.layers[0].shape == (D, F)
+        for e in range(E):
+            s = table.slices((0, e))
+            assert table.read_bytes(s.gate.offset, s.gate.nbytes) + table.read_bytes(
+                s.up.offset, s.up.nbytes) == ups[e]
+        assert resolve_compute(ComputeSpec("real"), table).kind == "digest"
+        with moestream.open_sync(path, backend="host", verify=False) as ms:
+            assert not ms.model.layers[0].gated
+            with ms.fetch(0, [2]) as lease:
+                (h,) = lease.gather()
+                assert h.gate.shape == h.up.shape == (F // 2, D)
+                assert h.down.shape == (D, F)
+                assert h.gate.bytes.tobytes() + h.up.bytes.tobytes() == ups[2]
+        odd = [T("model.layers.0.mlp.experts.0.up_proj.weight", "BF16", (F + 1, D),
+                 bytes((F + 1) * D * 2)),
+               T("model.layers.0.mlp.experts.0.down_proj.weight", "BF16", (D, F + 1),
+                 bytes(D * (F + 1) * 2))]
+        with pytest.raises(ExpertLayoutError, match="odd FFN"):
+            open_table(write_dir(tmp_path / "odd", [odd], config={"num_hidden_layers": 1}))
+
     def test_transposed_with_an_odd_hidden_size_refused(self, tmp_path: Path) -> None:
         """Its halves would split a row: refused in one line."""
         odd = D + 1

@@ -39,8 +39,8 @@ from transformers.integrations import moe as hf_moe  # type: ignore[import-not-f
 from moestream import ExpertHandle, SyncSession, TokenStats
 from pipeline.foundation.errors import UsageError
 
-__all__ = ["IMPLEMENTATION", "Compute", "ExpertStream", "experts_forward", "register",
-           "stream_of"]
+__all__ = ["IMPLEMENTATION", "Compute", "ExpertStream", "experts_forward", "first_projection",
+           "register", "stream_of"]
 
 IMPLEMENTATION = "moestream"
 """The name the experts implementation is registered under."""
@@ -223,7 +223,7 @@ class ExpertStream:
         multi-tensor copy of the views."""
         n = len(handles)
         dtype = module.down_proj.dtype
-        gate_up = torch.empty((n, *module.gate_up_proj.shape[1:]), dtype=dtype,
+        gate_up = torch.empty((n, *first_projection(module).shape[1:]), dtype=dtype,
                               device=self.device)
         down = torch.empty((n, *module.down_proj.shape[1:]), dtype=dtype, device=self.device)
         same = all(TORCH_DTYPES[m.ggml_type.name] == dtype for h in handles for m in h.matrices)
@@ -258,6 +258,7 @@ class ExpertStream:
                top_k_weights: Any, wanted: Sequence[int]) -> Any:
         final = torch.zeros_like(hidden)
         transposed = bool(getattr(module, "is_transposed", False))
+        gate = module._apply_gate if getattr(module, "has_gate", True) else module.act_fn
         with torch.no_grad():
             mask = torch.nn.functional.one_hot(top_k_index, num_classes=module.num_experts + 1)
             mask = mask.permute(2, 1, 0)
@@ -266,17 +267,15 @@ class ExpertStream:
             with self._leased(layer, group) as batches:
                 for batch in batches:
                     for h in batch:
-                        gate, up, down = self._weights(module, h)
+                        first, second, down = self._weights(module, h)
                         top_k_pos, token_idx = torch.where(mask[h.expert])
                         current = hidden[token_idx]
-                        gate_up = torch.cat((gate, up))
+                        gate_up = torch.cat((first, second))  # or the gate-less up
                         if transposed:  # gpt-oss's own eager: x @ W + b
-                            out = module._apply_gate(current @ gate_up
-                                                     + module.gate_up_proj_bias[h.expert])
+                            out = gate(current @ gate_up + module.gate_up_proj_bias[h.expert])
                             out = out @ down + module.down_proj_bias[h.expert]
-                        else:  # the module's own gate (its activation, a clamped SwiGLU)
-                            out = module._apply_gate(torch.nn.functional.linear(current,
-                                                                                gate_up))
+                        else:  # the module's own gate (a SwiGLU, a clamped one, or none)
+                            out = gate(torch.nn.functional.linear(current, gate_up))
                             out = torch.nn.functional.linear(out, down)
                         out = out * top_k_weights[token_idx, top_k_pos, None]
                         rows[h.expert] = (token_idx, out.to(final.dtype))
@@ -310,6 +309,12 @@ def _view(matrix: Any, dtype: Any) -> Any:
     # waited for) and nothing else; BF16 comes as its raw bytes (numpy has no bfloat16)
     tensor = torch.utils.dlpack.from_dlpack(matrix).view(source).view(matrix.shape)
     return tensor if source == dtype else tensor.to(dtype)
+
+
+def first_projection(module: Any) -> Any:
+    """An experts module's first projection: ``gate_up_proj``, or ``up_proj`` for experts
+    without a gate (Nemotron-H)."""
+    return module.gate_up_proj if getattr(module, "has_gate", True) else module.up_proj
 
 
 def _grouped_linear(x: Any, weight: Any, offsets: Any, bias: Any, transposed: bool) -> Any:
@@ -347,13 +352,14 @@ def _grouped_rows(stream: ExpertStream, module: Any, hidden: Any, expert_ids: An
         local_sorted, torch.arange(1, n + 1, dtype=local_sorted.dtype, device=device)
     ).to(torch.int32)
     transposed = bool(getattr(module, "is_transposed", False))
+    gated = getattr(module, "has_gate", True)
     up_bias = down_bias = None
     if getattr(module, "has_bias", False):  # per sorted row, as grouped_mm_experts_forward
         row_experts = expert_ids[perm]  # the tail's rows (other experts) are never used
-        up_bias = module.gate_up_proj_bias[row_experts]
+        up_bias = (module.gate_up_proj_bias if gated else module.up_proj_bias)[row_experts]
         down_bias = module.down_proj_bias[row_experts]
     proj = _grouped_linear(selected, gate_up, offsets, up_bias, transposed)
-    proj = module._apply_gate(proj)
+    proj = module._apply_gate(proj) if gated else module.act_fn(proj)
     proj = _grouped_linear(proj, down, offsets, down_bias, transposed)
     rows = proj * sample_weights[perm].unsqueeze(-1)
     inverse = torch.empty_like(perm)

@@ -37,6 +37,7 @@ from moestream.transformers._experts import (
     TORCH_DTYPES,
     Compute,
     ExpertStream,
+    first_projection,
     register,
 )
 from moestream.transformers._gate import is_available
@@ -209,17 +210,18 @@ def _experts_modules(root: Path, model: Any, config: Any) -> dict[int, Any]:
     its experts registry, in the layout this integration computes."""
     found: dict[int, Any] = {}
     for name, module in model.named_modules():
-        if not (isinstance(getattr(module, "gate_up_proj", None), torch.nn.Parameter)
-                and isinstance(getattr(module, "down_proj", None), torch.nn.Parameter)
-                and hasattr(module, "has_gate")):
+        if not (hasattr(module, "has_gate")
+                and isinstance(getattr(module, "gate_up_proj" if module.has_gate else "up_proj",
+                                       None), torch.nn.Parameter)
+                and isinstance(getattr(module, "down_proj", None), torch.nn.Parameter)):
             continue
         layer = _LAYER.search(name)
         if layer is None:
             continue
-        # biases, a transposed gate_up and its interleaving (the module's own _apply_gate)
-        # are computed as transformers computes them (gpt-oss); these are not
-        layout = {"has_gate": True, "has_post_expert_norm": False}
-        odd = [k for k, v in layout.items() if getattr(module, k, v) != v]
+        # biases, a transposed gate_up and its interleaving (the module's own _apply_gate),
+        # no gate (an activation alone) are computed as transformers computes them; a norm
+        # after the experts is not
+        odd = ["has_post_expert_norm"] if getattr(module, "has_post_expert_norm", False) else []
         if odd:
             raise ModelFileError(root, f"model type {config.model_type!r}: experts with "
                                  f"{', '.join(odd)} set are not served by moestream")
@@ -243,12 +245,15 @@ def _check_experts(session: moestream.SyncSession, experts: dict[int, Any]) -> i
     for layer, module in experts.items():
         got = info.layers[layer]
         transposed = bool(getattr(module, "is_transposed", False))
-        if transposed != got.transposed:
-            raise ExpertLayoutError(path, f"layer {layer}: the model keeps gate_up "
-                                    f"{'transposed' if transposed else 'as [E, 2F, D]'}, the "
+        gated = bool(module.has_gate)
+        if (transposed, gated) != (got.transposed, got.gated):
+            raise ExpertLayoutError(path, f"layer {layer}: the model keeps its experts "
+                                    f"{'transposed' if transposed else 'as [E, F, D]'} and "
+                                    f"{'with' if gated else 'without'} a gate, the "
                                     "checkpoint's experts are laid out otherwise")
-        _, rows, cols = module.gate_up_proj.shape  # the model's own, whatever its names
-        hidden, ffn = (rows, cols // 2) if transposed else (cols, rows // 2)
+        _, rows, cols = first_projection(module).shape  # the model's own, whatever its names
+        hidden, ffn = (rows, cols) if transposed else (cols, rows)
+        ffn //= 2 if gated else 1
         for what, want, have in (("experts", module.num_experts, got.n_experts),
                                  ("hidden size", hidden, got.hidden),
                                  ("expert FFN size", ffn, got.ffn)):
@@ -388,7 +393,7 @@ def _load_dense(model: Any, root: Path, device: Any, progress: bool | None,
     model.tie_weights()
     routed = {f"{name}.{p}" for name, m in model.named_modules()
               if getattr(m, "moestream_layer", None) is not None or hasattr(m, "has_gate")
-              for p in ("gate_up_proj", "down_proj")}
+              for p in ("gate_up_proj", "up_proj", "down_proj")}
     missing = [n for n, p in model.named_parameters()
                if p.is_meta and n not in routed]
     if missing:

@@ -79,7 +79,9 @@ class MoeLayer:
     ``transposed`` (gpt-oss): an expert's fused gate_up is ``[hidden, 2 * ffn]`` with gate
     and up interleaved by column, and down ``[ffn, hidden]``; its "gate" and "up" slices
     are then the two row halves of that gate_up (``[hidden / 2, 2 * ffn]`` each), which the
-    engine puts back together (its bytes are the two slices in order).
+    engine puts back together (its bytes are the two slices in order). ``gated`` false
+    (Nemotron-H): the experts have no gate; the up projection ``[ffn, hidden]`` is handed
+    out as its two row halves in the "gate" and "up" slices.
     """
 
     index: int
@@ -98,6 +100,7 @@ class MoeLayer:
     shape: tuple[int, int]  # (hidden, expert_ffn)
     expert_offsets: tuple[tuple[int, int, int], ...] | None = None
     transposed: bool = False
+    gated: bool = True
 
     @property
     def expert_bytes(self) -> int:

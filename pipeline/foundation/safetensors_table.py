@@ -8,11 +8,12 @@ then the data; each tensor is one contiguous range. Only the headers are read he
 
 Routed experts are found by name, in the layouts transformers writes, under a layer's MoE
 block ``B`` (``mlp``; ``block_sparse_moe`` in Mixtral and Granite, ``ffn`` in DeepSeek-V4,
-``feed_forward`` in Jamba):
+``feed_forward`` in Jamba, ``mixer`` in Nemotron-H):
 
 - per expert (Qwen2-MoE, Qwen3-MoE, OLMoE, DeepSeek-V2/V3, Jamba): ``...layers.L.B.experts.E.
   {gate_proj,up_proj,down_proj}.weight``, gate and up ``[F, D]``, down ``[D, F]``; Mixtral
-  and DeepSeek-V4 name them ``{w1,w3,w2}`` (gate, up, down);
+  and DeepSeek-V4 name them ``{w1,w3,w2}`` (gate, up, down); Nemotron-H's experts have no
+  gate (``MoeLayer.gated`` false: the up projection's row halves stand as gate and up);
 - fused: ``...layers.L.B.experts.gate_up_proj`` ``[E, 2F, D]`` (gate the first F rows) and
   ``...B.experts.down_proj`` ``[E, D, F]``, an expert one slice along the first axis;
   Granite-MoE's ``block_sparse_moe.input_linear.weight`` and ``output_linear.weight`` are
@@ -61,8 +62,9 @@ _ITEM_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0
                "I16": 2, "U16": 2, "F16": 2, "BF16": 2, "I32": 4, "U32": 4, "F32": 4,
                "I64": 8, "U64": 8, "F64": 8}
 # re.ASCII: \d would also take other scripts' digits, which int() reads ("\u0663" is 3)
-_MOE = r"(?:mlp|block_sparse_moe|ffn|feed_forward)"
-"""A MoE block's name in a layer: Qwen/DeepSeek-V2/V3, Mixtral/Granite, DeepSeek-V4, Jamba."""
+_MOE = r"(?:mlp|block_sparse_moe|ffn|feed_forward|mixer)"
+"""A MoE block's name in a layer: Qwen/DeepSeek-V2/V3, Mixtral/Granite, DeepSeek-V4, Jamba,
+Nemotron-H."""
 _EXPERT = re.compile(rf"^(?:.*\.)?layers\.(\d+)\.{_MOE}\.experts\.(\d+)\."
                      r"(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$", re.ASCII)
 _FUSED = re.compile(rf"^(?:.*\.)?layers\.(\d+)\.(?:{_MOE}\.experts\.(gate_up_proj|down_proj)"
@@ -320,7 +322,7 @@ def _build(path: Path, files: tuple[ModelFile, ...], tensors: dict[str, _Tensor]
                                       "a layout the module docstring lists)")
 
     n_experts = _config_int(config, "num_experts", "num_local_experts", "n_routed_experts")
-    hidden = _config_int(config, "hidden_size")
+    hidden = _config_int(config, "moe_latent_size", "hidden_size")  # Nemotron's latent MoE
     ffn = _config_int(config, "moe_intermediate_size")
     if ffn is None and "num_local_experts" in config:  # Mixtral names its expert FFN so
         ffn = _config_int(config, "intermediate_size")
@@ -387,29 +389,33 @@ def _expert_type(path: Path, index: int, t: _Tensor) -> GGMLQuantizationType:
 
 def _per_expert_layer(path: Path, index: int, experts: dict[int, dict[str, _Tensor]],
                       router: TensorInfo | None) -> MoeLayer:
-    """A layer whose every expert matrix is a tensor of its own."""
+    """A layer whose every expert matrix is a tensor of its own; with no gate at all
+    (Nemotron-H: up and down only), the up projection's two row halves stand as the
+    expert's "gate" and "up" slices (``MoeLayer.gated`` false)."""
     n = max(experts) + 1
     if len(experts) != n:  # the first gap lies within len(experts): never walk a huge n
         missing = next(e for e in range(n) if e not in experts)
         raise ExpertLayoutError(path, f"layer {index}: expert {missing} is missing "
                                       f"(experts 0..{n - 1} are named)")
     first = experts[0]
+    gated = any("gate" in parts for parts in experts.values())
+    parts = _PARTS if gated else ("up", "down")
     for e in range(n):
-        absent = [p for p in _PARTS if p not in experts[e]]
+        absent = [p for p in parts if p not in experts[e]]
         if absent:
             raise ExpertLayoutError(path, f"layer {index}: expert {e} has no {absent[0]} matrix")
-    gate = first["gate"]
-    if len(gate.shape) != 2:
-        raise ExpertLayoutError(path, f"layer {index}: {gate.name} is {len(gate.shape)}-D, "
+    lead = first[parts[0]]  # gate, or up when there is none
+    if len(lead.shape) != 2:
+        raise ExpertLayoutError(path, f"layer {index}: {lead.name} is {len(lead.shape)}-D, "
                                       f"expected [ffn, hidden]")
-    ffn, hidden = gate.shape
+    ffn, hidden = lead.shape
     want = {"gate": (ffn, hidden), "up": (ffn, hidden), "down": (hidden, ffn)}
-    types = {p: _expert_type(path, index, first[p]) for p in _PARTS}
-    if types["gate"] != types["up"]:
+    types = {p: _expert_type(path, index, first[p]) for p in parts}
+    if gated and types["gate"] != types["up"]:
         raise ExpertLayoutError(path, f"layer {index}: gate is {types['gate'].name} but up is "
                                       f"{types['up'].name}; they must share a type")
     for e in range(n):
-        for p in _PARTS:
+        for p in parts:
             t = experts[e][p]
             if t.shape != want[p] or t.dtype != first[p].dtype:
                 raise ExpertLayoutError(path, f"layer {index}: {t.name} is {t.dtype} "
@@ -417,14 +423,23 @@ def _per_expert_layer(path: Path, index: int, experts: dict[int, dict[str, _Tens
                                               f"{list(want[p])}")
     if ffn == 0 or hidden == 0:
         raise ExpertLayoutError(path, f"layer {index}: empty expert matrices {(hidden, ffn)}")
+    if not gated and ffn % 2:
+        raise ExpertLayoutError(path, f"layer {index}: gate-less experts with an odd FFN size "
+                                      f"{ffn} (their up projection goes in two halves)")
+    if gated:
+        gate_bytes, up_bytes = lead.nbytes, first["up"].nbytes
+        offsets = tuple((experts[e]["gate"].offset, experts[e]["up"].offset,
+                         experts[e]["down"].offset) for e in range(n))
+    else:
+        gate_bytes = up_bytes = lead.nbytes // 2
+        offsets = tuple((experts[e]["up"].offset, experts[e]["up"].offset + gate_bytes,
+                         experts[e]["down"].offset) for e in range(n))
     return MoeLayer(
-        index=index, n_experts=n, gate_up_type=types["gate"], down_type=types["down"],
-        gate_offset=first["gate"].offset, up_offset=first["up"].offset,
-        down_offset=first["down"].offset, gate_bytes=gate.nbytes, up_bytes=first["up"].nbytes,
-        down_bytes=first["down"].nbytes, gate_up_stride=gate.nbytes, fused_gate_up=False,
-        router=router, shape=(hidden, ffn),
-        expert_offsets=tuple((experts[e]["gate"].offset, experts[e]["up"].offset,
-                              experts[e]["down"].offset) for e in range(n)),
+        index=index, n_experts=n, gate_up_type=types[parts[0]], down_type=types["down"],
+        gate_offset=offsets[0][0], up_offset=offsets[0][1], down_offset=offsets[0][2],
+        gate_bytes=gate_bytes, up_bytes=up_bytes, down_bytes=first["down"].nbytes,
+        gate_up_stride=gate_bytes, fused_gate_up=False, router=router, shape=(hidden, ffn),
+        expert_offsets=offsets, gated=gated,
     )
 
 
