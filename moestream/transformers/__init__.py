@@ -14,10 +14,10 @@ Requires torch and transformers >= 5 (``pip install 'moestream[transformers]'``)
 :func:`is_available` says whether they are here. The rest of moestream never imports
 either. Supported: the model types whose routed experts transformers computes behind its
 experts registry (``gate_up_proj`` and ``down_proj``, transposed and biased as gpt-oss's
-included), with F16, BF16 or F32 experts in a safetensors checkpoint: 33 of the 34 MoE
-types of transformers 5.25 that ``python -m bench.archs`` sweeps (DeepSeek-V2/V3/V4,
-Qwen2/3-MoE, Qwen3-Next, Mixtral, gpt-oss, GLM-4-MoE, Kimi-Linear...; the 34th has no
-causal-LM class). ``docs/TRANSFORMERS.md`` is the guide.
+included, and experts without a gate), with F16, BF16 or F32 experts in a safetensors
+checkpoint: 48 of the 50 MoE types of transformers 5.25 that ``python -m bench.archs``
+sweeps (DeepSeek-V2/V3/V4, Qwen2/3-MoE, Qwen3-Next, Mixtral, gpt-oss, GLM-4-MoE,
+Kimi-Linear, Nemotron-H...). ``docs/TRANSFORMERS.md`` is the guide.
 """
 
 from __future__ import annotations
