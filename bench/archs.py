@@ -28,6 +28,7 @@ overrides, outcome, per-compute status and seconds; counts by outcome). Exit sta
 every kind is PASS or SKIPPED.
 
     python -m bench.archs --kinds qwen3_moe,mixtral
+    python -m bench.archs --device cuda        # the GPU path (CuPy backend), same checks
     python -m bench.archs --out bench/results/archs-vm-COMMIT/archs.json
 """
 
@@ -245,21 +246,21 @@ def _save(kind: str, where: Path) -> dict[str, Any]:
 def _generate(model: Any) -> Any:
     import torch
 
-    ids = torch.tensor(PROMPTS)
+    ids = torch.tensor(PROMPTS, device=model.device)
     return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS,
                           min_new_tokens=NEW_TOKENS, do_sample=False)
 
 
-def _compare(path: Path, lm: Any, compute: str) -> dict[str, Any]:
-    """One compute's status: moestream's model against transformers' own."""
+def _compare(path: Path, lm: Any, compute: str, device: str) -> dict[str, Any]:
+    """One compute's status on ``device``: moestream's model against transformers' own."""
     import torch
 
     import moestream
     from moestream.transformers import from_pretrained
 
-    ids = torch.tensor(PROMPTS)
+    ids = torch.tensor(PROMPTS, device=device)
     try:
-        whole = lm.from_pretrained(path, experts_implementation=COMPUTES[compute])
+        whole = lm.from_pretrained(path, experts_implementation=COMPUTES[compute]).to(device)
         with torch.no_grad():
             expected = whole(ids).logits
         expected_tokens = _generate(whole)
@@ -268,7 +269,7 @@ def _compare(path: Path, lm: Any, compute: str) -> dict[str, Any]:
         return {"status": "SKIPPED", "reason": f"transformers' own model: {_error(exc)}"}
     model = None
     try:
-        model = from_pretrained(path, device="cpu", compute=compute)  # type: ignore[arg-type]
+        model = from_pretrained(path, device=device, compute=compute)  # type: ignore[arg-type]
         with torch.no_grad():
             got = model(ids).logits
         tokens = _generate(model)
@@ -294,8 +295,9 @@ def _compare(path: Path, lm: Any, compute: str) -> dict[str, Any]:
     return result
 
 
-def one(kind: str, where: Path) -> dict[str, Any]:
-    """``kind``'s checkpoint written under ``where``, and each compute's status."""
+def one(kind: str, where: Path, device: str = "cpu") -> dict[str, Any]:
+    """``kind``'s checkpoint written under ``where``, and each compute's status on
+    ``device``."""
     import transformers
 
     result: dict[str, Any] = {"kind": kind, **_save(kind, where / kind)}
@@ -304,7 +306,7 @@ def one(kind: str, where: Path) -> dict[str, Any]:
         return result
     config = transformers.AutoConfig.from_pretrained(where / kind)
     lm = _causal_lm(config)
-    result["computes"] = {c: _compare(where / kind, lm, c) for c in COMPUTES}
+    result["computes"] = {c: _compare(where / kind, lm, c, device) for c in COMPUTES}
     statuses = {r["status"] for r in result["computes"].values()}
     result["outcome"] = next(s for s in _WORST_FIRST if s in statuses)
     return result
@@ -312,13 +314,14 @@ def one(kind: str, where: Path) -> dict[str, Any]:
 
 # -- the sweep: one worker process per kind ---------------------------------------------------
 
-def _run_one(kind: str, root: Path, timeout_s: float) -> dict[str, Any]:
+def _run_one(kind: str, root: Path, timeout_s: float, device: str) -> dict[str, Any]:
     """``python -m bench.archs --one KIND`` in a process of its own, its JSON line read; a
     worker that dies or runs past ``timeout_s`` is a CRASH."""
     # the digest manifests moestream keeps per checkpoint go with the checkpoints
     env = {**os.environ, "XDG_CACHE_HOME": str(root / "cache"),
            "TRANSFORMERS_VERBOSITY": "error"}
-    command = [sys.executable, "-m", "bench.archs", "--one", kind, "--dir", str(root)]
+    command = [sys.executable, "-m", "bench.archs", "--one", kind, "--dir", str(root),
+               "--device", device]
     try:
         done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True,
                               timeout=timeout_s)
@@ -385,10 +388,13 @@ def _sweep(args: argparse.Namespace, argv: Sequence[str]) -> int:
     is_available(raise_error=True)
     timeout_s = _timeout(args.timeout)
     kinds = _kinds(args.kinds)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device cuda: torch sees no CUDA device")
     if args.out is not None:  # before the sweep, not after
         check_output(args.out, what="--out", make_parents=True)
     result: dict[str, Any] = {
-        **provenance(PROG, argv, backend="host", device="cpu"),
+        **provenance(PROG, argv, backend="cupy" if args.device == "cuda" else "host",
+                     device=args.device),
         "torch": torch.__version__, "transformers": transformers.__version__,
         "timeout_s": timeout_s, "summary": {}, "kinds": {},
     }
@@ -396,7 +402,7 @@ def _sweep(args: argparse.Namespace, argv: Sequence[str]) -> int:
         for kind in kinds:
             started = time.perf_counter()
             if kind in transformers.CONFIG_MAPPING:
-                one_result = _run_one(kind, Path(root), timeout_s)
+                one_result = _run_one(kind, Path(root), timeout_s, args.device)
             else:
                 one_result = {"kind": kind, "outcome": "SKIPPED", "reason": f"transformers "
                               f"{transformers.__version__} has no {kind}"}
@@ -420,7 +426,7 @@ def _bench(args: argparse.Namespace, argv: Sequence[str]) -> int:
         return _sweep(args, argv)
     with ExitStack() as stack:
         where = args.dir or Path(stack.enter_context(tempfile.TemporaryDirectory()))
-        print(json.dumps(one(args.one, where), default=str))
+        print(json.dumps(one(args.one, where, args.device), default=str))
     return 0
 
 
@@ -430,6 +436,9 @@ def _parser() -> argparse.ArgumentParser:
                    "KINDS this transformers knows)")
     p.add_argument("--out", type=Path, help="also write the result JSON here")
     p.add_argument("--timeout", default="300", help="seconds a kind may take (300)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="where both models compute: cpu (moestream's host backend) or cuda "
+                   "(its CuPy backend, torch's stream waiting on the uploads)")
     p.add_argument("--one", metavar="KIND", help="the worker: check one model type, print "
                    "its result as one JSON line")
     p.add_argument("--dir", type=Path, help="where --one writes its checkpoint (default: a "

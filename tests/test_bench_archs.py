@@ -103,3 +103,9 @@ class TestBadArguments:
         assert captured.out == ""
         assert captured.err.startswith("bench.archs: error: ") and captured.err.count("\n") == 1
         assert message in captured.err
+
+    @pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device answers here")
+    def test_cuda_without_a_device(self, capsys: pytest.CaptureFixture[str]) -> None:
+        assert main(["--device", "cuda", "--kinds", "qwen3_moe"]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "--device cuda: torch sees no CUDA device" in err
