@@ -192,6 +192,20 @@ def _reference(whole: Any, ids: Any, kind: str) -> Any:
                     f"{str(exc).splitlines()[0]}")
 
 
+def _assert_same_logits(path: Path, implementation: str, given: Path | None = None,
+                        **options: Any) -> None:
+    """The whole model (experts ``implementation``) and moestream's of ``given`` (default
+    ``path``; ``options`` to ``from_pretrained``) give equal logits on the CPU."""
+    whole = _whole(path, implementation)
+    model = mt.from_pretrained(given or path, device="cpu", **options)
+    try:
+        with torch.no_grad():
+            assert torch.equal(whole(torch.tensor(PROMPTS)).logits,
+                               model(torch.tensor(PROMPTS)).logits)
+    finally:
+        model.moestream.close()
+
+
 def _generate(model: Any, tokens: int = 6) -> Any:
     ids = torch.tensor(PROMPTS, device=model.device)
     return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=tokens,
@@ -253,15 +267,7 @@ class TestExactness:
     def test_float32_checkpoint(self, tmp_path: Path, loops: None) -> None:
         """F32 experts compute as F32, equal to the whole model."""
         path = _save("qwen3_moe", tmp_path / "f32", dtype=torch.float32)
-        whole = _whole(path, "eager")
-        model = mt.from_pretrained(path, device="cpu", compute="eager")
-        try:
-            with torch.no_grad():
-                assert torch.equal(whole(torch.tensor(PROMPTS)).logits,
-                                   model(torch.tensor(PROMPTS)).logits)
-        finally:
-            model.moestream.close()
-
+        _assert_same_logits(path, "eager", compute="eager")
 
     @pytest.mark.parametrize("kind", ["qwen3_moe", "gpt_oss"])
     def test_sharded_checkpoint(self, tmp_path: Path, kind: str, loops: None) -> None:
@@ -269,14 +275,7 @@ class TestExactness:
         many files, as the hub's large checkpoints are): the same logits."""
         path = _save(kind, tmp_path / kind, shard="40KB")
         assert len(list(path.glob("*.safetensors"))) > 3
-        whole = _whole(path, "grouped_mm")
-        model = mt.from_pretrained(path, device="cpu")
-        try:
-            with torch.no_grad():
-                assert torch.equal(whole(torch.tensor(PROMPTS)).logits,
-                                   model(torch.tensor(PROMPTS)).logits)
-        finally:
-            model.moestream.close()
+        _assert_same_logits(path, "grouped_mm")
 
 
 class TestModel:
@@ -285,14 +284,7 @@ class TestModel:
     def test_single_file(self, checkpoints: dict[str, Path], loops: None) -> None:
         """One .safetensors file given (its config.json beside it) loads as its directory."""
         path = checkpoints["mixtral"]
-        whole = _whole(path, "grouped_mm")
-        model = mt.from_pretrained(path / "model.safetensors", device="cpu")
-        try:
-            with torch.no_grad():
-                assert torch.equal(whole(torch.tensor(PROMPTS)).logits,
-                                   model(torch.tensor(PROMPTS)).logits)
-        finally:
-            model.moestream.close()
+        _assert_same_logits(path, "grouped_mm", given=path / "model.safetensors")
 
     def test_routed_experts_never_loaded(self, checkpoints: dict[str, Path],
                                          loops: None) -> None:
