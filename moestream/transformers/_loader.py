@@ -221,10 +221,10 @@ def _experts_modules(root: Path, model: Any, config: Any) -> dict[int, Any]:
         # biases, a transposed gate_up and its interleaving (the module's own _apply_gate),
         # no gate (an activation alone) are computed as transformers computes them; a norm
         # after the experts is not
-        odd = ["has_post_expert_norm"] if getattr(module, "has_post_expert_norm", False) else []
-        if odd:
-            raise ModelFileError(root, f"model type {config.model_type!r}: experts with "
-                                 f"{', '.join(odd)} set are not served by moestream")
+        if getattr(module, "has_post_expert_norm", False):
+            raise ModelFileError(root, f"model type {config.model_type!r}: experts with a norm "
+                                 "after them (has_post_expert_norm) are not served by "
+                                 "moestream")
         found[int(layer.group(1))] = module
     if not found:
         raise ModelFileError(root, f"model type {config.model_type!r} has no routed experts "
