@@ -9,7 +9,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 nvidia-smi -L; free -g | head -2; df -h . | tail -1
 python3 -c 'import torch, transformers, cupy; print("torch", torch.__version__, "transformers", transformers.__version__, "cupy", cupy.__version__)'
-timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_transformers.py -k "Gpu" 2>&1 | tail -15 | tee $OUT/gpu-tests.log
+timeout 420 python3 -m pytest -q -p no:cacheprovider tests/test_transformers.py -k "Gpu" 2>&1 | tail -15 | tee $OUT/gpu-tests.log
 # every model type bench.archs sweeps, through the CuPy backend (ARCHS=0 skips it)
 if [ "${ARCHS:-1}" = 1 ]; then
   timeout 540 python3 -m bench.archs --device cuda --out $OUT/archs-h200.json 2>&1 | tail -60 \

@@ -415,6 +415,22 @@ class TestBadInput:
         with pytest.raises(moestream.ExpertLayoutError, match="transposed"):
             mt.from_pretrained(path, device="cpu")
 
+    def test_merged_dense_weight_of_a_wrong_shape(self, checkpoints: dict[str, Path],
+                                                  tmp_path: Path, loops: None) -> None:
+        """One of the three tensors transformers stacks into Kimi-Linear's convolution cut
+        short: refused in one line, the session closed."""
+        from safetensors.torch import load_file, save_file
+
+        path = _copy(checkpoints["kimi_linear"], tmp_path / "m")
+        file = path / "model.safetensors"
+        tensors = load_file(file)
+        name = "model.layers.0.self_attn.k_conv1d.weight"
+        tensors[name] = tensors[name][:-1].clone()
+        save_file(tensors, file, metadata={"format": "pt"})
+        with pytest.raises(moestream.ModelFileError) as caught:
+            mt.from_pretrained(path, device="cpu")
+        assert "conv1d" in str(caught.value) and "\n" not in str(caught.value)
+
     def test_budget_below_a_layer(self, checkpoints: dict[str, Path], loops: None) -> None:
         with pytest.raises(moestream.UsageError, match="budget"):
             mt.from_pretrained(checkpoints["qwen3_moe"], device="cpu", budget="1")
