@@ -308,6 +308,47 @@ class TestOddLayouts:
         with pytest.raises(ExpertLayoutError, match="D even"):
             open_table(path)
 
+    @settings(max_examples=60, deadline=None,
+              suppress_health_check=[HealthCheck.function_scoped_fixture])
+    @given(n=st.integers(1, 3), ffn=st.integers(1, 3), hidden=st.integers(1, 4),
+           layout=st.sampled_from(["standard", "transposed", "any"]),
+           other=st.tuples(st.integers(0, 6), st.integers(0, 6), st.integers(0, 6),
+                           st.integers(0, 6)))
+    def test_any_fused_shapes_map_or_refuse(self, tmp_path_factory: pytest.TempPathFactory,
+                                            n: int, ffn: int, hidden: int, layout: str,
+                                            other: tuple[int, int, int, int]) -> None:
+        """Whatever 3-D shapes a fused pair claims (both layouts as written, or any
+        others): a layer whose every expert reads back as its slices of the two tensors,
+        transposed exactly when the shapes are gpt-oss's, or one ExpertLayoutError line."""
+        up, down = {"standard": ((2 * ffn, hidden), (hidden, ffn)),
+                    "transposed": ((hidden, 2 * ffn), (ffn, hidden)),
+                    "any": (other[:2], other[2:])}[layout]
+        rng = np.random.default_rng(ffn * 7 + hidden)
+        gate_up = rng.bytes(n * up[0] * up[1] * 2)
+        down_bytes = rng.bytes(n * down[0] * down[1] * 2)
+        moe = "model.layers.0.mlp.experts."
+        tensors = [T(moe + "gate_up_proj", "BF16", (n, *up), gate_up),
+                   T(moe + "down_proj", "BF16", (n, *down), down_bytes)]
+        directory = tmp_path_factory.mktemp("fused")
+        path = write_dir(directory / "c", [tensors], config={"num_hidden_layers": 1})
+        try:
+            layer = open_table(path).layers[0]
+        except ExpertLayoutError as exc:
+            assert "\n" not in str(exc)
+            return
+        rows, cols = up
+        # the two readings never both fit a non-empty pair: [E, D, 2F] with D even, or not
+        assert layer.transposed == (down == (cols // 2, rows) and rows % 2 == 0
+                                    and cols % 2 == 0)
+        per, down_per = len(gate_up) // n, len(down_bytes) // n
+        table = open_table(path)
+        for e in range(n):
+            s = table.slices((0, e))
+            assert table.read_bytes(s.gate.offset, s.gate.nbytes) + table.read_bytes(
+                s.up.offset, s.up.nbytes) == gate_up[e * per: (e + 1) * per]
+            assert table.read_bytes(s.down.offset, s.down.nbytes) == down_bytes[
+                e * down_per: (e + 1) * down_per]
+
     def test_fused_written_by_hand(self, tmp_path: Path) -> None:
         rng = np.random.default_rng(3)
         gate_up = rng.bytes(E * 2 * F * D * 2)
