@@ -109,7 +109,6 @@ async def _async_face(model: Path | None, rounds: int) -> dict[str, dict[str, fl
         return result
 
 
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.api_calls", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -186,6 +186,16 @@ class Matrix:
                 f"nbytes={self.nbytes})")
 
 
+def _matrix_shapes(info: MoeLayer) -> tuple[tuple[int, int], ...]:
+    """(gate, up, down) shapes of the layer's experts, as ``Matrix.shape`` says."""
+    hidden, ffn = info.shape
+    if info.transposed:
+        return (hidden // 2, 2 * ffn), (hidden // 2, 2 * ffn), (ffn, hidden)
+    if not info.gated:
+        return (ffn // 2, hidden), (ffn // 2, hidden), (hidden, ffn)
+    return (ffn, hidden), (ffn, hidden), (hidden, ffn)
+
+
 class LeaseSource:
     """What the handles of one lease share: the lease (whose release ends them), the
     devices' backends and the layer's shapes and types.
@@ -194,7 +204,7 @@ class LeaseSource:
     dropped with the lease still held, ``on_drop`` is told (the session releases it).
     """
 
-    __slots__ = ("backends", "info", "lease", "on_drop")
+    __slots__ = ("backends", "info", "lease", "on_drop", "shapes", "types")
 
     def __init__(self, lease: LayerLease, backends: Sequence[Backend], info: MoeLayer,
                  on_drop: Callable[[LayerLease], None] | None = None) -> None:
@@ -202,6 +212,8 @@ class LeaseSource:
         self.backends = backends
         self.info = info
         self.on_drop = on_drop
+        self.shapes = _matrix_shapes(info)  # once a lease, not a handle
+        self.types = (info.gate_up_type, info.gate_up_type, info.down_type)
 
     def __del__(self) -> None:
         if not self.lease.released and self.on_drop is not None:
@@ -234,20 +246,12 @@ class ExpertHandle:
         return self._part.device
 
     def _make_matrices(self) -> tuple[Matrix, Matrix, Matrix]:
-        entry, part, info = self._entry, self._part, self._source.info
-        backend = self._source.backends[part.device]
-        hidden, ffn = info.shape
-        if info.transposed:
-            shapes = ((hidden // 2, 2 * ffn), (hidden // 2, 2 * ffn), (ffn, hidden))
-        elif not info.gated:
-            shapes = ((ffn // 2, hidden), (ffn // 2, hidden), (hidden, ffn))
-        else:
-            shapes = ((ffn, hidden), (ffn, hidden), (hidden, ffn))
-        types = (info.gate_up_type, info.gate_up_type, info.down_type)
+        entry, part, source = self._entry, self._part, self._source
+        backend = source.backends[part.device]
         host = backend.name == "host"
         matrices = []
         for name, staged, shape, kind in zip(_NAMES, part.streamer.layout(entry.key).ranges,
-                                             shapes, types, strict=True):
+                                             source.shapes, source.types, strict=True):
             raw = backend.device_bytes(entry.buffer, staged.device_offset, staged.nbytes)
             if host:
                 raw.flags.writeable = False  # the cache's bytes: compute reads, never writes

@@ -259,6 +259,8 @@ class ExpertStream:
         final = torch.zeros_like(hidden)
         transposed = bool(getattr(module, "is_transposed", False))
         gate = module._apply_gate if getattr(module, "has_gate", True) else module.act_fn
+        up_bias, down_bias = _biases(module)
+        linear = torch.nn.functional.linear
         with torch.no_grad():
             mask = torch.nn.functional.one_hot(top_k_index, num_classes=module.num_experts + 1)
             mask = mask.permute(2, 1, 0)
@@ -271,12 +273,18 @@ class ExpertStream:
                         top_k_pos, token_idx = torch.where(mask[h.expert])
                         current = hidden[token_idx]
                         gate_up = torch.cat((first, second))  # or the gate-less up
-                        if transposed:  # gpt-oss's own eager: x @ W + b
-                            out = gate(current @ gate_up + module.gate_up_proj_bias[h.expert])
-                            out = out @ down + module.down_proj_bias[h.expert]
+                        e = h.expert
+                        if transposed:  # x @ W (+ b), as gpt-oss's own eager
+                            out = current @ gate_up
+                            if up_bias is not None:
+                                out = out + up_bias[e]
+                            out = gate(out) @ down
+                            if down_bias is not None:
+                                out = out + down_bias[e]
                         else:  # the module's own gate (a SwiGLU, a clamped one, or none)
-                            out = gate(torch.nn.functional.linear(current, gate_up))
-                            out = torch.nn.functional.linear(out, down)
+                            out = gate(linear(current, gate_up,
+                                              None if up_bias is None else up_bias[e]))
+                            out = linear(out, down, None if down_bias is None else down_bias[e])
                         out = out * top_k_weights[token_idx, top_k_pos, None]
                         rows[h.expert] = (token_idx, out.to(final.dtype))
         for expert in sorted(rows):  # eager's order, whatever order they landed in
@@ -313,8 +321,18 @@ def _view(matrix: Any, dtype: Any) -> Any:
 
 def first_projection(module: Any) -> Any:
     """An experts module's first projection: ``gate_up_proj``, or ``up_proj`` for experts
-    without a gate (Nemotron-H)."""
-    return module.gate_up_proj if getattr(module, "has_gate", True) else module.up_proj
+    without a gate (Nemotron-H); None if it has neither."""
+    return getattr(module, "gate_up_proj" if getattr(module, "has_gate", True) else "up_proj",
+                   None)
+
+
+def _biases(module: Any) -> tuple[Any, Any]:
+    """The experts' first-projection and down biases (gpt-oss), or (None, None)."""
+    if not getattr(module, "has_bias", False):
+        return None, None
+    first = (module.gate_up_proj_bias if getattr(module, "has_gate", True)
+             else module.up_proj_bias)
+    return first, module.down_proj_bias
 
 
 def _grouped_linear(x: Any, weight: Any, offsets: Any, bias: Any, transposed: bool) -> Any:
@@ -352,14 +370,12 @@ def _grouped_rows(stream: ExpertStream, module: Any, hidden: Any, expert_ids: An
         local_sorted, torch.arange(1, n + 1, dtype=local_sorted.dtype, device=device)
     ).to(torch.int32)
     transposed = bool(getattr(module, "is_transposed", False))
-    gated = getattr(module, "has_gate", True)
-    up_bias = down_bias = None
-    if getattr(module, "has_bias", False):  # per sorted row, as grouped_mm_experts_forward
+    up_bias, down_bias = _biases(module)
+    if up_bias is not None:  # per sorted row, as grouped_mm_experts_forward
         row_experts = expert_ids[perm]  # the tail's rows (other experts) are never used
-        up_bias = (module.gate_up_proj_bias if gated else module.up_proj_bias)[row_experts]
-        down_bias = module.down_proj_bias[row_experts]
+        up_bias, down_bias = up_bias[row_experts], down_bias[row_experts]
     proj = _grouped_linear(selected, gate_up, offsets, up_bias, transposed)
-    proj = module._apply_gate(proj) if gated else module.act_fn(proj)
+    proj = module._apply_gate(proj) if getattr(module, "has_gate", True) else module.act_fn(proj)
     proj = _grouped_linear(proj, down, offsets, down_bias, transposed)
     rows = proj * sample_weights[perm].unsqueeze(-1)
     inverse = torch.empty_like(perm)

@@ -211,8 +211,7 @@ def _experts_modules(root: Path, model: Any, config: Any) -> dict[int, Any]:
     found: dict[int, Any] = {}
     for name, module in model.named_modules():
         if not (hasattr(module, "has_gate")
-                and isinstance(getattr(module, "gate_up_proj" if module.has_gate else "up_proj",
-                                       None), torch.nn.Parameter)
+                and isinstance(first_projection(module), torch.nn.Parameter)
                 and isinstance(getattr(module, "down_proj", None), torch.nn.Parameter)):
             continue
         layer = _LAYER.search(name)
