@@ -9,10 +9,10 @@ checkpoint's shards laid end to end.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TypeAlias
+from typing import Any, TypeAlias
 
 import numpy as np
 from gguf import GGMLQuantizationType
@@ -64,6 +64,8 @@ class TensorInfo:
     type_name: str
     offset: int
     nbytes: int
+    shape: tuple[int, ...] = ()
+    """Its elements along each axis, outermost first (row-major, as numpy and torch)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,6 +142,9 @@ class ExpertTable:
         files: the model's files in its address space, with the identity the table's open
             saw (one for a GGUF file).
         format: ``gguf`` or ``safetensors``.
+        config: a checkpoint's ``config.json`` as the table's one read parsed it (empty for
+            a GGUF file): whoever builds a model from it uses these values, never a second
+            read of the path, which may name another file by then.
     """
 
     path: Path
@@ -153,6 +158,7 @@ class ExpertTable:
     digests: np.ndarray | None
     files: tuple[ModelFile, ...]
     format: str = "gguf"
+    config: Mapping[str, Any] = field(default_factory=dict)
 
     @property
     def data_bytes(self) -> int:

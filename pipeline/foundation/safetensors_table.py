@@ -291,7 +291,7 @@ def _build(path: Path, files: tuple[ModelFile, ...], tensors: dict[str, _Tensor]
     non_routed: list[TensorInfo] = []
     n_blocks = 0
     for t in sorted(tensors.values(), key=lambda t: t.offset):
-        info = TensorInfo(t.name, t.dtype, t.offset, t.nbytes)
+        info = TensorInfo(t.name, t.dtype, t.offset, t.nbytes, t.shape)
         block = _BLOCK.search(t.name)
         if block:
             if len(block.group(1)) > 6:  # a million layers: no model, a name to refuse
@@ -367,6 +367,7 @@ def _build(path: Path, files: tuple[ModelFile, ...], tensors: dict[str, _Tensor]
         digests=None,
         files=files,
         format="safetensors",
+        config=config,
     )
 
 

@@ -173,7 +173,8 @@ def _gguf_table(path: Path, file: ModelFile, reader: GGUFReader) -> ExpertTable:
     n_blocks = 0
     for t in reader.tensors:
         # The header walk has checked that every tensor's data lies inside the file.
-        info = TensorInfo(t.name, t.tensor_type.name, int(t.data_offset), int(t.n_bytes))
+        info = TensorInfo(t.name, t.tensor_type.name, int(t.data_offset), int(t.n_bytes),
+                          tuple(int(n) for n in reversed(t.shape)))
         block = re.match(r"^blk\.(\d+)\.", t.name)
         if block:
             n_blocks = max(n_blocks, int(block.group(1)) + 1)
