@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import os
 import warnings
 from asyncio.events import _get_running_loop
@@ -41,8 +42,8 @@ from pipeline.foundation.table import ExpertTable
 from pipeline.lease import NOT_YET, Arrival, LayerLease, LeasePart
 from pipeline.session import StreamSession
 
-__all__ = ["Counters", "LayerInfo", "Lease", "ModelInfo", "Router", "Session", "TokenStats",
-           "Tuning", "open"]
+__all__ = ["Counters", "LayerInfo", "Lease", "ModelInfo", "Router", "Session", "TensorSpec",
+           "TokenStats", "Tuning", "open"]
 
 Mode = Literal["auto", "direct", "resident"]
 After = StreamLike | Event | Mapping[int, Any]
@@ -129,17 +130,40 @@ class LayerInfo:
 
 
 @dataclass(frozen=True, slots=True)
+class TensorSpec:
+    """A tensor of the model that is not a routed expert (embeddings, attention, norms,
+    routers, shared experts), as the file declares it; ``Session.read_tensor`` reads it.
+
+    Attributes:
+        name: its name in the file.
+        dtype: the file's name of its type (safetensors ``BF16``, ``F8_E4M3``...; a GGUF
+            type name such as ``Q4_K``).
+        shape: elements along each axis, outermost first.
+        nbytes: its bytes in the file.
+    """
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+
+
+@dataclass(frozen=True, slots=True)
 class ModelInfo:
     """The model a session streams.
 
     Attributes:
-        path: the GGUF file.
+        path: the model as opened (a GGUF file, a checkpoint directory or file).
         moe_layers: the model layer indices of the MoE layers, in decode order.
         layers: each MoE layer's description, by layer index.
         n_experts: routed experts per layer (the largest).
         top_k: experts the router picks per layer and token.
         hidden: the hidden size.
         hash_routed: how many of the first MoE layers route by token id (no router).
+        tensors: every other tensor, by name (``Session.read_tensor`` reads one).
+        config: a checkpoint's ``config.json`` as the session's one read of it parsed it
+            (bounded in size and depth, no duplicate keys); empty for a GGUF file. Build a
+            model from these values, not from a second read of the path.
     """
 
     path: Path
@@ -149,6 +173,8 @@ class ModelInfo:
     top_k: int
     hidden: int
     hash_routed: int
+    tensors: Mapping[str, TensorSpec] = field(default_factory=dict)
+    config: Mapping[str, Any] = field(default_factory=dict)
 
     @classmethod
     def of(cls, table: ExpertTable) -> ModelInfo:
@@ -157,8 +183,10 @@ class ModelInfo:
                          m.expert_bytes, m.transposed, m.gated)
             for n, m in table.layers.items()
         }
+        tensors = {t.name: TensorSpec(t.name, t.type_name, t.shape, t.nbytes)
+                   for t in table.non_routed}
         return cls(table.path, tuple(table.moe_layers), layers, table.n_experts, table.top_k,
-                   table.hidden, table.hash_routed)
+                   table.hidden, table.hash_routed, tensors, copy.deepcopy(table.config))
 
 
 @dataclass(frozen=True, slots=True)
@@ -425,6 +453,7 @@ class Session:
         self._core = core
         self._loop: asyncio.AbstractEventLoop | None = None
         self._model: ModelInfo | None = None
+        self._tensor_index: dict[str, Any] | None = None
         self._drops: list[LayerLease] = []
 
     # -- lifetime --------------------------------------------------------------------------
@@ -515,6 +544,32 @@ class Session:
     def mode(self) -> str:
         """The I/O mode in force: ``direct`` or ``resident``."""
         return self._core.mode
+
+    def read_tensor(self, name: str) -> bytearray:
+        """The bytes of the non-routed tensor ``name`` (``model.tensors``), read from the
+        model's files as the session identified them when it opened: the file is opened
+        again only if its identity (device, inode, size, modification and change times) is
+        the one the table was read from, and checked again after the read. A file renamed
+        over, replaced or written meanwhile is never read: an engine loading its dense
+        weights this way computes with the bytes of the files its experts come from.
+
+        A blocking read (meant for load time), from any thread; it does not wait on the
+        session's loop.
+
+        Raises:
+            UsageError: no such tensor, or the session is not open.
+            ModelChangedError: the file changed since the session opened it.
+            ModelFileError: it was cut short.
+        """
+        info = self._table_tensors().get(name)
+        if info is None:
+            raise UsageError(f"{name[:120]!r} is not a non-routed tensor of {self.model.path}")
+        return self._table.read_bytes(info.offset, info.nbytes)
+
+    def _table_tensors(self) -> Mapping[str, Any]:
+        if self._tensor_index is None:
+            self._tensor_index = {t.name: t for t in self._table.non_routed}
+        return self._tensor_index
 
     def router(self, seed: int = 0) -> Router:
         """The model's own router on the first device (see ``Router``).

@@ -438,6 +438,11 @@ class SyncSession:
         """As ``Session.prefetch`` (on the caller's thread)."""
         return self._loop.call(self._session._prefetch, layer, experts)
 
+    def read_tensor(self, name: str) -> bytearray:
+        """As ``Session.read_tensor`` (on the caller's thread: a blocking read that needs
+        nothing of the loop)."""
+        return self._session.read_tensor(name)
+
     def ready(self, layer: Index, experts: ExpertIds) -> bool:
         """As ``Session.ready`` (on the caller's thread)."""
         return self._loop.query(self._session._ready, layer, experts)

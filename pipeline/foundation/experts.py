@@ -55,6 +55,8 @@ class ExpertSlices:
     def nbytes(self) -> int:
         return self.gate.nbytes + self.up.nbytes + self.down.nbytes
 
+_READ_PIECE = 1 << 30
+
 
 @dataclass(frozen=True, slots=True)
 class TensorInfo:
@@ -169,24 +171,32 @@ class ExpertTable:
         """The file holding ``offset`` of the model's address space."""
         return locate(self.files, offset)
 
-    def read_bytes(self, offset: int, nbytes: int) -> bytes:
-        """A plain buffered read of one range (a router, an embedding row), from a checked
-        open of its file: never from a file other than the table's.
+    def read_bytes(self, offset: int, nbytes: int) -> bytearray:
+        """A plain buffered read of one range (a router, an embedding row, a dense weight),
+        from a checked open of its file, its identity checked again after the read: never
+        from a file other than the table's, never bytes written meanwhile.
 
         Raises:
             ModelChangedError: the file changed since the table was read.
             ModelFileError: it was cut short.
         """
         f = self.file_of(offset)
+        out = bytearray(nbytes)
+        view, done = memoryview(out), 0
         fd = open_checked(f)
         try:
-            data = os.pread(fd, nbytes, offset - f.base)
+            while done < nbytes:  # one pread moves at most ~2 GiB
+                got = os.preadv(fd, [view[done:done + _READ_PIECE]], offset - f.base + done)
+                if got == 0:
+                    break
+                done += got
             check_identity(f, fd)
         finally:
+            view.release()
             os.close(fd)
-        if len(data) != nbytes:
-            raise ModelFileError(f.path, f"cut short at byte {offset - f.base + len(data)}")
-        return data
+        if done != nbytes:
+            raise ModelFileError(f.path, f"cut short at byte {offset - f.base + done}")
+        return out
 
     @property
     def moe_layers(self) -> list[int]:
