@@ -440,7 +440,7 @@ class TestBadInput:
             "qwen3", hidden_size=64, intermediate_size=96, num_hidden_layers=1, head_dim=16,
             **ATTENTION)
         transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "d")
-        with pytest.raises(moestream.ModelFileError, match="no routed experts"):
+        with pytest.raises(moestream.ModelFileError, match="no routed expert"):
             mt.from_pretrained(tmp_path / "d", device="cpu")
 
     def test_gguf_refused(self, tmp_path: Path) -> None:

@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from moestream.transformers._files import CONFIG, TOKENIZER_FILES, snapshot
 from pipeline.foundation.cli import closable_stdout, print_error
 from pipeline.foundation.errors import MoestreamError, UsageError
 from pipeline.foundation.outputs import check_not_input, check_output
@@ -26,6 +27,7 @@ from pipeline.summary import RunSummary, print_summary
 __all__ = ["add_arguments", "main"]
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+"""Any of these makes a tokenizer worth trying."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -52,14 +54,20 @@ def _prompt_ids(args: argparse.Namespace, model_dir: Path) -> tuple[list[int], A
     elif args.prompt is not None:
         import transformers  # type: ignore[import-not-found, unused-ignore]
 
-        if not any((model_dir / name).is_file() for name in _TOKENIZER_FILES):
-            raise UsageError(f"{model_dir}: the checkpoint has no tokenizer for --prompt; "
+        root = model_dir.parent if model_dir.is_file() else model_dir
+        if not any((root / name).is_file() for name in _TOKENIZER_FILES):
+            raise UsageError(f"{root}: the checkpoint has no tokenizer for --prompt; "
                              "pass --prompt-ids")
-        try:
-            tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            raise UsageError(f"{model_dir}: no usable tokenizer for --prompt ({exc}); "
-                             "pass --prompt-ids") from exc
+        # the tokenizer's files read once, bounded, into a private directory: transformers
+        # never reads the checkpoint's own by path nor runs its code
+        with snapshot(root, {CONFIG: 16 << 20, **TOKENIZER_FILES}) as files:
+            try:
+                tokenizer = transformers.AutoTokenizer.from_pretrained(
+                    files, trust_remote_code=False)
+            except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+                raise UsageError(f"{root}: no usable tokenizer for --prompt "
+                                 f"({str(exc).strip().splitlines()[0][:200]}); pass "
+                                 "--prompt-ids") from exc
         ids = [int(t) for t in tokenizer(args.prompt)["input_ids"]]
         if not ids:
             raise UsageError("--prompt: the tokenizer made no tokens of it")

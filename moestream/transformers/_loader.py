@@ -1,13 +1,23 @@
 """``from_pretrained``: a transformers model whose routed experts are never loaded.
 
+The moestream session over the checkpoint is opened first: it identifies every shard once
+(device, inode, size, times), reads the headers and ``config.json`` once and checks them
+against each other. Everything else comes from that one opening, never from a second read
+by path: the model's config from the session's parsed ``config.json`` (``ModelInfo.config``,
+given to transformers in a private directory with ``trust_remote_code=False``: no code of
+the checkpoint runs, no prompt is shown), and every tensor except the routed experts through
+``read_tensor``, from the shards as identified, their identity checked before and after each
+read. A shard renamed over, replaced or written after the session opened it stops the load
+(``ModelChangedError``): the model never computes with one file's dense weights and
+another's experts.
+
 The model is built as transformers builds it, on the meta device (shapes, no storage),
-with ``experts_implementation="moestream"``. Every tensor of the checkpoint except the
-routed experts is then read from its shard straight onto the device (renamed as
-transformers' own loading renames it) and assigned; non-persistent buffers (rotary
+with ``experts_implementation="moestream"``. The dense tensors are renamed as transformers'
+own loading renames them, moved to the device and assigned; non-persistent buffers (rotary
 frequencies) are made by the model's own ``_init_weights``, as ``from_pretrained`` does;
 tied weights are tied. The experts' ``gate_up_proj`` / ``down_proj`` stay meta parameters:
-no byte of them is read, allocated or copied here. A moestream session over the same
-checkpoint serves them when the model runs.
+no byte of them is read, allocated or copied here; the session serves them when the model
+runs.
 
 Everything is checked before the model is handed out, and whatever was opened is closed on
 a failure: a config that disagrees with the checkpoint's experts (layers, count, shapes),
@@ -19,7 +29,6 @@ a model type whose experts do not go through transformers' registry. Each is one
 from __future__ import annotations
 
 import copy
-import json
 import os
 import re
 import sys
@@ -40,20 +49,30 @@ from moestream.transformers._experts import (
     first_projection,
     register,
 )
+from moestream.transformers._files import CONFIG, GENERATION_FILES, snapshot
 from moestream.transformers._gate import is_available
 from pipeline.foundation.errors import (
     ExpertLayoutError,
     ModelFileError,
     UsageError,
 )
-from pipeline.foundation.safetensors_table import is_routed
 
 __all__ = ["from_pretrained"]
 
 _log = structlog.get_logger("moestream.transformers")
 
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
-_INDEX = "model.safetensors.index.json"
+_FILE_DTYPES: dict[str, Any] = {
+    name: getattr(torch, attr) for name, attr in (
+        ("BOOL", "bool"), ("U8", "uint8"), ("I8", "int8"), ("I16", "int16"),
+        ("U16", "uint16"), ("I32", "int32"), ("U32", "uint32"), ("I64", "int64"),
+        ("U64", "uint64"), ("F16", "float16"), ("BF16", "bfloat16"), ("F32", "float32"),
+        ("F64", "float64"), ("F8_E4M3", "float8_e4m3fn"), ("F8_E5M2", "float8_e5m2"),
+        ("F8_E8M0", "float8_e8m0fnu"))
+    if hasattr(torch, attr)
+}
+"""safetensors' type names, as torch loads them (as safetensors' own torch loader maps
+them)."""
 
 
 def from_pretrained(
@@ -108,19 +127,36 @@ def from_pretrained(
         raise ModelFileError(given, "moestream.transformers reads safetensors checkpoints "
                              "(a directory with config.json); GGUF is not supported yet")
     # a checkpoint directory, or one .safetensors file with the config.json beside it
-    root, single = (given.parent, given.name) if given.is_file() else (given, None)
+    root = given.parent if given.is_file() else given
+    if not given.exists():
+        raise ModelFileError(given, "no such checkpoint directory or file (a local path: a "
+                             "hub id is not downloaded, fetch it first, e.g. with "
+                             "huggingface_hub.snapshot_download)")
+    if not (root / CONFIG).is_file():
+        raise ModelFileError(root, "not a checkpoint directory (no config.json)")
     torch_device = _device(device)
-    config = _config(root)
-    model = _meta_model(root, config, dtype)
-    experts = _experts_modules(root, model, config)
+    wanted = _dtype(dtype)
+    if wanted is None and dtype not in (None, "auto"):
+        raise UsageError(f"dtype {_no_dtype(dtype)}")
     backend = "cupy" if torch_device.type == "cuda" else "host"
     devices = [torch_device.index or 0] if backend == "cupy" else None
     session = moestream.open_sync(given, budget=budget, mode=mode, policy=policy,  # type: ignore[arg-type]
                                   verify=verify, backend=backend, devices=devices, log=log,
                                   tuning=tuning)
     try:
+        if not session.model.config:
+            raise ModelFileError(root, "has no config.json: moestream.transformers builds the "
+                                 "model from it")
+        for key in ("dtype", "torch_dtype"):  # transformers fails on others with a traceback
+            stored = session.model.config.get(key)
+            if stored not in (None, "auto") and _dtype(stored) is None:
+                raise ModelFileError(root / CONFIG, f"its {key} {_no_dtype(stored)}")
+        with snapshot(root, GENERATION_FILES, session.model.config) as files:
+            config = _config(root, files)
+            model = _meta_model(root, files, config, wanted)
+        experts = _experts_modules(root, model, config)
         group = _check_experts(session, experts)
-        _load_dense(model, root, torch_device, progress, single)
+        _load_dense(model, session, torch_device, progress)
         stream = ExpertStream(session, torch_device, compute=compute, group_experts=group)
         for layer, module in experts.items():
             module.moestream_stream = stream
@@ -163,13 +199,25 @@ def _device(device: Any) -> Any:
     return chosen
 
 
-def _config(root: Path) -> Any:
-    if not (root / "config.json").is_file():
-        raise ModelFileError(root, "not a checkpoint directory (no config.json)")
+def _config(root: Path, files: Path) -> Any:
+    """The model's config from the session's ``config.json`` (in ``files``), by
+    transformers' own classes and never by code of the checkpoint."""
     try:
-        return transformers.AutoConfig.from_pretrained(root)
-    except (OSError, ValueError, KeyError) as exc:
-        raise ModelFileError(root / "config.json", _first_line(exc)) from exc
+        return transformers.AutoConfig.from_pretrained(files, trust_remote_code=False)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise ModelFileError(root / CONFIG, _first_line(exc)) from exc
+
+
+def _dtype(value: Any) -> Any:
+    """A torch floating dtype from ``value`` (a torch dtype or its name), None for None or
+    ``"auto"`` (the checkpoint's); None also for anything else, which the caller refuses."""
+    chosen = getattr(torch, value, None) if isinstance(value, str) else value
+    return chosen if isinstance(chosen, torch.dtype) and chosen.is_floating_point else None
+
+
+def _no_dtype(value: Any) -> str:
+    return (f"{str(value)[:40]!r} is not a torch floating-point dtype (bfloat16, float16, "
+            "float32 or \"auto\")")
 
 
 def _causal_lm(config: Any, **kwargs: Any) -> Any:
@@ -185,23 +233,22 @@ def _causal_lm(config: Any, **kwargs: Any) -> Any:
     return auto.from_config(config, **kwargs)  # its own error names what it lacks
 
 
-def _meta_model(root: Path, config: Any, dtype: Any) -> Any:
+def _meta_model(root: Path, files: Path, config: Any, dtype: Any) -> Any:
     """The model's modules with meta tensors (no storage), experts through the registry."""
     if dtype is None:
-        dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
-    if isinstance(dtype, str):
-        dtype = getattr(torch, dtype, None)
-    if dtype is None:
-        dtype = torch.float32
+        stored = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+        dtype = _dtype(stored) or torch.float32  # checked in config.json already
     try:
         with torch.device("meta"):
             model = _causal_lm(config, dtype=dtype, experts_implementation=IMPLEMENTATION)
     except (ValueError, KeyError, TypeError) as exc:
         raise ModelFileError(root, f"model type {config.model_type!r} cannot be served by "
                              f"moestream: {_first_line(exc)}") from exc
-    generation = root / "generation_config.json"
-    if generation.is_file():
-        model.generation_config = transformers.GenerationConfig.from_pretrained(root)
+    if (files / "generation_config.json").is_file():
+        try:
+            model.generation_config = transformers.GenerationConfig.from_pretrained(files)
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise ModelFileError(root / "generation_config.json", _first_line(exc)) from exc
     return model
 
 
@@ -268,28 +315,6 @@ def _check_experts(session: moestream.SyncSession, experts: dict[int, Any]) -> i
     return max(1, budget // largest // 2)
 
 
-def _shards(root: Path, single: str | None) -> dict[str, list[str]]:
-    """Each shard's tensor names (``single``: the one file given)."""
-    index = root / _INDEX
-    if single is None and index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            raise ModelFileError(index, _first_line(exc)) from exc
-        shards: dict[str, list[str]] = {}
-        for name, shard in weight_map.items():
-            shards.setdefault(str(shard), []).append(str(name))
-        return shards
-    files = [single] if single is not None else sorted(p.name for p in root.glob("*.safetensors"))
-    if len(files) != 1:
-        raise ModelFileError(root, f"expected one .safetensors file or {_INDEX}, "
-                             f"found {len(files)} shards")
-    from safetensors import safe_open  # type: ignore[import-not-found, unused-ignore]
-
-    with safe_open(str(root / files[0]), framework="pt") as f:
-        return {files[0]: list(f.keys())}
-
-
 def _renamer(model: Any) -> Any:
     """Checkpoint name -> (model name, the converter that builds it or None), by
     transformers' own renamings and converters for this model; the routed experts are never
@@ -325,18 +350,16 @@ def _renamer(model: Any) -> Any:
     return rename
 
 
-def _load_dense(model: Any, root: Path, device: Any, progress: bool | None,
-                single: str | None = None) -> None:
-    """Read every non-expert tensor onto ``device`` and assign it (those transformers builds
-    from several, such as Kimi-Linear's stacked convolutions, by its own converter); make
-    the buffers; tie."""
-    from safetensors import safe_open
-
+def _load_dense(model: Any, session: moestream.SyncSession, device: Any,
+                progress: bool | None) -> None:
+    """Read every non-expert tensor through the session (the files it identified) onto
+    ``device`` and assign it (those transformers builds from several, such as Kimi-Linear's
+    stacked convolutions, by its own converter); make the buffers; tie."""
     params = dict(model.named_parameters())
     expected = set(model.state_dict())
     rename = _renamer(model)
-    shards = _shards(root, single)
-    total = sum(1 for names in shards.values() for n in names if not is_routed(n))
+    root = session.model.path
+    dense = list(session.model.tensors.values())
     loaded: dict[str, Any] = {}
     merged: dict[str, Any] = {}  # model name -> its converter, collecting its sources
     unexpected: list[str] = []
@@ -344,36 +367,29 @@ def _load_dense(model: Any, root: Path, device: Any, progress: bool | None,
         progress = sys.stderr.isatty()
     from tqdm import tqdm
 
-    def assign(file: Path, name: str, target: str, tensor: Any) -> None:
+    def assign(name: str, target: str, tensor: Any) -> None:
         like = params.get(target)
         if like is None:
             like = model.get_buffer(target)
         if tuple(tensor.shape) != tuple(like.shape):
-            raise ExpertLayoutError(file, f"{name} has shape {list(tensor.shape)}, the config "
-                                    f"makes {target} {list(like.shape)}")
+            raise ExpertLayoutError(root, f"{name} has shape {list(tensor.shape)[:8]}, the "
+                                    f"config makes {target} {list(like.shape)}")
         loaded[target] = tensor.to(like.dtype)
 
-    with tqdm(total=total, unit="tensor", desc="loading dense weights", disable=not progress,
-              leave=False, file=sys.stderr) as bar:
-        for shard, names in shards.items():
-            file = root / shard
-            try:
-                opened = safe_open(str(file), framework="pt", device=str(device))
-            except Exception as exc:  # safetensors raises its own error types
-                raise ModelFileError(file, _first_line(exc)) from exc
-            with opened as f:
-                for name in names:
-                    if is_routed(name):
-                        continue
-                    target, converter = rename(name)
-                    bar.update(1)
-                    if target not in expected:
-                        unexpected.append(name)
-                    elif converter is not None:
-                        into = merged.setdefault(target, copy.deepcopy(converter[0]))
-                        into.add_tensor(target, name, converter[1], f.get_tensor(name))
-                    else:
-                        assign(file, name, target, f.get_tensor(name))
+    with tqdm(total=len(dense), unit="tensor", desc="loading dense weights",
+              disable=not progress, leave=False, file=sys.stderr) as bar:
+        for spec in dense:
+            target, converter = rename(spec.name)
+            bar.update(1)
+            if target not in expected:
+                unexpected.append(spec.name)
+                continue
+            tensor = _tensor(root, spec, session.read_tensor(spec.name)).to(device)
+            if converter is not None:
+                into = merged.setdefault(target, copy.deepcopy(converter[0]))
+                into.add_tensor(target, spec.name, converter[1], tensor)
+            else:
+                assign(spec.name, target, tensor)
     for target, converter in merged.items():
         try:
             built = converter.convert(target, model=model, config=model.config)
@@ -384,7 +400,7 @@ def _load_dense(model: Any, root: Path, device: Any, progress: bool | None,
             if name not in expected:
                 unexpected.append(name)
                 continue
-            assign(root, target, name, tensor[0] if isinstance(tensor, list) else tensor)
+            assign(target, name, tensor[0] if isinstance(tensor, list) else tensor)
     if unexpected:
         _log.warning("checkpoint_tensors_unused", count=len(unexpected),
                      first=unexpected[:4], path=str(root))
@@ -399,6 +415,17 @@ def _load_dense(model: Any, root: Path, device: Any, progress: bool | None,
         raise ModelFileError(root, f"the checkpoint lacks {len(missing)} tensors the model "
                              f"needs, first {missing[0]}")
     _make_buffers(root, model, device)
+
+
+def _tensor(root: Path, spec: moestream.TensorSpec, data: bytearray) -> Any:
+    """A CPU tensor over ``data`` (no copy), as the file declares it."""
+    dtype = _FILE_DTYPES.get(spec.dtype)
+    if dtype is None:
+        raise ModelFileError(root, f"{spec.name[:120]}: a {spec.dtype[:20]} tensor, a type "
+                             "torch does not load")
+    if not data:
+        return torch.empty(spec.shape, dtype=dtype)
+    return torch.frombuffer(data, dtype=dtype).reshape(spec.shape)
 
 
 def _make_buffers(root: Path, model: Any, device: Any) -> None:
