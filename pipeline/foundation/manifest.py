@@ -5,7 +5,10 @@
 same per-matrix digests (``pipeline.foundation.digest``, what the device kernel computes) are
 computed once from the file (``pipeline.manifest_build``) and kept here, in the user's cache
 (``$XDG_CACHE_HOME/moestream/digests/``, else ``~/.cache/moestream/digests/``), so that
-verification never re-reads an expert on the decode path.
+verification never re-reads an expert on the decode path. That directory is used only when
+it is the user's own (``pipeline.foundation.cachedir``: another user who could write it
+could plant wrong digests and make a healthy model fail); otherwise a private one is, after
+one warning.
 
 A manifest is only as good as its key: the file's resolved path, size, modification and
 change times (ns), inode and device, a fingerprint of its expert layout, and the digest
@@ -18,10 +21,12 @@ File format (little-endian): the magic line, a uint32 header length, a JSON head
 version, key, MoE layers, expert count, CRC-32 of the payload), then the payload: one byte
 per (MoE layer, expert), 1 where known, then three uint64 digests per (MoE layer, expert).
 
-The manifest is an input like any other and is read as one (``pipeline.foundation.inputs``):
-only a regular file is read (a FIFO or a device at its path is never waited on nor
-streamed), at most :func:`manifest_max_bytes` of it (what the model's expert count can fill,
-plus the header allowance), and its header through the bounded JSON loader. Anything else is
+The manifest is an input like any other and is read as one, through the cache's checked
+open (``pipeline.foundation.cachedir.read_private``): only the user's own regular file,
+writable by nobody else, is read (a link at its path is never followed, a FIFO never waited
+on, a manifest another user owns or could write is ignored like a stale one), at most
+:func:`manifest_max_bytes` of it (what the model's expert count can fill, plus the header
+allowance), and its header through the bounded JSON loader. Anything else is
 ignored with one warning and the digests are computed again. It is written atomically
 (``pipeline.foundation.outputs``: temporary file in the same directory, fsync, rename)
 without following a link at its path: a link there is replaced, never written through.
@@ -42,8 +47,9 @@ import numpy as np
 import numpy.typing as npt
 import structlog
 
+from pipeline.foundation.cachedir import UntrustedPathError, read_private, trusted_cache_dir
 from pipeline.foundation.errors import ModelFileError
-from pipeline.foundation.inputs import load_json_bounded, read_input
+from pipeline.foundation.inputs import load_json_bounded
 from pipeline.foundation.outputs import write_atomic
 from pipeline.foundation.table import ExpertKey, ExpertTable
 
@@ -70,17 +76,34 @@ _HEADER_DEPTH = 4  # the header nests two levels (the key object in the header o
 
 
 def user_cache_dir() -> Path:
-    """``$XDG_CACHE_HOME/moestream``, else ``~/.cache/moestream`` (where the tiny model goes)."""
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "moestream"
+    """The user's moestream cache (where the tiny model and the manifests go):
+    ``$XDG_CACHE_HOME/moestream``, else ``~/.cache/moestream``, when it is the user's own;
+    otherwise a private fallback, after one warning (``cachedir.trusted_cache_dir``).
+
+    Raises:
+        OutputError: no private directory can be had at all.
+    """
+    return trusted_cache_dir()
 
 
 def manifest_path(model: str | os.PathLike[str], cache_dir: Path | None = None) -> Path:
     """Where the manifest of ``model`` lives: named after the file, tagged with a hash of
-    its resolved path (two files of one name in different directories never share one)."""
+    its resolved path (two files of one name in different directories never share one).
+
+    Args:
+        model: the model file.
+        cache_dir: a cache the caller chose (its ``digests`` folder is neither made nor
+            checked); None: the user's trusted cache, whose ``digests`` folder is made
+            ``0o700`` and checked (``cachedir.trusted_cache_dir``).
+
+    Raises:
+        OutputError: ``cache_dir`` None and no private directory can be had at all.
+    """
     resolved = Path(model).resolve()
     tag = hashlib.sha256(os.fsencode(resolved)).hexdigest()[:16]
     stem = re.sub(r"[^A-Za-z0-9._-]", "_", resolved.name)[:64]
-    return (cache_dir or user_cache_dir()) / "digests" / f"{stem}-{tag}.digests"
+    digests = cache_dir / "digests" if cache_dir is not None else trusted_cache_dir("digests")
+    return digests / f"{stem}-{tag}.digests"
 
 
 def manifest_max_bytes(table: ExpertTable) -> int:
@@ -294,11 +317,13 @@ def load_manifest(table: ExpertTable, path: Path | None = None) -> DigestManifes
     """The stored manifest of ``table``'s file, or an empty one to fill in.
 
     A stored manifest whose key differs from the file's now (size, times, inode, device,
-    path, layout or digest scheme), or that cannot be read, is ignored with one warning
-    naming why; the caller computes the digests again and saving replaces it. Cannot be
-    read: not a regular file (a FIFO is never waited on), larger than
-    :func:`manifest_max_bytes` (never read whole), damaged, or a header nested deeper than
-    a manifest's.
+    path, layout or digest scheme), that is not the user's own, or that cannot be read, is
+    ignored with one warning naming why; the caller computes the digests again and saving
+    replaces it. Not the user's own: owned by another user, or writable by group or others
+    (anyone who could write it could make a healthy model fail verification). Cannot be
+    read: a link (never followed), not a regular file (a FIFO is never waited on), larger
+    than :func:`manifest_max_bytes` (never read whole), damaged, or a header nested deeper
+    than a manifest's.
 
     Raises:
         ModelFileError: the model file itself cannot be stat'ed.
@@ -306,8 +331,12 @@ def load_manifest(table: ExpertTable, path: Path | None = None) -> DigestManifes
     path = path or manifest_path(table.path)
     key = ManifestKey.of(table)
     try:
-        data = read_input(path, manifest_max_bytes(table))
+        data = read_private(path, manifest_max_bytes(table))
     except FileNotFoundError:
+        return DigestManifest.empty(table, key)
+    except UntrustedPathError as exc:
+        _log.warning("digest_manifest_untrusted", path=str(path), reason=exc.strerror,
+                     action="ignored; digests computed again")
         return DigestManifest.empty(table, key)
     except OSError as exc:
         _log.warning("digest_manifest_unreadable", path=str(path), reason=str(exc),
