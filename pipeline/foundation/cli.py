@@ -2,8 +2,9 @@
 
 Error lines name paths the user typed, and a path may hold any byte but ``/`` and NUL: a
 newline would split the one-line error, an ESC would drive the terminal. :func:`printable`
-escapes every control character (C0, DEL, C1, and the undecodable bytes Python keeps as
-surrogates) the way ``repr`` does; :func:`print_error` prints through it.
+(the error hierarchy's, ``pipeline.foundation.errors``, re-exported) escapes every control
+character (C0, DEL, C1, and the undecodable bytes Python keeps as surrogates) the way
+``repr`` does; :func:`print_error` prints through it, cut to a readable length.
 
 A reader may close stdout before a command is done (``moestream-run | true``,
 ``moestream-analyze LOG | head -1``). That is not an error of the command: the rest of its
@@ -22,35 +23,19 @@ import contextlib
 import io
 import os
 import sys
-import unicodedata
 from collections.abc import Iterator
 from typing import NoReturn
 
-from pipeline.foundation.errors import UsageError
+from pipeline.foundation.errors import UsageError, one_line, printable
 
 __all__ = ["UsageParser", "closable_stdout", "drop_stdout", "print_error", "printable"]
 
-_NAMED = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
-
-
-def _escape(char: str) -> str:
-    if char in _NAMED:
-        return _NAMED[char]
-    code = ord(char)
-    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
-
-
-def printable(text: str) -> str:
-    """``text`` with each control character escaped as ``repr`` would (``\\n``, ``\\x1b``,
-    ``\\x9b``, ``\\udcff``); everything else, non-ASCII letters included, as it is."""
-    if text.isprintable():  # the common case: nothing to escape (spaces are printable)
-        return text
-    return "".join(_escape(c) if unicodedata.category(c) in ("Cc", "Cs") else c for c in text)
-
 
 def print_error(prefix: str, error: object) -> None:
-    """One line on stderr: ``prefix`` then the error's message, control characters escaped."""
-    sys.stderr.write(f"{prefix}{printable(str(error))}\n")
+    """One line on stderr: ``prefix`` then the error's message, control characters escaped
+    and cut to ``MAX_MESSAGE_CHARS`` (``pipeline.foundation.errors.one_line``: moestream's
+    own errors are already cut; this also holds for any other)."""
+    sys.stderr.write(f"{prefix}{one_line(str(error))}\n")
     sys.stderr.flush()
 
 
