@@ -4,6 +4,10 @@ It exists so the whole pipeline (staging ring, uploads, install, cache, budget) 
 tested on machines without a GPU. Copies happen when queued, so an event recorded after
 them is already complete; the ordering contracts of the stages hold trivially here and are
 exercised for real by the CuPy backend.
+
+An allocation the host refuses (``MemoryError``) is a ``DeviceMemoryError`` here, as the
+CuPy backend's are: the cache shrinks its budget on it, the staging ring keeps the slots it
+got, and an open that fails on it says so in the documented error.
 """
 
 from __future__ import annotations
@@ -16,9 +20,19 @@ import numpy as np
 import numpy.typing as npt
 import psutil
 
-from gpu.backend import DeviceBuffer, Event, Stream, aligned_host_array
+from gpu.backend import PAGE, DeviceBuffer, Event, Stream, aligned_host_array
+from pipeline.foundation.errors import DeviceMemoryError
 
 __all__ = ["HostBackend", "HostDeviceBuffer", "HostEvent", "HostStream"]
+
+
+def _host_array(nbytes: int, align: int, what: str) -> npt.NDArray[np.uint8]:
+    """``aligned_host_array``, its ``MemoryError`` as the backends' ``DeviceMemoryError``."""
+    try:
+        return aligned_host_array(nbytes, align)
+    except MemoryError as exc:
+        raise DeviceMemoryError(f"{what} allocation of {nbytes} bytes failed: "
+                                f"{exc or 'out of memory'}") from None
 
 
 class HostEvent:
@@ -58,7 +72,7 @@ class HostPinned:
 
     def __init__(self, nbytes: int) -> None:
         self.nbytes = nbytes
-        self.array = aligned_host_array(nbytes)
+        self.array = _host_array(nbytes, PAGE, "host staging")
 
     def close(self) -> None:
         self.array = np.empty(0, dtype=np.uint8)
@@ -71,7 +85,7 @@ class HostDeviceBuffer:
 
     def __init__(self, nbytes: int) -> None:
         self.nbytes = nbytes
-        self.array = aligned_host_array(nbytes, 256)
+        self.array = _host_array(nbytes, 256, "emulated device")
         self.ptr = int(self.array.ctypes.data)
 
     def close(self) -> None:

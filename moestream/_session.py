@@ -36,7 +36,7 @@ from moestream._args import (
 from moestream._handles import ExpertHandle, LeaseSource
 from moestream._logging import route_unconfigured
 from pipeline.controller import Sampler
-from pipeline.foundation.config import GATHER_BLOCKS, Budget, RunConfig
+from pipeline.foundation.config import GATHER_BLOCKS, Budget, RunConfig, check_bound
 from pipeline.foundation.errors import UsageError, UsageTypeError
 from pipeline.foundation.table import ExpertTable
 from pipeline.lease import NOT_YET, Arrival, LayerLease, LeasePart
@@ -54,23 +54,30 @@ After = StreamLike | Event | Mapping[int, Any]
 class Tuning:
     """Settings that rarely need changing (the defaults are ``pipeline.run``'s).
 
+    Each setting has a range, checked here, at once, in one line (``UsageError``; the same
+    ranges as ``pipeline.run``'s flags, ``pipeline.foundation.config.TUNING_BOUNDS``): the
+    upper ends keep a typo from asking for gigabytes of pinned memory or thousands of
+    threads. A staging ring that would take more than half the RAM available when the
+    session opens is refused then, before anything is allocated.
+
     Attributes:
-        queue_depth: reader threads per device (reads in flight).
-        chunk_bytes: largest single read (a multiple of 4096).
-        staging_slots: experts staged in pinned memory at once, per device.
-        upload_streams: upload streams per device.
+        queue_depth: reader threads per device (reads in flight); 1 to 64.
+        chunk_bytes: largest single read (a multiple of 4096); 4096 to 256 MiB.
+        staging_slots: experts staged in pinned memory at once, per device; 1 to 1024.
+        upload_streams: upload streams per device; 1 to 16.
         gather: a layer's resident misses copied by one gather kernel on the SMs, where it
             serves (small expert matrices, ``pipeline.streamer.GATHER_BELOW_BYTES``); False:
             always the copy engines, which leave the SMs to the engine's kernels.
-        gather_blocks: the gather's blocks per copy, at most (its SM budget).
+        gather_blocks: the gather's blocks per copy, at most (its SM budget); 1 to 1024.
         layers_in_flight: layers whose experts may be pinned at once (a fetched layer and
             a prefetched one, or concurrent fetches); the budget must hold that many
-            layers' top-k experts.
-        ram_limit: the RAM the controller may believe in, at most (bytes).
-        sample_ms: the controller's sampling period.
-        margin_bytes: the controller's safety margin (None: max(2 GiB, 5% of RAM)).
+            layers' top-k experts; 1 to 256.
+        ram_limit: the RAM the controller may believe in, at most (bytes); 0 to 2**62.
+        sample_ms: the controller's sampling period; 1 to 60,000 ms.
+        margin_bytes: the controller's safety margin (None: max(2 GiB, 5% of RAM));
+            0 to 2**62 bytes.
         warmup: in resident mode, warm the model's missing pages in the background.
-        dwell_s: least time between two mode switches.
+        dwell_s: least time between two mode switches; 0 to 3600 s.
         sampler: machine readings for the controller (tests feed their own).
         faults: injected faults (``pipeline.foundation.faults``), a test facility.
     """
@@ -91,22 +98,23 @@ class Tuning:
     faults: str = ""
 
     def __post_init__(self) -> None:
+        # the ranges are ``pipeline.foundation.config.TUNING_BOUNDS``, the command line's too
         for name in ("queue_depth", "staging_slots", "upload_streams", "layers_in_flight",
                      "gather_blocks"):
-            if index(getattr(self, name), f"Tuning.{name}") < 1:
-                raise UsageError(f"Tuning.{name} must be >= 1, not {getattr(self, name)}")
+            check_bound(name, index(getattr(self, name), f"Tuning.{name}"), f"Tuning.{name}")
         if not isinstance(self.gather, bool):
             raise UsageTypeError(f"Tuning.gather must be True or False, not {self.gather!r}")
         chunk = index(self.chunk_bytes, "Tuning.chunk_bytes")
-        if chunk < 4096 or chunk % 4096:
+        if chunk % 4096:
             raise UsageError(f"Tuning.chunk_bytes must be a multiple of 4096, not {chunk}")
+        check_bound("chunk_bytes", chunk, "Tuning.chunk_bytes")
         for name in ("ram_limit", "margin_bytes"):
             value = getattr(self, name)
-            if value is not None and index(value, f"Tuning.{name}") < 0:
-                raise UsageError(f"Tuning.{name} must be >= 0 bytes, not {value}")
-        if milliseconds(self.sample_ms, "Tuning.sample_ms") == 0:
-            raise UsageError("Tuning.sample_ms must be > 0")
-        milliseconds(self.dwell_s, "Tuning.dwell_s")
+            if value is not None:
+                check_bound(name, index(value, f"Tuning.{name}"), f"Tuning.{name}")
+        check_bound("sample_ms", milliseconds(self.sample_ms, "Tuning.sample_ms"),
+                    "Tuning.sample_ms")
+        check_bound("dwell_s", milliseconds(self.dwell_s, "Tuning.dwell_s"), "Tuning.dwell_s")
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,8 +18,10 @@ import asyncio
 import contextlib
 import operator
 import time
+import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 import structlog
@@ -33,6 +35,7 @@ from pipeline.compute import resolve_compute
 from pipeline.controller import ModeController, Sampler
 from pipeline.foundation.config import ComputeSpec, RunConfig
 from pipeline.foundation.errors import (
+    DeviceMemoryError,
     ModelChangedError,
     MoestreamError,
     UsageError,
@@ -163,17 +166,27 @@ class StreamSession:
         Raises:
             UsageError: a bad setting (budget below ``layers_in_flight`` layers, devices).
             ModelFileError: the model cannot be used. StageError: a device or pinned
-            allocation failed. OutputError: the log cannot be written. Whatever was opened
-            is closed again before the error propagates.
+            allocation failed (``DeviceMemoryError``, a ``MemoryError`` met while opening
+            too). OutputError: the log cannot be written. Whatever was opened is closed
+            again before the error propagates.
         """
         if self.opened:
             raise UsageError("the session is already open")
         self.opened = True
         try:
             await self._open()
+            return
+        except MemoryError as exc:
+            where = traceback.extract_tb(exc.__traceback__)[-1]
+            await finish(self._close(outcome="failed to open: out of memory", settle=False))
         except BaseException as exc:
             await finish(self._close(outcome=_outcome(exc), settle=False))
             raise
+        # raised here, out of the handler: the MemoryError's frames (what was half made when
+        # memory ran out) are let go with it, not kept alive as this error's context
+        raise DeviceMemoryError(f"memory ran out while opening the session (at "
+                                f"{Path(where.filename).name}:{where.lineno}); everything "
+                                "opened was released")
 
     async def _open(self) -> None:
         cfg = self.config

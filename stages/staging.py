@@ -4,10 +4,14 @@ A slot is handed out again only after the upload that read it has completed: the
 keeps that upload's event, and the next user waits on it before writing. Reuse is never
 inferred from counts (flashpack's habit: safe only while two numbers happen to match).
 
-Slots are allocated up front. If pinned memory runs out part way, the ring keeps the slots
-it got (fewer reads in flight, logged once); with none at all it raises
-``DeviceMemoryError``. Closing the ring wakes every task still waiting for a slot with a
-``StageError``, so no waiter outlives it.
+Slots are allocated up front, after one check: a ring that would take more than
+``RAM_SHARE`` of the RAM available now is refused in one line before anything is allocated
+(``UsageError`` naming the slots that would fit; ``DeviceMemoryError`` when not even one
+does), so a large ``staging_slots`` cannot drive the machine out of memory. If pinned memory
+still runs out part way, the ring keeps the slots it got (fewer reads in flight, logged
+once); with none at all it raises ``DeviceMemoryError``; anything else that fails part way
+frees what was allocated before it propagates. Closing the ring wakes every task still
+waiting for a slot with a ``StageError``, so no waiter outlives it.
 """
 
 from __future__ import annotations
@@ -17,15 +21,49 @@ from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
+import psutil
 import structlog
 
 from gpu.backend import Backend, Event, HostBuffer
-from pipeline.foundation.errors import DeviceMemoryError, StageError
+from pipeline.foundation.errors import DeviceMemoryError, StageError, UsageError
 from pipeline.foundation.faults import FaultPlan
 
-__all__ = ["StagingRing", "StagingSlot"]
+__all__ = ["RAM_SHARE", "StagingRing", "StagingSlot", "check_ring_fits"]
 
 _log = structlog.get_logger("moestream.staging")
+
+RAM_SHARE = 0.5
+"""The most of the RAM available (``psutil``'s ``available``) one staging ring may take:
+the rest is the page cache's, the engine's and the other devices' rings'."""
+
+
+def check_ring_fits(n_slots: int, slot_bytes: int, available_bytes: int | None = None) -> None:
+    """Refuse a ring of ``n_slots`` slots of ``slot_bytes`` above ``RAM_SHARE`` of the RAM
+    available, before anything is allocated.
+
+    Args:
+        n_slots: the slots asked for.
+        slot_bytes: the bytes of one.
+        available_bytes: the RAM available (default: ``psutil.virtual_memory().available``).
+
+    Raises:
+        UsageError: too many slots; the message says how many fit.
+        DeviceMemoryError: not even one slot fits.
+    """
+    if available_bytes is None:
+        available_bytes = int(psutil.virtual_memory().available)
+    allowed = int(available_bytes * RAM_SHARE)
+    if n_slots * slot_bytes <= allowed:
+        return
+    fit = allowed // slot_bytes if slot_bytes else n_slots
+    if fit < 1:
+        raise DeviceMemoryError(
+            f"one staging slot of {slot_bytes} bytes is more than half the "
+            f"{available_bytes} bytes of RAM available: free memory first")
+    raise UsageError(
+        f"{n_slots} staging slots of {slot_bytes} bytes ({n_slots * slot_bytes} bytes) are "
+        f"more than half the {available_bytes} bytes of RAM available: give at most {fit} "
+        "staging slots (--staging-slots, Tuning.staging_slots)")
 
 
 @dataclass(slots=True, eq=False)
@@ -61,7 +99,8 @@ class StagingRing:
         faults: injected faults (``staging_oom``; tests and ``--inject`` only).
 
     Raises:
-        DeviceMemoryError: not even one slot could be allocated.
+        UsageError: the slots would take more than ``RAM_SHARE`` of the RAM available.
+        DeviceMemoryError: not even one slot fits, or could be allocated.
     """
 
     def __init__(
@@ -69,9 +108,26 @@ class StagingRing:
     ) -> None:
         if n_slots < 1:
             raise ValueError(f"need at least one staging slot, got {n_slots}")
+        check_ring_fits(n_slots, slot_bytes)
         self.slot_bytes = slot_bytes
         self.requested_slots = n_slots
         self._slots: list[StagingSlot] = []
+        try:
+            self._allocate(backend, n_slots, faults)
+        except BaseException:
+            for slot in self._slots:  # nobody holds the ring yet to close it
+                slot.buffer.close()
+            self._slots.clear()
+            raise
+        self._free: asyncio.Queue[StagingSlot | None] = asyncio.Queue()
+        for slot in self._slots:
+            self._free.put_nowait(slot)
+        self._waiting = 0
+        self._closed = False
+
+    def _allocate(self, backend: Backend, n_slots: int, faults: FaultPlan | None) -> None:
+        """Allocate the slots; fewer when pinned memory runs out after the first."""
+        slot_bytes = self.slot_bytes
         for i in range(n_slots):
             try:
                 if faults and faults.hit("staging_oom") is not None:
@@ -85,13 +141,8 @@ class StagingRing:
                 _log.warning("staging_shrunk", requested_slots=n_slots, slots=i,
                              slot_bytes=slot_bytes, reason=str(exc),
                              action="fewer reads in flight for the rest of the run")
-                break
+                return
             self._slots.append(StagingSlot(i, buffer))
-        self._free: asyncio.Queue[StagingSlot | None] = asyncio.Queue()
-        for slot in self._slots:
-            self._free.put_nowait(slot)
-        self._waiting = 0
-        self._closed = False
 
     @property
     def n_slots(self) -> int:

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from types import MappingProxyType
 from typing import Literal
 
 from pipeline.foundation.errors import UsageError
@@ -26,11 +28,14 @@ __all__ = [
     "MAX_BUDGET_EXPERTS",
     "MAX_LAYER_MS",
     "MAX_SIZE_BYTES",
+    "TUNING_BOUNDS",
+    "Bound",
     "Budget",
     "ComputeSpec",
     "Limits",
     "Mode",
     "RunConfig",
+    "check_bound",
     "parse_budget",
     "parse_compute",
     "parse_devices",
@@ -87,6 +92,73 @@ def parse_size(text: str) -> int:
         raise UsageError(f"size {_shown(text)} is larger than the {MAX_SIZE_BYTES} bytes "
                          "(4 EiB) a size may be")
     return nbytes
+
+
+@dataclass(frozen=True, slots=True)
+class Bound:
+    """The values one tuning setting may take.
+
+    The upper ends are there so that a typo (``--staging-slots 10000000``, ``--queue-depth
+    100000``) is refused in one line before anything is allocated, instead of asking for
+    gigabytes of pinned memory or tens of thousands of threads; each lies well above what
+    any measured setting needed.
+
+    Attributes:
+        flag: the command line's spelling (None: the API's only).
+        low: the least value.
+        high: the largest value.
+        why: what the upper end protects, said in the refusal.
+    """
+
+    flag: str | None
+    low: float
+    high: float
+    why: str
+
+
+TUNING_BOUNDS: Mapping[str, Bound] = MappingProxyType({
+    "queue_depth": Bound("--queue-depth", 1, 64, "reader threads per device"),
+    "chunk_bytes": Bound("--chunk", 4096, 256 << 20, "one read's buffer: 256 MiB"),
+    "staging_slots": Bound("--staging-slots", 1, 1024, "pinned staging buffers per device"),
+    "upload_streams": Bound("--streams", 1, 16, "CUDA streams per device"),
+    "gather_blocks": Bound("--gather-blocks", 1, 1024, "thread blocks per gather copy"),
+    "layers_in_flight": Bound(None, 1, 256, "layers pinned at once"),
+    "lookahead": Bound("--lookahead", 0, 256, "layers loaded ahead"),
+    "sample_ms": Bound("--sample-ms", 1, 60_000, "the controller's period: a minute"),
+    "dwell_s": Bound(None, 0, 3600, "seconds between mode switches: an hour"),
+    "ram_limit": Bound("--ram-limit", 0, MAX_SIZE_BYTES, "4 EiB"),
+    "margin_bytes": Bound("--margin", 0, MAX_SIZE_BYTES, "4 EiB"),
+})
+"""Every tuning setting's range, by the name ``RunConfig`` and ``moestream.Tuning`` give it:
+the one table both check against (``check_bound``), so the command line and the API refuse
+the same values."""
+
+
+def _number(value: float) -> str:
+    """``value`` for a one-line message; an integer of hundreds of digits as its size."""
+    if isinstance(value, int) and abs(value) >= 10**20:
+        return f"{'-' if value < 0 else ''}2**{abs(value).bit_length() - 1} or more"
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def check_bound(name: str, value: float, spelled: str | None = None) -> None:
+    """Refuse ``value`` for the tuning setting ``name`` outside its ``TUNING_BOUNDS`` range.
+
+    Args:
+        name: the setting (``queue_depth``).
+        value: its value (NaN is outside every range).
+        spelled: the name in the caller's words (default: the command line's flag).
+
+    Raises:
+        UsageError: below the least or above the largest value, in one line.
+    """
+    bound = TUNING_BOUNDS[name]
+    what = spelled or bound.flag or name
+    if not value >= bound.low:
+        raise UsageError(f"{what} must be >= {_number(bound.low)}, not {_number(value)}")
+    if not value <= bound.high:
+        raise UsageError(f"{what} must be <= {_number(bound.high)} ({bound.why}), "
+                         f"not {_number(value)}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -245,6 +317,8 @@ class RunConfig:
         chunk_bytes: largest single read request.
         staging_slots: experts that can be staged in pinned memory at once.
         upload_streams: CUDA streams used in turn for uploads.
+            These, ``gather_blocks``, ``lookahead``, ``sample_ms``, ``dwell_s``,
+            ``ram_limit`` and ``margin_bytes`` lie in their ``TUNING_BOUNDS`` ranges.
         gather: resident misses of a layer copied by one gather kernel that reads the
             registered mapping (and digests as it writes), where the device maps registered
             memory and the experts' matrices average under 2 MiB
@@ -317,24 +391,17 @@ class RunConfig:
         layer_ms_problem = _layer_ms_problem(self.compute.layer_ms)
         checks = [
             (self.tokens >= 1, f"--tokens must be >= 1, got {self.tokens}"),
-            (self.queue_depth >= 1, f"--queue-depth must be >= 1, got {self.queue_depth}"),
-            (self.chunk_bytes >= 4096 and self.chunk_bytes % 4096 == 0,
+            (self.chunk_bytes % 4096 == 0,
              f"--chunk must be a multiple of 4096, got {self.chunk_bytes}"),
-            (self.staging_slots >= 1, f"--staging-slots must be >= 1, got {self.staging_slots}"),
-            (self.upload_streams >= 1, f"--streams must be >= 1, got {self.upload_streams}"),
-            (self.gather_blocks >= 1,
-             f"--gather-blocks must be >= 1, got {self.gather_blocks}"),
             (self.mode in ("auto", "direct", "resident"), f"unknown --mode {self.mode!r}"),
             (self.policy in ("lru", "freq"), f"unknown --policy {self.policy!r}"),
             (self.log_level in ("info", "debug"), f"unknown --log-level {self.log_level!r}"),
-            (self.sample_ms > 0, f"--sample-ms must be > 0, got {self.sample_ms}"),
             (layer_ms_problem is None, f"--compute fixed:MS {layer_ms_problem}"),
             (self.prefetch in ("none", "oracle", "predict"),
              f"unknown --prefetch {self.prefetch!r}"),
             (self.router in ("trace", "live"), f"unknown --router {self.router!r}"),
             (not (self.router == "live" and self.prefetch == "oracle"),
              "--prefetch oracle needs the routing ahead: a trace, not --router live"),
-            (self.lookahead >= 0, f"--lookahead must be >= 0, got {self.lookahead}"),
             (self.devices is None or (len(self.devices) >= 1 and min(self.devices) >= 0
                                       and len(set(self.devices)) == len(self.devices)),
              f"--devices must name distinct device indices, got {self.devices}"),
@@ -342,6 +409,12 @@ class RunConfig:
         for ok, message in checks:
             if not ok:
                 raise UsageError(message)
+        for name in ("queue_depth", "staging_slots", "upload_streams", "gather_blocks",
+                     "lookahead", "sample_ms", "dwell_s", "chunk_bytes"):
+            check_bound(name, getattr(self, name))
+        for name in ("ram_limit", "margin_bytes"):
+            if getattr(self, name) is not None:
+                check_bound(name, getattr(self, name))
         if self.faults:
             from pipeline.foundation.faults import parse_faults
 
