@@ -403,3 +403,36 @@ class TestStreamingSums:
         assert sums.parts_ms_per_token == pytest.approx(full.parts_ms_per_token, rel=1e-12)
         assert (sums.bound, sums.bound_by_mode) == (full.bound, full.bound_by_mode)
         assert summarize(lean)["latency_p99_ms"] == summarize(whole)["latency_p99_ms"]
+
+
+class TestHostileValues:
+    """Strings from a log reach the report escaped; numbers no column takes are bad lines."""
+
+    def test_control_characters_escaped(self, tmp_path: Path,
+                                        capsys: pytest.CaptureFixture[str]) -> None:
+        path = write(tmp_path / "run.jsonl", [
+            header(), token(0), token(1, mode="\x1b[2J"), event("\x1b]0;title\x07"),
+            event("run_end", tokens=2, exit="ok\x1b[31m\nfake line", **{"odd\x1bkey": 1})])
+        for argv in ([str(path)], [str(path), str(path)], [str(path), "--what-if"]):
+            assert main(argv) == 0
+            out = capsys.readouterr().out
+            assert "\x1b" not in out and "\x07" not in out
+            assert not any(line.startswith("fake line") for line in out.splitlines())
+        assert main([str(path)]) == 0
+        out = capsys.readouterr().out
+        assert "\\x1b[2J" in out and "ok\\x1b[31m\\nfake line" in out
+        assert "\\x1b]0;title\\x07" in out
+
+    def test_an_integer_no_float_holds_is_a_skipped_line(self, tmp_path: Path) -> None:
+        big = token(2).replace('"wall_ms": 10.0', '"wall_ms": ' + "9" * 4000)
+        path = write(tmp_path / "run.jsonl", [header(), token(0), token(1), big, token(3)])
+        run = read_log(path)
+        assert run.counts.out_of_range == 1 and run.counts.skipped == 1
+        assert len(run.tokens) == 3
+        assert summarize(run)["lines_skipped"] == 1
+
+    def test_nineteen_digits_that_fit_are_read(self, tmp_path: Path) -> None:
+        fits = token(1).replace('"storage_bytes": 1000', f'"storage_bytes": {2**63 - 1}')
+        path = write(tmp_path / "run.jsonl", [header(), token(0), fits])
+        run = read_log(path)
+        assert run.counts.skipped == 0 and len(run.tokens) == 2

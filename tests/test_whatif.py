@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import functools
 import json
+import resource
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -21,6 +25,7 @@ from tools.analyze.whatif import default_budgets, parse_budget, smallest_budget,
 from tools.analyze.whatif_replay import NEVER, AccessTrace, BeladyPolicy, next_use_positions, replay
 
 UNIT = 1000  # bytes of one expert in the small logs
+REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(autouse=True)
@@ -277,3 +282,79 @@ class TestWorkers:
     def test_jobs_must_be_positive(self) -> None:
         with pytest.raises(UsageError, match="jobs"):
             what_if(trace_of([[[1]]]), [UNIT], jobs=0)
+
+
+def _hostile_log(path: Path, *, experts: str = "[[1, 2], [2, 3]]", wall: str = "10.0",
+                 n_experts: int = 8, tokens: int = 4) -> Path:
+    """A 2-layer x top-2 log: ``tokens`` tokens, then one whose ``experts`` and ``wall_ms``
+    are the texts given."""
+    def line(name: str, **fields: object) -> str:
+        return json.dumps({"event": name, "schema": 1, **fields})
+
+    def token(t: int, ids: object) -> str:
+        return line("token", token=t, wall_ms=10.5, read_ms=1.0, stage_ms=0.5,
+                    upload_ms=0.25, install_ms=0.125, stall_ms=2.5, compute_ms=5.0, hits=2,
+                    misses=2, evictions=2, file_bytes=2 * UNIT, cache_bytes=2 * UNIT,
+                    storage_bytes=UNIT, mode="direct", ram_available_bytes=4 * 10**9,
+                    cache_live_bytes=4 * UNIT, cache_parked_bytes=0, experts=ids)
+
+    lines = [line("run_start", config={}, budget_bytes=8 * UNIT, policy="lru",
+                  model={"moe_layers": [1, 2], "n_experts": n_experts, "top_k": 2,
+                         "expert_bytes": [UNIT, UNIT]}, machine={})]
+    lines += [token(t, [[t % 8, (t + 1) % 8], [2, 3]]) for t in range(tokens)]
+    lines.append(token(tokens, "EXPERTS").replace('"EXPERTS"', experts)
+                 .replace('"wall_ms": 10.5', f'"wall_ms": {wall}'))
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def _limited() -> None:
+    resource.setrlimit(resource.RLIMIT_AS, (2 << 30, 2 << 30))
+
+
+class TestHostileLogs:
+    """Memory follows the log's size, never a value in it; a bad value is a counted bad line
+    or one line and exit 2, never a traceback (each under a 2 GiB address space)."""
+
+    @pytest.mark.parametrize(("change", "words"), [
+        ({}, "log lines skipped"),
+        ({"experts": "[[2147483647, 1], [2, 3]]"}, "expert ids >= n_experts"),
+        ({"experts": "[" + json.dumps(list(range(40_000))) + ", [2, 3]]"},
+         "list more than 8 experts in a layer"),
+        ({"wall": "9" * 4000}, "lines: out_of_range 1"),
+    ], ids=["plain", "id-2**31-1", "40000-experts", "4000-digit-wall"])
+    def test_bounded_run(self, tmp_path: Path, change: dict[str, Any], words: str) -> None:
+        path = _hostile_log(tmp_path / "run.jsonl", **change)
+        for extra in (["--what-if", "--jobs", "1"], []):
+            done = subprocess.run([sys.executable, "-m", "tools.analyze", str(path), *extra],
+                                  cwd=REPO, capture_output=True, text=True, check=False,
+                                  preexec_fn=_limited, timeout=120)
+            assert done.returncode == 0, done.stderr[-2000:]
+            assert "Traceback" not in done.stderr
+            assert words in done.stdout
+            assert ("what-if:" in done.stdout) == bool(extra)
+
+    def test_a_huge_number_in_run_start_refuses_the_log(
+            self, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+        path = _hostile_log(tmp_path / "run.jsonl")
+        text = path.read_text().replace('"budget_bytes": 8000', '"budget_bytes": ' + "9" * 4000)
+        path.write_text(text)
+        assert main([str(path), "--what-if"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "holds an integer no int64 holds" in err[0]
+
+    def test_wide_lists_past_what_the_log_allows_are_refused(
+            self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        """One prefill-like token of 1000 experts a layer pads every token to 1000."""
+        monkeypatch.setattr("tools.analyze.logread._HELD_FLOOR_BYTES", 1 << 20)
+        monkeypatch.setattr("tools.analyze.logread._HELD_PER_LOG_BYTE", 1)
+        wide = "[" + json.dumps(list(range(1000))) + ", [2, 3]]"
+        path = _hostile_log(tmp_path / "run.jsonl", experts=wide, n_experts=1000, tokens=300)
+        with pytest.raises(TraceError, match=r"would take \d+ bytes to replay"):
+            read_log(path)
+        assert len(read_log(path, experts=False).tokens) == 301  # no ids kept: no bound
+
+    def test_replay_keys_only_the_ids_used(self) -> None:
+        trace = trace_of([[[2**31 - 1, 5]], [[5, 2**31 - 1]]])
+        result = replay(trace, "lru", 4 * UNIT)
+        assert (result.hits, result.misses) == (2, 2)

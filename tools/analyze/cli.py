@@ -206,8 +206,8 @@ def _notes(run: RunLog) -> str:
     notes = []
     if counts.skipped or counts.blank:
         detail = {k: v for k, v in counts.as_dict().items()
-                  if k in ("blank", "truncated", "malformed", "other_schema", "after_second_run")
-                  and v}
+                  if k in ("blank", "truncated", "malformed", "out_of_range", "other_schema",
+                           "after_second_run") and v}
         if counts.unknown_events:
             detail["unknown events"] = sum(counts.unknown_events.values())
         notes.append("lines: " + ", ".join(f"{k} {v}" for k, v in detail.items()))

@@ -4,16 +4,22 @@ Logs are read after the fact, often from runs that were killed, so the reader ac
 real file looks like (blank lines, a cut-off last line, fields and events from newer
 writers) and counts every line it could not use instead of failing or hiding it. Only a file
 that is not a moestream log at all is refused, with a ``TraceError`` that names the path,
-and so is an expert id no int32 holds (naming the line). Lines are read with a length cap
+and so is an expert id no int32 holds (naming the line). A line holding an integer no int64
+holds (a 4000-digit ``wall_ms``) is skipped and counted (``out_of_range``), never turned
+into a float that overflows. Lines are read with a length cap
 (``MAX_LINE_BYTES``): a longer one is skipped a piece at a time, never held whole, so a file
 without newlines costs no more memory than one line.
 
 Token lines are turned into numbers 4096 at a time, folded into running sums
 (``tools.analyze.logstats``) and, where asked, kept as numpy columns for intervals and
 plots; where asked, the expert ids of every token become one ``(tokens, layers, top_k)``
-array that the what-if simulator replays. Plain ``json`` parsing dominates the cost;
-reading is synchronous because there is nothing to overlap it with (a single sequential
-file read, CPU-bound parsing), so ``aiofiles`` would only add overhead.
+array that the what-if simulator replays. What that array may take follows the log's size,
+never a value in it (``_ExpertBuffer``): a token listing more experts in a layer than the
+model has keeps its numbers but not its lists (a counted problem), and a log whose few wide
+lists would pad every token past 64 bytes a byte of log is refused in one line. Plain
+``json`` parsing dominates the cost; reading is synchronous because there is nothing to
+overlap it with (a single sequential file read, CPU-bound parsing), so ``aiofiles`` would
+only add overhead.
 
 This module is the reading pass and the schema it checks lines against; the records it fills
 are in ``tools.analyze.logrecords`` (re-exported here, as the types ``read_log`` returns) and the
@@ -23,6 +29,7 @@ per-device fields are read by ``tools.analyze.logdevices``.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import IO, Any
@@ -31,7 +38,7 @@ import numpy as np
 import numpy.typing as npt
 import structlog
 
-from pipeline.foundation.errors import TraceError
+from pipeline.foundation.errors import TraceError, printable
 from pipeline.foundation.inputs import JSONDepthError, load_json_bounded, open_input
 from pipeline.timesplit import PARTS
 from tools.analyze.logdevices import TokenDeviceRows, dropped_entries_problem, sum_problems
@@ -54,8 +61,9 @@ from tools.analyze.logvalues import (
     str_or_none,
 )
 
-__all__ = ["KNOWN_EVENTS", "MAX_LINE_BYTES", "SCHEMA_VERSION", "SCHEMA_VERSIONS", "TIME_COLUMNS",
-           "TOKEN_COLUMNS", "log_lines", "read_log"]
+__all__ = ["KNOWN_EVENTS", "MAX_LAYER_EXPERTS", "MAX_LINE_BYTES", "MAX_MOE_LAYERS",
+           "SCHEMA_VERSION", "SCHEMA_VERSIONS", "TIME_COLUMNS", "TOKEN_COLUMNS", "log_lines",
+           "read_log"]
 
 log = structlog.get_logger(__name__)
 
@@ -174,6 +182,22 @@ def log_lines(handle: IO[bytes]) -> Iterator[bytes | None]:
 
 _INT32_MAX = 2**31 - 1
 
+MAX_LAYER_EXPERTS = 4096
+"""The most expert ids one layer's list may hold: the model's expert count when the header
+gives one (at most this), else this (the largest models route among a few hundred). A token
+listing more in a layer has its lists left out, counted as a problem: one line cannot widen
+every token's row of the what-if array."""
+
+MAX_MOE_LAYERS = 4096
+"""The most MoE layers a header may list (models have tens): a row of the expert array per
+token is ``layers x width x 4`` bytes, whatever the token's line holds."""
+
+_BLOCK_BYTES = 16 << 20  # one block of expert ids, at most (a block has at least one row)
+_HELD_FLOOR_BYTES = 256 << 20  # the expert ids kept for a replay, at most, or ...
+_HELD_PER_LOG_BYTE = 64  # ... this many bytes a byte of log, when that is more
+
+_FITS, _RAGGED, _TOO_WIDE = 0, 1, 2  # what ``_ExpertBuffer.append`` made of a token
+
 
 class _ExpertBuffer:
     """The tokens' expert ids as ``(tokens, layers, width)`` int32, -1 padded, in blocks.
@@ -181,66 +205,120 @@ class _ExpertBuffer:
     Per token, 4 bytes per (layer, slot) while ``keep`` (the what-if replay needs every
     token's ids), else only the 4-byte count of ids used; the block being filled is reused.
     Ids at or above ``n_experts`` are counted block by block for the consistency check.
+
+    Memory follows the log, not the values in it: a block holds at most ``_BLOCK_BYTES``; a
+    list longer than the model's expert count (``MAX_LAYER_EXPERTS`` at most) is left out;
+    and the ids kept for a replay may take ``_HELD_PER_LOG_BYTE`` bytes a byte of log read
+    (``_HELD_FLOOR_BYTES`` at least), past which the log is refused (``TraceError``: a few
+    wide lists among many narrow ones would pad every token to their width).
     """
 
-    __slots__ = ("_block", "_block_rows", "_blocks", "_in_block", "_keep", "_layers",
-                 "_n_experts", "_outside", "_used", "_width")
+    __slots__ = ("_block", "_block_rows", "_blocks", "_held", "_in_block", "_keep", "_layers",
+                 "_limit", "_most_rows", "_n_experts", "_outside", "_path", "_used", "_width",
+                 "log_bytes")
 
-    def __init__(self, layers: int, width: int, *, keep: bool, n_experts: int | None) -> None:
+    def __init__(self, layers: int, width: int, *, keep: bool, n_experts: int | None,
+                 path: Path) -> None:
+        if layers > MAX_MOE_LAYERS:
+            raise TraceError(f"{path}: run_start lists {layers} MoE layers, more than the "
+                             f"{MAX_MOE_LAYERS} a log may have")
         # kept blocks are many: large ones; the one reused block small (it is fixed cost)
-        self._block_rows = 4096 if keep else 256
+        self._most_rows = 4096 if keep else 256
         self._layers = max(layers, 0)
-        self._width = max(width, 1)
+        self._limit = (n_experts if n_experts is not None and 0 < n_experts < MAX_LAYER_EXPERTS
+                       else MAX_LAYER_EXPERTS)
+        self._width = min(max(width, 1), self._limit)
         self._keep = keep
         self._n_experts = n_experts
+        self._path = path
         self._blocks: list[npt.NDArray[np.int32]] = []
         self._used: list[npt.NDArray[np.int32]] = []
         self._outside = 0
+        self._held = 0
+        self.log_bytes = 0
+        """Bytes of the log read so far (the reader sets it): what the kept ids may take."""
+        self._block_rows = 1
         self._block = self._new_block()
         self._in_block = 0
 
+    @property
+    def limit(self) -> int:
+        """The most ids a layer's list may hold."""
+        return self._limit
+
     def _new_block(self) -> npt.NDArray[np.int32]:
+        row_bytes = max(self._layers * self._width * 4, 1)
+        self._block_rows = max(1, min(self._most_rows, _BLOCK_BYTES // row_bytes))
         return np.full((self._block_rows, self._layers, self._width), -1, np.int32)
 
-    def append(self, experts: Any) -> bool:
-        """Store one token's lists; False when they are not one list of expert ids per layer
-        (stored padded). Lists of another length than top-k are well formed: a prefill
-        token lists every expert its prompt routed to, and a layer fetched twice in a
-        token lists each expert once."""
-        if self._in_block == self._block_rows:
+    def _row(self, width: int) -> int:
+        """The row the next token goes in, in a block at least ``width`` wide."""
+        if width > self._width:
+            self._flush()  # the rows so far keep their width (``result`` pads them)
+            self._width = width
+            self._block = self._new_block()
+        elif self._in_block == self._block_rows:
             self._flush()
         row = self._in_block
         self._in_block += 1
+        return row
+
+    def append(self, experts: Any) -> int:
+        """Store one token's lists: ``_FITS``; ``_RAGGED`` when they are not one list of
+        expert ids per layer (stored padded); ``_TOO_WIDE`` when a list holds more than
+        ``limit`` ids (none stored). Lists of another length than top-k are well formed: a
+        prefill token lists every expert its prompt routed to, and a layer fetched twice
+        in a token lists each expert once.
+
+        Raises:
+            OverflowError: an id no int32 holds (never wrapped).
+        """
         try:  # the common case: a rectangular matrix, one row of ids per layer
             ids = np.asarray(experts)
-            if (ids.ndim == 2 and ids.shape[0] == self._layers and ids.shape[1] <= self._width
-                    and ids.dtype.kind in "iu"):
-                if ids.size and int(ids.max()) > _INT32_MAX:
-                    raise OverflowError("an expert id outside int32")  # never wrapped
-                self._block[row, :, : ids.shape[1]] = ids  # never broadcast a short list
-                return True
+            rectangular = (ids.ndim == 2 and ids.shape[0] == self._layers
+                           and ids.dtype.kind in "iu")
         except (ValueError, TypeError):
-            pass
-        self._block[row] = -1
+            rectangular = False
+        if rectangular:
+            if ids.shape[1] > self._limit:
+                self._row(0)
+                return _TOO_WIDE
+            if ids.size and not -_INT32_MAX - 1 <= int(ids.min()) <= int(ids.max()) <= _INT32_MAX:
+                raise OverflowError("an expert id outside int32")
+            row = self._row(ids.shape[1])
+            self._block[row, :, : ids.shape[1]] = ids  # never broadcast a short list
+            return _FITS
         if not isinstance(experts, list):
-            return False
+            self._row(0)
+            return _RAGGED
         well_formed = len(experts) == self._layers
-        for pos, ids in enumerate(experts[: self._layers]):
+        lists: list[list[int]] = []
+        for ids in experts[: self._layers]:
             if not isinstance(ids, list):
                 well_formed = False
+                lists.append([])
                 continue
             clean = [e for e in ids if isinstance(e, int) and not isinstance(e, bool)]
             well_formed = well_formed and len(clean) == len(ids)
-            if len(clean) > self._width:
-                self._widen(len(clean))
-            self._block[row, pos, : len(clean)] = clean
-        return well_formed
+            lists.append(clean)
+        width = max(map(len, lists), default=0)
+        if width > self._limit:
+            self._row(0)
+            return _TOO_WIDE
+        row = self._row(width)
+        for pos, clean in enumerate(lists):
+            if clean:
+                self._block[row, pos, : len(clean)] = clean  # OverflowError outside int32
+        return _FITS if well_formed else _RAGGED
 
-    def _widen(self, width: int) -> None:
-        grown = np.full((self._block_rows, self._layers, width), -1, np.int32)
-        grown[:, :, : self._width] = self._block
-        self._block = grown
-        self._width = width
+    def _allowed_bytes(self) -> int:
+        return max(_HELD_FLOOR_BYTES, _HELD_PER_LOG_BYTE * self.log_bytes)
+
+    def _refuse(self, nbytes: int) -> TraceError:
+        return TraceError(
+            f"{self._path}: its expert lists would take {nbytes} bytes to replay, more than "
+            f"{self._allowed_bytes()} for a log of {self.log_bytes} bytes (a layer lists "
+            f"{self._width} experts: every token is padded to the widest list)")
 
     def _flush(self) -> None:
         if not self._in_block:
@@ -250,7 +328,11 @@ class _ExpertBuffer:
         if self._n_experts is not None:
             self._outside += int((block >= self._n_experts).sum())
         if self._keep:
-            self._blocks.append(block.copy() if self._in_block < self._block_rows else block)
+            kept = block.copy() if self._in_block < self._block_rows else block
+            self._held += kept.nbytes
+            if self._held > self._allowed_bytes():
+                raise self._refuse(self._held)
+            self._blocks.append(kept)
             self._block = self._new_block()
         else:
             self._block.fill(-1)
@@ -265,14 +347,45 @@ class _ExpertBuffer:
 
     def result(self) -> tuple[npt.NDArray[np.int32], int]:
         """The ids (no tokens unless ``keep``) and how many ids were at or above
-        ``n_experts``."""
+        ``n_experts``.
+
+        Raises:
+            TraceError: padded to the widest list, the ids would take more than the log
+                allows.
+        """
         self._flush()
+        rows = sum(b.shape[0] for b in self._blocks)
+        padded = rows * self._layers * self._width * 4
+        if padded > self._allowed_bytes():
+            raise self._refuse(padded)
         blocks = [np.pad(b, ((0, 0), (0, 0), (0, self._width - b.shape[2])), constant_values=-1)
                   if b.shape[2] < self._width else b for b in self._blocks]
         experts = (np.concatenate(blocks) if blocks
                    else np.full((0, self._layers, self._width), -1, np.int32))
         self._blocks = []
         return experts, self._outside
+
+
+_LONG_NUMBER = re.compile(rb"\d{19}")  # a line without 19 digits in a row holds no int64 edge
+_INT64_BOUND = 2**63
+
+
+def _out_of_range(raw: bytes, obj: object) -> bool:
+    """True when the decoded line holds an integer no int64 holds (a 4000-digit
+    ``wall_ms``): no float or numpy column takes it. Only a line with 19 digits in a row is
+    walked, so the common line costs one regular-expression search."""
+    if _LONG_NUMBER.search(raw) is None:
+        return False
+    stack = [obj]
+    while stack:
+        value = stack.pop()
+        if isinstance(value, dict):
+            stack.extend(value.values())
+        elif isinstance(value, list):
+            stack.extend(value)
+        elif isinstance(value, int) and not -_INT64_BOUND <= value < _INT64_BOUND:
+            return True
+    return False
 
 
 def _first_object(path: Path, line: bytes) -> dict[str, Any]:
@@ -330,6 +443,8 @@ class _Reader:
         self.device_rows = TokenDeviceRows()
         self.problems: list[str] = []
         self.ragged_tokens = 0
+        self.wide_tokens = 0  # tokens whose lists were left out: longer than the model's
+        self.log_bytes = 0  # read so far: what the kept expert ids may take
         self._keep_experts = keep_experts
         self._experts: _ExpertBuffer | None = None
 
@@ -347,7 +462,7 @@ class _Reader:
         known = _FIELDS[event]
         keys = obj.keys()
         for name in keys - known - _ENVELOPE:
-            self.counts.unknown_fields[f"{event}.{name}"] += 1
+            self.counts.unknown_fields[printable(f"{event}.{name}")] += 1
         for name in self._required[event] - keys:
             self.counts.missing_fields[f"{event}.{name}"] += 1
 
@@ -357,12 +472,13 @@ class _Reader:
             width = (self.header.top_k or 1) if self.header else 1
             n_experts = self.header.n_experts if self.header else None
             self._experts = _ExpertBuffer(layers, width, keep=self._keep_experts,
-                                          n_experts=n_experts)
+                                          n_experts=n_experts, path=self.path)
         return self._experts
 
     def _mode_code(self, mode: object) -> int:
         if not isinstance(mode, str):
             return 255
+        mode = printable(mode)  # reaches the report's rows and verdicts
         if mode not in self.mode_names:
             if len(self.mode_names) == 127:  # int8 codes: more modes than any run has
                 return 255
@@ -422,12 +538,21 @@ class _Reader:
         row = tuple(obj.get(name, math.nan) for name in TOKEN_COLUMNS)
         self.mode_codes.append(self._mode_code(obj.get("mode")))
         experts = obj.get("experts")
+        buffer = self._expert_buffer()
+        buffer.log_bytes = self.log_bytes
         try:
-            fits = self._expert_buffer().append(experts)
+            fits = buffer.append(experts)
         except OverflowError:  # the columns are int32: refuse rather than wrap or widen
             raise TraceError(f"{self.path}:{self.counts.lines}: token {obj.get('token')!r} has "
                              "an expert id outside int32") from None
-        if not fits and experts is not None:
+        if fits == _TOO_WIDE:
+            self.wide_tokens += 1
+            if self.wide_tokens == 1:
+                log.warning("expert_list_too_wide", path=str(self.path),
+                            line=self.counts.lines, token=obj.get("token"),
+                            most_experts=buffer.limit,
+                            action="this token's expert lists are left out")
+        elif fits == _RAGGED and experts is not None:
             self.ragged_tokens += 1
             if self.ragged_tokens == 1:
                 self._problem(
@@ -586,6 +711,10 @@ class _Reader:
             self._problem(f"{outside} expert ids >= n_experts")
         if self.ragged_tokens:
             self._problem(f"{self.ragged_tokens} tokens with experts of an unexpected shape")
+        if self.wide_tokens:
+            limit = self._experts.limit if self._experts is not None else MAX_LAYER_EXPERTS
+            self._problem(f"{self.wide_tokens} tokens list more than {limit} experts in a "
+                          "layer, more than the model has: their expert lists were left out")
         if tokens.devices:
             # per token, the devices' hits, misses and file bytes add up to the token's
             for problem in sum_problems(tokens.devices, checked):
@@ -629,6 +758,7 @@ def read_log(path: str | Path, *, experts: bool = True, columns: bool = True) ->
         try:
             for raw in log_lines(handle):
                 counts.lines += 1
+                reader.log_bytes += MAX_LINE_BYTES if raw is None else len(raw)
                 if raw is None:  # longer than any line a run writes
                     if not started:
                         raise TraceError(f"{path}: not a moestream log (line {counts.lines} is "
@@ -641,6 +771,9 @@ def read_log(path: str | Path, *, experts: bool = True, columns: bool = True) ->
                     continue
                 if not started:
                     obj = _first_object(path, raw)
+                    if _out_of_range(raw, obj):
+                        raise TraceError(f"{path}: not a moestream log (line {counts.lines} "
+                                         "holds an integer no int64 holds)")
                     reader.set_schema(obj["schema"])
                     started = True
                 else:
@@ -655,12 +788,15 @@ def read_log(path: str | Path, *, experts: bool = True, columns: bool = True) ->
                     if not isinstance(obj, dict):
                         counts.malformed += 1
                         continue
+                    if _out_of_range(raw, obj):  # no column takes it: the line is bad
+                        counts.out_of_range += 1
+                        continue
                     if obj.get("schema", reader.schema) != reader.schema:
                         counts.other_schema += 1
                         continue
                 event = obj.get("event")
                 if event not in KNOWN_EVENTS:
-                    counts.unknown_events[str(event)] += 1
+                    counts.unknown_events[printable(str(event))] += 1
                     continue
                 if event == "run_start" and reader.header is not None:
                     counts.after_second_run += 1
@@ -686,6 +822,7 @@ def read_log(path: str | Path, *, experts: bool = True, columns: bool = True) ->
             skipped=counts.skipped,
             truncated=counts.truncated,
             malformed=counts.malformed,
+            out_of_range=counts.out_of_range,
             unknown_events=dict(counts.unknown_events),
             unknown_fields=sum(counts.unknown_fields.values()),
             missing_fields=sum(counts.missing_fields.values()),

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from pipeline.foundation.errors import printable
 from tools.analyze.logdevices import DeviceEnd, DeviceStart, device_ends, device_starts
 from tools.analyze.logstats import TokenStats
 from tools.analyze.logvalues import (
@@ -252,6 +253,7 @@ class LineCounts:
         blank: empty or whitespace-only lines.
         truncated: 1 if the last line was cut short.
         malformed: unparsable lines before the last, and lines that are not objects.
+        out_of_range: lines holding an integer no int64 holds (``tools.analyze.logread``).
         other_schema: lines with a ``schema`` other than the file's (its first line's).
         after_second_run: lines from a second ``run_start`` on (not read).
         unknown_events: count per unknown event name.
@@ -264,6 +266,7 @@ class LineCounts:
     blank: int = 0
     truncated: int = 0
     malformed: int = 0
+    out_of_range: int = 0
     other_schema: int = 0
     after_second_run: int = 0
     unknown_events: Counter[str] = field(default_factory=Counter)
@@ -276,6 +279,7 @@ class LineCounts:
         return (
             self.truncated
             + self.malformed
+            + self.out_of_range
             + self.other_schema
             + self.after_second_run
             + sum(self.unknown_events.values())
@@ -290,6 +294,7 @@ class LineCounts:
             "blank": self.blank,
             "truncated": self.truncated,
             "malformed": self.malformed,
+            "out_of_range": self.out_of_range,
             "other_schema": self.other_schema,
             "after_second_run": self.after_second_run,
             "unknown_events": dict(self.unknown_events),
@@ -330,5 +335,6 @@ class RunLog:
 
     @property
     def name(self) -> str:
-        """The file name, for tables and CSV rows."""
-        return self.path.name
+        """The file name, for tables and CSV rows (control characters escaped, as in the
+        one-line errors)."""
+        return printable(self.path.name)

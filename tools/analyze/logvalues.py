@@ -4,6 +4,10 @@ A log line's fields may be absent or of the wrong type (older or newer writers, 
 file); the reader keeps what has the right type and turns the rest into ``None`` or NaN
 instead of failing. Used by ``tools.analyze.logread``, ``tools.analyze.logrecords`` and
 ``tools.analyze.logdevices``.
+
+A string is kept with its control characters escaped as ``repr`` would (``\\x1b``,
+``\\n``): a ``mode`` or ``exit`` field holding a terminal escape or a newline reaches the
+report as text, never as a command to the terminal or a line of its own.
 """
 
 from __future__ import annotations
@@ -14,6 +18,8 @@ from typing import Any
 
 import numpy as np
 import numpy.typing as npt
+
+from pipeline.foundation.errors import printable
 
 __all__ = [
     "FloatArray",
@@ -36,15 +42,19 @@ def int_or_none(value: object) -> int | None:
 
 
 def float_or_none(value: object) -> float | None:
-    """``value`` as a float if it is an int or float (not a bool), else None."""
+    """``value`` as a float if it is an int or float (not a bool) a float holds, else None
+    (an integer of hundreds of digits too)."""
     if isinstance(value, bool) or not isinstance(value, int | float):
         return None
-    return float(value)
+    try:
+        return float(value)
+    except OverflowError:
+        return None
 
 
 def str_or_none(value: object) -> str | None:
-    """``value`` if it is a string, else None."""
-    return value if isinstance(value, str) else None
+    """``value`` if it is a string (control characters escaped, ``printable``), else None."""
+    return printable(value) if isinstance(value, str) else None
 
 
 def int_tuple(value: object) -> tuple[int, ...]:
@@ -60,11 +70,13 @@ def mapping(value: object) -> Mapping[str, Any]:
 
 
 def float_table(rows: list[tuple[Any, ...]]) -> FloatArray:
-    """Rows of JSON scalars as one ``(rows, columns)`` float64 array; non-numbers become NaN."""
+    """Rows of JSON scalars as one ``(rows, columns)`` float64 array; non-numbers (and
+    numbers no float holds) become NaN."""
     try:
         return np.array(rows, dtype=np.float64)
-    except (ValueError, TypeError):
-        # Some value was a string, object or null: clean row by row (rare, slower).
+    except (ValueError, TypeError, OverflowError):
+        # Some value was a string, object, null or an integer no float holds: clean row by
+        # row (rare, slower).
         return np.array(
             [[math.nan if (f := float_or_none(v)) is None else f for v in row] for row in rows],
             dtype=np.float64,

@@ -249,6 +249,22 @@ class ReplayResult:
         return self.hits / total if total else 0.0
 
 
+_DENSE_IDS = 4096  # ids below this (any model's) get a key each; above, only those used
+
+
+def _key_rows(trace: AccessTrace) -> list[dict[int, ExpertKey]]:
+    """Per MoE layer position, the cache key of each expert id: for every id up to the
+    largest when that is a model's count, else for the ids used only, so an id of
+    2**31 - 1 in a log costs one key, not two billion."""
+    top = int(trace.experts.max(initial=-1)) + 1
+    rows = []
+    for pos, layer in enumerate(trace.moe_layers):
+        ids = (range(top) if top <= _DENSE_IDS
+               else [e for e in np.unique(trace.experts[:, pos, :]).tolist() if e >= 0])
+        rows.append({e: (layer, e) for e in ids})
+    return rows
+
+
 def _make(policy: str) -> EvictionPolicy:
     if policy == "belady":
         return BeladyPolicy()
@@ -287,8 +303,7 @@ def replay(
     if belady is not None and next_use is None:
         next_use = next_use_positions(trace.experts)
     index = CacheIndex(capacity_bytes, engine)
-    n_ids = int(trace.experts.max(initial=-1)) + 1
-    key_rows = [[(layer, e) for e in range(n_ids)] for layer in trace.moe_layers]
+    key_rows = _key_rows(trace)
     width = trace.experts.shape[2]
     size_rows = [(size,) * width for size in trace.expert_bytes]
     padded = trace.padded
