@@ -9,6 +9,7 @@ import json
 import math
 import os
 import random
+import re
 import struct
 import subprocess
 import sys
@@ -19,11 +20,13 @@ from typing import Any
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
+from safetensors import SafetensorError, safe_open
 
 import moestream
 from pipeline.compute import ComputeSpec, resolve_compute
+from pipeline.foundation import safetensors_table
 from pipeline.foundation.errors import ExpertLayoutError, ModelFileError
 from pipeline.foundation.experts import ExpertTable
 from pipeline.foundation.safetensors_table import is_routed
@@ -150,10 +153,11 @@ class TestOddLayouts:
         s = table.slices((1, 2))
         assert table.file_of(s.gate.offset) != table.file_of(s.up.offset)
 
-    def test_padding_between_tensors_and_trailing_whitespace(self, tmp_path: Path) -> None:
+    def test_whitespace_around_the_header_json(self, tmp_path: Path) -> None:
+        """safetensors pads its header with spaces; JSON whitespace of any kind is read."""
         tensors = model()
-        path = write_dir(tmp_path / "c", [tensors[:20], tensors[20:]], gap=13,
-                         header_pad=b"    \n\t ")
+        path = write_dir(tmp_path / "c", [tensors[:20], tensors[20:]],
+                         header_pad=b"    \n\t \r")
         assert_maps(open_table(path), tensors)
 
     def test_one_tensor_a_shard(self, tmp_path: Path) -> None:
@@ -375,9 +379,8 @@ class TestOddLayouts:
 
     @settings(max_examples=30, deadline=None,
               suppress_health_check=[HealthCheck.function_scoped_fixture])
-    @given(seed=st.integers(0, 2**32 - 1), n_shards=st.integers(1, 5), gap=st.integers(0, 40),
-           index=st.booleans())
-    def test_any_split_and_order_maps_the_same_bytes(self, seed: int, n_shards: int, gap: int,
+    @given(seed=st.integers(0, 2**32 - 1), n_shards=st.integers(1, 5), index=st.booleans())
+    def test_any_split_and_order_maps_the_same_bytes(self, seed: int, n_shards: int,
                                                      index: bool) -> None:
         tensors = model(seed=seed % 7)
         rnd = random.Random(seed)
@@ -393,10 +396,10 @@ class TestOddLayouts:
             orders.append(order)
         with tempfile.TemporaryDirectory() as tmp:
             directory = Path(tmp) / "c"
-            write_dir(directory, shards, index=index, gap=gap)
+            write_dir(directory, shards, index=index)
             for shard, s, order in zip(sorted(directory.glob("*.safetensors")), shards, orders,
                                        strict=True):  # rewrite each with its own data order
-                shard.write_bytes(shard_bytes(s, gap=gap, data_order=order))
+                shard.write_bytes(shard_bytes(s, data_order=order))
             assert_maps(open_table(directory), tensors)
 
 
@@ -456,6 +459,32 @@ def _drop(*names: str) -> Callable[[list[T]], list[T]]:
     return lambda tensors: [t for t in tensors if t.name not in names]
 
 
+def _rename(old: str, new: str) -> Callable[[list[T]], list[T]]:
+    return lambda tensors: [T(t.name.replace(old, new), t.dtype, t.shape, t.data)
+                            for t in tensors]
+
+
+def _bom(directory: Path) -> Path:
+    write_dir(directory, [model()])
+    shard = directory / "model-00001-of-00001.safetensors"
+    data = shard.read_bytes()
+    n = struct.unpack("<Q", data[:8])[0]
+    shard.write_bytes(struct.pack("<Q", n + 3) + b"\xef\xbb\xbf" + data[8:])
+    return directory
+
+
+def _utf16(directory: Path) -> Path:
+    header = json.dumps({"x": {"dtype": "U8", "shape": [2], "data_offsets": [0, 2]}})
+    return _raw(directory, header.encode("utf-16-le"), bytes(2))
+
+
+def _config(**changes: Any) -> Callable[[Path], Path]:
+    return lambda d: write_dir(d, [model()], config={**CONFIG, **changes})
+
+
+_ENTRY = {"dtype": "F16", "shape": [2], "data_offsets": [0, 4]}
+
+
 HOSTILE: dict[str, tuple[Callable[[Path], Path], str]] = {
     "header length past the file": (lambda d: _raw(d, b"{}", length=1000), "past its end"),
     "header over 100 MiB": (lambda d: _raw(d, b"{}", length=200 << 20), "over the"),
@@ -501,9 +530,9 @@ HOSTILE: dict[str, tuple[Callable[[Path], Path], str]] = {
     "I8 experts": (lambda d: write_dir(d, [model(expert_dtype="I8")]), "is I8"),
     "a huge expert index": (lambda d: _with(d, lambda ts: [*ts, T(
         "model.layers.0.mlp.experts.999999999999.gate_proj.weight", "F16", (F, D),
-        bytes(F * D * 2))]), "is missing"),
+        bytes(F * D * 2))]), "no model has that many"),
     "two names for one matrix": (lambda d: _with(d, lambda ts: [*ts, T(
-        "model.layers.0.mlp.experts.01.gate_proj.weight", "F16", (F, D),
+        "language_model.layers.0.mlp.experts.1.gate_proj.weight", "F16", (F, D),
         bytes(F * D * 2))]), "both"),
     "two routers for one layer": (lambda d: _with(d, lambda ts: [*ts, T(
         "vision.layers.1.mlp.gate.weight", "F16", (E, D), bytes(E * D * 2))]), "both"),
@@ -512,6 +541,66 @@ HOSTILE: dict[str, tuple[Callable[[Path], Path], str]] = {
     "no config.json in a directory": (lambda d: _with(d, list, config=None),
                                       "no config.json"),
     "a directory of no shards": (lambda d: write_dir(d, [], index=False), "no .safetensors file"),
+    # dtypes, shapes and data coverage: what safetensors' own reader refuses
+    "a dense tensor of an unknown dtype, 2^62 x 2^62": (lambda d: _entries(d, {"x": {
+        "dtype": "Q4_K", "shape": [2**62, 2**62], "data_offsets": [0, 64]}}),
+        "'Q4_K', which safetensors does not know"),
+    "a shape whose product overflows 64 bits": (lambda d: _entries(d, {"x": {
+        "dtype": "U8", "shape": [2**40, 2**40, 0], "data_offsets": [0, 0]}}, b""),
+        "element count overflows 64 bits"),
+    "a shape axis of 2^64": (lambda d: _entries(d, {"x": {
+        "dtype": "U8", "shape": [0, 2**64], "data_offsets": [0, 0]}}, b""), "bad shape"),
+    "F4 elements ending mid-byte": (lambda d: _entries(d, {"x": {
+        "dtype": "F4", "shape": [3], "data_offsets": [0, 2]}}, bytes(2)), "end mid-byte"),
+    "a 4000-digit shape": (lambda d: _entries(d, {"x": {
+        "dtype": "F16", "shape": [1] * 4000, "data_offsets": [0, 4]}}, bytes(4)), "spans 4"),
+    "a gap between tensors": (lambda d: _entries(d, {"x": _ENTRY, "y": {
+        **_ENTRY, "data_offsets": [6, 10]}}, bytes(10)), "a gap of 2 bytes (no tensor's) between"),
+    "padding before each tensor": (lambda d: write_dir(d, [model()], gap=13),
+                                   "starts with 13 bytes"),
+    "bytes before the first tensor": (lambda d: _entries(d, {"x": {
+        **_ENTRY, "data_offsets": [2, 6]}}, bytes(6)), "starts with 2 bytes"),
+    "bytes after the last tensor": (lambda d: _entries(d, {"x": _ENTRY}, bytes(6)),
+                                    "cover 4 of its 6 bytes"),
+    "an empty tensor inside another": (lambda d: _entries(d, {"x": _ENTRY, "y": {
+        "dtype": "F16", "shape": [0], "data_offsets": [2, 2]}}, bytes(4)), "overlap"),
+    "a UTF-8 byte order mark before the header": (_bom, "byte order mark"),
+    "a UTF-16 header": (_utf16, "not JSON"),
+    "__metadata__ of numbers": (lambda d: _entries(d, {"__metadata__": {"a": 1},
+                                                       "x": _ENTRY}, bytes(4)), "__metadata__"),
+    "an unpaired surrogate in a name": (lambda d: _raw(
+        d, b'{"x\\ud800": {"dtype": "F16", "shape": [2], "data_offsets": [0, 4]}}', bytes(4)),
+        "unpaired surrogate"),
+    # indices: canonical decimals only
+    "experts.01 alone": (lambda d: _with(d, _rename(".experts.1.", ".experts.01.")),
+                         "expert '01', with a leading zero"),
+    "experts.007": (lambda d: _with(d, _rename(".experts.2.", ".experts.007.")),
+                    "expert '007', with a leading zero"),
+    "layers.01 on a dense tensor": (lambda d: _with(d, _rename(
+        "layers.1.input_layernorm", "layers.01.input_layernorm")), "layer '01'"),
+    # config.json: integers only, and in agreement with the tensors
+    "top-k a string": (_config(num_experts_per_tok="2"),
+                       "num_experts_per_tok is a string (\"2\"), not an integer"),
+    "top-k a fraction": (_config(num_experts_per_tok=2.5), "is a float (2.5)"),
+    "top-k true": (_config(num_experts_per_tok=True), "num_experts_per_tok is a boolean (true)"),
+    "moe_topk a string": (_config(num_experts_per_tok=None, moe_topk="2"),
+                          "moe_topk is a string"),
+    "moe_k out of range": (_config(num_experts_per_tok=None, moe_k=4),
+                           "config.json's moe_k 4 is outside 1..3"),
+    "two top-k that disagree": (_config(num_experts_per_token=3),
+                                "names two top-k: num_experts_per_tok 2, num_experts_per_token 3"),
+    "expert count 16.0": (_config(num_experts=None, num_local_experts=16.0),
+                          "num_local_experts is a float (16.0)"),
+    "hidden size a string": (_config(hidden_size="8"), "hidden_size is a string"),
+    "expert FFN a list": (_config(moe_intermediate_size=[4]), "moe_intermediate_size is a list"),
+    "layer count a float": (_config(num_hidden_layers=2.0), "num_hidden_layers is a float (2.0)"),
+    "5 layers, the tensors name 2": (_config(num_hidden_layers=5),
+                                     "says 5 layers, but the tensors name layers 0..1"),
+    "200000 layers, the tensors name 2": (_config(num_hidden_layers=200000), "says 200000"),
+    "a 4000-digit layer count": (_config(num_hidden_layers=10**3999), "(4000 characters)"),
+    "more layers than the MTP layers explain": (
+        _config(num_hidden_layers=1, num_nextn_predict_layers=2),
+        "says 1 layers (and 2 multi-token prediction)"),
 }
 
 
@@ -543,7 +632,11 @@ class TestHostile:
         assert len(errors) == 1 and message in errors[0]
         assert not any("Traceback" in line for line in err)
 
-    @pytest.mark.parametrize("case", ["header nests 3000 deep", "a FIFO shard"])
+    @pytest.mark.parametrize("case", ["header nests 3000 deep", "a FIFO shard",
+                                      "a dense tensor of an unknown dtype, 2^62 x 2^62",
+                                      "a UTF-8 byte order mark before the header",
+                                      "experts.01 alone", "a gap between tensors",
+                                      "top-k a string", "5 layers, the tensors name 2"])
     def test_the_command_itself(self, tmp_path: Path, case: str) -> None:
         build, message = HOSTILE[case]
         path = build(tmp_path / "c")
@@ -579,3 +672,209 @@ def test_implausible_layer_index_refused(tmp_path: Path) -> None:
     path.write_bytes(len(raw).to_bytes(8, "little") + raw + data)
     with pytest.raises(ExpertLayoutError, match="no model has that many"):
         table_module.open_table(path)
+
+
+INT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_latent_size",
+            "hidden_size", "moe_intermediate_size", "intermediate_size", "num_hidden_layers",
+            "num_nextn_predict_layers", "num_experts_per_tok", "moe_topk", "moe_k",
+            "num_experts_per_token", "moe_top_k")
+"""Every config.json key the table reads; each must be an integer where present."""
+TOP_K_KEYS = INT_KEYS[-5:]
+NOT_INTS = st.one_of(
+    st.booleans(), st.floats(), st.text(max_size=6),
+    st.lists(st.one_of(st.integers(-3, 9), st.text(max_size=2)), max_size=3),
+    st.dictionaries(st.text(max_size=3), st.integers(), max_size=2))
+"""JSON values of every type but an integer (null is an absent key, as transformers reads
+it)."""
+
+
+class TestConfig:
+    """config.json's integers are integers and agree with the tensors, or the checkpoint is
+    refused in one line naming the key."""
+
+    @settings(max_examples=80, deadline=None)
+    @given(key=st.sampled_from(INT_KEYS), value=NOT_INTS)
+    def test_any_value_but_an_integer_is_refused(self, key: str, value: Any) -> None:
+        if key in TOP_K_KEYS and isinstance(value, list):
+            return  # a per-layer top-k (Hunyuan's moe_topk): the default top-k, as before
+        with tempfile.TemporaryDirectory() as tmp:
+            path = write_dir(Path(tmp) / "c", [model()], config={**CONFIG, key: value})
+            with pytest.raises(ExpertLayoutError) as caught:
+                open_table(path)
+        text = str(caught.value)
+        assert f"config.json's {key} is " in text and text.endswith("not an integer")
+        assert "\n" not in text and len(text) < 400
+
+    def test_a_per_layer_top_k_keeps_the_default(self, tmp_path: Path) -> None:
+        config = {**CONFIG, "num_experts_per_tok": None, "moe_topk": [2, 2]}
+        assert open_table(write_dir(tmp_path / "c", [model()], config=config)).top_k == E
+
+    @pytest.mark.parametrize("key", TOP_K_KEYS)
+    def test_top_k_under_each_of_its_names(self, tmp_path: Path, key: str) -> None:
+        config = {k: v for k, v in CONFIG.items() if k != "num_experts_per_tok"}
+        table = open_table(write_dir(tmp_path / "c", [model()], config={**config, key: 1}))
+        assert table.top_k == 1
+
+    def test_null_is_absent(self, tmp_path: Path) -> None:
+        """transformers writes an unset value as null (Nemotron-H's moe_latent_size)."""
+        config = {**CONFIG, "moe_latent_size": None, "num_hidden_layers": None}
+        table = open_table(write_dir(tmp_path / "c", [model()], config=config))
+        assert table.n_layers == LAYERS and table.hidden == D
+
+    def test_dense_layers_count(self, tmp_path: Path) -> None:
+        """A dense layer after the MoE ones names a layer too: num_hidden_layers counts it."""
+        dense = T("model.layers.2.mlp.down_proj.weight", "F16", (D, F), bytes(D * F * 2))
+        tensors = [*model(), dense]
+        table = open_table(write_dir(tmp_path / "ok", [tensors],
+                                     config={**CONFIG, "num_hidden_layers": 3}))
+        assert table.n_layers == 3 and table.moe_layers == [0, 1]
+        with pytest.raises(ExpertLayoutError, match="says 2 layers, but the tensors name "
+                                                    r"layers 0\.\.2"):
+            open_table(write_dir(tmp_path / "short", [tensors]))
+
+    def test_multi_token_prediction_layers(self, tmp_path: Path) -> None:
+        """DeepSeek-V3 ships its MTP layer as layer ``num_hidden_layers``: accepted when
+        ``num_nextn_predict_layers`` accounts for it, refused otherwise."""
+        config = {**CONFIG, "num_hidden_layers": LAYERS - 1, "num_nextn_predict_layers": 1}
+        table = open_table(write_dir(tmp_path / "mtp", [model()], config=config))
+        assert table.n_layers == LAYERS and table.moe_layers == list(range(LAYERS))
+        config["num_nextn_predict_layers"] = 0
+        with pytest.raises(ExpertLayoutError, match=f"says {LAYERS - 1} layers"):
+            open_table(write_dir(tmp_path / "none", [model()], config=config))
+
+    def test_through_the_api(self, tmp_path: Path) -> None:
+        path = write_dir(tmp_path / "c", [model()], config={**CONFIG, "num_experts_per_tok": 2.5})
+        with pytest.raises(ExpertLayoutError, match="num_experts_per_tok is a float"):
+            moestream.open_sync(path, backend="host", verify=False)
+
+
+def _header_length(path: Path) -> int:
+    length: int = struct.unpack("<Q", path.read_bytes()[:8])[0]
+    return length
+
+
+def _spoil_after(shard: Path, entries: int) -> None:
+    """Overwrite ``shard``'s header past its first ``entries`` tensor entries with bytes that
+    are not JSON (the same length): a parse that reaches them fails."""
+    data = shard.read_bytes()
+    n = _header_length(shard)
+    header = data[8:8 + n]
+    cut = 0
+    for _ in range(entries):
+        cut = header.index(b"]}", cut) + 2
+    spoiled = header[:cut] + b", !" + b" " * (n - cut - 3)
+    shard.write_bytes(data[:8] + spoiled + data[8 + n:])
+
+
+class TestLimits:
+    """What a checkpoint's headers may cost is bounded per model, all shards together, and a
+    checkpoint over a limit is refused before the parse that would pass it."""
+
+    def test_header_bytes_are_summed_before_a_shard_is_read(
+            self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        tensors = model()
+        path = write_dir(tmp_path / "c", [tensors[:8], tensors[8:16], tensors[16:]])
+        shards = sorted(path.glob("*.safetensors"))
+        sizes = [_header_length(s) for s in shards]
+        _spoil_after(shards[1], 0)  # never parsed: refused by its length alone
+        monkeypatch.setattr(safetensors_table, "MODEL_HEADER_LIMIT_BYTES", sizes[0] + sizes[1] - 1)
+        with pytest.raises(ModelFileError) as caught:
+            open_table(path)
+        text = str(caught.value)
+        assert text.startswith(str(shards[1])) and "headers to" in text and "\n" not in text
+        monkeypatch.setattr(safetensors_table, "MODEL_HEADER_LIMIT_BYTES", sum(sizes))
+        with pytest.raises(ModelFileError, match="not JSON"):  # allowed, so parsed
+            open_table(path)
+
+    def test_tensors_are_counted_over_shards_and_stop_the_parse(
+            self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        tensors = model()
+        path = write_dir(tmp_path / "c", [tensors[:12], tensors[12:]])
+        second = sorted(path.glob("*.safetensors"))[1]
+        _spoil_after(second, 3)  # the parse stops at the 15th tensor, before these bytes
+        monkeypatch.setattr(safetensors_table, "MODEL_TENSOR_LIMIT", 14)
+        with pytest.raises(ModelFileError) as caught:
+            open_table(path)
+        text = str(caught.value)
+        assert text.startswith(str(second)) and "more than 14 tensors" in text
+
+    @pytest.mark.slow
+    def test_one_tensor_over_the_limit(self, tmp_path: Path) -> None:
+        """A real header of MODEL_TENSOR_LIMIT + 1 empty tensors (55 MB) is refused in one
+        line (its cost is measured by hand, not here)."""
+        n = safetensors_table.MODEL_TENSOR_LIMIT + 1
+        header = b"{" + b",".join(b'"t%d":{"dtype":"U8","shape":[0],"data_offsets":[0,0]}' % i
+                                  for i in range(n)) + b"}"
+        path = _raw(tmp_path / "c", header)
+        del header
+        with pytest.raises(ModelFileError, match=f"more than {n - 1} tensors"):
+            open_table(path)
+
+
+def _safetensors_accepts(path: Path) -> bool:
+    try:
+        with safe_open(str(path), framework="numpy"):
+            return True
+    except SafetensorError:
+        return False
+
+
+class TestAsSafetensorsReads:
+    """A shard is refused exactly when safetensors' own reader refuses it."""
+
+    def test_the_dtypes_are_safetensors_own(self, tmp_path: Path) -> None:
+        path = _entries(tmp_path / "c", {"x": {"dtype": "NOT_A_DTYPE", "shape": [0],
+                                               "data_offsets": [0, 0]}}, b"")
+        with pytest.raises(SafetensorError) as caught, safe_open(
+                str(path / "model.safetensors"), framework="numpy"):
+            pass
+        named = set(re.findall(r"`(\w+)`", str(caught.value))) - {"NOT_A_DTYPE"}
+        assert named == set(safetensors_table.SAFETENSORS_DTYPE_BITS)
+
+    @settings(max_examples=150, deadline=None)
+    @given(extras=st.lists(st.tuples(
+               st.sampled_from([*safetensors_table.SAFETENSORS_DTYPE_BITS, "F8", "Q4_K"]),
+               st.lists(st.sampled_from([0, 1, 2, 3, 5, 8]), max_size=3),
+               st.sampled_from(["exact", "exact", "exact", "short", "long"])), max_size=4),
+           layout=st.sampled_from(["contiguous", "gap", "overlap", "lead", "trail",
+                                   "empty inside"]),
+           where=st.integers(0, 40), seed=st.integers(0, 2**16))
+    def test_refused_exactly_when_safetensors_refuses(
+            self, extras: list[tuple[str, list[int], str]], layout: str, where: int,
+            seed: int) -> None:
+        """A valid model plus extra tensors of any dtype, shape and size, laid out end to end
+        or with a gap, an overlap, bytes before or after, or an empty tensor inside another."""
+        items = [(t.name, t.dtype, list(t.shape), len(t.data)) for t in model()]
+        for i, (dtype, shape, size) in enumerate(extras):
+            bits = safetensors_table.SAFETENSORS_DTYPE_BITS.get(dtype, 8)
+            nbytes = math.prod(shape) * bits // 8
+            nbytes += {"exact": 0, "short": -1 if nbytes else 1, "long": 1}[size]
+            items.append((f"extra.{i}", dtype, shape, nbytes))
+        order = list(range(len(items)))
+        random.Random(seed).shuffle(order)
+        header: dict[str, Any] = {}
+        at = 2 if layout == "lead" else 0
+        for position, i in enumerate(order):
+            if position == where % len(items) and position:
+                at += {"gap": 3, "overlap": -1}.get(layout, 0)
+            name, dtype, shape, nbytes = items[i]
+            header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [at, at + nbytes]}
+            at += nbytes
+        if layout == "empty inside":
+            first = header[items[order[where % len(items)]][0]]["data_offsets"]
+            inside = first[0] + 1 if first[1] - first[0] >= 2 else first[0]
+            header["extra.inside"] = {"dtype": "U8", "shape": [0],
+                                      "data_offsets": [inside, inside]}
+        ends = [e["data_offsets"][1] for e in header.values()]
+        data = bytes(max(ends) + (5 if layout == "trail" else 0))
+        with tempfile.TemporaryDirectory() as tmp:
+            directory = _entries(Path(tmp) / "c", header, data)
+            expected = _safetensors_accepts(directory / "model.safetensors")
+            try:
+                open_table(directory)
+                accepted = True
+            except ModelFileError as exc:
+                assert "\n" not in str(exc)
+                accepted = False
+        event(f"safetensors {'accepts' if expected else 'refuses'}")
+        assert accepted == expected, header
