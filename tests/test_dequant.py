@@ -1,0 +1,96 @@
+"""moestream.transformers._dequant: quantized matrices equal to transformers' own
+dequantization (bitwise), on random valid blocks, every FP8 code, extreme scales."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+finegrained = pytest.importorskip("transformers.integrations.finegrained_fp8")
+
+from moestream.transformers._dequant import fp8_blocks  # noqa: E402
+
+DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+
+
+def _theirs(weights: Any, scales: Any, dtype: Any) -> Any:
+    """transformers' FP8 dequantization, as ``FineGrainedFP8Config(dequantize=True)`` runs it."""
+    return finegrained.Fp8Dequantize(None)._dequantize_one(weights, scales, output_dtype=dtype)
+
+
+def _by_block(weights: Any, scales: Any, block: tuple[int, int], dtype: Any) -> Any:
+    """The checkpoint's rule written out block by block (partial edge blocks included)."""
+    bm, bn = block
+    out = torch.empty(weights.shape, dtype=torch.float32)
+    w = weights.to(torch.float32)
+    for i in range(scales.shape[0]):
+        for j in range(scales.shape[1]):
+            out[i * bm:(i + 1) * bm, j * bn:(j + 1) * bn] = (
+                w[i * bm:(i + 1) * bm, j * bn:(j + 1) * bn] * scales[i, j].to(torch.float32))
+    return out.to(dtype)
+
+
+@st.composite
+def fp8_matrix(draw: st.DrawFn, whole: bool) -> tuple[Any, Any, tuple[int, int]]:
+    """Random FP8 bytes (every code, NaN included) and finite scales over a wide range."""
+    bm, bn = draw(st.sampled_from([1, 2, 8, 16, 32])), draw(st.sampled_from([1, 4, 16, 32]))
+    sr, sc = draw(st.integers(1, 4)), draw(st.integers(1, 4))
+    rows = sr * bm if whole else draw(st.integers((sr - 1) * bm + 1, sr * bm))
+    cols = sc * bn if whole else draw(st.integers((sc - 1) * bn + 1, sc * bn))
+    seed = draw(st.integers(0, 2**31 - 1))
+    gen = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 256, (rows, cols), generator=gen, dtype=torch.uint8)
+    exponents = torch.randint(-40, 40, (sr, sc), generator=gen).to(torch.float32)
+    scales = torch.rand((sr, sc), generator=gen) * torch.exp2(exponents)
+    return codes, scales, (bm, bn)
+
+
+class TestFp8Blocks:
+    """FP8 E4M3 with block scales (``quant_method: fp8``)."""
+
+    @settings(max_examples=60, deadline=None)
+    @given(fp8_matrix(whole=True), st.sampled_from(DTYPES),
+           st.sampled_from([torch.float32, torch.bfloat16]))
+    def test_equal_to_transformers(self, made: tuple[Any, Any, tuple[int, int]], dtype: Any,
+                                   scale_dtype: Any) -> None:
+        codes, scales, block = made
+        scales = scales.to(scale_dtype)
+        assert _both_nan_equal(fp8_blocks(codes, scales, block, dtype),
+                               _theirs(codes.view(torch.float8_e4m3fn), scales, dtype))
+
+    @settings(max_examples=60, deadline=None)
+    @given(fp8_matrix(whole=False), st.sampled_from(DTYPES))
+    def test_partial_edge_blocks(self, made: tuple[Any, Any, tuple[int, int]],
+                                 dtype: Any) -> None:
+        """Blocks that do not divide the matrix (transformers refuses these grids): block
+        ``i`` covers rows ``i * bm`` to the edge."""
+        codes, scales, block = made
+        ours = fp8_blocks(codes, scales, block, dtype)
+        assert _both_nan_equal(ours, _by_block(codes.view(torch.float8_e4m3fn), scales, block,
+                                               dtype))
+
+    def test_every_code(self) -> None:
+        codes = torch.arange(256, dtype=torch.uint8).reshape(16, 16)
+        scales = torch.tensor([[0.5, 3.0], [2.0**-30, 2.0**30]])
+        for dtype in DTYPES:
+            assert _both_nan_equal(fp8_blocks(codes, scales, (8, 8), dtype),
+                                   _theirs(codes.view(torch.float8_e4m3fn), scales, dtype))
+
+    def test_batched_experts_equal_one_by_one(self) -> None:
+        gen = torch.Generator().manual_seed(3)
+        codes = torch.randint(0, 120, (5, 48, 40), generator=gen, dtype=torch.uint8)
+        scales = torch.rand((5, 3, 3), generator=gen)
+        batched = fp8_blocks(codes, scales, (16, 16), torch.bfloat16)
+        for e in range(5):
+            assert torch.equal(batched[e], fp8_blocks(codes[e], scales[e], (16, 16),
+                                                      torch.bfloat16))
+
+
+def _both_nan_equal(a: Any, b: Any) -> bool:
+    return bool(torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(0.0),
+                                                                   b.nan_to_num(0.0)))
