@@ -288,3 +288,15 @@ class TestFuzz:
         result = _check_opens_or_fails_typed(base.scratch, base.data[:cut])
         assert isinstance(result, ModelFileError) or cut >= base.data_end
 
+
+
+def test_more_tensors_than_a_model_has(tmp_path: Path) -> None:
+    """A header counting more tensors than any GGUF model holds is refused before gguf's
+    reader (tens of microseconds and kilobytes a tensor), even in a file large enough for
+    their entries."""
+    n = (1 << 16) + 1
+    path = tmp_path / "many.gguf"
+    path.write_bytes(b"GGUF" + (3).to_bytes(4, "little") + n.to_bytes(8, "little")
+                     + bytes(8) + bytes(n * 24))
+    with pytest.raises(NotGGUFError, match=f"counts {n} tensors, over the limit of {n - 1}"):
+        open_table(path)

@@ -490,6 +490,8 @@ HOSTILE: dict[str, tuple[Callable[[Path], Path], str]] = {
     "header over 100 MiB": (lambda d: _raw(d, b"{}", length=200 << 20), "over the"),
     "header not JSON": (lambda d: _raw(d, b"{not json"), "not JSON"),
     "header not an object": (lambda d: _raw(d, b"[1, 2]"), "not a JSON object"),
+    "header one entry": (lambda d: _raw(d, json.dumps(_ENTRY).encode(), bytes(4)),
+                         "one tensor entry"),
     "header nests 3000 deep": (
         lambda d: _raw(d, b'{"a":' + b"[" * 3000 + b"]" * 3000 + b"}"), "nests too deeply"),
     "offsets past the file": (lambda d: _entries(d, {"x": {
@@ -770,13 +772,14 @@ class TestLimits:
     """What a checkpoint's headers may cost is bounded per model, all shards together, and a
     checkpoint over a limit is refused before the parse that would pass it."""
 
-    def test_header_bytes_are_summed_before_a_shard_is_read(
+    def test_header_bytes_are_summed_before_any_shard_is_parsed(
             self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
         tensors = model()
         path = write_dir(tmp_path / "c", [tensors[:8], tensors[8:16], tensors[16:]])
         shards = sorted(path.glob("*.safetensors"))
         sizes = [_header_length(s) for s in shards]
-        _spoil_after(shards[1], 0)  # never parsed: refused by its length alone
+        for shard in shards[:2]:  # neither is parsed: refused by their lengths alone
+            _spoil_after(shard, 0)
         monkeypatch.setattr(safetensors_table, "MODEL_HEADER_LIMIT_BYTES", sizes[0] + sizes[1] - 1)
         with pytest.raises(ModelFileError) as caught:
             open_table(path)

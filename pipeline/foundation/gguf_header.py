@@ -14,9 +14,9 @@ structure (counts, type codes, lengths, each tensor's dims, type and offset) wit
 checked against the file size, and applies llama.cpp's limits (no nested arrays, tensor
 names under 64 bytes, at most 4 dims, tensor data laid out in order). It allocates nothing
 in proportion to a length and its loops are bounded by the file size, by
-``_MAX_HEADER_ITEMS`` and by ``_MAX_TENSORS``; after it, gguf's reader parses the values of a header whose every
-loop is known to be short, and a cross-check of the two (in ``pipeline.foundation.table``) keeps
-them from drifting apart.
+``_MAX_HEADER_ITEMS`` and by ``_MAX_TENSORS``; after it, gguf's reader parses the values of
+a header whose every loop is known to be short, and a cross-check of the two (in
+``pipeline.foundation.table``) keeps them from drifting apart.
 
 ``check_magic`` refuses a file without a GGUF magic and version; ``walk_header`` then checks
 the rest of the header and returns its ``HeaderLayout``.

@@ -41,11 +41,12 @@ What headers may cost is bounded per model, not per shard: ``MODEL_HEADER_LIMIT_
 (100 MiB) of headers and ``MODEL_TENSOR_LIMIT`` (1,000,000) tensors over all shards. The
 largest real checkpoints stay well under both: DeepSeek-V3 in FP8 has about 92,000 tensors
 (each weight with its scale) and some 20 MB of headers, a 4-bit GPTQ of a 384-expert model
-about 280,000 tensors. The byte limit is checked before a shard's header is read, the tensor
-limit while it is parsed (the count stops the parse), so a checkpoint over either costs at
-most one parse of what remains of them. A header is parsed once, each entry made a small
-tuple as the JSON parser builds it (never a dict per tensor kept), and its tensors are
-sorted once, by offset, for both the layout check and the table's order.
+about 280,000 tensors. The byte limit is checked before any shard's header is read, the
+tensor limit while they are parsed (the count stops the parse): a checkpoint over the first
+is refused having read only each shard's first 8 bytes, one over the second after one parse
+of what remains of it. A header is parsed once, each entry made a small tuple as the JSON
+parser builds it (never a dict per tensor kept), and its tensors are sorted once, by
+offset, for both the layout check and the table's order.
 
 ``config.json`` is checked against the tensors: each of the integers it may hold (the expert
 count ``num_experts``/``num_local_experts``/``n_routed_experts``, the hidden size
@@ -65,6 +66,7 @@ from __future__ import annotations
 import json
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from operator import itemgetter
 from pathlib import Path
@@ -203,8 +205,10 @@ def open_checkpoint(path: Path) -> ExpertTable:
             identified.append((p, identity))
         files = lay_out(identified)
         budget = _Budget()
-        for number, ((p, fd), f) in enumerate(zip(opened, files, strict=True)):
-            shard = _read_header(p, fd, f, budget)
+        lengths = [budget.take_header(p, _header_length(p, fd, f))  # all before any parse
+                   for (p, fd), f in zip(opened, files, strict=True)]
+        for number, ((p, fd), f, n) in enumerate(zip(opened, files, lengths, strict=True)):
+            shard = _read_header(p, fd, f, n, budget)
             for name, _ in shard.entries:
                 first = where.setdefault(name, number)
                 if first != number:
@@ -280,7 +284,7 @@ def _refuse_duplicate(path: Path, pairs: list[tuple[str, Any]], what: str) -> No
 
 
 def _parse_object(path: Path, data: bytes, what: str,
-                  hook: Any = None) -> dict[str, Any]:
+                  hook: Callable[[list[tuple[str, Any]]], Any] | None = None) -> dict[str, Any]:
     """``data`` as a JSON object without duplicate keys, its nesting bounded; refused in one
     line otherwise. The bytes must be UTF-8, with no byte order mark: ``json.loads`` would
     guess UTF-16 or skip a mark where safetensors and transformers refuse the file. ``hook``
@@ -304,6 +308,8 @@ def _parse_object(path: Path, data: bytes, what: str,
         raise ModelFileError(path, f"its {what} nests too deeply ({exc})") from None
     except ValueError as exc:  # not JSON, or not UTF-8
         raise ModelFileError(path, f"its {what} is not JSON ({str(exc)[:80]})") from None
+    if isinstance(doc, tuple):  # the hook made the whole header one entry
+        raise ModelFileError(path, f"its {what} is one tensor entry, not an object of them")
     if not isinstance(doc, dict):
         raise ModelFileError(path, f"its {what} is not a JSON object")
     return doc
@@ -327,13 +333,15 @@ class _Budget:
         self.header_bytes = 0
         self.tensors = 0
 
-    def take_header(self, path: Path, nbytes: int) -> None:
-        """Count a header of ``nbytes`` before it is read; refuse one past the limit."""
+    def take_header(self, path: Path, nbytes: int) -> int:
+        """Count a header of ``nbytes`` before it is read (and return it); refuse one past
+        the limit."""
         self.header_bytes += nbytes
         if self.header_bytes > MODEL_HEADER_LIMIT_BYTES:
             raise ModelFileError(path, f"brings the checkpoint's headers to "
                                        f"{self.header_bytes} bytes, over the "
                                        f"{MODEL_HEADER_LIMIT_BYTES}-byte limit for a model")
+        return nbytes
 
 
 class _EntryHook:
@@ -363,9 +371,8 @@ class _EntryHook:
         return obj if isinstance(entry, str) else entry
 
 
-def _read_header(path: Path, fd: int, file: ModelFile, budget: _Budget) -> _Shard:
-    """Every tensor a shard's header declares, checked against the file as safetensors
-    checks it (see the module docstring), in data order."""
+def _header_length(path: Path, fd: int, file: ModelFile) -> int:
+    """The length a shard declares for its header, refused past its end or the limit."""
     size = file.nbytes
     head = os.pread(fd, 8, 0)
     if len(head) < 8:
@@ -376,11 +383,16 @@ def _read_header(path: Path, fd: int, file: ModelFile, budget: _Budget) -> _Shar
                                    f"{HEADER_LIMIT_BYTES}-byte limit")
     if 8 + n > size:
         raise ModelFileError(path, f"declares a {n}-byte header past its end ({size} bytes)")
-    budget.take_header(path, n)
+    return n
+
+
+def _read_header(path: Path, fd: int, file: ModelFile, n: int, budget: _Budget) -> _Shard:
+    """Every tensor the shard's header of ``n`` bytes declares, checked against the file as
+    safetensors checks it (see the module docstring), in data order."""
     raw = os.pread(fd, n, 8)
     if len(raw) != n:
         raise ModelFileError(path, "was cut short while its header was read")
-    data_bytes = size - 8 - n
+    data_bytes = file.nbytes - 8 - n
     header = _parse_object(path, raw, "header", _EntryHook(path, data_bytes, budget))
     del raw
     entries: list[tuple[str, _Entry]] = []
