@@ -51,6 +51,7 @@ from pipeline.foundation.errors import (
     UsageTypeError,
     VerificationError,
 )
+from pipeline.foundation.quantization import ExpertQuant
 
 try:
     __version__ = version("moestream")
@@ -63,6 +64,7 @@ __all__ = [
     "DeviceMemoryError",
     "ExpertHandle",
     "ExpertLayoutError",
+    "ExpertQuant",
     "LayerInfo",
     "Lease",
     "Matrix",

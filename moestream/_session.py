@@ -38,6 +38,7 @@ from moestream._logging import route_unconfigured
 from pipeline.controller import Sampler
 from pipeline.foundation.config import GATHER_BLOCKS, Budget, RunConfig, check_bound
 from pipeline.foundation.errors import UsageError, UsageTypeError
+from pipeline.foundation.quantization import ExpertQuant
 from pipeline.foundation.table import ExpertTable
 from pipeline.lease import NOT_YET, Arrival, LayerLease, LeasePart
 from pipeline.session import StreamSession
@@ -135,6 +136,11 @@ class LayerInfo:
     gated: bool = True
     """False for experts without a gate (Nemotron-H): the up projection (ffn, hidden) is
     handed out as its row halves in ``gate`` and ``up`` (see ``Matrix``)."""
+    quant: ExpertQuant | None = None
+    """Quantized experts (FP8 blocks): the matrices are their file bytes (one byte an
+    element, ``gate_up_type`` I8 as the carrier), to be multiplied by their block scales,
+    non-routed tensors named here per expert (``read_tensor``); None for float and GGUF
+    experts."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -188,7 +194,7 @@ class ModelInfo:
     def of(cls, table: ExpertTable) -> ModelInfo:
         layers = {
             n: LayerInfo(n, m.n_experts, m.shape[0], m.shape[1], m.gate_up_type, m.down_type,
-                         m.expert_bytes, m.transposed, m.gated)
+                         m.expert_bytes, m.transposed, m.gated, m.quant)
             for n, m in table.layers.items()
         }
         tensors = {t.name: TensorSpec(t.name, t.type_name, t.shape, t.nbytes)

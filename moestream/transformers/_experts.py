@@ -29,7 +29,7 @@ large batch) are fetched in groups that do, each released before the next is fet
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any, Literal
 
@@ -37,6 +37,7 @@ import torch  # type: ignore[import-not-found, unused-ignore]
 from transformers.integrations import moe as hf_moe  # type: ignore[import-not-found, unused-ignore]
 
 from moestream import ExpertHandle, SyncSession, TokenStats
+from moestream.transformers._quantized import LayerScales
 from pipeline.foundation.errors import UsageError
 
 __all__ = ["IMPLEMENTATION", "Compute", "ExpertStream", "experts_forward", "first_projection",
@@ -47,6 +48,7 @@ IMPLEMENTATION = "moestream"
 
 Compute = Literal["grouped", "eager"]
 COMPUTES: tuple[Compute, ...] = ("grouped", "eager")
+_PARTS = ("gate", "up", "down")
 
 TORCH_DTYPES: dict[str, Any] = {
     "BF16": torch.bfloat16,
@@ -106,10 +108,12 @@ class ExpertStream:
         compute: ``"grouped"`` or ``"eager"`` (the module docstring says what each matches).
         group_experts: the most experts one fetch pins (what the budget holds beside
             another layer in flight).
+        scales: the block scales of each quantized layer, on ``device`` (its experts are
+            dequantized per use).
     """
 
     def __init__(self, session: SyncSession, device: Any, *, compute: Compute,
-                 group_experts: int) -> None:
+                 group_experts: int, scales: Mapping[int, LayerScales] | None = None) -> None:
         if compute not in COMPUTES:
             raise UsageError(f"compute must be one of {', '.join(COMPUTES)}, got {compute!r}")
         if group_experts < 1:
@@ -118,6 +122,7 @@ class ExpertStream:
         self.device = torch.device(device)
         self.compute: Compute = compute
         self.group_experts = group_experts
+        self.scales: Mapping[int, LayerScales] = scales or {}
         self.last: TokenStats | None = None
         """The last token's stats (``end_token``'s answer)."""
         self.tokens = 0
@@ -210,7 +215,23 @@ class ExpertStream:
         (copied) only when the model computes in another dtype. Gate and up together are
         the module's gate_up of the expert either way."""
         dtype = module.down_proj.dtype
+        scales = self.scales.get(h.layer)
+        if scales is not None:
+            return tuple(scales.dequantize(name, [h.expert], _raw(m), dtype)
+                         for name, m in zip(_PARTS, h.matrices, strict=True))
         return _view(h.gate, dtype), _view(h.up, dtype), _view(h.down, dtype)
+
+    def _dequantized(self, module: Any, handles: Sequence[ExpertHandle], gate_up: Any,
+                     down: Any) -> None:
+        """The quantized experts of ``handles`` dequantized into ``gate_up`` and ``down``:
+        one product per matrix kind for the whole batch."""
+        scales = self.scales[handles[0].layer]
+        dtype, experts = down.dtype, [h.expert for h in handles]
+        ffn = down.shape[-1]
+        for name, at, target in (("gate", 0, gate_up[:, :ffn]), ("up", 1, gate_up[:, ffn:]),
+                                 ("down", 2, down)):
+            raw = torch.stack([_raw(h.matrices[at]) for h in handles])
+            target.copy_(scales.dequantize(name, experts, raw, dtype))
 
     def _stacked(self, module: Any, handles: Sequence[ExpertHandle]) -> tuple[Any, Any]:
         """The experts' weights stacked for one grouped product, as the module keeps its
@@ -226,7 +247,11 @@ class ExpertStream:
         gate_up = torch.empty((n, *first_projection(module).shape[1:]), dtype=dtype,
                               device=self.device)
         down = torch.empty((n, *module.down_proj.shape[1:]), dtype=dtype, device=self.device)
-        same = all(TORCH_DTYPES[m.ggml_type.name] == dtype for h in handles for m in h.matrices)
+        if handles[0].layer in self.scales:
+            self._dequantized(module, handles, gate_up, down)
+            return gate_up, down
+        same = all(TORCH_DTYPES.get(m.ggml_type.name) == dtype for h in handles
+                   for m in h.matrices)
         if self._cuda and same:
             import cupy  # the session's backend on a GPU: present whenever this runs
 
@@ -317,6 +342,11 @@ def _view(matrix: Any, dtype: Any) -> Any:
     # waited for) and nothing else; BF16 comes as its raw bytes (numpy has no bfloat16)
     tensor = torch.utils.dlpack.from_dlpack(matrix).view(source).view(matrix.shape)
     return tensor if source == dtype else tensor.to(dtype)
+
+
+def _raw(matrix: Any) -> Any:
+    """A quantized matrix's bytes as a uint8 tensor of its shape (no copy)."""
+    return torch.utils.dlpack.from_dlpack(matrix).view(matrix.shape)
 
 
 def first_projection(module: Any) -> Any:

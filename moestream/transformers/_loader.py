@@ -51,6 +51,7 @@ from moestream.transformers._experts import (
 )
 from moestream.transformers._files import CONFIG, GENERATION_FILES, snapshot
 from moestream.transformers._gate import is_available
+from moestream.transformers._quantized import DenseScales, load_scales
 from pipeline.foundation.errors import (
     ExpertLayoutError,
     ModelFileError,
@@ -157,7 +158,10 @@ def from_pretrained(
         experts = _experts_modules(root, model, config)
         group = _check_experts(session, experts)
         _load_dense(model, session, torch_device, progress)
-        stream = ExpertStream(session, torch_device, compute=compute, group_experts=group)
+        read = _reader(session)
+        scales = load_scales(session, sorted(experts), torch_device, read)
+        stream = ExpertStream(session, torch_device, compute=compute, group_experts=group,
+                              scales=scales)
         for layer, module in experts.items():
             module.moestream_stream = stream
             module.moestream_layer = layer
@@ -307,7 +311,7 @@ def _check_experts(session: moestream.SyncSession, experts: dict[int, Any]) -> i
                 raise ExpertLayoutError(path, f"layer {layer}: the config says {what} "
                                         f"{want}, the checkpoint's experts have {have}")
         for matrix_type in (got.gate_up_type, got.down_type):
-            if matrix_type.name not in TORCH_DTYPES:
+            if matrix_type.name not in TORCH_DTYPES and got.quant is None:
                 raise ModelFileError(path, f"layer {layer}: experts in {matrix_type.name}; "
                                      f"torch computes {', '.join(TORCH_DTYPES)} experts")
     budget = session.counters().budget_bytes
@@ -360,6 +364,8 @@ def _load_dense(model: Any, session: moestream.SyncSession, device: Any,
     rename = _renamer(model)
     root = session.model.path
     dense = list(session.model.tensors.values())
+    read = _reader(session)
+    quantized = DenseScales(session, root)
     loaded: dict[str, Any] = {}
     merged: dict[str, Any] = {}  # model name -> its converter, collecting its sources
     unexpected: list[str] = []
@@ -379,12 +385,16 @@ def _load_dense(model: Any, session: moestream.SyncSession, device: Any,
     with tqdm(total=len(dense), unit="tensor", desc="loading dense weights",
               disable=not progress, leave=False, file=sys.stderr) as bar:
         for spec in dense:
-            target, converter = rename(spec.name)
             bar.update(1)
+            if quantized.is_scale(spec.name):
+                continue
+            target, converter = rename(spec.name)
             if target not in expected:
                 unexpected.append(spec.name)
                 continue
-            tensor = _tensor(root, spec, session.read_tensor(spec.name)).to(device)
+            like = params.get(target)
+            dtype = like.dtype if like is not None else model.dtype
+            tensor = quantized.weight(spec, read(spec).to(device), dtype, read)
             if converter is not None:
                 into = merged.setdefault(target, copy.deepcopy(converter[0]))
                 into.add_tensor(target, spec.name, converter[1], tensor)
@@ -417,15 +427,22 @@ def _load_dense(model: Any, session: moestream.SyncSession, device: Any,
     _make_buffers(root, model, device)
 
 
-def _tensor(root: Path, spec: moestream.TensorSpec, data: bytearray) -> Any:
-    """A CPU tensor over ``data`` (no copy), as the file declares it."""
-    dtype = _FILE_DTYPES.get(spec.dtype)
-    if dtype is None:
-        raise ModelFileError(root, f"{spec.name[:120]}: a {spec.dtype[:20]} tensor, a type "
-                             "torch does not load")
-    if not data:
-        return torch.empty(spec.shape, dtype=dtype)
-    return torch.frombuffer(data, dtype=dtype).reshape(spec.shape)
+def _reader(session: moestream.SyncSession) -> Any:
+    """A function reading a non-routed tensor through the session as a CPU tensor over its
+    bytes (no copy), typed as the file declares it."""
+    root = session.model.path
+
+    def read(spec: moestream.TensorSpec) -> Any:
+        dtype = _FILE_DTYPES.get(spec.dtype)
+        if dtype is None:
+            raise ModelFileError(root, f"{spec.name[:120]}: a {spec.dtype[:20]} tensor, a "
+                                 "type torch does not load")
+        data = session.read_tensor(spec.name)
+        if not data:
+            return torch.empty(spec.shape, dtype=dtype)
+        return torch.frombuffer(data, dtype=dtype).reshape(spec.shape)
+
+    return read
 
 
 def _make_buffers(root: Path, model: Any, device: Any) -> None:

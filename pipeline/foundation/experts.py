@@ -19,6 +19,7 @@ from gguf import GGMLQuantizationType
 
 from pipeline.foundation.errors import ModelFileError
 from pipeline.foundation.files import ModelFile, check_identity, locate, open_checked
+from pipeline.foundation.quantization import ExpertQuant
 
 __all__ = ["ByteRange", "ExpertKey", "ExpertSlices", "ExpertTable", "MoeLayer", "TensorInfo"]
 
@@ -105,6 +106,9 @@ class MoeLayer:
     expert_offsets: tuple[tuple[int, int, int], ...] | None = None
     transposed: bool = False
     gated: bool = True
+    quant: ExpertQuant | None = None
+    """Quantized experts (FP8 blocks): what their bytes mean and where each one's scales
+    are; None for float and GGUF experts (a GGUF type says it all)."""
 
     @property
     def expert_bytes(self) -> int:

@@ -66,7 +66,7 @@ from __future__ import annotations
 import json
 import os
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from operator import itemgetter
 from pathlib import Path
@@ -78,6 +78,13 @@ from pipeline.foundation.errors import ExpertLayoutError, ModelFileError
 from pipeline.foundation.experts import ExpertTable, MoeLayer, TensorInfo
 from pipeline.foundation.files import ModelFile, check_identity, lay_out, open_identified
 from pipeline.foundation.inputs import JSONDepthError, load_json_bounded, read_input
+from pipeline.foundation.quantization import (
+    FP8_CARRIER,
+    QuantConfig,
+    Spec,
+    fp8_layer_quant,
+    quant_config,
+)
 
 __all__ = ["HEADER_LIMIT_BYTES", "MODEL_HEADER_LIMIT_BYTES", "MODEL_TENSOR_LIMIT",
            "SAFETENSORS_DTYPE_BITS", "SAFETENSORS_TYPES", "is_routed", "open_checkpoint"]
@@ -594,12 +601,15 @@ def _build(path: Path, files: tuple[ModelFile, ...], shards: list[_Shard],
             for k in _EXPERT_KEYS if k in ints]
     want += [(f"hidden_size {_short(hidden, 20)}", hidden, 1)] if hidden is not None else []
     want += [(f"expert FFN {_short(ffn, 20)}", ffn, 2)] if ffn is not None else []
+    quant = quant_config(path, config)
+    specs = {t.name: (t.name, t.type_name, t.shape) for t in non_routed} if quant else None
     layers: dict[int, MoeLayer] = {}
     for index in sorted({*per_expert, *fused}):
         if index in fused:
             moe = _fused_layer(path, index, fused[index], routers.get(index))
         else:
-            moe = _per_expert_layer(path, index, per_expert[index], routers.get(index))
+            moe = _per_expert_layer(path, index, per_expert[index], routers.get(index),
+                                    quant, specs)
         layers[index] = moe
         have = (moe.n_experts, moe.shape[0], moe.shape[1])
         for said, value, at in want:
@@ -669,16 +679,21 @@ def _claim(path: Path, slots: dict[str, _Tensor], slot: str, t: _Tensor, whose: 
     slots[slot] = t
 
 
-def _expert_type(path: Path, index: int, t: _Tensor) -> GGMLQuantizationType:
+def _expert_type(path: Path, index: int, t: _Tensor,
+                 quant: QuantConfig | None = None) -> GGMLQuantizationType:
+    if quant is not None and t.dtype == "F8_E4M3":
+        return FP8_CARRIER
     kind = SAFETENSORS_TYPES.get(t.dtype)
     if kind is None:
+        fp8 = ", or F8_E4M3 with quant_method fp8" if quant is None else ""
         raise ExpertLayoutError(path, f"layer {index}: {_short(t.name, 120)} is {t.dtype}; "
-                                      f"experts must be {', '.join(SAFETENSORS_TYPES)}")
+                                      f"experts must be {', '.join(SAFETENSORS_TYPES)}{fp8}")
     return kind
 
 
 def _per_expert_layer(path: Path, index: int, experts: dict[int, dict[str, _Tensor]],
-                      router: TensorInfo | None) -> MoeLayer:
+                      router: TensorInfo | None, quant: QuantConfig | None = None,
+                      tensors: Mapping[str, Spec] | None = None) -> MoeLayer:
     """A layer whose every expert matrix is a tensor of its own; with no gate at all
     (Nemotron-H: up and down only), the up projection's two row halves stand as the
     expert's "gate" and "up" slices (``MoeLayer.gated`` false)."""
@@ -700,7 +715,7 @@ def _per_expert_layer(path: Path, index: int, experts: dict[int, dict[str, _Tens
                                       f"{len(lead.shape)}-D, expected [ffn, hidden]")
     ffn, hidden = lead.shape
     want = {"gate": (ffn, hidden), "up": (ffn, hidden), "down": (hidden, ffn)}
-    types = {p: _expert_type(path, index, first[p]) for p in parts}
+    types = {p: _expert_type(path, index, first[p], quant) for p in parts}
     if gated and types["gate"] != types["up"]:
         raise ExpertLayoutError(path, f"layer {index}: gate is {types['gate'].name} but up is "
                                       f"{types['up'].name}; they must share a type")
@@ -724,12 +739,24 @@ def _per_expert_layer(path: Path, index: int, experts: dict[int, dict[str, _Tens
         gate_bytes = up_bytes = lead.nbytes // 2
         offsets = tuple((experts[e]["up"].offset, experts[e]["up"].offset + gate_bytes,
                          experts[e]["down"].offset) for e in range(n))
+    scales = None
+    if FP8_CARRIER in types.values():
+        if not gated or len(set(types.values())) != 1:
+            raise ExpertLayoutError(path, f"layer {index}: FP8 experts are read with a gate "
+                                          "and every matrix FP8")
+        assert quant is not None and tensors is not None
+        def spec(t: _Tensor) -> Spec:
+            return (t.name, t.dtype, t.shape)
+
+        scales = fp8_layer_quant(path, index, quant, [
+            (spec(experts[e]["gate"]), spec(experts[e]["up"]), spec(experts[e]["down"]))
+            for e in range(n)], tensors)
     return MoeLayer(
         index=index, n_experts=n, gate_up_type=types[parts[0]], down_type=types["down"],
         gate_offset=offsets[0][0], up_offset=offsets[0][1], down_offset=offsets[0][2],
         gate_bytes=gate_bytes, up_bytes=up_bytes, down_bytes=first["down"].nbytes,
         gate_up_stride=gate_bytes, fused_gate_up=False, router=router, shape=(hidden, ffn),
-        expert_offsets=offsets, gated=gated,
+        expert_offsets=offsets, gated=gated, quant=scales,
     )
 
 
