@@ -136,13 +136,14 @@ def run_dequant(args: argparse.Namespace, device: Any) -> dict[str, Any]:
     def timed(work: Any) -> float:
         times = []
         for _ in range(20):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+            end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
             start.record()
             work()
             end.record()
             end.synchronize()
             times.append(start.elapsed_time(end))
-        return statistics.median(times[5:])
+        return float(statistics.median(times[5:]))
 
     dequant_ms = timed(lambda: [fp8_blocks(r, s, BLOCK, torch.bfloat16)
                                 for r, s in zip(raw, scales, strict=True)])
