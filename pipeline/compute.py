@@ -33,13 +33,15 @@ def _all_f16(table: ExpertTable) -> bool:
     if not other:
         return True
     n, (gate_up, down) = next(iter(other.items()))
+    quant = table.layers[n].quant
+    kinds = f"{quant.method} blocks" if quant is not None else f"{gate_up.name}/{down.name}"
     if len(other) < len(types):
         f16_layer = next(m for m in types if m not in other)
         raise ExpertLayoutError(
             table.path, f"real compute needs F16 experts in every MoE layer: layer {f16_layer} "
-            f"is F16, layer {n} is {gate_up.name}/{down.name}; use --compute digest or fixed")
+            f"is F16, layer {n} is {kinds}; use --compute digest or fixed")
     _log.warning("compute_fallback", requested="real", using="digest",
-                 reason=f"experts are {gate_up.name}/{down.name}; real SwiGLU needs F16")
+                 reason=f"experts are {kinds}; real SwiGLU needs F16")
     return False
 
 
