@@ -49,7 +49,7 @@ from pipeline.machine import machine_info, process_read_bytes
 from pipeline.manifest_build import RunManifest
 from pipeline.shards import CacheGroup, StreamerGroup, open_backends
 from pipeline.streamer import ExpertStreamer, LayerLoad, StageTimes
-from pipeline.summary import RunSummary, TokenTotals
+from pipeline.summary import RunSummary, TokenTotals, describe_experts
 from pipeline.verify import Verifier
 from stages.layout import plan_expert
 
@@ -208,6 +208,7 @@ class StreamSession:
         home = self.backends[0]
         summary = self.summary
         summary.backend, summary.model = home.name, str(table.path)
+        summary.experts = describe_experts(table.layers.values())
         summary.device = " + ".join(b.device_name for b in self.backends)
         await finish(self.runlog.open())
         layers = table.moe_layers

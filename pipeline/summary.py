@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -59,6 +60,8 @@ class RunSummary:
     backend: str = "host"
     device: str = "host"
     model: str = ""
+    experts: str = ""
+    """The experts as stored: their format and bytes each (``describe_experts``)."""
     exit: str = "ok"
     first_mismatch: str = ""
     stall_ms: float = 0.0
@@ -118,6 +121,7 @@ class RunSummary:
             "backend": self.backend,
             "device": self.device,
             "model": self.model,
+            "experts": self.experts,
             "exit": self.exit,
             "devices": self.devices,
         }
@@ -129,7 +133,8 @@ def print_summary(summary: RunSummary, as_json: bool) -> None:
         return
     gib = 1 << 30
     print(
-        f"model      {printable(summary.model)}\n"
+        f"model      {printable(summary.model)}"
+        f"{f' ({summary.experts})' if summary.experts else ''}\n"
         f"backend    {summary.backend} ({summary.device}), mode {summary.mode}"
         f"{f', {summary.switches} switches' if summary.switches else ''}\n"
         f"decoded    {summary.tokens} tokens in {summary.elapsed_s:.2f} s: "
@@ -144,3 +149,24 @@ def print_summary(summary: RunSummary, as_json: bool) -> None:
         f"{f', {summary.unverified} not verified' if summary.unverified else ''}"
         f" (digests: {summary.digests})"
     )
+
+
+def describe_experts(layers: Iterable[Any]) -> str:
+    """The experts as a miss reads them: format and bytes each, from MoE layer descriptions
+    (``MoeLayer`` or ``LayerInfo``: ``gate_up_type``, ``down_type``, ``expert_bytes``,
+    ``quant``), e.g. ``fp8 blocks 128x128, 4.50 MiB an expert as stored``."""
+    layers = list(layers)
+    if not layers:
+        return ""
+    first = layers[0]
+    if first.quant is not None:
+        bm, bn = first.quant.block
+        kind = f"{first.quant.method} blocks {bm}x{bn}"
+    else:
+        kinds = {first.gate_up_type.name, first.down_type.name}
+        kind = "/".join(sorted(kinds))
+    sizes = sorted({layer.expert_bytes for layer in layers})
+    each = f"{sizes[0] / (1 << 20):.2f} MiB"
+    if len(sizes) > 1:
+        each += f" to {sizes[-1] / (1 << 20):.2f} MiB"
+    return f"experts {kind}, {each} an expert as stored"

@@ -22,7 +22,7 @@ from pipeline.foundation.cli import closable_stdout, print_error
 from pipeline.foundation.errors import MoestreamError, UsageError
 from pipeline.foundation.outputs import check_not_input, check_output
 from pipeline.progress import LiveLine
-from pipeline.summary import RunSummary, print_summary
+from pipeline.summary import RunSummary, describe_experts, print_summary
 
 __all__ = ["add_arguments", "main"]
 
@@ -110,7 +110,8 @@ def _generate(args: argparse.Namespace) -> int:
                             verify=not args.no_verify, log=args.log)
     stream = model.moestream
     summary = RunSummary(model=str(args.model), backend=stream.session.backend,
-                         device=str(stream.device))
+                         device=str(stream.device),
+                         experts=describe_experts(stream.session.model.layers.values()))
     live = LiveLine(args.tokens, enabled=not args.json and sys.stderr.isatty())
     stream.on_token = lambda s: live.update(s.hits, s.misses, s.time, s.mode)
     try:

@@ -138,7 +138,7 @@ _FIELDS: dict[str, frozenset[str]] = {
             # optional, informative
             "evictions", "allocations", "frees", "stall_ms", "compute_ms", "mode", "modes",
             "switches", "backend", "device", "model", "hit_rate_final", "final_budget_bytes",
-            "devices", "unverified", "digests", "manifest_bytes",
+            "devices", "unverified", "digests", "manifest_bytes", "experts",
         }
     ),
 }
