@@ -3,12 +3,16 @@
 The generator is in the product (``pipeline.modelgen``: ``pipeline.run`` makes its default
 model with it); this command writes a preset, scaled by ``--layers``/``--experts``, to OUT.
 With ``--format safetensors`` OUT is a Hugging Face checkpoint directory instead
-(``pipeline.checkpointgen``).
+(``pipeline.checkpointgen``), plain or, with ``--quant``, quantized as FP8 blocks (Qwen3-MoE),
+MXFP4 (gpt-oss) or FP4 experts (DeepSeek-V4); ``--hidden``/``--expert-ffn``/``--top-k``
+reshape the preset (gpt-oss-120b's layer: ``--preset qwen3-30b-a3b --hidden 2880
+--expert-ffn 2880 --top-k 4``).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
 from collections.abc import Sequence
@@ -16,13 +20,13 @@ from pathlib import Path
 
 import structlog
 
-from pipeline.checkpointgen import DTYPES, CheckpointOptions, write_checkpoint
+from pipeline.checkpointgen import DTYPES, QUANTS, CheckpointOptions, write_checkpoint
 from pipeline.foundation.cli import UsageParser, closable_stdout, print_error, printable
 from pipeline.foundation.config import parse_size
 from pipeline.foundation.errors import MoestreamError, UsageError
 from pipeline.foundation.interrupts import stoppable
 from pipeline.foundation.outputs import check_output
-from pipeline.modelgen import PRESETS, spec_for, write_model
+from pipeline.modelgen import PRESETS, ModelSpec, spec_for, write_model
 
 __all__ = ["main"]
 
@@ -56,6 +60,18 @@ def main(argv: Sequence[str] | None = None) -> int:
                         "(default bf16)")
     parser.add_argument("--shard-size", metavar="SIZE", help="safetensors: largest shard "
                         "(default 2GiB; 5GB is 5 x 10^9 bytes)")
+    parser.add_argument("--quant", choices=QUANTS, help="safetensors: fp8 (a Qwen3-MoE "
+                        "checkpoint, every *_proj.weight F8_E4M3 with F32 weight_scale_inv "
+                        "blocks), mxfp4 (gpt-oss: experts fused as E2M1 blocks with E8M0 "
+                        "scales) or fp4 (DeepSeek-V4: experts E2M1 in I8 with E8M0 scales per "
+                        "32, attention and shared experts FP8 with E8M0 128x128 scales); "
+                        "norms, routers, embeddings and lm_head stay in --dtype")
+    parser.add_argument("--block", metavar="ROWSxCOLS", help="--quant fp8: a scale block "
+                        "(default 128x128; one number for a square)")
+    for option, what in (("hidden", "hidden size"), ("expert-ffn", "expert FFN"),
+                         ("top-k", "top-k")):
+        parser.add_argument(f"--{option}", type=int, metavar="N",
+                            help=f"safetensors: the preset's {what} replaced")
     parser.add_argument("--force", action="store_true", help="replace OUT if it exists")
     parser.add_argument("--debug", action="store_true", help="tracebacks on errors")
     debug = "--debug" in (sys.argv[1:] if argv is None else argv)
@@ -66,7 +82,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parser.parse_args(argv)
         if args.format == "safetensors":
             return _checkpoint(args)
-        for option in ("fused_experts", "dtype", "shard_size"):
+        for option in ("fused_experts", "dtype", "shard_size", "quant", "block", "hidden",
+                       "expert_ffn", "top_k"):
             if getattr(args, option) not in (None, False):
                 raise UsageError(f"--{option.replace('_', '-')} is for --format safetensors")
         check_output(args.out, what="OUT")  # a directory, device or FIFO: refused, --force or not
@@ -98,19 +115,50 @@ def _checkpoint(args: argparse.Namespace) -> int:
     """``--format safetensors``: write the checkpoint directory and print its summary line."""
     if args.fused_gate_up:
         raise UsageError("--fused-gate-up is for GGUF; a checkpoint's is --fused-experts")
+    if args.block is not None and args.quant != "fp8":
+        raise UsageError("--block is for --quant fp8")
     options = CheckpointOptions(
         dtype=args.dtype or "bf16", fused_experts=args.fused_experts,
-        shard_bytes=parse_size(args.shard_size) if args.shard_size else 2 << 30)
-    spec = spec_for(args.preset, args.layers, args.experts, args.seed)
+        shard_bytes=parse_size(args.shard_size) if args.shard_size else 2 << 30,
+        quant=args.quant, block=_block(args.block) if args.block else (128, 128))
+    spec = _reshaped(spec_for(args.preset, args.layers, args.experts, args.seed), args)
     written = write_checkpoint(spec, args.out, options, progress=sys.stderr.isatty(),
                                replace=args.force)
     size = written.tensor_bytes
+    kind = f"{options.quant} ({options.dtype} dense)" if options.quant else options.dtype
     with closable_stdout():
         print(f"{printable(str(args.out))}: {spec.preset}, {spec.n_layers} layers x "
-              f"{spec.n_experts} experts, {options.dtype}, {size / 2**30:.3f} GiB in "
-              f"{len(written.shards)} shard{'s' if len(written.shards) > 1 else ''}, "
-              f"{written.seconds:.1f} s ({size / 1e6 / max(written.seconds, 1e-9):.0f} MB/s)")
+              f"{spec.n_experts} experts, {kind}, {written.expert_bytes / 2**20:.3f} MiB per "
+              f"expert, {size / 2**30:.3f} GiB in {len(written.shards)} "
+              f"shard{'s' if len(written.shards) > 1 else ''}, {written.seconds:.1f} s "
+              f"({size / 1e6 / max(written.seconds, 1e-9):.0f} MB/s)")
     return 0
+
+
+def _block(text: str) -> tuple[int, int]:
+    """``--block``: ``128x128`` or ``128``."""
+    parts = text.lower().split("x")
+    try:
+        sizes = [int(part) for part in parts]
+    except ValueError:
+        sizes = []
+    if len(sizes) not in (1, 2) or min(sizes) < 1:
+        raise UsageError(f"--block: expected ROWSxCOLS or one size >= 1, got {text!r}")
+    return (sizes[0], sizes[-1])
+
+
+def _reshaped(spec: ModelSpec, args: argparse.Namespace) -> ModelSpec:
+    """``spec`` with ``--hidden``, ``--expert-ffn`` and ``--top-k`` applied."""
+    changes = {field: getattr(args, option) for option, field in
+               (("hidden", "hidden"), ("expert_ffn", "expert_ffn"), ("top_k", "top_k"))
+               if getattr(args, option) is not None}
+    for field, value in changes.items():
+        if value < 1:
+            raise UsageError(f"--{field.replace('_', '-')} must be >= 1, got {value}")
+    if changes.get("top_k", 0) > spec.n_experts:
+        raise UsageError(f"--top-k {changes['top_k']} is more than the {spec.n_experts} "
+                         "experts")
+    return dataclasses.replace(spec, **changes) if changes else spec
 
 
 if __name__ == "__main__":
