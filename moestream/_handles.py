@@ -187,7 +187,11 @@ class Matrix:
 
 
 def _matrix_shapes(info: MoeLayer) -> tuple[tuple[int, int], ...]:
-    """(gate, up, down) shapes of the layer's experts, as ``Matrix.shape`` says."""
+    """(gate, up, down) shapes of the layer's experts, as ``Matrix.shape`` says; for
+    quantized experts whose bytes are not elements (FP4, MXFP4: two values a byte), the
+    shapes of their bytes as stored (``ExpertQuant.shapes``)."""
+    if info.quant is not None and info.quant.shapes is not None:
+        return info.quant.shapes
     hidden, ffn = info.shape
     if info.transposed:
         return (hidden // 2, 2 * ffn), (hidden // 2, 2 * ffn), (ffn, hidden)

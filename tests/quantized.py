@@ -8,6 +8,15 @@ allowed), and ``quantization_config: {quant_method: fp8, fmt: e4m3, weight_block
 activation_scheme: dynamic}`` in ``config.json``. The quantization is the formats' own rule:
 a block's scale is its largest magnitude over 448 (E4M3's largest finite), each value
 divided by it and rounded to E4M3.
+
+``mxfp4_checkpoint`` turns a gpt-oss float checkpoint into one laid out as OpenAI ships
+gpt-oss: each layer's experts ``gate_up_proj_blocks`` ``[E, 2F, D / 32, 16]`` and
+``down_proj_blocks`` ``[E, D, F / 32, 16]`` (the transposes of the float layout, in groups
+of 32 along a row, two E2M1 codes a byte, the low nibble first), ``*_scales`` U8 beside
+them, the biases F32, ``quantization_config: {quant_method: mxfp4, modules_to_not_convert}``.
+The rule is OCP MX's: a group's shared exponent is ``floor(log2(amax)) - 2`` (E2M1's
+largest exponent), stored plus 127; each value divided by ``2 ** exponent``, rounded to the
+nearest E2M1 (ties to the even code) and saturated at 6.
 """
 
 from __future__ import annotations
@@ -20,9 +29,11 @@ from typing import Any
 import torch  # type: ignore[import-not-found, unused-ignore]
 from safetensors.torch import load_file, save_file  # type: ignore[import-not-found, unused-ignore]
 
-__all__ = ["fp8_checkpoint", "quantize_fp8"]
+__all__ = ["fp8_checkpoint", "mxfp4_checkpoint", "quantize_fp8", "quantize_mxfp4"]
 
 E4M3_MAX = 448.0
+E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+GROUP = 32
 
 
 def quantize_fp8(weight: Any, block: tuple[int, int]) -> tuple[Any, Any]:
@@ -74,4 +85,81 @@ def fp8_checkpoint(source: Path, target: Path, block: tuple[int, int] = (16, 16)
                                      "weight_block_size": list(block),
                                      "activation_scheme": "dynamic"}
     (target / "config.json").write_text(json.dumps(config))
+    return target
+
+
+def _e2m1_codes(scaled: Any) -> Any:
+    """Values already divided by their scale, as E2M1 codes (uint8): the nearest magnitude,
+    ties to the even code, saturated at 6; the sign in bit 3."""
+    magnitudes = torch.tensor(E2M1_MAGNITUDES)
+    distance = (scaled.abs().clamp(max=E2M1_MAGNITUDES[-1])[..., None] - magnitudes).abs()
+    tied = distance == distance.min(-1, keepdim=True).values
+    even = tied & (torch.arange(8) % 2 == 0)
+    code = torch.where(even.any(-1), even.int().argmax(-1), tied.int().argmax(-1))
+    return (code | torch.where(scaled < 0, 8, 0)).to(torch.uint8)
+
+
+def _pack(codes: Any) -> Any:
+    """Two codes a byte along the last axis, the first in the low nibble."""
+    return (codes[..., 0::2] | (codes[..., 1::2] << 4)).contiguous()
+
+
+def quantize_mxfp4(weight: Any) -> tuple[Any, Any]:
+    """``weight`` (..., cols) as MXFP4: blocks (..., cols / 32, 16) uint8 and E8M0 scales
+    (..., cols / 32) uint8 (OCP MX: ``floor(log2(amax)) - 2``, plus 127)."""
+    *lead, cols = weight.shape
+    groups = weight.to(torch.float32).reshape(*lead, cols // GROUP, GROUP)
+    amax = groups.abs().amax(-1)
+    exponent = torch.where(amax > 0, torch.floor(torch.log2(amax)) - 2,
+                           torch.full_like(amax, -127)).clamp(-127, 127)
+    codes = _e2m1_codes(groups / torch.exp2(exponent)[..., None])
+    return _pack(codes), (exponent + 127).to(torch.uint8)
+
+
+def _rewrite(source: Path, target: Path, convert: Any) -> None:
+    """``source``'s shards through ``convert`` (name, tensor -> {name: tensor}) into
+    ``target``, its index following the new names; every other file copied."""
+    target.mkdir(parents=True)
+    index = None
+    renamed: dict[str, list[str]] = {}
+    for file in source.iterdir():
+        if file.suffix == ".safetensors":
+            out: dict[str, Any] = {}
+            for name, tensor in load_file(file).items():
+                made = convert(name, tensor)
+                renamed[name] = list(made)
+                out.update(made)
+            save_file(out, target / file.name, metadata={"format": "pt"})
+        elif file.name == "model.safetensors.index.json":
+            index = json.loads(file.read_text())
+        elif file.is_file():
+            shutil.copyfile(file, target / file.name)
+    if index is not None:
+        weight_map = index["weight_map"]
+        index["weight_map"] = {new: weight_map[old] for old, news in renamed.items()
+                               for new in news}
+        (target / "model.safetensors.index.json").write_text(json.dumps(index))
+
+
+def _config(target: Path, **changes: Any) -> None:
+    config = json.loads((target / "config.json").read_text())
+    config.update(changes)
+    (target / "config.json").write_text(json.dumps(config))
+
+
+def mxfp4_checkpoint(source: Path, target: Path) -> Path:
+    """``source``'s gpt-oss checkpoint written to ``target`` with MXFP4 experts."""
+    def convert(name: str, tensor: Any) -> dict[str, Any]:
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            blocks, scales = quantize_mxfp4(tensor.transpose(1, 2))  # rows of [E, out, in]
+            return {name + "_blocks": blocks, name + "_scales": scales}
+        if ".experts." in name and name.endswith("_bias"):
+            return {name: tensor.to(torch.float32)}
+        return {name: tensor}
+
+    _rewrite(source, target, convert)
+    _config(target, quantization_config={
+        "quant_method": "mxfp4",
+        "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
+                                   "model.embed_tokens", "lm_head"]})
     return target

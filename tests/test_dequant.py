@@ -1,5 +1,6 @@
 """moestream.transformers._dequant: quantized matrices equal to transformers' own
-dequantization (bitwise), on random valid blocks, every FP8 code, extreme scales."""
+dequantization (bitwise), on random valid blocks, every FP8 and E2M1 code, extreme scales
+(every E8M0 byte, 0 and 255 included), on the CPU and, where torch sees one, a GPU."""
 
 from __future__ import annotations
 
@@ -12,10 +13,17 @@ from hypothesis import strategies as st
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 finegrained = pytest.importorskip("transformers.integrations.finegrained_fp8")
+mxfp4 = pytest.importorskip("transformers.integrations.mxfp4")
 
-from moestream.transformers._dequant import fp8_blocks  # noqa: E402
+from moestream.transformers._dequant import (  # noqa: E402
+    e2m1_pairs,
+    fp8_blocks,
+    mxfp4_blocks,
+    mxfp4_exponents,
+)
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
 def _theirs(weights: Any, scales: Any, dtype: Any) -> Any:
@@ -94,3 +102,64 @@ class TestFp8Blocks:
 def _both_nan_equal(a: Any, b: Any) -> bool:
     return bool(torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(0.0),
                                                                    b.nan_to_num(0.0)))
+
+
+@st.composite
+def mxfp4_tensor(draw: st.DrawFn) -> tuple[Any, Any]:
+    """gpt-oss's blocks ``(E, rows, groups, 16)`` of random bytes and scales of random E8M0
+    bytes, the extremes (0, 1, 126..128, 254, 255) drawn often."""
+    experts, rows, groups = draw(st.integers(1, 3)), draw(st.integers(1, 9)), draw(
+        st.integers(1, 3))
+    gen = torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1)))
+    blocks = torch.randint(0, 256, (experts, rows, groups, 16), generator=gen,
+                           dtype=torch.uint8)
+    extremes = torch.tensor([0, 1, 126, 127, 128, 254, 255], dtype=torch.uint8)
+    scales = torch.randint(0, 256, (experts, rows, groups), generator=gen, dtype=torch.uint8)
+    pick = torch.randint(0, 2, scales.shape, generator=gen).bool()
+    chosen = extremes[torch.randint(0, len(extremes), scales.shape, generator=gen)]
+    return blocks, torch.where(pick, chosen, scales)
+
+
+def _ours_mxfp4(blocks: Any, scales: Any, dtype: Any, device: str) -> Any:
+    """gpt-oss's layout from moestream's function: rows of the untransposed matrices
+    (blocks as bytes) dequantized, then transposed as the module keeps them."""
+    e, rows, groups, half = blocks.shape
+    packed = blocks.reshape(e, rows, groups * half).to(device)
+    out = mxfp4_blocks(packed, mxfp4_exponents(scales.to(device)), dtype, e2m1_pairs(device))
+    return out.transpose(1, 2).cpu()
+
+
+class TestMxfp4:
+    """gpt-oss's MXFP4 (``quant_method: mxfp4``) against ``convert_moe_packed_tensors``,
+    the function ``Mxfp4Config(dequantize=True)`` loads with."""
+
+    @settings(max_examples=60, deadline=None)
+    @given(mxfp4_tensor(), st.sampled_from(DTYPES), st.sampled_from(DEVICES))
+    def test_equal_to_transformers(self, made: tuple[Any, Any], dtype: Any,
+                                   device: str) -> None:
+        blocks, scales = made
+        theirs = mxfp4.convert_moe_packed_tensors(blocks.to(device), scales.to(device),
+                                                  dtype=dtype).cpu()
+        assert _both_nan_equal(_ours_mxfp4(blocks, scales, dtype, device), theirs)
+
+    @pytest.mark.parametrize("device", DEVICES)
+    def test_every_code_at_every_scale(self, device: str) -> None:
+        """Each of the 256 bytes (every pair of E2M1 codes) under each of the 256 E8M0
+        scales."""
+        blocks = torch.arange(256, dtype=torch.uint8).repeat(256, 1).reshape(1, 256, 16, 16)
+        scales = torch.arange(256, dtype=torch.uint8)[:, None].repeat(1, 16).reshape(1, 256, 16)
+        for dtype in DTYPES:
+            theirs = mxfp4.convert_moe_packed_tensors(blocks.to(device), scales.to(device),
+                                                      dtype=dtype).cpu()
+            assert _both_nan_equal(_ours_mxfp4(blocks, scales, dtype, device), theirs)
+
+    def test_batched_experts_equal_one_by_one(self) -> None:
+        gen = torch.Generator().manual_seed(5)
+        packed = torch.randint(0, 256, (4, 24, 32), generator=gen, dtype=torch.uint8)
+        exponents = mxfp4_exponents(torch.randint(110, 140, (4, 24, 2), generator=gen,
+                                                  dtype=torch.uint8))
+        pairs = e2m1_pairs("cpu")
+        batched = mxfp4_blocks(packed, exponents, torch.bfloat16, pairs)
+        for e in range(4):
+            assert torch.equal(batched[e], mxfp4_blocks(packed[e], exponents[e],
+                                                        torch.bfloat16, pairs))

@@ -217,21 +217,17 @@ class ExpertStream:
         dtype = module.down_proj.dtype
         scales = self.scales.get(h.layer)
         if scales is not None:
-            return tuple(scales.dequantize(name, [h.expert], _raw(m), dtype)
-                         for name, m in zip(_PARTS, h.matrices, strict=True))
+            gate, up, down = h.matrices
+            return scales.expert(h.expert, (_raw(gate), _raw(up), _raw(down)), dtype)
         return _view(h.gate, dtype), _view(h.up, dtype), _view(h.down, dtype)
 
     def _dequantized(self, module: Any, handles: Sequence[ExpertHandle], gate_up: Any,
                      down: Any) -> None:
         """The quantized experts of ``handles`` dequantized into ``gate_up`` and ``down``:
         one product per matrix kind for the whole batch."""
-        scales = self.scales[handles[0].layer]
-        dtype, experts = down.dtype, [h.expert for h in handles]
-        ffn = down.shape[-1]
-        for name, at, target in (("gate", 0, gate_up[:, :ffn]), ("up", 1, gate_up[:, ffn:]),
-                                 ("down", 2, down)):
-            raw = torch.stack([_raw(h.matrices[at]) for h in handles])
-            target.copy_(scales.dequantize(name, experts, raw, dtype))
+        raws = [torch.stack([_raw(h.matrices[at]) for h in handles]) for at in range(3)]
+        self.scales[handles[0].layer].fill([h.expert for h in handles],
+                                           (raws[0], raws[1], raws[2]), gate_up, down)
 
     def _stacked(self, module: Any, handles: Sequence[ExpertHandle]) -> tuple[Any, Any]:
         """The experts' weights stacked for one grouped product, as the module keeps its

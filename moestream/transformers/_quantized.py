@@ -1,12 +1,13 @@
 """A quantized checkpoint's scales: the experts' kept on the device, the dense ones folded in
 at load.
 
-The routed experts stream quantized; their block scales (``ExpertQuant.scales``: a few
-hundred bytes a matrix) are read once through the session (``read_tensor``: the files as
-identified) and kept on the compute device as one float32 tensor per layer and matrix,
-indexed by expert, so that dequantizing a batch of arrived experts is one gather and one
-product. The dense weights (attention, shared experts) are dequantized once at load, as
-transformers' ``dequantize=True`` does: the model then holds them in its own dtype.
+The routed experts stream quantized; their scales (``ExpertQuant.scales``: a few hundred
+bytes a matrix for FP8 blocks; gpt-oss's MXFP4 one tensor a layer) are read once through
+the session (``read_tensor``: the files as identified) and kept on the compute device as
+one tensor per layer and matrix, indexed by expert (float32; MXFP4's as int32 powers of
+two), so that dequantizing a batch of arrived experts is one gather and one product. The
+dense weights (attention, shared experts) are dequantized once at load, as transformers'
+``dequantize=True`` does: the model then holds them in its own dtype.
 """
 
 from __future__ import annotations
@@ -19,7 +20,12 @@ from typing import Any
 import torch  # type: ignore[import-not-found, unused-ignore]
 
 import moestream
-from moestream.transformers._dequant import fp8_blocks
+from moestream.transformers._dequant import (
+    e2m1_pairs,
+    fp8_blocks,
+    mxfp4_blocks,
+    mxfp4_exponents,
+)
 from pipeline.foundation.errors import ModelFileError
 
 __all__ = ["DenseScales", "LayerScales", "load_scales"]
@@ -29,19 +35,60 @@ _SCALE = "_scale_inv"
 
 @dataclass(frozen=True, slots=True)
 class LayerScales:
-    """One layer's expert scales on the device: ``(experts, rows / bm, cols / bn)`` float32
-    per matrix, and the block they scale."""
+    """One layer's expert scales on the device, per matrix ``(experts, rows / bm, cols /
+    bn)`` (float32; MXFP4's int32 exponents), and what they scale.
 
+    Attributes:
+        method: ``fp8`` or ``mxfp4`` (``ExpertQuant.method``).
+        block: the elements one scale covers.
+        gate, up, down: the scales, indexed by expert.
+        pairs: the E2M1 table on the device (MXFP4), else None.
+        transposed: the module keeps the experts transposed (gpt-oss) while the bytes are
+            rows of the untransposed matrices (MXFP4).
+    """
+
+    method: str
     block: tuple[int, int]
     gate: Any
     up: Any
     down: Any
+    pairs: Any = None
+    transposed: bool = False
 
     def dequantize(self, which: str, experts: list[int], raw: Any, dtype: Any) -> Any:
-        """``raw`` FP8 matrices ``(n, rows, cols)`` (or one, 2-D) of ``experts``, in
-        ``dtype``."""
+        """``raw`` quantized matrices ``(n, rows, bytes)`` (or one, 2-D) of ``experts``, in
+        ``dtype``, as stored (``(n, rows, cols)``: MXFP4's untransposed)."""
         scales = getattr(self, which)[experts[0] if raw.dim() == 2 else experts]
+        if self.method == "mxfp4":
+            return mxfp4_blocks(raw, scales, dtype, self.pairs)
         return fp8_blocks(raw, scales, self.block, dtype)
+
+    def expert(self, expert: int, raws: tuple[Any, Any, Any], dtype: Any
+               ) -> tuple[Any, Any, Any]:
+        """One expert's matrices as the module's layout has them: gate ``(F, D)``, up and
+        down ``(D, F)``; transposed, the row halves of gate_up ``(D, 2F)`` and down ``(F,
+        D)``, each contiguous (a product reads them as the module's own)."""
+        gate, up, down = (self.dequantize(name, [expert], raw, dtype)
+                          for name, raw in zip(("gate", "up", "down"), raws, strict=True))
+        if not self.transposed:
+            return gate, up, down
+        gate_up = torch.cat((gate.T, up.T), dim=1)
+        half = gate_up.shape[0] // 2
+        return gate_up[:half], gate_up[half:], down.T.contiguous()
+
+    def fill(self, experts: list[int], raws: tuple[Any, Any, Any], gate_up: Any,
+             down: Any) -> None:
+        """The experts' matrices (``raws``: the stacked gate, up and down bytes) dequantized
+        into the module's layout: ``gate_up`` ``(n, 2F, D)`` and ``down`` ``(n, D, F)``, or
+        transposed ``(n, D, 2F)`` and ``(n, F, D)``; one product per matrix kind."""
+        ffn = down.shape[-1] if not self.transposed else down.shape[-2]
+        if self.transposed:
+            targets = (gate_up[..., :ffn], gate_up[..., ffn:], down)
+        else:
+            targets = (gate_up[:, :ffn], gate_up[:, ffn:], down)
+        for name, raw, target in zip(("gate", "up", "down"), raws, targets, strict=True):
+            value = self.dequantize(name, experts, raw, target.dtype)
+            target.copy_(value.transpose(-1, -2) if self.transposed else value)
 
 
 def load_scales(session: moestream.SyncSession, layers: list[int], device: Any,
@@ -49,14 +96,25 @@ def load_scales(session: moestream.SyncSession, layers: list[int], device: Any,
     """Every quantized layer's expert scales, read through ``read`` (a CPU tensor of a
     spec), stacked per matrix and moved to ``device``."""
     out: dict[int, LayerScales] = {}
+    pairs = None
     for layer in layers:
-        quant = session.model.layers[layer].quant
+        info = session.model.layers[layer]
+        quant = info.quant
         if quant is None:
             continue
         tensors = session.model.tensors
-        stacks = [torch.stack([read(tensors[names[i]]).to(torch.float32)
-                               for names in quant.scales]).to(device) for i in range(3)]
-        out[layer] = LayerScales(quant.block, *stacks)
+        if quant.layer_scales is not None:  # MXFP4: one tensor a layer, rows gate then up
+            gate_up, down = (mxfp4_exponents(read(tensors[name])).to(device)
+                             for name in quant.layer_scales)
+            stacks = [gate_up[:, :info.ffn], gate_up[:, info.ffn:], down]
+        else:
+            stacks = [torch.stack([read(tensors[names[i]]).to(torch.float32)
+                                   for names in quant.scales]).to(device) for i in range(3)]
+        if quant.method != "fp8" and pairs is None:
+            pairs = e2m1_pairs(device)
+        out[layer] = LayerScales(quant.method, quant.block, stacks[0], stacks[1], stacks[2],
+                                 pairs=None if quant.method == "fp8" else pairs,
+                                 transposed=info.transposed)
     return out
 
 
@@ -76,8 +134,7 @@ class DenseScales:
         block = quant.get("weight_block_size") if isinstance(quant, dict) else None
         self._block = (int(block[0]), int(block[1])) if block else None  # checked by the table
         self._expert_scales = {name for layer in session.model.layers.values()
-                               if layer.quant is not None
-                               for names in layer.quant.scales for name in names}
+                               if layer.quant is not None for name in layer.quant.names}
 
     def is_scale(self, name: str) -> bool:
         """Whether ``name`` is a scale another tensor consumes."""
@@ -91,9 +148,9 @@ class DenseScales:
             return tensor
         scale = self._tensors.get(spec.name + _SCALE)
         if scale is None or self._block is None:
-            raise ModelFileError(self._root, f"{spec.name[:120]} is F8_E4M3 without "
-                                 f"{'its ' + _SCALE if scale is None else 'a quantization_config'}"
-                                 ": no scale to read it with")
+            lacks = f"its {_SCALE}" if scale is None else "a quantization_config"
+            raise ModelFileError(self._root, f"{spec.name[:120]} is F8_E4M3 without {lacks}: "
+                                 "no scale to read it with")
         bm, bn = self._block
         rows, cols = spec.shape if len(spec.shape) == 2 else (0, 0)
         if tuple(scale.shape) != (-(-rows // bm), -(-cols // bn)):

@@ -107,8 +107,8 @@ class MoeLayer:
     transposed: bool = False
     gated: bool = True
     quant: ExpertQuant | None = None
-    """Quantized experts (FP8 blocks): what their bytes mean and where each one's scales
-    are; None for float and GGUF experts (a GGUF type says it all)."""
+    """Quantized experts (FP8 blocks, FP4, MXFP4): what their bytes mean and where their
+    scales are; None for float and GGUF experts (a GGUF type says it all)."""
 
     @property
     def expert_bytes(self) -> int:

@@ -23,8 +23,9 @@ block ``B`` (``mlp``; ``block_sparse_moe`` in Mixtral and Granite, ``ffn`` in De
 Shared experts (``mlp.shared_expert(s)``), dense layers and everything else are non-routed
 tensors (``is_routed`` tells which). The router of layer L is ``...layers.L.B.gate.weight``
 (``router.weight`` in Jamba, ``router.layer.weight`` in Granite; ``[E, D]``). Experts in
-BF16, F16 or F32 are accepted; any other expert dtype (FP8, integer, quantized) is refused
-in one line.
+BF16, F16 or F32 are accepted, and the quantized formats ``pipeline.foundation.quantization``
+lists (FP8 blocks, gpt-oss's MXFP4 ``*_blocks``) with their
+``quantization_config``; any other expert dtype is refused in one line.
 
 A hostile file is refused in one line before anything past its header is trusted, and a
 shard is refused whenever safetensors' own reader (``safe_open``, 0.8) refuses it: a header
@@ -79,10 +80,12 @@ from pipeline.foundation.experts import ExpertTable, MoeLayer, TensorInfo
 from pipeline.foundation.files import ModelFile, check_identity, lay_out, open_identified
 from pipeline.foundation.inputs import JSONDepthError, load_json_bounded, read_input
 from pipeline.foundation.quantization import (
-    FP8_CARRIER,
+    CARRIER,
     QuantConfig,
     Spec,
+    carried,
     fp8_layer_quant,
+    mxfp4_layer_quant,
     quant_config,
 )
 
@@ -126,8 +129,8 @@ Nemotron-H."""
 _EXPERT = re.compile(rf"^(?:.*\.)?layers\.(\d+)\.{_MOE}\.experts\.(\d+)\."
                      r"(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$", re.ASCII)
 _FUSED = re.compile(rf"^(?:.*\.)?layers\.(\d+)\.(?:{_MOE}\.experts\.(gate_up_proj|down_proj)"
-                    r"(?:\.weight)?|block_sparse_moe\.(input_linear|output_linear)\.weight)$",
-                    re.ASCII)
+                    r"(?:\.weight|_blocks)?|block_sparse_moe\.(input_linear|output_linear)"
+                    r"\.weight)$", re.ASCII)
 _ROUTER = re.compile(rf"^(?:.*\.)?layers\.(\d+)\.{_MOE}\.(?:gate|router|router\.layer)"
                      r"\.weight$", re.ASCII)
 _BLOCK = re.compile(r"(?:^|\.)layers\.(\d+)\.", re.ASCII)
@@ -606,7 +609,7 @@ def _build(path: Path, files: tuple[ModelFile, ...], shards: list[_Shard],
     layers: dict[int, MoeLayer] = {}
     for index in sorted({*per_expert, *fused}):
         if index in fused:
-            moe = _fused_layer(path, index, fused[index], routers.get(index))
+            moe = _fused_layer(path, index, fused[index], routers.get(index), quant, specs)
         else:
             moe = _per_expert_layer(path, index, per_expert[index], routers.get(index),
                                     quant, specs)
@@ -681,13 +684,15 @@ def _claim(path: Path, slots: dict[str, _Tensor], slot: str, t: _Tensor, whose: 
 
 def _expert_type(path: Path, index: int, t: _Tensor,
                  quant: QuantConfig | None = None) -> GGMLQuantizationType:
-    if quant is not None and t.dtype == "F8_E4M3":
-        return FP8_CARRIER
+    if carried(quant, t.dtype):
+        return CARRIER
     kind = SAFETENSORS_TYPES.get(t.dtype)
     if kind is None:
-        fp8 = ", or F8_E4M3 with quant_method fp8" if quant is None else ""
-        raise ExpertLayoutError(path, f"layer {index}: {_short(t.name, 120)} is {t.dtype}; "
-                                      f"experts must be {', '.join(SAFETENSORS_TYPES)}{fp8}")
+        said = f" (quantization_config: {quant.experts} experts)" if quant is not None else ""
+        raise ExpertLayoutError(path, f"layer {index}: {_short(t.name, 120)} is {t.dtype}"
+                                      f"{said}; experts must be {', '.join(SAFETENSORS_TYPES)}, "
+                                      "or F8_E4M3 with quant_method fp8, MXFP4 blocks with "
+                                      "quant_method mxfp4")
     return kind
 
 
@@ -740,10 +745,10 @@ def _per_expert_layer(path: Path, index: int, experts: dict[int, dict[str, _Tens
         offsets = tuple((experts[e]["up"].offset, experts[e]["up"].offset + gate_bytes,
                          experts[e]["down"].offset) for e in range(n))
     scales = None
-    if FP8_CARRIER in types.values():
+    if CARRIER in types.values():
         if not gated or len(set(types.values())) != 1:
-            raise ExpertLayoutError(path, f"layer {index}: FP8 experts are read with a gate "
-                                          "and every matrix FP8")
+            raise ExpertLayoutError(path, f"layer {index}: quantized experts are read with a "
+                                          "gate and every matrix quantized")
         assert quant is not None and tensors is not None
         def spec(t: _Tensor) -> Spec:
             return (t.name, t.dtype, t.shape)
@@ -761,14 +766,23 @@ def _per_expert_layer(path: Path, index: int, experts: dict[int, dict[str, _Tens
 
 
 def _fused_layer(path: Path, index: int, parts: dict[str, _Tensor],
-                 router: TensorInfo | None) -> MoeLayer:
+                 router: TensorInfo | None, quant: QuantConfig | None = None,
+                 tensors: Mapping[str, Spec] | None = None) -> MoeLayer:
     """A layer of the fused form: ``gate_up_proj`` [E, 2F, D] and ``down_proj`` [E, D, F],
     or transposed (gpt-oss) [E, D, 2F] and [E, F, D]; the shapes tell which (both at once
-    only when empty)."""
+    only when empty). gpt-oss's MXFP4 blocks are the transposed form, quantized."""
     gate_up, down = parts.get("gate_up_proj"), parts.get("down_proj")
     if gate_up is None or down is None:
         missing = "gate_up_proj" if gate_up is None else "down_proj"
         raise ExpertLayoutError(path, f"layer {index}: fused experts lack {missing}")
+    blocks = [t for t in (gate_up, down) if t.name.endswith("_blocks")]
+    if blocks:
+        if quant is None or quant.experts != "mxfp4" or tensors is None:
+            raise ExpertLayoutError(path, f"layer {index}: {_short(blocks[0].name, 120)} is "
+                                          "MXFP4 blocks, but quantization_config is "
+                                          f"{quant.method if quant else 'absent'}; moestream "
+                                          "reads them with quant_method mxfp4")
+        return _mxfp4_layer(path, index, gate_up, down, router, tensors)
     if len(gate_up.shape) != 3 or len(down.shape) != 3:
         raise ExpertLayoutError(path, f"layer {index}: fused experts must be 3-D, got "
                                       f"{_short(list(gate_up.shape))} and "
@@ -789,4 +803,21 @@ def _fused_layer(path: Path, index: int, parts: dict[str, _Tensor],
         down_offset=down.offset, gate_bytes=stride // 2, up_bytes=stride // 2,
         down_bytes=down.nbytes // n, gate_up_stride=stride, fused_gate_up=True,
         router=router, shape=(hidden, ffn), transposed=transposed,
+    )
+
+
+def _mxfp4_layer(path: Path, index: int, gate_up: _Tensor, down: _Tensor,
+                 router: TensorInfo | None, tensors: Mapping[str, Spec]) -> MoeLayer:
+    """gpt-oss's MXFP4 experts: an expert is its slice of each blocks tensor, its gate and
+    up the two row halves of its gate_up blocks (``ExpertQuant.shapes``)."""
+    n, hidden, ffn, scales = mxfp4_layer_quant(path, index, (gate_up.name, gate_up.dtype,
+                                                        gate_up.shape),
+                                          (down.name, down.dtype, down.shape), tensors)
+    stride = gate_up.nbytes // n
+    return MoeLayer(
+        index=index, n_experts=n, gate_up_type=CARRIER, down_type=CARRIER,
+        gate_offset=gate_up.offset, up_offset=gate_up.offset + stride // 2,
+        down_offset=down.offset, gate_bytes=stride // 2, up_bytes=stride // 2,
+        down_bytes=down.nbytes // n, gate_up_stride=stride, fused_gate_up=True,
+        router=router, shape=(hidden, ffn), transposed=True, quant=scales,
     )
