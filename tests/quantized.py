@@ -17,6 +17,14 @@ them, the biases F32, ``quantization_config: {quant_method: mxfp4, modules_to_no
 The rule is OCP MX's: a group's shared exponent is ``floor(log2(amax)) - 2`` (E2M1's
 largest exponent), stored plus 127; each value divided by ``2 ** exponent``, rounded to the
 nearest E2M1 (ties to the even code) and saturated at 6.
+
+``fp4_checkpoint`` turns a DeepSeek-V4 float checkpoint into one laid out as DeepSeek ships
+V4-Flash: routed experts ``ffn.experts.E.w{1,2,3}.weight`` I8 ``[rows, cols / 2]`` (E2M1
+pairs, the low nibble first) with ``.scale`` F8_E8M0 ``[rows, cols / 32]``; attention and
+shared-expert weights F8_E4M3 with ``.scale`` F8_E8M0 per block; ``quantization_config:
+{quant_method: fp8, fmt: e4m3, scale_fmt: ue8m0, weight_block_size}`` and ``expert_dtype:
+fp4``. Its scales are DeepSeek's ue8m0 rule: the smallest power of two that brings the
+group's (or block's) largest magnitude within the format's largest finite (6, 448).
 """
 
 from __future__ import annotations
@@ -29,15 +37,24 @@ from typing import Any
 import torch  # type: ignore[import-not-found, unused-ignore]
 from safetensors.torch import load_file, save_file  # type: ignore[import-not-found, unused-ignore]
 
-__all__ = ["fp8_checkpoint", "mxfp4_checkpoint", "quantize_fp8", "quantize_mxfp4"]
+__all__ = ["fp4_checkpoint", "fp8_checkpoint", "mxfp4_checkpoint", "quantize_fp4",
+           "quantize_fp8", "quantize_mxfp4"]
 
 E4M3_MAX = 448.0
+E2M1_MAX = 6.0
 E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 GROUP = 32
 
 
-def quantize_fp8(weight: Any, block: tuple[int, int]) -> tuple[Any, Any]:
-    """``weight`` (rows, cols) as E4M3 and its float32 block scales."""
+def _power_of_two(amax: Any, largest: float) -> Any:
+    """The ue8m0 scale: the smallest power of two ``s`` with ``amax / s <= largest``."""
+    exponent = torch.ceil(torch.log2(amax.clamp(min=2.0**-126) / largest))
+    return torch.exp2(exponent.clamp(-127, 127))
+
+
+def quantize_fp8(weight: Any, block: tuple[int, int], ue8m0: bool = False) -> tuple[Any, Any]:
+    """``weight`` (rows, cols) as E4M3 and its float32 block scales (powers of two with
+    ``ue8m0``)."""
     rows, cols = weight.shape
     bm, bn = block
     sr, sc = -(-rows // bm), -(-cols // bn)
@@ -47,7 +64,8 @@ def quantize_fp8(weight: Any, block: tuple[int, int]) -> tuple[Any, Any]:
     for i in range(sr):
         for j in range(sc):
             part = w[i * bm:(i + 1) * bm, j * bn:(j + 1) * bn]
-            scale = part.abs().max().clamp(min=1e-12) / E4M3_MAX
+            amax = part.abs().max()
+            scale = _power_of_two(amax, E4M3_MAX) if ue8m0 else amax.clamp(min=1e-12) / E4M3_MAX
             scales[i, j] = scale
             out[i * bm:(i + 1) * bm, j * bn:(j + 1) * bn] = (part / scale).to(torch.float8_e4m3fn)
     return out, scales
@@ -92,7 +110,7 @@ def _e2m1_codes(scaled: Any) -> Any:
     """Values already divided by their scale, as E2M1 codes (uint8): the nearest magnitude,
     ties to the even code, saturated at 6; the sign in bit 3."""
     magnitudes = torch.tensor(E2M1_MAGNITUDES)
-    distance = (scaled.abs().clamp(max=E2M1_MAGNITUDES[-1])[..., None] - magnitudes).abs()
+    distance = (scaled.abs().clamp(max=E2M1_MAX)[..., None] - magnitudes).abs()
     tied = distance == distance.min(-1, keepdim=True).values
     even = tied & (torch.arange(8) % 2 == 0)
     code = torch.where(even.any(-1), even.int().argmax(-1), tied.int().argmax(-1))
@@ -114,6 +132,16 @@ def quantize_mxfp4(weight: Any) -> tuple[Any, Any]:
                            torch.full_like(amax, -127)).clamp(-127, 127)
     codes = _e2m1_codes(groups / torch.exp2(exponent)[..., None])
     return _pack(codes), (exponent + 127).to(torch.uint8)
+
+
+def quantize_fp4(weight: Any) -> tuple[Any, Any]:
+    """``weight`` (rows, cols) as DeepSeek-V4's FP4: int8 (rows, cols / 2) and float8_e8m0
+    scales (rows, cols / 32)."""
+    rows, cols = weight.shape
+    groups = weight.to(torch.float32).reshape(rows, cols // GROUP, GROUP)
+    scale = _power_of_two(groups.abs().amax(-1), E2M1_MAX)
+    codes = _e2m1_codes(groups / scale[..., None]).reshape(rows, cols)
+    return _pack(codes).view(torch.int8), scale.to(torch.float8_e8m0fnu)
 
 
 def _rewrite(source: Path, target: Path, convert: Any) -> None:
@@ -162,4 +190,27 @@ def mxfp4_checkpoint(source: Path, target: Path) -> Path:
         "quant_method": "mxfp4",
         "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
                                    "model.embed_tokens", "lm_head"]})
+    return target
+
+
+def fp4_checkpoint(source: Path, target: Path, block: tuple[int, int] = (128, 128),
+                   experts: str = "fp4") -> Path:
+    """``source``'s DeepSeek-V4 checkpoint written to ``target`` as DeepSeek ships V4-Flash
+    (``experts="fp8"``: the experts FP8 blocks too, with ``expert_dtype: fp8``)."""
+    def convert(name: str, tensor: Any) -> dict[str, Any]:
+        if not name.endswith(".weight") or tensor.dim() != 2:
+            return {name: tensor}
+        scale_name = name.removesuffix("weight") + "scale"
+        if ".ffn.experts." in name and experts == "fp4":
+            packed, scales = quantize_fp4(tensor)
+            return {name: packed, scale_name: scales}
+        if ".attn." in name or ".shared_experts." in name or ".ffn.experts." in name:
+            weight, scales = quantize_fp8(tensor, block, ue8m0=True)
+            return {name: weight, scale_name: scales.to(torch.float8_e8m0fnu)}
+        return {name: tensor}
+
+    _rewrite(source, target, convert)
+    _config(target, expert_dtype=experts, quantization_config={
+        "quant_method": "fp8", "fmt": "e4m3", "scale_fmt": "ue8m0",
+        "weight_block_size": list(block), "activation_scheme": "dynamic"})
     return target

@@ -17,6 +17,7 @@ mxfp4 = pytest.importorskip("transformers.integrations.mxfp4")
 
 from moestream.transformers._dequant import (  # noqa: E402
     e2m1_pairs,
+    fp4_blocks,
     fp8_blocks,
     mxfp4_blocks,
     mxfp4_exponents,
@@ -59,11 +60,12 @@ def fp8_matrix(draw: st.DrawFn, whole: bool) -> tuple[Any, Any, tuple[int, int]]
 
 
 class TestFp8Blocks:
-    """FP8 E4M3 with block scales (``quant_method: fp8``)."""
+    """FP8 E4M3 with block scales (``quant_method: fp8``): F32, BF16 or E8M0 (DeepSeek-V4's
+    dense weights)."""
 
     @settings(max_examples=60, deadline=None)
     @given(fp8_matrix(whole=True), st.sampled_from(DTYPES),
-           st.sampled_from([torch.float32, torch.bfloat16]))
+           st.sampled_from([torch.float32, torch.bfloat16, torch.float8_e8m0fnu]))
     def test_equal_to_transformers(self, made: tuple[Any, Any, tuple[int, int]], dtype: Any,
                                    scale_dtype: Any) -> None:
         codes, scales, block = made
@@ -163,3 +165,56 @@ class TestMxfp4:
         for e in range(4):
             assert torch.equal(batched[e], mxfp4_blocks(packed[e], exponents[e],
                                                         torch.bfloat16, pairs))
+
+
+@st.composite
+def fp4_matrix(draw: st.DrawFn) -> tuple[Any, Any]:
+    """DeepSeek-V4's FP4: int8 ``(rows, cols / 2)`` of random bytes and F8_E8M0 scales
+    ``(rows, cols / 32)`` of random bytes, the extremes (0, 1, 126..128, 254, 255: NaN)
+    drawn often."""
+    rows, groups = draw(st.integers(1, 9)), draw(st.integers(1, 4))
+    gen = torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1)))
+    packed = torch.randint(-128, 128, (rows, groups * 16), generator=gen, dtype=torch.int8)
+    extremes = torch.tensor([0, 1, 126, 127, 128, 254, 255], dtype=torch.uint8)
+    scales = torch.randint(0, 256, (rows, groups), generator=gen, dtype=torch.uint8)
+    pick = torch.randint(0, 2, scales.shape, generator=gen).bool()
+    chosen = extremes[torch.randint(0, len(extremes), scales.shape, generator=gen)]
+    return packed, torch.where(pick, chosen, scales).view(torch.float8_e8m0fnu)
+
+
+class TestFp4:
+    """DeepSeek-V4's FP4 experts (``expert_dtype: fp4``) against ``Fp8Dequantize``'s FP4
+    path, which ``FineGrainedFP8Config(dequantize=True)`` loads them with."""
+
+    @settings(max_examples=60, deadline=None)
+    @given(fp4_matrix(), st.sampled_from(DTYPES), st.sampled_from(DEVICES))
+    def test_equal_to_transformers(self, made: tuple[Any, Any], dtype: Any,
+                                   device: str) -> None:
+        packed, scales = made
+        ours = fp4_blocks(packed.to(device), scales.to(device), dtype, e2m1_pairs(device))
+        assert _both_nan_equal(ours.cpu(), _theirs(packed, scales, dtype))
+
+    @pytest.mark.parametrize("device", DEVICES)
+    def test_every_code_at_every_scale(self, device: str) -> None:
+        """Each of the 256 bytes (every pair of E2M1 codes) under each of the 256 E8M0
+        scales; the scales as float32 (how moestream keeps them on the device) too."""
+        packed = torch.arange(256, dtype=torch.uint8).repeat(256, 1).view(torch.int8)
+        scales = torch.arange(256, dtype=torch.uint8)[:, None].repeat(1, 16)
+        scales = scales.view(torch.float8_e8m0fnu)
+        pairs = e2m1_pairs(device)
+        for dtype in DTYPES:
+            theirs = _theirs(packed, scales, dtype)
+            for given_scales in (scales, scales.to(torch.float32)):
+                ours = fp4_blocks(packed.to(device), given_scales.to(device), dtype, pairs)
+                assert _both_nan_equal(ours.cpu(), theirs)
+
+    def test_batched_experts_equal_one_by_one(self) -> None:
+        gen = torch.Generator().manual_seed(7)
+        packed = torch.randint(-128, 128, (5, 16, 32), generator=gen, dtype=torch.int8)
+        scales = torch.randint(110, 140, (5, 16, 2), generator=gen, dtype=torch.uint8)
+        scales = scales.view(torch.float8_e8m0fnu).to(torch.float32)
+        pairs = e2m1_pairs("cpu")
+        batched = fp4_blocks(packed, scales, torch.float16, pairs)
+        for e in range(5):
+            assert torch.equal(batched[e], fp4_blocks(packed[e], scales[e], torch.float16,
+                                                      pairs))

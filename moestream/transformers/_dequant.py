@@ -12,16 +12,19 @@ to the compute dtype: transformers' ``Fp8Dequantize`` (``FineGrainedFP8Config(
 dequantize=True)``) computes exactly this product, so the results are bitwise equal where
 it runs (it refuses grids whose blocks do not divide the matrix; the partial edge blocks
 here follow the checkpoint's own rule: block ``i`` covers rows ``i * bm`` up to the edge).
+DeepSeek-V4's dense weights are FP8 with E8M0 scales (powers of two), the same product.
 
-MXFP4 (gpt-oss's experts, ``quant_method: mxfp4``): two E2M1 codes a byte, the low nibble
-first, and one E8M0 scale per 32 values along a row. A byte is looked up whole in a table
-of its two values (one gather), then scaled in float32 and rounded once to the compute
-dtype, as transformers' ``convert_moe_packed_tensors`` does (``Mxfp4Config(
-dequantize=True)``): ``ldexp(e2m1, s - 127)``, the product but for 255, ``2 ** 128``,
-where a zero stays zero. transformers' function is not called per use: it builds its value
-table from a Python list per call (a blocking host-to-device copy on a GPU) and converts a
-whole layer in chunks; this one is batched over the experts of an arrival, reuses one table
-a device, and is tested bitwise equal to transformers' on every code and scale.
+FP4 (DeepSeek-V4-Flash's experts, ``expert_dtype: fp4``) and MXFP4 (gpt-oss's experts,
+``quant_method: mxfp4``): two E2M1 codes a byte, the low nibble first, and one E8M0 scale
+per 32 values along a row. A byte is looked up whole in a table of its two values (one
+gather), then scaled in float32 and rounded once to the compute dtype, by each format's
+rule as transformers applies it: DeepSeek-V4's ``float32(e2m1) * float32(scale)``
+(``Fp8Dequantize``'s FP4 path: E8M0 255 is NaN), gpt-oss's ``ldexp(e2m1, s - 127)``
+(``convert_moe_packed_tensors``: the same but for 255, ``2 ** 128``, where a zero stays
+zero). transformers' own functions are not called per use: each builds its value table
+from a Python list per call (a blocking host-to-device copy on a GPU), and gpt-oss's
+converts a whole layer in chunks; these are batched over the experts of an arrival, reuse
+one table a device, and are tested bitwise equal to transformers' on every code and scale.
 """
 
 from __future__ import annotations
@@ -30,7 +33,8 @@ from typing import Any
 
 import torch  # type: ignore[import-not-found, unused-ignore]
 
-__all__ = ["E2M1_VALUES", "e2m1_pairs", "fp8_blocks", "mxfp4_blocks", "mxfp4_exponents"]
+__all__ = ["E2M1_VALUES", "e2m1_pairs", "fp4_blocks", "fp8_blocks", "mxfp4_blocks",
+           "mxfp4_exponents"]
 
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
                -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
@@ -72,6 +76,21 @@ def mxfp4_exponents(scales: Any) -> Any:
     """MXFP4's E8M0 scale bytes (uint8) as the int32 powers of two they stand for, ``s -
     127``, as transformers' gpt-oss conversion reads them."""
     return scales.to(torch.int32) - 127
+
+
+def fp4_blocks(packed: Any, scales: Any, dtype: Any, pairs: Any) -> Any:
+    """E2M1 pairs times one scale per 32 values along a row, in ``dtype`` (DeepSeek-V4's
+    FP4: ``float32(e2m1) * float32(scale)``, E8M0 255 NaN).
+
+    Args:
+        packed: ``(..., rows, cols / 2)``, uint8 or int8: two codes a byte, the low nibble
+            first.
+        scales: ``(..., rows, cols / 32)``, any float type (E8M0 included).
+        dtype: the compute dtype.
+        pairs: :func:`e2m1_pairs` on ``packed``'s device.
+    """
+    scale = scales.to(torch.float32)
+    return (_values(packed, pairs, scale.shape[-1]) * scale[..., None]).flatten(-2).to(dtype)
 
 
 def mxfp4_blocks(packed: Any, exponents: Any, dtype: Any, pairs: Any) -> Any:

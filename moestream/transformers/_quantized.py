@@ -2,12 +2,14 @@
 at load.
 
 The routed experts stream quantized; their scales (``ExpertQuant.scales``: a few hundred
-bytes a matrix for FP8 blocks; gpt-oss's MXFP4 one tensor a layer) are read once through
-the session (``read_tensor``: the files as identified) and kept on the compute device as
-one tensor per layer and matrix, indexed by expert (float32; MXFP4's as int32 powers of
-two), so that dequantizing a batch of arrived experts is one gather and one product. The
-dense weights (attention, shared experts) are dequantized once at load, as transformers'
-``dequantize=True`` does: the model then holds them in its own dtype.
+bytes a matrix for FP8 blocks, 1/16 of the bytes for FP4; gpt-oss's MXFP4 one tensor a
+layer) are read once through the session (``read_tensor``: the files as identified) and
+kept on the compute device as one tensor per layer and matrix, indexed by expert (float32;
+MXFP4's as int32 powers of two), so that dequantizing a batch of arrived experts is one
+gather and one product. The dense weights (attention, shared experts) are dequantized once
+at load, as transformers' ``dequantize=True`` does: the model then holds them in its own
+dtype. Their scales are ``<weight>_scale_inv`` or, as DeepSeek-V4 names them, ``.scale``
+beside an F8_E4M3 ``.weight``.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import torch  # type: ignore[import-not-found, unused-ignore]
 import moestream
 from moestream.transformers._dequant import (
     e2m1_pairs,
+    fp4_blocks,
     fp8_blocks,
     mxfp4_blocks,
     mxfp4_exponents,
@@ -39,10 +42,10 @@ class LayerScales:
     bn)`` (float32; MXFP4's int32 exponents), and what they scale.
 
     Attributes:
-        method: ``fp8`` or ``mxfp4`` (``ExpertQuant.method``).
+        method: ``fp8``, ``fp4`` or ``mxfp4`` (``ExpertQuant.method``).
         block: the elements one scale covers.
         gate, up, down: the scales, indexed by expert.
-        pairs: the E2M1 table on the device (MXFP4), else None.
+        pairs: the E2M1 table on the device (FP4 formats), else None.
         transposed: the module keeps the experts transposed (gpt-oss) while the bytes are
             rows of the untransposed matrices (MXFP4).
     """
@@ -61,6 +64,8 @@ class LayerScales:
         scales = getattr(self, which)[experts[0] if raw.dim() == 2 else experts]
         if self.method == "mxfp4":
             return mxfp4_blocks(raw, scales, dtype, self.pairs)
+        if self.method == "fp4":
+            return fp4_blocks(raw, scales, dtype, self.pairs)
         return fp8_blocks(raw, scales, self.block, dtype)
 
     def expert(self, expert: int, raws: tuple[Any, Any, Any], dtype: Any
@@ -137,18 +142,39 @@ class DenseScales:
                                if layer.quant is not None for name in layer.quant.names}
 
     def is_scale(self, name: str) -> bool:
-        """Whether ``name`` is a scale another tensor consumes."""
-        return name in self._expert_scales or (
-            name.endswith(_SCALE) and name.removesuffix(_SCALE) in self._tensors)
+        """Whether ``name`` is a scale another tensor consumes: an expert's, a weight's
+        ``_scale_inv``, or the ``.scale`` of an F8_E4M3 ``.weight`` (DeepSeek-V4)."""
+        if name in self._expert_scales:
+            return True
+        if name.endswith(_SCALE):
+            return name.removesuffix(_SCALE) in self._tensors
+        weight = self._tensors.get(name.removesuffix(".scale") + ".weight")
+        return name.endswith(".scale") and weight is not None and weight.dtype == "F8_E4M3"
+
+    def _scale_of(self, name: str) -> moestream.TensorSpec | None:
+        scale = self._tensors.get(name + _SCALE)
+        if scale is None and name.endswith(".weight"):
+            scale = self._tensors.get(name.removesuffix(".weight") + ".scale")
+        return scale
 
     def weight(self, spec: moestream.TensorSpec, tensor: Any, dtype: Any,
                read: Callable[[moestream.TensorSpec], Any]) -> Any:
-        """``tensor`` in ``dtype``: an FP8 weight times its block scales (read by ``read``)."""
+        """``tensor`` in ``dtype``: an FP8 weight times its block scales (read by ``read``).
+
+        Raises:
+            ModelFileError: an FP8 weight without its scale or a quantization_config, or a
+                scale of another shape; an integer weight with a scale (a dense weight
+                quantized otherwise: FP4, integer).
+        """
         if spec.dtype != "F8_E4M3":
+            if spec.dtype in ("I8", "U8") and self._scale_of(spec.name) is not None:
+                raise ModelFileError(self._root, f"{spec.name[:120]} is {spec.dtype} with a "
+                                     "scale: moestream dequantizes F8_E4M3 dense weights, "
+                                     "quantized experts otherwise")
             return tensor
-        scale = self._tensors.get(spec.name + _SCALE)
+        scale = self._scale_of(spec.name)
         if scale is None or self._block is None:
-            lacks = f"its {_SCALE}" if scale is None else "a quantization_config"
+            lacks = f"its {_SCALE} or .scale" if scale is None else "a quantization_config"
             raise ModelFileError(self._root, f"{spec.name[:120]} is F8_E4M3 without {lacks}: "
                                  "no scale to read it with")
         bm, bn = self._block

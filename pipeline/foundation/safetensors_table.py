@@ -24,7 +24,7 @@ Shared experts (``mlp.shared_expert(s)``), dense layers and everything else are 
 tensors (``is_routed`` tells which). The router of layer L is ``...layers.L.B.gate.weight``
 (``router.weight`` in Jamba, ``router.layer.weight`` in Granite; ``[E, D]``). Experts in
 BF16, F16 or F32 are accepted, and the quantized formats ``pipeline.foundation.quantization``
-lists (FP8 blocks, gpt-oss's MXFP4 ``*_blocks``) with their
+lists (FP8 blocks, DeepSeek-V4's FP4, gpt-oss's MXFP4 ``*_blocks``) with their
 ``quantization_config``; any other expert dtype is refused in one line.
 
 A hostile file is refused in one line before anything past its header is trusted, and a
@@ -84,7 +84,8 @@ from pipeline.foundation.quantization import (
     QuantConfig,
     Spec,
     carried,
-    fp8_layer_quant,
+    element_shape,
+    expert_layer_quant,
     mxfp4_layer_quant,
     quant_config,
 )
@@ -691,8 +692,8 @@ def _expert_type(path: Path, index: int, t: _Tensor,
         said = f" (quantization_config: {quant.experts} experts)" if quant is not None else ""
         raise ExpertLayoutError(path, f"layer {index}: {_short(t.name, 120)} is {t.dtype}"
                                       f"{said}; experts must be {', '.join(SAFETENSORS_TYPES)}, "
-                                      "or F8_E4M3 with quant_method fp8, MXFP4 blocks with "
-                                      "quant_method mxfp4")
+                                      "or F8_E4M3 with quant_method fp8, I8 (FP4) with "
+                                      "expert_dtype fp4, MXFP4 blocks with quant_method mxfp4")
     return kind
 
 
@@ -718,7 +719,7 @@ def _per_expert_layer(path: Path, index: int, experts: dict[int, dict[str, _Tens
     if len(lead.shape) != 2:
         raise ExpertLayoutError(path, f"layer {index}: {_short(lead.name, 120)} is "
                                       f"{len(lead.shape)}-D, expected [ffn, hidden]")
-    ffn, hidden = lead.shape
+    ffn, hidden = element_shape(quant, lead.dtype, lead.shape)
     want = {"gate": (ffn, hidden), "up": (ffn, hidden), "down": (hidden, ffn)}
     types = {p: _expert_type(path, index, first[p], quant) for p in parts}
     if gated and types["gate"] != types["up"]:
@@ -727,10 +728,11 @@ def _per_expert_layer(path: Path, index: int, experts: dict[int, dict[str, _Tens
     for e in range(n):
         for p in parts:
             t = experts[e][p]
-            if t.shape != want[p] or t.dtype != first[p].dtype:
+            shape = element_shape(quant, t.dtype, t.shape)  # FP4: two values a byte
+            if shape != want[p] or t.dtype != first[p].dtype:
                 raise ExpertLayoutError(path, f"layer {index}: {_short(t.name, 120)} is "
-                                              f"{t.dtype} {_short(list(t.shape))}, expected "
-                                              f"{first[p].dtype} {list(want[p])}")
+                                              f"{t.dtype} {_short(list(shape))} (elements), "
+                                              f"expected {first[p].dtype} {list(want[p])}")
     if ffn == 0 or hidden == 0:
         raise ExpertLayoutError(path, f"layer {index}: empty expert matrices {(hidden, ffn)}")
     if not gated and ffn % 2:
@@ -753,7 +755,7 @@ def _per_expert_layer(path: Path, index: int, experts: dict[int, dict[str, _Tens
         def spec(t: _Tensor) -> Spec:
             return (t.name, t.dtype, t.shape)
 
-        scales = fp8_layer_quant(path, index, quant, [
+        scales = expert_layer_quant(path, index, quant, [
             (spec(experts[e]["gate"]), spec(experts[e]["up"]), spec(experts[e]["down"]))
             for e in range(n)], tensors)
     return MoeLayer(
