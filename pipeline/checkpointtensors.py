@@ -116,8 +116,14 @@ def to_bf16(values: npt.NDArray[np.float32],
 def rounded(source: npt.NDArray[np.float32], dtype: str) -> npt.NDArray[np.float32]:
     """``source`` as a ``dtype`` tensor would hold it, back in float32 (``source`` is
     scratch): what a quantized tensor quantizes, so it matches the plain checkpoint's."""
-    if dtype == "bfloat16":
-        return (to_bf16(source).astype(np.uint32) << np.uint32(16)).view(np.float32)
+    if dtype == "bfloat16":  # to_bf16's rounding, in place, the low half cleared
+        bits = source.view(np.uint32)
+        carry = bits >> np.uint32(16)
+        carry &= np.uint32(1)
+        carry += np.uint32(0x7FFF)
+        bits += carry
+        bits &= np.uint32(0xFFFF0000)
+        return source
     if dtype == "float16":
         return source.astype(np.float16).astype(np.float32)
     return source

@@ -22,6 +22,8 @@ onto a power of two and clip the largest value).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import numpy.typing as npt
 
@@ -39,18 +41,10 @@ E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 
 _E4M3_MIN_NORMAL = np.float32(2.0**-6)
 _E4M3_REBIAS = np.uint32((127 - 7) << 3)  # float32 exponent bias to E4M3's, above 3 bits
-# Code c's upper bound: a magnitude above it rounds to c + 1. A tie rounds to the even code,
-# so the bound after an even code is the midpoint itself (strictly above rounds up) and the
-# one after an odd code the float32 just below it (the midpoint itself rounds up).
-_E2M1_BOUNDS = np.array([0.25, np.nextafter(np.float32(0.75), np.float32(0)), 1.25,
-                         np.nextafter(np.float32(1.75), np.float32(0)), 2.5,
-                         np.nextafter(np.float32(3.5), np.float32(0)), 5.0], dtype=np.float32)
 
 
-def e4m3_codes(values: F32) -> U8:
-    """E4M3FN bytes of float32 ``values``: nearest value, ties to even, magnitudes beyond
-    448 saturated to 448 (never NaN); the sign kept (``-0.0`` is ``0x80``)."""
-    magnitude = np.minimum(np.abs(values), np.float32(E4M3_MAX))
+def _e4m3_magnitude_codes(magnitude: F32) -> U8:
+    """E4M3 codes (without sign) of float32 magnitudes in [0, 448]: nearest, ties to even."""
     bits = magnitude.view(np.uint32)
     # Normal range: round the 23-bit mantissa to 3 bits, nearest-even, by adding just under
     # half an E4M3 ulp plus the kept lowest bit; a carry moves into the exponent as it must.
@@ -59,7 +53,59 @@ def e4m3_codes(values: F32) -> U8:
     rounded -= _E4M3_REBIAS  # wraps below 2^-6, where the subnormal branch is taken
     # Subnormals are multiples of 2^-9, and code 8 (2^-6) is the first normal: rint counts.
     small = np.rint(magnitude * np.float32(512.0)).astype(np.uint32)
-    codes = np.where(magnitude < _E4M3_MIN_NORMAL, small, rounded).astype(np.uint8)
+    return np.where(magnitude < _E4M3_MIN_NORMAL, small, rounded).astype(np.uint8)
+
+
+def _e2m1_magnitude_codes(magnitude: F32) -> U8:
+    """E2M1 codes (without sign) of float32 magnitudes in [0, 6]: nearest, ties to even."""
+    bits = magnitude.view(np.uint32)
+    # From 1 up (exponent bias 1, one mantissa bit): round the float32 mantissa to 1 bit,
+    # nearest-even, as for E4M3 to 3; a carry moves into the exponent.
+    rounded = bits + np.uint32(0x1FFFFF) + ((bits >> np.uint32(22)) & np.uint32(1))
+    rounded >>= np.uint32(22)
+    rounded -= np.uint32((127 - 1) << 1)  # wraps below 1, where the other branch is taken
+    # Below 1 the values are 0, 0.5, 1: codes 0, 1, 2 are twice the value, and rint ties even.
+    small = np.rint(magnitude * np.float32(2.0)).astype(np.uint32)
+    return np.where(magnitude < np.float32(1.0), small, rounded).astype(np.uint8)
+
+
+class _RoundingTable:
+    """A rounding function's codes for every float32 magnitude up to ``limit``, looked up
+    by the upper 16 bits (a BF16 value) and whether the lower 16 are zero.
+
+    Exact: every rounding boundary of E4M3 and E2M1 (a midpoint between two codes, at most
+    5 significant bits) is a BF16 value, so no boundary lies strictly between a BF16 value
+    and the next, and all magnitudes above one BF16 value and below the next round alike.
+    Four whole-array passes and a gather instead of a dozen passes: about twice as fast.
+    """
+
+    __slots__ = ("_table",)
+
+    def __init__(self, codes_of: Callable[[F32], U8], limit: float) -> None:
+        top = int(np.float32(limit).view(np.uint32)) >> 16
+        exact = (np.arange(top + 1, dtype=np.uint32) << np.uint32(16)).view(np.float32)
+        above = np.minimum(np.nextafter(exact, np.float32(np.inf)), np.float32(limit))
+        self._table = np.empty(2 * (top + 1), dtype=np.uint8)
+        self._table[0::2] = codes_of(exact)
+        self._table[1::2] = codes_of(above)
+
+    def __call__(self, magnitude: F32) -> U8:
+        bits = magnitude.view(np.uint32)
+        index = bits >> np.uint32(16)
+        index <<= np.uint32(1)
+        index |= (bits & np.uint32(0xFFFF)) != 0
+        codes: U8 = self._table[index]
+        return codes
+
+
+_E4M3_TABLE = _RoundingTable(_e4m3_magnitude_codes, E4M3_MAX)
+_E2M1_TABLE = _RoundingTable(_e2m1_magnitude_codes, E2M1_MAX)
+
+
+def e4m3_codes(values: F32) -> U8:
+    """E4M3FN bytes of float32 ``values``: nearest value, ties to even, magnitudes beyond
+    448 saturated to 448 (never NaN); the sign kept (``-0.0`` is ``0x80``)."""
+    codes = _E4M3_TABLE(np.minimum(np.abs(values), np.float32(E4M3_MAX)))
     codes |= ((values.view(np.uint32) >> np.uint32(24)) & np.uint32(0x80)).astype(np.uint8)
     return codes
 
@@ -135,11 +181,13 @@ def quantize_mx_e2m1(weight: F32) -> tuple[U8, U8]:
     if cols % MX_BLOCK:
         raise ValueError(f"MX blocks need a multiple of {MX_BLOCK} columns, got {cols}")
     groups = weight.reshape(rows, cols // MX_BLOCK, MX_BLOCK)
-    amax = np.abs(groups).max(axis=2)
+    magnitude = np.abs(groups)
+    amax = magnitude.max(axis=2)
     exponents = _pow2_exponents(np.where(amax > 0, amax, np.float32(2.0**-140)), E2M1_MAX)
-    scaled = np.ldexp(groups, -exponents[:, :, None]).astype(np.float32)
-    codes = np.searchsorted(_E2M1_BOUNDS, np.abs(scaled), side="left").astype(np.uint8)
-    codes |= (np.signbit(scaled).astype(np.uint8) << np.uint8(3))
-    codes = codes.reshape(rows, cols)
+    # 2**-e for e in [-127, 127] is a float32 (2**-127 a subnormal): scaling by it is exact
+    magnitude *= np.ldexp(np.float32(1.0), -exponents).astype(np.float32)[:, :, None]
+    np.minimum(magnitude, np.float32(E2M1_MAX), out=magnitude)
+    codes = _E2M1_TABLE(magnitude).reshape(rows, cols)
+    codes |= ((weight.view(np.uint32) >> np.uint32(28)) & np.uint32(8)).astype(np.uint8)
     packed = codes[:, 0::2] | (codes[:, 1::2] << np.uint8(4))
     return packed, e8m0_bytes(exponents)

@@ -181,6 +181,15 @@ class TestE4M3:
         want = torch.from_numpy(around).to(torch.float8_e4m3fn).view(torch.uint8).numpy()
         assert np.array_equal(e4m3_codes(around), want)
 
+    def test_every_bf16_value_and_between(self) -> None:
+        """Every float32 up to 448 whose low 16 bits are 0, 1, 0x7FFF, 0x8000 or 0xFFFF."""
+        high = np.arange(0x43E1, dtype=np.uint32) << np.uint32(16)
+        bits = (high[:, None] | np.array([0, 1, 0x7FFF, 0x8000, 0xFFFF], dtype=np.uint32))
+        x = bits.reshape(-1).view(np.float32)
+        x = np.concatenate([x[x <= 448], -x[x <= 448]])
+        want = torch.from_numpy(x).to(torch.float8_e4m3fn).view(torch.uint8).numpy()
+        assert np.array_equal(e4m3_codes(x), want)
+
     @given(hnp.arrays(np.float32, 64, elements=st.floats(-464, 464, width=32)))
     def test_random_floats(self, x: F32) -> None:
         want = torch.from_numpy(x.copy()).to(torch.float8_e4m3fn).view(torch.uint8).numpy()
@@ -252,6 +261,19 @@ class TestMx:
         got = E2M1[_unpack(packed)][0, :18]
         assert got.tolist() == [0, 0, 0.5, 1, 1, 1, 1.5, 2, 2, 2, 3, 4, 4, 4, 6, 0.5, 4, 6]
         assert np.array_equal(E2M1[_unpack(packed)][1], -E2M1[_unpack(packed)][0])
+
+    def test_every_bf16_magnitude_and_between(self) -> None:
+        """Scale 1 (each row holds a 6): every float32 up to 6 whose low 16 bits are 0, 1,
+        0x8000 or 0xFFFF rounds as the brute force does."""
+        high = np.arange(0x40C1, dtype=np.uint32) << np.uint32(16)
+        bits = high[:, None] | np.array([0, 1, 0x8000, 0xFFFF], dtype=np.uint32)
+        x = bits.reshape(-1).view(np.float32)
+        x = x[x <= 6]
+        rows = np.concatenate([x, np.zeros(-len(x) % 31, dtype=np.float32)]).reshape(-1, 31)
+        w = np.concatenate([np.full((len(rows), 1), 6, dtype=np.float32), rows], axis=1)
+        packed, scales = quantize_mx_e2m1(w)
+        assert np.all(scales == 127)
+        assert np.array_equal(packed, _mx_reference(w)[0])
 
     def test_columns_not_a_multiple_of_32_refused(self) -> None:
         with pytest.raises(ValueError, match="multiple of 32"):
@@ -515,6 +537,19 @@ class TestCli:
         config = json.loads((out / "config.json").read_text())
         assert (config["hidden_size"], config["intermediate_size"]) == (320, 96)
         assert config["num_experts_per_tok"] == 1
+
+    def test_reshaping_a_gguf_quantized_preset(self, tmp_path: Path,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+        """qwen3-30b-a3b's GGUF type (Q4_K, 256-value blocks) does not bind a checkpoint:
+        gpt-oss-120b's 2880 takes partial FP8 edge blocks."""
+        out = tmp_path / "wide"
+        assert main([str(out), "--format", "safetensors", "--preset", "qwen3-30b-a3b",
+                     "--layers", "1", "--experts", "1", "--hidden", "2880", "--expert-ffn",
+                     "2880", "--quant", "fp8"]) == 0
+        per_expert = 3 * (2880 * 2880 + 23 * 23 * 4) / 2**20
+        assert f"fp8 (bf16 dense), {per_expert:.3f} MiB per expert" in capsys.readouterr().out
+        scales = _tensors(out)["model.layers.0.mlp.experts.0.down_proj.weight_scale_inv"]
+        assert tuple(scales.shape) == (23, 23)
 
     @pytest.mark.parametrize("argv, message", [
         (["--quant", "fp8"], "--quant is for --format safetensors"),

@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import structlog
+from gguf import GGMLQuantizationType as QType
 
 from pipeline.checkpointgen import DTYPES, QUANTS, CheckpointOptions, write_checkpoint
 from pipeline.foundation.cli import UsageParser, closable_stdout, print_error, printable
@@ -158,7 +159,10 @@ def _reshaped(spec: ModelSpec, args: argparse.Namespace) -> ModelSpec:
     if changes.get("top_k", 0) > spec.n_experts:
         raise UsageError(f"--top-k {changes['top_k']} is more than the {spec.n_experts} "
                          "experts")
-    return dataclasses.replace(spec, **changes) if changes else spec
+    if not changes:
+        return spec
+    # The GGUF quant types' block sizes do not bind a checkpoint's shape (only MX's 32 does)
+    return dataclasses.replace(spec, **changes, gate_up_type=QType.F16, down_type=QType.F16)
 
 
 if __name__ == "__main__":
