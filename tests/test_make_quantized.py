@@ -8,7 +8,8 @@ nearest-value search; dequantized, the experts must equal the plain BF16 checkpo
 same seed within the format's rounding. transformers itself must load each checkpoint
 (``FineGrainedFP8Config`` / ``Mxfp4Config`` with ``dequantize=True``, on the CPU, at the
 ``tiny`` preset cut to 2 layers of 4 experts) with no missing or unexpected tensor, and hold
-exactly the weights decoded here.
+exactly the weights decoded here; and moestream, streaming them quantized, must compute the
+logits and tokens transformers computes.
 """
 
 from __future__ import annotations
@@ -574,3 +575,26 @@ class TestCli:
         err = capsys.readouterr().err
         assert message in err and err.count("\n") == 1
         assert not (tmp_path / "m").exists()
+
+
+class TestMoestreamReadsThem:
+    """moestream streams each checkpoint's experts quantized and computes what transformers
+    computes on the dequantized model: at a budget of 4 of 16 experts (misses, evictions)."""
+
+    @pytest.mark.parametrize("quant", ["fp8", "mxfp4", "fp4"])
+    def test_logits_and_tokens_equal_transformers(self, tmp_path: Path, quant: str) -> None:
+        transformers = pytest.importorskip("transformers")
+        import moestream.transformers as mt
+
+        spec = dataclasses.replace(spec_for("tiny", 2, 8, seed=5), top_k=2)
+        path = _write(tmp_path, quant, spec, quant=quant)
+        config = (transformers.Mxfp4Config(dequantize=True) if quant == "mxfp4"
+                  else transformers.FineGrainedFP8Config(dequantize=True))
+        reference = transformers.AutoModelForCausalLM.from_pretrained(
+            path, quantization_config=config)
+        model = mt.from_pretrained(path, device="cpu", budget="4")
+        ids = torch.tensor([[1, 5, 9, 200, 17, 33]])
+        with torch.no_grad():
+            assert torch.equal(model(ids).logits, reference(ids).logits)
+            assert torch.equal(model.generate(ids, max_new_tokens=6, do_sample=False),
+                               reference.generate(ids, max_new_tokens=6, do_sample=False))
