@@ -12,7 +12,8 @@ Qwen3-FP8 ship theirs; quantized here on the device). Runs, greedy, ``--tokens``
 - ``bf16``: moestream on the BF16 checkpoint at the same expert-cache bytes;
 - ``fp8_all``: moestream on the FP8 checkpoint holding every expert;
 - ``dequant``: one layer's top-k experts dequantized on the device (``fp8_blocks``, one
-  batch) against the upload of their FP8 bytes from pinned memory, CUDA events, medians.
+  batch a matrix kind: the CUDA kernel; and by torch's ops) against the upload of their
+  FP8 bytes from pinned memory, CUDA events, medians.
 
 Prints one JSON object (``--out`` writes it too): tok/s, hit rates, same tokens, and the
 ratios the FP8 path is held to (``fp8`` over ``bf16``; dequantization over upload).
@@ -118,7 +119,7 @@ def run_dequant(args: argparse.Namespace, device: Any) -> dict[str, Any]:
     upload of their FP8 bytes from pinned memory."""
     import torch
 
-    from moestream.transformers._dequant import fp8_blocks
+    from moestream.transformers._dequant import fp8_blocks, fp8_blocks_torch
 
     if device.type != "cuda":
         return {"skipped": "timed with CUDA events on a GPU"}
@@ -147,10 +148,13 @@ def run_dequant(args: argparse.Namespace, device: Any) -> dict[str, Any]:
 
     dequant_ms = timed(lambda: [fp8_blocks(r, s, BLOCK, torch.bfloat16)
                                 for r, s in zip(raw, scales, strict=True)])
+    torch_ms = timed(lambda: [fp8_blocks_torch(r, s, BLOCK, torch.bfloat16)
+                              for r, s in zip(raw, scales, strict=True)])
     upload_ms = timed(lambda: [t.copy_(p, non_blocking=True)
                                for t, p in zip(target, pinned, strict=True)])
     nbytes = sum(r.numel() for r in raw)
     return {"experts": k, "fp8_bytes": nbytes, "dequant_ms": round(dequant_ms, 4),
+            "dequant_torch_ops_ms": round(torch_ms, 4),
             "upload_ms": round(upload_ms, 4),
             "upload_gb_s": round(nbytes / upload_ms / 1e6, 1),
             "dequant_over_upload": round(dequant_ms / upload_ms, 3)}
