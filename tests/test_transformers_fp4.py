@@ -217,6 +217,12 @@ class TestGpu:
                                implementation: str) -> None:
         whole = _reference(fp4["fp4"], implementation).to("cuda")
         ids = torch.tensor(PROMPTS, device="cuda")
+        try:
+            with torch.no_grad():
+                whole(ids)
+        except RuntimeError as exc:  # 5.17's own V4 mixes float32 and bfloat16 on the GPU
+            pytest.skip(f"transformers {transformers.__version__}'s own deepseek_v4 fails: "
+                        f"{str(exc).splitlines()[0]}")
         for budget in (None, "4"):
             model = mt.from_pretrained(fp4["fp4"], device="cuda", compute=compute,
                                        budget=budget)
