@@ -4,9 +4,11 @@ at load.
 The routed experts stream quantized; their scales (``ExpertQuant.scales``: a few hundred
 bytes a matrix for FP8 blocks, 1/16 of the bytes for FP4; gpt-oss's MXFP4 one tensor a
 layer) are read once through the session (``read_tensor``: the files as identified) and
-kept on the compute device as one tensor per layer and matrix, indexed by expert (float32;
-MXFP4's as int32 powers of two), so that dequantizing a batch of arrived experts is one
-gather and one product. The dense weights (attention, shared experts) are dequantized once
+kept on the compute device as one tensor per layer and matrix, indexed by expert, so that
+dequantizing a batch of arrived experts is one gather and one product. FP8 block scales are
+kept as float32; the FP4 formats' E8M0 scales as their bytes (a scale per 32 values is 1/16
+of the experts' bytes: as float32 it would be a quarter), turned into numbers per use for
+the experts gathered. The dense weights (attention, shared experts) are dequantized once
 at load, as transformers' ``dequantize=True`` does: the model then holds them in its own
 dtype. Their scales are ``<weight>_scale_inv`` or, as DeepSeek-V4 names them, ``.scale``
 beside an F8_E4M3 ``.weight``.
@@ -39,7 +41,7 @@ _SCALE = "_scale_inv"
 @dataclass(frozen=True, slots=True)
 class LayerScales:
     """One layer's expert scales on the device, per matrix ``(experts, rows / bm, cols /
-    bn)`` (float32; MXFP4's int32 exponents), and what they scale.
+    bn)`` (float32; the FP4 formats' E8M0 bytes as uint8), and what they scale.
 
     Attributes:
         method: ``fp8``, ``fp4`` or ``mxfp4`` (``ExpertQuant.method``).
@@ -63,9 +65,9 @@ class LayerScales:
         ``dtype``, as stored (``(n, rows, cols)``: MXFP4's untransposed)."""
         scales = getattr(self, which)[experts[0] if raw.dim() == 2 else experts]
         if self.method == "mxfp4":
-            return mxfp4_blocks(raw, scales, dtype, self.pairs)
+            return mxfp4_blocks(raw, mxfp4_exponents(scales), dtype, self.pairs)
         if self.method == "fp4":
-            return fp4_blocks(raw, scales, dtype, self.pairs)
+            return fp4_blocks(raw, scales.view(torch.float8_e8m0fnu), dtype, self.pairs)
         return fp8_blocks(raw, scales, self.block, dtype)
 
     def expert(self, expert: int, raws: tuple[Any, Any, Any], dtype: Any
@@ -109,9 +111,11 @@ def load_scales(session: moestream.SyncSession, layers: list[int], device: Any,
             continue
         tensors = session.model.tensors
         if quant.layer_scales is not None:  # MXFP4: one tensor a layer, rows gate then up
-            gate_up, down = (mxfp4_exponents(read(tensors[name])).to(device)
-                             for name in quant.layer_scales)
+            gate_up, down = (read(tensors[name]).to(device) for name in quant.layer_scales)
             stacks = [gate_up[:, :info.ffn], gate_up[:, info.ffn:], down]
+        elif quant.method == "fp4":  # E8M0 bytes
+            stacks = [torch.stack([read(tensors[names[i]]).view(torch.uint8)
+                                   for names in quant.scales]).to(device) for i in range(3)]
         else:
             stacks = [torch.stack([read(tensors[names[i]]).to(torch.float32)
                                    for names in quant.scales]).to(device) for i in range(3)]
