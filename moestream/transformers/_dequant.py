@@ -33,11 +33,8 @@ from typing import Any
 
 import torch  # type: ignore[import-not-found, unused-ignore]
 
-from moestream.transformers._dequant_cuda import CUDA_DTYPES, fp8_blocks_cuda
-from moestream.transformers._dequant_cuda import available as cuda_available
-
-__all__ = ["E2M1_VALUES", "e2m1_pairs", "fp4_blocks", "fp8_blocks", "fp8_blocks_torch",
-           "mxfp4_blocks", "mxfp4_exponents"]
+__all__ = ["E2M1_VALUES", "e2m1_pairs", "fp4_blocks", "fp8_blocks", "mxfp4_blocks",
+           "mxfp4_exponents"]
 
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
                -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
@@ -53,13 +50,6 @@ def fp8_blocks(weights: Any, scales: Any, block: tuple[int, int], dtype: Any) ->
         block: ``(bm, bn)``, the checkpoint's ``weight_block_size``.
         dtype: the compute dtype.
     """
-    if weights.is_cuda and dtype in CUDA_DTYPES and cuda_available():
-        return fp8_blocks_cuda(weights, scales, block, dtype)  # one kernel, the same values
-    return fp8_blocks_torch(weights, scales, block, dtype)
-
-
-def fp8_blocks_torch(weights: Any, scales: Any, block: tuple[int, int], dtype: Any) -> Any:
-    """``fp8_blocks`` by torch's ops, on any device (the reference the kernel equals)."""
     if weights.dtype == torch.uint8:
         weights = weights.view(torch.float8_e4m3fn)
     rows, cols = weights.shape[-2:]

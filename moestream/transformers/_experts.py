@@ -37,6 +37,8 @@ import torch  # type: ignore[import-not-found, unused-ignore]
 from transformers.integrations import moe as hf_moe  # type: ignore[import-not-found, unused-ignore]
 
 from moestream import ExpertHandle, SyncSession, TokenStats
+from moestream.transformers._dequant_cuda import CUDA_DTYPES, fp8_experts_cuda
+from moestream.transformers._dequant_cuda import available as cuda_kernel
 from moestream.transformers._quantized import LayerScales
 from pipeline.foundation.errors import UsageError
 
@@ -225,9 +227,19 @@ class ExpertStream:
                      down: Any) -> None:
         """The quantized experts of ``handles`` dequantized into ``gate_up`` and ``down``:
         one product per matrix kind for the whole batch."""
+        scales = self.scales[handles[0].layer]
+        experts = [h.expert for h in handles]
+        if (self._cuda and scales.method == "fp8" and not scales.transposed
+                and down.dtype in CUDA_DTYPES and cuda_kernel()):
+            # one kernel a matrix kind, reading the cache where it is: no stacked copy
+            ffn = down.shape[-1]
+            for at, name, target in ((0, "gate", gate_up[:, :ffn]), (1, "up", gate_up[:, ffn:]),
+                                     (2, "down", down)):
+                fp8_experts_cuda([h.matrices[at].ptr for h in handles], experts,
+                                 getattr(scales, name), target, scales.block)
+            return
         raws = [torch.stack([_raw(h.matrices[at]) for h in handles]) for at in range(3)]
-        self.scales[handles[0].layer].fill([h.expert for h in handles],
-                                           (raws[0], raws[1], raws[2]), gate_up, down)
+        scales.fill(experts, (raws[0], raws[1], raws[2]), gate_up, down)
 
     def _stacked(self, module: Any, handles: Sequence[ExpertHandle]) -> tuple[Any, Any]:
         """The experts' weights stacked for one grouped product, as the module keeps its
