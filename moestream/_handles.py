@@ -38,9 +38,11 @@ class Matrix:
         ggml_type: its GGUF tensor type (``GGMLQuantizationType``: ``.name`` is ``F16``,
             ``Q2_K``...; the int value is GGML's type id).
         shape: (rows, columns) in elements, GGUF order: gate and up are (ffn, hidden), down
-            is (hidden, ffn). In a transposed layer (gpt-oss, ``LayerInfo.transposed``)
-            gate and up are the two row halves of gate_up (hidden, 2 * ffn), gate and up
-            interleaved by column, each (hidden / 2, 2 * ffn), and down is (ffn, hidden).
+            is (hidden, ffn); for FP4 and MXFP4 experts (``LayerInfo.quant.shapes``) the
+            bytes as stored, two values a byte. In a transposed layer (gpt-oss,
+            ``LayerInfo.transposed``) gate and up are the two row halves of gate_up
+            (hidden, 2 * ffn), gate and up interleaved by column, each (hidden / 2,
+            2 * ffn), and down is (ffn, hidden).
             In a layer without gates (Nemotron-H, ``LayerInfo.gated`` false) gate and up
             are the two row halves of the up projection (ffn, hidden), each (ffn / 2,
             hidden).

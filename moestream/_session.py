@@ -137,10 +137,10 @@ class LayerInfo:
     """False for experts without a gate (Nemotron-H): the up projection (ffn, hidden) is
     handed out as its row halves in ``gate`` and ``up`` (see ``Matrix``)."""
     quant: ExpertQuant | None = None
-    """Quantized experts (FP8 blocks): the matrices are their file bytes (one byte an
-    element, ``gate_up_type`` I8 as the carrier), to be multiplied by their block scales,
-    non-routed tensors named here per expert (``read_tensor``); None for float and GGUF
-    experts."""
+    """Quantized experts (``fp8`` blocks, ``mxfp4``, ``fp4``): the matrices are their file
+    bytes (``gate_up_type`` I8 as the carrier; ``quant.shapes`` their shapes where a byte
+    holds two values), to be multiplied by their scales, non-routed tensors named here
+    (``read_tensor``); None for float and GGUF experts."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -159,9 +159,11 @@ def describe_experts(layers: Iterable[Any]) -> str:
     if not layers:
         return ""
     first = layers[0]
-    if first.quant is not None:
+    if first.quant is not None and first.quant.method == "fp8":
         bm, bn = first.quant.block
-        kind = f"{first.quant.method} blocks {bm}x{bn}"
+        kind = f"fp8 blocks {bm}x{bn}"
+    elif first.quant is not None:  # E2M1 pairs, a power-of-two scale per 32 values
+        kind = f"{first.quant.method} (E2M1, an E8M0 scale per 32)"
     else:
         kinds = {first.gate_up_type.name, first.down_type.name}
         kind = "/".join(sorted(kinds))
