@@ -37,8 +37,8 @@ from typing import Any
 import torch  # type: ignore[import-not-found, unused-ignore]
 from safetensors.torch import load_file, save_file  # type: ignore[import-not-found, unused-ignore]
 
-__all__ = ["fp4_checkpoint", "fp8_checkpoint", "mxfp4_checkpoint", "quantize_fp4",
-           "quantize_fp8", "quantize_mxfp4"]
+__all__ = ["PROMPTS", "assert_streams_like", "dequantized", "fp4_checkpoint", "fp8_checkpoint",
+           "logits", "mxfp4_checkpoint", "quantize_fp4", "quantize_fp8", "quantize_mxfp4"]
 
 E4M3_MAX = 448.0
 E2M1_MAX = 6.0
@@ -214,3 +214,40 @@ def fp4_checkpoint(source: Path, target: Path, block: tuple[int, int] = (128, 12
         "quant_method": "fp8", "fmt": "e4m3", "scale_fmt": "ue8m0",
         "weight_block_size": list(block), "activation_scheme": "dynamic"})
     return target
+
+
+PROMPTS = [[3, 17, 42, 5, 9, 11], [7, 8, 9, 10, 11, 12]]
+"""The prompts every quantized model test compares logits and tokens on."""
+
+
+def dequantized(path: Path, config: Any, implementation: str = "eager") -> Any:
+    """transformers' own model of a quantized checkpoint, its weights dequantized at load
+    (``config``: ``FineGrainedFP8Config(dequantize=True)`` or ``Mxfp4Config(...)``)."""
+    import transformers  # type: ignore[import-not-found, unused-ignore]
+
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        path, quantization_config=config, experts_implementation=implementation)
+
+
+def logits(model: Any) -> Any:
+    with torch.no_grad():
+        return model(torch.tensor(PROMPTS, device=model.device)).logits
+
+
+def assert_streams_like(whole: Any, path: Path, compute: str, budget: str | None = "4",
+                        device: str = "cpu") -> None:
+    """moestream's model of ``path`` gives ``whole``'s logits (``torch.equal``) and greedy
+    tokens; at a budget below the experts, misses and evictions happen meanwhile."""
+    from moestream import transformers as mt
+
+    model = mt.from_pretrained(path, device=device, compute=compute, budget=budget)
+    try:
+        assert torch.equal(logits(whole), logits(model))
+        if budget is not None:
+            assert model.moestream.session.counters().evictions > 0
+        ids = torch.tensor(PROMPTS, device=device)
+        args = dict(attention_mask=torch.ones_like(ids), max_new_tokens=4, min_new_tokens=4,
+                    do_sample=False)
+        assert torch.equal(whole.generate(ids, **args), model.generate(ids, **args))
+    finally:
+        model.moestream.close()

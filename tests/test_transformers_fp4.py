@@ -30,12 +30,20 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 import moestream  # noqa: E402
 from moestream import transformers as mt  # noqa: E402
 from pipeline.foundation.quantization import CARRIER  # noqa: E402
-from tests.quantized import fp4_checkpoint, quantize_fp4  # noqa: E402
+from tests.quantized import (  # noqa: E402
+    PROMPTS,
+    assert_streams_like,
+    dequantized,
+    fp4_checkpoint,
+    logits,
+    quantize_fp4,
+)
 from tests.test_transformers import ARCHS  # noqa: E402
 
+FP8 = transformers.FineGrainedFP8Config(dequantize=True)
+"""transformers' own dequantization at load: the reference."""
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
-PROMPTS = [[3, 17, 42, 5, 9, 11], [7, 8, 9, 10, 11, 12]]
 EXPERT = "model.layers.{}.ffn.experts.{}.{}"
 
 
@@ -53,17 +61,6 @@ def fp4(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
             "fp8": fp4_checkpoint(root / "bf16", root / "fp8", block=(32, 32), experts="fp8")}
 
 
-def _reference(path: Path, implementation: str = "eager") -> Any:
-    config = transformers.FineGrainedFP8Config(dequantize=True)
-    return transformers.AutoModelForCausalLM.from_pretrained(
-        path, quantization_config=config, experts_implementation=implementation)
-
-
-def _logits(model: Any) -> Any:
-    with torch.no_grad():
-        return model(torch.tensor(PROMPTS)).logits
-
-
 class TestFp4Experts:
     """Experts streamed as FP4 bytes, dequantized per use."""
 
@@ -73,22 +70,13 @@ class TestFp4Experts:
     def test_logits_equal_transformers_dequantized(self, fp4: dict[str, Path], kind: str,
                                                    compute: str, implementation: str) -> None:
         """At a budget of a few experts: misses, evictions and grouped fetches happen."""
-        whole = _reference(fp4[kind], implementation)
-        model = mt.from_pretrained(fp4[kind], device="cpu", compute=compute, budget="4")
-        try:
-            assert torch.equal(_logits(whole), _logits(model))
-            assert model.moestream.session.counters().evictions > 0
-            ids = torch.tensor(PROMPTS)
-            args = dict(attention_mask=torch.ones_like(ids), max_new_tokens=4,
-                        min_new_tokens=4, do_sample=False)
-            assert torch.equal(whole.generate(ids, **args), model.generate(ids, **args))
-        finally:
-            model.moestream.close()
+        assert_streams_like(dequantized(fp4[kind], FP8, implementation), fp4[kind],
+                            compute)
 
     def test_each_expert_equals_transformers(self, fp4: dict[str, Path]) -> None:
         """Every expert of every layer, one at a time (eager's matrices) and as one grouped
         batch: gate_up (2F, D) and down (D, F) as transformers dequantizes them."""
-        whole = _reference(fp4["fp4"])
+        whole = dequantized(fp4["fp4"], FP8)
         model = mt.from_pretrained(fp4["fp4"], device="cpu")
         stream = model.moestream
         try:
@@ -109,11 +97,11 @@ class TestFp4Experts:
 
     def test_fp8_experts_with_e8m0_scales(self, fp4: dict[str, Path]) -> None:
         """``expert_dtype: fp8``: FP8 experts whose ``.scale`` are E8M0, as the dense ones."""
-        whole = _reference(fp4["fp8"])
+        whole = dequantized(fp4["fp8"], FP8)
         model = mt.from_pretrained(fp4["fp8"], device="cpu", compute="eager", budget="4")
         try:
             assert model.moestream.session.model.layers[3].quant.scale_dtype == "F8_E8M0"
-            assert torch.equal(_logits(whole), _logits(model))
+            assert torch.equal(logits(whole), logits(model))
         finally:
             model.moestream.close()
 
@@ -215,7 +203,7 @@ class TestGpu:
                                                          ("eager", "eager")])
     def test_logits_and_tokens(self, fp4: dict[str, Path], compute: str,
                                implementation: str) -> None:
-        whole = _reference(fp4["fp4"], implementation).to("cuda")
+        whole = dequantized(fp4["fp4"], FP8, implementation).to("cuda")
         ids = torch.tensor(PROMPTS, device="cuda")
         try:
             with torch.no_grad():

@@ -27,8 +27,15 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 import moestream  # noqa: E402
 from moestream import transformers as mt  # noqa: E402
 from pipeline.foundation.quantization import FP8_CARRIER  # noqa: E402
-from tests.quantized import fp8_checkpoint  # noqa: E402
+from tests.quantized import (  # noqa: E402
+    assert_streams_like,
+    dequantized,
+    fp8_checkpoint,
+    logits,
+)
 
+FP8 = transformers.FineGrainedFP8Config(dequantize=True)
+"""transformers' own dequantization at load: the reference."""
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
 ATTENTION = dict(num_attention_heads=4, num_key_value_heads=2, vocab_size=96,
@@ -44,7 +51,6 @@ ARCHS: dict[str, dict[str, Any]] = {
                         qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
                         **{**ATTENTION, "num_key_value_heads": 4}),
 }
-PROMPTS = [[3, 17, 42, 5, 9, 11], [7, 8, 9, 10, 11, 12]]
 
 
 def _float(kind: str, where: Path) -> Path:
@@ -65,17 +71,6 @@ def fp8(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return made
 
 
-def _reference(path: Path, implementation: str) -> Any:
-    config = transformers.FineGrainedFP8Config(dequantize=True)
-    return transformers.AutoModelForCausalLM.from_pretrained(
-        path, quantization_config=config, experts_implementation=implementation)
-
-
-def _logits(model: Any) -> Any:
-    with torch.no_grad():
-        return model(torch.tensor(PROMPTS)).logits
-
-
 class TestFp8Experts:
     """Experts streamed FP8, dequantized per use."""
 
@@ -85,17 +80,8 @@ class TestFp8Experts:
     def test_logits_equal_transformers_dequantized(self, fp8: dict[str, Path], kind: str,
                                                    compute: str, implementation: str) -> None:
         """At a budget of a few experts: misses, evictions and grouped fetches happen."""
-        whole = _reference(fp8[kind], implementation)
-        model = mt.from_pretrained(fp8[kind], device="cpu", compute=compute, budget="4")
-        try:
-            assert torch.equal(_logits(whole), _logits(model))
-            assert model.moestream.session.counters().evictions > 0
-            ids = torch.tensor(PROMPTS)
-            args = dict(attention_mask=torch.ones_like(ids), max_new_tokens=4,
-                        min_new_tokens=4, do_sample=False)
-            assert torch.equal(whole.generate(ids, **args), model.generate(ids, **args))
-        finally:
-            model.moestream.close()
+        assert_streams_like(dequantized(fp8[kind], FP8, implementation), fp8[kind],
+                            compute)
 
     def test_streamed_as_fp8_bytes(self, fp8: dict[str, Path]) -> None:
         """A miss reads and the budget counts one byte a weight; the scales are named."""
@@ -119,7 +105,7 @@ class TestFp8Experts:
             dequantized, experts_implementation="eager")
         model = mt.from_pretrained(path, device="cpu", compute="eager", budget="4")
         try:
-            assert torch.equal(_logits(whole), _logits(model))
+            assert torch.equal(logits(whole), logits(model))
         finally:
             model.moestream.close()
 

@@ -27,12 +27,18 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 import moestream  # noqa: E402
 from moestream import transformers as mt  # noqa: E402
 from pipeline.foundation.quantization import CARRIER  # noqa: E402
-from tests.quantized import mxfp4_checkpoint  # noqa: E402
+from tests.quantized import (  # noqa: E402
+    PROMPTS,
+    assert_streams_like,
+    dequantized,
+    mxfp4_checkpoint,
+)
 from tests.test_transformers import ARCHS  # noqa: E402
 
+MXFP4 = transformers.Mxfp4Config(dequantize=True)
+"""transformers' own dequantization at load: the reference."""
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
-PROMPTS = [[3, 17, 42, 5, 9, 11], [7, 8, 9, 10, 11, 12]]
 LAYER = "model.layers.{}.mlp.experts.{}"
 
 
@@ -54,17 +60,6 @@ def mxfp4(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return mxfp4_checkpoint(_float(root / "bf16"), root / "gpt_oss")
 
 
-def _reference(path: Path, implementation: str = "eager") -> Any:
-    config = transformers.Mxfp4Config(dequantize=True)
-    return transformers.AutoModelForCausalLM.from_pretrained(
-        path, quantization_config=config, experts_implementation=implementation)
-
-
-def _logits(model: Any) -> Any:
-    with torch.no_grad():
-        return model(torch.tensor(PROMPTS)).logits
-
-
 class TestMxfp4Experts:
     """Experts streamed as MXFP4 blocks, dequantized per use."""
 
@@ -73,22 +68,13 @@ class TestMxfp4Experts:
     def test_logits_equal_transformers_dequantized(self, mxfp4: Path, compute: str,
                                                    implementation: str) -> None:
         """At a budget of a few experts: misses, evictions and grouped fetches happen."""
-        whole = _reference(mxfp4, implementation)
-        model = mt.from_pretrained(mxfp4, device="cpu", compute=compute, budget="4")
-        try:
-            assert torch.equal(_logits(whole), _logits(model))
-            assert model.moestream.session.counters().evictions > 0
-            ids = torch.tensor(PROMPTS)
-            args = dict(attention_mask=torch.ones_like(ids), max_new_tokens=4,
-                        min_new_tokens=4, do_sample=False)
-            assert torch.equal(whole.generate(ids, **args), model.generate(ids, **args))
-        finally:
-            model.moestream.close()
+        assert_streams_like(dequantized(mxfp4, MXFP4, implementation), mxfp4,
+                            compute)
 
     def test_each_expert_equals_transformers(self, mxfp4: Path) -> None:
         """Every expert of every layer, one at a time (eager's matrices) and as one grouped
         batch: the module's gate_up (D, 2F) and down (F, D) as transformers dequantizes."""
-        whole = _reference(mxfp4)
+        whole = dequantized(mxfp4, MXFP4)
         model = mt.from_pretrained(mxfp4, device="cpu")
         stream = model.moestream
         try:
@@ -181,7 +167,7 @@ class TestGpu:
     @pytest.mark.parametrize("compute, implementation", [("grouped", "grouped_mm"),
                                                          ("eager", "eager")])
     def test_logits_and_tokens(self, mxfp4: Path, compute: str, implementation: str) -> None:
-        whole = _reference(mxfp4, implementation).to("cuda")
+        whole = dequantized(mxfp4, MXFP4, implementation).to("cuda")
         ids = torch.tensor(PROMPTS, device="cuda")
         for budget in (None, "4"):
             model = mt.from_pretrained(mxfp4, device="cuda", compute=compute, budget=budget)
