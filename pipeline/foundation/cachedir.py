@@ -39,7 +39,7 @@ from pathlib import Path
 import structlog
 
 from pipeline.foundation.errors import OutputError
-from pipeline.foundation.inputs import InputTooLargeError, NotRegularFileError, file_kind
+from pipeline.foundation.inputs import NotRegularFileError, file_kind, read_input
 
 __all__ = [
     "UntrustedPathError",
@@ -260,11 +260,4 @@ def read_private(path: str | os.PathLike[str], max_bytes: int) -> bytes:
         InputTooLargeError: larger than ``max_bytes``.
         OSError: as ``open`` and ``read`` raise it.
     """
-    with open_private(path) as handle:
-        size = os.fstat(handle.fileno()).st_size
-        if size > max_bytes:
-            raise InputTooLargeError(path, size, max_bytes)
-        data = handle.read(max_bytes + 1)
-    if len(data) > max_bytes:
-        raise InputTooLargeError(path, len(data), max_bytes)
-    return data
+    return read_input(path, max_bytes, opener=open_private)

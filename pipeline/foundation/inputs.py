@@ -111,9 +111,11 @@ def require_regular_file(path: str | os.PathLike[str]) -> Path:
     return Path(path)
 
 
-def read_input(path: str | os.PathLike[str], max_bytes: int) -> bytes:
+def read_input(path: str | os.PathLike[str], max_bytes: int,
+               opener: Callable[[str | os.PathLike[str]], BinaryIO] | None = None) -> bytes:
     """The whole of a regular file of at most ``max_bytes`` bytes (opened by
-    :func:`open_input`: never waits on a FIFO, never streams a device).
+    :func:`open_input`, or ``opener``, which checks more: never waits on a FIFO, never
+    streams a device).
 
     The size is checked on the descriptor before reading, and at most ``max_bytes + 1``
     bytes are read, so a file that grows meanwhile is refused too, never held whole.
@@ -123,7 +125,7 @@ def read_input(path: str | os.PathLike[str], max_bytes: int) -> bytes:
         InputTooLargeError: larger than ``max_bytes``.
         OSError: as ``open`` and ``read`` raise it (missing, permission denied, I/O error).
     """
-    with open_input(path) as handle:
+    with (opener or open_input)(path) as handle:
         size = os.fstat(handle.fileno()).st_size
         if size > max_bytes:
             raise InputTooLargeError(path, size, max_bytes)
