@@ -594,7 +594,10 @@ class TestMoestreamReadsThem:
             path, quantization_config=config)
         model = mt.from_pretrained(path, device="cpu", budget="4")
         ids = torch.tensor([[1, 5, 9, 200, 17, 33]])
-        with torch.no_grad():
-            assert torch.equal(model(ids).logits, reference(ids).logits)
-            assert torch.equal(model.generate(ids, max_new_tokens=6, do_sample=False),
-                               reference.generate(ids, max_new_tokens=6, do_sample=False))
+        try:
+            with torch.no_grad():
+                assert torch.equal(model(ids).logits, reference(ids).logits)
+                assert torch.equal(model.generate(ids, max_new_tokens=6, do_sample=False),
+                                   reference.generate(ids, max_new_tokens=6, do_sample=False))
+        finally:
+            model.moestream.close()  # its session's threads end with it
