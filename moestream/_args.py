@@ -120,11 +120,16 @@ def devices_of(devices: object) -> tuple[int, ...] | None:
 
 def budget_of(budget: object) -> Budget | None:
     """The cache budget: None (every expert), an int (that many experts, as the text
-    ``"2522"``), a text (``"2522"`` experts, ``"20GiB"``, ``"11GB"``) or a ``Budget``.
+    ``"2522"``), a text (``"2522"`` or ``"2522.0"`` experts, ``"20GiB"``, ``"11GB"``) or a
+    ``Budget``.
+
+    Only what no model can take is refused here; a budget below what the model needs (its
+    top-k experts for each layer in flight) is refused when the session opens, naming that
+    minimum.
 
     Raises:
-        UsageTypeError: another type (a float, a bool). UsageError: an unreadable text,
-            zero or a negative number.
+        UsageTypeError: another type (a float, a bool). UsageError: an unreadable text, a
+            bare number with a fraction, zero or a negative number.
     """
     if budget is None:
         return None
@@ -135,7 +140,7 @@ def budget_of(budget: object) -> Budget | None:
         value = index(parts[0], "Budget's " + ("experts" if budget.experts is not None
                                                else "nbytes"))
         if value < 1:
-            raise UsageError(f"a cache budget must be at least 1, not {budget}")
+            raise _not_positive(budget)
         return budget
     if isinstance(budget, (float, np.floating)):
         raise UsageTypeError(f"budget {budget!r}: give experts as an int, or a size as text "
@@ -143,10 +148,20 @@ def budget_of(budget: object) -> Budget | None:
     if not isinstance(budget, str):
         experts = index(budget, "budget")
         if experts < 1:
-            raise UsageError(f"a cache budget must be at least 1 expert, not {experts}")
+            raise _not_positive(experts)
         return parse_budget(str(experts))
+    if budget.strip().startswith("-"):
+        raise _not_positive(budget)
     parsed = parse_budget(budget)
     if (parsed.experts if parsed.experts is not None else parsed.nbytes or 0) < 1:
-        raise UsageError(f"a cache budget must be at least 1 expert or byte, not {budget!r}")
+        raise _not_positive(budget)
     return parsed
 
+
+def _not_positive(budget: object) -> UsageError:
+    """The refusal of a budget no model can take; the model's own minimum is not known yet
+    (the session names it when it opens)."""
+    shown = str(budget) if isinstance(budget, Budget) else repr(budget)
+    return UsageError(f"budget {shown[:40]}: give a positive number of experts or a size "
+                      "with a unit (\"20GiB\"); a model takes at least its top-k experts for "
+                      "each layer in flight")

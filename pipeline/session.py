@@ -284,13 +284,19 @@ class StreamSession:
             return
         assert self.table is not None
         experts = min_bytes // expert_bytes * devices
+        given = self.config.budget
+        asked = (f"{_count(given.experts, 'expert')} ({_count(budget, 'byte')})"
+                 if given is not None and given.experts is not None
+                 else _count(budget, "byte"))
+        in_flight = (f"each of the {self._layers_in_flight} layers in flight"
+                     if self._layers_in_flight > 1 else "the one layer in flight")
         raise UsageError(
-            f"cache budget of {budget} bytes ({self.config.budget}) cannot hold one layer's "
-            f"top-{self.table.top_k} experts for each of the {self._layers_in_flight} layers "
-            "in flight" + (f" on each of {devices} devices" if devices > 1 else "")
-            + f" ({experts} experts, {min_bytes * devices} bytes; it holds "
-            f"{budget // expert_bytes} experts of {expert_bytes} bytes): give a budget of "
-            f"at least {experts} experts")
+            f"cache budget of {asked} cannot hold one layer's "
+            f"top-{_count(self.table.top_k, 'expert')} for {in_flight}"
+            + (f" on each of {devices} devices" if devices > 1 else "")
+            + f" ({_count(experts, 'expert')}, {_count(min_bytes * devices, 'byte')}; it holds "
+            f"{_count(budget // expert_bytes, 'expert')} of {_count(expert_bytes, 'byte')} each): "
+            f"give a budget of at least {_count(experts, 'expert')}")
 
     # -- fetch -----------------------------------------------------------------------------
 
@@ -832,3 +838,8 @@ def _outcome(exc: BaseException) -> str:
     if isinstance(exc, MoestreamError):
         return str(exc)
     return f"failed to open: {type(exc).__name__}"
+
+
+def _count(n: int, noun: str) -> str:
+    """``n`` and ``noun``, plural unless ``n`` is one (``1 expert``, ``48 experts``)."""
+    return f"{n} {noun}{'' if n == 1 else 's'}"

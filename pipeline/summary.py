@@ -10,7 +10,7 @@ from typing import Any
 from pipeline.foundation.cli import printable
 from pipeline.timesplit import TimeSplit
 
-__all__ = ["RunSummary", "TokenTotals", "print_summary"]
+__all__ = ["RunSummary", "TokenTotals", "print_summary", "size_text"]
 
 
 @dataclass(slots=True)
@@ -127,11 +127,19 @@ class RunSummary:
         }
 
 
+def size_text(nbytes: int) -> str:
+    """A byte count in the largest binary unit it reaches (``1.50 GiB``, ``47.00 KiB``,
+    ``12 B``), so a small model's sizes do not all print as ``0.00 GiB``."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(nbytes) >= scale:
+            return f"{nbytes / scale:.2f} {unit}"
+    return f"{nbytes} B"
+
+
 def print_summary(summary: RunSummary, as_json: bool) -> None:
     if as_json:
         print(json.dumps(summary.as_dict(), indent=2))
         return
-    gib = 1 << 30
     print(
         f"model      {printable(summary.model)}"
         f"{f' ({summary.experts})' if summary.experts else ''}\n"
@@ -140,11 +148,11 @@ def print_summary(summary: RunSummary, as_json: bool) -> None:
         f"decoded    {summary.tokens} tokens in {summary.elapsed_s:.2f} s: "
         f"{summary.tokens_per_s:.2f} tok/s\n"
         f"cache      hit rate {summary.hit_rate:.3f} ({summary.hits} hits, {summary.misses} "
-        f"misses, {summary.evictions} evictions), budget {summary.budget_bytes / gib:.2f} GiB,"
-        f" peak {summary.peak_device_bytes / gib:.2f} GiB\n"
-        f"bytes      {summary.file_bytes / gib:.3f} GiB read from file, "
-        f"{summary.cache_bytes / gib:.3f} GiB served from cache, "
-        f"{summary.storage_bytes / gib:.3f} GiB from storage\n"
+        f"misses, {summary.evictions} evictions), budget {size_text(summary.budget_bytes)},"
+        f" peak {size_text(summary.peak_device_bytes)}\n"
+        f"bytes      {size_text(summary.file_bytes)} read from file, "
+        f"{size_text(summary.cache_bytes)} served from cache, "
+        f"{size_text(summary.storage_bytes)} from storage\n"
         f"verified: {summary.verified} experts, {summary.mismatches} mismatches"
         f"{f', {summary.unverified} not verified' if summary.unverified else ''}"
         f" (digests: {summary.digests})"

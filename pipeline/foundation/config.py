@@ -52,6 +52,7 @@ _UNITS = {
     "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
 }
 _SIZE = re.compile(r"^\s*(\d+)(?:\.(\d+))?\s*([a-zA-Z]*)\s*$")
+_BARE_DECIMAL = re.compile(r"^(\d+)\.(\d+)$")  # a budget without a unit: experts
 
 MAX_SIZE_BYTES = 2**62
 """The largest size accepted (4 EiB): far above any memory or file, far below where byte
@@ -176,17 +177,28 @@ class Budget:
         return min(self.experts * expert_bytes, MAX_SIZE_BYTES)
 
     def __str__(self) -> str:
-        return f"{self.experts} experts" if self.experts is not None else f"{self.nbytes} bytes"
+        if self.experts is not None:
+            return f"{self.experts} expert{'' if self.experts == 1 else 's'}"
+        return f"{self.nbytes} byte{'' if self.nbytes == 1 else 's'}"
 
 
 def parse_budget(text: str) -> Budget:
-    """``2522`` (experts) or a size with a unit (``11GB``, ``20GiB``).
+    """``2522`` (experts) or a size with a unit (``11GB``, ``20GiB``, ``4096B``).
+
+    A bare number is always experts: ``4.0`` is 4 experts, like ``4``; ``4.5`` is refused
+    (a fraction of an expert, or a size missing its unit), never read as bytes.
 
     Raises:
-        UsageError: neither, or more than ``MAX_BUDGET_EXPERTS`` experts or
-            ``MAX_SIZE_BYTES`` bytes.
+        UsageError: neither, a bare number with a fraction, or more than
+            ``MAX_BUDGET_EXPERTS`` experts or ``MAX_SIZE_BYTES`` bytes.
     """
     stripped = text.strip()
+    bare = _BARE_DECIMAL.match(stripped)
+    if bare:
+        if bare.group(2).strip("0"):
+            raise UsageError(f"cache budget {_shown(stripped)}: a bare number is experts, a "
+                             "whole number of them; a size takes its unit (e.g. 4.5GiB)")
+        stripped = bare.group(1)
     if stripped.isdigit():
         digits = stripped.lstrip("0")
         if len(digits) > len(str(MAX_BUDGET_EXPERTS)) or int(digits or "0") > MAX_BUDGET_EXPERTS:

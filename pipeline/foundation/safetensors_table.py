@@ -595,8 +595,13 @@ def _build(path: Path, files: tuple[ModelFile, ...], shards: list[_Shard],
     if both:
         raise ExpertLayoutError(path, f"layer {both[0]} has both per-expert and fused experts")
     if not per_expert and not fused:
-        raise ExpertLayoutError(path, "no routed expert tensors (layers.L.mlp.experts.*, or "
-                                      "a layout the module docstring lists)")
+        raise ExpertLayoutError(path, "no routed expert tensors (read under a layer's mlp, "
+                                      "block_sparse_moe, ffn, feed_forward or mixer block: "
+                                      "experts.E.{gate,up,down}_proj.weight, "
+                                      "experts.E.{w1,w3,w2}.weight, or fused "
+                                      "experts.gate_up_proj/down_proj or input_linear/"
+                                      "output_linear; docs/TRANSFORMERS.md, "
+                                      "Supported models)")
     hidden = ints.get("moe_latent_size", ints.get("hidden_size"))  # Nemotron's latent MoE
     ffn = ints.get("moe_intermediate_size")
     if ffn is None and "num_local_experts" in config:  # Mixtral names its expert FFN so
