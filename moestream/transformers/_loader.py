@@ -56,6 +56,7 @@ from pipeline.foundation.errors import (
     ExpertLayoutError,
     ModelFileError,
     UsageError,
+    UsageTypeError,
 )
 
 __all__ = ["from_pretrained"]
@@ -89,6 +90,7 @@ def from_pretrained(
     log: str | os.PathLike[str] | None = None,
     tuning: moestream.Tuning | None = None,
     progress: bool | None = None,
+    **words: Any,
 ) -> Any:
     """Load a transformers MoE causal LM whose routed experts moestream serves.
 
@@ -107,6 +109,19 @@ def from_pretrained(
         policy, verify, log, tuning: as ``moestream.open``.
         progress: a progress bar while the dense weights load (default: stderr is a
             terminal).
+        **words: transformers' own loading words, where they mean something here:
+            ``torch_dtype`` (``dtype``'s old name, taken without a warning);
+            ``attn_implementation`` (set on the model's config before it is built, as
+            transformers does: ``"eager"``, ``"sdpa"``, an installed ``flash_attention_N``
+            or ``flex_attention``); ``device_map`` naming one device (``"cuda:0"``, a
+            ``torch.device``, an index, ``{"": device}``, or ``"auto"``: ``device``'s
+            default), as ``device``; ``low_cpu_mem_usage`` (nothing beyond the dense
+            weights is ever loaded: a no-op); ``trust_remote_code=False``. Refused, each in
+            one line naming what to use instead: a ``device_map`` that splits the model
+            (the dense weights go to one device, the experts stream under ``budget``),
+            ``max_memory`` (``budget`` bounds the experts' device memory), ``revision`` (a
+            local path only), ``trust_remote_code=True`` (no checkpoint code ever runs);
+            any other word, naming the arguments this function takes.
 
     Returns:
         The model, in eval mode, on ``device``; ``model.moestream`` is its
@@ -114,12 +129,14 @@ def from_pretrained(
         (``end_token`` at its end). Close it when done: ``model.moestream.close()``.
 
     Raises:
-        UsageError: torch or transformers missing, a bad argument, a budget below what one
+        UsageError: torch or transformers missing, a bad or unknown argument, a
+            transformers word moestream replaces (above), a budget below what one
             layer's experts need.
         ModelFileError: the checkpoint cannot be used (its subclasses name why); nothing
             stays open or loaded.
     """
     is_available(raise_error=True)
+    device, dtype, attention = _loading_words(words, device, dtype)
     if compute not in COMPUTES:
         raise UsageError(f"compute must be one of {', '.join(COMPUTES)}, got {compute!r}")
     register()
@@ -154,7 +171,9 @@ def from_pretrained(
                 raise ModelFileError(root / CONFIG, f"its {key} {_no_dtype(stored)}")
         with snapshot(root, GENERATION_FILES, session.model.config) as files:
             config = _config(root, files)
-            model = _meta_model(root, files, config, wanted)
+            if attention is not None:  # as transformers' _from_config applies it
+                config._attn_implementation = attention
+            model = _build_with(attention, lambda: _meta_model(root, files, config, wanted))
         experts = _experts_modules(root, model, config)
         group = _check_experts(session, experts)
         _load_dense(model, session, torch_device, progress)
@@ -173,6 +192,98 @@ def from_pretrained(
         session.close()
         raise
     return model
+
+
+_ARGUMENTS = ("path", "budget", "mode", "device", "dtype", "compute", "policy", "verify", "log",
+              "tuning", "progress", "torch_dtype", "attn_implementation", "device_map",
+              "low_cpu_mem_usage", "trust_remote_code")
+"""What ``from_pretrained`` takes, as an unknown keyword's refusal lists it."""
+
+
+def _loading_words(words: dict[str, Any], device: Any, dtype: Any) -> tuple[Any, Any, Any]:
+    """``device``, ``dtype`` and the attention implementation, after transformers' loading
+    words in ``words`` (see ``from_pretrained``); the rest refused in one line each."""
+    words = dict(words)
+    torch_dtype = words.pop("torch_dtype", None)
+    if torch_dtype is not None:
+        if dtype is not None and dtype != torch_dtype and (
+                _dtype(dtype) is None or _dtype(dtype) != _dtype(torch_dtype)):
+            raise UsageError(f"dtype {str(dtype)[:40]!r} and torch_dtype "
+                             f"{str(torch_dtype)[:40]!r}: give dtype alone (torch_dtype is "
+                             "its old name)")
+        dtype = torch_dtype
+    if "device_map" in words:
+        device = _device_map(words.pop("device_map"), device)
+    if words.pop("max_memory", None) is not None:
+        raise UsageError("max_memory: moestream keeps the dense weights on one device and "
+                         "bounds the routed experts' device memory by budget= (e.g. "
+                         "budget=\"20GiB\")")
+    if words.pop("revision", None) is not None:
+        raise UsageError("revision: moestream reads a local checkpoint directory only; fetch "
+                         "the revision first (huggingface_hub.snapshot_download(repo, "
+                         "revision=...)) and pass its path")
+    trust = words.pop("trust_remote_code", None)
+    if trust not in (None, False):
+        raise UsageError("trust_remote_code: moestream never runs a checkpoint's code; it "
+                         "serves the model types transformers itself ships")
+    if words.pop("low_cpu_mem_usage", None) not in (None, True, False):
+        raise UsageTypeError("low_cpu_mem_usage must be True or False")
+    attention = words.pop("attn_implementation", None)
+    if attention is not None:
+        _check_attention(attention)
+    if words:
+        names = ", ".join(sorted(words))
+        raise UsageTypeError(f"from_pretrained got an unexpected argument"
+                             f"{'s' if len(words) > 1 else ''} {names}; it takes "
+                             f"{', '.join(_ARGUMENTS)} (max_memory and revision are refused "
+                             "with what replaces them)")
+    return device, dtype, attention
+
+
+def _device_map(device_map: Any, device: Any) -> Any:
+    """The one device ``device_map`` names (``"auto"``: ``device``'s default); a map that
+    splits the model is refused."""
+    chosen = device_map
+    if isinstance(device_map, dict) and set(device_map) == {""}:
+        chosen = device_map[""]
+    elif isinstance(device_map, dict) or device_map in ("balanced", "balanced_low_0",
+                                                        "sequential"):
+        raise UsageError(f"device_map {str(device_map)[:60]}: moestream does not split the "
+                         "model over devices; the dense weights go to one device (device= or "
+                         "device_map=\"cuda:0\") and the routed experts stream under budget=")
+    elif device_map == "auto" or device_map is None:
+        chosen = None
+    if device is not None and chosen is not None and str(device) != str(chosen):
+        raise UsageError(f"device {str(device)!r} and device_map {str(device_map)[:60]}: give "
+                         "one of them")
+    return device if chosen is None else chosen
+
+
+def _check_attention(attention: Any) -> None:
+    """Refuse an attention implementation transformers does not know, or a hub kernel
+    (moestream downloads nothing)."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    known = ["eager", *ALL_ATTENTION_FUNCTIONS.valid_keys()]
+    if not isinstance(attention, str):
+        raise UsageTypeError(f"attn_implementation must be a name ({', '.join(known)}), not "
+                             f"{type(attention).__name__}")
+    if attention not in known:
+        raise UsageError(f"attn_implementation {attention[:60]!r}: one of {', '.join(known)} "
+                         "(a hub kernel is not downloaded)")
+
+
+def _build_with(attention: str | None, build: Any) -> Any:
+    """``build()``; a failure the attention implementation causes (its package missing,
+    the model lacking it) is the caller's, a ``UsageError`` naming it."""
+    try:
+        return build()
+    except (ImportError, ModelFileError) as exc:
+        cause = exc if isinstance(exc, ImportError) else exc.__cause__
+        if (attention is None or not isinstance(cause, (ImportError, ValueError))
+                or not re.search("attn|attention", str(cause), re.IGNORECASE)):
+            raise
+        raise UsageError(f"attn_implementation {attention!r}: {_first_line(cause)}") from exc
 
 
 def _begin_hook(stream: ExpertStream) -> Any:
