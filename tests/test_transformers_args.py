@@ -19,25 +19,17 @@ pytest.importorskip("transformers.integrations.moe")
 import moestream  # noqa: E402
 from moestream import transformers as mt  # noqa: E402
 from pipeline.foundation.errors import UsageError, UsageTypeError  # noqa: E402
+from tests.test_transformers_trust import CONFIG, IDS, _save  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
-CONFIG = dict(hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_experts=8,
-              num_experts_per_tok=2, num_hidden_layers=2, head_dim=16, num_attention_heads=4,
-              num_key_value_heads=2, vocab_size=96, max_position_embeddings=128)
-IDS = [[3, 17, 42, 5]]
 DEFAULT_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny Qwen3-MoE in bfloat16, written by transformers' ``save_pretrained``."""
-    where = tmp_path_factory.mktemp("args") / "qwen3_moe"
-    config = transformers.AutoConfig.for_model("qwen3_moe", **CONFIG)
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-    model.save_pretrained(where)
-    return where
+    return _save(tmp_path_factory.mktemp("args") / "qwen3_moe", seed=0)
 
 
 @pytest.fixture

@@ -50,7 +50,6 @@ IMPLEMENTATION = "moestream"
 
 Compute = Literal["grouped", "eager"]
 COMPUTES: tuple[Compute, ...] = ("grouped", "eager")
-_PARTS = ("gate", "up", "down")
 
 TORCH_DTYPES: dict[str, Any] = {
     "BF16": torch.bfloat16,

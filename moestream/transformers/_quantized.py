@@ -60,10 +60,11 @@ class LayerScales:
     pairs: Any = None
     transposed: bool = False
 
-    def dequantize(self, which: str, experts: list[int], raw: Any, dtype: Any) -> Any:
-        """``raw`` quantized matrices ``(n, rows, bytes)`` (or one, 2-D) of ``experts``, in
-        ``dtype``, as stored (``(n, rows, cols)``: MXFP4's untransposed)."""
-        scales = getattr(self, which)[experts[0] if raw.dim() == 2 else experts]
+    def dequantize(self, which: str, experts: Any, raw: Any, dtype: Any) -> Any:
+        """``raw`` quantized matrices ``(n, rows, bytes)`` of ``experts`` (a tensor of ids
+        on the device), or one 2-D of expert ``experts`` (an int), in ``dtype``, as stored
+        (``(n, rows, cols)``: MXFP4's untransposed)."""
+        scales = getattr(self, which)[experts]
         if self.method == "mxfp4":
             return mxfp4_blocks(raw, mxfp4_exponents(scales), dtype, self.pairs)
         if self.method == "fp4":
@@ -75,7 +76,7 @@ class LayerScales:
         """One expert's matrices as the module's layout has them: gate ``(F, D)``, up and
         down ``(D, F)``; transposed, the row halves of gate_up ``(D, 2F)`` and down ``(F,
         D)``, each contiguous (a product reads them as the module's own)."""
-        gate, up, down = (self.dequantize(name, [expert], raw, dtype)
+        gate, up, down = (self.dequantize(name, expert, raw, dtype)
                           for name, raw in zip(("gate", "up", "down"), raws, strict=True))
         if not self.transposed:
             return gate, up, down
@@ -93,8 +94,12 @@ class LayerScales:
             targets = (gate_up[..., :ffn], gate_up[..., ffn:], down)
         else:
             targets = (gate_up[:, :ffn], gate_up[:, ffn:], down)
+        # the ids on the device once a batch (from pinned memory: queued, not waited), not
+        # one host-to-device copy a matrix kind
+        ids = torch.tensor(experts, dtype=torch.int64, pin_memory=self.gate.is_cuda)
+        ids = ids.to(self.gate.device, non_blocking=True)
         for name, raw, target in zip(("gate", "up", "down"), raws, targets, strict=True):
-            value = self.dequantize(name, experts, raw, target.dtype)
+            value = self.dequantize(name, ids, raw, target.dtype)
             target.copy_(value.transpose(-1, -2) if self.transposed else value)
 
 
