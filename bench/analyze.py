@@ -29,8 +29,8 @@ import numpy as np
 import numpy.typing as npt
 
 from bench.record import provenance, write_result
-from gpu.policy import CacheIndex, make_policy
-from pipeline.foundation.errors import MoestreamError, UsageError
+from moestream.gpu.cache.policy import CacheIndex, make_policy
+from moestream.pipeline.foundation.errors import MoestreamError, UsageError
 
 __all__ = ["SyntheticRun", "main", "routing", "write_synthetic_log"]
 

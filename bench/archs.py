@@ -52,8 +52,8 @@ from typing import Any
 
 from bench.kit import run_command
 from bench.record import provenance, write_result
-from pipeline.foundation.errors import UsageError
-from pipeline.foundation.outputs import check_output
+from moestream.pipeline.foundation.errors import UsageError
+from moestream.pipeline.foundation.outputs import check_output
 
 __all__ = ["FIXES", "KINDS", "SIZES", "ZERO_INIT", "main", "one", "overrides"]
 

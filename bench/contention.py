@@ -48,9 +48,9 @@ import structlog
 from bench.kit import make_resident, run_command
 from bench.pipeline import Bench, add_run_options, pinned_h2d_gbps, sweep_trace, window_rate
 from bench.record import provenance, write_result
-from gpu.selection import select_backend
-from pipeline.foundation.errors import UsageError
-from pipeline.foundation.table import open_table
+from moestream.gpu.selection import select_backend
+from moestream.pipeline.foundation.errors import UsageError
+from moestream.pipeline.foundation.table import open_table
 
 __all__ = ["main"]
 

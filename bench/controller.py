@@ -37,11 +37,11 @@ import uvloop
 
 from bench.kit import budget_for, drop_caches, exit_with
 from bench.record import provenance, write_result
-from pipeline.foundation.config import ComputeSpec, RunConfig, parse_size
-from pipeline.foundation.table import open_table
-from pipeline.run import run
-from pipeline.synthetic import synthetic_trace
-from pipeline.trace import save_trace
+from moestream.pipeline.cli.run import run
+from moestream.pipeline.foundation.config import ComputeSpec, RunConfig, parse_size
+from moestream.pipeline.foundation.table import open_table
+from moestream.pipeline.foundation.trace import save_trace
+from moestream.pipeline.proxy.synthetic import synthetic_trace
 
 __all__ = ["main"]
 
@@ -116,7 +116,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--no-verify", action="store_true",
                    help="skip install digests (the host backend computes them on the CPU)")
     p.add_argument("--keep-logs", type=Path, metavar="DIR",
-                   help="copy every run's JSON-lines log here (for tools.analyze)")
+                   help="copy every run's JSON-lines log here (for moestream.tools.analyze)")
     p.add_argument("--out", type=Path)
     args = p.parse_args(argv)
     skip = set(filter(None, args.skip.split(",")))

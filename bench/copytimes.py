@@ -20,7 +20,7 @@ from unittest import mock
 import numpy as np
 import numpy.typing as npt
 
-from gpu.backend import Stream
+from moestream.gpu.backend import Stream
 
 
 class CopyTimeline:
@@ -79,8 +79,8 @@ def busy_and_span(intervals: Sequence[tuple[float, float]]) -> tuple[float, floa
 def copy_timeline() -> Iterator[CopyTimeline]:
     """Time every ``CudaKernels.gather`` and ``CupyBackend.copy_h2d_batch`` call made
     inside the block (any thread, any instance)."""
-    from gpu.cuda import CupyBackend
-    from gpu.kernels import CudaKernels
+    from moestream.gpu.cuda import CupyBackend
+    from moestream.gpu.kernels import CudaKernels
 
     timeline = CopyTimeline()
     gather, batch = CudaKernels.gather, CupyBackend.copy_h2d_batch

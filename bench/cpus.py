@@ -27,7 +27,7 @@ from typing import Any
 
 from bench.kit import exit_with
 from bench.record import provenance, write_result
-from pipeline.foundation.errors import UsageError
+from moestream.pipeline.foundation.errors import UsageError
 
 __all__ = ["main", "workload_ms"]
 

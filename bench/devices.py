@@ -11,7 +11,7 @@ Two parts, each a ratio against a reference measured in the same run:
   per device started together by a barrier. Aggregate GB/s is all devices' bytes over the
   wall time from the first start to the last finish; the figure is aggregate over the best
   single device (the issue asks >= 1.8 with two devices). ``--h2d-rounds`` rounds; medians.
-- **decode**: ``pipeline.run.run`` on the model, for each mode of ``--modes``, once on the
+- **decode**: ``pipeline.cli.run.run`` on the model, for each mode of ``--modes``, once on the
   first device of ``--devices`` and once on all of them, at the same budget per device
   (``benchkit.budget_for`` of ``--budget-share`` for one device; N times those experts in
   total for N devices, which the run splits by free device memory), fixed compute
@@ -46,13 +46,13 @@ from bench.h2d_copies import H2D_TARGET, h2d_figures
 from bench.kit import budget_for, drop_caches, make_resident, parse_modes, run_command
 from bench.pipeline import window_rate
 from bench.record import provenance, write_result
-from gpu.selection import select_backend
-from pipeline.foundation.config import Budget, ComputeSpec, Mode, RunConfig, parse_devices
-from pipeline.foundation.errors import UsageError
-from pipeline.foundation.table import ExpertTable, open_table
-from pipeline.machine import machine_info
-from pipeline.run import RunSummary, run
-from tools.analyze.device_report import device_balance
+from moestream.gpu.selection import select_backend
+from moestream.pipeline.cli.run import RunSummary, run
+from moestream.pipeline.foundation.config import Budget, ComputeSpec, Mode, RunConfig, parse_devices
+from moestream.pipeline.foundation.errors import UsageError
+from moestream.pipeline.foundation.machine import machine_info
+from moestream.pipeline.foundation.table import ExpertTable, open_table
+from moestream.tools.analyze.device_report import device_balance
 
 __all__ = ["RunSpec", "device_window", "main"]
 
@@ -356,7 +356,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="skip install digests (the host backend computes them on the CPU)")
     p.add_argument("--log-dir", type=Path,
                    help="keep the runs' JSON-lines logs here (default: a temporary "
-                   "directory, removed); tools.analyze reads them")
+                   "directory, removed); moestream.tools.analyze reads them")
     p.add_argument("--out", type=Path,
                    help="result JSON (default bench/results/devices-HOST.json)")
     p.add_argument("--debug", action="store_true", help="debug events and tracebacks")

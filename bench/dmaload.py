@@ -27,7 +27,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from bench.kit import exit_with, require_gpu
-from pipeline.foundation.errors import UsageError
+from moestream.pipeline.foundation.errors import UsageError
 
 __all__ = ["main"]
 
@@ -46,8 +46,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     require_gpu("bench.dmaload")
     import cupy
 
-    from gpu.cuda import CupyBackend
-    from gpu.kernels import COPY_FIELDS, NO_FLIP, CudaKernels
+    from moestream.gpu.cuda import CupyBackend
+    from moestream.gpu.kernels import COPY_FIELDS, NO_FLIP, CudaKernels
 
     nbytes = args.mib << 20
     piece = 1792 << 10  # the fine-grained shape's expert

@@ -1,7 +1,7 @@
 """``python -m bench.faultmatrix``: every injectable fault at its stage, and what became of the run.
 
 Each case decodes a few tokens of a small model on the host backend with one fault plan
-(``pipeline.foundation.faults``) and records, besides the exit status, the invariants the
+(``moestream.pipeline.foundation.faults``) and records, besides the exit status, the invariants the
 faults must not break, observed when the run closes its parts:
 
 - every installed expert came from complete, correct bytes: verification (digest compute,
@@ -31,14 +31,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gpu.cache import DeviceCache
-from pipeline.foundation.config import Budget, ComputeSpec, RunConfig
-from pipeline.foundation.errors import MoestreamError, VerificationError
-from pipeline.foundation.faults import STAGES, parse_faults
-from pipeline.foundation.outputs import check_output, write_atomic
-from pipeline.run import RunSummary, run
-from stages.reader import ModelReader
-from stages.staging import StagingRing
+from moestream.gpu.cache.store import DeviceCache
+from moestream.pipeline.cli.run import RunSummary, run
+from moestream.pipeline.foundation.config import Budget, ComputeSpec, RunConfig
+from moestream.pipeline.foundation.errors import MoestreamError, VerificationError
+from moestream.pipeline.foundation.faults import STAGES, parse_faults
+from moestream.pipeline.foundation.outputs import check_output, write_atomic
+from moestream.stages.reader import ModelReader
+from moestream.stages.staging import StagingRing
 
 __all__ = ["CASES", "CaseResult", "FaultCase", "Observed", "main", "observe", "run_case"]
 
@@ -281,7 +281,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         model = args.model
         if model is None:
-            from pipeline.modelgen import spec_for, write_model
+            from moestream.pipeline.makers.modelgen import spec_for, write_model
 
             model = write_model(spec_for("tiny", layers=4, experts=16), Path(tmp) / "tiny.gguf")
         results = [run_case(case, model, args.tokens, args.backend) for case in CASES]

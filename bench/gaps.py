@@ -9,7 +9,7 @@ measured) and times those gaps directly, split in two:
 - **within a token**: between two layers of one token (routing, the fetch, handing out);
 - **at a token boundary**: between a token's last layer and the next token's first one
   (``end_token``: verification, the controller, the log line; the loop's yield; all of
-  them run beside the last layer's compute when it loaded nothing, ``pipeline.loop``).
+  them run beside the last layer's compute when it loaded nothing, ``pipeline.proxy.loop``).
 
 It also times ``end_token`` and the run log's ``emit`` on their own. The wrapping is done
 on this run's objects' classes for this process only; each timer adds one
@@ -31,14 +31,15 @@ from unittest import mock
 import uvloop
 
 from bench.kit import exit_with, make_resident
-from gpu import kernels as kernel_module
-from pipeline import decode, logs
-from pipeline import session as session_module
-from pipeline.foundation.config import ComputeSpec, RunConfig
-from pipeline.foundation.table import open_table
-from pipeline.run import run
-from pipeline.synthetic import synthetic_trace
-from pipeline.trace import save_trace
+from moestream.gpu import kernels as kernel_module
+from moestream.pipeline.cli.run import run
+from moestream.pipeline.foundation.config import ComputeSpec, RunConfig
+from moestream.pipeline.foundation.table import open_table
+from moestream.pipeline.foundation.trace import save_trace
+from moestream.pipeline.proxy import decode
+from moestream.pipeline.proxy.synthetic import synthetic_trace
+from moestream.pipeline.runlog import write as logs
+from moestream.pipeline.streaming import session as session_module
 
 __all__ = ["main"]
 

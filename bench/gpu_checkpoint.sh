@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device lease for issue 23's figures: python -m bench.pipeline on bf16 Hugging Face
 # checkpoints of Qwen3-30B-A3B's per-layer shape (hidden 2048, 128 experts of FFN 768, top-8;
-# 9 MiB an expert), made here with tools.make_model --format safetensors, no digests recorded
+# 9 MiB an expert), made here with moestream.tools.make_model --format safetensors, no digests recorded
 # (every run builds its manifest): per-expert tensors, then the fused layout. Writes under
 # $OUT. Usage (on the GPU machine, repo root; the tree arrives without .git):
 #   MOESTREAM_COMMIT=<sha> LAYERS=12 FUSED_LAYERS=8 bash bench/gpu_checkpoint.sh

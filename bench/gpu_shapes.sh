@@ -25,8 +25,8 @@
 #             thread's time goes when a round runs slow
 # Shapes (SHAPES, default qwen,dsv2,fine): Qwen3-30B-A3B (48 x 128, top-8, 2.5 MiB experts),
 # DeepSeek-V2-Lite's plan (26 x 64, top-6, 6.2 MiB), Qwen3-Next-like fine-grained (20 x 512,
-# top-10, 1.7 MiB); files made here by tools.make_model --no-digests (no recorded digests:
-# tools.warmup --digests builds each one's manifest first) and kept in $MODELS between calls
+# top-10, 1.7 MiB); files made here by moestream.tools.make_model --no-digests (no recorded digests:
+# moestream.tools.warmup --digests builds each one's manifest first) and kept in $MODELS between calls
 # of one lease.
 # NOLOG=1: gaps without the run log too; PROFILE=1: bench.profile's all-cached phase too;
 # SKIP=phases: bench.pipeline's --skip (default cold); EXTRA: more bench.pipeline options

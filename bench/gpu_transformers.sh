@@ -26,7 +26,7 @@ timeout ${BENCH_S:-420} python3 -m bench.transformers -m $M --total 3GiB --token
   > $OUT/bench.log 2>&1
 echo "bench rc=$? (commit ${MOESTREAM_COMMIT:-unknown})"
 grep -v "Warning\|warn(" $OUT/bench.log | tail -40
-# the main job on the real model: pipeline.run --engine transformers with its log, analyzed
+# the main job on the real model: moestream.pipeline.cli.run --engine transformers with its log, analyzed
 timeout 120 python3 -m pipeline.run --engine transformers -m $M --prompt-ids 1,2,3,4 \
   --tokens 16 --cache-budget 1.5GiB --log $OUT/run-transformers.jsonl 2>&1 | tail -8
 timeout 60 python3 -m tools.analyze $OUT/run-transformers.jsonl 2>&1 | tail -24

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from gpu.backend import Backend, DeviceBuffer, HostBuffer, Stream
+from moestream.gpu.backend import Backend, DeviceBuffer, HostBuffer, Stream
 
 __all__ = ["H2D_TARGET", "DeviceCopier", "h2d_figures"]
 

@@ -39,14 +39,14 @@ import uvloop
 
 from bench.kit import exit_with, make_resident
 from bench.record import provenance, write_result
-from gpu.backend import DeviceArray, DeviceBuffer, Stream
-from gpu.cache import DeviceCache
-from gpu.host import HostBackend
-from gpu.kernels import HostKernels
-from pipeline.foundation.config import Budget, ComputeSpec, RunConfig
-from pipeline.foundation.table import ExpertTable, open_table
-from pipeline.streamer import ExpertStreamer
-from stages.layout import plan_expert
+from moestream.gpu.backend import DeviceArray, DeviceBuffer, Stream
+from moestream.gpu.cache.store import DeviceCache
+from moestream.gpu.host import HostBackend
+from moestream.gpu.kernels import HostKernels
+from moestream.pipeline.foundation.config import Budget, ComputeSpec, RunConfig
+from moestream.pipeline.foundation.table import ExpertTable, open_table
+from moestream.pipeline.streaming.streamer import ExpertStreamer
+from moestream.stages.layout import plan_expert
 
 __all__ = ["NullDevice", "NullKernels", "main"]
 

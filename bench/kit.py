@@ -17,13 +17,13 @@ from typing import Any, NoReturn
 
 import uvloop
 
-from pipeline.foundation.config import Budget, Mode
-from pipeline.foundation.errors import MoestreamError, UsageError
-from pipeline.foundation.files import ModelFile, model_files
-from pipeline.foundation.table import ExpertTable
-from pipeline.logs import configure_console
-from pipeline.warm import WarmEngine
-from stages.residency import Residency, file_ranges
+from moestream.pipeline.foundation.config import Budget, Mode
+from moestream.pipeline.foundation.errors import MoestreamError, UsageError
+from moestream.pipeline.foundation.files import ModelFile, model_files
+from moestream.pipeline.foundation.table import ExpertTable
+from moestream.pipeline.runlog.write import configure_console
+from moestream.stages.residency import Residency, file_ranges
+from moestream.stages.warm import WarmEngine
 
 __all__ = ["budget_for", "drop_caches", "exit_with", "make_resident", "parse_modes", "run_command"]
 
@@ -52,7 +52,7 @@ def make_resident(model: Path | Sequence[ModelFile]) -> dict[str, Any]:
     Raises:
         UsageError: the missing pages do not fit in available RAM minus a margin.
     """
-    from tools.warmup.ram_guard import PsutilMemory, check_ram
+    from moestream.tools.warmup.ram_guard import PsutilMemory, check_ram
 
     files = model_files(model)
     missing = Residency.of_files(files).missing(file_ranges(files))
@@ -98,7 +98,7 @@ def require_gpu(prog: str) -> None:
     Raises:
         UsageError: no CUDA device can be used here (why, in a few words).
     """
-    from gpu.cuda import unavailable_reason
+    from moestream.gpu.cuda import unavailable_reason
 
     reason = unavailable_reason()
     if reason is not None:

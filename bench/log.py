@@ -19,8 +19,8 @@ import uvloop
 
 from bench.kit import exit_with
 from bench.record import provenance, write_result
-from pipeline.foundation.config import Budget, ComputeSpec, RunConfig
-from pipeline.run import run
+from moestream.pipeline.cli.run import run
+from moestream.pipeline.foundation.config import Budget, ComputeSpec, RunConfig
 
 __all__ = ["main"]
 
@@ -35,7 +35,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--backend", default="auto")
     p.add_argument("--out", type=Path)
     args = p.parse_args(argv)
-    from pipeline.foundation.config import parse_compute
+    from moestream.pipeline.foundation.config import parse_compute
 
     compute: ComputeSpec = parse_compute(args.compute)
     rates: dict[str, list[float]] = {"no_log": [], "log": []}
@@ -69,9 +69,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _emit_cost_us(model: Path | None, n: int = 5000) -> float:
     """Microseconds to render one token event of this model's shape (the A/B ratio is noisy
     on a shared machine; this is the deterministic part of the cost)."""
-    from pipeline.foundation.table import open_table
-    from pipeline.logs import RunLog
-    from pipeline.modelgen import ensure_default_model
+    from moestream.pipeline.foundation.table import open_table
+    from moestream.pipeline.makers.modelgen import ensure_default_model
+    from moestream.pipeline.runlog.write import RunLog
 
     table = open_table(model or ensure_default_model())
     experts = [list(range(table.top_k)) for _ in table.moe_layers]

@@ -25,7 +25,7 @@ the same expert ranges, because these machines are noisy:
 - with ``--ab-verify N``, the same phases with verification on and off, alternating in one
   process: what verification costs, from medians, free of the drift between two runs.
 
-Pipeline runs go through ``pipeline.run.run`` with a log, and figures come from the log's
+Pipeline runs go through ``pipeline.cli.run.run`` with a log, and figures come from the log's
 token events. Miss throughput uses a cyclic sweep over distinct experts with an LRU budget
 of half the sweep, so every access in the second pass is a miss (LRU's cyclic worst case,
 used on purpose) and window registration happens in the first pass; the later ``--passes``
@@ -55,15 +55,15 @@ from bench.copytimes import copy_timeline
 from bench.cpus import workload_ms
 from bench.kit import drop_caches, exit_with, make_resident
 from bench.record import provenance, write_result
-from gpu.backend import Backend, aligned_host_array
-from gpu.selection import select_backend
-from pipeline.foundation.config import GATHER_BLOCKS, Budget, ComputeSpec, RunConfig
-from pipeline.foundation.files import ModelFile, locate
-from pipeline.foundation.table import ExpertTable, open_table
-from pipeline.run import RunSummary, run
-from pipeline.trace import Trace, save_trace
-from stages.layout import aligned_cover, iter_chunks
-from stages.mapping import ModelMapping
+from moestream.gpu.backend import Backend, aligned_host_array
+from moestream.gpu.selection import select_backend
+from moestream.pipeline.cli.run import RunSummary, run
+from moestream.pipeline.foundation.config import GATHER_BLOCKS, Budget, ComputeSpec, RunConfig
+from moestream.pipeline.foundation.files import ModelFile, locate
+from moestream.pipeline.foundation.table import ExpertTable, open_table
+from moestream.pipeline.foundation.trace import Trace, save_trace
+from moestream.stages.layout import aligned_cover, iter_chunks
+from moestream.stages.mapping import ModelMapping
 
 __all__ = ["Bench", "add_run_options", "main"]
 
@@ -189,8 +189,8 @@ def slice_h2d_gbps(table: ExpertTable, backend: Backend, ranges: Sequence[tuple[
     must be resident (its windows are registered as resident mode's are)."""
     import cupy
 
-    from gpu.cuda import CudaStream
-    from gpu.kernels import NO_FLIP, copy_rows, make_kernels
+    from moestream.gpu.cuda import CudaStream
+    from moestream.gpu.kernels import NO_FLIP, copy_rows, make_kernels
 
     with ModelMapping(table.files, backend) as mapping:
         mapping.register_resident_windows()
@@ -262,8 +262,8 @@ def naive_tps(table: ExpertTable, trace: Trace, tokens: int, layer_ms: float) ->
     synchronously with O_DIRECT (queue depth 1), copied from pageable memory, no cache."""
     import cupy
 
-    from gpu.cuda import CudaStream
-    from gpu.kernels import CudaKernels
+    from moestream.gpu.cuda import CudaStream
+    from moestream.gpu.kernels import CudaKernels
 
     kernels = CudaKernels()
     stream = CudaStream()
@@ -296,8 +296,8 @@ def compute_only_tps(n_layers: int, top_k: int, layer_ms: float, tokens: int) ->
     """The decoder's kernels and per-layer syncs with every expert already there, no I/O."""
     import cupy
 
-    from gpu.cuda import CudaStream
-    from gpu.kernels import CudaKernels
+    from moestream.gpu.cuda import CudaStream
+    from moestream.gpu.kernels import CudaKernels
 
     kernels = CudaKernels()
     stream = CudaStream()
@@ -531,7 +531,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                               budget_bytes=sweep_budget, layer_ms=0.0, lookahead=args.lookahead)
             results["direct_miss"] = _phase("direct_miss", {},
                                             lambda: window_rate(ev[args.sweep_tokens:]))
-        from pipeline.synthetic import synthetic_trace
+        from moestream.pipeline.proxy.synthetic import synthetic_trace
 
         calibrated = synthetic_trace("ds4-flash", args.tokens, seed=1, n_layers=n_layers,
                                      n_experts=n_exp, top_k=k)

@@ -1,6 +1,6 @@
 """``python -m bench.prefetch``: next-layer prefetch against no prefetch and the oracle.
 
-One model (scaled ``ds4-flash-q2``), the calibrated synthetic routing that ``pipeline.run``
+One model (scaled ``ds4-flash-q2``), the calibrated synthetic routing that ``pipeline.cli.run``
 makes from its seed (preset ``ds4-flash``), a cache budget of ~15% of each layer's experts
 and fixed per-layer compute (0.57 ms, ds4 on an H200). For each I/O mode (``--modes``) it
 decodes once with each prefetch:
@@ -56,10 +56,10 @@ from bench.prefetch_figures import PREFETCHES, gain_figures
 from bench.prefetch_live import live_compute, live_notes, live_runs, open_live_model, run_live
 from bench.prefetch_runs import MIB, PrefetchBench, RunSpec, has_router, run_tokens
 from bench.record import provenance, write_result
-from pipeline.foundation.config import ComputeSpec, Mode
-from pipeline.foundation.errors import UsageError
-from pipeline.foundation.table import ExpertTable, open_table
-from pipeline.machine import machine_info
+from moestream.pipeline.foundation.config import ComputeSpec, Mode
+from moestream.pipeline.foundation.errors import UsageError
+from moestream.pipeline.foundation.machine import machine_info
+from moestream.pipeline.foundation.table import ExpertTable, open_table
 
 __all__ = ["main"]
 

@@ -19,9 +19,9 @@ from bench.kit import make_resident
 from bench.pipeline import token_events
 from bench.prefetch_figures import routing_agreement
 from bench.prefetch_runs import MIB, PrefetchBench, RunSpec, exact_guesses, has_router, run_tokens
-from pipeline.foundation.config import ComputeSpec, Mode
-from pipeline.foundation.errors import MoestreamError, UsageError
-from pipeline.foundation.table import ExpertTable, open_table
+from moestream.pipeline.foundation.config import ComputeSpec, Mode
+from moestream.pipeline.foundation.errors import MoestreamError, UsageError
+from moestream.pipeline.foundation.table import ExpertTable, open_table
 
 __all__ = [
     "LIVE_PREFETCHES",
@@ -60,7 +60,7 @@ def open_live_model(path: Path) -> ExpertTable:
     if not is_f16(table):
         raise UsageError(f"--live-model {path}: experts are {layer.gate_up_type.name}/"
                          f"{layer.down_type.name}; real compute needs F16 "
-                         "(make one with tools.make_model --preset ds4-flash-f16)")
+                         "(make one with moestream.tools.make_model --preset ds4-flash-f16)")
     if not has_router(table):
         raise UsageError(f"--live-model {path}: no router tensors (ffn_gate_inp); scale it "
                          "to more MoE layers than are hash-routed")
@@ -117,7 +117,7 @@ def live_notes(args: argparse.Namespace, table: ExpertTable,
         "router on the hidden state before L runs) can miss; none and predict both route "
         "live, so live predict_over_none compares like with like; the live figures are not "
         "comparable with the trace runs' (another model, routing and compute)",
-        "its weights are tools.make_model's random ones, routers included: the accuracy "
+        "its weights are moestream.tools.make_model's random ones, routers included: the accuracy "
         "says how the guess fares on this synthetic model, not on ds4's trained weights; "
         "routing_agreement_with_none is the share of layer choices live none and live "
         "predict made alike (1.0 but for float-order ties)",

@@ -2,7 +2,7 @@
 
 ``RunSpec`` says what to decode (I/O mode, prefetch, routing, token counts);
 ``PrefetchBench`` holds the model, the cache budget and the scratch directory, decodes each
-spec with ``pipeline.run`` and keeps its figures (``bench.prefetch_figures``) by run name.
+spec with ``pipeline.cli.run`` and keeps its figures (``bench.prefetch_figures``) by run name.
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ import uvloop
 from bench.kit import budget_for
 from bench.pipeline import token_events, window_rate
 from bench.prefetch_figures import device_expert_bytes, guess_loads, prefetch_figures
-from pipeline.foundation.config import ComputeSpec, Mode, RunConfig
-from pipeline.foundation.table import ExpertTable
-from pipeline.run import RunSummary, run
+from moestream.pipeline.cli.run import RunSummary, run
+from moestream.pipeline.foundation.config import ComputeSpec, Mode, RunConfig
+from moestream.pipeline.foundation.table import ExpertTable
 
 __all__ = ["MIB", "PrefetchBench", "RunSpec", "exact_guesses", "has_router", "run_tokens"]
 

@@ -1,7 +1,7 @@
 """``python -m bench.profile``: where a run's host time goes, function by function.
 
 The pipeline bench says how far a phase is from its limit; this says which Python spends
-the difference. It runs ``pipeline.run`` on one of two phases of ``bench.pipeline`` (the
+the difference. It runs ``pipeline.cli.run`` on one of two phases of ``bench.pipeline`` (the
 same traces and budgets) under ``cProfile`` and prints the wall time per layer and per
 miss from the run's log, then the functions with the most time of their own:
 
@@ -33,11 +33,11 @@ import uvloop
 
 from bench.kit import exit_with, make_resident
 from bench.pipeline import sweep_trace
-from pipeline.foundation.config import Budget, ComputeSpec, RunConfig
-from pipeline.foundation.table import open_table
-from pipeline.run import run
-from pipeline.synthetic import synthetic_trace
-from pipeline.trace import save_trace
+from moestream.pipeline.cli.run import run
+from moestream.pipeline.foundation.config import Budget, ComputeSpec, RunConfig
+from moestream.pipeline.foundation.table import open_table
+from moestream.pipeline.foundation.trace import save_trace
+from moestream.pipeline.proxy.synthetic import synthetic_trace
 
 __all__ = ["main"]
 
@@ -63,8 +63,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     with contextlib.ExitStack() as stack:
         if args.null:
             import bench.hostpath as hostpath
-            import pipeline.run as client
-            import pipeline.session as session
+            import moestream.pipeline.cli.run as client
+            import moestream.pipeline.streaming.session as session
 
             # the session's names for them, swapped for this run only (put back after it:
             # a caller in the same process, a test, gets the real devices again)

@@ -39,7 +39,7 @@ from bench.transformers import (
     make_checkpoint,
     run_moestream,
 )
-from pipeline.foundation.config import Budget, parse_size
+from moestream.pipeline.foundation.config import Budget, parse_size
 
 __all__ = ["main", "quantize_fp8_blocks"]
 

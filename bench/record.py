@@ -14,7 +14,7 @@ from typing import Any
 
 import psutil
 
-from pipeline.foundation.outputs import write_atomic
+from moestream.pipeline.foundation.outputs import write_atomic
 
 __all__ = ["git_commit", "machine", "provenance", "report", "write_result"]
 

@@ -40,8 +40,8 @@ import numpy as np
 
 from bench.kit import exit_with, require_gpu
 from bench.record import provenance, report
-from gpu.cuda import CudaPinned, CudaStream
-from stages.residency import libc
+from moestream.gpu.cuda import CudaPinned, CudaStream
+from moestream.stages.residency import libc
 
 __all__ = ["main"]
 

@@ -45,11 +45,11 @@ import uvloop
 
 from bench.kit import exit_with
 from bench.record import provenance, write_result
-from pipeline.foundation.config import Budget, RunConfig, parse_compute, parse_size
-from pipeline.foundation.table import open_table
-from pipeline.run import RunSummary, run
-from pipeline.synthetic import synthetic_trace
-from pipeline.trace import save_trace
+from moestream.pipeline.cli.run import RunSummary, run
+from moestream.pipeline.foundation.config import Budget, RunConfig, parse_compute, parse_size
+from moestream.pipeline.foundation.table import open_table
+from moestream.pipeline.foundation.trace import save_trace
+from moestream.pipeline.proxy.synthetic import synthetic_trace
 
 __all__ = ["SoakPlan", "main", "soak"]
 
@@ -265,7 +265,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         model = args.model
         if model is None:
-            from pipeline.modelgen import spec_for, write_model
+            from moestream.pipeline.makers.modelgen import spec_for, write_model
 
             model = write_model(spec_for("ds4-flash-q2", layers=4, experts=32),
                                 Path(tmp) / "soak.gguf")

@@ -31,7 +31,7 @@ import numpy as np
 from bench.kit import exit_with, require_gpu
 from bench.record import provenance, report
 from bench.register import scratch_mapping
-from gpu.cuda import CudaStream
+from moestream.gpu.cuda import CudaStream
 
 __all__ = ["main"]
 

@@ -44,9 +44,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from pipeline.foundation.config import Budget, parse_size
-from pipeline.foundation.errors import MoestreamError, UsageError
-from pipeline.foundation.safetensors_table import is_routed
+from moestream.pipeline.foundation.config import Budget, parse_size
+from moestream.pipeline.foundation.errors import MoestreamError, UsageError
+from moestream.pipeline.foundation.safetensors_table import is_routed
 
 __all__ = ["main"]
 

@@ -44,11 +44,11 @@ from typing import Any
 import numpy as np
 
 from bench.record import provenance, write_result
-from pipeline.foundation.errors import MoestreamError, UsageError
-from pipeline.foundation.table import ByteRange, open_table
-from pipeline.logs import configure_console
-from pipeline.warm import WarmEngine
-from stages.residency import Residency, evict
+from moestream.pipeline.foundation.errors import MoestreamError, UsageError
+from moestream.pipeline.foundation.table import ByteRange, open_table
+from moestream.pipeline.runlog.write import configure_console
+from moestream.stages.residency import Residency, evict
+from moestream.stages.warm import WarmEngine
 
 __all__ = ["drop_file_pages", "main", "make_bench_file"]
 
@@ -94,7 +94,7 @@ def make_bench_file(directory: Path, size_gib: float, *, random_bytes: bool) -> 
     """
     target = int(size_gib * 2**30)
     if not random_bytes:
-        from pipeline.modelgen import spec_for, write_model
+        from moestream.pipeline.makers.modelgen import spec_for, write_model
 
         expert_bytes = spec_for("ds4-flash-q2", layers=1, experts=1).expert_bytes
         layers = max(1, math.ceil(target / (256 * expert_bytes)))
@@ -170,7 +170,7 @@ def _methods(path: Path, threads: int | None, gguf: bool) -> dict[str, _Method]:
             cli += ["--threads", str(threads)]
         # drop_caches also evicts the interpreter's and numpy's files; load them again
         # (untimed) so the CLI is timed as a user meets it, not after a cold boot.
-        imports = _command([sys.executable, "-c", "import tools.warmup.cli"])
+        imports = _command([sys.executable, "-c", "import moestream.tools.warmup.cli"])
         methods["moestream_cli"] = (imports, _command(cli))
     vmtouch = shutil.which("vmtouch")
     if vmtouch is not None:
@@ -234,7 +234,7 @@ def _time_cold(
 
 def _time_report(path: Path, gguf: bool, runs: int) -> dict[str, Any]:
     """Seconds for the residency report on the (now resident) file."""
-    from tools.warmup.report import residency_report
+    from moestream.tools.warmup.report import residency_report
 
     table = open_table(path) if gguf else None
     mincore_s, report_s, cli_s = [], [], []

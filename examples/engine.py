@@ -1,6 +1,6 @@
 """A minimal engine decode loop written only against ``moestream``.
 
-It decodes the FFN-only proxy that ``pipeline.run --compute real --router live`` decodes:
+It decodes the FFN-only proxy that ``pipeline.cli.run --compute real --router live`` decodes:
 per token, the token's embedding flows through the MoE layers; at each layer the model's
 router picks the top-k experts, and the layer's output is the router-weighted sum of their
 SwiGLU outputs, computed here from the experts' device views (F16) as each expert becomes

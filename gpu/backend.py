@@ -1,4 +1,4 @@
-"""The device-backend interface (``gpu.selection`` chooses between CuPy and the host).
+"""The device-backend interface (``moestream.gpu.selection`` chooses between CuPy and the host).
 
 Everything above ``gpu/`` talks to a ``Backend``: page-aligned (pinned, on a GPU) host
 buffers for staging, device buffers for the cache, streams, events, asynchronous
@@ -118,7 +118,7 @@ class Backend(Protocol):
 
     def copy_h2d_batch(self, copies: npt.NDArray[np.uint64], stream: Stream) -> None:
         """Queue ``copies`` ((3, n): host addresses, device addresses, bytes) as one call
-        where the device has one (``gpu.batchcopy``), else one copy each.
+        where the device has one (``moestream.gpu.batchcopy``), else one copy each.
 
         Each source lies in pinned memory or in one registration (a copy may not span two)
         and stays unchanged until an event recorded after this completes; called under
@@ -150,7 +150,7 @@ class Backend(Protocol):
 
 
 class Kernels(Protocol):
-    """The device work decode and verification queue (``gpu.kernels``: host or CUDA).
+    """The device work decode and verification queue (``moestream.gpu.kernels``: host or CUDA).
 
     Digest results live in a results array on the device (``new_results``): ``digest3``
     adds into three of its rows on ``stream``, ``read_results`` reads them back once per
@@ -176,7 +176,7 @@ class Kernels(Protocol):
         """The device address of a results row (a ``gather`` row's digest address)."""
 
     def gather(self, copies: npt.NDArray[np.uint64], stream: Stream) -> None:
-        """Queue ``copies`` (``gpu.kernels.COPY_FIELDS`` per row: host source, device
+        """Queue ``copies`` (``moestream.gpu.kernels.COPY_FIELDS`` per row: host source, device
         destination, bytes, digest row address or 0, byte to invert or ``NO_FLIP``) on
         ``stream``: every copy and its digest, in one launch where the device can."""
 

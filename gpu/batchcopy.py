@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from pipeline.foundation.errors import UploadError
+from moestream.pipeline.foundation.errors import UploadError
 
 __all__ = ["BatchCopy", "open_batch_copy"]
 

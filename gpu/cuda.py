@@ -20,9 +20,9 @@ import numpy as np
 import numpy.typing as npt
 import structlog
 
-from gpu.backend import PAGE, DeviceArray, DeviceBuffer, Event, Stream
-from gpu.batchcopy import open_batch_copy
-from pipeline.foundation.errors import DeviceMemoryError, UploadError
+from moestream.gpu.backend import PAGE, DeviceArray, DeviceBuffer, Event, Stream
+from moestream.gpu.batchcopy import open_batch_copy
+from moestream.pipeline.foundation.errors import DeviceMemoryError, UploadError
 
 __all__ = ["CupyBackend", "unavailable_reason"]
 
@@ -137,7 +137,7 @@ class CudaDeviceBuffer:
 
 
 class CupyBackend:
-    """A ``gpu.backend.Backend`` on one CUDA device through CuPy."""
+    """A ``moestream.gpu.backend.Backend`` on one CUDA device through CuPy."""
 
     name = "cupy"
     async_copies = True

@@ -20,8 +20,8 @@ import numpy as np
 import numpy.typing as npt
 import psutil
 
-from gpu.backend import PAGE, DeviceBuffer, Event, Stream, aligned_host_array
-from pipeline.foundation.errors import DeviceMemoryError
+from moestream.gpu.backend import PAGE, DeviceBuffer, Event, Stream, aligned_host_array
+from moestream.pipeline.foundation.errors import DeviceMemoryError
 
 __all__ = ["HostBackend", "HostDeviceBuffer", "HostEvent", "HostStream"]
 

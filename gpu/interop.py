@@ -18,8 +18,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from gpu.backend import Backend, Event
-from pipeline.foundation.errors import UsageError
+from moestream.gpu.backend import Backend, Event
+from moestream.pipeline.foundation.errors import UsageError
 
 __all__ = ["StreamLike", "event_after", "stream_pointer", "wait_on"]
 
@@ -65,7 +65,7 @@ def event_after(backend: Backend, after: StreamLike | Event) -> Event | None:
     it recorded) has run; None on the host backend, whose work is done when queued."""
     if backend.name != "cupy":
         return None
-    from gpu.cuda import CudaEvent
+    from moestream.gpu.cuda import CudaEvent
 
     if isinstance(after, CudaEvent):
         return after

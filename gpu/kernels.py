@@ -2,7 +2,7 @@
 
 Three kinds of work consume cached experts:
 - ``digest``: reads every byte of a range and produces the two sums of
-``pipeline.foundation.digest``
+``moestream.pipeline.foundation.digest``
   (verification, and the ``--compute digest`` decoder);
 - ``busy``: keeps the device busy for a fixed time (``--compute fixed:MS``), emulating an
   engine's per-layer compute;
@@ -30,11 +30,11 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from gpu.backend import DeviceArray, DeviceBuffer, Kernels, Stream
-from gpu.cuda import CudaDeviceBuffer, CudaStream
-from gpu.host import HostDeviceBuffer
-from pipeline.foundation.config import GATHER_BLOCKS
-from pipeline.foundation.digest import mix_digests
+from moestream.gpu.backend import DeviceArray, DeviceBuffer, Kernels, Stream
+from moestream.gpu.cuda import CudaDeviceBuffer, CudaStream
+from moestream.gpu.host import HostDeviceBuffer
+from moestream.pipeline.foundation.config import GATHER_BLOCKS
+from moestream.pipeline.foundation.digest import mix_digests
 
 __all__ = ["COPY_FIELDS", "GATHER_BLOCKS", "NO_FLIP", "CudaKernels", "HostKernels", "copy_rows",
            "make_kernels"]
@@ -359,7 +359,7 @@ class _CopySlots:
     def __init__(self, slots: int, rows: int) -> None:
         import cupy
 
-        from gpu.cuda import CudaPinned
+        from moestream.gpu.cuda import CudaPinned
 
         self._pinned = CudaPinned(slots * rows * COPY_FIELDS * 8)
         self._rows = self._pinned.array.view(np.uint64).reshape(slots, rows, COPY_FIELDS)

@@ -1,6 +1,6 @@
 """Choosing a backend: CuPy where a CUDA device answers, else the host backend.
 
-Kept apart from ``gpu.backend`` (the protocols) because it imports both implementations,
+Kept apart from ``moestream.gpu.backend`` (the protocols) because it imports both implementations,
 and both implementations import the protocols: one module doing both was an import cycle.
 """
 
@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import structlog
 
-from gpu.backend import Backend
-from pipeline.foundation.errors import UsageError
+from moestream.gpu.backend import Backend
+from moestream.pipeline.foundation.errors import UsageError
 
 __all__ = ["select_backend", "visible_devices"]
 
@@ -38,7 +38,7 @@ def select_backend(name: str = "auto", device: int = 0) -> Backend:
     if name not in ("auto", "host", "cupy"):
         raise UsageError(f"unknown backend {name!r} (expected auto, host or cupy)")
     if name in ("auto", "cupy"):
-        from gpu import cuda
+        from moestream.gpu import cuda
 
         reason = cuda.unavailable_reason()
         if reason is None:
@@ -49,6 +49,6 @@ def select_backend(name: str = "auto", device: int = 0) -> Backend:
         if name == "cupy":
             raise UsageError(f"--backend cupy: no usable CUDA device ({reason})")
         _log.info("backend_fallback", backend="host", reason=reason)
-    from gpu.host import HostBackend
+    from moestream.gpu.host import HostBackend
 
     return HostBackend(device)

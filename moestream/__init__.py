@@ -18,40 +18,83 @@ to the standard library's ``logging`` (logger ``moestream``) unless the applicat
 configured structlog (``moestream._logging``).
 """
 
-from importlib.metadata import PackageNotFoundError, version
+from __future__ import annotations
 
-from moestream._handles import ExpertHandle, Matrix, wait_uploads
-from moestream._session import (
-    Counters,
-    LayerInfo,
-    Lease,
-    ModelInfo,
-    Router,
-    Session,
-    TensorSpec,
-    TokenStats,
-    Tuning,
-    open,
-)
-from moestream._sync import SyncLease, SyncSession, open_sync
-from pipeline.foundation.config import Budget
-from pipeline.foundation.errors import (
-    DeviceMemoryError,
-    ExpertLayoutError,
-    ModelChangedError,
-    ModelFileError,
-    MoestreamError,
-    NotGGUFError,
-    OutputError,
-    ReadError,
-    StageError,
-    TruncatedFileError,
-    UploadError,
-    UsageError,
-    UsageTypeError,
-    VerificationError,
-)
-from pipeline.foundation.quantization import ExpertQuant
+import importlib
+from importlib.metadata import PackageNotFoundError, version
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from moestream._handles import ExpertHandle, Matrix, wait_uploads
+    from moestream._session import (
+        Counters,
+        LayerInfo,
+        Lease,
+        ModelInfo,
+        Router,
+        Session,
+        TensorSpec,
+        TokenStats,
+        Tuning,
+        open,
+    )
+    from moestream._sync import SyncLease, SyncSession, open_sync
+    from moestream.pipeline.foundation.config import Budget
+    from moestream.pipeline.foundation.errors import (
+        DeviceMemoryError,
+        ExpertLayoutError,
+        ModelChangedError,
+        ModelFileError,
+        MoestreamError,
+        NotGGUFError,
+        OutputError,
+        ReadError,
+        StageError,
+        TruncatedFileError,
+        UploadError,
+        UsageError,
+        UsageTypeError,
+        VerificationError,
+    )
+    from moestream.pipeline.foundation.quantization import ExpertQuant
+
+# each public name and the module that defines it: imported on first use, so that a
+# command importing one low module (``python -m pipeline.run`` installs its signal handlers
+# first) or ``moestream.pipeline.foundation.errors`` does not pull in the whole library
+_EXPORTS = {
+    "ExpertHandle": "moestream._handles",
+    "Matrix": "moestream._handles",
+    "wait_uploads": "moestream._handles",
+    "Counters": "moestream._session",
+    "LayerInfo": "moestream._session",
+    "Lease": "moestream._session",
+    "ModelInfo": "moestream._session",
+    "Router": "moestream._session",
+    "Session": "moestream._session",
+    "TensorSpec": "moestream._session",
+    "TokenStats": "moestream._session",
+    "Tuning": "moestream._session",
+    "open": "moestream._session",
+    "SyncLease": "moestream._sync",
+    "SyncSession": "moestream._sync",
+    "open_sync": "moestream._sync",
+    "Budget": "moestream.pipeline.foundation.config",
+    "DeviceMemoryError": "moestream.pipeline.foundation.errors",
+    "ExpertLayoutError": "moestream.pipeline.foundation.errors",
+    "ModelChangedError": "moestream.pipeline.foundation.errors",
+    "ModelFileError": "moestream.pipeline.foundation.errors",
+    "MoestreamError": "moestream.pipeline.foundation.errors",
+    "NotGGUFError": "moestream.pipeline.foundation.errors",
+    "OutputError": "moestream.pipeline.foundation.errors",
+    "ReadError": "moestream.pipeline.foundation.errors",
+    "StageError": "moestream.pipeline.foundation.errors",
+    "TruncatedFileError": "moestream.pipeline.foundation.errors",
+    "UploadError": "moestream.pipeline.foundation.errors",
+    "UsageError": "moestream.pipeline.foundation.errors",
+    "UsageTypeError": "moestream.pipeline.foundation.errors",
+    "VerificationError": "moestream.pipeline.foundation.errors",
+    "ExpertQuant": "moestream.pipeline.foundation.quantization",
+}
 
 try:
     __version__ = version("moestream")
@@ -93,3 +136,17 @@ __all__ = [
     "open_sync",
     "wait_uploads",
 ]
+
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'moestream' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

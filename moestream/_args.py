@@ -15,8 +15,8 @@ from typing import Any, TypeAlias
 import numpy as np
 import numpy.typing as npt
 
-from pipeline.foundation.config import Budget, parse_budget
-from pipeline.foundation.errors import UsageError, UsageTypeError
+from moestream.pipeline.foundation.config import Budget, parse_budget
+from moestream.pipeline.foundation.errors import UsageError, UsageTypeError
 
 __all__ = ["ExpertIds", "Index", "budget_of", "choice", "devices_of", "expert_ids", "index",
            "milliseconds"]

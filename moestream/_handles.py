@@ -15,12 +15,12 @@ from typing import Any
 import numpy as np
 from gguf import GGMLQuantizationType
 
-from gpu.backend import Backend, Event
-from gpu.host import HostEvent
-from gpu.interop import StreamLike, wait_on
-from pipeline.foundation.errors import UsageError
-from pipeline.foundation.table import MoeLayer
-from pipeline.lease import Arrival, LayerLease
+from moestream.gpu.backend import Backend, Event
+from moestream.gpu.host import HostEvent
+from moestream.gpu.interop import StreamLike, wait_on
+from moestream.pipeline.foundation.errors import UsageError
+from moestream.pipeline.foundation.table import MoeLayer
+from moestream.pipeline.streaming.lease import Arrival, LayerLease
 
 __all__ = ["ExpertHandle", "Matrix", "wait_uploads"]
 

@@ -1,7 +1,7 @@
 """The asynchronous API: ``open`` a model, ``fetch`` a layer's experts, ``end_token``.
 
-``Session`` is a thin face over ``pipeline.session.StreamSession`` (the parts) and
-``pipeline.lease.LayerLease`` (pins and arrivals); it checks where it is called from,
+``Session`` is a thin face over ``pipeline.streaming.session.StreamSession`` (the parts) and
+``pipeline.streaming.lease.LayerLease`` (pins and arrivals); it checks where it is called from,
 builds handles and reports counters in public types.
 """
 
@@ -21,8 +21,6 @@ from typing import Any, Literal, Protocol
 
 from gguf import GGMLQuantizationType
 
-from gpu.backend import Event
-from gpu.interop import StreamLike, event_after
 from moestream._args import (
     ExpertIds,
     Index,
@@ -35,13 +33,16 @@ from moestream._args import (
 )
 from moestream._handles import ExpertHandle, LeaseSource
 from moestream._logging import route_unconfigured
-from pipeline.controller import Sampler
-from pipeline.foundation.config import GATHER_BLOCKS, Budget, RunConfig, check_bound
-from pipeline.foundation.errors import UsageError, UsageTypeError
-from pipeline.foundation.quantization import ExpertQuant
-from pipeline.foundation.table import ExpertTable
-from pipeline.lease import NOT_YET, Arrival, LayerLease, LeasePart
-from pipeline.session import StreamSession
+from moestream.gpu.backend import Event
+from moestream.gpu.interop import StreamLike, event_after
+from moestream.pipeline.foundation.config import GATHER_BLOCKS, Budget, RunConfig, check_bound
+from moestream.pipeline.foundation.errors import UsageError, UsageTypeError
+from moestream.pipeline.foundation.quantization import ExpertQuant
+from moestream.pipeline.foundation.table import ExpertTable
+from moestream.pipeline.makers.modelgen import ensure_default_model
+from moestream.pipeline.streaming.controller import Sampler
+from moestream.pipeline.streaming.lease import NOT_YET, Arrival, LayerLease, LeasePart
+from moestream.pipeline.streaming.session import StreamSession
 
 __all__ = ["Counters", "LayerInfo", "Lease", "ModelInfo", "Router", "Session", "TensorSpec",
            "TokenStats", "Tuning", "open"]
@@ -53,10 +54,10 @@ After = StreamLike | Event | Mapping[int, Any]
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Tuning:
-    """Settings that rarely need changing (the defaults are ``pipeline.run``'s).
+    """Settings that rarely need changing (the defaults are ``moestream.pipeline.cli.run``'s).
 
     Each setting has a range, checked here, at once, in one line (``UsageError``; the same
-    ranges as ``pipeline.run``'s flags, ``pipeline.foundation.config.TUNING_BOUNDS``): the
+    ranges as ``pipeline.cli.run``'s flags, ``pipeline.foundation.config.TUNING_BOUNDS``): the
     upper ends keep a typo from asking for gigabytes of pinned memory or thousands of
     threads. A staging ring that would take more than half the RAM available when the
     session opens is refused then, before anything is allocated.
@@ -67,7 +68,7 @@ class Tuning:
         staging_slots: experts staged in pinned memory at once, per device; 1 to 1024.
         upload_streams: upload streams per device; 1 to 16.
         gather: a layer's resident misses copied by one gather kernel on the SMs, where it
-            serves (small expert matrices, ``pipeline.streamer.GATHER_BELOW_BYTES``); False:
+            serves (small expert matrices, ``streaming.streamer.GATHER_BELOW_BYTES``); False:
             always the copy engines, which leave the SMs to the engine's kernels.
         gather_blocks: the gather's blocks per copy, at most (its SM budget); 1 to 1024.
         layers_in_flight: layers whose experts may be pinned at once (a fetched layer and
@@ -80,7 +81,7 @@ class Tuning:
         warmup: in resident mode, warm the model's missing pages in the background.
         dwell_s: least time between two mode switches; 0 to 3600 s.
         sampler: machine readings for the controller (tests feed their own).
-        faults: injected faults (``pipeline.foundation.faults``), a test facility.
+        faults: injected faults (``moestream.pipeline.foundation.faults``), a test facility.
     """
 
     queue_depth: int = 8
@@ -269,7 +270,7 @@ class Counters:
 
 
 class Router(Protocol):
-    """The model's own router (``ffn_gate_inp``), as ``pipeline.run --router live`` applies
+    """The model's own router (``ffn_gate_inp``), as ``pipeline.cli.run --router live`` applies
     it; ``Session.router`` makes one. An engine normally routes with its own kernels; this
     one serves examples and tests."""
 
@@ -461,7 +462,7 @@ class Session:
     """
 
     def __init__(self, core: StreamSession) -> None:
-        """The face of ``core`` (not yet opened). ``open`` makes one; ``pipeline.run``
+        """The face of ``core`` (not yet opened). ``open`` makes one; ``moestream.pipeline.cli.run``
         makes its own core, with what only the run has (its summary, fault plan,
         compute)."""
         self._core = core
@@ -591,7 +592,7 @@ class Session:
         Raises:
             ExpertLayoutError: the model has no F32 router tensors.
         """
-        from pipeline.routing import LiveRouter
+        from moestream.pipeline.streaming.routing import LiveRouter
 
         self._here()
         home = self._core.backends[0]
@@ -860,7 +861,8 @@ def open(
     choice(backend, "backend", ("auto", "cupy", "host"))
     route_unconfigured()
     cfg = RunConfig(
-        model=Path(model) if model is not None else None,
+        # the embedded tiny model is this API's default, chosen here: never by the session
+        model=Path(model) if model is not None else ensure_default_model(),
         budget=budget_of(budget),
         mode=mode, policy=policy, backend=backend,
         devices=chosen,

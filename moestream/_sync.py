@@ -37,7 +37,6 @@ from threading import get_ident
 from types import TracebackType
 from typing import Any, TypeVar
 
-from gpu.interop import stream_pointer
 from moestream._args import ExpertIds, Index
 from moestream._handles import ExpertHandle
 from moestream._session import (
@@ -54,9 +53,10 @@ from moestream._session import (
 )
 from moestream._session import open as open_session
 from moestream._signals import DEFERRAL
-from pipeline.foundation.config import Budget
-from pipeline.foundation.errors import UsageError
-from pipeline.lease import NOT_YET, LayerLease
+from moestream.gpu.interop import stream_pointer
+from moestream.pipeline.foundation.config import Budget
+from moestream.pipeline.foundation.errors import UsageError
+from moestream.pipeline.streaming.lease import NOT_YET, LayerLease
 
 __all__ = ["SyncLease", "SyncSession", "open_sync"]
 
@@ -207,7 +207,7 @@ class _LoopThread:
 
 
 WaitCharge = Callable[[Any, Any, float, float], None]
-"""A lease's ``on_wait``: (entry, load, start, end), as ``pipeline.lease.LayerLease``."""
+"""A lease's ``on_wait``: (entry, load, start, end), as ``pipeline.streaming.lease.LayerLease``."""
 
 
 class _CallerWait:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from gpu.cache import DeviceCache, Entry
+from moestream.gpu.cache.store import DeviceCache, Entry
 
 __all__ = ["Installer"]
 

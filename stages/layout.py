@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from gpu.backend import PAGE
-from pipeline.foundation.table import ExpertSlices, ExpertTable
+from moestream.gpu.backend import PAGE
+from moestream.pipeline.foundation.table import ExpertSlices, ExpertTable
 
 __all__ = [
     "DEVICE_ALIGN",

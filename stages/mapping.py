@@ -20,9 +20,9 @@ import numpy as np
 import numpy.typing as npt
 import structlog
 
-from gpu.backend import Backend
-from pipeline.foundation.files import ModelFile, model_files, open_checked
-from stages.residency import libc
+from moestream.gpu.backend import Backend
+from moestream.pipeline.foundation.files import ModelFile, model_files, open_checked
+from moestream.stages.residency import libc
 
 __all__ = ["ModelMapping"]
 

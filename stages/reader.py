@@ -23,9 +23,9 @@ import numpy as np
 import numpy.typing as npt
 import structlog
 
-from pipeline.foundation.errors import ModelChangedError, ReadError
-from pipeline.foundation.faults import FaultPlan
-from pipeline.foundation.files import (
+from moestream.pipeline.foundation.errors import ModelChangedError, ReadError
+from moestream.pipeline.foundation.faults import FaultPlan
+from moestream.pipeline.foundation.files import (
     PAGE_BYTES,
     FileIdentity,
     ModelFile,
@@ -33,7 +33,7 @@ from pipeline.foundation.files import (
     open_checked,
     pieces,
 )
-from pipeline.foundation.table import ByteRange
+from moestream.pipeline.foundation.table import ByteRange
 
 __all__ = ["READ_ATTEMPTS", "RETRY_BACKOFF_MS", "ModelReader"]
 
@@ -68,7 +68,7 @@ class _Opened:
 class ModelReader:
     """Reads byte ranges of the model's files, O_DIRECT where allowed, else buffered.
 
-    Offsets are offsets of the model's address space (``pipeline.foundation.files``): a
+    Offsets are offsets of the model's address space (``moestream.pipeline.foundation.files``): a
     GGUF file's own offsets, or a checkpoint's shards end to end; a read that spans the
     padding between two shards reads each shard's part and zeroes the padding.
 

@@ -16,7 +16,7 @@ is the one place that talks to the kernel about that; the residency controller a
   ``RLIMIT_MEMLOCK`` when the kernel refuses.
 
 Filling the cache in the background (``WarmEngine``: threads, byte rate, pause/resume)
-lives in ``pipeline.warm``, which builds on the hints here.
+lives in ``moestream.stages.warm``, which builds on the hints here.
 
 Byte ranges are anything with ``offset`` and ``nbytes`` (``pipeline.foundation.table.ByteRange`` and
 ``TensorInfo`` both fit). Ranges need not be page aligned; page-level answers count every
@@ -40,10 +40,10 @@ from typing import Protocol
 import numpy as np
 import structlog
 
-from pipeline.foundation.errors import ResidencyError
-from pipeline.foundation.files import ModelFile, open_checked, pieces
-from pipeline.foundation.table import ByteRange
-from stages.cachestat import cached_bytes
+from moestream.pipeline.foundation.errors import ResidencyError
+from moestream.pipeline.foundation.files import ModelFile, open_checked, pieces
+from moestream.pipeline.foundation.table import ByteRange
+from moestream.stages.cachestat import cached_bytes
 
 __all__ = [
     "HINT_BYTES",
@@ -154,7 +154,7 @@ class _Libc:
 
 
 _libc = _Libc()
-libc = _libc  # public: stages.mapping maps the model through it
+libc = _libc  # public: moestream.stages.mapping maps the model through it
 
 
 def coalesce(ranges: Iterable[RangeLike]) -> list[ByteRange]:

@@ -24,9 +24,9 @@ import numpy.typing as npt
 import psutil
 import structlog
 
-from gpu.backend import Backend, Event, HostBuffer
-from pipeline.foundation.errors import DeviceMemoryError, StageError, UsageError
-from pipeline.foundation.faults import FaultPlan
+from moestream.gpu.backend import Backend, Event, HostBuffer
+from moestream.pipeline.foundation.errors import DeviceMemoryError, StageError, UsageError
+from moestream.pipeline.foundation.faults import FaultPlan
 
 __all__ = ["RAM_SHARE", "StagingRing", "StagingSlot", "check_ring_fits"]
 

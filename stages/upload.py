@@ -27,11 +27,11 @@ import numpy as np
 import numpy.typing as npt
 import structlog
 
-from gpu.backend import Backend, Event, Kernels, Stream
-from gpu.cache import Entry
-from gpu.kernels import COPY_FIELDS, NO_FLIP, copy_rows
-from pipeline.foundation.errors import MoestreamError, UploadError
-from pipeline.foundation.faults import FaultPlan
+from moestream.gpu.backend import Backend, Event, Kernels, Stream
+from moestream.gpu.cache.store import Entry
+from moestream.gpu.kernels import COPY_FIELDS, NO_FLIP, copy_rows
+from moestream.pipeline.foundation.errors import MoestreamError, UploadError
+from moestream.pipeline.foundation.faults import FaultPlan
 
 __all__ = ["Uploader", "gather_rows"]
 
@@ -140,7 +140,7 @@ class Uploader:
 
         Why: the copy engines pay a fixed cost per copy, and the host one Python call per
         copy; a layer's slices in one driver call move at the copy engines' rate for large
-        copies (``gpu.batchcopy``). An install digest launched per expert was host work a
+        copies (``moestream.gpu.batchcopy``). An install digest launched per expert was host work a
         miss that held DeepSeek-V2-Lite's shape at 0.87 x pinned H2D against 0.95 without
         verification (``bench/results/shapes-h200-1952d34/``): one launch a layer. Each
         digest row's source is its destination: the kernel reads the copied words, adds

@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 import structlog
 
-from gpu.backend import Backend
-from gpu.cuda import unavailable_reason
-from gpu.host import HostBackend
-from pipeline.foundation.table import ExpertTable, open_table
-from pipeline.modelgen import spec_for, write_model
+from moestream.gpu.backend import Backend
+from moestream.gpu.cuda import unavailable_reason
+from moestream.gpu.host import HostBackend
+from moestream.pipeline.foundation.table import ExpertTable, open_table
+from moestream.pipeline.makers.modelgen import spec_for, write_model
 
 _NO_CUDA = unavailable_reason()
 BACKENDS = [
@@ -69,7 +69,7 @@ def backend(request: pytest.FixtureRequest) -> Iterator[Backend]:
     if request.param == "host":
         yield HostBackend()
     else:
-        from gpu.cuda import CupyBackend
+        from moestream.gpu.cuda import CupyBackend
 
         b = CupyBackend()
         yield b

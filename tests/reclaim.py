@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from stages.residency import Residency
+from moestream.stages.residency import Residency
 
 __all__ = ["RECLAIM_SLACK", "assert_all_resident", "proactive_reclaim"]
 

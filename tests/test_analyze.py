@@ -13,10 +13,10 @@ import pytest
 import structlog
 
 from bench.analyze import SyntheticRun, write_synthetic_log
-from pipeline.foundation.errors import TraceError
-from tools.analyze.cli import main, summarize
-from tools.analyze.intervals import CSV_COLUMNS, interval_rows
-from tools.analyze.logread import read_log
+from moestream.pipeline.foundation.errors import TraceError
+from moestream.pipeline.runlog.read import read_log
+from moestream.tools.analyze.cli import main, summarize
+from moestream.tools.analyze.intervals import CSV_COLUMNS, interval_rows
 
 UNIT = 1000
 
@@ -361,7 +361,7 @@ class TestStreamingSums:
 
     @staticmethod
     def _same(path: Path) -> tuple[Any, Any]:
-        from tools.analyze.time_report import time_report
+        from moestream.tools.analyze.time_report import time_report
 
         whole, lean = read_log(path), read_log(path, columns=False)
         assert set(lean.tokens.values) == {"wall_ms"}
@@ -389,7 +389,7 @@ class TestStreamingSums:
         the rounding of the last bits."""
         import numpy as np
 
-        from tools.analyze.time_report import time_report
+        from moestream.tools.analyze.time_report import time_report
 
         path = tmp_path / "long.jsonl"
         write_synthetic_log(path, SyntheticRun(tokens=9000, moe_layers=2, n_experts=16,

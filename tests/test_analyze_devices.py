@@ -16,14 +16,14 @@ from typing import Any
 import pytest
 import structlog
 
-from pipeline.foundation.config import Budget, RunConfig
-from pipeline.run import run
+from moestream.pipeline.cli.run import run
+from moestream.pipeline.foundation.config import Budget, RunConfig
+from moestream.pipeline.runlog.devices import DEVICE_COLUMNS
+from moestream.pipeline.runlog.read import read_log
+from moestream.tools.analyze.cli import main, summarize, summary_table
+from moestream.tools.analyze.device_report import device_balance, device_rows
+from moestream.tools.analyze.report_text import Value
 from tests.test_analyze import header, token, write
-from tools.analyze.cli import main, summarize, summary_table
-from tools.analyze.device_report import device_balance, device_rows
-from tools.analyze.logdevices import DEVICE_COLUMNS
-from tools.analyze.logread import read_log
-from tools.analyze.report_text import Value
 
 
 @pytest.fixture(autouse=True)

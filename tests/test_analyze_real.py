@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.run import main as run_main
-from tools.analyze.cli import main as analyze_main
+from moestream.pipeline.run import main as run_main
+from moestream.tools.analyze.cli import main as analyze_main
 
 
 def _run(tmp_path: Path, model: Path, name: str, *args: str) -> Path:

@@ -1,5 +1,5 @@
 """``import moestream``: the engine-facing API, its lifetimes under misuse, DLPack, and the
-example engine against ``pipeline.run``."""
+example engine against ``moestream.pipeline.cli.run``."""
 
 from __future__ import annotations
 
@@ -18,8 +18,8 @@ import pytest
 from gguf import GGMLQuantizationType
 
 import moestream
-from gpu.cuda import unavailable_reason
-from pipeline.foundation.table import ExpertTable
+from moestream.gpu.cuda import unavailable_reason
+from moestream.pipeline.foundation.table import ExpertTable
 from tests.conftest import BACKENDS
 
 _NO_CUDA = unavailable_reason()
@@ -111,7 +111,7 @@ class TestOpen:
                 await asyncio.to_thread(ms.fetch, layer, [0])
 
     async def test_log_in_the_run_schema(self, tiny_model: Path, tmp_path: Path) -> None:
-        from tools.analyze.logread import read_log
+        from moestream.pipeline.runlog.read import read_log
 
         log = tmp_path / "api.jsonl"
         async with _open(tiny_model, log=log) as ms:
@@ -387,7 +387,7 @@ class TestDevicesAndModes:
 
     async def test_auto_mode_switches_while_decoding(self, tiny_model: Path,
                                                      tiny_table: ExpertTable) -> None:
-        from pipeline.controller import ControllerReadings
+        from moestream.pipeline.streaming.controller import ControllerReadings
 
         model_bytes = tiny_table.file_bytes
         ram = {"available": model_bytes // 2}
@@ -671,7 +671,7 @@ def engine_example() -> Iterator[ModuleType]:
 
 
 class TestExampleEngine:
-    """examples/engine.py decodes exactly what ``pipeline.run --compute real --router live``
+    """examples/engine.py decodes exactly what ``pipeline.cli.run --compute real --router live``
     decodes: the same routing (experts and float32 weights) at every layer of every token,
     which the hidden state decides. One reader thread on both sides, so misses land (and
     their outputs are summed) in the same order."""
@@ -680,8 +680,8 @@ class TestExampleEngine:
     def test_equals_pipeline_run(self, engine_example: ModuleType, tiny_model: Path,
                                  tmp_path: Path, mode: str,
                                  capsys: pytest.CaptureFixture[str]) -> None:
-        from pipeline.run import main
-        from pipeline.trace import load_trace
+        from moestream.pipeline.foundation.trace import load_trace
+        from moestream.pipeline.run import main
 
         tokens, seed = 12, 5
         trace = tmp_path / "run.npz"

@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 
 import moestream
-from pipeline.foundation.table import ExpertTable
-from pipeline.modelgen import spec_for, write_model
+from moestream.pipeline.foundation.table import ExpertTable
+from moestream.pipeline.makers.modelgen import spec_for, write_model
 from tests.test_api import _landed
 
 ROOT = Path(__file__).resolve().parent.parent

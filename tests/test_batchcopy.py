@@ -14,10 +14,10 @@ from typing import Any
 import numpy as np
 import pytest
 
-from gpu.batchcopy import BatchCopy, open_batch_copy
-from gpu.host import HostBackend
-from pipeline.foundation.errors import UploadError
-from stages.upload import Uploader
+from moestream.gpu.batchcopy import BatchCopy, open_batch_copy
+from moestream.gpu.host import HostBackend
+from moestream.pipeline.foundation.errors import UploadError
+from moestream.stages.upload import Uploader
 from tests.test_upload import SIZE, _Layer
 
 

@@ -10,7 +10,7 @@ import pytest
 
 from bench.devices import device_window, main
 from bench.h2d_copies import DeviceCopier, h2d_figures
-from gpu.host import HostBackend
+from moestream.gpu.host import HostBackend
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 

@@ -18,7 +18,7 @@ from bench.prefetch_figures import (
     prefetch_figures,
     routing_agreement,
 )
-from pipeline.modelgen import ModelSpec, spec_for, write_model
+from moestream.pipeline.makers.modelgen import ModelSpec, spec_for, write_model
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 

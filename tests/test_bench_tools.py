@@ -18,7 +18,7 @@ from bench.copytimes import busy_and_span
 from bench.pipeline import _median_round
 from bench.pipeline import main as pipeline_main
 from bench.profile import main as profile_main
-from gpu.cuda import unavailable_reason
+from moestream.gpu.cuda import unavailable_reason
 
 
 def test_pipeline_verify_ab_when_nothing_misses(tiny_model: Path, tmp_path: Path,
@@ -97,8 +97,8 @@ def test_copy_timeline_times_gathers_and_batches_not_digests() -> None:
     import cupy
 
     from bench.copytimes import copy_timeline
-    from gpu.cuda import CudaPinned, CudaStream, CupyBackend
-    from gpu.kernels import NO_FLIP, CudaKernels, copy_rows
+    from moestream.gpu.cuda import CudaPinned, CudaStream, CupyBackend
+    from moestream.gpu.kernels import NO_FLIP, CudaKernels, copy_rows
 
     n = 64 << 20
     host = CudaPinned(n)
@@ -129,7 +129,7 @@ def test_profile_on_the_stand_in_device(tiny_model: Path, phase: str,
 def test_profile_puts_the_devices_back(tiny_model: Path) -> None:
     """``--null`` swaps the session's devices for the stand-in for its own run only: a run
     after it in the same process verifies against real digests again."""
-    import pipeline.session as session
+    import moestream.pipeline.streaming.session as session
 
     before = (session.open_backends, session.make_kernels)  # type: ignore[attr-defined]
     assert profile_main(["--model", str(tiny_model), "--null", "--tokens", "2",
@@ -143,9 +143,9 @@ def test_gaps_times_both_kinds_and_puts_everything_back(tiny_model: Path,
     within it, every token's first one a boundary gap after ``end_token``; the run counted
     only hits in its second pass, and the classes it wrapped are themselves again after."""
     from bench.gaps import main as gaps_main
-    from gpu.kernels import HostKernels
-    from pipeline.decode import Decoder
-    from pipeline.session import StreamSession
+    from moestream.gpu.kernels import HostKernels
+    from moestream.pipeline.proxy.decode import Decoder
+    from moestream.pipeline.streaming.session import StreamSession
 
     before = (Decoder.wait_for_layer, HostKernels.busy, StreamSession.end_token)
     out = tmp_path / "gaps.json"

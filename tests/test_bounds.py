@@ -26,16 +26,16 @@ import pytest
 from gguf import GGMLQuantizationType, GGUFWriter
 from numpy.lib import format as npy_format
 
-import pipeline.trace
-from pipeline.foundation.errors import TraceError
-from pipeline.routing import BlockRouting
-from pipeline.run import main as run_main
-from pipeline.synthetic import BLOCK_TOKENS, synthetic_blocks, synthetic_trace
-from pipeline.trace import TraceRecorder, load_trace
+import moestream.pipeline.foundation.trace
+from moestream.pipeline.foundation.errors import TraceError
+from moestream.pipeline.foundation.trace import TraceRecorder, load_trace
+from moestream.pipeline.proxy.synthetic import BLOCK_TOKENS, synthetic_blocks, synthetic_trace
+from moestream.pipeline.run import main as run_main
+from moestream.pipeline.runlog.read import MAX_LINE_BYTES, read_log
+from moestream.pipeline.streaming.routing import BlockRouting
+from moestream.tools.analyze.cli import main as analyze_main
+from moestream.tools.warmup.cli import main as warmup_main
 from tests.gguf_files import finish_gguf
-from tools.analyze.cli import main as analyze_main
-from tools.analyze.logread import MAX_LINE_BYTES, read_log
-from tools.warmup.cli import main as warmup_main
 
 REPO = Path(__file__).resolve().parents[1]
 AS_LIMIT = 2 << 30
@@ -140,12 +140,12 @@ class TestSyntheticRouting:
 
     def test_make_trace_of_a_huge_count_is_refused(self, tmp_path: Path) -> None:
         out = tmp_path / "t.npz"
-        done = _cli("tools.make_trace", str(out), "--tokens", "1000000000")
+        done = _cli("moestream.tools.make_trace", str(out), "--tokens", "1000000000")
         _refused(done, "1000000000 tokens x 43 layers x top-6 is 258000000000 entries")
         assert not out.exists()
 
     def test_recorder_cap(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        monkeypatch.setattr(pipeline.trace, "MAX_TRACE_ENTRIES", 40)
+        monkeypatch.setattr(moestream.pipeline.foundation.trace, "MAX_TRACE_ENTRIES", 40)
         TraceRecorder(10, 2, 2, 8)  # 40 entries: the cap itself is fine
         with pytest.raises(TraceError, match="record at most 10 tokens"):
             TraceRecorder(11, 2, 2, 8)
@@ -246,7 +246,7 @@ class TestHostileTraces:
         _refused(done, "more than the 134217728 entries")
 
     def test_member_over_the_cap(self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-        monkeypatch.setattr(pipeline.trace, "MAX_TRACE_ENTRIES", 40)
+        monkeypatch.setattr(moestream.pipeline.foundation.trace, "MAX_TRACE_ENTRIES", 40)
         experts = np.tile(np.arange(4, dtype=np.int32), (5, 3, 1))  # 60 entries
         weights = np.full((5, 3, 4), 0.25, np.float32)
         path = _write_zip(tmp_path / "t.npz", _stored(
@@ -272,7 +272,7 @@ class TestHostileTraces:
             load_trace(path)
 
     def test_jsonl_over_the_cap(self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-        monkeypatch.setattr(pipeline.trace, "MAX_TRACE_ENTRIES", 40)
+        monkeypatch.setattr(moestream.pipeline.foundation.trace, "MAX_TRACE_ENTRIES", 40)
         header = {"format": "moestream-trace", "version": 1, "n_layers": 2, "n_experts": 8,
                   "top_k": 2, "preset": "x"}
         row = {"experts": [[0, 1], [2, 3]], "weights": [[0.5, 0.5], [0.5, 0.5]]}
@@ -294,7 +294,7 @@ class TestWarmupRanges:
         ("--experts", "expert 99999999999 in '0-99999999999' is out of range"),
     ])
     def test_huge_range(self, tiny_model: Path, option: str, match: str) -> None:
-        done = _cli("tools.warmup", str(tiny_model), "--report", option, "0-99999999999")
+        done = _cli("moestream.tools.warmup", str(tiny_model), "--report", option, "0-99999999999")
         _refused(done, match)
 
 
@@ -324,13 +324,13 @@ class TestHostileLogs:
         path = tmp_path / "zeros.jsonl"
         with path.open("wb") as f:
             f.truncate(4 << 30)  # sparse: no disk used
-        _refused(_cli("tools.analyze", str(path)), "longer than 1048576 bytes")
+        _refused(_cli("moestream.tools.analyze", str(path)), "longer than 1048576 bytes")
 
     def test_hot_log_of_zeros(self, tiny_model: Path, tmp_path: Path) -> None:
         path = tmp_path / "zeros.jsonl"
         with path.open("wb") as f:
             f.truncate(4 << 30)
-        _refused(_cli("tools.warmup", str(tiny_model), "--report", "--hot", str(path)),
+        _refused(_cli("moestream.tools.warmup", str(tiny_model), "--report", "--hot", str(path)),
                  "not a moestream run log")
 
     def test_overlong_line_is_skipped_not_held(self, run_log: Path, tmp_path: Path) -> None:

@@ -14,11 +14,11 @@ import pytest
 
 import moestream
 from moestream._args import budget_of
-from pipeline.foundation.config import Budget, parse_budget
-from pipeline.foundation.errors import UsageError
-from pipeline.foundation.table import ExpertTable
-from pipeline.run import main
-from pipeline.summary import RunSummary, print_summary, size_text
+from moestream.pipeline.foundation.config import Budget, parse_budget
+from moestream.pipeline.foundation.errors import UsageError
+from moestream.pipeline.foundation.table import ExpertTable
+from moestream.pipeline.run import main
+from moestream.pipeline.streaming.summary import RunSummary, print_summary, size_text
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -1,4 +1,4 @@
-"""Tests for gpu.cache and gpu.pool: the byte budget, pinning, reuse and release."""
+"""Tests for gpu.cache.store and gpu.cache.pool: the byte budget, pinning, reuse and release."""
 
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ import pytest
 from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from gpu.backend import Backend
-from gpu.cache import DeviceCache
-from gpu.host import HostBackend, HostEvent
-from pipeline.foundation.errors import UsageError
+from moestream.gpu.backend import Backend
+from moestream.gpu.cache.store import DeviceCache
+from moestream.gpu.host import HostBackend, HostEvent
+from moestream.pipeline.foundation.errors import UsageError
 
 SIZES = {0: 4096, 1: 6144, 2: 4096}  # layers of two size classes
 

@@ -22,7 +22,7 @@ import pytest
 from structlog.testing import capture_logs
 
 import moestream
-from pipeline.foundation.cachedir import (
+from moestream.pipeline.foundation.cachedir import (
     UntrustedPathError,
     configured_cache_dir,
     forget_fallbacks,
@@ -30,16 +30,16 @@ from pipeline.foundation.cachedir import (
     read_private,
     trusted_cache_dir,
 )
-from pipeline.foundation.inputs import InputTooLargeError, NotRegularFileError
-from pipeline.foundation.manifest import (
+from moestream.pipeline.foundation.inputs import InputTooLargeError, NotRegularFileError
+from moestream.pipeline.foundation.manifest import (
     DigestManifest,
     load_manifest,
     manifest_path,
     user_cache_dir,
 )
-from pipeline.foundation.table import open_table
-from pipeline.modelgen import ensure_default_model, spec_for, write_model
-from pipeline.run import main as run_main
+from moestream.pipeline.foundation.table import open_table
+from moestream.pipeline.makers.modelgen import ensure_default_model, spec_for, write_model
+from moestream.pipeline.run import main as run_main
 
 OTHER_UID = 12345
 """A user that is not this process's."""

@@ -1,4 +1,4 @@
-"""Tests of pipeline.checkpointgen and ``tools.make_model --format safetensors``: the written
+"""Tests of pipeline.makers.checkpointgen and ``tools.make_model --format safetensors``: the written
 checkpoint opens as an expert table whose every expert's bytes are the tensor bytes the
 safetensors reader sees; shards, dtypes, values, atomic replacement and the CLI. Also
 checkpoints written by transformers itself (``save_pretrained``)."""
@@ -18,8 +18,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 from safetensors import safe_open
 
-from pipeline import checkpointgen
-from pipeline.checkpointgen import (
+from moestream.pipeline.foundation.errors import OutputError, UsageError
+from moestream.pipeline.foundation.experts import ExpertTable
+from moestream.pipeline.foundation.table import open_table
+from moestream.pipeline.makers import checkpointgen
+from moestream.pipeline.makers.checkpointgen import (
     INDEX_NAME,
     CheckpointOptions,
     checkpoint_config,
@@ -28,11 +31,8 @@ from pipeline.checkpointgen import (
     to_bf16,
     write_checkpoint,
 )
-from pipeline.foundation.errors import OutputError, UsageError
-from pipeline.foundation.experts import ExpertTable
-from pipeline.foundation.table import open_table
-from pipeline.modelgen import ModelSpec, spec_for
-from tools.make_model import main
+from moestream.pipeline.makers.modelgen import ModelSpec, spec_for
+from moestream.tools.make_model import main
 
 KiB = 1024
 SPEC = spec_for("tiny", 2, 3, seed=7)  # hidden 512, expert FFN 256

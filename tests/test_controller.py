@@ -1,4 +1,4 @@
-"""Tests for pipeline.controller: decisions with fed readings, and live switching."""
+"""Tests for pipeline.streaming.controller: decisions with fed readings, and live switching."""
 
 from __future__ import annotations
 
@@ -9,7 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.controller import (
+from moestream.pipeline.cli.run import run
+from moestream.pipeline.foundation.config import Budget, ComputeSpec, RunConfig
+from moestream.pipeline.foundation.table import ExpertTable
+from moestream.pipeline.streaming.controller import (
     ControllerReadings,
     MachineSampler,
     ModeController,
@@ -17,10 +20,7 @@ from pipeline.controller import (
     Thresholds,
     default_margin,
 )
-from pipeline.foundation.config import Budget, ComputeSpec, RunConfig
-from pipeline.foundation.table import ExpertTable
-from pipeline.run import run
-from stages.residency import Residency, evict
+from moestream.stages.residency import Residency, evict
 
 GIB = 1 << 30
 MODEL = 40 * GIB
@@ -166,10 +166,10 @@ class TestHostTier:
     async def test_hottest_first_and_pages_dropped_on_leaving(
         self, tiny_model: Path, tiny_table: ExpertTable
     ) -> None:
-        from gpu.cache import DeviceCache
-        from gpu.host import HostBackend
-        from gpu.kernels import HostKernels
-        from pipeline.streamer import ExpertStreamer
+        from moestream.gpu.cache.store import DeviceCache
+        from moestream.gpu.host import HostBackend
+        from moestream.gpu.kernels import HostKernels
+        from moestream.pipeline.streaming.streamer import ExpertStreamer
 
         backend = HostBackend()
         cache = DeviceCache(backend, 1 << 30, "lru")
@@ -219,8 +219,8 @@ class TestBackgroundWarmup:
     async def test_registers_during_warmup(self, tiny_model: Path, tiny_table: ExpertTable,
                                            tmp_path: Path,
                                            monkeypatch: pytest.MonkeyPatch) -> None:
-        import pipeline.controller as controller_module
-        from pipeline.logs import RunLog
+        import moestream.pipeline.streaming.controller as controller_module
+        from moestream.pipeline.runlog.write import RunLog
 
         size = tiny_model.stat().st_size
         monkeypatch.setattr(controller_module, "_REGISTER_EVERY", size // 4)

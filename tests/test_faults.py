@@ -23,11 +23,12 @@ from hypothesis import strategies as st
 from structlog.testing import capture_logs
 
 from bench.faultmatrix import CASES, FaultCase, case_config, observe, run_case
-from gpu.backend import aligned_host_array
-from gpu.cache import DeviceCache
-from gpu.host import HostBackend
-from pipeline.foundation.config import Budget
-from pipeline.foundation.errors import (
+from moestream.gpu.backend import aligned_host_array
+from moestream.gpu.cache.store import DeviceCache
+from moestream.gpu.host import HostBackend
+from moestream.pipeline.cli.run import RunSummary, run
+from moestream.pipeline.foundation.config import Budget
+from moestream.pipeline.foundation.errors import (
     DeviceMemoryError,
     ModelChangedError,
     ReadError,
@@ -35,12 +36,12 @@ from pipeline.foundation.errors import (
     UploadError,
     UsageError,
 )
-from pipeline.foundation.faults import KINDS, STAGES, FaultPlan, parse_faults
-from pipeline.run import RunSummary, main, run
-from stages import reader as reader_module
-from stages.reader import ModelReader
-from stages.staging import StagingRing
-from stages.upload import Uploader
+from moestream.pipeline.foundation.faults import KINDS, STAGES, FaultPlan, parse_faults
+from moestream.pipeline.run import main
+from moestream.stages import reader as reader_module
+from moestream.stages.reader import ModelReader
+from moestream.stages.staging import StagingRing
+from moestream.stages.upload import Uploader
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
@@ -246,7 +247,7 @@ class _RecordingStream:
         pass
 
     def record(self) -> Any:
-        from gpu.host import HostEvent
+        from moestream.gpu.host import HostEvent
 
         return HostEvent()
 

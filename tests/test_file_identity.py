@@ -15,17 +15,17 @@ import numpy as np
 import pytest
 
 import moestream
-from gpu.host import HostBackend
-from pipeline.checkpointgen import CheckpointOptions, write_checkpoint
-from pipeline.foundation.errors import ModelChangedError, MoestreamError
-from pipeline.foundation.manifest import DigestManifest
-from pipeline.foundation.table import ExpertTable, open_table
-from pipeline.manifest_build import ManifestBuilder
-from pipeline.modelgen import spec_for, write_model
-from pipeline.warm import WarmEngine
-from stages.mapping import ModelMapping
-from stages.reader import ModelReader
-from stages.residency import Residency
+from moestream.gpu.host import HostBackend
+from moestream.pipeline.foundation.errors import ModelChangedError, MoestreamError
+from moestream.pipeline.foundation.manifest import DigestManifest
+from moestream.pipeline.foundation.table import ExpertTable, open_table
+from moestream.pipeline.makers.checkpointgen import CheckpointOptions, write_checkpoint
+from moestream.pipeline.makers.modelgen import spec_for, write_model
+from moestream.stages.manifest_build import ManifestBuilder
+from moestream.stages.mapping import ModelMapping
+from moestream.stages.reader import ModelReader
+from moestream.stages.residency import Residency
+from moestream.stages.warm import WarmEngine
 
 
 @pytest.fixture(scope="module")

@@ -30,9 +30,9 @@ from gguf import GGUFReader, GGUFValueType, GGUFWriter
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pipeline.foundation.digest import digest_bytes
-from pipeline.foundation.errors import ModelFileError, NotGGUFError, TruncatedFileError
-from pipeline.foundation.table import ExpertTable, open_table
+from moestream.pipeline.foundation.digest import digest_bytes
+from moestream.pipeline.foundation.errors import ModelFileError, NotGGUFError, TruncatedFileError
+from moestream.pipeline.foundation.table import ExpertTable, open_table
 from tests.gguf_files import finish_gguf
 
 EXAMPLES = int(os.environ.get("MOESTREAM_FUZZ_EXAMPLES", "150"))

@@ -18,10 +18,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gpu.cuda import unavailable_reason
-from gpu.host import HostStream
-from gpu.kernels import NO_FLIP, HostKernels, copy_rows
-from pipeline.foundation.digest import digest_bytes, mix_digests
+from moestream.gpu.cuda import unavailable_reason
+from moestream.gpu.host import HostStream
+from moestream.gpu.kernels import NO_FLIP, HostKernels, copy_rows
+from moestream.pipeline.foundation.digest import digest_bytes, mix_digests
 
 _NO_CUDA = unavailable_reason()
 
@@ -103,8 +103,8 @@ class TestCudaGather:
                           corrupt: bool) -> None:
         import cupy
 
-        from gpu.cuda import CudaDeviceBuffer, CudaStream, CupyBackend
-        from gpu.kernels import CudaKernels
+        from moestream.gpu.cuda import CudaDeviceBuffer, CudaStream, CupyBackend
+        from moestream.gpu.kernels import CudaKernels
 
         src, ranges = _case(sum(sizes), sizes, [skew] * len(sizes))
         path = tmp_path / "model.bin"

@@ -3,7 +3,7 @@
 The gather kernel serves models whose expert matrices are small (there the host's work a
 layer is lightest: one launch copies and digests); larger matrices go to the copy engines,
 a layer's copies as one batched call, as fast or faster and leaving the SMs to the engine
-(``pipeline.streamer.GATHER_BELOW_BYTES``).
+(``moestream.pipeline.streaming.streamer.GATHER_BELOW_BYTES``).
 ``gather_blocks`` is the gather's SM budget, settable from the CLI, ``RunConfig`` and
 ``moestream.Tuning``, checked where it is given.
 """
@@ -20,12 +20,12 @@ from typing import Any
 import pytest
 
 import moestream
-from gpu.kernels import GATHER_BLOCKS, HostKernels, make_kernels
-from pipeline.foundation.config import RunConfig
-from pipeline.foundation.errors import UsageError
-from pipeline.foundation.table import open_table
-from pipeline.modelgen import spec_for, write_model
-from pipeline.streamer import GATHER_BELOW_BYTES, ExpertStreamer, _small_ranges
+from moestream.gpu.kernels import GATHER_BLOCKS, HostKernels, make_kernels
+from moestream.pipeline.foundation.config import RunConfig
+from moestream.pipeline.foundation.errors import UsageError
+from moestream.pipeline.foundation.table import open_table
+from moestream.pipeline.makers.modelgen import spec_for, write_model
+from moestream.pipeline.streaming.streamer import GATHER_BELOW_BYTES, ExpertStreamer, _small_ranges
 
 
 def test_small_matrices_gather_large_ones_copy(tiny_model: Path, tmp_path: Path) -> None:
@@ -46,10 +46,10 @@ def test_small_experts_gather_unless_told(tiny_model: Path, gather: bool,
     with ``gather=False`` a layer is one batched copy on the copy engines."""
     import asyncio
 
-    from gpu.cache import DeviceCache
-    from pipeline.foundation.config import ComputeSpec
-    from stages.layout import plan_expert
-    from stages.upload import Uploader
+    from moestream.gpu.cache.store import DeviceCache
+    from moestream.pipeline.foundation.config import ComputeSpec
+    from moestream.stages.layout import plan_expert
+    from moestream.stages.upload import Uploader
     from tests.test_pipeline import DeferredKernels
     from tests.test_streamer import RegisteringDeferredBackend
 

@@ -8,10 +8,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from gpu.cuda import unavailable_reason
-from pipeline.foundation.config import Budget, ComputeSpec, RunConfig
-from pipeline.foundation.digest import digest_bytes
-from pipeline.run import run
+from moestream.gpu.cuda import unavailable_reason
+from moestream.pipeline.cli.run import run
+from moestream.pipeline.foundation.config import Budget, ComputeSpec, RunConfig
+from moestream.pipeline.foundation.digest import digest_bytes
 
 pytestmark = [
     pytest.mark.gpu,
@@ -25,8 +25,8 @@ class TestKernels:
     @pytest.mark.parametrize("row", [0, 5])
     @pytest.mark.parametrize("nbytes", [4, 4096, 2162688, 2162690, 7077887])
     def test_digest3(self, nbytes: int, row: int) -> None:
-        from gpu.cuda import CudaDeviceBuffer, CudaStream
-        from gpu.kernels import CudaKernels
+        from moestream.gpu.cuda import CudaDeviceBuffer, CudaStream
+        from moestream.gpu.kernels import CudaKernels
 
         data = np.random.default_rng(nbytes).integers(0, 256, 3 * nbytes + 1024, np.uint8)
         buf = CudaDeviceBuffer(data.size)
@@ -56,8 +56,8 @@ def test_batched_copy_from_registered_windows(tmp_path: Path, batched: bool) -> 
     a driver before 12.8): the device holds exactly the file's bytes, at odd offsets."""
     import cupy
 
-    from gpu.cuda import CupyBackend
-    from stages.mapping import ModelMapping
+    from moestream.gpu.cuda import CupyBackend
+    from moestream.stages.mapping import ModelMapping
 
     data = np.random.default_rng(7).integers(0, 256, 4 << 20, dtype=np.uint8)
     path = tmp_path / "blob.bin"

@@ -25,9 +25,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from structlog.testing import capture_logs
 
-from pipeline.foundation.config import MAX_SIZE_BYTES, Budget, parse_budget, parse_size
-from pipeline.foundation.errors import OutputError, TraceError, UsageError
-from pipeline.foundation.inputs import (
+from moestream.pipeline.foundation.config import MAX_SIZE_BYTES, Budget, parse_budget, parse_size
+from moestream.pipeline.foundation.errors import OutputError, TraceError, UsageError
+from moestream.pipeline.foundation.inputs import (
     InputTooLargeError,
     JSONDepthError,
     NotRegularFileError,
@@ -35,18 +35,18 @@ from pipeline.foundation.inputs import (
     load_json_bounded,
     read_input,
 )
-from pipeline.foundation.manifest import (
+from moestream.pipeline.foundation.manifest import (
     _MAGIC,
     DigestManifest,
     load_manifest,
     manifest_max_bytes,
     manifest_path,
 )
-from pipeline.foundation.outputs import write_atomic
-from pipeline.foundation.table import open_table
-from pipeline.modelgen import spec_for, write_model
-from pipeline.trace import load_trace
-from tools.analyze.logread import read_log
+from moestream.pipeline.foundation.outputs import write_atomic
+from moestream.pipeline.foundation.table import open_table
+from moestream.pipeline.foundation.trace import load_trace
+from moestream.pipeline.makers.modelgen import spec_for, write_model
+from moestream.pipeline.runlog.read import read_log
 
 REPO = Path(__file__).resolve().parents[1]
 DEEP = 3000
@@ -161,7 +161,7 @@ class TestManifestSave:
         env_path.parent.mkdir(parents=True)
         env_path.symlink_to(plain)
         before = _sha(plain)
-        done = _cli("tools.warmup", str(plain), "--digests", cache=cache)
+        done = _cli("moestream.tools.warmup", str(plain), "--digests", cache=cache)
         assert done.returncode == 0, done.stderr[-2000:]
         assert _sha(plain) == before
         assert env_path.is_file() and not env_path.is_symlink()
@@ -227,7 +227,7 @@ class TestManifestRead:
             done = _cli("pipeline.run", "-m", str(plain), "-n", "4", "--backend", "host",
                         "--compute", "digest", cache=cache, timeout=120)
         else:
-            done = _cli("tools.warmup", str(plain), "--digests", cache=cache, timeout=120)
+            done = _cli("moestream.tools.warmup", str(plain), "--digests", cache=cache, timeout=120)
         assert done.returncode == 0, done.stderr[-2000:]
         assert "Traceback" not in done.stderr
         warned = [line for line in done.stderr.splitlines() if "digest_manifest" in line
@@ -287,7 +287,7 @@ class TestBoundedJSON:
 
     @pytest.mark.parametrize("line", [1, 2])
     def test_trace_line_too_deep(self, tmp_path: Path, line: int) -> None:
-        from pipeline.trace import TRACE_FORMAT, TRACE_VERSION
+        from moestream.pipeline.foundation.trace import TRACE_FORMAT, TRACE_VERSION
 
         path = tmp_path / "deep.jsonl"
         header = {"format": TRACE_FORMAT, "version": TRACE_VERSION, "n_layers": 43,
@@ -307,7 +307,7 @@ class TestBoundedJSON:
     def test_analyze_first_line_too_deep(self, tmp_path: Path) -> None:
         path = tmp_path / "deep.jsonl"
         path.write_text(_deep() + "\n")
-        _refused(_cli("tools.analyze", str(path)), "nested")
+        _refused(_cli("moestream.tools.analyze", str(path)), "nested")
 
     def test_run_trace_too_deep(self, tiny_model: Path, tmp_path: Path) -> None:
         path = tmp_path / "deep.jsonl"
@@ -318,7 +318,7 @@ class TestBoundedJSON:
     def test_warmup_hot_too_deep(self, tiny_model: Path, tmp_path: Path) -> None:
         path = tmp_path / "deep.jsonl"
         path.write_text(_deep() + "\n")
-        _refused(_cli("tools.warmup", str(tiny_model), "--hot", str(path)), "nested")
+        _refused(_cli("moestream.tools.warmup", str(tiny_model), "--hot", str(path)), "nested")
 
 
 HUGE = "1" + "0" * 400
@@ -389,7 +389,7 @@ class TestAnalyzeMemory:
     TOKENS = LONG_TOKENS
 
     def test_summary_without_expert_ids_is_the_same(self, long_log: Path) -> None:
-        from tools.analyze.cli import summarize
+        from moestream.tools.analyze.cli import summarize
 
         whole, lean = read_log(long_log), read_log(long_log, experts=False)
         assert whole.tokens.experts.shape[0] == self.TOKENS
@@ -437,7 +437,7 @@ class TestAnalyzeMemory:
         assert (peaks[1] - peaks[0]) / (self.TOKENS - self.TOKENS // 2) < 64, peaks
 
     def test_replay_refuses_a_log_read_without_ids(self, long_log: Path) -> None:
-        from tools.analyze.whatif_replay import AccessTrace
+        from moestream.tools.analyze.whatif_replay import AccessTrace
 
         with pytest.raises(ValueError, match="experts=True"):
             AccessTrace.from_log(read_log(long_log, experts=False))

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from gpu.cache import DeviceCache, Entry
-from gpu.host import HostBackend
-from stages.install import Installer
+from moestream.gpu.cache.store import DeviceCache, Entry
+from moestream.gpu.host import HostBackend
+from moestream.stages.install import Installer
 
 
 class _Event:

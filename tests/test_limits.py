@@ -1,7 +1,7 @@
 """Upper bounds on every tuning value, the staging ring's memory, and error lines cut short.
 
 A tuning value is refused in one line (``UsageError``, exit 2 from the CLI) by one table,
-``pipeline.foundation.config.TUNING_BOUNDS``, which the API's ``Tuning`` and the command
+``moestream.pipeline.foundation.config.TUNING_BOUNDS``, which the API's ``Tuning`` and the command
 line's flags both check. A staging ring is refused before it is allocated when it would
 take more than half the RAM available; a ``MemoryError`` met while a session opens becomes
 ``DeviceMemoryError`` with everything released. Every error message is one readable line:
@@ -24,10 +24,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import moestream
-from gpu.host import HostBackend, HostPinned
-from pipeline.foundation.cli import print_error
-from pipeline.foundation.config import TUNING_BOUNDS, RunConfig
-from pipeline.foundation.errors import (
+from moestream.gpu.host import HostBackend, HostPinned
+from moestream.pipeline.cli.common import print_error
+from moestream.pipeline.foundation.config import TUNING_BOUNDS, RunConfig
+from moestream.pipeline.foundation.errors import (
     MAX_MESSAGE_CHARS,
     DeviceMemoryError,
     ModelFileError,
@@ -36,8 +36,8 @@ from pipeline.foundation.errors import (
     UsageError,
     one_line,
 )
-from pipeline.run import main as run_main
-from stages.staging import StagingRing, StagingSlot, check_ring_fits
+from moestream.pipeline.run import main as run_main
+from moestream.stages.staging import StagingRing, StagingSlot, check_ring_fits
 
 REPO = Path(__file__).resolve().parents[1]
 AS_LIMIT = 2 << 30
@@ -164,7 +164,7 @@ class TestStagingRingMemory:
         monkeypatch.setattr(HostBackend, "alloc_host", alloc_host)
         memory = namedtuple("memory", "available")
         machine = SimpleNamespace(virtual_memory=lambda: memory(64 << 20))
-        monkeypatch.setattr("stages.staging.psutil", machine)  # the ring's reading only
+        monkeypatch.setattr("moestream.stages.staging.psutil", machine)  # the ring's reading only
         with pytest.raises(UsageError, match="staging slots") as caught:
             moestream.open_sync(tiny_model, backend="host",
                                 tuning=moestream.Tuning(staging_slots=1024))
@@ -189,7 +189,7 @@ class TestMemoryErrorOnOpen:
         def refuse(nbytes: int, align: int = 4096) -> Any:
             raise MemoryError
 
-        monkeypatch.setattr("gpu.host.aligned_host_array", refuse)
+        monkeypatch.setattr("moestream.gpu.host.aligned_host_array", refuse)
         with pytest.raises(DeviceMemoryError, match="allocation of 4096 bytes failed"):
             HostBackend().alloc_host(4096)
         with pytest.raises(DeviceMemoryError):
@@ -207,7 +207,7 @@ class TestMemoryErrorOnOpen:
 
         _Tracked.closed = []
         monkeypatch.setattr(HostBackend, "alloc_host", lambda self, n: _Tracked(n))
-        monkeypatch.setattr("stages.staging.StagingSlot", slot)
+        monkeypatch.setattr("moestream.stages.staging.StagingSlot", slot)
         with pytest.raises(MemoryError):
             StagingRing(HostBackend(), 8, 4096)
         assert len(_Tracked.closed) == 2
@@ -219,7 +219,8 @@ class TestMemoryErrorOnOpen:
 
         _Tracked.closed = []
         monkeypatch.setattr(HostBackend, "alloc_host", lambda self, n: _Tracked(n))
-        monkeypatch.setattr("pipeline.session.EventJoiner", out_of_memory)  # after the ring
+        # after the ring
+        monkeypatch.setattr("moestream.pipeline.streaming.session.EventJoiner", out_of_memory)
         log = tmp_path / "run.jsonl"
 
         async def go() -> None:

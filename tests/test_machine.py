@@ -1,4 +1,4 @@
-"""``pipeline.machine``: the readings the controller and the token log take."""
+"""``moestream.pipeline.foundation.machine``: the readings the controller and the token log take."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import psutil
 
-from pipeline.machine import process_read_bytes
+from moestream.pipeline.foundation.machine import process_read_bytes
 
 
 def test_storage_reads_counted_as_the_kernel_counts_them(tmp_path: Path) -> None:

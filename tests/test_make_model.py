@@ -14,12 +14,18 @@ import structlog
 from gguf import GGML_QUANT_SIZES, GGUFReader, ReaderTensor, quants
 from gguf import GGMLQuantizationType as QType
 
-from pipeline import modelgen as make_model
-from pipeline.foundation.digest import digest_bytes
-from pipeline.foundation.errors import ModelFileError, UsageError
-from pipeline.foundation.table import open_table
-from pipeline.modelgen import PRESETS, ModelSpec, ensure_default_model, spec_for, write_model
-from tools.make_model import main
+from moestream.pipeline.foundation.digest import digest_bytes
+from moestream.pipeline.foundation.errors import ModelFileError, UsageError
+from moestream.pipeline.foundation.table import open_table
+from moestream.pipeline.makers import modelgen as make_model
+from moestream.pipeline.makers.modelgen import (
+    PRESETS,
+    ModelSpec,
+    ensure_default_model,
+    spec_for,
+    write_model,
+)
+from moestream.tools.make_model import main
 
 MiB = 2**20
 SMALL = {"tiny": (3, 4), "ds4-flash-q2": (4, 2), "ds4-flash-q4": (4, 2)}  # (layers, experts)

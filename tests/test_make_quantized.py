@@ -1,5 +1,5 @@
 """Tests of ``tools.make_model --format safetensors --quant``: FP8 (Qwen3-MoE), MXFP4 (gpt-oss)
-and FP4 (DeepSeek-V4) checkpoints and the quantizers behind them (``pipeline.quantgen``).
+and FP4 (DeepSeek-V4) checkpoints and the quantizers behind them (``pipeline.makers.quantgen``).
 
 Every check decodes by a rule written here, independently of the writer: E4M3 and E2M1
 values from their bit fields, scales from their definition, nibbles low first. The writer's
@@ -29,11 +29,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from pipeline.checkpointgen import CheckpointOptions, write_checkpoint
-from pipeline.foundation.errors import UsageError
-from pipeline.modelgen import ModelSpec, spec_for
-from pipeline.quantgen import e4m3_codes, quantize_fp8_blocks, quantize_mx_e2m1
-from tools.make_model import main
+from moestream.pipeline.foundation.errors import UsageError
+from moestream.pipeline.makers.checkpointgen import CheckpointOptions, write_checkpoint
+from moestream.pipeline.makers.modelgen import ModelSpec, spec_for
+from moestream.pipeline.makers.quantgen import e4m3_codes, quantize_fp8_blocks, quantize_mx_e2m1
+from moestream.tools.make_model import main
 
 torch = pytest.importorskip("torch")
 

@@ -1,4 +1,4 @@
-"""Tests for tools.make_trace and tools.calibrate: calibration, the generator, the CLI."""
+"""Tests for tools.make_trace and pipeline.proxy.calibrate: calibration, the generator, the CLI."""
 
 from __future__ import annotations
 
@@ -13,11 +13,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gpu.policy import CacheIndex, LRUPolicy
-from pipeline.foundation.errors import UsageError
-from pipeline.synthetic import PRESETS, synthetic_trace
-from pipeline.trace import Trace, load_trace
-from tools.calibrate import (
+from moestream.gpu.cache.policy import CacheIndex, LRUPolicy
+from moestream.pipeline.foundation.errors import UsageError
+from moestream.pipeline.foundation.trace import Trace, load_trace
+from moestream.pipeline.proxy.calibrate import (
     CALIBRATION,
     calibration_table,
     consecutive_overlap,
@@ -25,7 +24,8 @@ from tools.calibrate import (
     shared_lru_hit_rate,
     unbounded_hit_rate,
 )
-from tools.make_trace import main
+from moestream.pipeline.proxy.synthetic import PRESETS, synthetic_trace
+from moestream.tools.make_trace import main
 
 POINTS = 0.05
 """How close a synthetic trace must come to a published figure: 5 points."""

@@ -11,9 +11,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gpu.backend import aligned_host_array
-from gpu.host import HostBackend
-from pipeline.foundation.files import (
+from moestream.gpu.backend import aligned_host_array
+from moestream.gpu.host import HostBackend
+from moestream.pipeline.foundation.files import (
     PAGE_BYTES,
     FileIdentity,
     ModelFile,
@@ -22,10 +22,10 @@ from pipeline.foundation.files import (
     open_identified,
     pieces,
 )
-from stages.layout import aligned_cover
-from stages.mapping import ModelMapping
-from stages.reader import ModelReader
-from stages.residency import Residency
+from moestream.stages.layout import aligned_cover
+from moestream.stages.mapping import ModelMapping
+from moestream.stages.reader import ModelReader
+from moestream.stages.residency import Residency
 
 SIZES = (5000, 8192, 12345, 1, 3 * PAGE_BYTES + 17)
 

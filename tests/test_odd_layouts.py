@@ -18,9 +18,9 @@ from gguf import GGUFWriter
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pipeline.foundation.table import open_table
-from pipeline.run import main
-from stages.layout import PAGE, largest_slot_bytes, plan_expert
+from moestream.pipeline.foundation.table import open_table
+from moestream.pipeline.run import main
+from moestream.stages.layout import PAGE, largest_slot_bytes, plan_expert
 from tests.conftest import BACKENDS
 from tests.gguf_files import finish_gguf
 

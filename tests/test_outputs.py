@@ -1,5 +1,5 @@
-"""Outputs against hostile files, moments and neighbours (``pipeline.foundation.outputs``,
-``pipeline.foundation.cli``).
+"""Outputs against hostile files, moments and neighbours (``moestream.pipeline.foundation.outputs``,
+``moestream.pipeline.cli.common``).
 
 Every output (run log, recorded trace, CSV, plots, model, trace) is checked before any work:
 a directory, a FIFO or a device is refused with one line and exit 2 and never replaced; a
@@ -29,9 +29,9 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.foundation.cli import printable
-from pipeline.foundation.errors import OutputError
-from pipeline.foundation.outputs import (
+from moestream.pipeline.cli.common import printable
+from moestream.pipeline.foundation.errors import OutputError
+from moestream.pipeline.foundation.outputs import (
     atomic_output,
     check_output,
     check_output_dir,
@@ -57,7 +57,7 @@ def _one_line(err: str) -> bool:
 
 
 def _run_main(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
-    from pipeline.run import main
+    from moestream.pipeline.run import main
 
     code = main(list(args))
     out, err = capsys.readouterr()
@@ -214,7 +214,7 @@ def own_model(tiny_model: Path, tmp_path: Path) -> Path:
 
 
 class TestRunOutputs:
-    """``pipeline.run`` checks --log and --record-trace before the model is opened."""
+    """``moestream.pipeline.cli.run`` checks --log and --record-trace before the model is opened."""
 
     @pytest.mark.parametrize("kind", ["directory", "missing directory", "FIFO",
                                       "file as directory"])
@@ -252,7 +252,7 @@ class TestRunOutputs:
 
     def test_links_are_written_through(self, capsys: pytest.CaptureFixture[str],
                                        tiny_model: Path, tmp_path: Path) -> None:
-        from pipeline.trace import load_trace
+        from moestream.pipeline.foundation.trace import load_trace
 
         (tmp_path / "real").mkdir()
         log_link, trace_link = tmp_path / "run.jsonl", tmp_path / "trace.npz"
@@ -382,7 +382,7 @@ class TestClosedStdout:
 @pytest.fixture(scope="module")
 def run_log(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The log of a 40-token run of the tiny model."""
-    from pipeline.run import main
+    from moestream.pipeline.run import main
 
     log = tmp_path_factory.mktemp("logs") / "run.jsonl"
     assert main([*_host(tiny_model, "-n", "40"), "--log", str(log), "--json"]) == 0
@@ -393,7 +393,7 @@ class TestAnalyzeOutputs:
     """``tools.analyze`` checks --csv and --plot before reading any log."""
 
     def _main(self, capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
-        from tools.analyze.cli import main
+        from moestream.tools.analyze.cli import main
 
         code = main(list(args))
         out, err = capsys.readouterr()
@@ -453,7 +453,7 @@ class TestToolOutputs:
 
     def test_make_model_force_over_a_fifo(self, capsys: pytest.CaptureFixture[str],
                                           tmp_path: Path) -> None:
-        from tools.make_model import main
+        from moestream.tools.make_model import main
 
         fifo = _fifo(tmp_path / "m.gguf")
         assert main([str(fifo), "--layers", "2", "--experts", "2", "--force"]) == 2
@@ -465,7 +465,7 @@ class TestToolOutputs:
                                              tmp_path: Path) -> None:
         from gguf import GGUFReader
 
-        from tools.make_model import main
+        from moestream.tools.make_model import main
 
         target = tmp_path / "real.gguf"
         target.write_bytes(b"old")
@@ -477,7 +477,7 @@ class TestToolOutputs:
 
     def test_make_model_control_characters(self, capsys: pytest.CaptureFixture[str],
                                            tmp_path: Path) -> None:
-        from tools.make_model import main
+        from moestream.tools.make_model import main
 
         assert main([str(tmp_path / "no\x1b[31m\ndir" / "m.gguf")]) == 2
         err = capsys.readouterr().err
@@ -485,7 +485,7 @@ class TestToolOutputs:
 
     def test_default_model_cache_unusable(self, tmp_path: Path,
                                           monkeypatch: pytest.MonkeyPatch) -> None:
-        from pipeline.modelgen import ensure_default_model
+        from moestream.pipeline.makers.modelgen import ensure_default_model
 
         (tmp_path / "cache").write_text("x")
         monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
@@ -494,7 +494,7 @@ class TestToolOutputs:
 
     def test_make_trace_over_a_fifo(self, capsys: pytest.CaptureFixture[str],
                                     tmp_path: Path) -> None:
-        from tools.make_trace import main
+        from moestream.tools.make_trace import main
 
         fifo = _fifo(tmp_path / "t.npz")
         assert main([str(fifo), "--tokens", "3"]) == 2
@@ -503,7 +503,7 @@ class TestToolOutputs:
 
     def test_warmup_control_characters(self, capsys: pytest.CaptureFixture[str],
                                        tmp_path: Path) -> None:
-        from tools.warmup.cli import main
+        from moestream.tools.warmup.cli import main
 
         assert main([str(tmp_path / "m\x9b2J\r.gguf")]) == 2
         err = capsys.readouterr().err

@@ -19,13 +19,13 @@ from typing import Any
 
 import pytest
 
-from gpu.host import HostBackend
-from gpu.kernels import HostKernels
-from pipeline.foundation.config import Budget, ComputeSpec, RunConfig
-from pipeline.foundation.errors import VerificationError
-from pipeline.loop import DecodeLoop
-from pipeline.run import RunSummary, run
-from stages.staging import StagingSlot
+from moestream.gpu.host import HostBackend
+from moestream.gpu.kernels import HostKernels
+from moestream.pipeline.cli.run import RunSummary, run
+from moestream.pipeline.foundation.config import Budget, ComputeSpec, RunConfig
+from moestream.pipeline.foundation.errors import VerificationError
+from moestream.pipeline.proxy.loop import DecodeLoop
+from moestream.stages.staging import StagingSlot
 from tests.gguf_files import write_plain_moe
 
 
@@ -110,11 +110,11 @@ class DeferredKernels(HostKernels):
 
 
 def _decode(cfg: RunConfig, monkeypatch: pytest.MonkeyPatch, tokens: int) -> RunSummary:
-    """``pipeline.run`` in direct mode on the deferred backend and kernels (the session's
+    """``pipeline.cli.run`` in direct mode on the deferred backend and kernels (the session's
     streamer and the proxy engine's compute alike), every token verified; a mismatch
     stops the run, and the summary says what was found."""
-    import pipeline.run as run_module
-    import pipeline.session as session_module
+    import moestream.pipeline.cli.run as run_module
+    import moestream.pipeline.streaming.session as session_module
 
     monkeypatch.setattr(session_module, "open_backends", lambda cfg: [DeferredBackend()])
     monkeypatch.setattr(session_module, "make_kernels", lambda name, *_: DeferredKernels())
@@ -130,7 +130,7 @@ class TestOrdering:
     """No use before the upload event; no staging slot reused before its upload ran."""
 
     def _cfg(self, model: Path, compute: str) -> RunConfig:
-        from pipeline.foundation.config import Budget
+        from moestream.pipeline.foundation.config import Budget
 
         return RunConfig(model=model, staging_slots=1, queue_depth=4, chunk_bytes=16384,
                          budget=Budget(experts=12), compute=ComputeSpec(compute))  # type: ignore[arg-type]
@@ -204,8 +204,8 @@ def _registering_device(monkeypatch: pytest.MonkeyPatch) -> None:
     """Runs and sessions get a GPU-like device that registers host memory (the resident
     copies from the mapping, gather or copy engines) and runs copies and kernels in stream
     order."""
-    import pipeline.run as run_module
-    import pipeline.session as session_module
+    import moestream.pipeline.cli.run as run_module
+    import moestream.pipeline.streaming.session as session_module
 
     backend = type("RegisteringBackend", (DeferredBackend,), {
         "async_copies": True, "registers_host": True,
@@ -237,7 +237,7 @@ class TestRegisteredCopies:
     @pytest.mark.parametrize("kind", ["gguf-writer", "save-pretrained"])
     def test_both_paths_verify(self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                kind: str) -> None:
-        from stages.upload import Uploader
+        from moestream.stages.upload import Uploader
 
         model = (write_plain_moe(tmp_path / "plain.gguf") if kind == "gguf-writer"
                  else _save_pretrained_moe(tmp_path / "hf"))
@@ -264,7 +264,7 @@ class TestGatheredLayerWithAFailure:
     async def test_before_the_failure_then_the_rest(self, tmp_path: Path,
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
         import moestream
-        from stages.upload import Uploader
+        from moestream.stages.upload import Uploader
 
         model = write_plain_moe(tmp_path / "plain.gguf")
         _registering_device(monkeypatch)
@@ -295,8 +295,8 @@ class TestEndBeside:
     @staticmethod
     def _run(model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, *, beside: bool,
              mode: str = "resident") -> tuple[RunSummary, list[dict[str, Any]], int]:
-        import pipeline.run as run_module
-        import pipeline.session as session_module
+        import moestream.pipeline.cli.run as run_module
+        import moestream.pipeline.streaming.session as session_module
 
         # a device that computes after the host queued the work, as a GPU does
         backend = type("QueuingBackend", (DeferredBackend,), {"async_copies": True})

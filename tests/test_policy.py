@@ -1,4 +1,4 @@
-"""Tests for gpu.policy: eviction orders and the byte-capacity index."""
+"""Tests for moestream.gpu.cache.policy: eviction orders and the byte-capacity index."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gpu.policy import CacheIndex, FreqDecayPolicy, LRUPolicy, make_policy
+from moestream.gpu.cache.policy import CacheIndex, FreqDecayPolicy, LRUPolicy, make_policy
 
 
 class TestLRU:

@@ -1,5 +1,5 @@
 """Tests for the read stage: aligned covers (stages.layout), O_DIRECT reads and their fallback
-(stages.reader), the mapping (stages.mapping)."""
+(moestream.stages.reader), the mapping (moestream.stages.mapping)."""
 
 from __future__ import annotations
 
@@ -14,15 +14,15 @@ from hypothesis import given
 from hypothesis import strategies as st
 from structlog.testing import capture_logs
 
-from gpu.backend import aligned_host_array
-from gpu.host import HostBackend
-from pipeline.foundation.errors import ReadError
-from pipeline.foundation.faults import parse_faults
-from pipeline.foundation.table import ByteRange, ExpertTable
-from stages.layout import DEVICE_ALIGN, aligned_cover, iter_chunks, plan_expert
-from stages.mapping import ModelMapping
-from stages.reader import ModelReader
-from stages.residency import evict, libc
+from moestream.gpu.backend import aligned_host_array
+from moestream.gpu.host import HostBackend
+from moestream.pipeline.foundation.errors import ReadError
+from moestream.pipeline.foundation.faults import parse_faults
+from moestream.pipeline.foundation.table import ByteRange, ExpertTable
+from moestream.stages.layout import DEVICE_ALIGN, aligned_cover, iter_chunks, plan_expert
+from moestream.stages.mapping import ModelMapping
+from moestream.stages.reader import ModelReader
+from moestream.stages.residency import evict, libc
 
 
 class TestAlignment:

@@ -1,4 +1,4 @@
-"""Tests of pipeline.residency and pipeline.warm on real files: mincore, evict, mlock, warm."""
+"""Tests of pipeline.residency and stages.warm on real files: mincore, evict, mlock, warm."""
 
 from __future__ import annotations
 
@@ -14,13 +14,12 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from structlog.testing import capture_logs
 
-from pipeline.foundation.errors import ModelFileError, ResidencyError, UsageError
-from pipeline.foundation.files import FileIdentity, ModelFile
-from pipeline.foundation.table import ByteRange
-from pipeline.warm import Loader, TokenBucket, WarmEngine
-from stages import cachestat
-from stages import residency as residency_module
-from stages.residency import (
+from moestream.pipeline.foundation.errors import ModelFileError, ResidencyError, UsageError
+from moestream.pipeline.foundation.files import FileIdentity, ModelFile
+from moestream.pipeline.foundation.table import ByteRange
+from moestream.stages import cachestat
+from moestream.stages import residency as residency_module
+from moestream.stages.residency import (
     PAGE_BYTES,
     Residency,
     coalesce,
@@ -30,6 +29,7 @@ from stages.residency import (
     resident_bytes_of,
     resident_pages,
 )
+from moestream.stages.warm import Loader, TokenBucket, WarmEngine
 from tests.reclaim import assert_all_resident
 
 MIB = 1 << 20

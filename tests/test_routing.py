@@ -1,14 +1,14 @@
-"""Tests for pipeline.routing: trace replay, history guesses, the live router."""
+"""Tests for pipeline.streaming.routing: trace replay, history guesses, the live router."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from gpu.backend import Backend
-from pipeline.foundation.table import ExpertTable
-from pipeline.routing import LiveRouter, TraceRouting
-from pipeline.synthetic import synthetic_trace
+from moestream.gpu.backend import Backend
+from moestream.pipeline.foundation.table import ExpertTable
+from moestream.pipeline.proxy.synthetic import synthetic_trace
+from moestream.pipeline.streaming.routing import LiveRouter, TraceRouting
 
 
 class TestTraceRouting:

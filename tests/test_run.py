@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.foundation.table import open_table
-from pipeline.run import main
+from moestream.pipeline.foundation.table import open_table
+from moestream.pipeline.run import main
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
@@ -66,8 +66,8 @@ class TestGarbageCollector:
                       monkeypatch: pytest.MonkeyPatch, fails: bool) -> None:
         import gc
 
-        from pipeline import loop
-        from pipeline.run import DECODE_GC_YOUNG
+        from moestream.pipeline.cli.run import DECODE_GC_YOUNG
+        from moestream.pipeline.proxy import loop
 
         seen: list[tuple[int, int]] = []
         token = loop.DecodeLoop.token
@@ -189,8 +189,8 @@ class TestErrors:
 
     def test_trace_for_a_bigger_model(self, capsys: pytest.CaptureFixture[str],
                                       tiny_model: Path, tmp_path: Path) -> None:
-        from pipeline.synthetic import synthetic_trace
-        from pipeline.trace import save_trace
+        from moestream.pipeline.foundation.trace import save_trace
+        from moestream.pipeline.proxy.synthetic import synthetic_trace
 
         big = tmp_path / "big.npz"
         save_trace(synthetic_trace("ds4-flash", 3, n_layers=3, n_experts=64, top_k=4), big)
@@ -216,7 +216,7 @@ class TestVerification:
         trace_path = tmp_path / "t.npz"
         import numpy as np
 
-        from pipeline.trace import Trace, save_trace
+        from moestream.pipeline.foundation.trace import Trace, save_trace
 
         experts = np.tile(np.arange(4, dtype=np.int32), (2, 3, 1))
         weights = np.full(experts.shape, 0.25, dtype=np.float32)

@@ -1,8 +1,8 @@
-"""``pipeline.run``'s figures, pinned: per token and in total, what a set of runs found.
+"""``pipeline.cli.run``'s figures, pinned: per token and in total, what a set of runs found.
 
-``pipeline.run`` is the first client of the public API (issue 15): its setup, fetches,
-releases and token lines go through ``moestream.Session`` (``pipeline.loop``,
-``pipeline.decode``). That rewrite had to leave the figures as they were, but two: in
+``moestream.pipeline.cli.run`` is the first client of the public API (issue 15): its setup, fetches,
+releases and token lines go through ``moestream.Session`` (``moestream.pipeline.proxy.loop``,
+``pipeline.proxy.decode``). That rewrite had to leave the figures as they were, but two: in
 ``--prefetch predict`` runs a guess's reads now count in ``file_bytes`` and its admission's
 evictions in ``evictions``, as the API always counted them (re-recorded at the move; the
 runs before it, from commit 9732fe2 on, found the same hits, misses, experts, prefetch
@@ -26,9 +26,9 @@ from typing import Any
 
 import pytest
 
-from pipeline.foundation.config import Budget, ComputeSpec, RunConfig
-from pipeline.modelgen import spec_for, write_model
-from pipeline.run import run
+from moestream.pipeline.cli.run import run
+from moestream.pipeline.foundation.config import Budget, ComputeSpec, RunConfig
+from moestream.pipeline.makers.modelgen import spec_for, write_model
 
 FIGURES = Path(__file__).parent / "data" / "run_figures.json"
 

@@ -25,13 +25,13 @@ from hypothesis import strategies as st
 from safetensors import SafetensorError, safe_open
 
 import moestream
-from pipeline.compute import ComputeSpec, resolve_compute
-from pipeline.foundation import safetensors_table
-from pipeline.foundation.errors import ExpertLayoutError, ModelFileError
-from pipeline.foundation.experts import ExpertTable
-from pipeline.foundation.safetensors_table import is_routed
-from pipeline.foundation.table import open_table
-from pipeline.run import main as run_main
+from moestream.pipeline.foundation import safetensors_table
+from moestream.pipeline.foundation.compute import ComputeSpec, resolve_compute
+from moestream.pipeline.foundation.errors import ExpertLayoutError, ModelFileError
+from moestream.pipeline.foundation.experts import ExpertTable
+from moestream.pipeline.foundation.safetensors_table import is_routed
+from moestream.pipeline.foundation.table import open_table
+from moestream.pipeline.run import main as run_main
 
 D, F, E, LAYERS = 8, 4, 3, 2  # hidden, expert FFN, experts, layers
 ITEM = {"F16": 2, "BF16": 2, "F32": 4, "F8_E4M3": 1, "I8": 1, "I32": 4}
@@ -656,8 +656,8 @@ def test_implausible_layer_index_refused(tmp_path: Path) -> None:
     not counted as a model of 10^12 layers."""
     import json
 
-    import pipeline.foundation.table as table_module
-    from pipeline.foundation.errors import ExpertLayoutError
+    import moestream.pipeline.foundation.table as table_module
+    from moestream.pipeline.foundation.errors import ExpertLayoutError
 
     header: dict[str, object] = {}
     data = b""

@@ -17,11 +17,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gpu.placement import balanced_placement, split_budget
-from pipeline.foundation.config import Budget, ComputeSpec, RunConfig
-from pipeline.foundation.errors import UsageError
-from pipeline.run import run
-from pipeline.trace import load_trace
+from moestream.gpu.cache.placement import balanced_placement, split_budget
+from moestream.pipeline.cli.run import run
+from moestream.pipeline.foundation.config import Budget, ComputeSpec, RunConfig
+from moestream.pipeline.foundation.errors import UsageError
+from moestream.pipeline.foundation.trace import load_trace
 from tests.test_controller import FedSampler
 
 

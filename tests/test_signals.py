@@ -28,10 +28,10 @@ from typing import Any
 import pytest
 
 from bench.faultmatrix import observe
-from gpu.host import HostBackend
-from pipeline.foundation.config import Budget, ComputeSpec, RunConfig
-from pipeline.machine import process_read_bytes
-from pipeline.run import RunSummary, run
+from moestream.gpu.host import HostBackend
+from moestream.pipeline.cli.run import RunSummary, run
+from moestream.pipeline.foundation.config import Budget, ComputeSpec, RunConfig
+from moestream.pipeline.foundation.machine import process_read_bytes
 
 REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
@@ -251,8 +251,8 @@ def _assert_stopped(signum: int, rc: int, err: str, log: Path, directory: Path) 
 # the signal lands exactly at that step, whatever the machine's speed.
 _SIGNAL_AT = """
 import os, signal, sys
-import pipeline.run as cli
-import pipeline.session as session
+import moestream.pipeline.cli.run as cli
+import moestream.pipeline.streaming.session as session
 
 step, signum, argv = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
 owner, name = {
@@ -375,8 +375,8 @@ class TestInputsThatWouldBlock:
 
     @pytest.mark.parametrize("value", ["inf", "-inf", "nan", "1e9", "-1", "1000.5"])
     def test_fixed_compute_out_of_range(self, value: str) -> None:
-        from pipeline.foundation.config import ComputeSpec, parse_compute
-        from pipeline.foundation.errors import UsageError
+        from moestream.pipeline.foundation.config import ComputeSpec, parse_compute
+        from moestream.pipeline.foundation.errors import UsageError
 
         with pytest.raises(UsageError, match="0 to 1000 ms"):
             parse_compute(f"fixed:{value}")
@@ -401,7 +401,7 @@ class TestHostComputeYields:
 
     async def test_cancel_within_one_slice(self, tiny_model: Path,
                                            monkeypatch: pytest.MonkeyPatch) -> None:
-        from gpu.kernels import HostKernels
+        from moestream.gpu.kernels import HostKernels
 
         asked_ms: list[float] = []
         busy = HostKernels.busy
@@ -457,7 +457,7 @@ class TestAtomicWritersStop:
 
     def test_stoppable_runs_finally_blocks(self) -> None:
         """In process: the decorated entry turns SIGTERM into cleanup and status 143."""
-        from pipeline.foundation.interrupts import stoppable
+        from moestream.pipeline.cli.interrupts import stoppable
 
         cleaned: list[str] = []
 

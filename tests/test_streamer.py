@@ -18,16 +18,16 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 
-from gpu.cache import DeviceCache
-from pipeline.arrivals import Arrivals
-from pipeline.foundation.config import Budget, ComputeSpec, RunConfig
-from pipeline.foundation.errors import StageError
-from pipeline.foundation.faults import parse_faults
-from pipeline.foundation.table import ExpertTable
-from pipeline.lease import EventJoiner, LayerLease, LeasePart
-from pipeline.streamer import ExpertStreamer
-from pipeline.verify import DigestRows, Verifier
-from stages.layout import plan_expert
+from moestream.gpu.cache.store import DeviceCache
+from moestream.pipeline.foundation.config import Budget, ComputeSpec, RunConfig
+from moestream.pipeline.foundation.errors import StageError
+from moestream.pipeline.foundation.faults import parse_faults
+from moestream.pipeline.foundation.table import ExpertTable
+from moestream.pipeline.streaming.arrivals import Arrivals
+from moestream.pipeline.streaming.lease import EventJoiner, LayerLease, LeasePart
+from moestream.pipeline.streaming.streamer import ExpertStreamer
+from moestream.pipeline.streaming.verify import DigestRows, Verifier
+from moestream.stages.layout import plan_expert
 from tests.test_pipeline import DeferredBackend, DeferredKernels, DeferredStream
 
 
@@ -325,7 +325,7 @@ class TestMixDigests:
     """The per-token read-back mixes all rows in one numpy pass, as ``mix_digest`` would."""
 
     def test_same_values_as_one_by_one(self) -> None:
-        from pipeline.foundation.digest import mix_digest, mix_digests
+        from moestream.pipeline.foundation.digest import mix_digest, mix_digests
 
         sums = np.random.default_rng(2).integers(0, 2**64 - 1, size=(300, 2), dtype=np.uint64)
         sums[0] = (2**64 - 1, 2**64 - 1)  # both at the top: the sum wraps

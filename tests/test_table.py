@@ -20,15 +20,15 @@ import pytest
 from gguf import GGMLQuantizationType as QType
 from gguf import GGUFReader, GGUFWriter, ReaderTensor
 
-from pipeline.foundation.digest import digest_bytes
-from pipeline.foundation.errors import (
+from moestream.pipeline.foundation.digest import digest_bytes
+from moestream.pipeline.foundation.errors import (
     ExpertLayoutError,
     ModelFileError,
     NotGGUFError,
     TruncatedFileError,
 )
-from pipeline.foundation.table import ByteRange, open_table
-from pipeline.modelgen import spec_for, write_model
+from moestream.pipeline.foundation.table import ByteRange, open_table
+from moestream.pipeline.makers.modelgen import spec_for, write_model
 from tests.gguf_files import finish_gguf
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -9,12 +9,12 @@ from typing import Any
 
 import pytest
 
-from pipeline.run import main as run_main
-from tools.analyze.cli import CSV_INTERVAL
-from tools.analyze.cli import main as analyze_main
-from tools.analyze.intervals import interval_rows
-from tools.analyze.logread import read_log
-from tools.analyze.plots import PLOT_FILES, plot_interval, write_plots
+from moestream.pipeline.run import main as run_main
+from moestream.pipeline.runlog.read import read_log
+from moestream.tools.analyze.cli import CSV_INTERVAL
+from moestream.tools.analyze.cli import main as analyze_main
+from moestream.tools.analyze.intervals import interval_rows
+from moestream.tools.analyze.plots import PLOT_FILES, plot_interval, write_plots
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 

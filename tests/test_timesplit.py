@@ -1,4 +1,4 @@
-"""Tests for pipeline.timesplit and pipeline.progress: a wait charged by what its load did,
+"""Tests for foundation.timesplit and cli.progress: a wait charged by what its load did,
 a token's parts that add up to its wall time, and the live line."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pipeline.progress import LiveLine
-from pipeline.run import main as run_main
-from pipeline.timesplit import PARTS, LaunchTimes, LoadPhases, TimeSplit
+from moestream.pipeline.cli.progress import LiveLine
+from moestream.pipeline.foundation.timesplit import PARTS, LaunchTimes, LoadPhases, TimeSplit
+from moestream.pipeline.run import main as run_main
 
 
 def _phases(planned: float = 0.0, slot_waits: list[tuple[float, float]] | None = None,

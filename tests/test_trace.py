@@ -1,4 +1,4 @@
-"""Tests for pipeline.trace: the routing-trace format, its validation and its fit checks."""
+"""Tests for foundation.trace: the routing-trace format, its validation and its fit checks."""
 
 from __future__ import annotations
 
@@ -13,8 +13,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipeline.foundation.errors import TraceError
-from pipeline.trace import TRACE_FORMAT, TRACE_VERSION, Trace, load_trace, save_trace
+from moestream.pipeline.foundation.errors import TraceError
+from moestream.pipeline.foundation.trace import (
+    TRACE_FORMAT,
+    TRACE_VERSION,
+    Trace,
+    load_trace,
+    save_trace,
+)
 
 
 def make_trace(

@@ -22,7 +22,7 @@ pytest.importorskip("transformers.integrations.moe")
 
 import moestream  # noqa: E402
 from moestream import transformers as mt  # noqa: E402
-from pipeline import run as pipeline_run  # noqa: E402
+from moestream.pipeline import run as pipeline_run  # noqa: E402
 
 ATTENTION = dict(num_attention_heads=4, num_key_value_heads=2, vocab_size=96,
                  max_position_embeddings=128)
@@ -324,13 +324,13 @@ class TestModel:
         assert mt.is_available()
 
     def test_core_never_imports_torch(self) -> None:
-        """moestream, pipeline.run (its parser included) and moestream.transformers' gate
+        """moestream, pipeline.cli.run (its parser included) and moestream.transformers' gate
         import neither torch nor transformers."""
         import subprocess
         import sys
 
-        code = ("import sys, moestream, moestream.transformers, pipeline.run; "
-                "pipeline.run.build_parser(); "
+        code = ("import sys, moestream, moestream.transformers, moestream.pipeline.cli.run; "
+                "moestream.pipeline.cli.run.build_parser(); "
                 "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                              check=True).stdout

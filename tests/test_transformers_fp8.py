@@ -26,7 +26,7 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 
 import moestream  # noqa: E402
 from moestream import transformers as mt  # noqa: E402
-from pipeline.foundation.quantization import FP8_CARRIER  # noqa: E402
+from moestream.pipeline.foundation.quantization import FP8_CARRIER  # noqa: E402
 from tests.quantized import (  # noqa: E402
     assert_streams_like,
     dequantized,

@@ -27,8 +27,8 @@ pytest.importorskip("transformers.integrations.moe")
 
 import moestream  # noqa: E402
 from moestream import transformers as mt  # noqa: E402
-from pipeline import run as pipeline_run  # noqa: E402
-from pipeline.foundation.safetensors_table import is_routed  # noqa: E402
+from moestream.pipeline import run as pipeline_run  # noqa: E402
+from moestream.pipeline.foundation.safetensors_table import is_routed  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 

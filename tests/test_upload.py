@@ -11,13 +11,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gpu.cache import DeviceCache, Entry
-from gpu.cuda import unavailable_reason
-from gpu.host import HostBackend
-from gpu.kernels import HostKernels
-from pipeline.foundation.errors import UploadError
-from pipeline.foundation.faults import parse_faults
-from stages.upload import Uploader
+from moestream.gpu.cache.store import DeviceCache, Entry
+from moestream.gpu.cuda import unavailable_reason
+from moestream.gpu.host import HostBackend
+from moestream.gpu.kernels import HostKernels
+from moestream.pipeline.foundation.errors import UploadError
+from moestream.pipeline.foundation.faults import parse_faults
+from moestream.stages.upload import Uploader
 
 SIZE = 8192
 
@@ -38,8 +38,8 @@ class _Layer:
         self.backend: Any = HostBackend()
         self.kernels: Any = HostKernels()
         if gpu:
-            from gpu.cuda import CupyBackend
-            from gpu.kernels import CudaKernels
+            from moestream.gpu.cuda import CupyBackend
+            from moestream.gpu.kernels import CudaKernels
 
             self.backend, self.kernels = CupyBackend(0), CudaKernels()
         self.cache = DeviceCache(self.backend, 1 << 20)

@@ -2,7 +2,7 @@
 
 The manifest (``pipeline.foundation.manifest``) holds the same per-matrix digests the device
 computes,
-computed once from the file (``pipeline.manifest_build``); runs verify against it and never
+computed once from the file (``moestream.stages.manifest_build``); runs verify against it and never
 re-read an expert to verify; a manifest from before the file changed is never used.
 """
 
@@ -21,19 +21,25 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from structlog.testing import capture_logs
 
-from pipeline.foundation.config import Budget, ComputeSpec, RunConfig
-from pipeline.foundation.digest import GOLDEN, RunningDigest, digest_bytes
-from pipeline.foundation.errors import ModelChangedError, ReadError
-from pipeline.foundation.manifest import DigestManifest, ManifestKey, load_manifest, manifest_path
-from pipeline.foundation.table import ExpertTable, open_table
-from pipeline.manifest_build import ManifestBuilder
-from pipeline.modelgen import spec_for, write_model
-from pipeline.run import RunSummary, main, run
-from pipeline.verify import Digests, Verifier
-from stages.reader import ModelReader
+from moestream.pipeline.cli.run import RunSummary, run
+from moestream.pipeline.foundation.config import Budget, ComputeSpec, RunConfig
+from moestream.pipeline.foundation.digest import GOLDEN, RunningDigest, digest_bytes
+from moestream.pipeline.foundation.errors import ModelChangedError, ReadError
+from moestream.pipeline.foundation.manifest import (
+    DigestManifest,
+    ManifestKey,
+    load_manifest,
+    manifest_path,
+)
+from moestream.pipeline.foundation.table import ExpertTable, open_table
+from moestream.pipeline.makers.modelgen import spec_for, write_model
+from moestream.pipeline.run import main
+from moestream.pipeline.streaming.verify import Digests, Verifier
+from moestream.stages.manifest_build import ManifestBuilder
+from moestream.stages.reader import ModelReader
+from moestream.tools import warmup
 from tests.conftest import BACKENDS
 from tests.gguf_files import write_plain_moe
-from tools import warmup
 
 MASK = (1 << 64) - 1
 

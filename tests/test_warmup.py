@@ -13,20 +13,20 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pipeline.foundation.errors import UsageError
-from pipeline.foundation.table import ByteRange, ExpertTable, open_table
-from pipeline.modelgen import spec_for, write_model
-from stages.residency import PAGE_BYTES, Residency, evict
-from tests.reclaim import assert_all_resident
-from tools.warmup.cli import main
-from tools.warmup.ram_guard import check_ram
-from tools.warmup.select import (
+from moestream.pipeline.foundation.errors import UsageError
+from moestream.pipeline.foundation.table import ByteRange, ExpertTable, open_table
+from moestream.pipeline.makers.modelgen import spec_for, write_model
+from moestream.stages.residency import PAGE_BYTES, Residency, evict
+from moestream.tools.warmup.cli import main
+from moestream.tools.warmup.ram_guard import check_ram
+from moestream.tools.warmup.select import (
     HotLog,
     build_selection,
     non_routed_ranges,
     parse_index_list,
     read_hot_log,
 )
+from tests.reclaim import assert_all_resident
 
 REPO = Path(__file__).resolve().parent.parent
 GIB = 1 << 30
@@ -420,12 +420,12 @@ class TestStartUp:
     ])
     def test_plain_warm_target(self, argv: list[str],
                                 expected: tuple[str, bool, int | None] | None) -> None:
-        from tools.warmup.early import plain_warm_target
+        from moestream.tools.warmup.early import plain_warm_target
 
         assert plain_warm_target(argv) == expected
 
     def test_early_read_loads_the_start(self, cold_model: Path) -> None:
-        from tools.warmup.early import start_early
+        from moestream.tools.warmup.early import start_early
 
         early = start_early([str(cold_model), "--force"])
         assert early is not None
@@ -435,7 +435,7 @@ class TestStartUp:
     @pytest.mark.parametrize("stop_at_once", [True, False])
     def test_stop_hands_over_a_read_start(self, cold_model: Path, stop_at_once: bool) -> None:
         """Whenever it is stopped, the head start has read the whole start it reports."""
-        from tools.warmup.early import EarlyRead
+        from moestream.tools.warmup.early import EarlyRead
 
         size = cold_model.stat().st_size
         fd = os.open(cold_model, os.O_RDONLY)
@@ -449,8 +449,8 @@ class TestStartUp:
 
     def test_engine_reads_only_past_the_head_start(self, cold_model: Path,
                                                    table: ExpertTable) -> None:
-        from tools.warmup.cli import _past_early
-        from tools.warmup.early import start_early
+        from moestream.tools.warmup.cli import _past_early
+        from moestream.tools.warmup.early import start_early
 
         early = start_early([str(cold_model), "--force"])
         assert early is not None
@@ -463,7 +463,7 @@ class TestStartUp:
     def test_plain_warm_up_reports_its_head_start(
         self, cold_model: Path, capsys: pytest.CaptureFixture[str]
     ) -> None:
-        from tools.warmup import main as lean_main
+        from moestream.tools.warmup import main as lean_main
 
         assert lean_main([str(cold_model), "--force"]) == 0
         out = capsys.readouterr().out
@@ -472,7 +472,7 @@ class TestStartUp:
 
     def test_no_early_read_for_other_modes_or_files(self, cold_model: Path,
                                                     tmp_path: Path) -> None:
-        from tools.warmup.early import start_early
+        from moestream.tools.warmup.early import start_early
 
         plain = tmp_path / "plain.bin"
         plain.write_bytes(b"not a gguf" * 100)
@@ -483,7 +483,8 @@ class TestStartUp:
 
     def test_command_runs_with_one_blas_thread(self) -> None:
         done = subprocess.run(
-            [sys.executable, "-c", "import os, tools.warmup as w; w.single_threaded_blas(); "
+            [sys.executable, "-c", "import os, moestream.tools.warmup as w; "
+             "w.single_threaded_blas(); "
              "import numpy; print(os.environ['OPENBLAS_NUM_THREADS'])"],
             cwd=REPO, capture_output=True, text=True, check=True, timeout=60)
         assert done.stdout.strip() == "1"

@@ -1,9 +1,9 @@
 """``python -m tools.make_model OUT --preset ...``: write a GGUF model with known expert bytes.
 
-The generator is in the product (``pipeline.modelgen``: ``pipeline.run`` makes its default
+The generator is in the product (``pipeline.makers.modelgen``: ``pipeline.run`` makes its default
 model with it); this command writes a preset, scaled by ``--layers``/``--experts``, to OUT.
 With ``--format safetensors`` OUT is a Hugging Face checkpoint directory instead
-(``pipeline.checkpointgen``), plain or, with ``--quant``, quantized as FP8 blocks (Qwen3-MoE),
+(``makers.checkpointgen``), plain or, with ``--quant``, quantized as FP8 blocks (Qwen3-MoE),
 MXFP4 (gpt-oss) or FP4 experts (DeepSeek-V4); ``--hidden``/``--expert-ffn``/``--top-k``
 reshape the preset (gpt-oss-120b's layer: ``--preset qwen3-30b-a3b --hidden 2880
 --expert-ffn 2880 --top-k 4``).
@@ -21,13 +21,18 @@ from pathlib import Path
 import structlog
 from gguf import GGMLQuantizationType as QType
 
-from pipeline.checkpointgen import DTYPES, QUANTS, CheckpointOptions, write_checkpoint
-from pipeline.foundation.cli import UsageParser, closable_stdout, print_error, printable
-from pipeline.foundation.config import parse_size
-from pipeline.foundation.errors import MoestreamError, UsageError
-from pipeline.foundation.interrupts import stoppable
-from pipeline.foundation.outputs import check_output
-from pipeline.modelgen import PRESETS, ModelSpec, spec_for, write_model
+from moestream.pipeline.cli.common import UsageParser, closable_stdout, print_error, printable
+from moestream.pipeline.cli.interrupts import stoppable
+from moestream.pipeline.foundation.config import parse_size
+from moestream.pipeline.foundation.errors import MoestreamError, UsageError
+from moestream.pipeline.foundation.outputs import check_output
+from moestream.pipeline.makers.checkpointgen import (
+    DTYPES,
+    QUANTS,
+    CheckpointOptions,
+    write_checkpoint,
+)
+from moestream.pipeline.makers.modelgen import PRESETS, ModelSpec, spec_for, write_model
 
 __all__ = ["main"]
 

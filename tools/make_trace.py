@@ -1,8 +1,8 @@
 """``python -m tools.make_trace``: write a synthetic routing trace, or check its calibration.
 
-The generator lives in the product (``pipeline.synthetic``: ``pipeline.run`` routes with it
+The generator lives in the product (``proxy.synthetic``: ``pipeline.run`` routes with it
 when no trace is given); this command writes its traces to files and, with ``--check``,
-prints the calibration table (``tools.calibrate``).
+prints the calibration table (``moestream.pipeline.proxy.calibrate``).
 """
 
 from __future__ import annotations
@@ -11,13 +11,13 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from pipeline.foundation.cli import UsageParser, closable_stdout, print_error, printable
-from pipeline.foundation.errors import MoestreamError, UsageError
-from pipeline.foundation.interrupts import stoppable
-from pipeline.foundation.outputs import check_output
-from pipeline.synthetic import PRESETS, synthetic_trace
-from pipeline.trace import save_trace
-from tools.calibrate import calibration_table
+from moestream.pipeline.cli.common import UsageParser, closable_stdout, print_error, printable
+from moestream.pipeline.cli.interrupts import stoppable
+from moestream.pipeline.foundation.errors import MoestreamError, UsageError
+from moestream.pipeline.foundation.outputs import check_output
+from moestream.pipeline.foundation.trace import save_trace
+from moestream.pipeline.proxy.calibrate import calibration_table
+from moestream.pipeline.proxy.synthetic import PRESETS, synthetic_trace
 
 __all__ = ["main"]
 

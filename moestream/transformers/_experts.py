@@ -37,10 +37,10 @@ import torch  # type: ignore[import-not-found, unused-ignore]
 from transformers.integrations import moe as hf_moe  # type: ignore[import-not-found, unused-ignore]
 
 from moestream import ExpertHandle, SyncSession, TokenStats
+from moestream.pipeline.foundation.errors import UsageError
 from moestream.transformers._dequant_cuda import CUDA_DTYPES, fp8_experts_cuda
 from moestream.transformers._dequant_cuda import available as cuda_kernel
 from moestream.transformers._quantized import LayerScales
-from pipeline.foundation.errors import UsageError
 
 __all__ = ["IMPLEMENTATION", "Compute", "ExpertStream", "experts_forward", "first_projection",
            "register", "stream_of"]

@@ -4,7 +4,7 @@ transformers reads these by path, as often as it likes, with no bound on their s
 nesting; for a model type it does not know it offers, on stdout, to run Python from the
 checkpoint's directory and reads the answer from stdin. Here each file is read once, as a
 regular file within a size limit, a JSON file checked for nesting and duplicate keys
-(``pipeline.foundation.inputs``), and written into a private directory (``mkdtemp``: 0700,
+(``moestream.pipeline.foundation.inputs``), and written into a private directory (``mkdtemp``: 0700,
 removed on exit) that holds nothing else. transformers is then pointed at that directory with
 ``trust_remote_code=False``: no Python file of the checkpoint is ever there to run, no
 prompt is shown, and a file renamed over the checkpoint's afterwards changes nothing of
@@ -22,8 +22,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from pipeline.foundation.errors import ModelFileError
-from pipeline.foundation.inputs import (
+from moestream.pipeline.foundation.errors import ModelFileError
+from moestream.pipeline.foundation.inputs import (
     InputTooLargeError,
     JSONDepthError,
     load_json_bounded,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib
 import importlib.metadata
 
-from pipeline.foundation.errors import UsageError
+from moestream.pipeline.foundation.errors import UsageError
 
 __all__ = ["EXTRA", "MIN_TRANSFORMERS", "is_available"]
 

@@ -40,6 +40,12 @@ import torch  # type: ignore[import-not-found, unused-ignore]
 import transformers  # type: ignore[import-not-found, unused-ignore]
 
 import moestream
+from moestream.pipeline.foundation.errors import (
+    ExpertLayoutError,
+    ModelFileError,
+    UsageError,
+    UsageTypeError,
+)
 from moestream.transformers._experts import (
     COMPUTES,
     IMPLEMENTATION,
@@ -52,12 +58,6 @@ from moestream.transformers._experts import (
 from moestream.transformers._files import CONFIG, GENERATION_FILES, snapshot
 from moestream.transformers._gate import is_available
 from moestream.transformers._quantized import DenseScales, load_scales
-from pipeline.foundation.errors import (
-    ExpertLayoutError,
-    ModelFileError,
-    UsageError,
-    UsageTypeError,
-)
 
 __all__ = ["from_pretrained"]
 

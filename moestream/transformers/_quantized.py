@@ -24,6 +24,7 @@ from typing import Any
 import torch  # type: ignore[import-not-found, unused-ignore]
 
 import moestream
+from moestream.pipeline.foundation.errors import ModelFileError
 from moestream.transformers._dequant import (
     e2m1_pairs,
     fp4_blocks,
@@ -31,7 +32,6 @@ from moestream.transformers._dequant import (
     mxfp4_blocks,
     mxfp4_exponents,
 )
-from pipeline.foundation.errors import ModelFileError
 
 __all__ = ["DenseScales", "LayerScales", "load_scales"]
 

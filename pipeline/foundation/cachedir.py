@@ -38,8 +38,8 @@ from pathlib import Path
 
 import structlog
 
-from pipeline.foundation.errors import OutputError
-from pipeline.foundation.inputs import NotRegularFileError, file_kind, read_input
+from moestream.pipeline.foundation.errors import OutputError
+from moestream.pipeline.foundation.inputs import NotRegularFileError, file_kind, read_input
 
 __all__ = [
     "UntrustedPathError",

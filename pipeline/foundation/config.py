@@ -14,7 +14,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Literal
 
-from pipeline.foundation.errors import UsageError
+from moestream.pipeline.foundation.errors import UsageError
 
 GATHER_BLOCKS = 2
 """The gather kernel's blocks per copy, at most: its SM budget beside an engine's kernels.
@@ -334,7 +334,8 @@ class RunConfig:
         gather: resident misses of a layer copied by one gather kernel that reads the
             registered mapping (and digests as it writes), where the device maps registered
             memory and the experts' matrices average under 2 MiB
-            (``pipeline.streamer.GATHER_BELOW_BYTES``: above it the copy engines are as fast);
+            (``pipeline.streaming.streamer.GATHER_BELOW_BYTES``: above it the copy engines are as
+            fast);
             False: the copy engines always (a layer's copies as one batched copy), which
             leave the SMs to an engine's compute (``--no-gather``).
         gather_blocks: the gather kernel's blocks per copy, at most: its SM budget beside
@@ -428,7 +429,7 @@ class RunConfig:
             if getattr(self, name) is not None:
                 check_bound(name, getattr(self, name))
         if self.faults:
-            from pipeline.foundation.faults import parse_faults
+            from moestream.pipeline.foundation.faults import parse_faults
 
             parse_faults(self.faults)  # a malformed spec fails here, with its reason
 

@@ -3,7 +3,7 @@
 Why not a cryptographic hash: the decoder must check every expert it installs at device
 memory speed, with a kernel that reads every byte once. This digest is a weighted word sum
 (Fletcher-like): it catches flipped, zeroed, shifted and swapped words, and the CuPy kernel
-in ``gpu.kernels`` computes the same value on the device. Bytes are read as little-endian
+in ``moestream.gpu.kernels`` computes the same value on the device. Bytes are read as little-endian
 uint32 words, the tail zero-padded to a whole word.
 
 ``RunningDigest`` computes the same value over a range fed in pieces of any size (the

@@ -1,8 +1,8 @@
 """The expert table's types: where every routed expert's bytes lie in the model's files.
 
-Both sources of a table fill these: GGUF files (``pipeline.foundation.table``) and Hugging
-Face checkpoints (``pipeline.foundation.safetensors_table``). Offsets are offsets of the
-model's address space (``pipeline.foundation.files``): a GGUF file's own offsets, or a
+Both sources of a table fill these: GGUF files (``moestream.pipeline.foundation.table``) and Hugging
+Face checkpoints (``moestream.pipeline.foundation.safetensors_table``). Offsets are offsets of the
+model's address space (``moestream.pipeline.foundation.files``): a GGUF file's own offsets, or a
 checkpoint's shards laid end to end.
 """
 
@@ -17,9 +17,9 @@ from typing import Any, TypeAlias
 import numpy as np
 from gguf import GGMLQuantizationType
 
-from pipeline.foundation.errors import ModelFileError
-from pipeline.foundation.files import ModelFile, check_identity, locate, open_checked
-from pipeline.foundation.quantization import ExpertQuant
+from moestream.pipeline.foundation.errors import ModelFileError
+from moestream.pipeline.foundation.files import ModelFile, check_identity, locate, open_checked
+from moestream.pipeline.foundation.quantization import ExpertQuant
 
 __all__ = ["ByteRange", "ExpertKey", "ExpertSlices", "ExpertTable", "MoeLayer", "TensorInfo"]
 

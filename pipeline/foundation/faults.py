@@ -34,7 +34,7 @@ import re
 import threading
 from dataclasses import dataclass, field
 
-from pipeline.foundation.errors import UsageError
+from moestream.pipeline.foundation.errors import UsageError
 
 __all__ = ["KINDS", "STAGES", "FaultPlan", "parse_faults"]
 

@@ -26,8 +26,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipeline.foundation.errors import ModelChangedError, ModelFileError
-from pipeline.foundation.inputs import file_kind
+from moestream.pipeline.foundation.errors import ModelChangedError, ModelFileError
+from moestream.pipeline.foundation.inputs import file_kind
 
 __all__ = ["PAGE_BYTES", "FileIdentity", "ModelFile", "Piece", "check_identity", "lay_out",
            "locate", "model_files", "open_checked", "open_identified", "pieces"]

@@ -16,7 +16,7 @@ names under 64 bytes, at most 4 dims, tensor data laid out in order). It allocat
 in proportion to a length and its loops are bounded by the file size, by
 ``_MAX_HEADER_ITEMS`` and by ``_MAX_TENSORS``; after it, gguf's reader parses the values of
 a header whose every loop is known to be short, and a cross-check of the two (in
-``pipeline.foundation.table``) keeps them from drifting apart.
+``moestream.pipeline.foundation.table``) keeps them from drifting apart.
 
 ``check_magic`` refuses a file without a GGUF magic and version; ``walk_header`` then checks
 the rest of the header and returns its ``HeaderLayout``.
@@ -37,7 +37,7 @@ from gguf import (
     GGUFValueType,
 )
 
-from pipeline.foundation.errors import NotGGUFError, TruncatedFileError
+from moestream.pipeline.foundation.errors import NotGGUFError, TruncatedFileError
 
 __all__ = ["SCALAR_BYTES", "HeaderLayout", "check_magic", "walk_header"]
 

@@ -5,7 +5,7 @@ Opening a FIFO for reading waits for a writer, possibly forever, and a character
 call that no signal handler written in Python can interrupt. Inputs (the model, a routing
 trace, run logs to analyze) are opened here: ``O_NONBLOCK`` (a FIFO opens at once), then
 ``fstat`` on the descriptor, refused unless it is a regular file, and only then switched to
-blocking reads. Outputs have their own rules in ``pipeline.foundation.outputs``.
+blocking reads. Outputs have their own rules in ``moestream.pipeline.foundation.outputs``.
 
 Inputs are also bounded in what they cost to parse: :func:`read_input` reads a whole file
 only up to a size the caller derives from what the file can legitimately hold (a link to

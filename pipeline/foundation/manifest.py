@@ -3,10 +3,10 @@
 ``tools.make_model`` writes the digest of every expert matrix into the file's metadata
 (``moestream.expert_digests``); real GGUF files carry nothing of the kind. For those, the
 same per-matrix digests (``pipeline.foundation.digest``, what the device kernel computes) are
-computed once from the file (``pipeline.manifest_build``) and kept here, in the user's cache
+computed once from the file (``moestream.stages.manifest_build``) and kept here, in the user's cache
 (``$XDG_CACHE_HOME/moestream/digests/``, else ``~/.cache/moestream/digests/``), so that
 verification never re-reads an expert on the decode path. That directory is used only when
-it is the user's own (``pipeline.foundation.cachedir``: another user who could write it
+it is the user's own (``moestream.pipeline.foundation.cachedir``: another user who could write it
 could plant wrong digests and make a healthy model fail); otherwise a private one is, after
 one warning.
 
@@ -22,13 +22,13 @@ version, key, MoE layers, expert count, CRC-32 of the payload), then the payload
 per (MoE layer, expert), 1 where known, then three uint64 digests per (MoE layer, expert).
 
 The manifest is an input like any other and is read as one, through the cache's checked
-open (``pipeline.foundation.cachedir.read_private``): only the user's own regular file,
+open (``moestream.pipeline.foundation.cachedir.read_private``): only the user's own regular file,
 writable by nobody else, is read (a link at its path is never followed, a FIFO never waited
 on, a manifest another user owns or could write is ignored like a stale one), at most
 :func:`manifest_max_bytes` of it (what the model's expert count can fill, plus the header
 allowance), and its header through the bounded JSON loader. Anything else is
 ignored with one warning and the digests are computed again. It is written atomically
-(``pipeline.foundation.outputs``: temporary file in the same directory, fsync, rename)
+(``moestream.pipeline.foundation.outputs``: temporary file in the same directory, fsync, rename)
 without following a link at its path: a link there is replaced, never written through.
 """
 
@@ -47,11 +47,15 @@ import numpy as np
 import numpy.typing as npt
 import structlog
 
-from pipeline.foundation.cachedir import UntrustedPathError, read_private, trusted_cache_dir
-from pipeline.foundation.errors import ModelFileError
-from pipeline.foundation.inputs import load_json_bounded
-from pipeline.foundation.outputs import write_atomic
-from pipeline.foundation.table import ExpertKey, ExpertTable
+from moestream.pipeline.foundation.cachedir import (
+    UntrustedPathError,
+    read_private,
+    trusted_cache_dir,
+)
+from moestream.pipeline.foundation.errors import ModelFileError
+from moestream.pipeline.foundation.inputs import load_json_bounded
+from moestream.pipeline.foundation.outputs import write_atomic
+from moestream.pipeline.foundation.table import ExpertKey, ExpertTable
 
 __all__ = [
     "DIGEST_SCHEME",

@@ -36,8 +36,8 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import BinaryIO
 
-from pipeline.foundation.errors import OutputError
-from pipeline.foundation.inputs import file_kind
+from moestream.pipeline.foundation.errors import OutputError
+from moestream.pipeline.foundation.inputs import file_kind
 
 __all__ = [
     "atomic_output",

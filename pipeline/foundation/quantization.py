@@ -40,7 +40,7 @@ from typing import Any, TypeAlias
 
 from gguf import GGMLQuantizationType
 
-from pipeline.foundation.errors import ExpertLayoutError
+from moestream.pipeline.foundation.errors import ExpertLayoutError
 
 __all__ = ["CARRIER", "FP8_CARRIER", "ExpertQuant", "QuantConfig", "Spec", "carried",
            "element_shape", "expert_layer_quant", "fp8_layer_quant", "mxfp4_layer_quant",

@@ -75,11 +75,11 @@ from typing import Any, TypeAlias
 
 from gguf import GGMLQuantizationType
 
-from pipeline.foundation.errors import ExpertLayoutError, ModelFileError
-from pipeline.foundation.experts import ExpertTable, MoeLayer, TensorInfo
-from pipeline.foundation.files import ModelFile, check_identity, lay_out, open_identified
-from pipeline.foundation.inputs import JSONDepthError, load_json_bounded, read_input
-from pipeline.foundation.quantization import (
+from moestream.pipeline.foundation.errors import ExpertLayoutError, ModelFileError
+from moestream.pipeline.foundation.experts import ExpertTable, MoeLayer, TensorInfo
+from moestream.pipeline.foundation.files import ModelFile, check_identity, lay_out, open_identified
+from moestream.pipeline.foundation.inputs import JSONDepthError, load_json_bounded, read_input
+from moestream.pipeline.foundation.quantization import (
     CARRIER,
     QuantConfig,
     Spec,

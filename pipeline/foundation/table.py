@@ -9,9 +9,9 @@ touched) and validated here, so every later stage may trust the offsets; before 
 ``pipeline.foundation.gguf_header`` checks the header's structure within the file's bounds.
 
 A Hugging Face checkpoint (a directory of safetensors shards, or one ``.safetensors`` file)
-is the second source of the same table (``pipeline.foundation.safetensors_table``);
+is the second source of the same table (``moestream.pipeline.foundation.safetensors_table``);
 ``open_table`` picks by the path. Either way the table's offsets are offsets of the model's
-address space (``pipeline.foundation.files``), and the files it lists carry the identity
+address space (``moestream.pipeline.foundation.files``), and the files it lists carry the identity
 their one open saw: every later open is checked against it.
 """
 
@@ -31,13 +31,13 @@ from gguf import (
 )
 from gguf.gguf_reader import ReaderTensor
 
-from pipeline.foundation.errors import (
+from moestream.pipeline.foundation.errors import (
     ExpertLayoutError,
     ModelChangedError,
     ModelFileError,
     NotGGUFError,
 )
-from pipeline.foundation.experts import (
+from moestream.pipeline.foundation.experts import (
     ByteRange,
     ExpertKey,
     ExpertSlices,
@@ -45,14 +45,14 @@ from pipeline.foundation.experts import (
     MoeLayer,
     TensorInfo,
 )
-from pipeline.foundation.files import (
+from moestream.pipeline.foundation.files import (
     ModelFile,
     check_identity,
     lay_out,
     open_identified,
 )
-from pipeline.foundation.gguf_header import SCALAR_BYTES, check_magic, walk_header
-from pipeline.foundation.safetensors_table import open_checkpoint
+from moestream.pipeline.foundation.gguf_header import SCALAR_BYTES, check_magic, walk_header
+from moestream.pipeline.foundation.safetensors_table import open_checkpoint
 
 __all__ = ["ByteRange", "ExpertKey", "ExpertSlices", "ExpertTable", "MoeLayer", "TensorInfo",
            "open_gguf_table", "open_table"]

@@ -1,5 +1,5 @@
 import sys
 
-from tools.analyze.cli import main
+from moestream.tools.analyze.cli import main
 
 sys.exit(main())

@@ -8,8 +8,8 @@ switched, and where each token's wall time went and what bounds the run
 (``tools.analyze.time_report``). One log gives a summary table; several give a before/after
 comparison; ``--csv`` gives per-interval rows in ds4-bench's column style for spreadsheets;
 ``--plot`` draws the same over time (``tools.analyze.plots``); ``--what-if`` replays the run's
-accesses under other budgets and policies (``tools.analyze.whatif``, reported by
-``tools.analyze.whatif_report``). A run over several devices also gets a per-device table
+accesses under other budgets and policies (``moestream.tools.analyze.whatif``, reported by
+``moestream.tools.analyze.whatif_report``). A run over several devices also gets a per-device table
 (``tools.analyze.device_report``): each device's hits, file bytes, stall, budget and peak, and
 how evenly the file bytes were spread.
 
@@ -39,18 +39,18 @@ from typing import Any
 import numpy as np
 import structlog
 
-from pipeline.foundation.cli import closable_stdout, print_error
-from pipeline.foundation.errors import MoestreamError, UsageError
-from pipeline.foundation.interrupts import stoppable
-from pipeline.foundation.outputs import check_output, check_output_dir, write_atomic
-from tools.analyze.device_report import device_table, devices_json
-from tools.analyze.intervals import CSV_COLUMNS, STAGE_COLUMNS, interval_rows
-from tools.analyze.logread import read_log
-from tools.analyze.logrecords import RunLog
-from tools.analyze.report_text import GB, MB, Value, ratio, text_table
-from tools.analyze.time_report import PART_LABELS, TimeReport, time_report
-from tools.analyze.whatif_replay import POLICIES
-from tools.analyze.whatif_report import run_what_if, what_if_json, what_if_text
+from moestream.pipeline.cli.common import closable_stdout, print_error
+from moestream.pipeline.cli.interrupts import stoppable
+from moestream.pipeline.foundation.errors import MoestreamError, UsageError
+from moestream.pipeline.foundation.outputs import check_output, check_output_dir, write_atomic
+from moestream.pipeline.runlog.read import read_log
+from moestream.pipeline.runlog.records import RunLog
+from moestream.tools.analyze.device_report import device_table, devices_json
+from moestream.tools.analyze.intervals import CSV_COLUMNS, STAGE_COLUMNS, interval_rows
+from moestream.tools.analyze.report_text import GB, MB, Value, ratio, text_table
+from moestream.tools.analyze.time_report import PART_LABELS, TimeReport, time_report
+from moestream.tools.analyze.whatif_replay import POLICIES
+from moestream.tools.analyze.whatif_report import run_what_if, what_if_json, what_if_text
 
 __all__ = ["Summary", "compare_table", "main", "summarize", "summary_table", "write_csv"]
 
@@ -188,7 +188,7 @@ def _row_specs(summaries: Sequence[Summary]) -> list[tuple[str, str, Callable[[V
 
 def summary_table(summary: Summary, run: RunLog | None = None) -> str:
     """One run's summary as an aligned two-column table; with ``run``, the skipped-line
-    detail and the time split (``tools.analyze.time_report``) follow."""
+    detail and the time split (``moestream.tools.analyze.time_report``) follow."""
     rows = [["metric", str(summary["log"])]]
     for key, label, render in _row_specs([summary]):
         if key.startswith("time_"):
@@ -320,7 +320,9 @@ def _check_outputs(args: argparse.Namespace) -> None:
     if args.csv:
         check_output(args.csv, what="--csv", make_parents=True)
     if args.plot:
-        from tools.analyze.plots import PLOT_FILES  # matplotlib: only --plot pays its import
+        from moestream.tools.analyze.plots import (
+            PLOT_FILES,  # matplotlib: only --plot pays its import
+        )
 
         check_output_dir(args.plot, what="--plot")
         for name in PLOT_FILES:
@@ -360,7 +362,7 @@ def _run(args: argparse.Namespace) -> int:
         written["csv_rows"] = write_csv(args.csv, runs, args.interval or CSV_INTERVAL)
         written["csv"] = str(args.csv)
     if args.plot:
-        from tools.analyze.plots import write_plots
+        from moestream.tools.analyze.plots import write_plots
 
         written["plots"] = [str(p) for p in write_plots(runs, args.plot, args.interval)]
     splits = [time_report(run) for run in runs]

@@ -1,7 +1,7 @@
 """The per-device section of ``moestream-analyze``: one row per device of a multi-device run.
 
 A run over several devices (``--devices 0,1``) logs per-device counters (read by
-``tools.analyze.logdevices``); this module turns them into each device's hits, file bytes, stall,
+``pipeline.runlog.devices``); this module turns them into each device's hits, file bytes, stall,
 budget and peak, how evenly the file bytes were spread (``device_balance``), a text table
 with the run's own totals for comparison, and the ``devices`` entries of ``--json``.
 One-device runs and logs that predate the fields get no section.
@@ -14,8 +14,8 @@ from typing import Any
 
 import numpy as np
 
-from tools.analyze.logrecords import RunLog
-from tools.analyze.report_text import GB, Value, ratio, size_text, text_table
+from moestream.pipeline.runlog.records import RunLog
+from moestream.tools.analyze.report_text import GB, Value, ratio, size_text, text_table
 
 __all__ = ["device_balance", "device_rows", "device_table", "devices_json"]
 

@@ -1,5 +1,5 @@
 """Per-interval rows of a run log: the CSV of ``tools.analyze --csv`` and the points of its
-plots (``tools.analyze.plots``), in ds4-bench's column names where ds4 has one."""
+plots (``moestream.tools.analyze.plots``), in ds4-bench's column names where ds4 has one."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ from typing import Any
 
 import numpy as np
 
-from pipeline.foundation.errors import UsageError
-from tools.analyze.logread import TIME_COLUMNS
-from tools.analyze.logrecords import RunLog
-from tools.analyze.report_text import GB, MB, Value
+from moestream.pipeline.foundation.errors import UsageError
+from moestream.pipeline.runlog.read import TIME_COLUMNS
+from moestream.pipeline.runlog.records import RunLog
+from moestream.tools.analyze.report_text import GB, MB, Value
 
 __all__ = ["CSV_COLUMNS", "STAGE_COLUMNS", "interval_rows"]
 

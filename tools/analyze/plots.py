@@ -2,7 +2,7 @@
 
 Split out of ``tools.analyze`` so that module keeps to summaries, tables, CSV and what-if;
 everything that touches matplotlib is here. The plots draw the same per-interval rows as
-``--csv`` (``tools.analyze.intervals``) plus per-token latency and I/O mode from the
+``--csv`` (``moestream.tools.analyze.intervals``) plus per-token latency and I/O mode from the
 run log. matplotlib is imported only when a plot is drawn.
 
 ``summary.png``, written first, is the page to read: per run, the share of token time each
@@ -24,12 +24,12 @@ from typing import Any
 
 import numpy as np
 
-from pipeline.foundation.outputs import atomic_output, check_output_dir
-from tools.analyze.intervals import STAGE_COLUMNS, interval_rows
-from tools.analyze.logread import TIME_COLUMNS
-from tools.analyze.logrecords import RunLog
-from tools.analyze.report_text import Value
-from tools.analyze.time_report import PART_LABELS, TimeReport, time_report
+from moestream.pipeline.foundation.outputs import atomic_output, check_output_dir
+from moestream.pipeline.runlog.read import TIME_COLUMNS
+from moestream.pipeline.runlog.records import RunLog
+from moestream.tools.analyze.intervals import STAGE_COLUMNS, interval_rows
+from moestream.tools.analyze.report_text import Value
+from moestream.tools.analyze.time_report import PART_LABELS, TimeReport, time_report
 
 __all__ = ["PLOT_FILES", "plot_interval", "write_plots"]
 

@@ -1,7 +1,7 @@
 """Where a run's time went, and what bounds it: the analysis of the token events' ``time``.
 
 Schema 2 logs split every token's wall time into what the decode thread waited on
-(``pipeline.timesplit``): compute, reads, uploads, a staging slot, the controller, and host
+(``foundation.timesplit``): compute, reads, uploads, a staging slot, the controller, and host
 work for the rest. Summed over the run and divided by the tokens they give milliseconds per
 token that add up to the wall time per token, and shares of it. The largest part names the
 bound, with the figure that would move it:
@@ -27,11 +27,11 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from pipeline.timesplit import BOUND_OF_PART, PARTS, Part
-from tools.analyze.logread import TIME_COLUMNS
-from tools.analyze.logrecords import RunLog, TokenColumns
-from tools.analyze.logstats import ModeSplit, TokenStats, bandwidth_limits
-from tools.analyze.report_text import GB, MB, text_table
+from moestream.pipeline.foundation.timesplit import BOUND_OF_PART, PARTS, Part
+from moestream.pipeline.runlog.read import TIME_COLUMNS
+from moestream.pipeline.runlog.records import RunLog, TokenColumns
+from moestream.pipeline.runlog.stats import ModeSplit, TokenStats, bandwidth_limits
+from moestream.tools.analyze.report_text import GB, MB, text_table
 
 __all__ = ["PART_LABELS", "LowerBound", "TimeReport", "time_report"]
 
@@ -99,7 +99,7 @@ class TimeReport:
         return {k: (v / wall if wall > 0 else 0.0) for k, v in self.parts_ms_per_token.items()}
 
     def as_json(self) -> dict[str, Any]:
-        """The keys ``tools.analyze --json`` adds to a run's entry."""
+        """The keys ``moestream.tools.analyze --json`` adds to a run's entry."""
         low = self.lower_bound
         return {
             "wall_ms_per_token": self.wall_ms_per_token,

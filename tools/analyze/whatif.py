@@ -28,9 +28,9 @@ import numpy as np
 import numpy.typing as npt
 import structlog
 
-from pipeline.foundation.config import parse_budget as parse_run_budget
-from pipeline.foundation.errors import UsageError
-from tools.analyze.whatif_replay import (
+from moestream.pipeline.foundation.config import parse_budget as parse_run_budget
+from moestream.pipeline.foundation.errors import UsageError
+from moestream.tools.analyze.whatif_replay import (
     POLICIES,
     AccessTrace,
     ReplayResult,

@@ -24,9 +24,9 @@ import numpy as np
 import numpy.typing as npt
 import structlog
 
-from gpu.policy import CacheIndex, EvictionPolicy, ExpertKey, make_policy
-from pipeline.foundation.errors import TraceError, UsageError
-from tools.analyze.logrecords import RunLog
+from moestream.gpu.cache.policy import CacheIndex, EvictionPolicy, ExpertKey, make_policy
+from moestream.pipeline.foundation.errors import TraceError, UsageError
+from moestream.pipeline.runlog.records import RunLog
 
 __all__ = [
     "NEVER",

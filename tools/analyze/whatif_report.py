@@ -12,10 +12,10 @@ from typing import Any
 
 import structlog
 
-from tools.analyze.logrecords import RunLog
-from tools.analyze.report_text import size_text, text_table
-from tools.analyze.whatif import WhatIfReport, default_budgets, parse_budget, what_if
-from tools.analyze.whatif_replay import AccessTrace
+from moestream.pipeline.runlog.records import RunLog
+from moestream.tools.analyze.report_text import size_text, text_table
+from moestream.tools.analyze.whatif import WhatIfReport, default_budgets, parse_budget, what_if
+from moestream.tools.analyze.whatif_replay import AccessTrace
 
 __all__ = ["run_what_if", "what_if_json", "what_if_text"]
 

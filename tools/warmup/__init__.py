@@ -1,8 +1,8 @@
 """``python -m tools.warmup``: preload, report, evict or lock a model's pages.
 
 This package imports nothing heavy: ``main`` sets up the process (``single_threaded_blas``)
-and, for a plain warm-up, starts the reads (``tools.warmup.early``) before
-``tools.warmup.cli`` brings in numpy and the pipeline.
+and, for a plain warm-up, starts the reads (``moestream.tools.warmup.early``) before
+``moestream.tools.warmup.cli`` brings in numpy and the pipeline.
 """
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from tools.warmup.early import start_early
+from moestream.tools.warmup.early import start_early
 
 if TYPE_CHECKING:
-    from tools.warmup.ram_guard import MemoryProbe
+    from moestream.tools.warmup.ram_guard import MemoryProbe
 
 __all__ = ["command", "main", "single_threaded_blas"]
 
@@ -41,7 +41,7 @@ def single_threaded_blas() -> bool:
 
 
 def main(argv: Sequence[str] | None = None, *, memory: MemoryProbe | None = None) -> int:
-    """The ``moestream-warmup`` command (``tools.warmup.cli.main``), started lean.
+    """The ``moestream-warmup`` command (``moestream.tools.warmup.cli.main``), started lean.
 
     Args:
         argv: arguments (``sys.argv[1:]`` when None).
@@ -51,7 +51,9 @@ def main(argv: Sequence[str] | None = None, *, memory: MemoryProbe | None = None
     single_threaded_blas()
     # a given probe fakes RAM: leave the guard's decision to the command
     early = start_early(args) if memory is None else None
-    from tools.warmup.cli import main as cli_main  # after the BLAS setting: it imports numpy
+    from moestream.tools.warmup.cli import (
+        main as cli_main,  # after the BLAS setting: it imports numpy
+    )
 
     return cli_main(args, memory=memory, early=early)
 

@@ -1,5 +1,5 @@
 import sys
 
-from tools.warmup import command
+from moestream.tools.warmup import command
 
 sys.exit(command())

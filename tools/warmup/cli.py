@@ -5,7 +5,7 @@ Why: resident mode is only as good as the page cache behind it. Before a run (or
 machine where RAM >= model) an operator wants the file, or just the non-routed tensors and
 the hottest experts of a past run, loaded as fast as the disk allows; wants to see what is
 resident per part of the model; and wants to drop or pin it for experiments. Everything the
-kernel is asked goes through ``stages.residency`` and ``pipeline.warm``, the engine the
+kernel is asked goes through ``stages.residency`` and ``stages.warm``, the engine the
 controller uses too.
 
     python -m tools.warmup MODEL                   # preload the whole file
@@ -33,14 +33,13 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from pipeline.foundation.cli import UsageParser, closable_stdout, print_error
-from pipeline.foundation.config import parse_size
-from pipeline.foundation.errors import MoestreamError, UsageError
-from pipeline.foundation.files import ModelFile, open_checked
-from pipeline.foundation.table import ByteRange, open_table
-from pipeline.logs import configure_console
-from pipeline.warm import WarmEngine
-from stages.residency import (
+from moestream.pipeline.cli.common import UsageParser, closable_stdout, print_error
+from moestream.pipeline.foundation.config import parse_size
+from moestream.pipeline.foundation.errors import MoestreamError, UsageError
+from moestream.pipeline.foundation.files import ModelFile, open_checked
+from moestream.pipeline.foundation.table import ByteRange, open_table
+from moestream.pipeline.runlog.write import configure_console
+from moestream.stages.residency import (
     PageLock,
     Residency,
     coalesce,
@@ -50,10 +49,16 @@ from stages.residency import (
     ranges_by_file,
     resident_bytes_of,
 )
-from tools.warmup.early import EarlyRead
-from tools.warmup.ram_guard import MemoryProbe, PsutilMemory, check_ram
-from tools.warmup.report import format_percent, format_report, format_size, residency_report
-from tools.warmup.select import build_selection, parse_index_list, read_hot_log
+from moestream.stages.warm import WarmEngine
+from moestream.tools.warmup.early import EarlyRead
+from moestream.tools.warmup.ram_guard import MemoryProbe, PsutilMemory, check_ram
+from moestream.tools.warmup.report import (
+    format_percent,
+    format_report,
+    format_size,
+    residency_report,
+)
+from moestream.tools.warmup.select import build_selection, parse_index_list, read_hot_log
 
 __all__ = ["PROG", "main"]
 
@@ -154,7 +159,9 @@ def _run(args: argparse.Namespace, memory: MemoryProbe, early: EarlyRead | None 
         raise UsageError("--digests covers every expert: it takes no selection")
     table = open_table(args.model)
     if args.digests:
-        from tools.warmup.digests import compute_digests  # only --digests: keep start-up short
+        from moestream.tools.warmup.digests import (
+            compute_digests,  # only --digests: keep start-up short
+        )
 
         return compute_digests(table, args.threads)
     hot = read_hot_log(args.hot, table) if args.hot is not None else None
@@ -252,7 +259,7 @@ def main(argv: Sequence[str] | None = None, *, memory: MemoryProbe | None = None
     Args:
         argv: arguments (``sys.argv[1:]`` when None).
         memory: where the RAM guard reads available memory (psutil when None).
-        early: the head start of a plain warm-up (``tools.warmup.early``), stopped before
+        early: the head start of a plain warm-up (``moestream.tools.warmup.early``), stopped before
             the engine reads, or at the end.
     """
     argv = list(sys.argv[1:] if argv is None else argv)

@@ -1,4 +1,4 @@
-"""``tools.warmup MODEL --digests``: compute a model's digest manifest ahead of its runs.
+"""``moestream.tools.warmup MODEL --digests``: compute a model's digest manifest ahead of its runs.
 
 A file that records no digests (every real GGUF) is verified against its digest manifest
 (``pipeline.foundation.manifest``). A run computes the manifest in the background when it has none;
@@ -13,12 +13,12 @@ import asyncio
 import sys
 from typing import TextIO
 
-from pipeline.foundation.errors import ModelChangedError
-from pipeline.foundation.manifest import load_manifest, manifest_path
-from pipeline.foundation.table import ExpertTable
-from pipeline.manifest_build import BuildResult, ManifestBuilder
-from stages.residency import Residency
-from tools.warmup.report import format_size
+from moestream.pipeline.foundation.errors import ModelChangedError
+from moestream.pipeline.foundation.manifest import load_manifest, manifest_path
+from moestream.pipeline.foundation.table import ExpertTable
+from moestream.stages.manifest_build import BuildResult, ManifestBuilder
+from moestream.stages.residency import Residency
+from moestream.tools.warmup.report import format_size
 
 __all__ = ["compute_digests"]
 

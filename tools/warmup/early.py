@@ -22,12 +22,12 @@ import threading
 from collections.abc import Sequence
 from typing import NamedTuple
 
-from pipeline.foundation.warm_threads import STREAM_PIECE_BYTES, default_threads
+from moestream.pipeline.foundation.warm_threads import STREAM_PIECE_BYTES, default_threads
 
 __all__ = ["EarlyRead", "PlainWarm", "plain_warm_target", "start_early"]
 
 _MARGIN_BYTES = 2 << 30  # tools.warmup.ram_guard.MARGIN_BYTES (importing it costs start-up)
-_MARGIN_FRACTION = 0.05  # tools.warmup.ram_guard.MARGIN_FRACTION
+_MARGIN_FRACTION = 0.05  # moestream.tools.warmup.ram_guard.MARGIN_FRACTION
 
 
 class PlainWarm(NamedTuple):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from pipeline.foundation.errors import UsageError
+from moestream.pipeline.foundation.errors import UsageError
 
 __all__ = ["MARGIN_BYTES", "MARGIN_FRACTION", "MemoryProbe", "PsutilMemory", "check_ram"]
 
@@ -32,15 +32,17 @@ class MemoryProbe(Protocol):
 
 
 class PsutilMemory:
-    """The machine's memory as ``pipeline.machine`` reads it (psutil)."""
+    """The machine's memory as ``moestream.pipeline.foundation.machine`` reads it (psutil)."""
 
     def available_bytes(self) -> int:
-        from pipeline.machine import read_machine  # psutil: only when the guard runs
+        from moestream.pipeline.foundation.machine import (
+            read_machine,  # psutil: only when the guard runs
+        )
 
         return read_machine().ram_available_bytes
 
     def total_bytes(self) -> int:
-        from pipeline.machine import read_machine
+        from moestream.pipeline.foundation.machine import read_machine
 
         return read_machine().ram_total_bytes
 

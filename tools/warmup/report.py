@@ -10,9 +10,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from pipeline.foundation.table import ExpertTable
-from stages.residency import Residency
-from tools.warmup.select import Selection, non_routed_ranges
+from moestream.pipeline.foundation.table import ExpertTable
+from moestream.stages.residency import Residency
+from moestream.tools.warmup.select import Selection, non_routed_ranges
 
 __all__ = ["format_percent", "format_report", "format_size", "residency_report"]
 

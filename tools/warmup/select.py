@@ -18,10 +18,10 @@ from pathlib import Path
 
 import numpy as np
 
-from pipeline.foundation.errors import TraceError, UsageError
-from pipeline.foundation.inputs import JSONDepthError, load_json_bounded, open_input
-from pipeline.foundation.table import ByteRange, ExpertTable
-from stages.residency import coalesce, file_ranges
+from moestream.pipeline.foundation.errors import TraceError, UsageError
+from moestream.pipeline.foundation.inputs import JSONDepthError, load_json_bounded, open_input
+from moestream.pipeline.foundation.table import ByteRange, ExpertTable
+from moestream.stages.residency import coalesce, file_ranges
 
 __all__ = [
     "HotLog",
@@ -102,7 +102,7 @@ class HotLog:
 
 def _check_starts_a_run(path: Path) -> None:
     """Refuse early, with one line, a file whose first event is not ``run_start``."""
-    from tools.analyze.logread import log_lines  # only --hot needs it; keep start-up short
+    from moestream.pipeline.runlog.read import log_lines  # only --hot needs it; keep start-up short
 
     try:
         with open_input(path) as f:  # a FIFO or a device is refused, never waited on
@@ -123,7 +123,7 @@ def _check_starts_a_run(path: Path) -> None:
 def read_hot_log(path: Path, table: ExpertTable) -> HotLog:
     """Count how often each (layer, expert) was used in a run log of ``table``'s model.
 
-    The log is read by ``tools.analyze.logread`` (JSON only, tolerant of bad lines, which are
+    The log is read by ``pipeline.runlog.read`` (JSON only, tolerant of bad lines, which are
     counted): the ``run_start`` event's ``model.moe_layers`` orders the ``experts`` lists of
     the ``token`` events.
 
@@ -131,7 +131,7 @@ def read_hot_log(path: Path, table: ExpertTable) -> HotLog:
         TraceError: the file cannot be read, is not a moestream run log, or does not fit the
             model (a layer that is not a MoE layer of it, an expert id out of range).
     """
-    from tools.analyze.logread import read_log  # only --hot needs it; keep start-up short
+    from moestream.pipeline.runlog.read import read_log  # only --hot needs it; keep start-up short
 
     _check_starts_a_run(path)
     run = read_log(path)

@@ -1,0 +1,1 @@
+"""The device expert cache's bookkeeping: entries, pool, eviction policy, placement."""

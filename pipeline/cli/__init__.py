@@ -1,0 +1,1 @@
+"""The command lines: shared plumbing, ``moestream.pipeline.cli.run``'s two engines, progress."""

@@ -1,0 +1,150 @@
+"""``python -m pipeline.run --engine transformers``: generate with a real model through moestream.
+
+The model is loaded by :func:`moestream.transformers.from_pretrained` (routed experts
+streamed under ``--cache-budget``), the prompt is the checkpoint tokenizer's encoding of
+``--prompt`` or the ids of ``--prompt-ids``, and ``--tokens`` tokens are generated greedily
+with transformers' own ``generate``. Prints the tokens (and the text, with a tokenizer),
+then the run's summary in ``moestream.pipeline.cli.run``'s format; ``--log`` writes the same run log
+(one ``token`` line per generated token), which ``tools.analyze`` reads. Errors are one
+line and exit 2 for bad input, as ``moestream.pipeline.cli.run``'s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from moestream.pipeline.cli.common import closable_stdout, print_error
+from moestream.pipeline.cli.progress import LiveLine
+from moestream.pipeline.foundation.errors import MoestreamError, UsageError
+from moestream.pipeline.foundation.outputs import check_not_input, check_output
+from moestream.pipeline.streaming.summary import RunSummary, describe_experts, print_summary
+from moestream.transformers._files import CONFIG, TOKENIZER_FILES, snapshot
+
+__all__ = ["add_arguments", "main"]
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+"""Any of these makes a tokenizer worth trying."""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options ``--engine transformers`` adds to ``moestream.pipeline.cli.run``'s."""
+    group = parser.add_argument_group("--engine transformers")
+    group.add_argument("--prompt", help="prompt text (needs the checkpoint's tokenizer)")
+    group.add_argument("--prompt-ids", help="prompt as token ids, e.g. 1,2,3")
+    group.add_argument("--experts", default="grouped", choices=["grouped", "eager"],
+                       help="expert arithmetic: grouped (as transformers' grouped_mm) or "
+                       "eager (logits equal to experts_implementation=eager) (grouped)")
+
+
+def _prompt_ids(args: argparse.Namespace, model_dir: Path) -> tuple[list[int], Any]:
+    """The prompt's ids, and the tokenizer (None without one)."""
+    tokenizer = None
+    if args.prompt_ids is not None:
+        try:
+            ids = [int(t) for t in args.prompt_ids.split(",") if t.strip()]
+        except ValueError as exc:
+            raise UsageError(f"--prompt-ids: not a comma-separated list of ids: "
+                             f"{args.prompt_ids!r}") from exc
+        if not ids:
+            raise UsageError("--prompt-ids: no ids")
+    elif args.prompt is not None:
+        import transformers  # type: ignore[import-not-found, unused-ignore]
+
+        root = model_dir.parent if model_dir.is_file() else model_dir
+        if not any((root / name).is_file() for name in _TOKENIZER_FILES):
+            raise UsageError(f"{root}: the checkpoint has no tokenizer for --prompt; "
+                             "pass --prompt-ids")
+        # the tokenizer's files read once, bounded, into a private directory: transformers
+        # never reads the checkpoint's own by path nor runs its code
+        with snapshot(root, {CONFIG: 16 << 20, **TOKENIZER_FILES}) as files:
+            try:
+                tokenizer = transformers.AutoTokenizer.from_pretrained(
+                    files, trust_remote_code=False)
+            except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+                raise UsageError(f"{root}: no usable tokenizer for --prompt "
+                                 f"({str(exc).strip().splitlines()[0][:200]}); pass "
+                                 "--prompt-ids") from exc
+        ids = [int(t) for t in tokenizer(args.prompt)["input_ids"]]
+        if not ids:
+            raise UsageError("--prompt: the tokenizer made no tokens of it")
+    else:
+        raise UsageError("--engine transformers needs --prompt TEXT or --prompt-ids 1,2,3")
+    return ids, tokenizer
+
+
+def main(args: argparse.Namespace) -> int:
+    """Run ``pipeline.cli.run --engine transformers`` with its parsed arguments; returns the
+    exit code."""
+    try:
+        return _generate(args)
+    except MoestreamError as exc:
+        if args.debug:
+            raise
+        print_error("moestream: error: ", exc)
+        return exc.exit_code
+
+
+def _generate(args: argparse.Namespace) -> int:
+    if args.model is None:
+        raise UsageError("--engine transformers needs -m CHECKPOINT_DIR")
+    if args.tokens < 1:
+        raise UsageError(f"--tokens must be >= 1, got {args.tokens}")
+    if args.log is not None:
+        check_output(args.log, what="--log", in_place=True)
+        check_not_input(args.log, {"--model": args.model}, what="--log")
+    ids, tokenizer = _prompt_ids(args, args.model)
+    from moestream.transformers import is_available
+
+    is_available(raise_error=True)
+    import torch  # type: ignore[import-not-found, unused-ignore]
+
+    from moestream.transformers._loader import from_pretrained
+
+    device = {"host": "cpu", "cupy": "cuda"}.get(args.backend)
+    model = from_pretrained(args.model, budget=args.cache_budget, mode=args.mode,
+                            device=device, compute=args.experts, policy=args.policy,
+                            verify=not args.no_verify, log=args.log)
+    stream = model.moestream
+    summary = RunSummary(model=str(args.model), backend=stream.session.backend,
+                         device=str(stream.device),
+                         experts=describe_experts(stream.session.model.layers.values()))
+    live = LiveLine(args.tokens, enabled=not args.json and sys.stderr.isatty())
+    stream.on_token = lambda s: live.update(s.hits, s.misses, s.time, s.mode)
+    try:
+        prompt = torch.tensor([ids], dtype=torch.long, device=stream.device)
+        started = time.perf_counter()
+        with torch.no_grad():
+            out = model.generate(prompt, attention_mask=torch.ones_like(prompt),
+                                 max_new_tokens=args.tokens, min_new_tokens=args.tokens,
+                                 do_sample=False)
+        summary.elapsed_s = time.perf_counter() - started
+        summary.exit = "ok"
+    finally:
+        live.close()
+        counters = stream.session.counters()
+        stream.close()
+    new = out[0, len(ids):].tolist()
+    _fill(summary, counters, tokens=len(new), verify=not args.no_verify)
+    with closable_stdout():
+        if not args.json:
+            print(f"tokens     {','.join(str(t) for t in new)}")
+            if tokenizer is not None:
+                print(f"text       {tokenizer.decode(new)!r}")
+        print_summary(summary, args.json)
+    return 3 if counters.mismatches else 0
+
+
+def _fill(summary: RunSummary, counters: Any, *, tokens: int, verify: bool) -> None:
+    """The summary's totals from the session's counters."""
+    summary.tokens = tokens
+    for name in ("hits", "misses", "evictions", "file_bytes", "cache_bytes", "storage_bytes",
+                 "verified", "mismatches", "unverified", "peak_device_bytes", "mode",
+                 "switches"):
+        setattr(summary, name, getattr(counters, name))
+    summary.budget_bytes = summary.final_budget_bytes = counters.budget_bytes
+    summary.stall_ms = counters.stall_ms
+    summary.digests = "on" if verify else "off"

@@ -1,0 +1,1 @@
+"""The structured per-token run log: its writer and its reader."""

@@ -1,0 +1,1 @@
+"""The streaming session: streamer, leases, RAM controller, verification."""

@@ -1,0 +1,50 @@
+"""Closing a run: cleanup that a cancellation cannot stop half-way, and the device parts
+released in their one safe order, their counters kept for the summary."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Coroutine, Sequence
+from typing import Any
+
+from moestream.gpu.cache.store import DeviceCache
+from moestream.pipeline.streaming.streamer import ExpertStreamer
+from moestream.pipeline.streaming.summary import RunSummary
+
+__all__ = ["close_devices", "finish"]
+
+
+async def finish(work: Coroutine[Any, Any, None]) -> None:
+    """Await ``work`` to its end even if cancelled meanwhile, however often, then raise the
+    cancellation (``work``'s own error first). ``work`` runs as its own task behind a
+    shield, so a cancel never stops it half-way."""
+    task = asyncio.ensure_future(work)
+    cancelled = False
+    while not task.done():
+        try:
+            await asyncio.shield(task)
+        except asyncio.CancelledError:
+            cancelled = True
+    task.result()
+    if cancelled:
+        raise asyncio.CancelledError
+
+
+async def close_devices(summary: RunSummary, streamers: Sequence[ExpertStreamer],
+                        caches: Sequence[DeviceCache]) -> None:
+    """Close the streamers (the home device's, which owns the mapping, last), then the
+    caches, and put each device's budget, peak, allocations and frees in ``summary``."""
+    for streamer in reversed(streamers):
+        await streamer.aclose()
+    for cache in caches:
+        final_budget = cache.budget_bytes  # smaller after a device-OOM shrink
+        cache.close()
+        c = cache.counters
+        summary.devices.append({"device": cache.device, "budget_bytes": final_budget,
+                                "peak_device_bytes": c.peak_device_bytes,
+                                "allocations": c.allocations, "frees": c.frees})
+    # several devices: each one's peak is within its own budget; the sum bounds the total
+    summary.peak_device_bytes = sum(d["peak_device_bytes"] for d in summary.devices)
+    summary.allocations = sum(d["allocations"] for d in summary.devices)
+    summary.frees = sum(d["frees"] for d in summary.devices)
+    summary.final_budget_bytes = sum(d["budget_bytes"] for d in summary.devices)

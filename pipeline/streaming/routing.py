@@ -1,0 +1,198 @@
+"""Where each token's experts come from, and guesses of the next layer's experts.
+
+Two sources of routing:
+
+- ``TraceRouting`` replays a trace (recorded, or the calibrated synthetic one). It knows
+  the future, which the ``oracle`` prefetch uses as an upper bound; its honest guess of
+  layer L+1 is the previous token's choice at L+1 (routing is strongly recurrent).
+  ``BlockRouting`` does the same for routing made block by block as the run goes (the
+  synthetic routing of ``pipeline.cli.run``): it holds a few blocks, never the whole run's.
+- ``LiveRouter`` routes like the model: it applies each MoE layer's router
+  (``blk.N.ffn_gate_inp.weight``) to the hidden state flowing through the MoE layers (an
+  FFN-only decode proxy; the token's row of ``token_embd.weight`` starts it), top-k with
+  softmax weights. Hash-routed layers, which have no router, pick experts from the token id.
+  Its guess of layer L+1 applies L+1's router to the hidden state *before* layer L runs
+  (the Mixtral-offloading technique), so the loads of L+1 can overlap L's compute.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any, Protocol
+
+import numpy as np
+import numpy.typing as npt
+
+from moestream.gpu.backend import Backend
+from moestream.pipeline.foundation.errors import ExpertLayoutError
+from moestream.pipeline.foundation.table import ExpertTable, TensorInfo
+from moestream.pipeline.foundation.trace import Trace
+
+__all__ = ["BlockRouting", "LiveRouter", "Routing", "TraceRouting"]
+
+
+class Routing(Protocol):
+    """Routing decisions for the decode loop."""
+
+    def route(self, token: int, i: int, hidden: Any) -> tuple[list[int], list[float]]:
+        """Experts and weights of MoE layer position ``i`` for ``token``."""
+
+    def predict(self, token: int, i: int, hidden: Any) -> list[int]:
+        """A guess of ``route(token, i, ...)`` made one layer early."""
+
+
+class TraceRouting:
+    """Replays ``trace`` cyclically; predicts from the previous token."""
+
+    def __init__(self, trace: Trace) -> None:
+        self.trace = trace
+
+    def route(self, token: int, i: int, hidden: Any) -> tuple[list[int], list[float]]:
+        row = token % self.trace.n_tokens
+        experts: list[int] = self.trace.experts[row, i].tolist()
+        weights: list[float] = self.trace.weights[row, i].tolist()
+        return experts, weights
+
+    def predict(self, token: int, i: int, hidden: Any) -> list[int]:
+        if token == 0:
+            return []
+        return self.route(token - 1, i, hidden)[0]
+
+
+class BlockRouting:
+    """Replays routing made in blocks of ``block_tokens`` tokens, each made when first asked.
+
+    The decode loop asks about the token it decodes, the previous one (``predict``) and,
+    with oracle prefetch, tokens up to ``reach_tokens - 1`` ahead of it; blocks wholly
+    before the furthest token asked minus ``reach_tokens`` are dropped. Memory is a few
+    blocks whatever the run's length.
+
+    Args:
+        blocks: ``(experts, weights)`` arrays of shape ``[block_tokens, layers, top_k]``,
+            in token order, as many as the run needs.
+        block_tokens: tokens per block.
+        reach_tokens: how far behind the furthest token asked a later question may be
+            (at least 1, the previous token of ``predict``).
+    """
+
+    def __init__(
+        self,
+        blocks: Iterator[tuple[npt.NDArray[np.int32], npt.NDArray[np.float32]]],
+        block_tokens: int,
+        reach_tokens: int = 1,
+    ) -> None:
+        self._blocks = blocks
+        self._block_tokens = block_tokens
+        self._reach = max(1, reach_tokens)
+        self._held: dict[int, tuple[npt.NDArray[np.int32], npt.NDArray[np.float32]]] = {}
+        self._made = 0  # blocks taken from ``blocks``
+        self._furthest = 0  # the furthest token asked about
+
+    def _block(self, token: int) -> tuple[npt.NDArray[np.int32], npt.NDArray[np.float32]]:
+        number = token // self._block_tokens
+        if token > self._furthest:
+            self._furthest = token
+            oldest = (token - self._reach) // self._block_tokens
+            for old in [b for b in self._held if b < oldest]:
+                del self._held[old]
+        while self._made <= number:
+            self._held[self._made] = next(self._blocks)
+            self._made += 1
+        held = self._held.get(number)
+        if held is None:  # a caller asked further back than it promised
+            raise LookupError(f"token {token}: its routing block was dropped (asked "
+                              f"{self._furthest - token} tokens back, reach {self._reach})")
+        return held
+
+    def route(self, token: int, i: int, hidden: Any) -> tuple[list[int], list[float]]:
+        experts, weights = self._block(token)
+        row = token % self._block_tokens
+        return experts[row, i].tolist(), weights[row, i].tolist()
+
+    def predict(self, token: int, i: int, hidden: Any) -> list[int]:
+        if token == 0:
+            return []
+        return self.route(token - 1, i, hidden)[0]
+
+
+_FLOAT_TYPES = {"F32": "<f4", "F16": "<f2", "BF16": "<u2"}
+_EMBEDDINGS = ("token_embd.weight", "model.embed_tokens.weight")
+
+
+def _floats(table: ExpertTable, info: TensorInfo, offset: int,
+            count: int) -> npt.NDArray[np.float32]:
+    """``count`` values of ``info`` (F32, F16 or BF16) from ``offset``, as float32."""
+    dtype = _FLOAT_TYPES.get(info.type_name)
+    if dtype is None:
+        raise ExpertLayoutError(table.path, f"{info.name} is {info.type_name}; the live "
+                                "router reads F32, F16 and BF16 tensors")
+    size = np.dtype(dtype).itemsize
+    if (offset - info.offset) + count * size > info.nbytes:
+        raise ExpertLayoutError(table.path, f"{info.name} is cut short")
+    data = np.frombuffer(table.read_bytes(offset, count * size), dtype=dtype)
+    if info.type_name == "BF16":  # the high half of a float32
+        return (data.astype(np.uint32) << 16).view(np.float32)
+    return data.astype(np.float32)
+
+
+class LiveRouter:
+    """Routes with the model's own router tensors.
+
+    Args:
+        table: the model (router tensors, token embeddings, shape).
+        backend: where the routers live (device arrays on CuPy).
+        seed: seeds the hash-routed layers' choice.
+    """
+
+    def __init__(self, table: ExpertTable, backend: Backend, seed: int = 0) -> None:
+        self._table = table
+        self._layers = table.moe_layers
+        self._k = table.top_k
+        self._seed = seed
+        self._xp: Any = np
+        if backend.name == "cupy":
+            import cupy
+
+            self._xp = cupy
+        self._routers: dict[int, Any] = {}
+        for layer in self._layers:
+            info = table.layers[layer].router
+            if info is not None:
+                w = _floats(table, info, info.offset, table.n_experts * table.hidden)
+                self._routers[layer] = self._xp.asarray(w.reshape(table.n_experts, table.hidden))
+        if not self._routers and table.hash_routed < len(self._layers):
+            raise ExpertLayoutError(table.path, "no router tensors (ffn_gate_inp) to route live")
+        self._embed = next((t for t in table.non_routed if t.name in _EMBEDDINGS), None)
+
+    def embedding(self, token: int) -> Any:
+        """The hidden state a token starts with: its row of the token embedding (F32, F16 or
+        BF16), normalized; a seeded random vector when the model has no such embedding."""
+        h = self._table.hidden
+        emb = self._embed
+        if emb is not None and emb.type_name in _FLOAT_TYPES:
+            row = h * np.dtype(_FLOAT_TYPES[emb.type_name]).itemsize
+            x = _floats(self._table, emb, emb.offset + (token % (emb.nbytes // row)) * row, h)
+        else:
+            x = np.random.default_rng([self._seed, token]).standard_normal(h).astype(np.float32)
+        x /= float(np.sqrt(np.mean(x * x))) + 1e-6
+        return self._xp.asarray(x)
+
+    def _top_k(self, layer: int, token: int, hidden: Any) -> tuple[list[int], list[float]]:
+        router = self._routers.get(layer)
+        if router is None:  # hash-routed: the token id picks
+            rng = np.random.default_rng([self._seed, token, layer])
+            experts = rng.choice(self._table.n_experts, self._k, replace=False)
+            return [int(e) for e in experts], [1.0 / self._k] * self._k
+        logits = router @ hidden
+        if self._xp is not np:
+            logits = self._xp.asnumpy(logits)
+        top = np.argpartition(-logits, self._k - 1)[: self._k]
+        top = top[np.argsort(-logits[top])]
+        z = np.exp(logits[top] - logits[top].max())
+        return [int(e) for e in top], (z / z.sum()).astype(np.float32).tolist()
+
+    def route(self, token: int, i: int, hidden: Any) -> tuple[list[int], list[float]]:
+        return self._top_k(self._layers[i], token, hidden)
+
+    def predict(self, token: int, i: int, hidden: Any) -> list[int]:
+        return self._top_k(self._layers[i], token, hidden)[0]

@@ -1,0 +1,492 @@
+"""Computing a digest manifest: every routed expert read once, digested on the host.
+
+``ManifestBuilder`` fills in the experts a ``DigestManifest`` does not know yet, with the
+same per-matrix digest the device computes (``pipeline.foundation.digest``), in parallel: a pool of
+threads reads the file with ``os.preadv`` (through ``moestream.stages.reader.ModelReader``: O_DIRECT
+where allowed, retries, a changed file detected after every read) into per-thread buffers of
+``piece_bytes`` and digests as it goes (numpy releases the GIL in the sums). A job is a run
+of neighbouring experts of one layer, about ``job_bytes`` of them; their matrices that touch
+in the file are read as one stretch, so a layer's gate tensor, say, is read in large pieces
+whatever the expert size.
+
+It runs two ways: to completion, for ``tools.warmup --digests``; and in the background of a
+run on a file with no digests (``pipeline.cli.run``), where it yields to decode as the warm-up
+engine does (``moestream.stages.warm.Pausable``: ``pause``/``resume`` around layers whose misses
+are loading; a paused worker stops between pieces) and does first the experts the verifier
+is waiting for (``ensure``). Its results reach the manifest on the event loop's thread only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import os
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import structlog
+
+from moestream.gpu.backend import PAGE, aligned_host_array
+from moestream.gpu.cache.policy import ExpertKey
+from moestream.pipeline.foundation.digest import RunningDigest
+from moestream.pipeline.foundation.errors import (
+    ModelChangedError,
+    ModelFileError,
+    OutputError,
+    StageError,
+    UsageError,
+)
+from moestream.pipeline.foundation.manifest import (
+    DigestManifest,
+    ManifestKey,
+    load_manifest,
+    manifest_path,
+)
+from moestream.pipeline.foundation.table import ExpertTable
+from moestream.stages.layout import aligned_cover, iter_chunks
+from moestream.stages.reader import ModelReader
+from moestream.stages.warm import Pausable, ReadResult
+
+__all__ = ["BuildResult", "ManifestBuilder", "RunManifest", "default_digest_threads"]
+
+_log = structlog.get_logger("moestream.manifest")
+
+Digests = tuple[int, int, int]
+
+
+def default_digest_threads() -> int:
+    """Reader threads: enough reads in flight for a disk, and one digesting per core."""
+    return min(8, max(4, os.cpu_count() or 2))
+
+
+@dataclass(frozen=True, slots=True)
+class BuildResult(ReadResult):
+    """What one ``ManifestBuilder.build`` did."""
+
+    experts: int
+
+
+@dataclass(frozen=True, slots=True)
+class _Range:
+    """One expert matrix in the file, and where its digest goes."""
+
+    offset: int
+    nbytes: int
+    expert: int
+    matrix: int
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.nbytes
+
+
+def _stretches(ranges: Iterable[_Range]) -> list[list[_Range]]:
+    """Ranges sorted by offset, those that touch joined into stretches read as one."""
+    out: list[list[_Range]] = []
+    for r in sorted(ranges, key=lambda r: r.offset):
+        if out and out[-1][-1].end == r.offset:
+            out[-1].append(r)
+        else:
+            out.append([r])
+    return out
+
+
+class ManifestBuilder(Pausable):
+    """Fills in a manifest's missing digests from the model file.
+
+    Args:
+        table: the model's expert table.
+        manifest: what is known so far; ``set`` is called for every expert digested.
+        threads: reader threads (default ``default_digest_threads()``).
+        piece_bytes: bytes per read (a multiple of the 4096-byte page).
+        job_bytes: expert bytes per job (at least one expert).
+        direct: whether a job reads with O_DIRECT (leaving the page cache alone: direct
+            mode) or through the page cache (resident mode, or a warm file); asked per job.
+    """
+
+    def __init__(
+        self,
+        table: ExpertTable,
+        manifest: DigestManifest,
+        *,
+        threads: int | None = None,
+        piece_bytes: int = 8 << 20,
+        job_bytes: int = 16 << 20,
+        direct: bool | Callable[[], bool] = True,
+    ) -> None:
+        super().__init__()
+        self.threads = threads or default_digest_threads()
+        if self.threads < 1:
+            raise UsageError(f"threads must be >= 1, not {threads}")
+        if piece_bytes < PAGE or piece_bytes % PAGE:
+            raise UsageError(f"piece_bytes must be a multiple of {PAGE}, not {piece_bytes}")
+        self._table = table
+        self.manifest = manifest
+        self.piece_bytes = piece_bytes
+        self.job_bytes = job_bytes
+        self._direct = direct if callable(direct) else (lambda: direct)
+        self._reader = ModelReader(table.files, direct=True)
+        self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="moestream-digest")
+        self._local = threading.local()
+        self._stop = threading.Event()
+        self._progressed = asyncio.Event()
+        self._urgent: deque[ExpertKey] = deque()
+        self._in_flight: set[ExpertKey] = set()
+        self.error: BaseException | None = None
+        self.finished = False
+        self.stopped = False
+        self.bytes_read = 0
+        self._closed = False
+
+    def __repr__(self) -> str:
+        return (f"ManifestBuilder(path={str(self._table.path)!r}, threads={self.threads}, "
+                f"piece_bytes={self.piece_bytes}, job_bytes={self.job_bytes})")
+
+    # -- priority ---------------------------------------------------------------------------
+
+    async def ensure(self, keys: Iterable[ExpertKey]) -> None:
+        """Digest ``keys`` first and return once the manifest knows them all.
+
+        ``build`` must be running (or have finished). Raises what stopped it, if it failed.
+        """
+        wanted = [k for k in keys if self.manifest.get(k) is None]
+        self._urgent.extend(wanted)
+        while True:
+            if self.error is not None:
+                raise self.error
+            if all(self.manifest.get(k) is not None for k in wanted):
+                return
+            if self.finished or self.stopped:
+                raise StageError("the digest manifest's computation stopped before these "
+                                 "experts were digested")
+            self._progressed.clear()
+            await self._progressed.wait()
+
+    # -- work, on the pool ------------------------------------------------------------------
+
+    def _buffer(self) -> npt.NDArray[np.uint8]:
+        buf: npt.NDArray[np.uint8] | None = getattr(self._local, "buf", None)
+        if buf is None:
+            buf = aligned_host_array(self.piece_bytes)  # O_DIRECT needs page alignment
+            self._local.buf = buf
+        return buf
+
+    def _digest_job(self, layer: int, experts: Sequence[int],
+                    direct: bool) -> tuple[list[tuple[int, Digests]], int]:
+        """Worker: read and digest ``experts`` of ``layer``; their digests and bytes read."""
+        ranges = [
+            _Range(r.offset, r.nbytes, e, m)
+            for e in experts
+            for m, r in enumerate(self._table.slices((layer, e)).ranges)
+        ]
+        running = {(r.expert, r.matrix): RunningDigest() for r in ranges}
+        buf = self._buffer()
+        read = 0
+        for stretch in _stretches(ranges):
+            start, length = aligned_cover(stretch[0].offset, stretch[-1].end - stretch[0].offset)
+            first = 0  # the first range of the stretch not yet wholly fed
+            for offset, n in iter_chunks(start, length, self.piece_bytes):
+                self._running.wait()  # paused: decode's reads go first
+                if self._stop.is_set():
+                    return [], read
+                got = self._reader.read_into(buf[:n], offset, direct=direct)
+                read += got
+                end = offset + got
+                while first < len(stretch) and stretch[first].end <= offset:
+                    first += 1
+                for r in stretch[first:]:
+                    if r.offset >= end:
+                        break
+                    lo, hi = max(r.offset, offset), min(r.end, end)
+                    running[r.expert, r.matrix].update(buf[lo - offset : hi - offset])
+        out = [(e, (running[e, 0].value(), running[e, 1].value(), running[e, 2].value()))
+               for e in experts]
+        return out, read
+
+    # -- orchestration ----------------------------------------------------------------------
+
+    def _jobs(self) -> Iterator[tuple[int, list[int]]]:
+        """(layer, experts) to digest: experts waited for first, then the rest in file order;
+        each time only experts neither known nor in flight, neighbours of a layer together."""
+        per_job = {n: max(1, self.job_bytes // self._table.expert_bytes(n))
+                   for n in self._table.moe_layers}
+        todo = iter(self.manifest.missing())
+        pending: ExpertKey | None = None  # read from todo, not yet in a job
+        while True:
+            source: deque[ExpertKey] | None = None
+            key: ExpertKey | None = None
+            while self._urgent and key is None:
+                key = self._urgent.popleft()
+                key = key if self._free(key) else None
+            if key is not None:
+                source = self._urgent
+            while key is None:
+                key, pending = (pending if pending is not None else next(todo, None)), None
+                if key is None:
+                    return
+                key = key if self._free(key) else None
+            layer, job = key[0], [key[1]]
+            while len(job) < per_job[layer]:
+                if source is not None:  # waited for: neighbours also waited for
+                    nxt = source[0] if source else None
+                    if nxt != (layer, job[-1] + 1):
+                        break
+                    source.popleft()
+                else:
+                    nxt = next(todo, None)
+                    if nxt is None or nxt != (layer, job[-1] + 1):
+                        pending = nxt  # starts the next job
+                        break
+                if not self._free(nxt):
+                    break
+                job.append(nxt[1])
+            yield layer, job
+
+    def _free(self, key: ExpertKey) -> bool:
+        """Neither known nor being digested."""
+        return key not in self._in_flight and self.manifest.get(key) is None
+
+    def _check_key(self) -> None:
+        """The files are still the ones the manifest is keyed to: the table's, which our
+        reader opened against their identity and checks again here."""
+        now = ManifestKey.of(self._table)
+        if now != self.manifest.key:
+            raise ModelChangedError(
+                self._table.path, f"changed since its digest manifest was keyed "
+                f"({', '.join(now.differences(self.manifest.key))}); no digest computed")
+        self._reader.check_unchanged(path=True)
+
+    async def build(self, progress: Callable[[int, int], None] | None = None) -> BuildResult:
+        """Digest every expert the manifest does not know; returns what was done.
+
+        Args:
+            progress: called on the loop thread as ``progress(done_bytes, total_bytes)`` of
+                expert bytes after each job.
+
+        Raises:
+            ReadError, ModelChangedError: a read failed, or the file changed (no digest of
+                bytes read after the change is recorded).
+            asyncio.CancelledError: when cancelled; running jobs stop at their next piece.
+        """
+        if self._closed:
+            raise UsageError(f"{self!r} is closed")
+        loop = asyncio.get_running_loop()
+        missing = self.manifest.missing()
+        total = sum(self._table.expert_bytes(n) for n, _ in missing)
+        slots = asyncio.Semaphore(self.threads)
+        running: set[asyncio.Future[tuple[list[tuple[int, Digests]], int]]] = set()
+        failures: list[BaseException] = []
+        done_bytes = 0
+        experts = 0
+        t0 = time.perf_counter()
+
+        def finished(fut: asyncio.Future[tuple[list[tuple[int, Digests]], int]], layer: int,
+                     job: list[int]) -> None:
+            nonlocal done_bytes, experts
+            running.discard(fut)
+            slots.release()
+            self._in_flight.difference_update((layer, e) for e in job)
+            self._progressed.set()
+            if fut.cancelled():
+                return
+            exc = fut.exception()
+            if exc is not None:
+                failures.append(exc)
+                return
+            results, read = fut.result()
+            self.bytes_read += read
+            for e, values in results:
+                self.manifest.set((layer, e), values)
+            experts += len(results)
+            done_bytes += len(results) * self._table.expert_bytes(layer)
+            if progress is not None:
+                progress(done_bytes, total)
+
+        try:
+            self._check_key()
+            jobs = self._jobs()
+            while not failures:
+                await slots.acquire()
+                await self._wait_resumed()
+                job = next(jobs, None) if not failures else None
+                if job is None:
+                    slots.release()
+                    if not running:
+                        break
+                    # what is left is in flight; urgent keys may still come: wait, retry
+                    self._progressed.clear()
+                    await self._progressed.wait()
+                    jobs = self._jobs()
+                    continue
+                layer, members = job
+                self._in_flight.update((layer, e) for e in members)
+                fut = loop.run_in_executor(self._pool, self._digest_job, layer, members,
+                                           self._direct())
+                running.add(fut)
+                fut.add_done_callback(functools.partial(finished, layer=layer, job=members))
+            if running:
+                await asyncio.wait(set(running))
+            if failures:
+                raise failures[0]
+        except BaseException as exc:
+            self._stop.set()
+            self._running.set()
+            for fut in list(running):
+                fut.cancel()
+            if not isinstance(exc, asyncio.CancelledError):
+                self.error = exc
+            self.stopped = True
+            self._progressed.set()
+            raise
+        self.finished = True
+        self._progressed.set()
+        result = BuildResult(bytes_read=self.bytes_read, seconds=time.perf_counter() - t0,
+                             experts=experts)
+        _log.info("digest_manifest_built", path=str(self._table.path), experts=experts,
+                  bytes=result.bytes_read, seconds=round(result.seconds, 3),
+                  gb_per_s=round(result.gb_per_s, 3))
+        return result
+
+    # -- lifetime --------------------------------------------------------------------------
+
+    async def aclose(self) -> None:
+        """Stop the workers (each finishes the piece it reads), join them, close the file."""
+        if self._closed:
+            return
+        self._closed = True
+        self._stop.set()
+        self._running.set()
+        # joining blocks until the current pieces finish: keep the loop free meanwhile
+        await asyncio.to_thread(self._pool.shutdown, wait=True, cancel_futures=True)
+        self._reader.close()
+
+    async def __aenter__(self) -> ManifestBuilder:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+
+class RunManifest:
+    """A run's digest manifest, for a file without recorded digests.
+
+    ``open`` loads the stored manifest (a stale or damaged one is ignored, logged once) and,
+    while it is incomplete, starts a ``ManifestBuilder`` task beside decode: the decode loop
+    pauses it while misses load (``builder``), the verifier compares each expert once its
+    digests are known, and ``settle`` (after the last token) computes first the experts
+    still waiting, so a run that completes has compared everything it installed. ``aclose``
+    stops the builder and saves what was learned (atomically; a file that changed
+    meanwhile, or a cache that refuses the file, is logged and not saved).
+
+    Attributes:
+        manifest: the digests known so far.
+        builder: the background builder (pause/resume), None when the manifest was complete.
+        source: ``manifest`` (loaded complete) or ``manifest-built`` (computed, at least in
+            part, by this run).
+    """
+
+    def __init__(self, table: ExpertTable, manifest: DigestManifest, path: Path,
+                 builder: ManifestBuilder | None) -> None:
+        self._table = table
+        self.manifest = manifest
+        self.path = path
+        self.builder = builder
+        self.source = "manifest" if builder is None else "manifest-built"
+        self._task: asyncio.Task[BuildResult] | None = None
+        self._saving: asyncio.Future[None] | None = None
+
+    @classmethod
+    async def open(cls, table: ExpertTable, direct: Callable[[], bool],
+                   path: Path | None = None) -> RunManifest:
+        """Load ``table``'s manifest and start computing what it lacks (loop thread).
+
+        Args:
+            table: the model.
+            direct: asked per job: read with O_DIRECT (direct mode) or buffered.
+            path: where the manifest is kept (default: ``manifest_path`` of the model).
+        """
+        path = path or manifest_path(table.path)
+        loop = asyncio.get_running_loop()
+        manifest = await loop.run_in_executor(None, load_manifest, table, path)
+        builder = None
+        if not manifest.complete:
+            builder = ManifestBuilder(table, manifest, direct=direct)
+        self = cls(table, manifest, path, builder)
+        if builder is not None:
+            missing = manifest.total - manifest.known_count
+            _log.info("digest_manifest_computing", model=str(table.path), path=str(path),
+                      experts=missing, known=manifest.known_count,
+                      hint="python -m tools.warmup MODEL --digests computes it ahead")
+            self._task = loop.create_task(builder.build())
+            self._task.add_done_callback(self._built)
+        return self
+
+    def _built(self, task: asyncio.Task[BuildResult]) -> None:
+        if task.cancelled():
+            return
+        exc = task.exception()
+        if exc is not None:
+            _log.warning("digest_manifest_failed", model=str(self._table.path),
+                         reason=str(exc), action="experts not yet compared stay unverified")
+            return
+        # saved now, so a run that fails or is killed later keeps it
+        self._saving = asyncio.get_running_loop().run_in_executor(None, self._save)
+
+    @property
+    def bytes_read(self) -> int:
+        return self.builder.bytes_read if self.builder is not None else 0
+
+    async def settle(self, verifier: Any) -> None:
+        """Digest the experts the verifier still waits for, then let it compare them.
+
+        Raises:
+            MoestreamError: what stopped the builder (a failed read, a changed file).
+        """
+        keys = verifier.waiting_keys
+        if keys and self.builder is not None:
+            t0 = time.perf_counter()
+            await self.builder.ensure(keys)
+            _log.info("digest_manifest_settled", experts=len(keys),
+                      seconds=round(time.perf_counter() - t0, 3))
+        verifier.resolve()
+
+    def _save(self) -> None:
+        """Save the manifest if it learned anything and the file is still the one keyed."""
+        if not self.manifest.dirty:
+            return
+        try:
+            changed = self.manifest.save_if_current(self._table, self.path)
+        except (OutputError, ModelFileError) as exc:
+            _log.warning("digest_manifest_not_saved", path=str(self.path), reason=str(exc))
+            return
+        if changed:
+            _log.warning("digest_manifest_not_saved", path=str(self.path),
+                         reason=f"the model changed ({', '.join(changed)})")
+
+    async def aclose(self) -> None:
+        """Stop the builder, join its threads, and save what was learned."""
+        task, self._task = self._task, None
+        if task is not None and not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task  # its failure was logged by _built
+        if self.builder is not None:
+            await self.builder.aclose()
+        if self._saving is not None:
+            await self._saving
+        await asyncio.get_running_loop().run_in_executor(None, self._save)

@@ -1,0 +1,286 @@
+"""The house's numbers: layers, cycles, module and function sizes (``python tests/house.py``).
+
+Every folder is one layer; a module imports its own folder or the folders of lower layers,
+never above (every import counts, those inside functions and under ``TYPE_CHECKING``
+included: they are how cycles hide). From the bottom up::
+
+    pipeline/foundation    errors, files, the expert table, config, digests, traces
+    pipeline/makers        model files written: the embedded tiny model, GGUF and
+                           safetensors checkpoints, quantized forms (the foundation only)
+    pipeline/runlog        the per-token run log: its writer and its reader
+    gpu                    device backends: host, CUDA, kernels
+    gpu/cache              the device cache's bookkeeping: entries, pool, policy, placement
+    stages                 I/O stages: read, staging, upload, install, residency, warming
+    pipeline/streaming     the streaming session: streamer, leases, controller, verification
+    moestream              the public API an engine imports
+    moestream/transformers the transformers integration (the public API and foundation only)
+    pipeline/proxy         the proxy engine: decode loop, synthetic routing, its calibration
+    pipeline/cli           the command lines' plumbing and ``pipeline.run``'s engines
+    tools/analyze          the run-log analysis command
+    tools/warmup           the warm-up command
+    pipeline, tools        entry points (``python -m pipeline.run``, ``tools.make_model``)
+    bench                  benchmarks: not shipped
+
+The card's folders ship inside the one import package ``moestream`` (symlinks
+``moestream/pipeline -> ../pipeline`` and so on), so every import names ``moestream.``;
+an import of a bare ``pipeline``, ``stages``, ``gpu`` or ``tools`` is a finding too.
+Sizes: a module over 400 lines is listed, one over 500 is a finding; a function over 60
+lines is a finding. Run as a script it prints every number and exits 1 on a finding; the
+tests (``tests/test_house.py``) assert the same.
+"""
+
+from __future__ import annotations
+
+import ast
+import sys
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+CARD = ("pipeline", "stages", "gpu", "tools")
+FOLDERS = (*CARD, "moestream", "bench")
+LAYERS: tuple[tuple[str, ...], ...] = (
+    ("pipeline/foundation",),
+    ("pipeline/makers",),
+    ("pipeline/runlog",),
+    ("gpu",),
+    ("gpu/cache",),
+    ("stages",),
+    ("pipeline/streaming",),
+    ("moestream",),
+    ("moestream/transformers",),
+    ("pipeline/proxy",),
+    ("pipeline/cli",),
+    ("tools/analyze",),
+    ("tools/warmup",),
+    ("pipeline", "tools"),
+    ("bench",),
+)
+"""Each layer's folders, from the bottom up."""
+API_ONLY = {"moestream/transformers": ("moestream", "pipeline/foundation")}
+"""Folders that may import only these folders (and their own)."""
+MODULE_LINES = 400
+MODULE_LINES_MAX = 500
+FUNCTION_LINES = 60
+
+
+def folder_rank(folder: str) -> int:
+    """The layer of ``folder`` (-1 when it has none)."""
+    for rank, folders in enumerate(LAYERS):
+        if folder in folders:
+            return rank
+    return -1
+
+
+def module_name(path: Path) -> str:
+    """The import name of a file of the tree: ``pipeline/x.py`` is ``moestream.pipeline.x``."""
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    if parts[0] in CARD:
+        parts.insert(0, "moestream")
+    return ".".join(parts)
+
+
+def shipped_modules() -> dict[str, Path]:
+    """Import name -> file, for every module of the tree (each file once: no symlink)."""
+    modules: dict[str, Path] = {}
+    for top in FOLDERS:
+        for path in sorted((ROOT / top).rglob("*.py")):
+            parts = path.relative_to(ROOT).parts
+            if parts[0] == "moestream" and parts[1] in CARD:  # the symlinks: seen as themselves
+                continue
+            if parts[:2] == ("bench", "results"):  # scripts kept with their results, as run
+                continue
+            modules[module_name(path)] = path
+    return modules
+
+
+def folder_of(path: Path) -> str:
+    """The folder a module file lives in, relative to the root (``pipeline/streaming``)."""
+    return path.parent.relative_to(ROOT).as_posix()
+
+
+def imports_of(source: str, module: str, is_package: bool = False) -> set[str]:
+    """Every name of ours that ``source`` imports, anywhere in the file."""
+    found: set[str] = set()
+    package = module if is_package else module.rpartition(".")[0]
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")
+                anchor = anchor[: len(anchor) - (node.level - 1)]
+                base = ".".join([*anchor, base] if base else anchor)
+            # ``from pkg import mod`` imports the submodule when there is one
+            names = [base] + [f"{base}.{alias.name}" for alias in node.names]
+        else:
+            continue
+        found.update(n for n in names if n.split(".")[0] in FOLDERS)
+    return found
+
+
+def import_graph(modules: Mapping[str, Path]) -> tuple[dict[str, set[str]], list[str]]:
+    """Module -> the modules of ours it imports; and the bare card imports found."""
+    graph: dict[str, set[str]] = {}
+    bare: list[str] = []
+    for name, path in modules.items():
+        targets = imports_of(path.read_text(), name, path.name == "__init__.py")
+        bare += [f"{name} imports {t}" for t in sorted(targets) if t.split(".")[0] in CARD]
+        resolved = set()
+        for target in targets:
+            while target and target not in modules:
+                target = target.rpartition(".")[0]
+            if target and target != name:
+                resolved.add(target)
+        graph[name] = resolved
+    return graph, bare
+
+
+def layer_violations(graph: Mapping[str, Iterable[str]], folders: Mapping[str, str]) -> list[str]:
+    """Each import that reaches a higher layer, or outside what an API-only folder may use."""
+    found = []
+    for source, targets in graph.items():
+        here = folders[source]
+        for target in targets:
+            there = folders[target]
+            if there == here:
+                continue
+            allowed = API_ONLY.get(here)
+            if folder_rank(there) > folder_rank(here) or (allowed and there not in allowed):
+                found.append(f"{source} ({here}) imports {target} ({there})")
+    return sorted(found)
+
+
+def cycles(graph: Mapping[str, Iterable[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def successors(node: str) -> Iterator[str]:
+        return iter(sorted(graph.get(node, ())))
+
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, successors(root))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, it = work[-1]
+            for nxt in it:
+                if nxt not in index:
+                    index[nxt] = low[nxt] = len(index)
+                    stack.append(nxt)
+                    on_stack.add(nxt)
+                    work.append((nxt, successors(nxt)))
+                    break
+                if nxt in on_stack:
+                    low[node] = min(low[node], index[nxt])
+            else:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[node])
+                if low[node] == index[node]:
+                    component = []
+                    while (member := stack.pop()) != node:
+                        on_stack.discard(member)
+                        component.append(member)
+                    on_stack.discard(node)
+                    if component:
+                        found.append(sorted([*component, node]))
+    return found
+
+
+@dataclass(frozen=True)
+class Size:
+    """A module's or function's length in lines, where it is."""
+
+    where: str
+    lines: int
+
+
+def module_sizes(modules: Mapping[str, Path]) -> list[Size]:
+    """Every product module (not bench) over ``MODULE_LINES``, longest first."""
+    sizes = [Size(str(p.relative_to(ROOT)), len(p.read_text().splitlines()))
+             for p in modules.values() if p.relative_to(ROOT).parts[0] != "bench"]
+    return sorted((s for s in sizes if s.lines > MODULE_LINES), key=lambda s: -s.lines)
+
+
+def function_sizes(modules: Mapping[str, Path], limit: int = FUNCTION_LINES) -> list[Size]:
+    """Every function of the tree (bench included) over ``limit`` lines, longest first."""
+    sizes = []
+    for path in modules.values():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                lines = (node.end_lineno or node.lineno) - node.lineno + 1
+                if lines > limit:
+                    sizes.append(Size(f"{path.relative_to(ROOT)}:{node.lineno} {node.name}", lines))
+    return sorted(sizes, key=lambda s: -s.lines)
+
+
+@dataclass(frozen=True)
+class Report:
+    """Everything the house test checks."""
+
+    unplaced: list[str]
+    bare: list[str]
+    violations: list[str]
+    cycles: list[list[str]]
+    long_modules: list[Size]
+    long_functions: list[Size]
+
+    @property
+    def too_long_modules(self) -> list[Size]:
+        return [s for s in self.long_modules if s.lines > MODULE_LINES_MAX]
+
+    @property
+    def findings(self) -> int:
+        return (len(self.unplaced) + len(self.bare) + len(self.violations) + len(self.cycles)
+                + len(self.too_long_modules) + len(self.long_functions))
+
+
+def report() -> Report:
+    """The house as it stands."""
+    modules = shipped_modules()
+    folders = {name: folder_of(path) for name, path in modules.items()}
+    graph, bare = import_graph(modules)
+    return Report(
+        unplaced=sorted(f"{n} ({f})" for n, f in folders.items() if folder_rank(f) < 0),
+        bare=bare,
+        violations=layer_violations(graph, folders),
+        cycles=cycles(graph),
+        long_modules=module_sizes(modules),
+        long_functions=function_sizes(modules),
+    )
+
+
+def main() -> int:
+    found = report()
+    sections: list[tuple[str, list[str]]] = [
+        ("modules in no layer", found.unplaced),
+        ("bare card imports (not through moestream.)", found.bare),
+        ("imports reaching up", found.violations),
+        ("import cycles", [" <-> ".join(c) for c in found.cycles]),
+        (f"modules over {MODULE_LINES} lines (over {MODULE_LINES_MAX}: a finding)",
+         [f"{s.lines:5d}  {s.where}" for s in found.long_modules]),
+        (f"functions over {FUNCTION_LINES} lines",
+         [f"{s.lines:5d}  {s.where}" for s in found.long_functions]),
+    ]
+    for title, lines in sections:
+        print(f"{title}: {len(lines)}")
+        for line in lines:
+            print(f"    {line}")
+    print(f"findings: {found.findings}")
+    return 1 if found.findings else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,83 @@
+"""The house (``tests/house.py``): every folder one layer, no cycle, modules and functions
+that fit in a head, and a wheel that ships only ``moestream``."""
+
+from __future__ import annotations
+
+import tomllib
+
+import pytest
+
+from tests import house
+
+REPORT = house.report()
+
+
+class TestTheTree:
+    """The tree as it stands keeps every rule."""
+
+    def test_every_module_has_a_layer(self) -> None:
+        assert REPORT.unplaced == []
+
+    def test_every_import_goes_through_moestream(self) -> None:
+        assert REPORT.bare == []
+
+    def test_no_import_reaches_up(self) -> None:
+        assert REPORT.violations == []
+
+    def test_no_import_cycles(self) -> None:
+        assert REPORT.cycles == []
+
+    def test_the_wheel_ships_one_package(self) -> None:
+        config = tomllib.loads((house.ROOT / "pyproject.toml").read_text())
+        assert config["tool"]["setuptools"]["packages"]["find"]["include"] == ["moestream*"]
+        for card in house.CARD:  # each card folder is in it through its symlink
+            link = house.ROOT / "moestream" / card
+            assert link.is_symlink() and link.resolve() == house.ROOT / card
+
+
+def _folders(*names: str) -> dict[str, str]:
+    """Module -> folder, for planted graphs: the name's path less its leaf."""
+    out = {}
+    for name in names:
+        parts = name.removeprefix("moestream.").split(".")
+        out[name] = "/".join(parts[:-1]) or "moestream"
+    return out
+
+
+class TestTheChecksCatch:
+    """Each kind of finding, planted in a small graph, is caught."""
+
+    @pytest.mark.parametrize(("source", "target"), [
+        ("moestream.pipeline.makers.modelgen", "moestream.pipeline.streaming.session"),
+        ("moestream.pipeline.streaming.session", "moestream.pipeline.proxy.decode"),
+        ("moestream.pipeline.cli.run", "bench.pipeline"),
+        ("moestream.gpu.cache.store", "moestream.stages.upload"),
+        ("moestream.pipeline.foundation.config", "moestream.gpu.kernels"),
+        ("moestream.tools.analyze.cli", "moestream.tools.warmup.select"),
+        ("moestream.transformers._loader", "moestream.pipeline.streaming.session"),
+    ])
+    def test_upward_import(self, source: str, target: str) -> None:
+        folders = _folders(source, target)
+        if source.startswith("moestream.transformers"):
+            folders[source] = "moestream/transformers"
+        assert house.layer_violations({source: {target}, target: set()}, folders)
+
+    def test_a_downward_import_is_fine(self) -> None:
+        source, target = "moestream.pipeline.streaming.session", "moestream.gpu.cache.store"
+        assert house.layer_violations({source: {target}}, _folders(source, target)) == []
+
+    @pytest.mark.parametrize("ring", [
+        ["moestream.gpu.backend", "moestream.gpu.cuda", "moestream.gpu.host"],
+        ["moestream.tools.make_trace", "moestream.pipeline.proxy.calibrate"],
+    ])
+    def test_cycle(self, ring: list[str]) -> None:
+        graph = {m: {ring[(i + 1) % len(ring)]} for i, m in enumerate(ring)}
+        assert house.cycles(graph) == [sorted(ring)]
+
+    def test_imports_inside_functions_count(self) -> None:
+        source = "def f():\n    from moestream.pipeline.makers import modelgen\n"
+        assert "moestream.pipeline.makers.modelgen" in house.imports_of(
+            source, "moestream.pipeline.cli.run")
+
+    def test_bare_card_imports_are_seen(self) -> None:
+        assert house.imports_of("import pipeline.run\n", "x") == {"pipeline.run"}
