@@ -35,6 +35,17 @@ class TestTheTree:
             assert link.is_symlink() and link.resolve() == house.ROOT / card
 
 
+class TestOneMiss:
+    """The profile of one cold miss sees the miss's path (printed by ``tests/house.py``)."""
+
+    def test_the_profile_sees_the_read_the_upload_and_the_lease(self) -> None:
+        miss = house.miss_path()
+        assert "ModelReader.read_into" in miss.functions["stages/reader.py"]
+        assert "Uploader.upload" in miss.functions["stages/upload.py"]
+        assert any(path.startswith("moestream/_") for path in miss.functions)
+        assert miss.threads >= 2  # the caller's and the session's loop at least
+
+
 def _folders(*names: str) -> dict[str, str]:
     """Module -> folder, for planted graphs: the name's path less its leaf."""
     out = {}
