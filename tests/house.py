@@ -289,7 +289,7 @@ def miss_path() -> MissPath:
                 tracing = False
         finally:
             sys.setprofile(None)
-            threading.setprofile(None)  # type: ignore[arg-type]
+            threading.setprofile(None)  # type: ignore[arg-type,unused-ignore]
             if previous is None:
                 os.environ.pop("XDG_CACHE_HOME", None)
             else:
