@@ -1,5 +1,6 @@
-"""Closing a run: cleanup that a cancellation cannot stop half-way, and the device parts
-released in their one safe order, their counters kept for the summary."""
+"""Closing a run: cleanup that a cancellation cannot stop half-way, the device parts
+released in their one safe order, their counters kept for the summary, and what to raise
+for experts whose digests will never come."""
 
 from __future__ import annotations
 
@@ -8,10 +9,17 @@ from collections.abc import Coroutine, Sequence
 from typing import Any
 
 from moestream.gpu.cache.store import DeviceCache
+from moestream.pipeline.foundation.errors import (
+    ModelChangedError,
+    MoestreamError,
+    VerificationError,
+)
 from moestream.pipeline.streaming.streamer import ExpertStreamer
 from moestream.pipeline.streaming.summary import RunSummary
+from moestream.pipeline.streaming.verify import Verifier
+from moestream.stages.manifest_build import RunManifest
 
-__all__ = ["close_devices", "finish"]
+__all__ = ["close_devices", "finish", "manifest_failure"]
 
 
 async def finish(work: Coroutine[Any, Any, None]) -> None:
@@ -48,3 +56,20 @@ async def close_devices(summary: RunSummary, streamers: Sequence[ExpertStreamer]
     summary.allocations = sum(d["allocations"] for d in summary.devices)
     summary.frees = sum(d["frees"] for d in summary.devices)
     summary.final_budget_bytes = sum(d["budget_bytes"] for d in summary.devices)
+
+
+def manifest_failure(manifest: RunManifest | None, verifier: Verifier | None,
+                     error: BaseException | None = None) -> MoestreamError | None:
+    """What to raise when the digest manifest's computation stopped (``error``, or the
+    builder's): the experts waiting for it can never be verified. A changed file is a
+    ``ModelChangedError``; any other stop a ``VerificationError``."""
+    builder = manifest.builder if manifest is not None else None
+    error = error or (builder.error if builder is not None else None)
+    if error is None:
+        return None
+    waiting = verifier.unverified if verifier is not None else 0
+    if isinstance(error, ModelChangedError):
+        return ModelChangedError(error.path, f"{error.problem}; {waiting} expert checks "
+                                 "wait for digests that will never be computed")
+    return VerificationError(f"{waiting} expert checks can never be compared with the "
+                             f"file: the digest manifest's computation stopped ({error})")
