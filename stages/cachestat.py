@@ -2,8 +2,8 @@
 
 Why: ``mincore`` fills one byte per page and looks each page up on its own; on a fully
 resident 3.4 GiB file that is 60-70 ms on the dev VM, 0.1 s for 6.8 GiB on the H200's
-host, where the warm-up command's last check after reading sat on its critical path (issue
-26: the command against ``vmtouch -t``). ``cachestat`` counts a range's cached pages inside
+host, where the warm-up command's last check after reading sat on its critical path (the
+command timed against ``vmtouch -t``). ``cachestat`` counts a range's cached pages inside
 the kernel, a large folio at a time: 5 ms for the same 3.4 GiB. It answers counts, not
 which pages, so ``stages.residency.Residency`` (``mincore``) stays for everything that needs
 the page map (what is missing, per-expert reports).

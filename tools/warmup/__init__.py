@@ -64,7 +64,7 @@ def command() -> int:
     Once the command is done, ``gc.freeze`` moves every object out of the collector's reach
     before the interpreter shuts down: its final collection otherwise walks all the objects
     that numpy, gguf and the table made, 50-130 ms on the dev VM (10-20 ms frozen), time in
-    which the command is not done to anyone who waits for it (issue 26 times it against
+    which the command is not done to anyone who waits for it (it is timed against
     ``vmtouch -t``). Nothing is skipped: files, threads and atexit handlers end as before.
     """
     code = main()
