@@ -25,7 +25,8 @@ from moestream.pipeline.foundation.config import RunConfig
 from moestream.pipeline.foundation.errors import UsageError
 from moestream.pipeline.foundation.table import open_table
 from moestream.pipeline.makers.modelgen import spec_for, write_model
-from moestream.pipeline.streaming.streamer import GATHER_BELOW_BYTES, ExpertStreamer, _small_ranges
+from moestream.pipeline.streaming.registered import GATHER_BELOW_BYTES, _small_ranges
+from moestream.pipeline.streaming.streamer import ExpertStreamer
 
 
 def test_small_matrices_gather_large_ones_copy(tiny_model: Path, tmp_path: Path) -> None:

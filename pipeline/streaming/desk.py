@@ -28,7 +28,8 @@ from moestream.pipeline.streaming.lease import (
     unpin_when_landed,
 )
 from moestream.pipeline.streaming.ledger import TokenLedger
-from moestream.pipeline.streaming.streamer import ExpertStreamer, LayerLoad
+from moestream.pipeline.streaming.loads import LayerLoad
+from moestream.pipeline.streaming.streamer import ExpertStreamer
 
 __all__ = ["LastUse", "LeaseDesk"]
 

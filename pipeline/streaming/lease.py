@@ -30,7 +30,8 @@ from moestream.gpu.backend import Event, Stream
 from moestream.gpu.cache.store import DeviceCache, Entry
 from moestream.pipeline.foundation.errors import MoestreamError, StageError, UsageError
 from moestream.pipeline.streaming.arrivals import Arrivals
-from moestream.pipeline.streaming.streamer import ExpertStreamer, LayerLoad
+from moestream.pipeline.streaming.loads import LayerLoad
+from moestream.pipeline.streaming.streamer import ExpertStreamer
 
 __all__ = ["NOT_YET", "Arrival", "EventJoiner", "LayerLease", "LeasePart", "plan_parts",
            "unpin_when_landed"]

@@ -20,7 +20,8 @@ from moestream.gpu.backend import Backend
 from moestream.gpu.cache.store import DeviceCache
 from moestream.pipeline.foundation.machine import process_read_bytes
 from moestream.pipeline.streaming.lease import LayerLease
-from moestream.pipeline.streaming.streamer import ExpertStreamer, StageTimes
+from moestream.pipeline.streaming.loads import StageTimes
+from moestream.pipeline.streaming.streamer import ExpertStreamer
 from moestream.pipeline.streaming.summary import TokenTotals
 
 __all__ = ["DeviceTotals", "TokenLedger"]

@@ -23,7 +23,8 @@ from moestream.gpu.backend import Backend
 from moestream.gpu.cache.store import DeviceCache
 from moestream.gpu.selection import select_backend, visible_devices
 from moestream.pipeline.foundation.config import RunConfig
-from moestream.pipeline.streaming.streamer import ExpertStreamer, IOMode, StageTimes, WarmGate
+from moestream.pipeline.streaming.loads import IOMode, StageTimes, WarmGate
+from moestream.pipeline.streaming.streamer import ExpertStreamer
 from moestream.pipeline.streaming.verify import Digests
 from moestream.stages.reader import ModelReader
 

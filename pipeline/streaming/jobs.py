@@ -1,0 +1,265 @@
+"""The streamer's parts and one expert's job from its read to its delivery.
+
+``ExpertJobs`` is the base of ``ExpertStreamer``: it opens the parts a device's loads go
+through (reader, staging ring, upload streams, installer, the reader pool, the mapping's
+registrar, the host tier, install digests), and carries a miss's job on the worker
+threads (chunks read into a staging slot, or copies out of the page-cache mapping, then
+the upload) and back on the loop (the slot returned, the entry handed to decode). The
+streamer (``streaming.streamer``) decides what to load and starts it; the registered
+path (``streaming.registered``) queues whole layers without jobs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import numpy as np
+import numpy.typing as npt
+
+from moestream.gpu.backend import Backend, Event, Kernels, Stream
+from moestream.gpu.cache.store import DeviceCache, Entry
+from moestream.pipeline.foundation.config import RunConfig
+from moestream.pipeline.foundation.errors import StageError
+from moestream.pipeline.foundation.faults import FaultPlan
+from moestream.pipeline.foundation.table import ExpertTable
+from moestream.pipeline.streaming.loads import IOMode, LayerLoad, LoadJob, StageTimes, WarmGate
+from moestream.pipeline.streaming.verify import DigestRows, Digests
+from moestream.stages.host_tier import HostTier
+from moestream.stages.install import Installer
+from moestream.stages.layout import ExpertLayout, largest_slot_bytes, plan_expert
+from moestream.stages.mapping import ModelMapping
+from moestream.stages.reader import ModelReader
+from moestream.stages.registration import MappingRegistrar
+from moestream.stages.staging import StagingRing
+from moestream.stages.upload import Uploader
+from moestream.stages.workers import WorkerPool
+
+__all__ = ["ExpertJobs"]
+
+
+class ExpertJobs:
+    """A device's loading parts, and the jobs that run through them (arguments: as
+    ``ExpertStreamer``'s)."""
+
+    def __init__(
+        self,
+        config: RunConfig,
+        table: ExpertTable,
+        backend: Backend,
+        cache: DeviceCache,
+        kernels: Kernels,
+        faults: FaultPlan | None = None,
+        primary: ExpertJobs | None = None,
+    ) -> None:
+        self._cfg = config
+        self._primary = primary
+        self._table = table
+        self._backend = backend
+        self._cache = cache
+        self._kernels = kernels
+        self._layouts: dict[tuple[int, int], ExpertLayout] = {}
+        slot_bytes = largest_slot_bytes(table)
+        self.faults = faults
+        self.reader = ModelReader(table.files, direct=True, faults=faults)
+        try:
+            self.ring = StagingRing(backend, config.staging_slots, slot_bytes, faults)
+            self.uploader = Uploader(backend, config.upload_streams, faults)
+        except BaseException:
+            self.reader.close()  # nobody else holds the streamer yet to close it
+            raise
+        self.installer = Installer(cache)
+        self._pool = WorkerPool(config.queue_depth, "moestream-read")
+        self._registrar = MappingRegistrar(table.files, backend, lambda: self.mode == "resident")
+        self._resident_inflight = 0
+        self.host_tier = HostTier(table, self.reader.drop_ranges)
+        self._staged_jobs: set[LoadJob] = set()
+        self.warm_gate: WarmGate | None = None
+        self._resident_idle = asyncio.Event()
+        self.mode: IOMode = "direct"
+        self.times = StageTimes()
+        self._times_lock = threading.Lock()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        ahead = config.lookahead if config.prefetch == "oracle" else 0
+        capacity = (len(table.layers) + ahead) * table.top_k
+        self.digests = DigestRows(kernels, capacity) if config.verify else None
+
+    def layout(self, key: tuple[int, int]) -> ExpertLayout:
+        """The staging/device layout of an expert (cached: offsets never change)."""
+        layout = self._layouts.get(key)
+        if layout is None:
+            layout = plan_expert(self._table.slices(key))
+            self._layouts[key] = layout
+        return layout
+
+    def device_bytes(self, layer: int) -> int:
+        return self.layout((layer, 0)).device_bytes
+
+    @property
+    def pinned_bytes(self) -> int:
+        """Model bytes page-locked by us right now (registered mapping windows)."""
+        return self._registrar.pinned_bytes
+
+    @property
+    def mapping(self) -> ModelMapping | None:
+        return self._primary.mapping if self._primary is not None else self._registrar.mapping
+
+    def take_digests(self, *, wait: bool = False) -> Digests:
+        """The install digests of the experts loaded since the last call whose copies have
+        run (``wait``: of all of them; ``DigestRows.take``)."""
+        if self.digests is None:
+            return Digests.none()
+        return self.digests.take(wait=wait)
+
+    def _add_time(self, name: str, since: float) -> None:
+        elapsed = (time.perf_counter() - since) * 1000.0
+        with self._times_lock:
+            setattr(self.times, name, getattr(self.times, name) + elapsed)
+
+    def _read_chunk(self, job: LoadJob, file_offset: int, slot_offset: int, nbytes: int) -> None:
+        """Worker: one chunk into the job's slot; the last chunk of a job uploads it."""
+        assert job.slot is not None
+        reuse_wait_s = 0.0
+        try:
+            if job.error is None:
+                t0 = time.perf_counter()
+                job.slot.wait_reusable()
+                reuse_wait_s = time.perf_counter() - t0
+                self._add_time("stage_ms", t0)
+                t0 = time.perf_counter()
+                dst = job.slot.array[slot_offset : slot_offset + nbytes]
+                self.reader.read_into(dst, file_offset, direct=job.mode == "direct")
+                self._add_time("read_ms", t0)
+        except BaseException as exc:  # handed to the loop; the expert is never installed
+            job.error = job.error or exc
+        with job.lock:
+            job.reuse_wait_s = max(job.reuse_wait_s, reuse_wait_s)
+            job.remaining -= 1
+            last = job.remaining == 0
+        if last:
+            self._finish(job)
+
+    def _finish(self, job: LoadJob) -> None:
+        """Worker: upload a fully read (or failed) expert and tell the loop."""
+        event: Event | None = None
+        # the chunks waited for the slot's last upload, concurrently, then read: the
+        # longest wait counts as slot time at the start, the rest as reading
+        read_done = time.perf_counter()
+        began = job.phases.start if job.phases.start is not None else read_done
+        job.phases.mark("slot", min(began + job.reuse_wait_s, read_done))
+        job.phases.mark("read", read_done)
+        if job.error is None:
+            try:
+                assert job.slot is not None
+                slot = job.slot.array
+                pieces = [
+                    (s.device_offset,
+                     slot[s.slot_offset + s.skip : s.slot_offset + s.skip + s.nbytes])
+                    for s in job.layout.ranges
+                ]
+                event = self._upload(job, pieces)
+            except BaseException as exc:
+                job.error = exc
+            job.phases.mark("upload")
+        self._notify(job, event)
+
+    def _resident_job(self, job: LoadJob) -> None:
+        """Worker (host backend): copy an expert straight from the page-cache mapping."""
+        event: Event | None = None
+        try:
+            mapping = self.mapping
+            if mapping is None:
+                raise StageError("resident load started after the mapping was closed")
+            t0 = time.perf_counter()
+            event = self._resident_upload(job, mapping)
+            self._add_time("read_ms", t0)
+        except BaseException as exc:
+            job.error = exc
+        job.phases.mark("upload")  # a copy out of the page cache (waiting for a worker too)
+        self._notify(job, event)
+
+    def _resident_upload(self, job: LoadJob, mapping: ModelMapping) -> Event | None:
+        """Queue the copies of an expert straight from the mapping (any thread)."""
+        pieces = [
+            (s.device_offset + at, view)
+            for s in job.layout.ranges
+            for at, view in mapping.pieces(s.file_offset, s.nbytes)
+        ]
+        try:
+            return self._upload(job, pieces)
+        except BaseException as exc:
+            job.error = exc
+            return None
+
+    def _upload(self, job: LoadJob, pieces: list[tuple[int, npt.NDArray[np.uint8]]]) -> Event:
+        t0 = time.perf_counter()
+        digest = None
+        if job.digest_row >= 0:
+            ranges = [(s.device_offset, s.nbytes) for s in job.layout.ranges]
+
+            def digest(stream: Stream) -> None:
+                self._kernels.digest3(
+                    job.entry.buffer, ranges, job.digest_results, job.digest_row, stream
+                )
+
+        with self._backend.activate():  # workers: CUDA's current device is per thread
+            event = self.uploader.upload(job.entry, pieces, job.stream, digest)
+        self._add_time("upload_ms", t0)
+        return event
+
+    def _notify(self, job: LoadJob, event: Event | None) -> None:
+        assert self._loop is not None
+        self._loop.call_soon_threadsafe(self._arrived, job, event)
+
+    def _arrived(self, job: LoadJob, event: Event | None, *, counted: bool = True) -> None:
+        """Loop: return the slot (busy until the upload is done) and pass the entry on."""
+        if self.digests is not None and job.digest_row >= 0:
+            if job.error is None:
+                self.digests.complete(job.digest_results, job.digest_row, event)
+            else:
+                self.digests.drop(job.digest_results, job.digest_row)
+        if job.slot is not None:
+            self._staged_jobs.discard(job)
+            self.ring.release(job.slot, event)
+        elif counted:
+            self._resident_inflight -= 1
+            if self._resident_inflight == 0:
+                self._resident_idle.set()
+        if job.error is None:
+            self.installer.submit((job.entry,))
+        self._deliver(job.load, job.entry, job.error)
+
+    def _deliver(self, load: LayerLoad, entry: Entry, error: BaseException | None) -> None:
+        """Loop: hand a miss (or its failure) to the decoder; the last one lifts the gate."""
+        assert load.arrived is not None
+        load.arrived.put_nowait((entry, error))
+        if entry.loaded is not None and not entry.loaded.done():
+            # a later layer's lookup may be waiting on this load (prefetch, dedup)
+            if error is None:
+                entry.loaded.set_result(None)
+            else:
+                entry.loaded.set_exception(StageError(f"load of {entry.key} failed: {error}"))
+                entry.loaded.exception()  # retrieved here too: no "never retrieved" warning
+        if error is not None and self._cache.get(entry.key) is entry:
+            self._cache.drop(entry.key)  # failed: never a hit (its lease, if any, is told)
+        self._delivered(load, 1)
+
+    @staticmethod
+    def _delivered(load: LayerLoad, n: int) -> None:
+        """``n`` more of the load's misses were handed on; the last one lifts the gate."""
+        load.delivered += n
+        if load.delivered == len(load.plan.misses) and load.gate is not None:
+            load.gate.resume()
+
+    def poll_installs(self) -> None:
+        if not self.installer.pending:  # the common case when warm: nothing to look at
+            return
+        t0 = time.perf_counter()
+        self.installer.poll()
+        self._add_time("install_ms", t0)
+
+    def take_times(self) -> StageTimes:
+        with self._times_lock:
+            times, self.times = self.times, StageTimes()
+        return times

@@ -1,0 +1,195 @@
+"""Resident misses queued a whole layer at once from the registered mapping, and the
+choice between the gather kernel and the copy engines for them.
+
+When every miss of a layer lies in mapping windows registered with the device (resident
+mode on a GPU, the steady state), ``RegisteredLayers`` queues the layer on the loop thread
+under one device activation: each expert's copies, install digest and event, then one
+callback hands the layer's misses to decode; no job, worker or thread hop per expert.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from moestream.gpu.backend import Backend, Event, Kernels
+from moestream.gpu.cache.store import DeviceCache, Entry
+from moestream.pipeline.foundation.config import RunConfig
+from moestream.pipeline.foundation.faults import FaultPlan
+from moestream.pipeline.foundation.table import ExpertTable
+from moestream.pipeline.foundation.timesplit import LoadPhases
+from moestream.pipeline.streaming.jobs import ExpertJobs
+from moestream.pipeline.streaming.loads import LayerLoad, MappedCopies
+from moestream.stages.mapping import ModelMapping
+from moestream.stages.upload import gather_rows
+
+__all__ = ["GATHER_BELOW_BYTES", "RegisteredLayers"]
+
+
+GATHER_BELOW_BYTES = 2 << 20
+"""Resident misses go through the gather kernel when an expert's matrices average under
+2 MiB, and through the copy engines otherwise. Below that size a layer holds many misses
+and the host's work per miss bounds the rate: one gather launch copies and digests a whole
+layer, where the copy engines take a batched copy and a digest launch, and the gather
+measured faster there; from 2 MiB up the copy engines match or beat it and leave the SMs
+to the engine. The H200 measurements behind the line: ``bench/results/gather-below-bytes.md``."""
+
+
+def _small_ranges(table: ExpertTable) -> bool:
+    """Whether the model's experts are made of matrices small enough for the gather."""
+    ranges = table.slices((table.moe_layers[0], 0)).ranges
+    return sum(r.nbytes for r in ranges) / len(ranges) < GATHER_BELOW_BYTES
+
+
+class RegisteredLayers(ExpertJobs):
+    """The registered path of a streamer (arguments: as ``ExpertStreamer``'s)."""
+
+    def __init__(
+        self,
+        config: RunConfig,
+        table: ExpertTable,
+        backend: Backend,
+        cache: DeviceCache,
+        kernels: Kernels,
+        faults: FaultPlan | None = None,
+        primary: ExpertJobs | None = None,
+    ) -> None:
+        super().__init__(config, table, backend, cache, kernels, faults, primary)
+        # registered copies by key, valid for the mapping they were cut from: its windows
+        # are only ever added while it lives, and a released mapping is never current again
+        self._sources: dict[tuple[int, int], MappedCopies] = {}
+        self._sources_of: ModelMapping | None = None
+        self._gathers = config.gather and backend.maps_host and _small_ranges(table)
+
+    def _registered_sources(self, misses: Sequence[Entry]) -> list[MappedCopies] | None:
+        """Every miss's copies from the registered mapping, or None unless all of them can
+        copy from it now (resident mode, a GPU, every range in registered windows)."""
+        if self.mode != "resident" or not self._backend.registers_host:
+            return None
+        mapping = self.mapping
+        if mapping is None:
+            return None
+        if self._sources_of is not mapping:
+            self._sources.clear()
+            self._sources_of = mapping
+        out: list[MappedCopies] = []
+        for entry in misses:
+            source = self._sources.get(entry.key)
+            if source is None:
+                ranges = self.layout(entry.key).ranges
+                if not all(mapping.is_registered(s.file_offset, s.nbytes) for s in ranges):
+                    return None
+                # only what this streamer's path reads: the gather's copies, or the copy
+                # engines' pieces and their digest's ranges
+                if self._gathers:
+                    source = MappedCopies(gather_rows(
+                        [(s.device_offset, mapping.address(s.file_offset), s.nbytes)
+                         for s in ranges]), [], [])
+                else:
+                    source = MappedCopies(
+                        [], [(s.device_offset + at, mapping.address(s.file_offset + at), n)
+                         for s in ranges for at, n in mapping.spans(s.file_offset, s.nbytes)],
+                        [(s.device_offset, s.nbytes) for s in ranges])
+                self._sources[entry.key] = source
+            out.append(source)
+        return out
+
+    def _forget_sources(self) -> None:
+        """The mapping is being released: no copy may be cut from it any more."""
+        self._sources.clear()
+        self._sources_of = None
+
+    def _queue_registered(self, load: LayerLoad, sources: Sequence[MappedCopies],
+                          phases: LoadPhases) -> None:
+        """Loop: queue a whole layer's misses from the registered mapping, in one pass.
+
+        Where the device reads registered memory in place (``Backend.maps_host``, and
+        ``RunConfig.gather``), the layer is one ``gather`` launch: every range copied and
+        digested as it is written, one event for the layer. Otherwise the layer's copies
+        are one batched copy on the copy engines, its install digests one launch after
+        them, one event (``Uploader.upload_layer``). Either way: the device waits for each
+        buffer's last reader first, a failed upload fails that expert only, there is no
+        job, worker or ``call_soon_threadsafe`` per expert, and a single callback delivers
+        the layer's misses to whoever waits on ``load.arrived`` (it runs after this
+        returns, so a caller may still swap that queue, as ``pipeline.streaming.lease`` does). An
+        entry is visible only after its upload event.
+        """
+        digests = self.digests
+        misses = load.plan.misses
+        arrived: list[tuple[Entry, BaseException | None]] = []
+        landed: list[Entry] = []  # installed once their (shared) event completes
+        t0 = time.perf_counter()
+        try:
+            rows: list[tuple[Any, int]] = []
+            phases.begin(t0)
+            self.host_tier.missed([entry.key for entry in misses])
+            if digests is not None:
+                rows = [digests.reserve(entry.key) for entry in misses]
+            with self._backend.activate():  # CUDA's current device, once for the layer
+                events = (self._gather(misses, sources, rows) if self._gathers
+                          else self._copy(misses, sources, rows))
+            phases.mark("upload", time.perf_counter())  # queued: the device copy shows
+            load.launched += len(misses)                 # where decode waits
+            for i, (entry, event) in enumerate(zip(misses, events, strict=True)):
+                if isinstance(event, Exception):
+                    if digests is not None:
+                        digests.drop(*rows[i])
+                    arrived.append((entry, event))
+                    continue
+                if digests is not None:
+                    digests.complete(*rows[i], event)
+                landed.append(entry)
+                arrived.append((entry, None))
+        except BaseException as exc:  # interrupted: every miss not delivered fails with it
+            if digests is not None:
+                for row in rows[len(arrived) :]:
+                    digests.drop(*row)
+            arrived.extend((entry, exc) for entry in misses[len(arrived) :])
+            raise
+        finally:
+            self.installer.submit(landed)
+            self._add_time("upload_ms", t0)
+            assert self._loop is not None
+            self._loop.call_soon(self._deliver_layer, load, arrived)
+
+    def _gather(self, misses: Sequence[Entry], sources: Sequence[MappedCopies],
+                rows: Sequence[tuple[Any, int]]) -> list[Event | Exception]:
+        """One launch: each range's digest goes straight into its results row."""
+        digests = self.digests
+        ats = ([digests.address(*row) for row in rows] if rows and digests is not None
+               else [0] * len(misses))
+        return self.uploader.gather(self._kernels, [
+            (entry, source.rows, at)
+            for entry, source, at in zip(misses, sources, ats, strict=True)])
+
+    def _copy(self, misses: Sequence[Entry], sources: Sequence[MappedCopies],
+              rows: Sequence[tuple[Any, int]]) -> list[Event | Exception]:
+        """On the copy engines: the layer's copies as one batched copy on one stream, and
+        (verified) their install digests in one launch after them."""
+        items = []
+        for i, (entry, source) in enumerate(zip(misses, sources, strict=True)):
+            digests: list[tuple[int, int, int]] = []
+            if rows:
+                assert self.digests is not None
+                at = self.digests.address(*rows[i])
+                digests = [(offset, nbytes, at + 16 * m)
+                           for m, (offset, nbytes) in enumerate(source.ranges)]
+            items.append((entry, source.copies, digests))
+        return self.uploader.upload_layer(self._kernels, items)
+
+    def _deliver_layer(self, load: LayerLoad,
+                       arrived: Sequence[tuple[Entry, BaseException | None]]) -> None:
+        """Loop: hand a queued layer's misses (or their failures) to the decoder at once."""
+        if any(error is not None for _, error in arrived):
+            for entry, error in arrived:
+                self._deliver(load, entry, error)
+            return
+        # all queued (the common case): ``_deliver``'s work without a call a miss
+        assert load.arrived is not None
+        load.arrived.put_many(arrived)
+        for entry, _ in arrived:
+            loaded = entry.loaded
+            if loaded is not None and not loaded.done():
+                loaded.set_result(None)  # a later layer's lookup may wait on it
+        self._delivered(load, len(arrived))
