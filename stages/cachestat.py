@@ -54,7 +54,7 @@ def cached_bytes(fd: int, ranges: Iterable[tuple[int, int]]) -> int | None:
     """Resident bytes inside ``(offset, nbytes)`` ranges of an open file, counted as
     ``Residency.resident_bytes_each`` counts them: a resident page adds the bytes of it that
     the range covers. Ranges lie inside the file and are disjoint (a byte in two counts
-    twice; ``moestream.stages.residency.ranges_by_file`` gives such ranges).
+    twice; ``moestream.stages.page_ranges.ranges_by_file`` gives such ranges).
 
     Returns:
         The sum, or None where the kernel has no ``cachestat`` (use ``mincore``).

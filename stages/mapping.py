@@ -22,7 +22,7 @@ import structlog
 
 from moestream.gpu.backend import Backend
 from moestream.pipeline.foundation.files import ModelFile, model_files, open_checked
-from moestream.stages.residency import libc
+from moestream.stages.libc import libc
 
 __all__ = ["ModelMapping"]
 

@@ -1,8 +1,8 @@
-"""Page-cache residency of the model file: measure it, fill it, drop it, pin it.
+"""Page-cache residency of the model file: measure it, fill it, drop it.
 
 Resident mode (DESIGN.md section 3) only pays off when the model's pages really are in RAM,
 and the controller must know how much is, cheaply and often, on a 40+ GB file. This module
-is the one place that talks to the kernel about that; the residency controller and the
+is the one place that asks the kernel about that; the residency controller and the
 ``tools.warmup`` CLI both go through it:
 
 - ``Residency.of_file`` asks ``mincore`` over a read-only mapping of the file, mapped in
@@ -12,11 +12,12 @@ is the one place that talks to the kernel about that; the residency controller a
   (pages still mapped or pinned elsewhere stay).
 - ``hint_willneed`` issues ``WILLNEED`` in 8 MiB pieces, because the kernel loads only about
   8 MiB per call.
-- ``lock_pages`` pins ranges with ``mlock`` on a mapping, like ``vmtouch -l``, and names
-  ``RLIMIT_MEMLOCK`` when the kernel refuses.
 
-Filling the cache in the background (``WarmEngine``: threads, byte rate, pause/resume)
-lives in ``moestream.stages.warm``, which builds on the hints here.
+Pinning pages (``lock_pages``, ``PageLock``) lives in ``moestream.stages.pagelock``, the libc
+calls in ``moestream.stages.libc`` and the range arithmetic in ``moestream.stages.page_ranges``;
+their names are importable from here too. Filling the cache in the background
+(``WarmEngine``: threads, byte rate, pause/resume) lives in ``moestream.stages.warm``, which
+builds on the hints here.
 
 Byte ranges are anything with ``offset`` and ``nbytes`` (``pipeline.foundation.table.ByteRange`` and
 ``TensorInfo`` both fit). Ranges need not be page aligned; page-level answers count every
@@ -25,29 +26,32 @@ page a range touches, byte-level answers (``resident_bytes``) count only the ran
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
-import errno
-import mmap
 import os
-import resource
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from types import TracebackType
-from typing import Protocol
 
 import numpy as np
 import structlog
 
 from moestream.pipeline.foundation.errors import ResidencyError
-from moestream.pipeline.foundation.files import ModelFile, open_checked, pieces
+from moestream.pipeline.foundation.files import ModelFile, open_checked
 from moestream.pipeline.foundation.table import ByteRange
 from moestream.stages.cachestat import cached_bytes
+from moestream.stages.libc import PAGE_BYTES, FileRef, libc, opened
+from moestream.stages.page_ranges import (
+    RangeLike,
+    coalesce,
+    file_ranges,
+    page_cover,
+    ranges_by_file,
+)
+from moestream.stages.pagelock import PageLock, lock_pages
 
 __all__ = [
     "HINT_BYTES",
     "PAGE_BYTES",
+    "FileRef",
     "PageLock",
     "RangeLike",
     "Residency",
@@ -55,152 +59,29 @@ __all__ = [
     "evict",
     "file_ranges",
     "hint_willneed",
+    "libc",
     "lock_pages",
+    "ranges_by_file",
     "resident_bytes_of",
     "resident_pages",
 ]
-
-PAGE_BYTES = mmap.PAGESIZE
-"""The kernel page size: the unit of residency."""
 
 HINT_BYTES = 8 << 20
 """One ``WILLNEED`` call loads about this much; larger hints are split."""
 
 _WINDOW_BYTES = 256 << 20  # mincore mapping window: bounds address space, splits work
 _MINCORE_THREADS = min(8, os.cpu_count() or 1)
-_MAP_FAILED = ctypes.c_void_p(-1).value
-_MAP_FIXED = 0x10  # Linux values; Python's mmap module exports neither
-_PROT_NONE = 0
-_MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000)
 
 _log = structlog.get_logger("moestream.residency")
 
 
-class RangeLike(Protocol):
-    """A contiguous byte range of a file (``ByteRange``, ``TensorInfo``)."""
-
-    @property
-    def offset(self) -> int: ...
-
-    @property
-    def nbytes(self) -> int: ...
-
-
-FileRef = str | os.PathLike[str] | int
-"""A path, or an open file descriptor (which stays owned by the caller)."""
-
-
-class _Libc:
-    """The few libc calls Python's ``mmap`` module does not expose, with errno kept."""
-
-    def __init__(self) -> None:
-        libc = ctypes.CDLL(None, use_errno=True)
-        self.mmap = libc.mmap
-        self.mmap.restype = ctypes.c_void_p
-        self.mmap.argtypes = [
-            ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
-            ctypes.c_long,
-        ]
-        self.munmap = libc.munmap
-        self.munmap.restype = ctypes.c_int
-        self.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-        self.mincore = libc.mincore
-        self.mincore.restype = ctypes.c_int
-        self.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-        self.mlock = libc.mlock
-        self.mlock.restype = ctypes.c_int
-        self.mlock.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-        self.munlock = libc.munlock
-        self.munlock.restype = ctypes.c_int
-        self.munlock.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-
-    def reserve(self, length: int, what: str) -> int:
-        """An inaccessible region of ``length`` bytes of address space (no memory), for
-        ``map_read(fixed=...)`` to place files in; ``munmap`` frees it and them."""
-        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE
-        addr = self.mmap(None, length, _PROT_NONE, flags, -1, 0)
-        if addr is None or addr == _MAP_FAILED:
-            err = ctypes.get_errno()
-            raise ResidencyError(f"{what}: reserving {length} bytes of address space failed: "
-                                 f"{os.strerror(err)}")
-        return int(addr)
-
-    def map_read(self, fd: int, offset: int, length: int, what: str, *,
-                 fixed: int | None = None) -> int:
-        """Map ``length`` bytes of ``fd`` at page-aligned ``offset``, read-only and shared;
-        at address ``fixed`` (inside a ``reserve``d region) when given."""
-        flags = mmap.MAP_SHARED | (_MAP_FIXED if fixed is not None else 0)
-        addr = self.mmap(fixed, length, mmap.PROT_READ, flags, fd, offset)
-        if addr is None or addr == _MAP_FAILED:
-            err = ctypes.get_errno()
-            raise ResidencyError(
-                f"{what}: mmap of {length} bytes at offset {offset} failed: {os.strerror(err)}"
-            )
-        return int(addr)
-
-    def mincore_into(self, addr: int, length: int, out_addr: int, what: str) -> None:
-        """``mincore`` of a mapping into the vector at ``out_addr``, raising on failure."""
-        if self.mincore(addr, length, out_addr) != 0:
-            err = ctypes.get_errno()
-            raise ResidencyError(f"{what}: mincore: {os.strerror(err)}")
-
-    def all_resident(self, addr: int, length: int, what: str) -> bool:
-        """Whether every page of an existing mapping (page-aligned ``addr``) is in the page
-        cache: ``mincore`` on the caller's mapping, no new one, so a check of one window
-        costs only that window's page lookups."""
-        vec = np.empty(-(-length // PAGE_BYTES), dtype=np.uint8)
-        self.mincore_into(addr, length, vec.ctypes.data, what)
-        return bool((vec & 1).all())
-
-
-_libc = _Libc()
-libc = _libc  # public: moestream.stages.mapping maps the model through it
-
-
-def coalesce(ranges: Iterable[RangeLike]) -> list[ByteRange]:
-    """The union of ``ranges`` as sorted, disjoint, non-adjacent ``ByteRange``s.
-
-    Empty ranges are dropped.
-    """
-    spans = sorted((r.offset, r.offset + r.nbytes) for r in ranges if r.nbytes > 0)
-    merged: list[list[int]] = []
-    for start, end in spans:
-        if merged and start <= merged[-1][1]:
-            merged[-1][1] = max(merged[-1][1], end)
-        else:
-            merged.append([start, end])
-    return [ByteRange(start, end - start) for start, end in merged]
-
-
-def _page_cover(r: RangeLike) -> tuple[int, int]:
-    """First page and one past the last page that range ``r`` touches."""
-    return r.offset // PAGE_BYTES, -(-(r.offset + r.nbytes) // PAGE_BYTES)
-
-
-@contextlib.contextmanager
-def _opened(target: FileRef) -> Iterator[tuple[int, str]]:
-    """An fd for ``target`` and a name for messages; closes only what it opened."""
-    if isinstance(target, int):
-        yield target, f"fd {target}"
-        return
-    name = os.fspath(target)
-    try:
-        fd = os.open(name, os.O_RDONLY | os.O_CLOEXEC)
-    except OSError as exc:
-        raise ResidencyError(f"{name}: cannot open: {exc.strerror}") from None
-    try:
-        yield fd, name
-    finally:
-        os.close(fd)
-
-
 def _mincore_window(fd: int, start: int, length: int, out_addr: int, what: str) -> None:
     """``mincore`` of one window of the file into the vector at ``out_addr``."""
-    addr = _libc.map_read(fd, start, length, what)
+    addr = libc.map_read(fd, start, length, what)
     try:
-        _libc.mincore_into(addr, length, out_addr, f"{what} at offset {start}")
+        libc.mincore_into(addr, length, out_addr, f"{what} at offset {start}")
     finally:
-        _libc.munmap(addr, length)
+        libc.munmap(addr, length)
 
 
 def _mincore(fd: int, file_bytes: int, what: str) -> np.ndarray:
@@ -255,7 +136,7 @@ class Residency:
         Raises:
             ResidencyError: the file cannot be opened or mapped.
         """
-        with _opened(target) as (fd, name):
+        with opened(target) as (fd, name):
             file_bytes = os.fstat(fd).st_size
             vec = _mincore(fd, file_bytes, name)
         pages = (vec & 1).astype(bool)
@@ -351,7 +232,7 @@ class Residency:
         """A bool per page: True for every page some range touches."""
         mask = np.zeros(self.n_pages, dtype=bool)
         for r in coalesce(ranges):
-            first, stop = _page_cover(r)
+            first, stop = page_cover(r)
             mask[first:min(stop, self.n_pages)] = True
         return mask
 
@@ -370,7 +251,7 @@ class Residency:
             end = min(r.offset + r.nbytes, self.file_bytes)
             if end <= r.offset:
                 continue
-            first, stop = _page_cover(ByteRange(r.offset, end - r.offset))
+            first, stop = page_cover(ByteRange(r.offset, end - r.offset))
             absent = ~self.pages[first:stop]
             if not absent.any():
                 continue
@@ -417,7 +298,7 @@ def evict(
     Returns:
         Bytes (whole pages) that were resident before and are not after.
     """
-    with _opened(target) as (fd, name):
+    with opened(target) as (fd, name):
         if sync:
             try:
                 os.fdatasync(fd)
@@ -429,7 +310,7 @@ def evict(
         )
         asked = 0
         for r in spans:
-            first, stop = _page_cover(r)
+            first, stop = page_cover(r)
             start, length = first * PAGE_BYTES, (stop - first) * PAGE_BYTES
             asked += r.nbytes
             _fadvise(fd, start, length, os.POSIX_FADV_DONTNEED, name)
@@ -454,31 +335,6 @@ def hint_willneed(fd: int, ranges: Iterable[RangeLike], *, piece_bytes: int = HI
             _fadvise(fd, offset, length, os.POSIX_FADV_WILLNEED, f"fd {fd}")
             calls += 1
     return calls
-
-
-def _memlock_text(value: int) -> str:
-    if value == resource.RLIM_INFINITY:
-        return "unlimited"
-    return f"{value} bytes ({value / 2**20:.1f} MiB)"
-
-
-def file_ranges(files: Sequence[ModelFile]) -> list[ByteRange]:
-    """Every file of a model whole, as ranges of its address space (no padding)."""
-    return [ByteRange(f.base, f.nbytes) for f in files]
-
-
-def ranges_by_file(
-    files: Sequence[ModelFile], ranges: Iterable[RangeLike] | None = None
-) -> list[tuple[ModelFile, list[ByteRange]]]:
-    """``ranges`` of a model's address space (every file whole when None) as each file's own
-    ranges, for the calls that work on one file (``evict``, ``lock_pages``)."""
-    wanted = file_ranges(files) if ranges is None else coalesce(ranges)
-    out: dict[int, tuple[ModelFile, list[ByteRange]]] = {}
-    for r in wanted:
-        for part in pieces(files, r.offset, r.nbytes):
-            out.setdefault(part.file.base, (part.file, []))[1].append(
-                ByteRange(part.local, part.nbytes))
-    return list(out.values())
 
 
 def resident_bytes_of(files: Sequence[ModelFile],
@@ -514,88 +370,3 @@ def resident_bytes_of(files: Sequence[ModelFile],
         for fd in fds.values():
             os.close(fd)
 
-
-class PageLock:
-    """Pages of a file pinned in RAM with ``mlock``; they stay until ``unlock()``.
-
-    The mappings this object holds must stay alive while the pages are to stay pinned;
-    ``unlock()`` (or leaving the ``with`` block) unlocks and unmaps them.
-    """
-
-    def __init__(self, name: str, maps: list[tuple[int, int]]) -> None:
-        self.name = name
-        self._maps = maps
-
-    @classmethod
-    def joined(cls, name: str, locks: Iterable[PageLock]) -> PageLock:
-        """One lock holding what ``locks`` held (a model's files locked one by one)."""
-        return cls(name, [m for lock in locks for m in lock._maps])
-
-    @property
-    def locked_bytes(self) -> int:
-        return sum(length for _, length in self._maps)
-
-    def unlock(self) -> None:
-        """Unlock and unmap every locked range (idempotent)."""
-        while self._maps:
-            addr, length = self._maps.pop()
-            _libc.munlock(addr, length)
-            _libc.munmap(addr, length)
-        _log.debug("residency.unlock", path=self.name)
-
-    def __enter__(self) -> PageLock:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.unlock()
-
-    def __repr__(self) -> str:
-        return f"PageLock(name={self.name!r}, locked_bytes={self.locked_bytes})"
-
-
-def lock_pages(target: FileRef, ranges: Iterable[RangeLike] | None = None) -> PageLock:
-    """Pin the pages of ``ranges`` (whole file when None) in RAM, loading them first.
-
-    Returns:
-        A ``PageLock``; the pages stay pinned until its ``unlock()``.
-
-    Raises:
-        ResidencyError: ``mlock`` refused (the message gives ``RLIMIT_MEMLOCK`` and the bytes
-            asked), or the file could not be mapped.
-    """
-    with _opened(target) as (fd, name):
-        file_bytes = os.fstat(fd).st_size
-        spans = [ByteRange(0, file_bytes)] if ranges is None else coalesce(ranges)
-        covers = []
-        for r in spans:
-            first, stop = _page_cover(r)
-            stop = min(stop, -(-file_bytes // PAGE_BYTES))
-            if stop > first:
-                covers.append((first * PAGE_BYTES, (stop - first) * PAGE_BYTES))
-        asked = sum(length for _, length in covers)
-        lock = PageLock(name, [])
-        try:
-            for offset, length in covers:
-                addr = _libc.map_read(fd, offset, length, name)
-                if _libc.mlock(addr, length) != 0:
-                    err = ctypes.get_errno()
-                    _libc.munmap(addr, length)
-                    soft, hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
-                    code = errno.errorcode.get(err, str(err))
-                    raise ResidencyError(
-                        f"{name}: mlock of {asked} bytes ({asked / 2**30:.2f} GiB) refused "
-                        f"({code}: {os.strerror(err)}); RLIMIT_MEMLOCK is {_memlock_text(soft)} "
-                        f"(hard {_memlock_text(hard)}): raise it (ulimit -l) or run with "
-                        "CAP_IPC_LOCK"
-                    )
-                lock._maps.append((addr, length))
-        except BaseException:
-            lock.unlock()
-            raise
-    _log.info("residency.lock", path=name, locked_bytes=asked)
-    return lock
