@@ -22,11 +22,11 @@ from __future__ import annotations
 import asyncio
 import functools
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
 
 import structlog
 
 from moestream.gpu.backend import Backend, DeviceBuffer, Event
+from moestream.gpu.cache.entries import CacheCounters, Entry, LayerPlan
 from moestream.gpu.cache.policy import CacheIndex, ExpertKey, make_policy
 from moestream.gpu.cache.pool import BufferPool
 from moestream.pipeline.foundation.errors import DeviceMemoryError, UsageError
@@ -35,53 +35,6 @@ from moestream.pipeline.foundation.faults import FaultPlan
 __all__ = ["CacheCounters", "DeviceCache", "Entry", "LayerPlan"]
 
 _log = structlog.get_logger("moestream.cache")
-
-
-@dataclass(slots=True, eq=False)
-class Entry:
-    """One cached expert: its device buffer and the events that order its use.
-
-    ``reuse_after``: the upload into ``buffer`` must wait for it (the previous owner's last
-    compute). ``upload``: completes when all bytes are on the device. ``last_use``: the
-    last compute queued on this entry; the buffer outlives it.
-    """
-
-    key: ExpertKey
-    buffer: DeviceBuffer
-    nbytes: int
-    reuse_after: Event | None = None
-    upload: Event | None = None
-    last_use: Event | None = None
-    ready: bool = False
-    pins: int = 0
-    loaded: asyncio.Future[None] | None = None
-
-
-@dataclass(slots=True)
-class CacheCounters:
-    """Running totals; the run loop takes per-token deltas."""
-
-    lookups: int = 0
-    hits: int = 0
-    misses: int = 0
-    evictions: int = 0
-    bytes_from_cache: int = 0
-    bytes_from_file: int = 0
-    allocations: int = 0
-    frees: int = 0
-    peak_device_bytes: int = 0
-    prefetched: int = 0
-    bytes_prefetched: int = 0
-    budget_shrinks: int = 0
-
-
-@dataclass(slots=True)
-class LayerPlan:
-    """One layer's lookup: entries already cached (or in flight), and new ones to load."""
-
-    hits: list[Entry] = field(default_factory=list)
-    misses: list[Entry] = field(default_factory=list)
-    evicted: int = 0
 
 
 class DeviceCache:
