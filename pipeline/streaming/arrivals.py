@@ -1,10 +1,10 @@
 """``Arrivals``: the queue a layer's landed loads reach their lease through.
 
 ``asyncio.Queue`` did the job, but it also counts tasks for ``join`` and keeps putters
-for a bound no arrival queue has; on the fine-grained shape of issue 26 (200 misses a
-token) its ``put_nowait`` and ``get_nowait`` were a visible share of a warm miss's host
-time. This keeps what a lease uses: ``put_nowait`` (and ``put_many``), ``get_nowait``
-(and ``take_all``), ``empty`` and ``get``, for the event loop's thread only.
+for a bound no arrival queue has; on a fine-grained shape (200 misses a token) its
+``put_nowait`` and ``get_nowait`` were a visible share of a warm miss's host time. This
+keeps what a lease uses: ``put_nowait`` (and ``put_many``), ``get_nowait`` (and
+``take_all``), ``empty`` and ``get``, for the event loop's thread only.
 """
 
 from __future__ import annotations

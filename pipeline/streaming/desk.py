@@ -20,9 +20,9 @@ from moestream.gpu.backend import Event
 from moestream.gpu.cache.store import DeviceCache, Entry
 from moestream.pipeline.foundation.errors import UsageError
 from moestream.pipeline.foundation.table import ExpertTable
-from moestream.pipeline.streaming.lease import (
+from moestream.pipeline.streaming.lease import LayerLease
+from moestream.pipeline.streaming.lease_parts import (
     EventJoiner,
-    LayerLease,
     LeasePart,
     plan_parts,
     unpin_when_landed,

@@ -21,58 +21,25 @@ from __future__ import annotations
 import asyncio
 import functools
 import time
-from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from moestream.gpu.backend import Event, Stream
-from moestream.gpu.cache.store import DeviceCache, Entry
+from moestream.gpu.backend import Event
+from moestream.gpu.cache.store import Entry
 from moestream.pipeline.foundation.errors import MoestreamError, StageError, UsageError
 from moestream.pipeline.streaming.arrivals import Arrivals
+from moestream.pipeline.streaming.lease_parts import (
+    EventJoiner,
+    LeasePart,
+    plan_parts,
+    unpin,
+    unpin_when_landed,
+)
 from moestream.pipeline.streaming.loads import LayerLoad
-from moestream.pipeline.streaming.streamer import ExpertStreamer
 
 __all__ = ["NOT_YET", "Arrival", "EventJoiner", "LayerLease", "LeasePart", "plan_parts",
            "unpin_when_landed"]
-
-
-class EventJoiner:
-    """One event that completes after two others, recorded on a device stream of its own.
-
-    Args:
-        stream: a stream of the device (used by the event loop's thread only).
-        activate: makes the device current (events are created on the current device).
-    """
-
-    __slots__ = ("_activate", "_stream")
-
-    def __init__(self, stream: Stream, activate: Callable[[], AbstractContextManager[Any]]
-                 ) -> None:
-        self._stream = stream
-        self._activate = activate
-
-    def join(self, a: Event | None, b: Event | None) -> Event | None:
-        """``a`` and ``b`` both done; either alone when the other is absent or done."""
-        if a is None or a is b or a.done():
-            return b
-        if b is None or b.done():
-            return a
-        with self._activate():
-            self._stream.wait(a)
-            self._stream.wait(b)
-            return self._stream.record()
-
-
-@dataclass(slots=True)
-class LeasePart:
-    """One device's share of a lease: its cache, streamer (layouts) and load."""
-
-    device: int
-    cache: DeviceCache
-    streamer: ExpertStreamer
-    joiner: EventJoiner
-    load: LayerLoad
 
 
 @dataclass(slots=True)
@@ -81,28 +48,6 @@ class Arrival:
 
     entry: Entry
     part: LeasePart
-
-
-def _unpin(part: LeasePart, entry: Entry, last_use: Event | None) -> None:
-    """Drop one pin of ``entry`` if it is still the cache's entry for its key (a dropped
-    entry's key may already belong to a new entry, whose pins are not ours to take)."""
-    if part.cache.get(entry.key) is not entry:
-        return
-    part.cache.release([entry], part.joiner.join(entry.last_use, last_use or entry.upload))
-
-
-def _landed_then_unpin(part: LeasePart, entry: Entry, _loaded: asyncio.Future[None]) -> None:
-    _unpin(part, entry, None)
-
-
-def unpin_when_landed(part: LeasePart, entry: Entry) -> None:
-    """Drop one pin of ``entry`` now if its load has landed, else once it does; the buffer
-    is then reused only after the upload (and every earlier user's event)."""
-    loaded = entry.loaded
-    if loaded is None or loaded.done():
-        _unpin(part, entry, None)
-    else:
-        loaded.add_done_callback(functools.partial(_landed_then_unpin, part, entry))
 
 
 def _load_error(entry: Entry, error: BaseException) -> MoestreamError:
@@ -131,7 +76,7 @@ NOT_YET: Any = object()
 class LayerLease:
     """One fetch of one layer: its experts pinned on their devices until ``release``.
 
-    Made by the session (``pipeline.streaming.session``); the loads have started when it is made.
+    Made by the session (``pipeline.streaming.desk``); the loads have started when it is made.
 
     Args:
         layer: the model layer index.
@@ -247,7 +192,7 @@ class LayerLease:
     def _miss_landed(self, part: LeasePart, entry: Entry, loaded: asyncio.Future[None]) -> None:
         """Our own load landed after our release: the pin left in place for it is dropped
         now (a failed one with its entry). Told only then, not for every miss: a callback
-        per miss was a visible share of a warm miss's host time (issue 26)."""
+        per miss was a visible share of a warm miss's host time on fine-grained shapes."""
         if loaded.cancelled() or loaded.exception() is not None:
             self._drop_failed(part, entry)
             return
@@ -262,7 +207,7 @@ class LayerLease:
     def _unpin(self, part: LeasePart, entry: Entry, last_use: Event | None) -> None:
         if entry in self._held:
             self._held.discard(entry)
-            _unpin(part, entry, last_use)
+            unpin(part, entry, last_use)
 
     def _check(self) -> None:
         if self.released:
@@ -401,80 +346,52 @@ class LayerLease:
         self._used()
         self.released = True
         self.closed_reason = reason
-        held, handed = self._held, self._handed
         for part in self.parts:
-            plan, cache = part.load.plan, part.cache
-            used: Event | None = None
-            asked = False
-            # entries that end with one event are unpinned in one call (usually all)
-            batch: list[Entry] = []
-            batch_event: Event | None = None
-            misses = len(plan.misses)
-            for i, entry in enumerate((*plan.misses, *plan.hits)):
-                if entry not in held:
-                    continue
-                if i < misses:
-                    loaded = entry.loaded
-                    if loaded is not None and not loaded.done():
-                        # unpinned once the load has landed
-                        loaded.add_done_callback(
-                            functools.partial(self._miss_landed, part, entry))
-                        continue
-                    if loaded is not None and (loaded.cancelled()
-                                               or loaded.exception() is not None):
-                        self._drop_failed(part, entry)
-                        continue
-                held.discard(entry)  # a dropped one is left alone by ``cache.release``
-                event = None
-                if entry in handed:
-                    if not asked:
-                        used, asked = last_use(part), True
-                    event = used
-                join = event is None or not ordered  # ordered: after every earlier use
-                if event is None:
-                    event = entry.upload
-                if join and entry.last_use is not None and entry.last_use is not event:
-                    event = part.joiner.join(entry.last_use, event)
-                if batch and event is not batch_event:
-                    cache.release(batch, batch_event)
-                    batch = []
-                batch.append(entry)
-                batch_event = event
-            if batch:
-                cache.release(batch, batch_event)
+            self._release_part(part, last_use, ordered)
         if self._queue is not None:  # wakes a task waiting in ``next``
             self._queue.put_nowait(_ABORT)
 
-
-def plan_parts(
-    layer: int,
-    experts: Sequence[int],
-    streamers: Sequence[ExpertStreamer],
-    caches: Sequence[DeviceCache],
-    joiners: Sequence[EventJoiner],
-    place: Callable[[tuple[int, int]], int],
-    *,
-    prefetch: bool = False,
-) -> list[LeasePart]:
-    """Start a layer's loads on each device that holds some of ``experts``."""
-    if len(streamers) == 1:  # one device holds them all: no placement to ask
-        streamer = streamers[0]
-        start = streamer.start_prefetch if prefetch else streamer.start_layer
-        return [LeasePart(0, caches[0], streamer, joiners[0], start(layer, experts))]
-    split: dict[int, list[int]] = {}
-    for e in experts:
-        split.setdefault(place((layer, int(e))), []).append(int(e))
-    parts: list[LeasePart] = []
-    try:
-        for device in sorted(split):
-            streamer = streamers[device]
-            start = streamer.start_prefetch if prefetch else streamer.start_layer
-            parts.append(LeasePart(device, caches[device], streamer, joiners[device],
-                                   start(layer, split[device])))
-    except BaseException:
-        # a later device refused (budget, memory): the earlier ones keep no pins
-        for part in parts:
-            for entry in (*part.load.plan.hits, *part.load.plan.misses):
-                unpin_when_landed(part, entry)
-        raise
-    return parts
+    def _release_part(self, part: LeasePart, last_use: Callable[[LeasePart], Event | None],
+                      ordered: bool) -> None:
+        """Unpin this lease's entries on one part (``release``): ``last_use(part)`` asked
+        at most once, and only when an entry was handed out."""
+        held, handed = self._held, self._handed
+        plan, cache = part.load.plan, part.cache
+        used: Event | None = None
+        asked = False
+        # entries that end with one event are unpinned in one call (usually all)
+        batch: list[Entry] = []
+        batch_event: Event | None = None
+        misses = len(plan.misses)
+        for i, entry in enumerate((*plan.misses, *plan.hits)):
+            if entry not in held:
+                continue
+            if i < misses:
+                loaded = entry.loaded
+                if loaded is not None and not loaded.done():
+                    # unpinned once the load has landed
+                    loaded.add_done_callback(
+                        functools.partial(self._miss_landed, part, entry))
+                    continue
+                if loaded is not None and (loaded.cancelled()
+                                           or loaded.exception() is not None):
+                    self._drop_failed(part, entry)
+                    continue
+            held.discard(entry)  # a dropped one is left alone by ``cache.release``
+            event = None
+            if entry in handed:
+                if not asked:
+                    used, asked = last_use(part), True
+                event = used
+            join = event is None or not ordered  # ordered: after every earlier use
+            if event is None:
+                event = entry.upload
+            if join and entry.last_use is not None and entry.last_use is not event:
+                event = part.joiner.join(entry.last_use, event)
+            if batch and event is not batch_event:
+                cache.release(batch, batch_event)
+                batch = []
+            batch.append(entry)
+            batch_event = event
+        if batch:
+            cache.release(batch, batch_event)

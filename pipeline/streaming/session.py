@@ -42,7 +42,7 @@ from moestream.pipeline.runlog.write import RunLog
 from moestream.pipeline.streaming.closing import close_devices, finish, manifest_failure
 from moestream.pipeline.streaming.controller import ModeController, Sampler
 from moestream.pipeline.streaming.desk import LastUse, LeaseDesk
-from moestream.pipeline.streaming.lease import EventJoiner
+from moestream.pipeline.streaming.lease_parts import EventJoiner
 from moestream.pipeline.streaming.ledger import DeviceTotals
 from moestream.pipeline.streaming.opening import open_outcome, plan_budget, run_start
 from moestream.pipeline.streaming.shards import CacheGroup, StreamerGroup, open_backends

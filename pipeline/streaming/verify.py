@@ -29,8 +29,8 @@ __all__ = ["DigestRows", "Digests", "Verifier"]
 class Digests:
     """Device digests of experts: ``values[i]`` holds the gate, up and down digests of
     ``keys[i]``. An array, not a tuple per matrix: a token compares hundreds of experts
-    in a few numpy operations, not microseconds of Python each (issue 14: at most 2% of
-    tokens/s for verification)."""
+    in a few numpy operations, not microseconds of Python each (verification may cost at
+    most 2% of tokens/s)."""
 
     keys: list[ExpertKey]
     values: npt.NDArray[np.uint64]
