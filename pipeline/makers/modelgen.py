@@ -30,7 +30,6 @@ the data, little RAM, and the write is atomic (temp file, fsync, rename).
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import hashlib
 import os
 import stat
@@ -57,14 +56,14 @@ from moestream.pipeline.foundation.cachedir import (
     trusted_cache_dir,
 )
 from moestream.pipeline.foundation.digest import digest_bytes
-from moestream.pipeline.foundation.errors import ModelFileError, UsageError
+from moestream.pipeline.foundation.errors import ModelFileError
 from moestream.pipeline.foundation.outputs import atomic_path, check_output_dir, write_atomic
+from moestream.pipeline.makers.modelspec import ARCH, PRESETS, ModelSpec, spec_for, tensor_nbytes
 
 __all__ = ["PRESETS", "ModelSpec", "ensure_default_model", "spec_for", "write_model"]
 
 log = structlog.get_logger(__name__)
 
-ARCH = "deepseek2"  # the default architecture (DeepSeek's tensor names and keys)
 DIGESTS_KEY = "moestream.expert_digests"
 _RECORD_SUFFIX = ".sha256"  # beside the default model: the hex sha256 of its bytes
 _RECORD_MAX_BYTES = 128
@@ -80,124 +79,6 @@ _SCALE_OFFSETS: dict[QType, tuple[int, ...]] = {
 }
 
 Fill = Literal["bits", "ones", "normal"]
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    """Shape, types and seed of one generated model.
-
-    Layers ``0..leading_dense-1`` are dense; the first ``hash_routed`` MoE layers have no
-    router (``ffn_gate_inp``) because ds4 routes them from the token id. ``arch`` names the
-    metadata keys (``general.architecture``); ``shared_experts`` is 1 for DeepSeek's shared
-    expert per MoE layer, 0 for models without one (Qwen3 MoE, Mixtral).
-    """
-
-    preset: str
-    n_layers: int
-    leading_dense: int
-    hash_routed: int
-    n_experts: int
-    top_k: int
-    hidden: int
-    expert_ffn: int
-    gate_up_type: QType
-    down_type: QType
-    fused_gate_up: bool = False
-    vocab: int = 1024
-    seed: int = 0
-    arch: str = ARCH
-    shared_experts: int = 1
-
-    def __post_init__(self) -> None:
-        if not 0 <= self.leading_dense < self.n_layers:
-            raise UsageError(f"need at least one MoE layer: {self.n_layers} layers, "
-                             f"{self.leading_dense} dense")
-        if not 0 <= self.hash_routed <= self.n_layers - self.leading_dense:
-            raise UsageError(f"hash_routed={self.hash_routed} exceeds the MoE layer count")
-        if self.n_experts < 1 or not 1 <= self.top_k <= self.n_experts:
-            raise UsageError(f"need 1 <= top_k <= experts, got {self.top_k} of {self.n_experts}")
-        if not 0 <= self.seed < 2**64:
-            raise UsageError(f"seed must fit in uint64, got {self.seed}")
-        for qtype in (self.gate_up_type, self.down_type):
-            block = GGML_QUANT_SIZES[qtype][0]
-            if self.hidden % block or self.expert_ffn % block:
-                raise UsageError(f"hidden and expert_ffn must be multiples of {block} for "
-                                 f"{qtype.name}")
-
-    @property
-    def moe_layers(self) -> range:
-        """Indices of the MoE layers, ascending (the digest array's layer order)."""
-        return range(self.leading_dense, self.n_layers)
-
-    @property
-    def dense_ffn(self) -> int:
-        """FFN width of the leading dense layers (``deepseek2.feed_forward_length``)."""
-        return 4 * self.expert_ffn
-
-    @property
-    def matrix_bytes(self) -> tuple[int, int, int]:
-        """Bytes of one expert's (gate, up, down) matrix."""
-        gate_up = _nbytes(self.gate_up_type, self.expert_ffn * self.hidden)
-        return gate_up, gate_up, _nbytes(self.down_type, self.hidden * self.expert_ffn)
-
-    @property
-    def expert_bytes(self) -> int:
-        """Bytes of one routed expert: gate + up + down."""
-        return sum(self.matrix_bytes)
-
-
-PRESETS: dict[str, ModelSpec] = {
-    "tiny": ModelSpec("tiny", 6, 1, 1, 32, 4, 512, 256, QType.F16, QType.F16),
-    "ds4-flash-q2": ModelSpec("ds4-flash-q2", 43, 0, 3, 256, 6, 4096, 2048,
-                              QType.IQ2_XXS, QType.Q2_K),
-    "ds4-flash-q4": ModelSpec("ds4-flash-q4", 43, 0, 3, 256, 6, 4096, 2048,
-                              QType.Q4_K, QType.Q4_K),
-    # F16 experts (48 MiB each): the only type real compute (SwiGLU) runs on, so the only
-    # ds4-shaped model whose hidden state, and so live routing, changes layer by layer.
-    "ds4-flash-f16": ModelSpec("ds4-flash-f16", 43, 0, 3, 256, 6, 4096, 2048,
-                               QType.F16, QType.F16),
-    # Small experts: 3 x 864 KiB Q4_K matrices = 2.53 MiB per expert, 15.2 GiB routed.
-    "qwen3-30b-a3b": ModelSpec("qwen3-30b-a3b", 48, 0, 0, 128, 8, 2048, 768,
-                               QType.Q4_K, QType.Q4_K, arch="qwen3moe", shared_experts=0),
-    # Fine-grained experts (Qwen3-Next-80B-A3B's routed shape: 512 experts, top-10, one
-    # shared): 3 x 576 KiB Q4_K matrices = 1.69 MiB per expert; ``--layers 20`` is 16.9 GiB.
-    "qwen3-next-80b-a3b": ModelSpec("qwen3-next-80b-a3b", 48, 0, 0, 512, 10, 2048, 512,
-                                    QType.Q4_K, QType.Q4_K, arch="qwen3moe"),
-    # Mid-sized experts (DeepSeek-V2-Lite's layer plan: one dense layer, 26 MoE layers of 64
-    # experts, top-6): FFN 1536 (1408 there, not a multiple of Q5_K's 256-value block), Q5_K:
-    # 3 x 2.06 MiB = 6.19 MiB per expert, 10.1 GiB routed.
-    "deepseek-v2-lite": ModelSpec("deepseek-v2-lite", 27, 1, 0, 64, 6, 2048, 1536,
-                                  QType.Q5_K, QType.Q5_K),
-    # Large experts: 3 x 31.5 MiB Q4_K matrices = 94.5 MiB per expert, 23.6 GiB routed.
-    "mixtral-8x7b": ModelSpec("mixtral-8x7b", 32, 0, 0, 8, 2, 4096, 14336,
-                              QType.Q4_K, QType.Q4_K, arch="llama", shared_experts=0),
-}
-
-
-def spec_for(preset: str, layers: int | None = None, experts: int | None = None,
-             seed: int = 0, *, fused_gate_up: bool = False) -> ModelSpec:
-    """The spec of ``preset``, scaled down to ``layers``/``experts``; per-expert sizes stay.
-
-    Raises:
-        UsageError: unknown preset, or a count that leaves no MoE layer or no expert.
-    """
-    if preset not in PRESETS:
-        raise UsageError(f"unknown preset {preset!r} (choose from {', '.join(PRESETS)})")
-    base = PRESETS[preset]
-    n_layers = base.n_layers if layers is None else layers
-    n_experts = base.n_experts if experts is None else experts
-    if n_layers < 1 or n_experts < 1:
-        raise UsageError(f"layers and experts must be >= 1, got {n_layers} and {n_experts}")
-    leading = min(base.leading_dense, n_layers - 1)
-    return dataclasses.replace(
-        base, n_layers=n_layers, leading_dense=leading, n_experts=n_experts,
-        hash_routed=min(base.hash_routed, n_layers - leading), top_k=min(base.top_k, n_experts),
-        seed=seed, fused_gate_up=fused_gate_up)
-
-
-def _nbytes(qtype: QType, n_elements: int) -> int:
-    block, type_size = GGML_QUANT_SIZES[qtype]
-    return n_elements // block * type_size
 
 
 @dataclass(frozen=True)
@@ -225,14 +106,14 @@ def _plan(spec: ModelSpec) -> list[_Tensor]:
     h, f = spec.hidden, spec.expert_ffn
 
     def whole(name: str, shape: tuple[int, ...], qtype: QType, fill: Fill = "bits") -> None:
-        n = _nbytes(qtype, int(np.prod(shape)))
+        n = tensor_nbytes(qtype, int(np.prod(shape)))
         key = (spec.seed, _OTHER, zlib.crc32(name.encode()))
         tensors.append(_Tensor(name, shape, qtype, (_Piece(key, n, qtype, fill),)))
 
     def experts(name: str, rows: int, cols: int, qtype: QType, matrices: Sequence[int],
                 layer: int, moe_index: int) -> None:
         pieces = []
-        per_matrix = _nbytes(qtype, (rows // len(matrices)) * cols)
+        per_matrix = tensor_nbytes(qtype, (rows // len(matrices)) * cols)
         for e in range(spec.n_experts):
             for m in matrices:
                 index = (moe_index * spec.n_experts + e) * 3 + m
@@ -352,25 +233,7 @@ def write_model(spec: ModelSpec, path: Path, *, progress: bool = False,
         writer = GGUFWriter(tmp, spec.arch)
         started = time.perf_counter()
         try:
-            writer.add_block_count(spec.n_layers)
-            writer.add_embedding_length(spec.hidden)
-            writer.add_feed_forward_length(spec.dense_ffn)
-            writer.add_expert_feed_forward_length(spec.expert_ffn)
-            writer.add_expert_count(spec.n_experts)
-            writer.add_expert_used_count(spec.top_k)
-            if spec.arch == ARCH:  # a DeepSeek key
-                writer.add_leading_dense_block_count(spec.leading_dense)
-            if spec.shared_experts:
-                writer.add_expert_shared_count(spec.shared_experts)
-            writer.add_vocab_size(spec.vocab)
-            if record_digests:
-                writer.add_string("moestream.preset", spec.preset)
-                writer.add_uint64("moestream.seed", spec.seed)
-                writer.add_uint32("moestream.hash_routed_layer_count", spec.hash_routed)
-                # Last KV on purpose: its uint64 values end the KV section, where they are
-                # patched.
-                writer.add_key_value(DIGESTS_KEY, [0] * n_digests, GGUFValueType.ARRAY,
-                                     sub_type=GGUFValueType.UINT64)
+            _add_metadata(writer, spec, n_digests if record_digests else None)
             for t in tensors:
                 writer.add_tensor_info(t.name, t.shape, np.dtype(np.float32),
                                        sum(p.nbytes for p in t.pieces), raw_dtype=t.qtype)
@@ -380,22 +243,10 @@ def write_model(spec: ModelSpec, path: Path, *, progress: bool = False,
             fout: BinaryIO = writer.fout[0]
             digests_at = fout.tell() - 8 * n_digests
             writer.write_ti_data_to_file()
-            digests = np.zeros(n_digests, dtype="<u8")
-            pieces = [p for t in tensors for p in t.pieces]
-            starts = {id(t.pieces[0]) for t in tensors}
-            workers = min(32, len(os.sched_getaffinity(0)))
             with tqdm(total=total, unit="B", unit_scale=True, disable=not progress,
                       desc=path.name) as bar:
-                made = contextlib.closing(_generated(pieces, workers, record_digests))
-                with made as stream:
-                    for piece, (data, digest) in zip(pieces, stream, strict=True):
-                        if id(piece) in starts:
-                            _pad(fout, writer.data_alignment)
-                        fout.write(data.data)
-                        if digest is not None and piece.digest_index is not None:
-                            digests[piece.digest_index] = digest
-                        bar.update(piece.nbytes)
-            _pad(fout, writer.data_alignment)
+                digests = _write_data(fout, writer.data_alignment, tensors, n_digests,
+                                      record_digests, bar)
             if record_digests:
                 fout.seek(digests_at)
                 fout.write(digests.tobytes())
@@ -411,6 +262,50 @@ def write_model(spec: ModelSpec, path: Path, *, progress: bool = False,
              experts=spec.n_experts, bytes=total, seconds=round(seconds, 3),
              mb_per_s=round(total / 1e6 / max(seconds, 1e-9), 1))
     return path
+
+
+def _add_metadata(writer: GGUFWriter, spec: ModelSpec, n_digests: int | None) -> None:
+    """The KV section: the architecture's keys, then (``n_digests`` not None) the
+    ``moestream.*`` ones, the digests' placeholder last."""
+    writer.add_block_count(spec.n_layers)
+    writer.add_embedding_length(spec.hidden)
+    writer.add_feed_forward_length(spec.dense_ffn)
+    writer.add_expert_feed_forward_length(spec.expert_ffn)
+    writer.add_expert_count(spec.n_experts)
+    writer.add_expert_used_count(spec.top_k)
+    if spec.arch == ARCH:  # a DeepSeek key
+        writer.add_leading_dense_block_count(spec.leading_dense)
+    if spec.shared_experts:
+        writer.add_expert_shared_count(spec.shared_experts)
+    writer.add_vocab_size(spec.vocab)
+    if n_digests is not None:
+        writer.add_string("moestream.preset", spec.preset)
+        writer.add_uint64("moestream.seed", spec.seed)
+        writer.add_uint32("moestream.hash_routed_layer_count", spec.hash_routed)
+        # Last KV on purpose: its uint64 values end the KV section, where they are
+        # patched.
+        writer.add_key_value(DIGESTS_KEY, [0] * n_digests, GGUFValueType.ARRAY,
+                             sub_type=GGUFValueType.UINT64)
+
+
+def _write_data(fout: BinaryIO, alignment: int, tensors: Sequence[_Tensor], n_digests: int,
+                digest: bool, bar: tqdm[None]) -> npt.NDArray[np.uint64]:
+    """Every tensor's data in file order, each padded to ``alignment``; returns the
+    ``n_digests`` expert digests made on the way (with ``digest``)."""
+    digests = np.zeros(n_digests, dtype="<u8")
+    pieces = [p for t in tensors for p in t.pieces]
+    starts = {id(t.pieces[0]) for t in tensors}
+    workers = min(32, len(os.sched_getaffinity(0)))
+    with contextlib.closing(_generated(pieces, workers, digest)) as stream:
+        for piece, (data, digest) in zip(pieces, stream, strict=True):
+            if id(piece) in starts:
+                _pad(fout, alignment)
+            fout.write(data.data)
+            if digest is not None and piece.digest_index is not None:
+                digests[piece.digest_index] = digest
+            bar.update(piece.nbytes)
+    _pad(fout, alignment)
+    return digests
 
 
 def _is_complete(path: Path, spec: ModelSpec) -> bool:
