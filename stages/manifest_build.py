@@ -11,7 +11,7 @@ whatever the expert size.
 
 It runs two ways: to completion, for ``tools.warmup --digests``; and in the background of a
 run on a file with no digests (``pipeline.cli.run``), where it yields to decode as the warm-up
-engine does (``moestream.stages.warm.Pausable``: ``pause``/``resume`` around layers whose misses
+engine does (``moestream.stages.throttle.Pausable``: ``pause``/``resume`` around layers whose misses
 are loading; a paused worker stops between pieces) and does first the experts the verifier
 is waiting for (``ensure``). Its results reach the manifest on the event loop's thread only.
 """
@@ -55,7 +55,8 @@ from moestream.pipeline.foundation.manifest import (
 from moestream.pipeline.foundation.table import ExpertTable
 from moestream.stages.layout import aligned_cover, iter_chunks
 from moestream.stages.reader import ModelReader
-from moestream.stages.warm import Pausable, ReadResult
+from moestream.stages.throttle import Pausable
+from moestream.stages.warm import ReadResult
 
 __all__ = ["BuildResult", "ManifestBuilder", "RunManifest", "default_digest_threads"]
 

@@ -1,18 +1,20 @@
 """The warm-up engine: load byte ranges of the model file into the page cache, politely.
 
 Split out of ``moestream.stages.residency`` so that module keeps to asking the kernel about pages
-(``mincore``, ``evict``, ``WILLNEED``, ``mlock``) while this one owns the machinery that
-fills the cache in the background: a thread pool, a byte-rate limit and pause/resume.
+(``mincore``, ``evict``, ``WILLNEED``) while this one owns the machinery that fills the
+cache in the background: a thread pool, a byte-rate limit and pause/resume.
 The residency controller and the ``tools.warmup`` CLI both use it.
 
 - ``WarmEngine`` loads ranges with a thread pool of ``os.sendfile`` calls to
   ``/dev/null`` (the kernel reads the pages, nothing is copied to user space) or
   ``os.preadv`` into reusable per-thread buffers, with ``WILLNEED`` hints issued ahead
   (``moestream.stages.residency.hint_willneed``), a byte-rate ``TokenBucket``,
-  ``pause()``/``resume()`` so decode reads go first, and prompt asyncio cancellation.
+  ``pause()``/``resume()`` so decode reads go first, and prompt asyncio cancellation. The
+  loads themselves, on the pool, are ``moestream.stages.warm_load``'s.
 - ``WarmResult`` says what one warm-up did.
 - ``Pausable``: the nesting ``pause()``/``resume()`` of background reads, shared with the
-  digest manifest's builder (``moestream.stages.manifest_build``).
+  digest manifest's builder (``moestream.stages.manifest_build``); it and ``TokenBucket``
+  live in ``moestream.stages.throttle``.
 
 Byte ranges are anything with ``offset`` and ``nbytes`` (``moestream.stages.residency.RangeLike``).
 """
@@ -20,27 +22,25 @@ Byte ranges are anything with ``offset`` and ``nbytes`` (``moestream.stages.resi
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import errno
 import functools
-import mmap
 import os
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Literal
 
 import structlog
 
-from moestream.pipeline.foundation.errors import ReadError, ResidencyError, UsageError
-from moestream.pipeline.foundation.files import ModelFile, model_files, open_checked
-from moestream.pipeline.foundation.files import pieces as file_parts
+from moestream.pipeline.foundation.errors import UsageError
+from moestream.pipeline.foundation.files import ModelFile, model_files
 from moestream.pipeline.foundation.table import ByteRange
 from moestream.pipeline.foundation.warm_threads import STREAM_PIECE_BYTES, default_threads
-from moestream.stages.residency import PAGE_BYTES, RangeLike, hint_willneed
+from moestream.stages.libc import PAGE_BYTES
+from moestream.stages.page_ranges import RangeLike
+from moestream.stages.throttle import Pausable, TokenBucket
+from moestream.stages.warm_load import Loader, Piece, PieceLoader, plan_pieces
 
 __all__ = [
     "Loader",
@@ -53,116 +53,6 @@ __all__ = [
 ]
 
 _log = structlog.get_logger("moestream.warm")
-
-
-class Pausable:
-    """Background reads that yield to decode: ``pause()``/``resume()`` that nest.
-
-    The warm-up engine and the digest manifest's builder share it. Call ``pause``/``resume``
-    (or ``with x.paused():``) from the event loop's thread. The loop side waits on
-    ``_resumed`` before it submits more work; a worker thread that should stop between
-    pieces waits on ``_running`` (both are set whenever no pause is held).
-    """
-
-    def __init__(self) -> None:
-        self._pause_depth = 0
-        self._resumed = asyncio.Event()
-        self._resumed.set()
-        self._running = threading.Event()
-        self._running.set()
-
-    def pause(self) -> None:
-        """Stop reading until the matching ``resume()`` (calls nest)."""
-        self._pause_depth += 1
-        self._resumed.clear()
-        self._running.clear()
-
-    def resume(self) -> None:
-        """Undo one ``pause()``."""
-        if self._pause_depth == 0:
-            raise UsageError("resume() without a matching pause()")
-        self._pause_depth -= 1
-        if self._pause_depth == 0:
-            self._resumed.set()
-            self._running.set()
-
-    @property
-    def paused_now(self) -> bool:
-        """A pause is held."""
-        return self._pause_depth > 0
-
-    @contextlib.contextmanager
-    def paused(self) -> Iterator[None]:
-        """Pause for the body of a ``with`` block (decode reads go first)."""
-        self.pause()
-        try:
-            yield
-        finally:
-            self.resume()
-
-    async def _wait_resumed(self) -> None:
-        """Loop side: return once no pause is held."""
-        if self._pause_depth:
-            await self._resumed.wait()
-
-
-class TokenBucket:
-    """A byte-rate limiter that lets a request run into debt and makes the next one wait.
-
-    ``delay_for(n)`` takes ``n`` bytes now and says how long to wait before they may go, so a
-    stream of requests averages ``rate_bytes_per_s`` with bursts of at most ``burst_bytes``.
-    The clock is injectable for tests.
-    """
-
-    __slots__ = ("_burst", "_clock", "_last", "_rate", "_tokens")
-
-    def __init__(
-        self,
-        rate_bytes_per_s: float,
-        *,
-        burst_bytes: float = 0.0,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
-        if rate_bytes_per_s <= 0:
-            raise UsageError(f"byte rate must be positive, not {rate_bytes_per_s}")
-        if burst_bytes < 0:
-            raise UsageError(f"burst must be >= 0, not {burst_bytes}")
-        self._rate = float(rate_bytes_per_s)
-        self._burst = float(burst_bytes)
-        self._clock = clock
-        self._tokens = self._burst
-        self._last = clock()
-
-    @property
-    def rate_bytes_per_s(self) -> float:
-        return self._rate
-
-    @rate_bytes_per_s.setter
-    def rate_bytes_per_s(self, rate: float) -> None:
-        if rate <= 0:
-            raise UsageError(f"byte rate must be positive, not {rate}")
-        self._refill()
-        self._rate = float(rate)
-
-    def _refill(self) -> None:
-        now = self._clock()
-        self._tokens = min(self._burst, self._tokens + (now - self._last) * self._rate)
-        self._last = now
-
-    def delay_for(self, nbytes: int) -> float:
-        """Take ``nbytes`` and return the seconds to wait before using them."""
-        self._refill()
-        self._tokens -= nbytes
-        return 0.0 if self._tokens >= 0 else -self._tokens / self._rate
-
-    async def take(self, nbytes: int) -> None:
-        """Take ``nbytes`` and sleep until they may be used."""
-        delay = self.delay_for(nbytes)
-        if delay > 0:
-            await asyncio.sleep(delay)
-
-    def __repr__(self) -> str:
-        return f"TokenBucket(rate_bytes_per_s={self._rate:.0f}, burst_bytes={self._burst:.0f})"
 
 
 @dataclass(frozen=True, slots=True)
@@ -185,52 +75,53 @@ class WarmResult(ReadResult):
     pieces: int
 
 
-@dataclass(frozen=True, slots=True)
-class _Piece:
-    """One unit of work: a range, and whether it is part of a large sequential stretch."""
+class _Batch:
+    """One ``warm`` call's pieces in flight: the slots they hold, their failures, the bytes
+    done. ``finished`` runs on the loop thread as each piece's future completes."""
 
-    range: ByteRange
-    stream: bool
+    def __init__(self, in_flight: int, total: int,
+                 progress: Callable[[int, int], None] | None) -> None:
+        self.stop = threading.Event()
+        self.slots = asyncio.Semaphore(in_flight)
+        self.running: set[asyncio.Future[int]] = set()
+        self.failures: list[BaseException] = []
+        self.done_bytes = 0
+        self.total = total
+        self.progress = progress
 
+    async def acquire(self, weight: int) -> bool:
+        """Take ``weight`` slots; False (and none held) once a piece has failed."""
+        for _ in range(weight):
+            await self.slots.acquire()
+        if self.failures:
+            for _ in range(weight):
+                self.slots.release()
+            return False
+        return True
 
-def _pieces(
-    ranges: Iterable[RangeLike],
-    piece_bytes: int,
-    stream_piece_bytes: int,
-    stream_min_bytes: int | None,
-    file_bytes: int,
-) -> list[_Piece]:
-    """Ranges clipped to the file, touching neighbours joined, cut into pieces, in order.
+    def track(self, fut: asyncio.Future[int], weight: int) -> None:
+        self.running.add(fut)
+        fut.add_done_callback(functools.partial(self.finished, weight=weight))
 
-    A joined stretch of at least ``stream_min_bytes`` is cut into ``stream_piece_bytes``
-    stream pieces; anything smaller into ``piece_bytes`` exact pieces.
-    """
-    joined: list[list[int]] = []
-    for r in ranges:
-        start, end = r.offset, min(r.offset + r.nbytes, file_bytes)
-        if end <= start:
-            continue
-        if joined and joined[-1][1] == start:
-            joined[-1][1] = end
-        else:
-            joined.append([start, end])
-    out: list[_Piece] = []
-    for start, end in joined:
-        stream = stream_min_bytes is not None and end - start >= stream_min_bytes
-        size = stream_piece_bytes if stream else piece_bytes
-        out.extend(
-            _Piece(ByteRange(offset, min(size, end - offset)), stream)
-            for offset in range(start, end, size)
-        )
-    return out
+    def finished(self, fut: asyncio.Future[int], weight: int) -> None:
+        self.running.discard(fut)
+        for _ in range(weight):
+            self.slots.release()
+        if fut.cancelled():
+            return
+        exc = fut.exception()
+        if exc is not None:
+            self.failures.append(exc)
+            return
+        self.done_bytes += fut.result()
+        if self.progress is not None:
+            self.progress(self.done_bytes, self.total)
 
-
-Loader = Literal["sendfile", "preadv"]
-"""How ``WarmEngine`` pulls a piece into the page cache."""
-
-
-class _SpliceUnsupported(Exception):
-    """The file cannot be spliced (sendfile EINVAL/ENOSYS): use preadv instead."""
+    def cancel(self) -> None:
+        """Stop the threads between pieces and drop the pieces queued."""
+        self.stop.set()
+        for fut in list(self.running):
+            fut.cancel()
 
 
 class WarmEngine(Pausable):
@@ -314,35 +205,16 @@ class WarmEngine(Pausable):
         self.buffer_bytes = min(max(buffer_bytes, PAGE_BYTES), piece_bytes)
         self.in_flight = in_flight or 2 * self.threads
         self.hint_ahead = hint_ahead
-        self.loader: Loader = loader
-        # per file, by base: one descriptor for pieces, one for long stretches
-        self._fds: dict[int, tuple[int, int]] = {}
-        try:
-            for f in self.files:
-                fd = open_checked(f)
-                try:
-                    self._fds[f.base] = (fd, open_checked(f))
-                except BaseException:
-                    os.close(fd)
-                    raise
-            self._devnull = os.open(os.devnull, os.O_WRONLY | os.O_CLOEXEC)
-        except BaseException:
-            self._close_fds()
-            raise
-        # Advice on these open files only: other readers of the model keep their readahead.
-        for fd, stream_fd in self._fds.values():
-            for one, advice, name in ((fd, os.POSIX_FADV_RANDOM, "random"),
-                                      (stream_fd, os.POSIX_FADV_SEQUENTIAL, "sequential")):
-                try:
-                    os.posix_fadvise(one, 0, 0, advice)
-                except OSError as exc:
-                    _log.warning("warm.fadvise_refused", path=str(self.path), advice=name,
-                                 reason=exc.strerror)
+        self._loads = PieceLoader(self.files, self.path, self.buffer_bytes, loader)
         self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="moestream-warm")
-        self._local = threading.local()
         self._bucket: TokenBucket | None = None
         self._busy = asyncio.Lock()
         self._closed = False
+
+    @property
+    def loader(self) -> Loader:
+        """How pieces are loaded now (``sendfile`` falls back to ``preadv`` for good)."""
+        return self._loads.loader
 
     def __repr__(self) -> str:
         return (
@@ -361,87 +233,6 @@ class WarmEngine(Pausable):
             self._bucket = TokenBucket(max_bytes_per_s, burst_bytes=self.piece_bytes)
         else:
             self._bucket.rate_bytes_per_s = max_bytes_per_s
-
-    # --- blocking work, run on the pool ---------------------------------------------------------
-
-    def _buffer(self) -> memoryview:
-        buf: memoryview | None = getattr(self._local, "buf", None)
-        if buf is None:
-            # One buffer per thread, reused for every piece that thread reads; page-aligned
-            # anonymous memory so the kernel copies into whole pages.
-            buf = memoryview(mmap.mmap(-1, self.buffer_bytes))
-            self._local.buf = buf
-        return buf
-
-    def _read_piece(
-        self, piece: _Piece, hints: tuple[ByteRange, ...], stop: threading.Event
-    ) -> int:
-        """Hint ``hints``, then load ``piece``; returns the bytes loaded.
-
-        The hints queue the piece's (and a later piece's) I/O at once, so a loader that
-        waits on one part after another still keeps the disk busy.
-        """
-        if stop.is_set():
-            return 0
-        if hints:
-            with contextlib.suppress(ResidencyError):  # advice: a failed hint costs nothing
-                for hint in hints:
-                    for part in file_parts(self.files, hint.offset, hint.nbytes):
-                        hint_willneed(self._fds[part.file.base][0],
-                                      [ByteRange(part.local, part.nbytes)])
-        done = 0
-        for part in file_parts(self.files, piece.range.offset, piece.range.nbytes):
-            fds = self._fds[part.file.base]
-            done += self._load_local(fds[1] if piece.stream else fds[0],
-                                     ByteRange(part.local, part.nbytes))
-        return done
-
-    def _load_local(self, fd: int, local: ByteRange) -> int:
-        """Load one range of one file (``fd``'s offsets)."""
-        if self.loader == "sendfile":
-            try:
-                return self._sendfile(fd, local)
-            except _SpliceUnsupported as exc:
-                if self.loader == "sendfile":  # first thread to notice says it, once
-                    self.loader = "preadv"
-                    _log.warning("warm.sendfile_unsupported", path=str(self.path),
-                                 reason=str(exc), fallback="preadv")
-        return self._preadv(fd, local)
-
-    def _sendfile(self, fd: int, piece: ByteRange) -> int:
-        done = 0
-        while done < piece.nbytes:
-            try:
-                n = os.sendfile(self._devnull, fd, piece.offset + done,
-                                piece.nbytes - done)
-            except OSError as exc:
-                if done == 0 and exc.errno in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
-                    raise _SpliceUnsupported(exc.strerror or str(exc)) from None
-                raise self._read_error(piece, done, exc) from None
-            if n == 0:
-                break  # the file shrank under us: nothing more to load
-            done += n
-        return done
-
-    def _preadv(self, fd: int, piece: ByteRange) -> int:
-        buf = self._buffer()
-        done = 0
-        while done < piece.nbytes:
-            want = min(len(buf), piece.nbytes - done)
-            try:
-                n = os.preadv(fd, [buf[:want]], piece.offset + done)
-            except OSError as exc:
-                raise self._read_error(piece, done, exc) from None
-            if n == 0:
-                break
-            done += n
-        return done
-
-    def _read_error(self, piece: ByteRange, done: int, exc: OSError) -> ReadError:
-        return ReadError(
-            f"{self.path}: loading {piece.nbytes - done} bytes at offset "
-            f"{piece.offset + done} failed: {exc.strerror}"
-        )
 
     # --- orchestration ---------------------------------------------------------------------
 
@@ -479,75 +270,56 @@ class WarmEngine(Pausable):
         max_bytes_per_s: float | None,
         progress: Callable[[int, int], None] | None,
     ) -> WarmResult:
-        loop = asyncio.get_running_loop()
-        file_bytes = self.files[-1].end
-        pieces = _pieces(ranges, self.piece_bytes, self.stream_piece_bytes,
-                         self.stream_min_bytes, file_bytes)
+        pieces = plan_pieces(ranges, self.piece_bytes, self.stream_piece_bytes,
+                             self.stream_min_bytes, self.files[-1].end)
         total = sum(p.range.nbytes for p in pieces)
-        stream_weight = min(self.in_flight, max(1, self.stream_piece_bytes // self.piece_bytes))
         self.set_rate(max_bytes_per_s)
-        stop = threading.Event()
-        slots = asyncio.Semaphore(self.in_flight)
-        running: set[asyncio.Future[int]] = set()
-        failures: list[BaseException] = []
-        done_bytes = 0
+        batch = _Batch(self.in_flight, total, progress)
         t0 = time.perf_counter()
         _log.debug("warm.start", path=str(self.path), bytes=total, pieces=len(pieces),
                    threads=self.threads, rate=max_bytes_per_s)
-
-        def finished(fut: asyncio.Future[int], weight: int) -> None:
-            nonlocal done_bytes
-            running.discard(fut)
-            for _ in range(weight):
-                slots.release()
-            if fut.cancelled():
-                return
-            exc = fut.exception()
-            if exc is not None:
-                failures.append(exc)
-                return
-            done_bytes += fut.result()
-            if progress is not None:
-                progress(done_bytes, total)
-
         try:
-            for i, piece in enumerate(pieces):
-                weight = stream_weight if piece.stream else 1
-                for _ in range(weight):
-                    await slots.acquire()
-                if failures:
-                    for _ in range(weight):
-                        slots.release()
-                    break
-                await self._wait_resumed()
-                if self._bucket is not None:
-                    await self._bucket.take(piece.range.nbytes)
-                hints: tuple[ByteRange, ...] = ()
-                if self.hint_ahead and not piece.stream:
-                    ahead = i + self.in_flight
-                    later = pieces[ahead] if ahead < len(pieces) else None
-                    hints = (piece.range,) if later is None or later.stream else (
-                        piece.range, later.range)
-                # The load blocks in the kernel (sendfile, preadv release the GIL): run it on
-                # the pool.
-                fut = loop.run_in_executor(self._pool, self._read_piece, piece, hints, stop)
-                running.add(fut)
-                fut.add_done_callback(functools.partial(finished, weight=weight))
-            if running:
-                await asyncio.wait(set(running))
+            await self._submit(pieces, batch)
         except BaseException:
-            stop.set()
-            for fut in list(running):
-                fut.cancel()
+            batch.cancel()
             raise
-        if failures:
-            stop.set()
-            raise failures[0]
+        if batch.failures:
+            batch.stop.set()
+            raise batch.failures[0]
         seconds = time.perf_counter() - t0
-        result = WarmResult(bytes_read=done_bytes, seconds=seconds, pieces=len(pieces))
-        _log.info("warm.done", path=str(self.path), bytes=done_bytes, seconds=round(seconds, 3),
-                  gb_per_s=round(result.gb_per_s, 3))
+        result = WarmResult(bytes_read=batch.done_bytes, seconds=seconds, pieces=len(pieces))
+        _log.info("warm.done", path=str(self.path), bytes=batch.done_bytes,
+                  seconds=round(seconds, 3), gb_per_s=round(result.gb_per_s, 3))
         return result
+
+    async def _submit(self, pieces: Sequence[Piece], batch: _Batch) -> None:
+        """Hand ``pieces`` to the pool in order, each once its slots, the pause and the byte
+        rate allow; then wait for those running."""
+        loop = asyncio.get_running_loop()
+        stream_weight = min(self.in_flight, max(1, self.stream_piece_bytes // self.piece_bytes))
+        for i, piece in enumerate(pieces):
+            weight = stream_weight if piece.stream else 1
+            if not await batch.acquire(weight):
+                break
+            await self._wait_resumed()
+            if self._bucket is not None:
+                await self._bucket.take(piece.range.nbytes)
+            # The load blocks in the kernel (sendfile, preadv release the GIL): run it on
+            # the pool.
+            fut = loop.run_in_executor(self._pool, self._loads.load, piece,
+                                       self._hints(pieces, i), batch.stop)
+            batch.track(fut, weight)
+        if batch.running:
+            await asyncio.wait(set(batch.running))
+
+    def _hints(self, pieces: Sequence[Piece], i: int) -> tuple[ByteRange, ...]:
+        """What to hint with piece ``i``: itself and the exact piece ``in_flight`` ahead."""
+        piece = pieces[i]
+        if not self.hint_ahead or piece.stream:
+            return ()
+        ahead = i + self.in_flight
+        later = pieces[ahead] if ahead < len(pieces) else None
+        return (piece.range,) if later is None or later.stream else (piece.range, later.range)
 
     # --- lifetime --------------------------------------------------------------------------
 
@@ -558,17 +330,7 @@ class WarmEngine(Pausable):
         self._closed = True
         # shutdown(wait=True) blocks until the current pieces finish: keep the loop free.
         await asyncio.to_thread(self._pool.shutdown, wait=True, cancel_futures=True)
-        self._close_fds()
-
-    def _close_fds(self) -> None:
-        for pair in self._fds.values():
-            for fd in pair:
-                if fd >= 0:
-                    os.close(fd)
-        self._fds.clear()
-        if getattr(self, "_devnull", -1) >= 0:
-            os.close(self._devnull)
-            self._devnull = -1
+        self._loads.close()
 
     async def __aenter__(self) -> WarmEngine:
         return self
