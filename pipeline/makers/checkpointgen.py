@@ -38,7 +38,7 @@ from moestream.pipeline.foundation.inputs import file_kind
 from moestream.pipeline.foundation.outputs import check_output_dir, fsync_path
 from moestream.pipeline.makers.checkpointlayouts import QUANTS, Layout, Quant, layout
 from moestream.pipeline.makers.checkpointtensors import Unit, to_bf16
-from moestream.pipeline.makers.modelgen import ModelSpec
+from moestream.pipeline.makers.modelspec import ModelSpec
 
 __all__ = ["DTYPES", "INDEX_NAME", "QUANTS", "CheckpointOptions", "CheckpointWritten",
            "checkpoint_config", "plan_shards", "shard_names", "to_bf16", "write_checkpoint"]
@@ -224,7 +224,7 @@ def write_checkpoint(spec: ModelSpec, path: Path, options: CheckpointOptions = C
     """Write ``spec`` as a checkpoint directory at ``path``, atomically.
 
     Args:
-        spec: the shape and seed (``moestream.pipeline.makers.modelgen.spec_for``).
+        spec: the shape and seed (``moestream.pipeline.makers.modelspec.spec_for``).
         path: the directory to make; its parent must exist.
         options: dtype, expert layout, quantization, shard size.
         progress: a tqdm bar of bytes generated, on stderr.
@@ -255,23 +255,7 @@ def write_checkpoint(spec: ModelSpec, path: Path, options: CheckpointOptions = C
     except OSError as exc:
         raise OutputError(shown, f"cannot write: {exc.strerror or exc}", what="OUT") from exc
     try:
-        config = json.dumps(plan.config, indent=2) + "\n"
-        (made / "config.json").write_text(config, encoding="utf-8")
-        fsync_path(made / "config.json")
-        workers = min(8, len(os.sched_getaffinity(0)))
-        with ThreadPoolExecutor(workers, thread_name_prefix="make_checkpoint") as pool, \
-                tqdm(total=total, unit="B", unit_scale=True, disable=not progress,
-                     desc=shown.name) as bar:
-            for run, name in zip(runs, names, strict=True):
-                _write_shard([units[i] for i in run], made / name, metadata, pool, bar)
-        if len(runs) > 1:
-            weight_map = {out.name: name for run, name in zip(runs, names, strict=True)
-                          for i in run for out in units[i].outs}
-            index = {"metadata": {"total_size": total},
-                     "weight_map": dict(sorted(weight_map.items()))}
-            (made / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n",
-                                           encoding="utf-8")
-            fsync_path(made / INDEX_NAME)
+        _write_files(made, plan, runs, names, metadata, shown.name if progress else None)
         _open_modes(made)
         fsync_path(made)
         _swap_in(made, target, exists)
@@ -289,3 +273,27 @@ def write_checkpoint(spec: ModelSpec, path: Path, options: CheckpointOptions = C
              seconds=round(seconds, 3), mb_per_s=round(total / 1e6 / max(seconds, 1e-9), 1))
     return CheckpointWritten(target, tuple(names), total, seconds, plan.expert_bytes)
 
+
+def _write_files(made: Path, plan: Layout, runs: Sequence[range], names: Sequence[str],
+                 metadata: dict[str, str], progress: str | None) -> None:
+    """``config.json``, the shards (``runs`` of ``plan.units``, named ``names``) and, when
+    there are several, their index, each synced; ``progress``: the bar's label (None: no
+    bar)."""
+    units = plan.units
+    config = json.dumps(plan.config, indent=2) + "\n"
+    (made / "config.json").write_text(config, encoding="utf-8")
+    fsync_path(made / "config.json")
+    total = sum(unit.nbytes for unit in units)
+    workers = min(8, len(os.sched_getaffinity(0)))
+    with ThreadPoolExecutor(workers, thread_name_prefix="make_checkpoint") as pool, \
+            tqdm(total=total, unit="B", unit_scale=True, disable=progress is None,
+                 desc=progress) as bar:
+        for run, name in zip(runs, names, strict=True):
+            _write_shard([units[i] for i in run], made / name, metadata, pool, bar)
+    if len(runs) > 1:
+        weight_map = {out.name: name for run, name in zip(runs, names, strict=True)
+                      for i in run for out in units[i].outs}
+        index = {"metadata": {"total_size": total},
+                 "weight_map": dict(sorted(weight_map.items()))}
+        (made / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
+        fsync_path(made / INDEX_NAME)

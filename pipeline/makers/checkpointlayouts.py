@@ -38,11 +38,29 @@ quantized experts are the plain checkpoint's experts of the same seed, quantized
 from __future__ import annotations
 
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
 from moestream.pipeline.foundation.errors import UsageError
+from moestream.pipeline.makers.checkpointconfigs import (
+    OSS_HEAD_DIM,
+    OSS_HEADS,
+    OSS_KV_HEADS,
+    QWEN_HEAD_DIM,
+    QWEN_HEADS,
+    QWEN_KV_HEADS,
+    V4_BLOCK,
+    V4_HC,
+    V4_HEAD_DIM,
+    V4_HEADS,
+    V4_O_GROUPS,
+    V4_O_LORA,
+    V4_Q_LORA,
+    deepseek_v4_config,
+    gpt_oss_config,
+    qwen3_config,
+)
 from moestream.pipeline.makers.checkpointtensors import (
     OTHER,
     Fill,
@@ -54,7 +72,7 @@ from moestream.pipeline.makers.checkpointtensors import (
     Piece,
     Unit,
 )
-from moestream.pipeline.makers.modelgen import ModelSpec
+from moestream.pipeline.makers.modelspec import ModelSpec
 from moestream.pipeline.makers.quantgen import MX_BLOCK
 
 __all__ = ["QUANTS", "Layout", "Quant", "layout"]
@@ -62,10 +80,6 @@ __all__ = ["QUANTS", "Layout", "Quant", "layout"]
 Quant = Literal["fp8", "mxfp4", "fp4"]
 QUANTS: tuple[Quant, ...] = ("fp8", "mxfp4", "fp4")
 _GATE, _UP, _DOWN = 0, 1, 2  # an expert matrix's seed-key index, in every layout
-_QWEN_HEADS, _QWEN_KV_HEADS, _QWEN_HEAD_DIM = 4, 2, 128
-_OSS_HEADS, _OSS_KV_HEADS, _OSS_HEAD_DIM = 4, 2, 64
-_V4_HEADS, _V4_HEAD_DIM, _V4_Q_LORA, _V4_O_GROUPS, _V4_O_LORA, _V4_HC = 4, 128, 128, 2, 128, 4
-_V4_BLOCK = (128, 128)
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,6 +152,26 @@ def _mx_bytes(rows: int, cols: int) -> int:
     return rows * cols // 2 + rows * cols // MX_BLOCK
 
 
+def _decoder(plan: _Plan, attention: Callable[[str], None],
+             mlp: Callable[[str, int], None]) -> list[Unit]:
+    """The Hugging Face decoder both ``model.``-named layouts share (Qwen3-MoE, gpt-oss), in
+    write order: the embeddings; per layer the input norm, ``attention``, the
+    post-attention norm and ``mlp`` (given the layer's name prefix, and its index); the
+    final norm and ``lm_head``."""
+    spec = plan.spec
+    d = spec.hidden
+    plan.plain("model.embed_tokens.weight", (spec.vocab, d))
+    for layer in range(spec.n_layers):
+        p = f"model.layers.{layer}."
+        plan.plain(p + "input_layernorm.weight", (d,), "ones")
+        attention(p)
+        plan.plain(p + "post_attention_layernorm.weight", (d,), "ones")
+        mlp(p, layer)
+    plan.plain("model.norm.weight", (d,), "ones")
+    plan.plain("lm_head.weight", (spec.vocab, d))
+    return plan.units
+
+
 def _qwen3(spec: ModelSpec, dtype: str, fused: bool,
            block: tuple[int, int] | None) -> list[Unit]:
     """The plain layout, or with ``block`` the FP8 one."""
@@ -152,73 +186,41 @@ def _qwen3(spec: ModelSpec, dtype: str, fused: bool,
         else:
             plan.experts(name, shape, (key[-1],), key[1], key[2])
 
-    plan.plain("model.embed_tokens.weight", (spec.vocab, d))
-    for layer in range(spec.n_layers):
-        p = f"model.layers.{layer}."
-        plan.plain(p + "input_layernorm.weight", (d,), "ones")
-        q, kv = _QWEN_HEADS * _QWEN_HEAD_DIM, _QWEN_KV_HEADS * _QWEN_HEAD_DIM
+    def attention(p: str) -> None:
+        q, kv = QWEN_HEADS * QWEN_HEAD_DIM, QWEN_KV_HEADS * QWEN_HEAD_DIM
         for proj, shape in (("q", (q, d)), ("k", (kv, d)), ("v", (kv, d)), ("o", (d, q))):
             linear(f"{p}self_attn.{proj}_proj.weight", shape)
-        plan.plain(p + "self_attn.q_norm.weight", (_QWEN_HEAD_DIM,), "ones")
-        plan.plain(p + "self_attn.k_norm.weight", (_QWEN_HEAD_DIM,), "ones")
-        plan.plain(p + "post_attention_layernorm.weight", (d,), "ones")
+        plan.plain(p + "self_attn.q_norm.weight", (QWEN_HEAD_DIM,), "ones")
+        plan.plain(p + "self_attn.k_norm.weight", (QWEN_HEAD_DIM,), "ones")
+
+    def mlp(p: str, layer: int) -> None:
         plan.plain(p + "mlp.gate.weight", (n, d))
         if fused:
             plan.experts(p + "mlp.experts.gate_up_proj", (n, 2 * f, d), (_GATE, _UP), layer,
                          None)
             plan.experts(p + "mlp.experts.down_proj", (n, d, f), (_DOWN,), layer, None)
-            continue
+            return
         for e in range(n):
             q_ = f"{p}mlp.experts.{e}."
             for name, shape, m in (("gate", (f, d), _GATE), ("up", (f, d), _UP),
                                    ("down", (d, f), _DOWN)):
                 linear(f"{q_}{name}_proj.weight", shape, (spec.seed, layer, e, m))
-    plan.plain("model.norm.weight", (d,), "ones")
-    plan.plain("lm_head.weight", (spec.vocab, d))
-    return plan.units
 
-
-def _qwen3_config(spec: ModelSpec, torch_dtype: str) -> dict[str, object]:
-    return {
-        "architectures": ["Qwen3MoeForCausalLM"],
-        "model_type": "qwen3_moe",
-        "hidden_size": spec.hidden,
-        "intermediate_size": spec.dense_ffn,
-        "moe_intermediate_size": spec.expert_ffn,
-        "num_experts": spec.n_experts,
-        "num_experts_per_tok": spec.top_k,
-        "num_hidden_layers": spec.n_layers,
-        "vocab_size": spec.vocab,
-        "num_attention_heads": _QWEN_HEADS,
-        "num_key_value_heads": _QWEN_KV_HEADS,
-        "head_dim": _QWEN_HEAD_DIM,
-        "hidden_act": "silu",
-        "max_position_embeddings": 4096,
-        "rms_norm_eps": 1e-6,
-        "rope_theta": 1000000.0,
-        "attention_bias": False,
-        "decoder_sparse_step": 1,
-        "mlp_only_layers": [],
-        "norm_topk_prob": True,
-        "tie_word_embeddings": False,
-        "torch_dtype": torch_dtype,
-        "dtype": torch_dtype,
-    }
+    return _decoder(plan, attention, mlp)
 
 
 def _gpt_oss(spec: ModelSpec, dtype: str) -> list[Unit]:
     d, f, n = spec.hidden, spec.expert_ffn, spec.n_experts
     plan = _Plan(spec, dtype)
-    plan.plain("model.embed_tokens.weight", (spec.vocab, d))
-    q, kv = _OSS_HEADS * _OSS_HEAD_DIM, _OSS_KV_HEADS * _OSS_HEAD_DIM
-    for layer in range(spec.n_layers):
-        p = f"model.layers.{layer}."
-        plan.plain(p + "input_layernorm.weight", (d,), "ones")
+    q, kv = OSS_HEADS * OSS_HEAD_DIM, OSS_KV_HEADS * OSS_HEAD_DIM
+
+    def attention(p: str) -> None:
         for proj, rows, cols in (("q", q, d), ("k", kv, d), ("v", kv, d), ("o", d, q)):
             plan.plain(f"{p}self_attn.{proj}_proj.weight", (rows, cols))
             plan.plain(f"{p}self_attn.{proj}_proj.bias", (rows,))
-        plan.plain(p + "self_attn.sinks", (_OSS_HEADS,))
-        plan.plain(p + "post_attention_layernorm.weight", (d,), "ones")
+        plan.plain(p + "self_attn.sinks", (OSS_HEADS,))
+
+    def mlp(p: str, layer: int) -> None:
         plan.plain(p + "mlp.router.weight", (n, d))
         plan.plain(p + "mlp.router.bias", (n,))
         x = p + "mlp.experts."
@@ -233,69 +235,27 @@ def _gpt_oss(spec: ModelSpec, dtype: str) -> list[Unit]:
                 (Out(blocks, (n, rows, cols // MX_BLOCK, 16), "uint8"),
                  Out(scales, (n, rows, cols // MX_BLOCK), "uint8")), jobs))
             plan.plain(f"{x}{proj}_bias", (n, rows), dtype="float32")
-    plan.plain("model.norm.weight", (d,), "ones")
-    plan.plain("lm_head.weight", (spec.vocab, d))
-    return plan.units
 
-
-def _gpt_oss_config(spec: ModelSpec, torch_dtype: str) -> dict[str, object]:
-    return {
-        "architectures": ["GptOssForCausalLM"],
-        "model_type": "gpt_oss",
-        "hidden_size": spec.hidden,
-        "intermediate_size": spec.expert_ffn,
-        "num_local_experts": spec.n_experts,
-        "num_experts_per_tok": spec.top_k,
-        "experts_per_token": spec.top_k,
-        "num_hidden_layers": spec.n_layers,
-        "vocab_size": spec.vocab,
-        "num_attention_heads": _OSS_HEADS,
-        "num_key_value_heads": _OSS_KV_HEADS,
-        "head_dim": _OSS_HEAD_DIM,
-        "hidden_act": "silu",
-        "attention_bias": True,
-        "sliding_window": 128,
-        "layer_types": ["sliding_attention" if i % 2 == 0 else "full_attention"
-                        for i in range(spec.n_layers)],
-        "max_position_embeddings": 131072,
-        "initial_context_length": 4096,
-        "rms_norm_eps": 1e-5,
-        "rope_parameters": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0,
-                            "beta_slow": 1.0, "truncate": False,
-                            "original_max_position_embeddings": 4096,
-                            "rope_theta": 150000.0},
-        "swiglu_limit": 7.0,
-        "router_aux_loss_coef": 0.9,
-        "output_router_logits": False,
-        "tie_word_embeddings": False,
-        "use_cache": True,
-        "torch_dtype": torch_dtype,
-        "dtype": torch_dtype,
-        "quantization_config": {
-            "quant_method": "mxfp4",
-            "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
-                                       "model.embed_tokens", "lm_head"],
-        },
-    }
+    return _decoder(plan, attention, mlp)
 
 
 def _deepseek_v4(spec: ModelSpec, dtype: str) -> list[Unit]:
     d, f, n = spec.hidden, spec.expert_ffn, spec.n_experts
     plan = _Plan(spec, dtype)
-    hc, mixes = _V4_HC * d, (2 + _V4_HC) * _V4_HC
+    hc, mixes = V4_HC * d, (2 + V4_HC) * V4_HC
     plan.plain("embed.weight", (spec.vocab, d))
     for layer in range(spec.n_layers):
         p = f"layers.{layer}."
         plan.plain(p + "attn_norm.weight", (d,), "ones")
         a = p + "attn."
-        plan.plain(a + "attn_sink", (_V4_HEADS,), "zeros", dtype="float32")
-        heads, o_rank = _V4_HEADS * _V4_HEAD_DIM, _V4_O_GROUPS * _V4_O_LORA
-        for name, shape in (("wq_a", (_V4_Q_LORA, d)), ("wq_b", (heads, _V4_Q_LORA)),
-                            ("wkv", (_V4_HEAD_DIM, d)),
-                            ("wo_a", (o_rank, heads // _V4_O_GROUPS)), ("wo_b", (d, o_rank))):
-            plan.fp8(f"{a}{name}.weight", shape, None, _V4_BLOCK, ue8m0=True)
-        plan.plain(a + "q_norm.weight", (_V4_Q_LORA,), "ones")
-        plan.plain(a + "norm.weight", (_V4_HEAD_DIM,), "ones")
+        plan.plain(a + "attn_sink", (V4_HEADS,), "zeros", dtype="float32")
+        heads, o_rank = V4_HEADS * V4_HEAD_DIM, V4_O_GROUPS * V4_O_LORA
+        for name, shape in (("wq_a", (V4_Q_LORA, d)), ("wq_b", (heads, V4_Q_LORA)),
+                            ("wkv", (V4_HEAD_DIM, d)),
+                            ("wo_a", (o_rank, heads // V4_O_GROUPS)), ("wo_b", (d, o_rank))):
+            plan.fp8(f"{a}{name}.weight", shape, None, V4_BLOCK, ue8m0=True)
+        plan.plain(a + "q_norm.weight", (V4_Q_LORA,), "ones")
+        plan.plain(a + "norm.weight", (V4_HEAD_DIM,), "ones")
         plan.plain(p + "ffn_norm.weight", (d,), "ones")
         g = p + "ffn.gate."
         plan.plain(g + "weight", (n, d))
@@ -305,7 +265,7 @@ def _deepseek_v4(spec: ModelSpec, dtype: str) -> list[Unit]:
         else:
             plan.plain(g + "bias", (n,), "zeros", dtype="float32")
         for name, shape in (("w1", (f, d)), ("w2", (d, f)), ("w3", (f, d))):
-            plan.fp8(f"{p}ffn.shared_experts.{name}.weight", shape, None, _V4_BLOCK,
+            plan.fp8(f"{p}ffn.shared_experts.{name}.weight", shape, None, V4_BLOCK,
                      ue8m0=True)
         for e in range(n):
             x = f"{p}ffn.experts.{e}."
@@ -323,56 +283,10 @@ def _deepseek_v4(spec: ModelSpec, dtype: str) -> list[Unit]:
             plan.plain(f"{p}hc_{kind}_scale", (3,), "ones", dtype="float32")
     plan.plain("norm.weight", (d,), "ones")
     plan.plain("head.weight", (spec.vocab, d))
-    plan.plain("hc_head_fn", (_V4_HC, hc), dtype="float32")
-    plan.plain("hc_head_base", (_V4_HC,), "zeros", dtype="float32")
+    plan.plain("hc_head_fn", (V4_HC, hc), dtype="float32")
+    plan.plain("hc_head_base", (V4_HC,), "zeros", dtype="float32")
     plan.plain("hc_head_scale", (1,), "ones", dtype="float32")
     return plan.units
-
-
-def _deepseek_v4_config(spec: ModelSpec, torch_dtype: str) -> dict[str, object]:
-    hashed = min(spec.hash_routed, spec.n_layers)
-    return {
-        "architectures": ["DeepseekV4ForCausalLM"],
-        "model_type": "deepseek_v4",
-        "hidden_size": spec.hidden,
-        "moe_intermediate_size": spec.expert_ffn,
-        "n_routed_experts": spec.n_experts,
-        "n_shared_experts": 1,
-        "num_experts_per_tok": spec.top_k,
-        "num_hidden_layers": spec.n_layers,
-        "num_nextn_predict_layers": 0,
-        "vocab_size": spec.vocab,
-        "num_attention_heads": _V4_HEADS,
-        "num_key_value_heads": 1,
-        "head_dim": _V4_HEAD_DIM,
-        "q_lora_rank": _V4_Q_LORA,
-        "o_groups": _V4_O_GROUPS,
-        "o_lora_rank": _V4_O_LORA,
-        "partial_rotary_factor": 0.5,
-        "layer_types": ["sliding_attention"] * spec.n_layers,
-        "mlp_layer_types": ["hash_moe"] * hashed + ["moe"] * (spec.n_layers - hashed),
-        "sliding_window": 128,
-        "hc_mult": _V4_HC,
-        "hc_sinkhorn_iters": 20,
-        "hc_eps": 1e-6,
-        "scoring_func": "sqrtsoftplus",
-        "norm_topk_prob": True,
-        "routed_scaling_factor": 1.5,
-        "swiglu_limit": 10.0,
-        "hidden_act": "silu",
-        "max_position_embeddings": 4096,
-        "rms_norm_eps": 1e-6,
-        "rope_theta": 10000.0,
-        "compress_rope_theta": 160000.0,
-        "bos_token_id": 0,
-        "eos_token_id": 1,
-        "tie_word_embeddings": False,
-        "torch_dtype": torch_dtype,
-        "dtype": torch_dtype,
-        "expert_dtype": "fp4",
-        "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "scale_fmt": "ue8m0",
-                                "weight_block_size": list(_V4_BLOCK)},
-    }
 
 
 def layout(spec: ModelSpec, dtype: str, *, fused: bool = False, quant: Quant | None = None,
@@ -387,7 +301,7 @@ def layout(spec: ModelSpec, dtype: str, *, fused: bool = False, quant: Quant | N
     d, f = spec.hidden, spec.expert_ffn
     if quant is None or quant == "fp8":
         units = _qwen3(spec, dtype, fused, block if quant == "fp8" else None)
-        config = _qwen3_config(spec, dtype)
+        config = qwen3_config(spec, dtype)
         if quant == "fp8":
             config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3",
                                              "weight_block_size": list(block),
@@ -397,11 +311,11 @@ def layout(spec: ModelSpec, dtype: str, *, fused: bool = False, quant: Quant | N
             expert = 3 * f * d * {"bfloat16": 2, "float16": 2, "float32": 4}[dtype]
     elif quant == "mxfp4":
         _check_mx(spec, quant)
-        units, config = _gpt_oss(spec, dtype), _gpt_oss_config(spec, dtype)
+        units, config = _gpt_oss(spec, dtype), gpt_oss_config(spec, dtype)
         expert = 3 * _mx_bytes(f, d)
     else:
         _check_mx(spec, quant)
-        units, config = _deepseek_v4(spec, dtype), _deepseek_v4_config(spec, dtype)
+        units, config = _deepseek_v4(spec, dtype), deepseek_v4_config(spec, dtype)
         expert = 3 * _mx_bytes(f, d)
     config["moestream_preset"] = spec.preset
     config["moestream_seed"] = spec.seed
