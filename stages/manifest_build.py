@@ -7,7 +7,7 @@ where allowed, retries, a changed file detected after every read) into per-threa
 ``piece_bytes`` and digests as it goes (numpy releases the GIL in the sums). A job is a run
 of neighbouring experts of one layer, about ``job_bytes`` of them; their matrices that touch
 in the file are read as one stretch, so a layer's gate tensor, say, is read in large pieces
-whatever the expert size.
+whatever the expert size (the jobs and the work of one: ``moestream.stages.digest_jobs``).
 
 It runs two ways: to completion, for ``tools.warmup --digests``; and in the background of a
 run on a file with no digests (``pipeline.cli.run``), where it yields to decode as the warm-up
@@ -27,7 +27,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -38,7 +38,6 @@ import structlog
 
 from moestream.gpu.backend import PAGE, aligned_host_array
 from moestream.gpu.cache.policy import ExpertKey
-from moestream.pipeline.foundation.digest import RunningDigest
 from moestream.pipeline.foundation.errors import (
     ModelChangedError,
     ModelFileError,
@@ -53,7 +52,7 @@ from moestream.pipeline.foundation.manifest import (
     manifest_path,
 )
 from moestream.pipeline.foundation.table import ExpertTable
-from moestream.stages.layout import aligned_cover, iter_chunks
+from moestream.stages.digest_jobs import JobResult, digest_job, plan_jobs
 from moestream.stages.reader import ModelReader
 from moestream.stages.throttle import Pausable
 from moestream.stages.warm import ReadResult
@@ -61,8 +60,6 @@ from moestream.stages.warm import ReadResult
 __all__ = ["BuildResult", "ManifestBuilder", "RunManifest", "default_digest_threads"]
 
 _log = structlog.get_logger("moestream.manifest")
-
-Digests = tuple[int, int, int]
 
 
 def default_digest_threads() -> int:
@@ -77,29 +74,17 @@ class BuildResult(ReadResult):
     experts: int
 
 
-@dataclass(frozen=True, slots=True)
-class _Range:
-    """One expert matrix in the file, and where its digest goes."""
+@dataclass(slots=True)
+class _Build:
+    """One ``build`` call's jobs in flight, their failures and what they did."""
 
-    offset: int
-    nbytes: int
-    expert: int
-    matrix: int
-
-    @property
-    def end(self) -> int:
-        return self.offset + self.nbytes
-
-
-def _stretches(ranges: Iterable[_Range]) -> list[list[_Range]]:
-    """Ranges sorted by offset, those that touch joined into stretches read as one."""
-    out: list[list[_Range]] = []
-    for r in sorted(ranges, key=lambda r: r.offset):
-        if out and out[-1][-1].end == r.offset:
-            out[-1].append(r)
-        else:
-            out.append([r])
-    return out
+    slots: asyncio.Semaphore
+    total: int
+    progress: Callable[[int, int], None] | None
+    running: set[asyncio.Future[JobResult]] = field(default_factory=set)
+    failures: list[BaseException] = field(default_factory=list)
+    done_bytes: int = 0
+    experts: int = 0
 
 
 class ManifestBuilder(Pausable):
@@ -182,76 +167,18 @@ class ManifestBuilder(Pausable):
             self._local.buf = buf
         return buf
 
-    def _digest_job(self, layer: int, experts: Sequence[int],
-                    direct: bool) -> tuple[list[tuple[int, Digests]], int]:
+    def _digest_job(self, layer: int, experts: Sequence[int], direct: bool) -> JobResult:
         """Worker: read and digest ``experts`` of ``layer``; their digests and bytes read."""
-        ranges = [
-            _Range(r.offset, r.nbytes, e, m)
-            for e in experts
-            for m, r in enumerate(self._table.slices((layer, e)).ranges)
-        ]
-        running = {(r.expert, r.matrix): RunningDigest() for r in ranges}
-        buf = self._buffer()
-        read = 0
-        for stretch in _stretches(ranges):
-            start, length = aligned_cover(stretch[0].offset, stretch[-1].end - stretch[0].offset)
-            first = 0  # the first range of the stretch not yet wholly fed
-            for offset, n in iter_chunks(start, length, self.piece_bytes):
-                self._running.wait()  # paused: decode's reads go first
-                if self._stop.is_set():
-                    return [], read
-                got = self._reader.read_into(buf[:n], offset, direct=direct)
-                read += got
-                end = offset + got
-                while first < len(stretch) and stretch[first].end <= offset:
-                    first += 1
-                for r in stretch[first:]:
-                    if r.offset >= end:
-                        break
-                    lo, hi = max(r.offset, offset), min(r.end, end)
-                    running[r.expert, r.matrix].update(buf[lo - offset : hi - offset])
-        out = [(e, (running[e, 0].value(), running[e, 1].value(), running[e, 2].value()))
-               for e in experts]
-        return out, read
+        return digest_job(self._table, self._reader, self._buffer(), self.piece_bytes,
+                          self._running, self._stop, layer, experts, direct)
 
     # -- orchestration ----------------------------------------------------------------------
 
     def _jobs(self) -> Iterator[tuple[int, list[int]]]:
         """(layer, experts) to digest: experts waited for first, then the rest in file order;
         each time only experts neither known nor in flight, neighbours of a layer together."""
-        per_job = {n: max(1, self.job_bytes // self._table.expert_bytes(n))
-                   for n in self._table.moe_layers}
-        todo = iter(self.manifest.missing())
-        pending: ExpertKey | None = None  # read from todo, not yet in a job
-        while True:
-            source: deque[ExpertKey] | None = None
-            key: ExpertKey | None = None
-            while self._urgent and key is None:
-                key = self._urgent.popleft()
-                key = key if self._free(key) else None
-            if key is not None:
-                source = self._urgent
-            while key is None:
-                key, pending = (pending if pending is not None else next(todo, None)), None
-                if key is None:
-                    return
-                key = key if self._free(key) else None
-            layer, job = key[0], [key[1]]
-            while len(job) < per_job[layer]:
-                if source is not None:  # waited for: neighbours also waited for
-                    nxt = source[0] if source else None
-                    if nxt != (layer, job[-1] + 1):
-                        break
-                    source.popleft()
-                else:
-                    nxt = next(todo, None)
-                    if nxt is None or nxt != (layer, job[-1] + 1):
-                        pending = nxt  # starts the next job
-                        break
-                if not self._free(nxt):
-                    break
-                job.append(nxt[1])
-            yield layer, job
+        yield from plan_jobs(self._table, self.manifest.missing(), self.job_bytes,
+                             self._urgent, self._free)
 
     def _free(self, key: ExpertKey) -> bool:
         """Neither known nor being digested."""
@@ -281,82 +208,86 @@ class ManifestBuilder(Pausable):
         """
         if self._closed:
             raise UsageError(f"{self!r} is closed")
-        loop = asyncio.get_running_loop()
         missing = self.manifest.missing()
         total = sum(self._table.expert_bytes(n) for n, _ in missing)
-        slots = asyncio.Semaphore(self.threads)
-        running: set[asyncio.Future[tuple[list[tuple[int, Digests]], int]]] = set()
-        failures: list[BaseException] = []
-        done_bytes = 0
-        experts = 0
+        state = _Build(asyncio.Semaphore(self.threads), total, progress)
         t0 = time.perf_counter()
-
-        def finished(fut: asyncio.Future[tuple[list[tuple[int, Digests]], int]], layer: int,
-                     job: list[int]) -> None:
-            nonlocal done_bytes, experts
-            running.discard(fut)
-            slots.release()
-            self._in_flight.difference_update((layer, e) for e in job)
-            self._progressed.set()
-            if fut.cancelled():
-                return
-            exc = fut.exception()
-            if exc is not None:
-                failures.append(exc)
-                return
-            results, read = fut.result()
-            self.bytes_read += read
-            for e, values in results:
-                self.manifest.set((layer, e), values)
-            experts += len(results)
-            done_bytes += len(results) * self._table.expert_bytes(layer)
-            if progress is not None:
-                progress(done_bytes, total)
-
         try:
             self._check_key()
-            jobs = self._jobs()
-            while not failures:
-                await slots.acquire()
-                await self._wait_resumed()
-                job = next(jobs, None) if not failures else None
-                if job is None:
-                    slots.release()
-                    if not running:
-                        break
-                    # what is left is in flight; urgent keys may still come: wait, retry
-                    self._progressed.clear()
-                    await self._progressed.wait()
-                    jobs = self._jobs()
-                    continue
-                layer, members = job
-                self._in_flight.update((layer, e) for e in members)
-                fut = loop.run_in_executor(self._pool, self._digest_job, layer, members,
-                                           self._direct())
-                running.add(fut)
-                fut.add_done_callback(functools.partial(finished, layer=layer, job=members))
-            if running:
-                await asyncio.wait(set(running))
-            if failures:
-                raise failures[0]
+            await self._submit(state)
+            if state.failures:
+                raise state.failures[0]
         except BaseException as exc:
-            self._stop.set()
-            self._running.set()
-            for fut in list(running):
-                fut.cancel()
-            if not isinstance(exc, asyncio.CancelledError):
-                self.error = exc
-            self.stopped = True
-            self._progressed.set()
+            self._stopped(state, exc)
             raise
         self.finished = True
         self._progressed.set()
         result = BuildResult(bytes_read=self.bytes_read, seconds=time.perf_counter() - t0,
-                             experts=experts)
-        _log.info("digest_manifest_built", path=str(self._table.path), experts=experts,
+                             experts=state.experts)
+        _log.info("digest_manifest_built", path=str(self._table.path), experts=state.experts,
                   bytes=result.bytes_read, seconds=round(result.seconds, 3),
                   gb_per_s=round(result.gb_per_s, 3))
         return result
+
+    async def _submit(self, state: _Build) -> None:
+        """Hand jobs to the pool while slots free up, until none is left and none runs."""
+        loop = asyncio.get_running_loop()
+        jobs = self._jobs()
+        while not state.failures:
+            await state.slots.acquire()
+            await self._wait_resumed()
+            job = next(jobs, None) if not state.failures else None
+            if job is None:
+                state.slots.release()
+                if not state.running:
+                    break
+                # what is left is in flight; urgent keys may still come: wait, retry
+                self._progressed.clear()
+                await self._progressed.wait()
+                jobs = self._jobs()
+                continue
+            layer, members = job
+            self._in_flight.update((layer, e) for e in members)
+            fut = loop.run_in_executor(self._pool, self._digest_job, layer, members,
+                                       self._direct())
+            state.running.add(fut)
+            fut.add_done_callback(functools.partial(self._finished, state, layer=layer,
+                                                    job=members))
+        if state.running:
+            await asyncio.wait(set(state.running))
+
+    def _finished(self, state: _Build, fut: asyncio.Future[JobResult], layer: int,
+                  job: list[int]) -> None:
+        """Loop thread, as a job's future completes: its digests into the manifest."""
+        state.running.discard(fut)
+        state.slots.release()
+        self._in_flight.difference_update((layer, e) for e in job)
+        self._progressed.set()
+        if fut.cancelled():
+            return
+        exc = fut.exception()
+        if exc is not None:
+            state.failures.append(exc)
+            return
+        results, read = fut.result()
+        self.bytes_read += read
+        for e, values in results:
+            self.manifest.set((layer, e), values)
+        state.experts += len(results)
+        state.done_bytes += len(results) * self._table.expert_bytes(layer)
+        if state.progress is not None:
+            state.progress(state.done_bytes, state.total)
+
+    def _stopped(self, state: _Build, exc: BaseException) -> None:
+        """``build`` failed or was cancelled: stop the workers, wake whoever waits."""
+        self._stop.set()
+        self._running.set()
+        for fut in list(state.running):
+            fut.cancel()
+        if not isinstance(exc, asyncio.CancelledError):
+            self.error = exc
+        self.stopped = True
+        self._progressed.set()
 
     # -- lifetime --------------------------------------------------------------------------
 
