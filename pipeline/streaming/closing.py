@@ -19,7 +19,7 @@ from moestream.pipeline.streaming.summary import RunSummary
 from moestream.pipeline.streaming.verify import Verifier
 from moestream.stages.manifest_build import RunManifest
 
-__all__ = ["close_devices", "finish", "manifest_failure"]
+__all__ = ["close_devices", "finish", "manifest_failure", "take_last_digests"]
 
 
 async def finish(work: Coroutine[Any, Any, None]) -> None:
@@ -56,6 +56,14 @@ async def close_devices(summary: RunSummary, streamers: Sequence[ExpertStreamer]
     summary.allocations = sum(d["allocations"] for d in summary.devices)
     summary.frees = sum(d["frees"] for d in summary.devices)
     summary.final_budget_bytes = sum(d["budget_bytes"] for d in summary.devices)
+
+
+def take_last_digests(verifier: Verifier | None, streamers: Sequence[ExpertStreamer]) -> None:
+    """Compare the install digests a token's end left (``DigestRows.take`` never waits
+    there): loads started ahead, still copying then, and never consumed since."""
+    if verifier is not None:
+        for streamer in streamers:
+            verifier.check(streamer.take_digests(wait=True))
 
 
 def manifest_failure(manifest: RunManifest | None, verifier: Verifier | None,

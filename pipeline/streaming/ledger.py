@@ -60,6 +60,11 @@ class TokenLedger:
         self._clamped = False  # an engine's compute_ms above the wall time was logged
         self._read_bytes = 0
 
+    @property
+    def token(self) -> int:
+        """The index of the token being decoded (tokens ended so far)."""
+        return self._token
+
     def _clock(self) -> None:
         if self._token_t0 is None:
             self._token_t0 = time.perf_counter()

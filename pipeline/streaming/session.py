@@ -39,7 +39,12 @@ from moestream.pipeline.foundation.faults import FaultPlan, parse_faults
 from moestream.pipeline.foundation.machine import machine_info, process_read_bytes
 from moestream.pipeline.foundation.table import ExpertTable, open_table
 from moestream.pipeline.runlog.write import RunLog
-from moestream.pipeline.streaming.closing import close_devices, finish, manifest_failure
+from moestream.pipeline.streaming.closing import (
+    close_devices,
+    finish,
+    manifest_failure,
+    take_last_digests,
+)
 from moestream.pipeline.streaming.controller import ModeController, Sampler
 from moestream.pipeline.streaming.desk import LastUse, LeaseDesk
 from moestream.pipeline.streaming.lease_parts import EventJoiner
@@ -226,11 +231,6 @@ class StreamSession(LeaseDesk):
     def mode(self) -> str:
         return str(self.streamer.mode) if self.streamer is not None else "direct"
 
-    @property
-    def token(self) -> int:
-        """The index of the token being decoded (tokens ended so far)."""
-        return self._token
-
     # -- token boundary --------------------------------------------------------------------
 
     async def end_token(self, *, compute_ms: float | Sequence[float] | None = None,
@@ -321,18 +321,11 @@ class StreamSession(LeaseDesk):
             StageError: the manifest's reads failed (the experts stay unverified).
         """
         self._settled = True
-        self._take_last_digests()
+        take_last_digests(self.verifier, self.streamers)
         if self.manifest is not None and self.verifier is not None:
             await self.manifest.settle(self.verifier)
         if self.verifier is not None:
             self.record_verification()
-
-    def _take_last_digests(self) -> None:
-        """Compare the install digests a token's end left (``DigestRows.take`` never waits
-        there): loads started ahead, still copying then, and never consumed since."""
-        if self.verifier is not None:
-            for streamer in self.streamers:
-                self.verifier.check(streamer.take_digests(wait=True))
 
     async def aclose(self, *, outcome: str = "ok", check: bool = True) -> None:
         """Release every lease and hint, stop the loads, close everything, log ``run_end``.
@@ -377,7 +370,7 @@ class StreamSession(LeaseDesk):
         await self._stop_launchers()  # loads still waiting for staging slots
         if settle:
             try:
-                self._take_last_digests()
+                take_last_digests(self.verifier, self.streamers)
             except Exception as exc:  # a broken device: the run is failing anyway
                 _log.warning("install_digests_unread", reason=str(exc))
         if self.manifest is not None:
