@@ -44,6 +44,46 @@ _DESCRIPTION = ("Write a GGUF model (or, with --format safetensors, a Hugging Fa
 @stoppable("moestream-make-model")  # SIGTERM, SIGHUP as SIGINT: the temp file goes
 def main(argv: Sequence[str] | None = None) -> int:
     """Command line: ``python -m tools.make_model OUT --preset ...``; returns the exit code."""
+    parser = _parser()
+    debug = "--debug" in (sys.argv[1:] if argv is None else argv)
+    if not structlog.is_configured():
+        # stdout carries only the summary line; log events go to stderr.
+        structlog.configure(logger_factory=structlog.PrintLoggerFactory(sys.stderr))
+    try:
+        args = parser.parse_args(argv)
+        if args.format == "safetensors":
+            return _checkpoint(args)
+        for option in ("fused_experts", "dtype", "shard_size", "quant", "block", "hidden",
+                       "expert_ffn", "top_k"):
+            if getattr(args, option) not in (None, False):
+                raise UsageError(f"--{option.replace('_', '-')} is for --format safetensors")
+        check_output(args.out, what="OUT")  # a directory, device or FIFO: refused, --force or not
+        if args.out.exists() and not args.force:
+            raise UsageError(f"{args.out} exists (use --force to replace it)")
+        spec = spec_for(args.preset, args.layers, args.experts, args.seed,
+                        fused_gate_up=args.fused_gate_up)
+        started = time.perf_counter()
+        write_model(spec, args.out, progress=sys.stderr.isatty(),
+                    record_digests=not args.no_digests)
+    except MoestreamError as exc:
+        if debug:
+            raise
+        print_error("moestream-make-model: error: ", exc)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print("moestream-make-model: interrupted", file=sys.stderr)
+        return 130
+    seconds = time.perf_counter() - started
+    size = args.out.stat().st_size
+    with closable_stdout():
+        print(f"{printable(str(args.out))}: {spec.preset}, {spec.n_layers} layers x "
+              f"{spec.n_experts} experts, {size / 2**30:.3f} GiB in {seconds:.1f} s "
+              f"({size / 1e6 / seconds:.0f} MB/s)")
+    return 0
+
+
+def _parser() -> UsageParser:
+    """The command's arguments: OUT, the preset and its scaling, and the checkpoint's."""
     parser = UsageParser(prog="moestream-make-model", description=_DESCRIPTION)
     parser.add_argument("out", type=Path, metavar="OUT",
                         help="GGUF file to write (a checkpoint directory with --format "
@@ -80,41 +120,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                             help=f"safetensors: the preset's {what} replaced")
     parser.add_argument("--force", action="store_true", help="replace OUT if it exists")
     parser.add_argument("--debug", action="store_true", help="tracebacks on errors")
-    debug = "--debug" in (sys.argv[1:] if argv is None else argv)
-    if not structlog.is_configured():
-        # stdout carries only the summary line; log events go to stderr.
-        structlog.configure(logger_factory=structlog.PrintLoggerFactory(sys.stderr))
-    try:
-        args = parser.parse_args(argv)
-        if args.format == "safetensors":
-            return _checkpoint(args)
-        for option in ("fused_experts", "dtype", "shard_size", "quant", "block", "hidden",
-                       "expert_ffn", "top_k"):
-            if getattr(args, option) not in (None, False):
-                raise UsageError(f"--{option.replace('_', '-')} is for --format safetensors")
-        check_output(args.out, what="OUT")  # a directory, device or FIFO: refused, --force or not
-        if args.out.exists() and not args.force:
-            raise UsageError(f"{args.out} exists (use --force to replace it)")
-        spec = spec_for(args.preset, args.layers, args.experts, args.seed,
-                        fused_gate_up=args.fused_gate_up)
-        started = time.perf_counter()
-        write_model(spec, args.out, progress=sys.stderr.isatty(),
-                    record_digests=not args.no_digests)
-    except MoestreamError as exc:
-        if debug:
-            raise
-        print_error("moestream-make-model: error: ", exc)
-        return exc.exit_code
-    except KeyboardInterrupt:
-        print("moestream-make-model: interrupted", file=sys.stderr)
-        return 130
-    seconds = time.perf_counter() - started
-    size = args.out.stat().st_size
-    with closable_stdout():
-        print(f"{printable(str(args.out))}: {spec.preset}, {spec.n_layers} layers x "
-              f"{spec.n_experts} experts, {size / 2**30:.3f} GiB in {seconds:.1f} s "
-              f"({size / 1e6 / seconds:.0f} MB/s)")
-    return 0
+    return parser
 
 
 def _checkpoint(args: argparse.Namespace) -> int:

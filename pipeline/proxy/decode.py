@@ -13,11 +13,9 @@ waits for the router's output before it can choose the next layer's experts. Wit
 devices each one's weighted sum is combined on the first (the home), which keeps the
 hidden state.
 
-What "compute" is: ``real`` runs a SwiGLU expert on a hidden state (F16 experts, from the
-handles' float16 views), ``digest`` reads every byte of every used expert and checks it
-against the file, ``fixed:MS`` keeps the device busy MS milliseconds per layer, like an
-engine's kernels would. ``real`` on a model without F16 experts falls back to ``digest``
-(``moestream.pipeline.foundation.compute``).
+What "compute" is (``real``, ``digest``, ``fixed:MS``) is each device's ``Decoder``
+(``moestream.pipeline.proxy.decoder``); ``real`` on a model without F16 experts falls back
+to ``digest`` (``moestream.pipeline.foundation.compute``).
 
 Each layer also measures its own compute for the token's time split (``end_token``'s
 ``compute_ms`` and ``upload_ms``): on a GPU the end-of-layer wait is split, in queue order,
@@ -30,14 +28,10 @@ session's to charge (``moestream.pipeline.foundation.timesplit``).
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
-
-import numpy as np
 
 from moestream import ExpertHandle, Lease
 from moestream.gpu.backend import Backend, Event, Kernels
@@ -46,14 +40,10 @@ from moestream.pipeline.foundation.config import ComputeSpec
 from moestream.pipeline.foundation.errors import MoestreamError, StageError
 from moestream.pipeline.foundation.table import ExpertTable
 from moestream.pipeline.foundation.timesplit import TimeSplit
-from moestream.pipeline.streaming.verify import DigestRows, Digests
+from moestream.pipeline.proxy.decoder import Decoder
+from moestream.pipeline.streaming.verify import Digests
 
 __all__ = ["Decode", "Decoder", "Launched", "LayerResult"]
-
-_HOST_SLICE_MS = 10.0
-"""``fixed`` compute on the host backend spins the CPU on the event loop's thread, in slices
-of at most this long with a yield to the loop after each: a signal or a cancel lands within
-a slice, not after the layer (``fixed:1000`` is a second per layer)."""
 
 
 @dataclass(slots=True)
@@ -79,162 +69,6 @@ class Launched:
     used: list[bool]
     device_s: list[float]
     seconds: float = 0.0
-
-
-class _OnDevice:
-    """Makes the backend's device and the compute stream current. Used on the loop thread
-    only, never nested, so one device context serves every layer."""
-
-    __slots__ = ("_device", "_stream")
-
-    def __init__(self, backend: Backend, stream: Any) -> None:
-        self._device: Any = backend.activate()
-        self._stream = stream
-
-    def __enter__(self) -> None:
-        self._device.__enter__()
-        self._stream.__enter__()
-
-    def __exit__(self, *exc: object) -> None:
-        self._stream.__exit__(*exc)
-        self._device.__exit__(*exc)
-
-
-class Decoder:
-    """One device's part of the proxy decode: its compute stream, its copy of the hidden
-    state, the digests of what it consumed (``digest`` compute).
-
-    Args:
-        compute: what to do with each expert (``resolve_compute``d).
-        table: the model's expert table.
-        backend: the device.
-        kernels: the backend's kernels.
-        seed: the initial hidden state's seed.
-    """
-
-    def __init__(self, compute: ComputeSpec, table: ExpertTable, backend: Backend,
-                 kernels: Kernels, seed: int = 0) -> None:
-        self._table = table
-        self.backend = backend
-        self._kernels = kernels
-        self.stream = backend.new_stream()
-        # array module and contexts (device, stream), fixed for the run: looked up once
-        self._xp: Any = np
-        self.ctx: Any = contextlib.nullcontext()
-        if backend.name == "cupy":
-            import cupy
-
-            self._xp = cupy
-            self.ctx = _OnDevice(backend, self.stream.raw)  # type: ignore[attr-defined]
-        self.compute = compute
-        self._hidden = self._initial_hidden(seed) if compute.kind == "real" else None
-        self.acc: Any = None  # the layer's weighted sum of expert outputs (``real``)
-        self.use_digests = DigestRows(kernels, len(table.layers) * table.top_k)
-        # (bytes, ms) of host compute queued by consume, spent by spend_host_compute
-        self._spins_host = backend.name == "host"
-        self._host_compute: list[tuple[Any, float]] = []
-        # a GPU queues kernels and copies (the host waits at the layer's end); the host
-        # backend runs them inline, so its compute is the time spent in them
-        self.queues = backend.async_copies
-        # (event before the wait, upload event) of each device-side wait of this layer
-        self._device_waits: list[tuple[Event, Event]] = []
-        self._waited_on: Event | None = None  # the upload event the stream last waited for
-
-    def _initial_hidden(self, seed: int) -> Any:
-        rng = np.random.default_rng([seed, 0x5EED])
-        x = rng.standard_normal(self._table.hidden).astype(np.float32)
-        x /= np.sqrt(np.mean(x * x))
-        return self._xp.asarray(x)
-
-    @property
-    def hidden(self) -> Any:
-        return self._hidden
-
-    def set_hidden(self, hidden: Any) -> None:
-        """Start a token from this hidden state (the live router's token embedding).
-
-        Only ``real`` compute changes it layer by layer; with ``digest`` or ``fixed`` the
-        live router routes every layer from the embedding itself.
-        """
-        self._hidden = hidden
-
-    def advance(self, acc: Any) -> None:
-        """The residual step: hidden + the weighted expert outputs, RMS-normalized."""
-        with self.ctx:
-            x = self._hidden + acc
-            self._hidden = x / (self._xp.sqrt(self._xp.mean(x * x)) + 1e-6)
-
-    def take_use_digests(self) -> Digests:
-        """The digests of every expert consumed since the last call (``--compute digest``)."""
-        return self.use_digests.take()
-
-    def begin(self) -> None:
-        """A new layer: no waits yet, a zero sum for ``real`` compute."""
-        self._device_waits.clear()  # a failed layer leaves its own behind
-        self._waited_on = None
-        if self.compute.kind == "real":
-            with self.ctx:
-                self.acc = self._kernels.zeros(self._table.hidden)
-
-    def consume(self, h: ExpertHandle, weight: float, layer_ms: float) -> None:
-        """Queue the compute of one expert on the compute stream (inside ``ctx``)."""
-        upload = h.pending_event()  # no device query: waiting on a done event is free
-        # a layer gathered in one launch shares one event: the stream waits for it once
-        if upload is not None and upload is not self._waited_on:
-            self._waited_on = upload
-            if self.queues:
-                self._device_waits.append((self.stream.record(), upload))
-            self.stream.wait(upload)
-        kind = self.compute.kind
-        if kind == "real":
-            gate, up, down = h.matrices
-            self.acc += weight * self._kernels.swiglu(self._hidden, gate.array, up.array,
-                                                      down.array, self.stream)
-        elif kind == "digest":
-            results, row = self.use_digests.reserve(h.key)
-            self._kernels.digest_views([m.bytes for m in h.matrices], results, row,
-                                       self.stream)
-            self.use_digests.complete(results, row, self.stream.record())
-        elif layer_ms > 0 and self._spins_host:
-            self._host_compute.append((h.down.bytes, layer_ms))
-        elif layer_ms > 0:  # the device spins on its clock: no view to make
-            self._kernels.busy(layer_ms, None, self.stream)
-
-    async def spend_host_compute(self) -> None:
-        """Run the ``fixed`` host compute ``consume`` queued, yielding to the event loop
-        between slices (a device kernel runs beside the loop; the host's spins on it)."""
-        if not self._host_compute:
-            return
-        queued, self._host_compute = self._host_compute, []
-        for data, ms in queued:
-            left = ms
-            while left > 0:
-                piece = min(left, _HOST_SLICE_MS)
-                self._kernels.busy(piece, data, self.stream)
-                left -= piece
-                await asyncio.sleep(0)
-
-    def wait_for_layer(self, done: Event, split: TimeSplit) -> None:
-        """Wait for the layer's compute, charging each stretch of the wait to the compute
-        stream working (``compute``) or stalled on an upload event (``upload``).
-
-        The stream runs in queue order: once the event recorded before its wait on upload
-        ``i`` has completed, and every earlier upload has, it can only be computing (until
-        that event) or idle until upload ``i`` lands. On the host backend every event is
-        complete and this costs nothing.
-        """
-        t = time.perf_counter()
-        for before, upload in self._device_waits:
-            before.synchronize()
-            t_work = time.perf_counter()
-            upload.synchronize()
-            t_landed = time.perf_counter()
-            split.charge("compute", t_work - t)
-            split.charge("upload", t_landed - t_work)
-            t = t_landed
-        self._device_waits.clear()
-        done.synchronize()
-        split.charge("compute", time.perf_counter() - t)
 
 
 class Decode:
@@ -342,32 +176,60 @@ class Decode:
             launched: the layer's compute, queued already (``launch``).
             then: host work for the caller right after the wait, before this layer's
                 counting: the next layer's ``launch``, which then starts on the devices
-                with only the wait's wake-up between the two layers (issue 26: all cached
-                at compute speed). Its time is not this layer's.
+                with only the wait's wake-up between the two layers (so a layer whose
+                experts are all cached runs at compute speed). Its time is not this
+                layer's.
 
         Raises:
             StageError: a miss could not be loaded (or the model file changed: its own
                 class); the layer's other experts were consumed and the lease released.
         """
-        # a launched layer's experts were all consumed by ``launch``: no weights to look up
-        weight_of = dict(zip(lease.experts, weights, strict=True)) if launched is None else {}
-        decoders, several = self._decoders, self._several
         failures: list[MoestreamError] = []
-        stall_s = 0.0
         if launched is None:
-            for d in decoders:
+            n = len(self._decoders)
+            for d in self._decoders:
                 d.begin()
-            used = [False] * len(decoders)
-            device_s = [0.0] * len(decoders)  # several devices: the host's time on each
-            compute_s = 0.0
+            # the host's time consuming the layer, and (several devices) on each device
+            launched = Launched([False] * n, [0.0] * n)
             batch = lease.available() if taken is None else taken
-        else:
-            used, device_s, compute_s = launched.used, launched.device_s, launched.seconds
-            batch = []
+            stall_s = await self._consume_all(
+                lease, batch, dict(zip(lease.experts, weights, strict=True)), launched, failures)
+        else:  # its experts were all consumed by ``launch``: no weights to look up
+            stall_s = await self._consume_all(lease, [], {}, launched, failures)
+        t0 = time.perf_counter()
+        used = launched.used
+        done = {i: self._finish(i, failures) for i in range(len(used)) if used[i]}
+        lease.release(done, ordered=True)  # every use on one compute stream per device
+        if failures:
+            _raise_first(failures)
+        hits, misses = lease.hits, lease.misses  # counted while the devices compute
+        if meanwhile is not None:  # the devices compute the layer meanwhile
+            more = meanwhile()
+            if more is not None:
+                await more
+        split, waits = self._wait_for(done)
+        if self._several and self._home.acc is not None:
+            self._combine([i for i in done if i])
+        t_then = time.perf_counter()
+        if then is not None:
+            then()
+        compute_s = launched.seconds + t_then - t0
+        return self._result(LayerResult(hits, misses, stall_s * 1000.0, compute_s * 1000.0,
+                                        split), waits, launched.device_s)
+
+    async def _consume_all(self, lease: Lease, batch: Sequence[ExpertHandle],
+                           weight_of: dict[int, float], launched: Launched,
+                           failures: list[MoestreamError]) -> float:
+        """Consume ``batch``, then the lease's other experts as they are available or land,
+        adding the host's time to ``launched``; a miss that failed goes to ``failures``
+        (the others go on). Returns the host's waits for experts to land, in seconds."""
+        decoders, several = self._decoders, self._several
+        device_s = launched.device_s
+        stall_s = 0.0
         while True:
             if batch:
                 t0 = time.perf_counter()
-                self._consume(batch, weight_of, used, device_s)
+                self._consume(batch, weight_of, launched.used, device_s)
                 if several:
                     for i, d in enumerate(decoders):
                         t_one = time.perf_counter()
@@ -375,7 +237,7 @@ class Decode:
                         device_s[i] += time.perf_counter() - t_one
                 else:
                     await self._home.spend_host_compute()
-                compute_s += time.perf_counter() - t0
+                launched.seconds += time.perf_counter() - t0
             if not lease.remaining:  # all handed out (a warm layer: at the first look)
                 break
             batch = lease.available()
@@ -390,39 +252,30 @@ class Decode:
                 failures.append(exc)
                 batch = []
             stall_s += time.perf_counter() - t_wait
-        t0 = time.perf_counter()
-        done = {i: self._finish(i, failures) for i in range(len(decoders)) if used[i]}
-        lease.release(done, ordered=True)  # every use on one compute stream per device
-        if failures:
-            error = failures[0]
-            if not isinstance(error, StageError):
-                raise error  # e.g. the model file changed: its own class and exit code
-            raise StageError(str(error)) from error
-        hits, misses = lease.hits, lease.misses  # counted while the devices compute
-        if meanwhile is not None:  # the devices compute the layer meanwhile
-            more = meanwhile()
-            if more is not None:
-                await more
+        return stall_s
+
+    def _wait_for(self, done: dict[int, Event]) -> tuple[TimeSplit, dict[int, TimeSplit]]:
+        """Wait for each device's layer (``done``: its last event); the waits' split in all
+        and per device."""
         split = TimeSplit()
         waits: dict[int, TimeSplit] = {}
         for i, event in done.items():
             waits[i] = TimeSplit()
-            decoders[i].wait_for_layer(event, waits[i])
+            self._decoders[i].wait_for_layer(event, waits[i])
             split.add(waits[i])
-        if several and self._home.acc is not None and not failures:
-            self._combine([i for i in done if i])
-        t_then = time.perf_counter()
-        if then is not None:
-            then()
-        compute_s += t_then - t0
-        result = LayerResult(hits, misses, stall_s * 1000.0, compute_s * 1000.0, split)
+        return split, waits
+
+    def _result(self, result: LayerResult, waits: dict[int, TimeSplit],
+                device_s: Sequence[float]) -> LayerResult:
+        """``result`` with its time split as the devices ran: inline kernels (the host
+        backend) are all compute; several devices, each one's part."""
         queues = self._home.queues
         if not queues:  # kernels ran inline: the time spent in them is compute
-            result.time = TimeSplit(compute_ms=compute_s * 1000.0)
-        if several:
+            result.time = TimeSplit(compute_ms=result.compute_ms)
+        if self._several:
             result.device_compute_ms = [
                 waits[i].compute_ms if queues and i in waits else device_s[i] * 1000.0
-                for i in range(len(decoders))]
+                for i in range(len(self._decoders))]
         return result
 
     def _finish(self, i: int, failures: Sequence[MoestreamError]) -> Event:
@@ -443,3 +296,12 @@ class Decode:
         home.advance(total)
         for d in self._decoders[1:]:
             d.set_hidden(d.backend.adopt(home.hidden))
+
+
+def _raise_first(failures: Sequence[MoestreamError]) -> None:
+    """Raise a layer's first failed miss: a ``StageError``, or its own class (e.g. the model
+    file changed: its own exit code)."""
+    error = failures[0]
+    if not isinstance(error, StageError):
+        raise error
+    raise StageError(str(error)) from error

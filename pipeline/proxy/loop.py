@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import asyncio
 import functools
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any
 
 from moestream import ExpertHandle, Lease, Session, TokenStats
 from moestream.pipeline.foundation.config import RunConfig
@@ -116,7 +117,7 @@ class DecodeLoop:
         in this token (taking them counts the lease in the token it is taken in). Such a
         fetch starts no load, so a run without prefetch still loads nothing early; it takes
         the next layer's planning off the host's path between one layer's end and the next
-        one's kernels (issue 26: all cached at compute speed).
+        one's kernels, so a layer whose experts are all cached runs at compute speed.
         """
         self._runlog.render()
         if not self._plans_ahead or position >= self._end or position in self._taken:
@@ -151,7 +152,7 @@ class DecodeLoop:
         """Host work while the devices compute a token's last layer: plan the next token's
         first layer (``_meanwhile``), and when it is leased already, end the token now,
         yield to the loop, and take that layer's handles, which starts the next token's
-        clock (issue 26: the token boundary's host work off the devices' path).
+        clock: the token boundary's host work is then off the devices' path.
 
         The last layer's compute then counts in the next token (its wall time and
         ``compute_ms``): the tokens' times still add up to the run's. A token ends after
@@ -168,6 +169,46 @@ class DecodeLoop:
         await asyncio.sleep(0)  # the next token's yield (see ``token``)
         self._yielded = True
         self._taken[position] = lease.available()
+
+    def _lease(self, position: int, layer: int, experts: list[int]) -> Lease:
+        """The lease of the layer at ``position``: fetched ahead, or fetched now; with oracle
+        prefetch the next ``lookahead`` layers are fetched too (the trace names their
+        experts)."""
+        if self._ahead:
+            for q in range(position + 1, min(self._end, position + 1 + self._ahead)):
+                if q not in self._fetched:
+                    self._fetched[q] = self._fetch(q)
+        lease = self._fetched.pop(position, None)
+        return lease if lease is not None else self._ms.fetch(layer, experts)
+
+    def _run_layer(self, position: int, lease: Lease, weights: list[float], work: _Work,
+                   *, beside: bool, last: bool) -> Coroutine[Any, Any, LayerResult]:
+        """The run of the layer at ``position`` (to await) with the host work to do while
+        the devices compute it: the next layer's plan, or (``beside``, the token's ``last``
+        layer) the token's end; and (``beside``) the next layer's launch right after its
+        wait. Not a coroutine itself: no second frame per layer on the decode's path."""
+        meanwhile: Callable[[], Awaitable[None] | None]
+        if last and beside and position + 1 < self._end:
+            meanwhile = functools.partial(self._end_beside, position + 1, lease, work)
+        else:
+            meanwhile = functools.partial(self._meanwhile, position + 1)
+        return self._decode.run_layer(
+            lease, weights, meanwhile, self._taken.pop(position, None),
+            launched=self._launched.pop(position, None),
+            then=functools.partial(self._launch, position + 1) if beside else None)
+
+    def _count(self, result: LayerResult, work: _Work, token: int, layer: int) -> None:
+        """Add a layer's compute to its token's (the next token's when this token ended
+        beside its last layer); ``--log-level debug`` logs the layer."""
+        if self._ended is not None:  # the token ended during this, its last, layer
+            self._carried = _Work(len(self._ms.devices))
+            self._carried.add(result)
+        else:
+            work.add(result)
+        if self._debug:
+            self._runlog.emit("layer", token=token, layer=layer, hits=result.hits,
+                              misses=result.misses, stall_ms=round(result.stall_ms, 3),
+                              compute_ms=round(result.compute_ms, 3))
 
     async def token(self, t: int) -> TokenStats:
         """Decode token ``t``; returns what the session counted (and logged) for it.
@@ -201,35 +242,14 @@ class DecodeLoop:
                 t, i, decode.hidden)
             used.append(experts)
             used_weights.append(weights)
-            if self._ahead:
-                for q in range(position + 1, min(self._end, position + 1 + self._ahead)):
-                    if q not in self._fetched:  # oracle: the trace names later layers' experts
-                        self._fetched[q] = self._fetch(q)
-            lease = self._fetched.pop(position, None)
-            if lease is None:
-                lease = ms.fetch(layer, experts)
-            taken = self._taken.pop(position, None)
+            lease = self._lease(position, layer, experts)
             if self._predict and i + 1 < n:
                 # guess the next layer from the hidden state before this layer runs, so
                 # its loads overlap this layer's compute
                 ms.prefetch(self._layers[i + 1], routing.predict(t, i + 1, decode.hidden))
-            meanwhile: Callable[[], Awaitable[None] | None]
-            if i == n - 1 and beside and position + 1 < self._end:
-                meanwhile = functools.partial(self._end_beside, position + 1, lease, work)
-            else:
-                meanwhile = functools.partial(self._meanwhile, position + 1)
-            result = await decode.run_layer(
-                lease, weights, meanwhile, taken, launched=self._launched.pop(position, None),
-                then=functools.partial(self._launch, position + 1) if beside else None)
-            if self._ended is not None:  # the token ended during this, its last, layer
-                self._carried = _Work(len(ms.devices))
-                self._carried.add(result)
-            else:
-                work.add(result)
-            if self._debug:
-                self._runlog.emit("layer", token=t, layer=layer, hits=result.hits,
-                                  misses=result.misses, stall_ms=round(result.stall_ms, 3),
-                                  compute_ms=round(result.compute_ms, 3))
+            result = await self._run_layer(position, lease, weights, work,
+                                           beside=beside, last=i == n - 1)
+            self._count(result, work, t, layer)
         stats, self._ended = self._ended, None
         if stats is None:
             self._checker.check(decode.take_use_digests())
