@@ -3,17 +3,22 @@ plots (``moestream.tools.analyze.plots``), in ds4-bench's column names where ds4
 
 from __future__ import annotations
 
+import csv
+import io
 import math
+from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from moestream.pipeline.foundation.errors import UsageError
+from moestream.pipeline.foundation.outputs import write_atomic
 from moestream.pipeline.runlog.read import TIME_COLUMNS
 from moestream.pipeline.runlog.records import RunLog
 from moestream.tools.analyze.report_text import GB, MB, Value
 
-__all__ = ["CSV_COLUMNS", "STAGE_COLUMNS", "interval_rows"]
+__all__ = ["CSV_COLUMNS", "STAGE_COLUMNS", "interval_rows", "write_csv"]
 
 STAGE_COLUMNS = ("read_ms", "stage_ms", "upload_ms", "install_ms", "stall_ms", "compute_ms")
 
@@ -89,3 +94,25 @@ def interval_rows(run: RunLog, interval: int) -> list[dict[str, Value]]:
             row[key] = float(array[i])
         rows.append(row)
     return [{key: row[key] for key in CSV_COLUMNS} for row in rows]
+
+
+def _csv_cell(value: Value) -> str:
+    if value is None or (isinstance(value, float) and not math.isfinite(value)):
+        return ""
+    if isinstance(value, float):
+        return f"{value:.6g}"
+    return str(value)
+
+
+def write_csv(path: Path, runs: Sequence[RunLog], interval: int) -> int:
+    """Write the interval rows of every run to one CSV file; returns the number of rows."""
+    buffer = io.StringIO()
+    writer = csv.writer(buffer, lineterminator="\n")
+    writer.writerow(CSV_COLUMNS)
+    count = 0
+    for run in runs:
+        for row in interval_rows(run, interval):
+            writer.writerow([_csv_cell(row[c]) for c in CSV_COLUMNS])
+            count += 1
+    write_atomic(path, buffer.getvalue(), what="--csv", make_parents=True)
+    return count
