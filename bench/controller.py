@@ -91,7 +91,7 @@ class Runner:
         return _events(log)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m bench.controller",
                                 description=__doc__.split("\n")[0])
     p.add_argument("--model", type=Path, required=True)
@@ -118,7 +118,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--keep-logs", type=Path, metavar="DIR",
                    help="copy every run's JSON-lines log here (for moestream.tools.analyze)")
     p.add_argument("--out", type=Path)
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
     skip = set(filter(None, args.skip.split(",")))
     table = open_table(args.model)
     results: dict[str, Any] = {
@@ -137,21 +141,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if "direct" not in skip:
             results["forced_direct"] = _forced_direct(r, "direct")
         if "auto" not in skip:
-            print("auto from cold (resident + background warm-up):", flush=True)
-            drop_caches(args.model)
-            ev = r.run("auto_cold", "auto", args.resident_tokens)
-            tokens = [e for e in ev if e["event"] == "token"]
-            done = [e for e in ev if e["event"] == "warmup_done"]
-            after = [e for e in tokens if done and e["token"] > done[0]["token"]]
-            results["auto_cold"] = {
-                "all": _rate(tokens), "after_warmup": _rate(after),
-                "first_tokens": _rate(tokens[:5]),
-                "warmup": done[0] if done else None,
-                "modes": sorted({e["mode"] for e in tokens}),
-            }
-            print("forced resident, file resident:", flush=True)
-            ev = r.run("resident", "resident", args.resident_tokens)
-            results["forced_resident"] = _rate([e for e in ev if e["event"] == "token"])
+            results["auto_cold"], results["forced_resident"] = _auto_and_resident(r)
         if "balloon" not in skip:
             results["balloon"] = _balloon(r, args)
         if args.partial_ram:
@@ -171,6 +161,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(json.dumps(results["figures"], indent=2))
     print(f"written: {out}")
     return 0
+
+
+def _auto_and_resident(r: Runner) -> tuple[dict[str, Any], dict[str, float]]:
+    """Auto mode from a cold page cache (resident, warmed in the background), then forced
+    resident on the file that run left resident."""
+    print("auto from cold (resident + background warm-up):", flush=True)
+    drop_caches(r.args.model)
+    ev = r.run("auto_cold", "auto", r.args.resident_tokens)
+    tokens = [e for e in ev if e["event"] == "token"]
+    done = [e for e in ev if e["event"] == "warmup_done"]
+    after = [e for e in tokens if done and e["token"] > done[0]["token"]]
+    auto_cold = {
+        "all": _rate(tokens), "after_warmup": _rate(after),
+        "first_tokens": _rate(tokens[:5]),
+        "warmup": done[0] if done else None,
+        "modes": sorted({e["mode"] for e in tokens}),
+    }
+    print("forced resident, file resident:", flush=True)
+    ev = r.run("resident", "resident", r.args.resident_tokens)
+    return auto_cold, _rate([e for e in ev if e["event"] == "token"])
 
 
 def _forced_direct(r: Runner, name: str) -> dict[str, float]:

@@ -102,6 +102,41 @@ def _routes(table: ExpertTable, tokens: int, start: int) -> list[list[list[int]]
             for t in range(tokens)]
 
 
+async def _register(streamer: ExpertStreamer, table: ExpertTable) -> float:
+    """Resident mode with every window of the mapping registered; the share registered."""
+    await streamer.set_mode("resident")
+    for _ in range(5):  # a window with a page evicted meanwhile (another process
+        # dropping caches) is not registered: its misses would be read, not copied
+        if streamer.pinned_bytes >= table.file_bytes:
+            break
+        await asyncio.to_thread(make_resident, table.path)
+        streamer.register_resident()
+        await streamer.registered()
+    return streamer.pinned_bytes / table.file_bytes
+
+
+async def _decode(streamer: ExpertStreamer, cache: DeviceCache, compute: Stream,
+                  layers: Sequence[int], routes: list[list[list[int]]]) -> float:
+    """Seconds to run ``routes`` through the streamer as decode does, with no compute."""
+    t0 = time.perf_counter()
+    for route in routes:
+        for layer, experts in zip(layers, route, strict=True):
+            load = streamer.start_layer(layer, experts)
+            for _ in range(load.pending):  # what decode does per miss, at least
+                assert load.arrived is not None
+                entry, error = await load.arrived.get()
+                if error is not None:
+                    raise error
+                if entry.upload is not None:
+                    compute.wait(entry.upload)
+            done = compute.record()
+            cache.release([*load.plan.hits, *load.plan.misses], done)
+        streamer.poll_installs()
+        cache.advance_token()
+        streamer.take_digests()
+    return time.perf_counter() - t0
+
+
 async def _phase(table: ExpertTable, *, resident_miss: bool, tokens: int, repeats: int,
                  verify: bool, gather: bool) -> dict[str, Any]:
     """Time ``tokens`` tokens ``repeats`` times; returns per-layer and per-miss medians."""
@@ -123,63 +158,42 @@ async def _phase(table: ExpertTable, *, resident_miss: bool, tokens: int, repeat
     sweep = table.n_experts // k
     samples: list[float] = []
     try:
-        await streamer.set_mode("resident")
-        for _ in range(5):  # a window with a page evicted meanwhile (another process
-            # dropping caches) is not registered: its misses would be read, not copied
-            if streamer.pinned_bytes >= table.file_bytes:
-                break
-            await asyncio.to_thread(make_resident, table.path)
-            streamer.register_resident()
-            await streamer.registered()
-        registered_share = streamer.pinned_bytes / table.file_bytes
-
-        async def tokens_from(routes: list[list[list[int]]]) -> float:
-            t0 = time.perf_counter()
-            for route in routes:
-                for layer, experts in zip(layers, route, strict=True):
-                    load = streamer.start_layer(layer, experts)
-                    for _ in range(load.pending):  # what decode does per miss, at least
-                        assert load.arrived is not None
-                        entry, error = await load.arrived.get()
-                        if error is not None:
-                            raise error
-                        if entry.upload is not None:
-                            compute.wait(entry.upload)
-                    done = compute.record()
-                    cache.release([*load.plan.hits, *load.plan.misses], done)
-                streamer.poll_installs()
-                cache.advance_token()
-                streamer.take_digests()
-            return time.perf_counter() - t0
-
+        registered_share = await _register(streamer, table)
         warm = _routes(table, 1, 0)
-        await tokens_from(warm)  # hits: make them cached; misses: warm the code paths
+        # hits: make them cached; misses: warm the code paths
+        await _decode(streamer, cache, compute, layers, warm)
         misses0 = cache.counters.misses
         hits0 = cache.counters.hits
         for r in range(repeats):
             routes = (_routes(table, tokens, (1 + r * tokens) % sweep * k) if resident_miss
                       else warm * tokens)
-            samples.append(await tokens_from(routes))
+            samples.append(await _decode(streamer, cache, compute, layers, routes))
         counters = cache.counters
         misses = counters.misses - misses0
         hits = counters.hits - hits0
     finally:
         await streamer.aclose()
         cache.close()
-    per_layer_us = statistics.median(samples) / (tokens * len(layers)) * 1e6
-    least_us = min(samples) / (tokens * len(layers)) * 1e6
     out: dict[str, Any] = {
         "tokens": tokens, "repeats": repeats, "layers": len(layers), "top_k": k,
         "hits": hits, "misses": misses, "registered_share": round(registered_share, 4),
-        "host_us_per_layer": round(per_layer_us, 2),
-        "host_us_per_layer_least": round(least_us, 2),
-        "host_us_per_layer_all": [round(s / (tokens * len(layers)) * 1e6, 2) for s in samples],
+        **_per_layer(samples, tokens * len(layers)),
     }
     if resident_miss:
-        out["host_us_per_miss"] = round(per_layer_us / k, 2)
-        out["host_us_per_miss_least"] = round(least_us / k, 2)
+        layer_calls = tokens * len(layers)
+        out["host_us_per_miss"] = round(statistics.median(samples) / layer_calls * 1e6 / k, 2)
+        out["host_us_per_miss_least"] = round(min(samples) / layer_calls * 1e6 / k, 2)
         out["copies_per_miss"] = round(backend.copies / max(1, misses + k * len(layers)), 2)
     return out
+
+
+def _per_layer(samples: Sequence[float], layer_calls: int) -> dict[str, Any]:
+    """The host's microseconds a layer: the median run's, the least run's and every run's."""
+    return {
+        "host_us_per_layer": round(statistics.median(samples) / layer_calls * 1e6, 2),
+        "host_us_per_layer_least": round(min(samples) / layer_calls * 1e6, 2),
+        "host_us_per_layer_all": [round(s / layer_calls * 1e6, 2) for s in samples],
+    }
 
 
 def bench_model(path: Path, tokens: int, repeats: int, verify: bool,

@@ -45,6 +45,7 @@ import tempfile
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -402,7 +403,7 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
                    help=f"the gather kernel's blocks per copy, at most ({GATHER_BLOCKS})")
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m bench.pipeline", description=__doc__.split("\n")[0])
     p.add_argument("--model", type=Path, required=True, help="GGUF model or checkpoint directory")
     p.add_argument("--backend", default="auto")
@@ -435,11 +436,46 @@ def main(argv: Sequence[str] | None = None) -> int:
                         "they copied; two events a layer)")
     p.add_argument("--no-verify", action="store_true",
                    help="pipeline runs without verification (the cost of the default's)")
-    args = p.parse_args(argv)
+    return p
+
+
+@dataclass
+class _Setup:
+    """What every phase of one ``main`` run shares: the model, the traces, the budget, and
+    where the figures go (``results``, its references in ``ref``)."""
+
+    args: argparse.Namespace
+    table: ExpertTable
+    backend: Backend
+    bench: Bench
+    sweep: Trace  # the miss sweep, passes of distinct experts
+    ranges_other: list[tuple[int, int]]  # another sweep's ranges: the references read them
+    sweep_budget: int  # half the sweep's experts: every access of a later pass misses
+    calibrated: Trace  # ds4-flash's calibrated routing, for the cached phases
+    results: dict[str, Any]
+    ref: dict[str, Any]
+
+    @property
+    def gpu(self) -> bool:
+        return self.backend.name == "cupy"
+
+    @property
+    def cyc(self) -> int:
+        """Tokens of a sweep run: every pass after the first is measured."""
+        return int(self.args.passes * self.args.sweep_tokens)
+
+    def sweep_run(self, name: str, mode: str, **options: Any) -> dict[str, Any]:
+        """A sweep run's rate over its measured passes."""
+        _, ev = self.bench.run(name, self.sweep, self.cyc, mode=mode,
+                               budget_bytes=self.sweep_budget, layer_ms=0.0, **options)
+        return window_rate(ev[self.args.sweep_tokens:])
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
     skip = set(filter(None, args.skip.split(",")))
     table = open_table(args.model)
     backend = select_backend(args.backend)
-    gpu = backend.name == "cupy"
     n_layers, n_exp, k = len(table.layers), table.n_experts, table.top_k
     expert_bytes = next(iter(table.layers.values())).expert_bytes
     results: dict[str, Any] = {
@@ -450,147 +486,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     ref: dict[str, Any] = {}
     results["references"] = ref
     with tempfile.TemporaryDirectory(prefix="moestream-bench-") as tmp:
-        bench = Bench(args, table, Path(tmp))
-        sweep = sweep_trace(n_layers, n_exp, k, args.sweep_tokens, 0)
-        other = sweep_trace(n_layers, n_exp, k, args.sweep_tokens, args.sweep_tokens * k)
-        sweep_budget = n_layers * k * args.sweep_tokens * expert_bytes // 2 + (64 << 20)
-        ranges_other = expert_ranges(table, other)
-        cyc = args.passes * args.sweep_tokens  # measured: every pass after the first
-        if "warm" not in skip:
-            print("warm (file in page cache):", flush=True)
-            results["warm_file"] = _phase("make_resident", {},
-                                          lambda: make_resident(table.files))
-            _phase("page_cache_read_gbps", ref, lambda: raw_read_gbps(
-                table.files, ranges_other, args.queue_depth, args.chunk_mib * MIB, direct=False))
-            if gpu:
-                _phase("pinned_h2d_gbps", ref, pinned_h2d_gbps)
-                moved = expert_ranges(table, sweep)
-                for name, gather in (("slice_h2d_gbps", False), ("slice_gather_gbps", True)):
-                    _phase(name, ref, functools.partial(slice_h2d_gbps, table, backend, moved,
-                                                        gather))
-                _phase("kvikio_warm_gbps", ref, lambda: kvikio_gbps(
-                    table.files, ranges_other, args.queue_depth))
-            _, ev = bench.run("resident_sweep", sweep, cyc, mode="resident",
-                              budget_bytes=sweep_budget, layer_ms=0.0)
-            results["resident_miss_layer_by_layer"] = _phase(
-                "resident_miss_layer_by_layer", {}, lambda: window_rate(ev[args.sweep_tokens:]))
-            # the default path's rounds, alternating on a GPU with the same on the copy
-            # engines (``--no-gather``): the two compared in one process, round by round
-            paths = {"resident_miss": True, **({"resident_miss_copy_engines": False}
-                                               if gpu else {})}
-            by_path: dict[str, list[dict[str, Any]]] = {name: [] for name in paths}
-
-            def warm_round(name: str, gather: bool) -> dict[str, Any]:
-                with (copy_timeline() if gpu and args.copy_timeline
-                      else contextlib.nullcontext()) as timeline:
-                    rate = window_rate(bench.run(
-                        name, sweep, cyc, mode="resident", budget_bytes=sweep_budget,
-                        layer_ms=0.0, lookahead=args.lookahead,
-                        gather=gather)[1][args.sweep_tokens:])
-                measured = (cyc - args.sweep_tokens) / cyc  # the window's share of the calls
-                return {**rate, **(timeline.summary(measured) if timeline is not None else {})}
-
-            for _ in range(args.rounds):
-                for name, gather in paths.items():
-                    by_path[name].append(_with_references(
-                        functools.partial(warm_round, name, gather), gpu))
-            for name in paths:
-                results[name] = _phase(name, {}, functools.partial(
-                    _median_round, by_path[name], "delivered_gbps"))
-        if "cold" not in skip:
-            print("cold (caches dropped):", flush=True)
-            drop_caches(table.files)
-            _phase("odirect_read_gbps", ref, lambda: raw_read_gbps(
-                table.files, ranges_other, args.queue_depth, args.chunk_mib * MIB, direct=True))
-            # the best raw O_DIRECT read of these ranges over thread counts (on 2 GiB of them)
-            part = _leading(ranges_other, 2 << 30)
-            sweep_gbps = {}
-            for threads in args.odirect_threads:
-                drop_caches(table.files)
-                sweep_gbps[threads] = raw_read_gbps(
-                table.files, part, threads,
-                                                    args.chunk_mib * MIB, direct=True)
-            best = max(sweep_gbps, key=lambda n: sweep_gbps[n])
-            ref["odirect_threads_gbps"] = {str(n): round(v, 3) for n, v in sweep_gbps.items()}
-            _phase("odirect_best_gbps", ref, lambda: sweep_gbps[best])
-            ref["odirect_best_threads"] = best
-            # the same ranges again: a storage layer below (a VM host's cache) shows here
-            _phase("odirect_reread_gbps", ref, lambda: raw_read_gbps(
-                table.files, ranges_other, args.queue_depth, args.chunk_mib * MIB, direct=True))
-            if gpu:
-                drop_caches(table.files)
-                _phase("kvikio_cold_gbps", ref, lambda: kvikio_gbps(
-                    table.files, ranges_other, args.queue_depth))
-            drop_caches(table.files)
-            _, ev = bench.run("direct_sweep", sweep, cyc, mode="direct",
-                              budget_bytes=sweep_budget, layer_ms=0.0)
-            results["direct_miss_layer_by_layer"] = _phase(
-                "direct_miss_layer_by_layer", {}, lambda: window_rate(ev[args.sweep_tokens:]))
-            drop_caches(table.files)
-            _, ev = bench.run("direct_sweep_ahead", sweep, cyc, mode="direct",
-                              budget_bytes=sweep_budget, layer_ms=0.0, lookahead=args.lookahead)
-            results["direct_miss"] = _phase("direct_miss", {},
-                                            lambda: window_rate(ev[args.sweep_tokens:]))
         from moestream.pipeline.proxy.synthetic import synthetic_trace
 
-        calibrated = synthetic_trace("ds4-flash", args.tokens, seed=1, n_layers=n_layers,
-                                     n_experts=n_exp, top_k=k)
-        if "cache" not in skip and gpu:
-            print("cache vs naive (cold start, direct mode):", flush=True)
-            hit50 = args.hit50_experts or round(2522 * n_layers / 43)
-            drop_caches(table.files)
-            _phase("naive_tps", ref, lambda: naive_tps(table, calibrated, args.naive_tokens,
-                                                        args.layer_ms))
-            drop_caches(table.files)
-            _, ev = bench.run("cache_hit50", calibrated, args.tokens, mode="direct",
-                                    budget_bytes=hit50 * (expert_bytes + 1024),
-                                    layer_ms=args.layer_ms)
-            results["cache_hit50"] = _phase("cache_hit50", {}, lambda: window_rate(ev))
-        if "all" not in skip and gpu:
-            print("all cached (second pass of a replayed trace):", flush=True)
-            # the cold phases dropped the file's pages: without them the first round's
-            # resident-mode run warmed 17 GB in the background beside its measured tokens
-            # (H200, fine shape at 40b54b0: 12.7 s of reading and window registration)
-            _phase("make_resident", {}, lambda: make_resident(table.files))
-            # alternating, so drift between the two (clocks, the host) falls on both alike
-            rounds = []
-            for _ in range(args.rounds):
-                reference = compute_only_tps(n_layers, k, args.layer_ms, args.tokens)
-                _, ev = bench.run("all_cached", calibrated, 2 * args.tokens, mode="resident",
-                                  budget_bytes=None, layer_ms=args.layer_ms)
-                rounds.append({**window_rate(ev[args.tokens:]), "compute_only_tps": reference})
-                rounds[-1]["vs_compute_only"] = rounds[-1]["tokens_per_s"] / reference
-            results["all_cached"] = _phase("all_cached", {},
-                                           lambda: _median_round(rounds, "vs_compute_only"))
-            ref["compute_only_tps"] = results["all_cached"]["compute_only_tps"]
+        other = sweep_trace(n_layers, n_exp, k, args.sweep_tokens, args.sweep_tokens * k)
+        s = _Setup(
+            args=args, table=table, backend=backend, bench=Bench(args, table, Path(tmp)),
+            sweep=sweep_trace(n_layers, n_exp, k, args.sweep_tokens, 0),
+            ranges_other=expert_ranges(table, other),
+            sweep_budget=n_layers * k * args.sweep_tokens * expert_bytes // 2 + (64 << 20),
+            calibrated=synthetic_trace("ds4-flash", args.tokens, seed=1, n_layers=n_layers,
+                                       n_experts=n_exp, top_k=k),
+            results=results, ref=ref)
+        if "warm" not in skip:
+            _warm(s)
+        if "cold" not in skip:
+            _cold(s)
+        if "cache" not in skip and s.gpu:
+            _cache_vs_naive(s, expert_bytes)
+        if "all" not in skip and s.gpu:
+            _all_cached(s)
         if args.ab_verify and "warm" not in skip:
-            print(f"verification A/B ({args.ab_verify} rounds, on and off alternating):",
-                  flush=True)
-            ab = results["verify_ab"] = {}
-            phases: dict[str, tuple[Callable[[bool], list[dict[str, Any]]], str]] = {
-                "resident_miss": (lambda on: bench.run(
-                    "ab_sweep", sweep, cyc, mode="resident", budget_bytes=sweep_budget,
-                    layer_ms=0.0, lookahead=args.lookahead, verify=on)[1][args.sweep_tokens:],
-                    "delivered_gbps"),
-            }
-            if gpu and "all" not in skip:
-                phases["all_cached"] = (lambda on: bench.run(
-                    "ab_cached", calibrated, 2 * args.tokens, mode="resident",
-                    budget_bytes=None, layer_ms=args.layer_ms, verify=on)[1][args.tokens:],
-                    "tokens_per_s")
-            for phase, (go, measure) in phases.items():
-                rates: dict[str, list[float]] = {"on": [], "off": []}
-                for _ in range(args.ab_verify):
-                    for on in (True, False):
-                        rates["on" if on else "off"].append(window_rate(go(on))[measure])
-                on_med, off_med = (float(np.median(rates[k])) for k in ("on", "off"))
-                cost = round(1 - on_med / off_med, 4) if off_med else None  # None: no misses
-                ab[phase] = {"measure": measure, **rates, "median_on": on_med,
-                             "median_off": off_med, "cost": cost}
-                print(f"  {phase}: {measure} on {on_med:.3f} / off {off_med:.3f}: "
-                      + (f"verification costs {cost:.1%}" if cost is not None
-                         else "nothing to compare"), flush=True)
-        results["runs"] = bench.runs
+            results["verify_ab"] = _verify_ab(s, with_cached=s.gpu and "all" not in skip)
+        results["runs"] = s.bench.runs
     figures = _figures(results)
     results["figures"] = figures
     out = args.out or Path("bench/results") / f"pipeline-{platform.node()}.json"
@@ -601,6 +518,149 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"  {name}: {value}")
     print(f"written: {out}")
     return 0
+
+
+def _warm(s: _Setup) -> None:
+    """The file in the page cache: the references, then the resident miss runs."""
+    args, table, ref, results = s.args, s.table, s.ref, s.results
+    print("warm (file in page cache):", flush=True)
+    results["warm_file"] = _phase("make_resident", {}, lambda: make_resident(table.files))
+    _phase("page_cache_read_gbps", ref, lambda: raw_read_gbps(
+        table.files, s.ranges_other, args.queue_depth, args.chunk_mib * MIB, direct=False))
+    if s.gpu:
+        _phase("pinned_h2d_gbps", ref, pinned_h2d_gbps)
+        moved = expert_ranges(table, s.sweep)
+        for name, gather in (("slice_h2d_gbps", False), ("slice_gather_gbps", True)):
+            _phase(name, ref, functools.partial(slice_h2d_gbps, table, s.backend, moved,
+                                                gather))
+        _phase("kvikio_warm_gbps", ref, lambda: kvikio_gbps(
+            table.files, s.ranges_other, args.queue_depth))
+    rate = s.sweep_run("resident_sweep", "resident")
+    results["resident_miss_layer_by_layer"] = _phase(
+        "resident_miss_layer_by_layer", {}, lambda: rate)
+    # the default path's rounds, alternating on a GPU with the same on the copy
+    # engines (``--no-gather``): the two compared in one process, round by round
+    paths = {"resident_miss": True, **({"resident_miss_copy_engines": False}
+                                       if s.gpu else {})}
+    by_path: dict[str, list[dict[str, Any]]] = {name: [] for name in paths}
+    for _ in range(args.rounds):
+        for name, gather in paths.items():
+            by_path[name].append(_with_references(
+                functools.partial(_warm_round, s, name, gather), s.gpu))
+    for name in paths:
+        results[name] = _phase(name, {}, functools.partial(
+            _median_round, by_path[name], "delivered_gbps"))
+
+
+def _warm_round(s: _Setup, name: str, gather: bool) -> dict[str, Any]:
+    """One warm-miss round (oracle prefetch), with its copies' device timeline if asked."""
+    with (copy_timeline() if s.gpu and s.args.copy_timeline
+          else contextlib.nullcontext()) as timeline:
+        rate = s.sweep_run(name, "resident", lookahead=s.args.lookahead, gather=gather)
+    measured = (s.cyc - s.args.sweep_tokens) / s.cyc  # the window's share of the calls
+    return {**rate, **(timeline.summary(measured) if timeline is not None else {})}
+
+
+def _cold(s: _Setup) -> None:
+    """Caches dropped: the O_DIRECT references, then the direct miss runs."""
+    args, table, ref, results = s.args, s.table, s.ref, s.results
+    print("cold (caches dropped):", flush=True)
+    drop_caches(table.files)
+    _phase("odirect_read_gbps", ref, lambda: raw_read_gbps(
+        table.files, s.ranges_other, args.queue_depth, args.chunk_mib * MIB, direct=True))
+    # the best raw O_DIRECT read of these ranges over thread counts (on 2 GiB of them)
+    part = _leading(s.ranges_other, 2 << 30)
+    sweep_gbps = {}
+    for threads in args.odirect_threads:
+        drop_caches(table.files)
+        sweep_gbps[threads] = raw_read_gbps(table.files, part, threads,
+                                            args.chunk_mib * MIB, direct=True)
+    best = max(sweep_gbps, key=lambda n: sweep_gbps[n])
+    ref["odirect_threads_gbps"] = {str(n): round(v, 3) for n, v in sweep_gbps.items()}
+    _phase("odirect_best_gbps", ref, lambda: sweep_gbps[best])
+    ref["odirect_best_threads"] = best
+    # the same ranges again: a storage layer below (a VM host's cache) shows here
+    _phase("odirect_reread_gbps", ref, lambda: raw_read_gbps(
+        table.files, s.ranges_other, args.queue_depth, args.chunk_mib * MIB, direct=True))
+    if s.gpu:
+        drop_caches(table.files)
+        _phase("kvikio_cold_gbps", ref, lambda: kvikio_gbps(
+            table.files, s.ranges_other, args.queue_depth))
+    drop_caches(table.files)
+    rate = s.sweep_run("direct_sweep", "direct")
+    results["direct_miss_layer_by_layer"] = _phase(
+        "direct_miss_layer_by_layer", {}, lambda: rate)
+    drop_caches(table.files)
+    rate = s.sweep_run("direct_sweep_ahead", "direct", lookahead=args.lookahead)
+    results["direct_miss"] = _phase("direct_miss", {}, lambda: rate)
+
+
+def _cache_vs_naive(s: _Setup, expert_bytes: int) -> None:
+    """From a cold start in direct mode: the naive baseline, then the cache at ~50% hits."""
+    args, table = s.args, s.table
+    print("cache vs naive (cold start, direct mode):", flush=True)
+    hit50 = args.hit50_experts or round(2522 * len(table.layers) / 43)
+    drop_caches(table.files)
+    _phase("naive_tps", s.ref, lambda: naive_tps(table, s.calibrated, args.naive_tokens,
+                                                  args.layer_ms))
+    drop_caches(table.files)
+    _, ev = s.bench.run("cache_hit50", s.calibrated, args.tokens, mode="direct",
+                        budget_bytes=hit50 * (expert_bytes + 1024), layer_ms=args.layer_ms)
+    s.results["cache_hit50"] = _phase("cache_hit50", {}, lambda: window_rate(ev))
+
+
+def _all_cached(s: _Setup) -> None:
+    """Every expert cached (the second pass of a replayed trace) against compute only."""
+    args, table = s.args, s.table
+    print("all cached (second pass of a replayed trace):", flush=True)
+    # the cold phases dropped the file's pages: without them the first round's
+    # resident-mode run warmed 17 GB in the background beside its measured tokens
+    # (H200, fine shape at 40b54b0: 12.7 s of reading and window registration)
+    _phase("make_resident", {}, lambda: make_resident(table.files))
+    # alternating, so drift between the two (clocks, the host) falls on both alike
+    rounds = []
+    for _ in range(args.rounds):
+        reference = compute_only_tps(len(table.layers), table.top_k, args.layer_ms,
+                                     args.tokens)
+        _, ev = s.bench.run("all_cached", s.calibrated, 2 * args.tokens, mode="resident",
+                            budget_bytes=None, layer_ms=args.layer_ms)
+        rounds.append({**window_rate(ev[args.tokens:]), "compute_only_tps": reference})
+        rounds[-1]["vs_compute_only"] = rounds[-1]["tokens_per_s"] / reference
+    s.results["all_cached"] = _phase("all_cached", {},
+                                     lambda: _median_round(rounds, "vs_compute_only"))
+    s.ref["compute_only_tps"] = s.results["all_cached"]["compute_only_tps"]
+
+
+def _verify_ab(s: _Setup, with_cached: bool) -> dict[str, Any]:
+    """The warm-miss (and all-cached) phases with verification on and off, alternating:
+    what verification costs, from medians, free of the drift between two runs."""
+    args = s.args
+    print(f"verification A/B ({args.ab_verify} rounds, on and off alternating):", flush=True)
+    ab: dict[str, Any] = {}
+    phases: dict[str, tuple[Callable[[bool], list[dict[str, Any]]], str]] = {
+        "resident_miss": (lambda on: s.bench.run(
+            "ab_sweep", s.sweep, s.cyc, mode="resident", budget_bytes=s.sweep_budget,
+            layer_ms=0.0, lookahead=args.lookahead, verify=on)[1][args.sweep_tokens:],
+            "delivered_gbps"),
+    }
+    if with_cached:
+        phases["all_cached"] = (lambda on: s.bench.run(
+            "ab_cached", s.calibrated, 2 * args.tokens, mode="resident",
+            budget_bytes=None, layer_ms=args.layer_ms, verify=on)[1][args.tokens:],
+            "tokens_per_s")
+    for phase, (go, measure) in phases.items():
+        rates: dict[str, list[float]] = {"on": [], "off": []}
+        for _ in range(args.ab_verify):
+            for on in (True, False):
+                rates["on" if on else "off"].append(window_rate(go(on))[measure])
+        on_med, off_med = (float(np.median(rates[k])) for k in ("on", "off"))
+        cost = round(1 - on_med / off_med, 4) if off_med else None  # None: no misses
+        ab[phase] = {"measure": measure, **rates, "median_on": on_med,
+                     "median_off": off_med, "cost": cost}
+        print(f"  {phase}: {measure} on {on_med:.3f} / off {off_med:.3f}: "
+              + (f"verification costs {cost:.1%}" if cost is not None
+                 else "nothing to compare"), flush=True)
+    return ab
 
 
 HOST_REFERENCE_MISSES = 50_000

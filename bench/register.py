@@ -158,14 +158,18 @@ def _rows(cp: Any, src: np.ndarray, dst: Any, row_mib: Sequence[float], rows: in
     return out
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m bench.register",
                                 description=__doc__.split("\n")[0])
     p.add_argument("--dir", type=Path, default=Path("."), help="where the scratch file goes")
     p.add_argument("--size-gib", type=float, default=8.0)
     p.add_argument("--threads", type=int, default=8, help="staged-read threads (8)")
     p.add_argument("--out", type=Path, required=True)
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
     require_gpu("bench.register")
     import cupy as cp
 
@@ -173,80 +177,110 @@ def main(argv: Sequence[str] | None = None) -> int:
     nbytes = int(args.size_gib * (1 << 30)) // (64 * MIB) * (64 * MIB)
     result: dict[str, Any] = {**provenance("bench.register", argv), "file_bytes": nbytes}
     with scratch_mapping(path, nbytes) as (fd, _addr, mapping):
-        rt = cp.cuda.runtime
         stream = CudaStream()
         piece = 8 * MIB
         dst = cp.empty(piece, dtype=cp.uint8)
         sweep_dst = cp.empty(1 << 30, dtype=cp.uint8)
         streams = [stream, CudaStream(), CudaStream(), CudaStream()]
         sizes = (0.5, 1, 2, 3, 8, 64)
-        by_piece: dict[str, Any] = {}
-        register: dict[str, float] = {}
-        for window_mib in (64, 256):
-            w = window_mib * MIB
-            part = mapping[: 2 << 30]
-            t0 = time.perf_counter()
-            for at in range(0, part.size, w):
-                rt.hostRegister(part.ctypes.data + at, w, _READ_ONLY)
-            register[f"{window_mib}MiB"] = part.size / (time.perf_counter() - t0) / GB
-            result["h2d_registered_gbps"] = _copies(cp, part[: 1 << 30], dst, stream, piece, 2)[0]
-            if window_mib == 256:
-                by_piece["registered"] = _sweep(cp, part[: 1 << 30], sweep_dst, sizes, streams, w)
-            for at in range(0, part.size, w):
-                rt.hostUnregister(part.ctypes.data + at)
-        result["register_gbps"] = register
+        by_piece = _registered(cp, mapping, dst, sweep_dst, sizes, streams, result)
         pinned = CudaPinned(1 << 30)
         pinned.array[:] = 1
         result["h2d_pinned_gbps"], quiet_ms = _copies(cp, pinned.array, dst, stream, piece, 4)
         by_piece["pinned"] = _sweep(cp, pinned.array, sweep_dst, sizes, streams, 1 << 30)
         result["h2d_by_piece_gbps"] = by_piece
-        # an expert's three slices as one strided copy: from pinned memory, and from one
-        # registration of 1 GiB of the mapping (the strided copy spans the three tensors)
-        rows_mib = (0.5, 1, 2, 3)
-        by_rows = {"pinned": _rows(cp, pinned.array, sweep_dst, rows_mib, 3, stream)}
-        part = mapping[: 1 << 30]
-        rt.hostRegister(part.ctypes.data, part.size, _READ_ONLY)
-        try:
-            by_rows["registered"] = _rows(cp, part, sweep_dst, rows_mib, 3, stream)
-        finally:
-            rt.hostUnregister(part.ctypes.data)
-        result["h2d_strided_gbps"] = by_rows
+        result["h2d_strided_gbps"] = _strided(cp, pinned.array, mapping, sweep_dst, stream)
         result["longest_copy_ms_quiet"] = quiet_ms
-
-        def staged(at: int) -> None:
-            start = (at // piece) % ((1 << 30) // piece) * piece
-            os.preadv(fd, [pinned.array[start : start + piece]], at)  # type: ignore[list-item]
-
-        offsets = range(2 << 30, min(nbytes, 6 << 30), piece)
-        t0 = time.perf_counter()
-        with ThreadPoolExecutor(args.threads) as pool:
-            list(pool.map(staged, offsets))
-        result["staged_read_gbps"] = len(offsets) * piece / (time.perf_counter() - t0) / GB
-
-        w = 256 * MIB
-        part = mapping[2 << 30 : nbytes]
-        done = threading.Event()
-        reg_s: list[float] = []
-
-        def register_all() -> None:
-            t1 = time.perf_counter()
-            for at in range(0, part.size - w + 1, w):
-                rt.hostRegister(part.ctypes.data + at, w, _READ_ONLY)
-            reg_s.append(time.perf_counter() - t1)
-            done.set()
-
-        reg = threading.Thread(target=register_all)
-        reg.start()
-        gbps, busy_ms = _copies(cp, pinned.array, dst, stream, piece, 2)
-        reg.join()
-        result["h2d_during_register_gbps"] = gbps
-        result["longest_copy_ms_during_register"] = busy_ms
-        result["register_during_copies_gbps"] = part.size // w * w / reg_s[0] / GB
-        for at in range(0, part.size - w + 1, w):
-            rt.hostUnregister(part.ctypes.data + at)
+        result["staged_read_gbps"] = _staged_read_gbps(fd, pinned.array, nbytes, piece,
+                                                       args.threads)
+        _during_register(cp, mapping[2 << 30 : nbytes], pinned.array, dst, stream, piece,
+                         result)
         pinned.close()
     report(args.out, result)
     return 0
+
+
+def _registered(cp: Any, mapping: np.ndarray, dst: Any, sweep_dst: Any,
+                sizes: Sequence[float], streams: Sequence[CudaStream],
+                result: dict[str, Any]) -> dict[str, Any]:
+    """Register the mapping's first 2 GiB in 64 MiB, then 256 MiB windows: the rate of
+    each (``register_gbps``), copies from the registered bytes (``h2d_registered_gbps``,
+    into ``result``) and, at 256 MiB, the by-piece sweep from them (returned)."""
+    rt = cp.cuda.runtime
+    stream, piece = streams[0], dst.size
+    by_piece: dict[str, Any] = {}
+    register: dict[str, float] = {}
+    for window_mib in (64, 256):
+        w = window_mib * MIB
+        part = mapping[: 2 << 30]
+        t0 = time.perf_counter()
+        for at in range(0, part.size, w):
+            rt.hostRegister(part.ctypes.data + at, w, _READ_ONLY)
+        register[f"{window_mib}MiB"] = part.size / (time.perf_counter() - t0) / GB
+        result["h2d_registered_gbps"] = _copies(cp, part[: 1 << 30], dst, stream, piece, 2)[0]
+        if window_mib == 256:
+            by_piece["registered"] = _sweep(cp, part[: 1 << 30], sweep_dst, sizes, streams, w)
+        for at in range(0, part.size, w):
+            rt.hostUnregister(part.ctypes.data + at)
+    result["register_gbps"] = register
+    return by_piece
+
+
+def _strided(cp: Any, pinned: np.ndarray, mapping: np.ndarray, sweep_dst: Any,
+             stream: CudaStream) -> dict[str, Any]:
+    """An expert's three slices as one strided copy: from pinned memory, and from one
+    registration of 1 GiB of the mapping (the strided copy spans the three tensors)."""
+    rt = cp.cuda.runtime
+    rows_mib = (0.5, 1, 2, 3)
+    by_rows = {"pinned": _rows(cp, pinned, sweep_dst, rows_mib, 3, stream)}
+    part = mapping[: 1 << 30]
+    rt.hostRegister(part.ctypes.data, part.size, _READ_ONLY)
+    try:
+        by_rows["registered"] = _rows(cp, part, sweep_dst, rows_mib, 3, stream)
+    finally:
+        rt.hostUnregister(part.ctypes.data)
+    return by_rows
+
+
+def _staged_read_gbps(fd: int, pinned: np.ndarray, nbytes: int, piece: int,
+                      threads: int) -> float:
+    """Buffered reads of the file from 2 GiB on (up to 6 GiB) into pinned memory."""
+    def staged(at: int) -> None:
+        start = (at // piece) % ((1 << 30) // piece) * piece
+        os.preadv(fd, [pinned[start : start + piece]], at)  # type: ignore[list-item]
+
+    offsets = range(2 << 30, min(nbytes, 6 << 30), piece)
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(threads) as pool:
+        list(pool.map(staged, offsets))
+    return len(offsets) * piece / (time.perf_counter() - t0) / GB
+
+
+def _during_register(cp: Any, part: np.ndarray, pinned: np.ndarray, dst: Any,
+                     stream: CudaStream, piece: int, result: dict[str, Any]) -> None:
+    """Copies from pinned memory while another thread registers ``part`` in 256 MiB
+    windows: both rates and the longest copy, into ``result``."""
+    rt = cp.cuda.runtime
+    w = 256 * MIB
+    done = threading.Event()
+    reg_s: list[float] = []
+
+    def register_all() -> None:
+        t1 = time.perf_counter()
+        for at in range(0, part.size - w + 1, w):
+            rt.hostRegister(part.ctypes.data + at, w, _READ_ONLY)
+        reg_s.append(time.perf_counter() - t1)
+        done.set()
+
+    reg = threading.Thread(target=register_all)
+    reg.start()
+    gbps, busy_ms = _copies(cp, pinned, dst, stream, piece, 2)
+    reg.join()
+    result["h2d_during_register_gbps"] = gbps
+    result["longest_copy_ms_during_register"] = busy_ms
+    result["register_during_copies_gbps"] = part.size // w * w / reg_s[0] / GB
+    for at in range(0, part.size - w + 1, w):
+        rt.hostUnregister(part.ctypes.data + at)
 
 
 if __name__ == "__main__":

@@ -242,8 +242,7 @@ def _default_ram_limit(model_bytes: int, margin: int, balloon_bytes: int) -> int
     return in_use + model_bytes + margin + balloon_bytes // 2
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Command line; prints the figures; exit 1 if a soak invariant broke."""
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m bench.soak", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", type=Path,
@@ -259,7 +258,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--margin", default="1GiB", help="controller margin (1GiB)")
     p.add_argument("--ram-limit", help="controller RAM cap (default: computed, see --help)")
     p.add_argument("--out", type=Path, help="result JSON (default bench/results/soak-HOST.json)")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Command line; prints the figures; exit 1 if a soak invariant broke."""
+    args = _parser().parse_args(argv)
     plan = SoakPlan(seconds=args.seconds, balloon_gib=args.balloon_gib, hold_s=args.hold_s,
                     rest_s=args.rest_s)
     with tempfile.TemporaryDirectory() as tmp:

@@ -327,6 +327,20 @@ def _bench(args: argparse.Namespace) -> dict[str, Any]:
             reference = tokens
         if tokens is not None:
             results[name]["same_tokens"] = tokens == reference
+    _compare(results)
+    return {
+        "command": "python -m bench.transformers " + " ".join(sys.argv[1:]),
+        "model": str(args.model), "device": str(device), "dense_bytes": dense,
+        "total_bytes": args.total_bytes, "cache_budget_bytes": cache, "tokens": args.tokens,
+        **_versions(),
+        "identical_tokens": all(r.get("same_tokens", True) for r in results.values()),
+        "runs": results,
+    }
+
+
+def _compare(results: dict[str, dict[str, Any]]) -> None:
+    """Each run's speed against the faster resident run's (``x_resident``), and the
+    moestream runs' against accelerate's offload (``x_accelerate``), added in place."""
     fastest = max((results[r].get("tokens_per_s", 0.0) for r in ("resident", "resident_last")
                    if r in results), default=None)
     for result in results.values():
@@ -336,14 +350,6 @@ def _bench(args: argparse.Namespace) -> dict[str, Any]:
     for name in ("warm", "cold"):
         if offload and "tokens_per_s" in results.get(name, {}):
             results[name]["x_accelerate"] = round(results[name]["tokens_per_s"] / offload, 2)
-    return {
-        "command": "python -m bench.transformers " + " ".join(sys.argv[1:]),
-        "model": str(args.model), "device": str(device), "dense_bytes": dense,
-        "total_bytes": args.total_bytes, "cache_budget_bytes": cache, "tokens": args.tokens,
-        **_versions(),
-        "identical_tokens": all(r.get("same_tokens", True) for r in results.values()),
-        "runs": results,
-    }
 
 
 if __name__ == "__main__":

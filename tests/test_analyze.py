@@ -12,11 +12,11 @@ from typing import Any
 import pytest
 import structlog
 
-from bench.analyze import SyntheticRun, write_synthetic_log
 from moestream.pipeline.foundation.errors import TraceError
 from moestream.pipeline.runlog.read import read_log
 from moestream.tools.analyze.cli import main, summarize
 from moestream.tools.analyze.intervals import CSV_COLUMNS, interval_rows
+from tests.synthetic_logs import SyntheticRun, write_synthetic_log
 
 UNIT = 1000
 

@@ -22,7 +22,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from structlog.testing import capture_logs
 
-from bench.faultmatrix import CASES, FaultCase, case_config, observe, run_case
 from moestream.gpu.backend import aligned_host_array
 from moestream.gpu.cache.store import DeviceCache
 from moestream.gpu.host import HostBackend
@@ -42,6 +41,7 @@ from moestream.stages import reader as reader_module
 from moestream.stages.reader import ModelReader
 from moestream.stages.staging import StagingRing
 from moestream.stages.upload import Uploader
+from tests.fault_matrix import CASES, FaultCase, case_config, observe, run_case
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 

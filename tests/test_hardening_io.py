@@ -375,7 +375,7 @@ LONG_TOKENS = 9000
 @pytest.fixture(scope="module")
 def long_log(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A synthetic run log of 43 MoE layers x top-6, about 2 KB a token line."""
-    from bench.analyze import SyntheticRun, write_synthetic_log
+    from tests.synthetic_logs import SyntheticRun, write_synthetic_log
 
     path = tmp_path_factory.mktemp("long") / "run.jsonl"
     write_synthetic_log(path, SyntheticRun(tokens=LONG_TOKENS, budget_experts=600))

@@ -27,11 +27,11 @@ from typing import Any
 
 import pytest
 
-from bench.faultmatrix import observe
 from moestream.gpu.host import HostBackend
 from moestream.pipeline.cli.run import RunSummary, run
 from moestream.pipeline.foundation.config import Budget, ComputeSpec, RunConfig
 from moestream.pipeline.foundation.machine import process_read_bytes
+from tests.fault_matrix import observe
 
 REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")

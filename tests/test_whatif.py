@@ -17,7 +17,6 @@ import structlog
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from bench.analyze import SyntheticRun, write_synthetic_log
 from moestream.pipeline.foundation.errors import TraceError, UsageError
 from moestream.pipeline.runlog.read import read_log
 from moestream.tools.analyze.cli import main
@@ -29,6 +28,7 @@ from moestream.tools.analyze.whatif_replay import (
     next_use_positions,
     replay,
 )
+from tests.synthetic_logs import SyntheticRun, write_synthetic_log
 
 UNIT = 1000  # bytes of one expert in the small logs
 REPO = Path(__file__).resolve().parents[1]
@@ -352,8 +352,8 @@ class TestHostileLogs:
     def test_wide_lists_past_what_the_log_allows_are_refused(
             self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
         """One prefill-like token of 1000 experts a layer pads every token to 1000."""
-        monkeypatch.setattr("moestream.pipeline.runlog.read._HELD_FLOOR_BYTES", 1 << 20)
-        monkeypatch.setattr("moestream.pipeline.runlog.read._HELD_PER_LOG_BYTE", 1)
+        monkeypatch.setattr("moestream.pipeline.runlog.expert_ids._HELD_FLOOR_BYTES", 1 << 20)
+        monkeypatch.setattr("moestream.pipeline.runlog.expert_ids._HELD_PER_LOG_BYTE", 1)
         wide = "[" + json.dumps(list(range(1000))) + ", [2, 3]]"
         path = _hostile_log(tmp_path / "run.jsonl", experts=wide, n_experts=1000, tokens=300)
         with pytest.raises(TraceError, match=r"would take \d+ bytes to replay"):
