@@ -26,19 +26,13 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from moestream._handles import ExpertHandle, Matrix, wait_uploads
-    from moestream._session import (
-        Counters,
-        LayerInfo,
-        Lease,
-        ModelInfo,
-        Router,
-        Session,
-        TensorSpec,
-        TokenStats,
-        Tuning,
-        open,
-    )
+    from moestream._lease import Lease
+    from moestream._model_info import LayerInfo, ModelInfo, Router, TensorSpec
+    from moestream._open import open
+    from moestream._session import Session
+    from moestream._stats import Counters, TokenStats
     from moestream._sync import SyncLease, SyncSession, open_sync
+    from moestream._tuning import Tuning
     from moestream.pipeline.foundation.config import Budget
     from moestream.pipeline.foundation.errors import (
         DeviceMemoryError,
@@ -65,16 +59,16 @@ _EXPORTS = {
     "ExpertHandle": "moestream._handles",
     "Matrix": "moestream._handles",
     "wait_uploads": "moestream._handles",
-    "Counters": "moestream._session",
-    "LayerInfo": "moestream._session",
-    "Lease": "moestream._session",
-    "ModelInfo": "moestream._session",
-    "Router": "moestream._session",
+    "Counters": "moestream._stats",
+    "LayerInfo": "moestream._model_info",
+    "Lease": "moestream._lease",
+    "ModelInfo": "moestream._model_info",
+    "Router": "moestream._model_info",
     "Session": "moestream._session",
-    "TensorSpec": "moestream._session",
-    "TokenStats": "moestream._session",
-    "Tuning": "moestream._session",
-    "open": "moestream._session",
+    "TensorSpec": "moestream._model_info",
+    "TokenStats": "moestream._stats",
+    "Tuning": "moestream._tuning",
+    "open": "moestream._open",
     "SyncLease": "moestream._sync",
     "SyncSession": "moestream._sync",
     "open_sync": "moestream._sync",

@@ -18,8 +18,8 @@ import numpy.typing as npt
 from moestream.pipeline.foundation.config import Budget, parse_budget
 from moestream.pipeline.foundation.errors import UsageError, UsageTypeError
 
-__all__ = ["ExpertIds", "Index", "budget_of", "choice", "devices_of", "expert_ids", "index",
-           "milliseconds"]
+__all__ = ["ExpertIds", "Index", "budget_of", "choice", "devices_of", "engine_ms", "expert_ids",
+           "index", "milliseconds"]
 
 Index: TypeAlias = int | np.integer[Any]
 """A layer or expert index: an int, or a numpy integer (normalized to int)."""
@@ -165,3 +165,20 @@ def _not_positive(budget: object) -> UsageError:
     return UsageError(f"budget {shown[:40]}: give a positive number of experts or a size "
                       "with a unit (\"20GiB\"); a model takes at least its top-k experts for "
                       "each layer in flight")
+
+
+def engine_ms(compute_ms: object, devices: int) -> float | list[float] | None:
+    """``end_token``'s ``compute_ms``, checked: a number, or one per device (``devices``
+    of them)."""
+    if compute_ms is None:
+        return None
+    if isinstance(compute_ms, Sequence) and not isinstance(compute_ms, (str, bytes)):
+        figures = [milliseconds(ms, "compute_ms (per device)") for ms in compute_ms]
+        if len(figures) != devices:
+            raise UsageError(f"compute_ms gives {len(figures)} figures for {devices} devices: "
+                             "give one per device (devices order), or one number")
+        return figures if len(figures) > 1 else figures[0]
+    if not isinstance(compute_ms, (int, float)):
+        raise UsageTypeError(f"compute_ms must be a number of milliseconds or one per "
+                             f"device, not {type(compute_ms).__name__}")
+    return milliseconds(compute_ms, "compute_ms")

@@ -48,7 +48,7 @@ def _device_bytes(handle: moestream.ExpertHandle) -> list[bytes]:
 
 def _pins(ms: moestream.Session) -> dict[tuple[int, int], int]:
     """Pins of every cached entry (non-zero ones only)."""
-    return {e.key: e.pins for c in ms._core.caches for e in c.entries() if e.pins}
+    return {e.key: e.pins for c in ms._streaming.caches for e in c.entries() if e.pins}
 
 
 def _open(model: Path, backend: str = "host", **kwargs: Any) -> moestream.Session:
@@ -60,7 +60,7 @@ async def _landed(ms: moestream.Session) -> None:
     """Wait until no load is in flight (its landing callbacks have run)."""
     for _ in range(500):
         if not any(e.loaded is not None and not e.loaded.done()
-                   for c in ms._core.caches for e in c.entries()):
+                   for c in ms._streaming.caches for e in c.entries()):
             break
         await asyncio.sleep(0.01)
     await asyncio.sleep(0)
@@ -576,7 +576,7 @@ class TestLifetimes:
         await ms.aclose()
         with pytest.raises(moestream.UsageError, match="session was closed"):
             await waiter
-        assert ms._core.summary.allocations == ms._core.summary.frees
+        assert ms._streaming.summary.allocations == ms._streaming.summary.frees
 
     async def test_lease_left_open_ends_with_its_token(self, tiny_model: Path) -> None:
         async with _open(tiny_model) as ms:

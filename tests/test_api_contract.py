@@ -118,7 +118,7 @@ class TestTokenAccounting:
         """Bug 3, the sync face: the whole time an engine's thread is blocked for a load is
         stall, split by what the load did (here its read), not ``host``; also when the
         loop is slow to take the call (simulated: 20 ms to get there, 5 ms back)."""
-        from moestream._sync import _LoopThread
+        from moestream._loop_thread import LoopThread as _LoopThread
 
         real = _LoopThread.run
 
@@ -446,7 +446,7 @@ class TestDroppedLeases:
     def test_interrupt_after_the_pins_releases_them(self, tiny_model: Path,
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
         with _sync(tiny_model, budget="8") as ms:
-            core = ms._session._core
+            core = ms._session._streaming
             real = core.fetch
 
             def interrupted(*args: Any) -> Any:
@@ -532,7 +532,7 @@ class TestDroppedLeases:
             assert failures == 0
             assert ms.counters().open_leases == 0
             for _ in range(200):  # loads a cancelled fetch left in flight keep pins until landed
-                pins = {e.key: e.pins for c in ms._session._core.caches for e in c.entries()
+                pins = {e.key: e.pins for c in ms._session._streaming.caches for e in c.entries()
                         if e.pins}
                 if not pins:
                     break
@@ -558,7 +558,7 @@ class TestUnverifiedAtClose:
     @pytest.mark.parametrize("mode", ["direct", "resident"])
     async def test_failed_manifest_build_surfaces(self, bare_model: Path, mode: str) -> None:
         ms = await _open(bare_model, mode=mode, verify=True)
-        builder = ms._core.manifest.builder if ms._core.manifest is not None else None
+        builder = ms._streaming.manifest.builder if ms._streaming.manifest is not None else None
         assert builder is not None
         builder.pause()  # the build has not reached these experts yet
         layer = ms.model.moe_layers[0]

@@ -282,7 +282,7 @@ class TestGatheredLayerWithAFailure:
                 assert [h.expert for h in lease.available()] == [2, 3]
                 assert lease.remaining == 0
             assert ms.ready(layer, [0, 2, 3]) and not ms.ready(layer, [1])
-            assert not any(e.pins for c in ms._core.caches for e in c.entries())
+            assert not any(e.pins for c in ms._streaming.caches for e in c.entries())
 
 
 class TestEndBeside:

@@ -1,0 +1,250 @@
+"""Leases: one fetch's experts, pinned on their devices until released.
+
+``Lease`` is the asynchronous face of ``pipeline.streaming.lease.LayerLease`` (its pins and
+arrivals): it hands out ``ExpertHandle``s as experts land and releases the pins after the
+engine's compute on them. ``LeaseFacts`` are the properties it shares with ``SyncLease``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable, Mapping
+from typing import Any, Protocol
+
+from moestream._handles import ExpertHandle, LeaseSource
+from moestream.gpu.backend import Event
+from moestream.gpu.interop import StreamLike, event_after
+from moestream.pipeline.foundation.table import ExpertTable
+from moestream.pipeline.streaming.lease import NOT_YET, Arrival, LayerLease, LeasePart
+from moestream.pipeline.streaming.session import StreamSession
+
+__all__ = ["After", "Lease", "LeaseFacts", "LeaseOwner", "WaitCharge", "pins_held"]
+
+After = StreamLike | Event | Mapping[int, Any]
+"""What a release waits for: a stream (its work so far), an event, or one per device."""
+WaitCharge = Callable[[Any, Any, float, float], None]
+"""A lease's ``on_wait``: (entry, load, start, end), as ``pipeline.streaming.lease.LayerLease``."""
+
+
+class LeaseOwner(Protocol):
+    """What a lease needs of the session that made it (``Session``): named here, so that
+    this module need not import the session's."""
+
+    @property
+    def _streaming(self) -> StreamSession: ...
+
+    @property
+    def _table(self) -> ExpertTable: ...
+
+    def _on_loop(self) -> None: ...
+
+    def _dropped(self, lease: LayerLease) -> None: ...
+
+
+class LeaseFacts:
+    """What a fetch asked for and found (``Lease`` and ``SyncLease`` alike)."""
+
+    __slots__ = ()
+    _layer_lease: LayerLease
+
+    @property
+    def layer(self) -> int:
+        return self._layer_lease.layer
+
+    @property
+    def experts(self) -> tuple[int, ...]:
+        """The experts asked for, in the order asked."""
+        return self._layer_lease.experts
+
+    @property
+    def hits(self) -> int:
+        """Experts that were in the device cache (or already loading) when fetched."""
+        return self._layer_lease.hits
+
+    @property
+    def misses(self) -> int:
+        """Experts this fetch started loading."""
+        return self._layer_lease.misses
+
+    @property
+    def released(self) -> bool:
+        return self._layer_lease.released
+
+    @property
+    def remaining(self) -> int:
+        """Experts not handed out yet (loading, or landed and waiting for ``available`` or
+        the iteration); 0 once every one was, or failed."""
+        return self._layer_lease.pending
+
+
+class Lease(LeaseFacts):
+    """One layer's fetched experts, pinned on their devices until released.
+
+    Iterate it (``async for``) for handles as experts become available, hits first, misses
+    as they land; or ``await gather()`` for all of them in the order asked. Leave the
+    ``with``/``async with`` block, or call ``release``, when the engine's compute on them is
+    queued: their buffers are reused only after that compute has run.
+    """
+
+    __slots__ = ("_handed", "_layer_lease", "_session", "_source")
+
+    def __init__(self, session: LeaseOwner, layer_lease: LayerLease) -> None:
+        self._session = session
+        self._layer_lease = layer_lease
+        self._handed: list[ExpertHandle] = []
+        self._source = LeaseSource(layer_lease, session._streaming.backends,
+                                   session._table.layers[layer_lease.layer], session._dropped)
+        # the session, not the lease: the layer lease must not keep its face alive
+        layer_lease.owner = session
+
+    def _handle(self, arrival: Arrival) -> ExpertHandle:
+        handle = ExpertHandle(self._source, arrival)
+        self._handed.append(handle)
+        return handle
+
+    def __aiter__(self) -> AsyncIterator[ExpertHandle]:
+        return self
+
+    async def __anext__(self) -> ExpertHandle:
+        """The next expert available.
+
+        Raises:
+            StageError: this expert's load failed (its bytes never reach the cache);
+                iterating again goes on with the other experts. ``ModelChangedError``:
+                the model file changed under the session.
+            UsageError: the lease was released or the session closed, also while waiting.
+        """
+        arrival = await self._layer_lease.next()
+        if arrival is None:
+            raise StopAsyncIteration
+        return self._handle(arrival)
+
+    def _next_nowait(self) -> ExpertHandle | Any | None:
+        """The next expert if available now, None when all were handed out, ``NOT_YET``
+        when iterating would wait (the sync face's path without a hop)."""
+        arrival = self._layer_lease.next_nowait()
+        if arrival is None or arrival is NOT_YET:
+            return arrival
+        return self._handle(arrival)
+
+    # -- for the sync face (``moestream._sync``), which waits on the loop for a lease -----
+
+    @property
+    def _on_wait(self) -> WaitCharge:
+        """Where the layer lease charges its waits for loads (the sync face relays them to
+        the blocked caller)."""
+        return self._layer_lease.on_wait
+
+    @_on_wait.setter
+    def _on_wait(self, charge: WaitCharge) -> None:
+        self._layer_lease.on_wait = charge
+
+    def _handed_count(self) -> int:
+        """How many handles were handed out so far."""
+        return len(self._handed)
+
+    def _load_handed(self, i: int) -> tuple[Any, Any] | None:
+        """The cache entry and load of the ``i``-th handle handed out (None: not yet)."""
+        if len(self._handed) <= i:
+            return None
+        return self._handed[i]._load()
+
+    def _in_order(self) -> list[ExpertHandle]:
+        """Every handle handed out, in the order asked (``gather``'s answer)."""
+        by_expert = {h.expert: h for h in self._handed}
+        return [by_expert[e] for e in self.experts]
+
+    def available(self) -> list[ExpertHandle]:
+        """Every expert available now and not handed out yet, without waiting: the hits
+        that have landed, then the misses that have (a layer copied in one launch lands
+        at once). Stops before a failed one, which iterating then raises. Iterating goes
+        on with those still to come.
+
+        Raises:
+            UsageError: the lease was released or the session closed; called from another
+                thread than the session's loop.
+        """
+        self._session._on_loop()
+        layer_lease = self._layer_lease
+        arrivals = layer_lease.take_ready()
+        arrivals.extend(layer_lease.take_landed())
+        # made here, not per arrival through ``_handle``: a warm layer's experts are handed
+        # out between two layers' kernels, where every microsecond shows
+        source = self._source
+        handles = [ExpertHandle(source, a) for a in arrivals]
+        self._handed.extend(handles)
+        return handles
+
+    async def gather(self) -> list[ExpertHandle]:
+        """Every expert, once all have landed, in the order asked (those iterated already
+        included).
+
+        Raises:
+            As ``__anext__``, for the first expert that fails.
+        """
+        async for _ in self:
+            pass
+        return self._in_order()
+
+    def release(self, after: After = None, *, ordered: bool = False) -> None:
+        """Unpin the experts (again: nothing happens). Idempotent.
+
+        Args:
+            after: what the engine's compute on these experts was queued on: a stream
+                (CuPy, torch, an int ``cudaStream_t``), an event it recorded, or a mapping
+                from device index to either; None: each device's current CuPy stream.
+                Buffers are reused only after it. Ignored on the host backend.
+            ordered: ``after`` comes after every earlier use of these experts on its
+                device (the engine computes on one stream per device, and no other lease
+                of them is held elsewhere): their earlier events are replaced, not joined
+                on a device stream (a join per expert saved).
+
+        A miss still loading (a fetch cancelled part way) keeps its pin until it lands.
+
+        Raises:
+            UsageError: called from another thread than the session's loop (a
+                ``SyncLease`` may be released from any thread).
+        """
+        if self._layer_lease.released:
+            return
+        self._session._on_loop()
+        streaming = self._session._streaming
+        backends = streaming.backends
+
+        def last_use(part: LeasePart) -> Event | None:
+            target = after.get(part.device) if isinstance(after, Mapping) else after
+            return event_after(backends[part.device], target)
+
+        streaming.release(self._layer_lease, last_use, ordered=ordered)
+
+    def __enter__(self) -> Lease:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+    async def __aenter__(self) -> Lease:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.release()
+
+    def __repr__(self) -> str:
+        state = "released" if self.released else f"{self.hits} hits, {self.misses} misses"
+        return f"Lease(layer={self.layer}, experts={list(self.experts)}, {state})"
+
+
+def pins_held(streaming: StreamSession) -> str:
+    """Who holds the pins of ``streaming``'s caches, for a fetch that cannot fit."""
+    held = sorted(streaming.leases(), key=lambda c: (c.fetched_at, c.layer))
+    words = [f"layer {c.layer} experts {list(c.experts)} (fetched in token {c.fetched_at}"
+             + (", never used)" if c.on_use is not None else ")") for c in held]
+    hinted = streaming.hinted_layers()
+    loading = sum(1 for c in streaming.caches for e in c.entries()
+                  if e.pins and e.loaded is not None and not e.loaded.done())
+    return ("pins held by " + (f"{len(held)} leases: " + "; ".join(words) if held
+                               else "no lease")
+            + (f", and prefetch hints of layers {hinted}" if hinted else "")
+            + (f", and {loading} loads in flight (a released lease's misses keep their "
+               "pins until they land)" if loading else "")
+            + " (release leases once their compute is queued; a lease used and still "
+              "held ends at end_token)")
