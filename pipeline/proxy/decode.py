@@ -186,16 +186,10 @@ class Decode:
         """
         failures: list[MoestreamError] = []
         if launched is None:
-            n = len(self._decoders)
-            for d in self._decoders:
-                d.begin()
-            # the host's time consuming the layer, and (several devices) on each device
-            launched = Launched([False] * n, [0.0] * n)
-            batch = lease.available() if taken is None else taken
-            stall_s = await self._consume_all(
-                lease, batch, dict(zip(lease.experts, weights, strict=True)), launched, failures)
+            launched, batch, weight_of = self._begin(lease, weights, taken)
         else:  # its experts were all consumed by ``launch``: no weights to look up
-            stall_s = await self._consume_all(lease, [], {}, launched, failures)
+            batch, weight_of = [], {}
+        stall_s = await self._consume_all(lease, batch, weight_of, launched, failures)
         t0 = time.perf_counter()
         used = launched.used
         done = {i: self._finish(i, failures) for i in range(len(used)) if used[i]}
@@ -216,6 +210,19 @@ class Decode:
         compute_s = launched.seconds + t_then - t0
         return self._result(LayerResult(hits, misses, stall_s * 1000.0, compute_s * 1000.0,
                                         split), waits, launched.device_s)
+
+    def _begin(self, lease: Lease, weights: Sequence[float],
+               taken: Sequence[ExpertHandle] | None
+               ) -> tuple[Launched, Sequence[ExpertHandle], dict[int, float]]:
+        """A layer not launched ahead: every device begins it; the host's time consuming
+        it (and, several devices, on each device) starts at zero; the first batch is what
+        the caller took already, or what is available now."""
+        n = len(self._decoders)
+        for d in self._decoders:
+            d.begin()
+        batch = lease.available() if taken is None else taken
+        return (Launched([False] * n, [0.0] * n), batch,
+                dict(zip(lease.experts, weights, strict=True)))
 
     async def _consume_all(self, lease: Lease, batch: Sequence[ExpertHandle],
                            weight_of: dict[int, float], launched: Launched,
