@@ -289,14 +289,14 @@ def _add_metadata(writer: GGUFWriter, spec: ModelSpec, n_digests: int | None) ->
 
 
 def _write_data(fout: BinaryIO, alignment: int, tensors: Sequence[_Tensor], n_digests: int,
-                digest: bool, bar: tqdm[None]) -> npt.NDArray[np.uint64]:
+                record: bool, bar: tqdm[None]) -> npt.NDArray[np.uint64]:
     """Every tensor's data in file order, each padded to ``alignment``; returns the
-    ``n_digests`` expert digests made on the way (with ``digest``)."""
+    ``n_digests`` expert digests made on the way (with ``record``)."""
     digests = np.zeros(n_digests, dtype="<u8")
     pieces = [p for t in tensors for p in t.pieces]
     starts = {id(t.pieces[0]) for t in tensors}
     workers = min(32, len(os.sched_getaffinity(0)))
-    with contextlib.closing(_generated(pieces, workers, digest)) as stream:
+    with contextlib.closing(_generated(pieces, workers, record)) as stream:
         for piece, (data, digest) in zip(pieces, stream, strict=True):
             if id(piece) in starts:
                 _pad(fout, alignment)
