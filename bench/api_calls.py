@@ -1,4 +1,4 @@
-"""What one API call costs on the host, async face against sync face (issue 25).
+"""What one API call costs on the host, async face against sync face.
 
 Every call measured here never waits: all experts are cached and landed before timing.
 Per call it runs many rounds and reports the median and p90 in microseconds:

@@ -46,8 +46,10 @@ from typing import Any, Protocol
 import structlog
 
 from bench.kit import make_resident, run_command
-from bench.pipeline import Bench, add_run_options, pinned_h2d_gbps, sweep_trace, window_rate
+from bench.pipeline import Bench, add_run_options, sweep_trace
+from bench.rates import window_rate
 from bench.record import provenance, write_result
+from bench.references import pinned_h2d_gbps
 from moestream.gpu.selection import select_backend
 from moestream.pipeline.foundation.errors import UsageError
 from moestream.pipeline.foundation.table import open_table

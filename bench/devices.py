@@ -10,7 +10,7 @@ Two parts, each a ratio against a reference measured in the same run:
   and synchronized, first on each device alone, then on every device at once, one thread
   per device started together by a barrier. Aggregate GB/s is all devices' bytes over the
   wall time from the first start to the last finish; the figure is aggregate over the best
-  single device (the issue asks >= 1.8 with two devices). ``--h2d-rounds`` rounds; medians.
+  single device (the aim: >= 1.8 with two devices). ``--h2d-rounds`` rounds; medians.
 - **decode**: ``pipeline.cli.run.run`` on the model, for each mode of ``--modes``, once on the
   first device of ``--devices`` and once on all of them, at the same budget per device
   (``benchkit.budget_for`` of ``--budget-share`` for one device; N times those experts in
@@ -44,7 +44,7 @@ import uvloop
 
 from bench.h2d_copies import H2D_TARGET, h2d_figures
 from bench.kit import budget_for, drop_caches, make_resident, parse_modes, run_command
-from bench.pipeline import window_rate
+from bench.rates import window_rate
 from bench.record import provenance, write_result
 from moestream.gpu.selection import select_backend
 from moestream.pipeline.cli.run import RunSummary, run

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One H200 lease for issue 15, part 2: moestream.pipeline.cli.run before and after it moved onto the
+# One H200 lease: moestream.pipeline.cli.run before and after it moved onto the
 # public API, alternating in one lease on one model (ds4-flash-q2, 20 layers x 256 experts):
 # bench.pipeline's warm-resident and all-cached phases, twice per tree. Run from a clean
 # snapshot of the new tree with the old one beside it (its path in OLD), .whl carried:

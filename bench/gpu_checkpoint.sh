@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device lease for issue 23's figures: python -m bench.pipeline on bf16 Hugging Face
+# One device lease for the checkpoint figures: python -m bench.pipeline on bf16 Hugging Face
 # checkpoints of Qwen3-30B-A3B's per-layer shape (hidden 2048, 128 experts of FFN 768, top-8;
 # 9 MiB an expert), made here with moestream.tools.make_model --format safetensors, no digests recorded
 # (every run builds its manifest): per-expert tensors, then the fused layout. Writes under

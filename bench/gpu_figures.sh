@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One H200 lease for issue 14's and 18's figures (repo root on the GPU machine, .whl carried):
+# One H200 lease for the pipeline's and the time split's figures (repo root on the GPU machine, .whl carried):
 # the pipeline bench's warm-resident and all-cached phases, then verification on and off
 # alternating in the same process (--ab-verify), on the
 # Qwen3-30B-A3B shape (no recorded digests) and on ds4-flash-q2 (8 layers x 256 experts);
@@ -49,7 +49,7 @@ if [[ $steps == *ds4* ]]; then
   D=$PWD/ds4.gguf
   python3 -m tools.make_model $D --preset ds4-flash-q2 --layers 8 --experts 256 | tail -1
   bench_shape ds4 $D
-  # issue 18: the resident run of the time breakdown again, after the host-side batching
+  # the resident run of the time breakdown again, after the host-side batching
   python3 -m tools.warmup $D > /dev/null 2>&1
   timeout 60 python3 -m pipeline.run -m $D --backend cupy --compute fixed --mode resident -n 96 \
     --cache-budget 300 --limits read=1.85GB/s,copy=55GB/s --log $OUT/t-ds4-resident.jsonl > /dev/null

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One H200 lease for issues 14, 15, 16 and 18 (run from the repo root on the GPU machine,
+# One H200 lease for the house move's GPU checks (run from the repo root on the GPU machine,
 # with .whl carried): GPU tests after the house move, the engine example on CuPy, the time
 # breakdown of a direct, a resident and an all-cached run, and the pipeline bench on the
 # Qwen3-30B-A3B shape (no recorded digests) with and without verification.
@@ -32,7 +32,7 @@ python3 -m tools.analyze $OUT/t-resident.jsonl --plot $OUT/plots-resident > /dev
 python3 -m tools.analyze $OUT/t-direct.jsonl --plot $OUT/plots-direct > /dev/null 2>&1
 pack
 rm -f $M
-# issue 14: the Qwen3-30B-A3B shape as real files come (no digests), verification on / off
+# the Qwen3-30B-A3B shape as real files come (no digests), verification on / off
 Q=$PWD/qwen.gguf
 python3 -m tools.make_model $Q --preset qwen3-30b-a3b --no-digests | tail -1
 python3 -m tools.warmup $Q --digests > /dev/null 2>&1

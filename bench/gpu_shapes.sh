@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# Issue 26's H200 leases (repo root on the GPU machine, .whl carried): every shape at its
-# limit. Steps, comma-separated (default: api,warmup,gaps):
+# H200 leases (repo root on the GPU machine, .whl carried): every shape at its limit.
+# Steps, comma-separated (default: api,warmup,gaps):
 #   tests     the GPU tests (pytest -m gpu)
-#   api       python -m bench.api_calls on the tiny preset (issue 25: sync vs async per call)
+#   api       python -m bench.api_calls on the tiny preset (sync vs async per call)
 #   warmup    python -m bench.warmup --size-gib 8 --runs 3, and numpy's import CPU with and
 #             without OPENBLAS_NUM_THREADS=1
 #   gaps      bench.gaps (device idle per token, all cached) on each shape

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device lease for moestream.transformers (issue 24): the GPU tests of
+# One device lease for moestream.transformers: the GPU tests of
 # tests/test_transformers.py, bench.archs --device cuda, then python -m bench.transformers on
 # a random Qwen3-MoE of Qwen3-30B-A3B's per-layer shape (8 layers, 11.2 GB, made here).
 # Writes under $OUT. Usage (on the GPU machine, repo root):

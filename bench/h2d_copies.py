@@ -20,7 +20,7 @@ from moestream.gpu.backend import Backend, DeviceBuffer, HostBuffer, Stream
 __all__ = ["H2D_TARGET", "DeviceCopier", "h2d_figures"]
 
 GB = 1e9
-H2D_TARGET = 1.8  # the ask: two devices loading at once >= 1.8x one device
+H2D_TARGET = 1.8  # the aim: two devices loading at once >= 1.8x one device
 _BARRIER_TIMEOUT_S = 60.0
 
 

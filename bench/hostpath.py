@@ -11,11 +11,11 @@ bookkeeping) is not in these figures: that layer is being rebuilt on the lease A
 phases per model:
 
 - ``hit``: every layer's experts are cached (a warm-up pass made them): host microseconds
-  per layer. This is what all-cached decode spends beside compute (issue 14, part 4: at
+  per layer. This is what all-cached decode spends beside compute (the aim: at
   most 20 us per layer on the ds4 shape).
 - ``resident_miss``: a cyclic sweep with a budget of a few layers' experts, resident mode,
   so every lookup misses, evicts and copies from the registered mapping: host microseconds
-  per layer and per miss (issue 14, part 3: ~24 us per expert on the H200 before).
+  per layer and per miss (~24 us per expert on the H200 at first).
 
 Each phase is timed ``--repeats`` times; the median and the least are reported (two cores
 shared with other work make single runs noisy: the least is the cost without interference).

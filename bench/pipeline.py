@@ -38,13 +38,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
-import json
-import os
 import platform
 import tempfile
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -53,18 +50,25 @@ import numpy as np
 import uvloop
 
 from bench.copytimes import copy_timeline
-from bench.cpus import workload_ms
 from bench.kit import drop_caches, exit_with, make_resident
+from bench.rates import token_events, window_rate
 from bench.record import provenance, write_result
-from moestream.gpu.backend import Backend, aligned_host_array
+from bench.references import (
+    compute_only_tps,
+    kvikio_gbps,
+    leading_ranges,
+    naive_tps,
+    pinned_h2d_gbps,
+    raw_read_gbps,
+    slice_h2d_gbps,
+    with_references,
+)
+from moestream.gpu.backend import Backend
 from moestream.gpu.selection import select_backend
 from moestream.pipeline.cli.run import RunSummary, run
 from moestream.pipeline.foundation.config import GATHER_BLOCKS, Budget, ComputeSpec, RunConfig
-from moestream.pipeline.foundation.files import ModelFile, locate
 from moestream.pipeline.foundation.table import ExpertTable, open_table
 from moestream.pipeline.foundation.trace import Trace, save_trace
-from moestream.stages.layout import aligned_cover, iter_chunks
-from moestream.stages.mapping import ModelMapping
 
 __all__ = ["Bench", "add_run_options", "main"]
 
@@ -92,261 +96,6 @@ def expert_ranges(table: ExpertTable, trace: Trace) -> list[tuple[int, int]]:
                     seen.add(key)
                     out.extend((r.offset, r.nbytes) for r in table.slices(key).ranges)
     return out
-
-
-def _open_all(files: Sequence[ModelFile], flags: int) -> dict[int, int]:
-    """A descriptor per file of the model, by its base in the model's address space."""
-    fds: dict[int, int] = {}
-    try:
-        for f in files:
-            fds[f.base] = os.open(f.path, os.O_RDONLY | flags)
-    except BaseException:
-        for fd in fds.values():
-            os.close(fd)
-        raise
-    return fds
-
-
-def _local(files: Sequence[ModelFile], offset: int) -> tuple[int, int]:
-    """(base of the file holding ``offset``, the offset in that file)."""
-    f = locate(files, offset)
-    return f.base, offset - f.base
-
-
-def raw_read_gbps(files: Sequence[ModelFile], ranges: Sequence[tuple[int, int]], threads: int,
-                  chunk_bytes: int, direct: bool) -> float:
-    """Read the ranges' aligned covers in chunks on ``threads`` threads, each from its own
-    file (the model's address space is page-aligned per file); GB/s of range bytes."""
-    fds = _open_all(files, os.O_DIRECT if direct else 0)
-    jobs = [
-        (*_local(files, start), n)
-        for off, n in ranges
-        for start, n in iter_chunks(*aligned_cover(off, n), chunk_bytes)
-    ]
-    buffers: dict[int, np.ndarray] = {}
-
-    def read(job: tuple[int, int, int]) -> int:
-        import threading
-
-        ident = threading.get_ident()
-        buf = buffers.get(ident)
-        if buf is None:
-            buf = buffers[ident] = aligned_host_array(chunk_bytes)
-        base, local, n = job
-        return os.preadv(fds[base], [buf[:n].data], local)
-
-    try:
-        t0 = time.perf_counter()
-        with ThreadPoolExecutor(threads) as pool:
-            list(pool.map(read, jobs))
-        elapsed = time.perf_counter() - t0
-    finally:
-        for fd in fds.values():
-            os.close(fd)
-    return sum(n for _, n in ranges) / elapsed / GB
-
-
-def _leading(ranges: Sequence[tuple[int, int]], nbytes: int) -> list[tuple[int, int]]:
-    """The first ranges, up to ``nbytes`` of them (at least one)."""
-    out: list[tuple[int, int]] = []
-    total = 0
-    for r in ranges:
-        if out and total + r[1] > nbytes:
-            break
-        out.append(r)
-        total += r[1]
-    return out
-
-
-def pinned_h2d_gbps(nbytes: int = 1 << 30, repeats: int = 5) -> float:
-    """Pinned host -> device bandwidth (CuPy), median of ``repeats`` timed copies."""
-    import cupy
-
-    host = cupy.cuda.alloc_pinned_memory(nbytes)
-    src = np.frombuffer(host, dtype=np.uint8, count=nbytes)
-    src[:] = 1
-    dst = cupy.cuda.Memory(nbytes)
-    stream = cupy.cuda.Stream(non_blocking=True)
-    times = []
-    for _ in range(repeats + 1):
-        start, end = cupy.cuda.Event(), cupy.cuda.Event()
-        start.record(stream)
-        cupy.cuda.runtime.memcpyAsync(dst.ptr, src.ctypes.data, nbytes,
-                                      cupy.cuda.runtime.memcpyHostToDevice, stream.ptr)
-        end.record(stream)
-        end.synchronize()
-        times.append(cupy.cuda.get_elapsed_time(start, end) / 1000.0)
-    return nbytes / float(np.median(times[1:])) / GB
-
-
-def slice_h2d_gbps(table: ExpertTable, backend: Backend, ranges: Sequence[tuple[int, int]],
-                   gather: bool, repeats: int = 3) -> float:
-    """The ranges copied from the model's registered mapping into one device buffer,
-    back-to-back on one stream, a layer's worth (top-k experts' ranges) at a time: as one
-    batched copy on the copy engines (``Backend.copy_h2d_batch``, the pieces split at
-    registration windows), or with ``gather`` as one gather launch (the kernel's default SM
-    budget, no digests), as resident mode's two paths queue them. GB/s, the best of
-    ``repeats``: the path's own rate on exactly the bytes a warm-miss run moves. The file
-    must be resident (its windows are registered as resident mode's are)."""
-    import cupy
-
-    from moestream.gpu.cuda import CudaStream
-    from moestream.gpu.kernels import NO_FLIP, copy_rows, make_kernels
-
-    with ModelMapping(table.files, backend) as mapping:
-        mapping.register_resident_windows()
-        if not all(mapping.is_registered(off, n) for off, n in ranges):
-            raise RuntimeError("slice_h2d_gbps: the model's pages are not all resident")
-        total = sum(n for _, n in ranges)
-        dst = cupy.cuda.Memory(total)
-        stream = CudaStream()
-        kernels = make_kernels(backend.name)
-        per_launch = table.top_k * len(table.slices((table.moe_layers[0], 0)).ranges)
-        launches, batches, at = [], [], 0
-        for i in range(0, len(ranges), per_launch):
-            rows: list[int] = []
-            copies: list[int] = []
-            for off, n in ranges[i : i + per_launch]:
-                rows += (mapping.address(off), dst.ptr + at, n, 0, NO_FLIP)
-                for piece_at, piece_n in mapping.spans(off, n):
-                    copies += (mapping.address(off + piece_at), dst.ptr + at + piece_at,
-                               piece_n)
-                at += n
-            launches.append(copy_rows(rows))
-            batches.append(np.array(copies, dtype=np.uint64).reshape(-1, 3).T.copy())
-        best = 0.0
-        with backend.activate():
-            for _ in range(repeats):
-                t0 = time.perf_counter()
-                for launch, batch in zip(launches, batches, strict=True):
-                    if gather:
-                        kernels.gather(launch, stream)
-                    else:
-                        backend.copy_h2d_batch(batch, stream)
-                stream.synchronize()
-                best = max(best, total / (time.perf_counter() - t0) / GB)
-        return best
-
-
-def kvikio_gbps(files: Sequence[ModelFile], ranges: Sequence[tuple[int, int]],
-                threads: int) -> float | None:
-    """kvikio ``CuFile.pread`` of the ranges into device buffers, or None without kvikio."""
-    try:
-        import cupy
-        import kvikio
-        import kvikio.defaults
-    except ImportError:
-        return None
-    kvikio.defaults.set({"num_threads": threads})
-    largest = max(n for _, n in ranges)
-    bufs = [cupy.empty(largest, dtype=cupy.uint8) for _ in range(threads)]
-    handles = {f.base: kvikio.CuFile(f.path, "r") for f in files}
-    t0 = time.perf_counter()
-    try:
-        futures = []
-        for i, (off, n) in enumerate(ranges):
-            base, local = _local(files, off)
-            futures.append(handles[base].pread(bufs[i % threads][:n], n, local))
-            if len(futures) >= threads:
-                futures.pop(0).get()
-        for fut in futures:
-            fut.get()
-    finally:
-        for handle in handles.values():
-            handle.close()
-    cupy.cuda.runtime.deviceSynchronize()
-    return sum(n for _, n in ranges) / (time.perf_counter() - t0) / GB
-
-
-def naive_tps(table: ExpertTable, trace: Trace, tokens: int, layer_ms: float) -> float:
-    """ds4's CUDA path before its cache fix: every selected expert read again on every use,
-    synchronously with O_DIRECT (queue depth 1), copied from pageable memory, no cache."""
-    import cupy
-
-    from moestream.gpu.cuda import CudaStream
-    from moestream.gpu.kernels import CudaKernels
-
-    kernels = CudaKernels()
-    stream = CudaStream()
-    fds = _open_all(table.files, os.O_DIRECT)
-    largest = max(aligned_cover(r.offset, r.nbytes)[1]
-                  for r in table.slices((table.moe_layers[0], 0)).ranges)
-    bounce = aligned_host_array(largest)
-    try:
-        t0 = time.perf_counter()
-        for t in range(tokens):
-            for i, layer in enumerate(table.moe_layers):
-                for e in trace.experts[t % trace.n_tokens, i]:
-                    dev = []
-                    for r in table.slices((layer, int(e))).ranges:
-                        start, length = aligned_cover(r.offset, r.nbytes)
-                        base, local = _local(table.files, start)
-                        os.preadv(fds[base], [bounce[:length].data], local)
-                        skip = r.offset - start
-                        pageable = np.array(bounce[skip : skip + r.nbytes])
-                        dev.append(cupy.asarray(pageable))
-                    kernels.busy(layer_ms / trace.top_k, dev[2], stream)
-                stream.synchronize()
-        return tokens / (time.perf_counter() - t0)
-    finally:
-        for fd in fds.values():
-            os.close(fd)
-
-
-def compute_only_tps(n_layers: int, top_k: int, layer_ms: float, tokens: int) -> float:
-    """The decoder's kernels and per-layer syncs with every expert already there, no I/O."""
-    import cupy
-
-    from moestream.gpu.cuda import CudaStream
-    from moestream.gpu.kernels import CudaKernels
-
-    kernels = CudaKernels()
-    stream = CudaStream()
-    dummy = cupy.zeros(16, dtype=cupy.uint8)
-    for warm in (True, False):
-        t0 = time.perf_counter()
-        for _ in range(2 if warm else tokens):
-            for _ in range(n_layers):
-                for _ in range(top_k):
-                    kernels.busy(layer_ms / top_k, dummy, stream)
-                stream.record().synchronize()
-    return tokens / (time.perf_counter() - t0)
-
-
-def token_events(log: Path) -> list[dict[str, Any]]:
-    with log.open() as f:
-        return [e for e in map(json.loads, f) if e.get("event") == "token"]
-
-
-def window_rate(events: Sequence[dict[str, Any]]) -> dict[str, float]:
-    """Tokens/s, delivered GB/s and hit rate over a window of token events, and the
-    median and longest token (a round of a few hundred ms moves with one slow token)."""
-    walls = [e["wall_ms"] for e in events]
-    wall_s = sum(walls) / 1000.0
-    file_bytes = sum(e["file_bytes"] for e in events)
-    hits = sum(e["hits"] for e in events)
-    misses = sum(e["misses"] for e in events)
-    return {
-        "tokens": len(events),
-        "tokens_per_s": len(events) / wall_s if wall_s else 0.0,
-        "delivered_gbps": file_bytes / wall_s / GB if wall_s else 0.0,
-        "hit_rate": hits / (hits + misses) if hits + misses else 0.0,
-        "stall_ms_per_token": sum(e["stall_ms"] for e in events) / max(1, len(events)),
-        "compute_ms_per_token": sum(e["compute_ms"] for e in events) / max(1, len(events)),
-        "wall_ms_per_token": wall_s * 1000.0 / max(1, len(events)),
-        "wall_ms_median": float(np.median(walls)) if walls else 0.0,
-        "wall_ms_max": max(walls, default=0.0),
-        "stall_ms_max": max((e["stall_ms"] for e in events), default=0.0),
-        # the loop thread's CPU against its wall: near 1, it computes; well below, it waits
-        # outside moestream's measured waits (a full launch queue, the GIL)
-        "cpu_ms_per_token": sum(e.get("cpu_ms", 0.0) for e in events) / max(1, len(events)),
-        "process_cpu_ms_per_token": sum(e.get("process_cpu_ms", 0.0) for e in events)
-        / max(1, len(events)),
-        # where the wall went (the token's ``time`` parts): ``host_ms`` against the waits
-        # for the device (``compute_ms``, ``upload_ms``) says which side bounds a round
-        "time_ms_per_token": {part: sum(e["time"][part] for e in events) / len(events)
-                              for part in (events[0]["time"] if events else {})},
-    }
 
 
 class Bench:
@@ -545,7 +294,7 @@ def _warm(s: _Setup) -> None:
     by_path: dict[str, list[dict[str, Any]]] = {name: [] for name in paths}
     for _ in range(args.rounds):
         for name, gather in paths.items():
-            by_path[name].append(_with_references(
+            by_path[name].append(with_references(
                 functools.partial(_warm_round, s, name, gather), s.gpu))
     for name in paths:
         results[name] = _phase(name, {}, functools.partial(
@@ -569,7 +318,7 @@ def _cold(s: _Setup) -> None:
     _phase("odirect_read_gbps", ref, lambda: raw_read_gbps(
         table.files, s.ranges_other, args.queue_depth, args.chunk_mib * MIB, direct=True))
     # the best raw O_DIRECT read of these ranges over thread counts (on 2 GiB of them)
-    part = _leading(s.ranges_other, 2 << 30)
+    part = leading_ranges(s.ranges_other, 2 << 30)
     sweep_gbps = {}
     for threads in args.odirect_threads:
         drop_caches(table.files)
@@ -661,36 +410,6 @@ def _verify_ab(s: _Setup, with_cached: bool) -> dict[str, Any]:
               + (f"verification costs {cost:.1%}" if cost is not None
                  else "nothing to compare"), flush=True)
     return ab
-
-
-HOST_REFERENCE_MISSES = 50_000
-"""``bench.cpus``'s workload timed around each warm-miss round: ~20 ms of the cache-like
-Python the host-bound shapes spend their tokens on (tuple keys, an LRU's moves)."""
-
-
-H2D_REFERENCE_BYTES = 256 << 20
-"""The pinned copy timed around each warm-miss round on a GPU (~5 ms at 50 GB/s)."""
-
-
-def _with_references(run_round: Callable[[], dict[str, Any]], gpu: bool) -> dict[str, Any]:
-    """A round's result with ``host_ref_ms``: the same fixed Python timed on the loop's
-    thread right before and right after it (their mean), and on a GPU ``h2d_ref_gbps``: a
-    pinned host -> device copy timed the same way. Why: the small shapes' rounds of one
-    process swing 35-51 GB/s with the loop thread busy throughout; a slow round whose host
-    reference is slow too was a slow host (its CPU, a neighbour), one whose copy reference
-    is slow was the transfer itself (the bus, the host's memory), one with neither slow was
-    something in the run."""
-    def references() -> tuple[float, float]:
-        return (workload_ms(HOST_REFERENCE_MISSES),
-                pinned_h2d_gbps(H2D_REFERENCE_BYTES, repeats=3) if gpu else 0.0)
-
-    before = references()
-    result = run_round()
-    after = references()
-    out = {**result, "host_ref_ms": round((before[0] + after[0]) / 2, 2)}
-    if gpu:
-        out["h2d_ref_gbps"] = round((before[1] + after[1]) / 2, 2)
-    return out
 
 
 def _median_round(rounds: Sequence[dict[str, Any]], key: str) -> dict[str, Any]:

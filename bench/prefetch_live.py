@@ -16,9 +16,9 @@ from typing import Any
 from gguf import GGMLQuantizationType
 
 from bench.kit import make_resident
-from bench.pipeline import token_events
 from bench.prefetch_figures import routing_agreement
 from bench.prefetch_runs import MIB, PrefetchBench, RunSpec, exact_guesses, has_router, run_tokens
+from bench.rates import token_events
 from moestream.pipeline.foundation.config import ComputeSpec, Mode
 from moestream.pipeline.foundation.errors import MoestreamError, UsageError
 from moestream.pipeline.foundation.table import ExpertTable, open_table

@@ -16,8 +16,8 @@ from typing import Any
 import uvloop
 
 from bench.kit import budget_for
-from bench.pipeline import token_events, window_rate
 from bench.prefetch_figures import device_expert_bytes, guess_loads, prefetch_figures
+from bench.rates import token_events, window_rate
 from moestream.pipeline.cli.run import RunSummary, run
 from moestream.pipeline.foundation.config import ComputeSpec, Mode, RunConfig
 from moestream.pipeline.foundation.table import ExpertTable

@@ -5,9 +5,9 @@ the difference. It runs ``pipeline.cli.run`` on one of two phases of ``bench.pip
 same traces and budgets) under ``cProfile`` and prints the wall time per layer and per
 miss from the run's log, then the functions with the most time of their own:
 
-- ``all-cached``: a replayed trace whose second pass hits every expert (issue 14, part 4);
+- ``all-cached``: a replayed trace whose second pass hits every expert;
 - ``resident-miss``: the cyclic sweep under half its experts' budget, resident mode, so
-  every lookup misses and copies from the registered mapping (part 3);
+  every lookup misses and copies from the registered mapping;
 - ``direct-miss``: the same sweep in direct mode: every miss read with O_DIRECT into
   staging and uploaded from there (the path of a cold start and of a model larger than
   RAM), where the loop shares the GIL with the reader threads.
