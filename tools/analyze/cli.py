@@ -7,11 +7,11 @@ token's time was spent waiting for I/O, how long each I/O mode was in force and 
 switched, and where each token's wall time went and what bounds the run
 (``tools.analyze.time_report``). One log gives a summary table; several give a before/after
 comparison (both ``tools.analyze.summary``); ``--csv`` gives per-interval rows in ds4-bench's
-column style for spreadsheets; ``--plot`` draws the same over time (``tools.analyze.plots``); ``--what-if`` replays the run's
-accesses under other budgets and policies (``moestream.tools.analyze.whatif``, reported by
-``moestream.tools.analyze.whatif_report``). A run over several devices also gets a per-device table
-(``tools.analyze.device_report``): each device's hits, file bytes, stall, budget and peak, and
-how evenly the file bytes were spread.
+column style for spreadsheets; ``--plot`` draws the same over time (``tools.analyze.plots``);
+``--what-if`` replays the run's accesses under other budgets and policies
+(``moestream.tools.analyze.whatif``, reported by ``moestream.tools.analyze.whatif_report``). A
+run over several devices also gets a per-device table (``tools.analyze.device_report``): each
+device's hits, file bytes, stall, budget and peak, and how evenly the file bytes were spread.
 
 Usage::
 

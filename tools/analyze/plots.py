@@ -104,9 +104,10 @@ def write_plots(runs: Sequence[RunLog], directory: Path, interval: int | None = 
         step = interval or plot_interval(len(run.tokens))
         series.append(_Series(run, step, interval_rows(run, step), time_report(run)))
     written: list[Path] = []
-
-    def save(fig: Any, name: str) -> None:
-        assert name in PLOT_FILES
+    figures = (_summary_figure, _split_figure, _hits_figure, _latency_figure, _bytes_figure,
+               _mode_figure, _stages_figure)
+    for name, draw in zip(PLOT_FILES, figures, strict=True):
+        fig = draw(plt, series)  # drawn, saved and closed one at a time
         path = directory / name
         try:  # atomic: a link is followed, a FIFO or device refused, never replaced
             with atomic_output(path, what="--plot") as out:
@@ -114,9 +115,11 @@ def write_plots(runs: Sequence[RunLog], directory: Path, interval: int | None = 
         finally:
             plt.close(fig)
         written.append(path)
+    return written
 
-    save(_summary_figure(plt, series), "summary.png")
 
+def _split_figure(plt: Any, series: Sequence[_Series]) -> Any:
+    """``time_breakdown.png``: ms per token by part, stacked, one row per run."""
     fig, axes = plt.subplots(len(series), 1, figsize=(10, 3.6 * len(series)), squeeze=False)
     for s, row in zip(series, axes, strict=True):
         _draw_split(row[0], s)
@@ -124,16 +127,22 @@ def write_plots(runs: Sequence[RunLog], directory: Path, interval: int | None = 
                          f"(mean per {_tokens(s.interval)})")
         row[0].set_xlabel("token")
     fig.tight_layout()
-    save(fig, "time_breakdown.png")
+    return fig
 
+
+def _hits_figure(plt: Any, series: Sequence[_Series]) -> Any:
+    """``hit_rate.png``: hit rate and storage GB/s, mode switches marked, one row per run."""
     fig, axes = plt.subplots(len(series), 1, figsize=(10, 3.4 * len(series)), squeeze=False)
     for s, row in zip(series, axes, strict=True):
         _draw_hits_and_storage(row[0], s)
         row[0].set_title(f"{s.run.name}: hit rate and storage reads per {_tokens(s.interval)}")
         row[0].set_xlabel("token")
     fig.tight_layout()
-    save(fig, "hit_rate.png")
+    return fig
 
+
+def _latency_figure(plt: Any, series: Sequence[_Series]) -> Any:
+    """``latency.png``: every token's latency and its interval median, the runs together."""
     fig, ax = plt.subplots(figsize=(10, 4))
     for i, s in enumerate(series):
         wall = s.run.tokens["wall_ms"]
@@ -144,8 +153,11 @@ def write_plots(runs: Sequence[RunLog], directory: Path, interval: int | None = 
     ax.set_ylim(bottom=0)
     ax.legend(loc="upper right")
     fig.tight_layout()
-    save(fig, "latency.png")
+    return fig
 
+
+def _bytes_figure(plt: Any, series: Sequence[_Series]) -> Any:
+    """``bytes_per_token.png``: device cache / page cache / storage MB per token, stacked."""
     fig, axes = plt.subplots(len(series), 1, figsize=(10, 3.2 * len(series)), squeeze=False)
     for s, row in zip(series, axes, strict=True):
         ax = row[0]
@@ -157,8 +169,11 @@ def write_plots(runs: Sequence[RunLog], directory: Path, interval: int | None = 
         ax.set(xlabel="token", ylabel="MB per token", title=f"{s.run.name}: bytes by source")
         ax.legend(loc="upper right")
     fig.tight_layout()
-    save(fig, "bytes_per_token.png")
+    return fig
 
+
+def _mode_figure(plt: Any, series: Sequence[_Series]) -> Any:
+    """``mode_timeline.png``: the mode in force, available RAM and the switches."""
     fig, axes = plt.subplots(len(series), 1, figsize=(10, 2.8 * len(series)), squeeze=False)
     for s, row in zip(series, axes, strict=True):
         ax = row[0]
@@ -170,8 +185,11 @@ def write_plots(runs: Sequence[RunLog], directory: Path, interval: int | None = 
         ax.legend(unique.values(), unique.keys(), loc="upper right")
         ax.set(xlabel="token", ylabel="RAM available, GB", title=f"{s.run.name}: I/O mode")
     fig.tight_layout()
-    save(fig, "mode_timeline.png")
+    return fig
 
+
+def _stages_figure(plt: Any, series: Sequence[_Series]) -> Any:
+    """``stages.png``: busy ms per token by stage against wall time (stages overlap: lines)."""
     fig, axes = plt.subplots(len(series), 1, figsize=(10, 3.2 * len(series)), squeeze=False)
     for s, row in zip(series, axes, strict=True):
         ax = row[0]
@@ -183,8 +201,7 @@ def write_plots(runs: Sequence[RunLog], directory: Path, interval: int | None = 
                title=f"{s.run.name}: stages, busy time summed over workers (they overlap)")
         ax.legend(loc="upper right", ncol=4)
     fig.tight_layout()
-    save(fig, "stages.png")
-    return written
+    return fig
 
 
 def _tokens(n: int) -> str:

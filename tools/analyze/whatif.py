@@ -273,15 +273,7 @@ def what_if(
     Raises:
         UsageError: unknown policy, target outside (0, 1], no budgets, or jobs < 1.
     """
-    unknown = [p for p in policies if p not in POLICIES]
-    if unknown:
-        raise UsageError(f"unknown policy {unknown[0]!r} (expected one of {', '.join(POLICIES)})")
-    if not 0 < target <= 1:
-        raise UsageError(f"--target must be in (0, 1], got {target}")
-    if not budgets:
-        raise UsageError("no budgets to replay")
-    if jobs is not None and jobs < 1:
-        raise UsageError(f"--jobs must be >= 1, got {jobs}")
+    _check(policies, target, budgets, jobs)
     ordered = sorted(set(budgets))
     tasks = [(policy, budget) for policy in policies for budget in ordered]
     check = run_budget is not None and run_policy in ("lru", "freq")
@@ -317,3 +309,17 @@ def what_if(
         first_divergence=divergence,
         expert_unit_bytes=trace.max_expert_bytes,
     )
+
+
+def _check(policies: Sequence[str], target: float, budgets: Sequence[int],
+           jobs: int | None) -> None:
+    """``what_if``'s arguments, refused with the option they came from."""
+    unknown = [p for p in policies if p not in POLICIES]
+    if unknown:
+        raise UsageError(f"unknown policy {unknown[0]!r} (expected one of {', '.join(POLICIES)})")
+    if not 0 < target <= 1:
+        raise UsageError(f"--target must be in (0, 1], got {target}")
+    if not budgets:
+        raise UsageError("no budgets to replay")
+    if jobs is not None and jobs < 1:
+        raise UsageError(f"--jobs must be >= 1, got {jobs}")

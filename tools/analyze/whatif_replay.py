@@ -303,14 +303,30 @@ def replay(
     if belady is not None and next_use is None:
         next_use = next_use_positions(trace.experts)
     index = CacheIndex(capacity_bytes, engine)
+    token_hits = np.zeros(trace.tokens, dtype=np.int32)
+    log.debug("replay_start", policy=policy, capacity_bytes=capacity_bytes, tokens=trace.tokens)
+    hits, misses, evictions = _run_tokens(trace, index, belady, next_use, token_hits)
+    log.debug("replay_done", policy=policy, capacity_bytes=capacity_bytes, hits=hits)
+    return ReplayResult(policy, capacity_bytes, hits, misses, evictions, token_hits)
+
+
+def _run_tokens(trace: AccessTrace, index: CacheIndex, belady: BeladyPolicy | None,
+                next_use: npt.NDArray[np.int64] | None,
+                token_hits: npt.NDArray[np.int32]) -> tuple[int, int, int]:
+    """Every token's accesses through ``index``, in order; fills ``token_hits`` and returns
+    the hits, misses and evictions. This loop is the replay's cost: it walks Python lists
+    (cheaper per element than numpy scalars), converted a chunk of tokens at a time so a
+    long trace's lists stay small.
+
+    Raises:
+        TraceError: an expert list repeats an id.
+    """
     key_rows = _key_rows(trace)
     width = trace.experts.shape[2]
     size_rows = [(size,) * width for size in trace.expert_bytes]
     padded = trace.padded
-    token_hits = np.zeros(trace.tokens, dtype=np.int32)
     hits = misses = evictions = 0
     token = 0
-    log.debug("replay_start", policy=policy, capacity_bytes=capacity_bytes, tokens=trace.tokens)
     try:
         for start in range(0, trace.tokens, _CHUNK_TOKENS):
             block = trace.experts[start : start + _CHUNK_TOKENS].tolist()
@@ -336,5 +352,4 @@ def replay(
                 index.advance_token()
     except ValueError as exc:
         raise TraceError(f"token {token}: expert list the cache cannot take ({exc})") from exc
-    log.debug("replay_done", policy=policy, capacity_bytes=capacity_bytes, hits=hits)
-    return ReplayResult(policy, capacity_bytes, hits, misses, evictions, token_hits)
+    return hits, misses, evictions
