@@ -40,24 +40,24 @@ from moestream import ExpertHandle, SyncSession, TokenStats
 from moestream.pipeline.foundation.errors import UsageError
 from moestream.transformers._dequant_cuda import CUDA_DTYPES, fp8_experts_cuda
 from moestream.transformers._dequant_cuda import available as cuda_kernel
+from moestream.transformers._layout import (
+    TORCH_DTYPES,
+    biases,
+    first_projection,
+    grouped_linear,
+    raw,
+    view,
+)
 from moestream.transformers._quantized import LayerScales
 
-__all__ = ["IMPLEMENTATION", "Compute", "ExpertStream", "experts_forward", "first_projection",
-           "register", "stream_of"]
+__all__ = ["COMPUTES", "IMPLEMENTATION", "Compute", "ExpertStream", "experts_forward", "register",
+           "stream_of"]
 
 IMPLEMENTATION = "moestream"
 """The name the experts implementation is registered under."""
 
 Compute = Literal["grouped", "eager"]
 COMPUTES: tuple[Compute, ...] = ("grouped", "eager")
-
-TORCH_DTYPES: dict[str, Any] = {
-    "BF16": torch.bfloat16,
-    "F16": torch.float16,
-    "F32": torch.float32,
-}
-"""The expert types torch computes, by GGUF type name."""
-
 
 def register() -> None:
     """Register :func:`experts_forward` as ``"moestream"`` in transformers'
@@ -72,11 +72,11 @@ def stream_of(model: Any) -> ExpertStream:
     Raises:
         UsageError: the model was not loaded by moestream.
     """
-    stream = getattr(model, "moestream", None)
-    if not isinstance(stream, ExpertStream):
+    experts_stream = getattr(model, "moestream", None)
+    if not isinstance(experts_stream, ExpertStream):
         raise UsageError("this model's experts are not served by moestream (load it with "
                          "moestream.transformers.from_pretrained)")
-    return stream
+    return experts_stream
 
 
 def experts_forward(self: Any, hidden_states: Any, top_k_index: Any, top_k_weights: Any) -> Any:
@@ -92,11 +92,12 @@ def experts_forward(self: Any, hidden_states: Any, top_k_index: Any, top_k_weigh
     Raises:
         UsageError: the module was not set up by ``moestream.transformers.from_pretrained``.
     """
-    stream = getattr(self, "moestream_stream", None)
-    if not isinstance(stream, ExpertStream):
+    experts_stream = getattr(self, "moestream_stream", None)
+    if not isinstance(experts_stream, ExpertStream):
         raise UsageError(f'experts_implementation="{IMPLEMENTATION}" serves only models loaded '
                          "by moestream.transformers.from_pretrained")
-    return stream.forward(self.moestream_layer, self, hidden_states, top_k_index, top_k_weights)
+    return experts_stream.forward(self.moestream_layer, self, hidden_states, top_k_index,
+                                  top_k_weights)
 
 
 class ExpertStream:
@@ -191,24 +192,24 @@ class ExpertStream:
         per event (``ExpertHandle.pending_event``: no query an expert). The lease is
         released on leaving, after the work queued on torch's stream."""
         lease = self.session.fetch(layer, experts)
-        stream = torch.cuda.current_stream(self.device) if self._cuda else None
+        cuda_stream = torch.cuda.current_stream(self.device) if self._cuda else None
 
         def batches() -> Iterator[list[ExpertHandle]]:
-            waited = None  # the stream waits once per upload event: a layer's misses share one
+            waited = None  # torch's stream waits once per upload event: a layer's misses share one
             while lease.remaining:
                 batch = lease.available() or [next(lease)]
-                if stream is not None:
+                if cuda_stream is not None:
                     for h in batch:
                         event = h.pending_event()  # None once installed: nothing to wait for
                         if event is not None and event is not waited:
-                            h.wait(stream)
+                            h.wait(cuda_stream)
                             waited = event
                 yield batch
 
         try:
             yield batches()
         finally:
-            lease.release(after=stream)
+            lease.release(after=cuda_stream)
 
     def _weights(self, module: Any, h: ExpertHandle) -> tuple[Any, Any, Any]:
         """The expert's gate ``(F, D)``, up ``(F, D)`` and down ``(D, F)`` (transposed: the
@@ -219,8 +220,8 @@ class ExpertStream:
         scales = self.scales.get(h.layer)
         if scales is not None:
             gate, up, down = h.matrices
-            return scales.expert(h.expert, (_raw(gate), _raw(up), _raw(down)), dtype)
-        return _view(h.gate, dtype), _view(h.up, dtype), _view(h.down, dtype)
+            return scales.expert(h.expert, (raw(gate), raw(up), raw(down)), dtype)
+        return view(h.gate, dtype), view(h.up, dtype), view(h.down, dtype)
 
     def _dequantized(self, module: Any, handles: Sequence[ExpertHandle], gate_up: Any,
                      down: Any) -> None:
@@ -237,7 +238,7 @@ class ExpertStream:
                 fp8_experts_cuda([h.matrices[at].ptr for h in handles], experts,
                                  getattr(scales, name), target, scales.block)
             return
-        raws = [torch.stack([_raw(h.matrices[at]) for h in handles]) for at in range(3)]
+        raws = [torch.stack([raw(h.matrices[at]) for h in handles]) for at in range(3)]
         scales.fill(experts, (raws[0], raws[1], raws[2]), gate_up, down)
 
     def _stacked(self, module: Any, handles: Sequence[ExpertHandle]) -> tuple[Any, Any]:
@@ -264,18 +265,18 @@ class ExpertStream:
 
             copy = cupy.cuda.runtime.memcpyAsync
             kind = cupy.cuda.runtime.memcpyDeviceToDevice
-            stream = torch.cuda.current_stream(self.device).cuda_stream
+            cuda_stream = torch.cuda.current_stream(self.device).cuda_stream
             row = gate_up.stride(0) * gate_up.element_size()
             base, down_base = gate_up.data_ptr(), down.data_ptr()
             for i, h in enumerate(handles):
                 gate, up, d = h.gate, h.up, h.down
                 g = gate.ptr
                 if up.ptr == g + gate.nbytes:
-                    copy(base + i * row, g, 2 * gate.nbytes, kind, stream)
+                    copy(base + i * row, g, 2 * gate.nbytes, kind, cuda_stream)
                 else:
-                    copy(base + i * row, g, gate.nbytes, kind, stream)
-                    copy(base + i * row + gate.nbytes, up.ptr, up.nbytes, kind, stream)
-                copy(down_base + i * d.nbytes, d.ptr, d.nbytes, kind, stream)
+                    copy(base + i * row, g, gate.nbytes, kind, cuda_stream)
+                    copy(base + i * row + gate.nbytes, up.ptr, up.nbytes, kind, cuda_stream)
+                copy(down_base + i * d.nbytes, d.ptr, d.nbytes, kind, cuda_stream)
             return gate_up, down
         views = [self._weights(module, h) for h in handles]
         flat, half = gate_up.view(n, -1), gate_up[0].numel() // 2
@@ -291,7 +292,7 @@ class ExpertStream:
         final = torch.zeros_like(hidden)
         transposed = bool(getattr(module, "is_transposed", False))
         gate = module._apply_gate if getattr(module, "has_gate", True) else module.act_fn
-        up_bias, down_bias = _biases(module)
+        up_bias, down_bias = biases(module)
         linear = torch.nn.functional.linear
         with torch.no_grad():
             mask = torch.nn.functional.one_hot(top_k_index, num_classes=module.num_experts + 1)
@@ -341,46 +342,7 @@ class ExpertStream:
         return final.to(hidden.dtype)
 
 
-def _view(matrix: Any, dtype: Any) -> Any:
-    """A matrix of the cache as a torch tensor of its shape (no copy; BF16 included, which
-    numpy has no type for), cast to ``dtype`` if it differs."""
-    source = TORCH_DTYPES[matrix.ggml_type.name]
-    # the matrix's own export: on a GPU it orders torch's stream after the upload (already
-    # waited for) and nothing else; BF16 comes as its raw bytes (numpy has no bfloat16)
-    tensor = torch.utils.dlpack.from_dlpack(matrix).view(source).view(matrix.shape)
-    return tensor if source == dtype else tensor.to(dtype)
-
-
-def _raw(matrix: Any) -> Any:
-    """A quantized matrix's bytes as a uint8 tensor of its shape (no copy)."""
-    return torch.utils.dlpack.from_dlpack(matrix).view(matrix.shape)
-
-
-def first_projection(module: Any) -> Any:
-    """An experts module's first projection: ``gate_up_proj``, or ``up_proj`` for experts
-    without a gate (Nemotron-H); None if it has neither."""
-    return getattr(module, "gate_up_proj" if getattr(module, "has_gate", True) else "up_proj",
-                   None)
-
-
-def _biases(module: Any) -> tuple[Any, Any]:
-    """The experts' first-projection and down biases (gpt-oss), or (None, None)."""
-    if not getattr(module, "has_bias", False):
-        return None, None
-    first = (module.gate_up_proj_bias if getattr(module, "has_gate", True)
-             else module.up_proj_bias)
-    return first, module.down_proj_bias
-
-
-def _grouped_linear(x: Any, weight: Any, offsets: Any, bias: Any, transposed: bool) -> Any:
-    """transformers' grouped product; its bias and transposed arguments only when used
-    (older transformers 5 releases take neither)."""
-    if bias is None and not transposed:
-        return hf_moe._grouped_linear(x, weight, offsets)
-    return hf_moe._grouped_linear(x, weight, offsets, bias=bias, is_transposed=transposed)
-
-
-def _grouped_rows(stream: ExpertStream, module: Any, hidden: Any, expert_ids: Any,
+def _grouped_rows(experts_stream: ExpertStream, module: Any, hidden: Any, expert_ids: Any,
                   sample_weights: Any, top_k: int, batch: Sequence[ExpertHandle],
                   weighted: Any) -> Any:
     """The router-weighted output rows of the (token, slot) pairs routed to the experts of
@@ -390,7 +352,7 @@ def _grouped_rows(stream: ExpertStream, module: Any, hidden: Any, expert_ids: An
     grouped product skips, and are left as they were."""
     handles = sorted(batch, key=lambda h: h.expert)
     n = len(handles)
-    gate_up, down = stream._stacked(module, handles)
+    gate_up, down = experts_stream._stacked(module, handles)
 
     device = hidden.device
     # local ids: the batch's experts 0..n-1 in ascending expert order, every other expert n
@@ -407,13 +369,13 @@ def _grouped_rows(stream: ExpertStream, module: Any, hidden: Any, expert_ids: An
         local_sorted, torch.arange(1, n + 1, dtype=local_sorted.dtype, device=device)
     ).to(torch.int32)
     transposed = bool(getattr(module, "is_transposed", False))
-    up_bias, down_bias = _biases(module)
+    up_bias, down_bias = biases(module)
     if up_bias is not None:  # per sorted row, as grouped_mm_experts_forward
         row_experts = expert_ids[perm]  # the tail's rows (other experts) are never used
         up_bias, down_bias = up_bias[row_experts], down_bias[row_experts]
-    proj = _grouped_linear(selected, gate_up, offsets, up_bias, transposed)
+    proj = grouped_linear(selected, gate_up, offsets, up_bias, transposed)
     proj = module._apply_gate(proj) if getattr(module, "has_gate", True) else module.act_fn(proj)
-    proj = _grouped_linear(proj, down, offsets, down_bias, transposed)
+    proj = grouped_linear(proj, down, offsets, down_bias, transposed)
     rows = proj * sample_weights[perm].unsqueeze(-1)
     inverse = torch.empty_like(perm)
     inverse[perm] = torch.arange(perm.size(0), device=device)

@@ -1,0 +1,207 @@
+"""The dense weights: every tensor but the routed experts, read through the session.
+
+Each is read from the files the session identified when it opened (``read_tensor``), renamed
+as transformers' own loading renames it (those it builds from several by its converter),
+moved to the device and assigned to the meta model; non-persistent buffers are made by the
+model's ``_init_weights``; tied weights are tied.
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+from pathlib import Path
+from typing import Any
+
+import structlog
+import torch  # type: ignore[import-not-found, unused-ignore]
+
+import moestream
+from moestream.pipeline.foundation.errors import ExpertLayoutError, ModelFileError
+from moestream.transformers._arguments import first_line
+from moestream.transformers._quantized import DenseScales
+
+__all__ = ["load_dense", "tensor_reader"]
+
+_log = structlog.get_logger("moestream.transformers")
+
+_FILE_DTYPES: dict[str, Any] = {
+    name: getattr(torch, attr) for name, attr in (
+        ("BOOL", "bool"), ("U8", "uint8"), ("I8", "int8"), ("I16", "int16"),
+        ("U16", "uint16"), ("I32", "int32"), ("U32", "uint32"), ("I64", "int64"),
+        ("U64", "uint64"), ("F16", "float16"), ("BF16", "bfloat16"), ("F32", "float32"),
+        ("F64", "float64"), ("F8_E4M3", "float8_e4m3fn"), ("F8_E5M2", "float8_e5m2"),
+        ("F8_E8M0", "float8_e8m0fnu"))
+    if hasattr(torch, attr)
+}
+"""safetensors' type names, as torch loads them (as safetensors' own torch loader maps
+them)."""
+
+
+def _renamer(model: Any) -> Any:
+    """Checkpoint name -> (model name, the converter that builds it or None), by
+    transformers' own renamings and converters for this model; the routed experts are never
+    asked for (their converters stay unused)."""
+    meta_state = model.state_dict()
+    try:
+        from transformers.conversion_mapping import (  # type: ignore[import-not-found, unused-ignore]
+            get_model_conversion_mapping,
+        )
+        from transformers.core_model_loading import (  # type: ignore[import-not-found, unused-ignore]
+            WeightConverter,
+            WeightRenaming,
+            rename_source_key,
+        )
+    except ImportError as exc:  # an older 5.x: the names as they are
+        _log.warning("transformers_renamings_unavailable", reason=str(exc),
+                     fallback="checkpoint names used as they are")
+        return lambda key: (key, None)
+    mapping = get_model_conversion_mapping(model)
+    renamings = [t for t in mapping if isinstance(t, WeightRenaming)]
+    converters = [t for t in mapping if isinstance(t, WeightConverter)]
+    by_pattern = {p: c for c in converters for p in c.source_patterns}
+    prefix = getattr(model, "base_model_prefix", None)
+
+    def rename(key: str) -> tuple[str, tuple[Any, str] | None]:
+        renamed, pattern = rename_source_key(key, renamings, converters, prefix, meta_state)
+        if renamed not in meta_state and key in meta_state:
+            # as transformers' loading: a renaming that should not have fired (DeepSeek-V4's
+            # ``.norm.`` -> ``.kv_norm.`` on the final ``model.norm``); the prefix only
+            return rename_source_key(key, [], [], prefix, meta_state)[0], None
+        return renamed, (by_pattern[pattern], pattern) if pattern is not None else None
+
+    return rename
+
+
+def load_dense(model: Any, session: moestream.SyncSession, device: Any,
+               progress: bool | None) -> None:
+    """Read every non-expert tensor through the session (the files it identified) onto
+    ``device`` and assign it (those transformers builds from several, such as Kimi-Linear's
+    stacked convolutions, by its own converter); make the buffers; tie."""
+    root = session.model.path
+    loaded = _Loaded(model, root)
+    merged = _read_dense(model, session, device, progress, loaded)
+    _convert(model, root, merged, loaded)
+    if loaded.unexpected:
+        _log.warning("checkpoint_tensors_unused", count=len(loaded.unexpected),
+                     first=loaded.unexpected[:4], path=str(root))
+    model.load_state_dict(loaded.tensors, strict=False, assign=True)
+    model.tie_weights()
+    routed = {f"{name}.{p}" for name, m in model.named_modules()
+              if getattr(m, "moestream_layer", None) is not None or hasattr(m, "has_gate")
+              for p in ("gate_up_proj", "up_proj", "down_proj")}
+    missing = [n for n, p in model.named_parameters()
+               if p.is_meta and n not in routed]
+    if missing:
+        raise ModelFileError(root, f"the checkpoint lacks {len(missing)} tensors the model "
+                             f"needs, first {missing[0]}")
+    _make_buffers(root, model, device)
+
+
+class _Loaded:
+    """The dense tensors loaded so far, by model name, each checked against the meta
+    model's own shape and cast to its dtype; the checkpoint's names the model lacks."""
+
+    def __init__(self, model: Any, root: Path) -> None:
+        self.model = model
+        self.root = root
+        self.params = dict(model.named_parameters())
+        self.expected = set(model.state_dict())
+        self.tensors: dict[str, Any] = {}
+        self.unexpected: list[str] = []
+
+    def assign(self, name: str, target: str, tensor: Any) -> None:
+        like = self.params.get(target)
+        if like is None:
+            like = self.model.get_buffer(target)
+        if tuple(tensor.shape) != tuple(like.shape):
+            raise ExpertLayoutError(self.root, f"{name} has shape {list(tensor.shape)[:8]}, "
+                                    f"the config makes {target} {list(like.shape)}")
+        self.tensors[target] = tensor.to(like.dtype)
+
+
+def _read_dense(model: Any, session: moestream.SyncSession, device: Any,
+                progress: bool | None, loaded: _Loaded) -> dict[str, Any]:
+    """Read each dense tensor onto ``device`` and assign it; those a converter builds from
+    several are collected by a copy of it instead, returned by the model name it makes."""
+    rename = _renamer(model)
+    dense = list(session.model.tensors.values())
+    read = tensor_reader(session)
+    quantized = DenseScales(session, session.model.path)
+    merged: dict[str, Any] = {}  # model name -> its converter, collecting its sources
+    if progress is None:
+        progress = sys.stderr.isatty()
+    from tqdm import tqdm
+
+    with tqdm(total=len(dense), unit="tensor", desc="loading dense weights",
+              disable=not progress, leave=False, file=sys.stderr) as bar:
+        for spec in dense:
+            bar.update(1)
+            if quantized.is_scale(spec.name):
+                continue
+            target, converter = rename(spec.name)
+            if target not in loaded.expected:
+                loaded.unexpected.append(spec.name)
+                continue
+            like = loaded.params.get(target)
+            dtype = like.dtype if like is not None else model.dtype
+            tensor = quantized.weight(spec, read(spec).to(device), dtype, read)
+            if converter is not None:
+                into = merged.setdefault(target, copy.deepcopy(converter[0]))
+                into.add_tensor(target, spec.name, converter[1], tensor)
+            else:
+                loaded.assign(spec.name, target, tensor)
+    return merged
+
+
+def _convert(model: Any, root: Path, merged: dict[str, Any], loaded: _Loaded) -> None:
+    """Build the tensors of ``merged`` by their converters (transformers' own) and assign
+    them."""
+    for target, converter in merged.items():
+        try:
+            built = converter.convert(target, model=model, config=model.config)
+        except Exception as exc:  # transformers' ops raise their own errors
+            raise ModelFileError(root, f"{target}: transformers' converter failed: "
+                                 f"{first_line(exc)}") from exc
+        for name, tensor in built.items():
+            if name not in loaded.expected:
+                loaded.unexpected.append(name)
+                continue
+            loaded.assign(target, name, tensor[0] if isinstance(tensor, list) else tensor)
+
+
+def tensor_reader(session: moestream.SyncSession) -> Any:
+    """A function reading a non-routed tensor through the session as a CPU tensor over its
+    bytes (no copy), typed as the file declares it."""
+    root = session.model.path
+
+    def read(spec: moestream.TensorSpec) -> Any:
+        dtype = _FILE_DTYPES.get(spec.dtype)
+        if dtype is None:
+            raise ModelFileError(root, f"{spec.name[:120]}: a {spec.dtype[:20]} tensor, a "
+                                 "type torch does not load")
+        data = session.read_tensor(spec.name)
+        if not data:
+            return torch.empty(spec.shape, dtype=dtype)
+        return torch.frombuffer(data, dtype=dtype).reshape(spec.shape)
+
+    return read
+
+
+def _make_buffers(root: Path, model: Any, device: Any) -> None:
+    """Non-persistent buffers (rotary frequencies) as ``from_pretrained`` makes them: on
+    the device, filled by the model's ``_init_weights``."""
+    owners = {}
+    for name, buffer in model.named_buffers():
+        if not buffer.is_meta:
+            continue
+        owner_name, _, leaf = name.rpartition(".")
+        owner = model.get_submodule(owner_name)
+        owner._buffers[leaf] = torch.empty_like(buffer, device=device)
+        owners[owner_name] = owner
+    with torch.no_grad():
+        for owner in owners.values():
+            model._init_weights(owner)
+    left = [name for name, b in model.named_buffers() if b.is_meta]
+    if left:
+        raise ModelFileError(root, f"the model's buffer {left[0]} could not be made")
