@@ -37,7 +37,7 @@ from moestream.pipeline.cli.common import UsageParser, closable_stdout, print_er
 from moestream.pipeline.foundation.config import parse_size
 from moestream.pipeline.foundation.errors import MoestreamError, UsageError
 from moestream.pipeline.foundation.files import ModelFile, open_checked
-from moestream.pipeline.foundation.table import ByteRange, open_table
+from moestream.pipeline.foundation.table import ByteRange, ExpertTable, open_table
 from moestream.pipeline.runlog.write import configure_console
 from moestream.stages.residency import (
     PageLock,
@@ -58,7 +58,12 @@ from moestream.tools.warmup.report import (
     format_size,
     residency_report,
 )
-from moestream.tools.warmup.select import build_selection, parse_index_list, read_hot_log
+from moestream.tools.warmup.select import (
+    Selection,
+    build_selection,
+    parse_index_list,
+    read_hot_log,
+)
 
 __all__ = ["PROG", "main"]
 
@@ -135,7 +140,7 @@ def _parser() -> argparse.ArgumentParser:
                         help="select the header and every tensor that is not a routed expert")
     parser.add_argument("--hot", type=Path, metavar="LOG",
                         help="select the experts a moestream run log used, most used first")
-    # parsed in _run, not by argparse: its one-line error names the limit, not the function
+    # parsed in _check_args, not by argparse: its one-line error names the limit, not the function
     parser.add_argument("--max-bytes", metavar="SIZE",
                         help="with --hot: at most this many bytes of hot experts (20GiB, 11GB)")
     parser.add_argument("--threads", type=int, metavar="N",
@@ -146,7 +151,9 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _run(args: argparse.Namespace, memory: MemoryProbe, early: EarlyRead | None = None) -> int:
+def _check_args(args: argparse.Namespace) -> int | None:
+    """The options that go together, checked before the model is opened; the ``--max-bytes``
+    limit in bytes (parsed here so that its one-line error names the limit)."""
     if (args.per_expert or args.json) and not args.report:
         raise UsageError("--per-expert and --json go with --report")
     if args.max_bytes is not None and args.hot is None:
@@ -157,6 +164,11 @@ def _run(args: argparse.Namespace, memory: MemoryProbe, early: EarlyRead | None 
     selects = (args.layers, args.experts, args.hot, args.max_bytes)
     if args.digests and (any(x is not None for x in selects) or args.non_routed):
         raise UsageError("--digests covers every expert: it takes no selection")
+    return max_hot_bytes
+
+
+def _run(args: argparse.Namespace, memory: MemoryProbe, early: EarlyRead | None = None) -> int:
+    max_hot_bytes = _check_args(args)
     table = open_table(args.model)
     if args.digests:
         from moestream.tools.warmup.digests import (
@@ -171,49 +183,58 @@ def _run(args: argparse.Namespace, memory: MemoryProbe, early: EarlyRead | None 
     selection = build_selection(table, layers=args.layers, experts=args.experts,
                                 non_routed=args.non_routed, hot=hot,
                                 max_hot_bytes=max_hot_bytes)
-    files = table.files
-    path = table.path
-
     if args.report:
         started = time.perf_counter()
-        report = residency_report(table, Residency.of_files(files), selection=selection,
+        report = residency_report(table, Residency.of_files(table.files), selection=selection,
                                   per_expert=args.per_expert)
         report["seconds"] = round(time.perf_counter() - started, 4)
         print(json.dumps(report) if args.json else format_report(report))
         return 0
-
-    union = coalesce(selection.ranges)
     if args.evict:
-        [before] = resident_bytes_of(files, union)
-        left = 0
-        for f, local in ranges_by_file(files, union):
-            fd = open_checked(f)
-            try:
-                left += evict(fd, local)
-            finally:
-                os.close(fd)
-        [after] = resident_bytes_of(files, union)
-        print(f"evicted {format_size(left)} of {path}: selection resident {format_size(before)} -> "
-              f"{format_size(after)} of {format_size(selection.nbytes)}")
-        return 0
-
+        return _evict(table, selection)
     # the head start reads on meanwhile (a refusal below stops it in main)
-    missing = Residency.of_files(files).missing(selection.ranges)
+    missing = Residency.of_files(table.files).missing(selection.ranges)
     need = sum(r.nbytes for r in coalesce(missing))
     if not args.force:
         check_ram(need, memory, "lock" if args.lock else "warm")
     if args.lock:
-        with _lock(path, files, union) as lock:
+        with _lock(table.path, table.files, coalesce(selection.ranges)) as lock:
             _hold(lock, sys.stdout)
         return 0
+    return _warm_missing(table, selection, missing, args.threads, early)
 
+
+def _evict(table: ExpertTable, selection: Selection) -> int:
+    """Drop the selection's pages, file by file; say what left and what stays."""
+    files = table.files
+    union = coalesce(selection.ranges)
+    [before] = resident_bytes_of(files, union)
+    left = 0
+    for f, local in ranges_by_file(files, union):
+        fd = open_checked(f)
+        try:
+            left += evict(fd, local)
+        finally:
+            os.close(fd)
+    [after] = resident_bytes_of(files, union)
+    print(f"evicted {format_size(left)} of {table.path}: selection resident "
+          f"{format_size(before)} -> {format_size(after)} of {format_size(selection.nbytes)}")
+    return 0
+
+
+def _warm_missing(table: ExpertTable, selection: Selection, missing: list[ByteRange],
+                  threads: int | None, early: EarlyRead | None) -> int:
+    """Load what of the selection is missing (less what the head start read); say what is
+    resident now and how fast it was read."""
+    files = table.files
     head_start = ""
     if early is not None:
         early_bytes = early.stop()
         missing = _past_early(files, missing, early, early_bytes)
         head_start = f"; the first {format_size(early_bytes)} during start-up"
-    read_bytes, seconds = _warm(files, missing, args.threads) if missing else (0, 0.0)
+    read_bytes, seconds = _warm(files, missing, threads) if missing else (0, 0.0)
     # counts only: cachestat, not a page map (0.1 s of the H200 host's warm-up was this check)
+    union = coalesce(selection.ranges)
     resident, file_resident = resident_bytes_of(files, union, file_ranges(files))
     rate = f" ({read_bytes / seconds / 1e9:.2f} GB/s)" if seconds > 0 else ""
     file_pct = format_percent(file_resident, table.data_bytes)
