@@ -18,18 +18,35 @@ from __future__ import annotations
 import asyncio
 import functools
 from collections.abc import Awaitable, Callable, Coroutine
-from typing import Any
+from typing import Any, Protocol
 
 from moestream import ExpertHandle, Lease, Session, TokenStats
 from moestream.pipeline.foundation.config import RunConfig
 from moestream.pipeline.foundation.table import ExpertTable
 from moestream.pipeline.foundation.trace import TraceRecorder
 from moestream.pipeline.proxy.decode import Decode, Launched, LayerResult
-from moestream.pipeline.runlog.write import RunLog
-from moestream.pipeline.streaming.routing import LiveRouter, Routing
-from moestream.pipeline.streaming.verify import Verifier
+from moestream.pipeline.streaming.routing import Routing
+from moestream.pipeline.streaming.verify import Digests
 
-__all__ = ["DecodeLoop"]
+__all__ = ["DecodeLoop", "LayerLog", "UseCheck"]
+
+
+class UseCheck(Protocol):
+    """What the loop needs of the session's verification, beneath the public API: compare
+    the digests of what ``digest`` compute read with the file's, counted with the session's
+    own checks (``moestream.Session`` takes no digests from an engine)."""
+
+    def check(self, digests: Digests) -> None: ...
+
+
+class LayerLog(Protocol):
+    """What the loop needs of the run log, beneath the public API: render its pending lines
+    while the devices compute, and take ``--log-level debug``'s ``layer`` events
+    (``moestream.Session`` takes no events from an engine)."""
+
+    def render(self) -> None: ...
+
+    def emit(self, event: str, **fields: Any) -> None: ...
 
 
 class _Work:
@@ -76,15 +93,17 @@ class DecodeLoop:
         *,
         session: Session,
         decode: Decode,
-        checker: Verifier,
-        runlog: RunLog,
+        checker: UseCheck,
+        runlog: LayerLog,
         recorder: TraceRecorder | None = None,
     ) -> None:
         self._cfg = config
         self._layers = table.moe_layers
         self._routing = routing
         self._ms = session
-        self._live = isinstance(routing, LiveRouter)
+        # the model's own router (``Session.router``) starts each token from its embedding;
+        # a trace's routing has none
+        self._live = hasattr(routing, "embedding")
         self._decode = decode
         self._checker = checker
         self._runlog = runlog
