@@ -202,10 +202,9 @@ async def _stopped(session: StreamSession, exc: BaseException) -> None:
 
 DECODE_GC_YOUNG = 20_000
 """The garbage collector's first threshold during decode: above the objects a token holds
-at once (its leases, handles and log fields: a few thousand on a large model's shape, such as
-Qwen3-30B-A3B's 48 layers x top-8), so
-a steady decode crosses it only when garbage really accumulates (a few reference cycles a
-token)."""
+at once (its leases, handles and log fields: a few thousand on a large model's shape, such
+as Qwen3-30B-A3B's 48 layers x top-8), so a steady decode crosses it only when garbage
+really accumulates (a few reference cycles a token)."""
 
 
 @contextlib.contextmanager
