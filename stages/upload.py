@@ -176,19 +176,27 @@ class Uploader:
                 rows += (base + offset, base + offset, nbytes, out, NO_FLIP)
             queued.append(entry)
         if queued and srcs:
-            try:
-                self._backend.copy_h2d_batch(np.array((srcs, dsts, sizes), dtype=np.uint64),
-                                             stream)
-                for entry, at in corrupt:
-                    self._corrupt(entry, at, stream)
-            except Exception as exc:
-                self._settle(stream, queued[0])
-                error = UploadError(f"copy of {len(queued)} experts to the device failed: "
-                                    f"{exc}")
+            error = self._copy_batch(stream, (srcs, dsts, sizes), corrupt, queued)
+            if error is not None:
                 return [error if f is None else f for f in failed]
         return self._one_event(kernels, rows, stream, queued, failed,
                                f"install digest of {len(queued)} experts on the device",
                                counts=(sum(sizes), len(sizes)))
+
+    def _copy_batch(self, stream: Stream, copies: tuple[list[int], list[int], list[int]],
+                    corrupt: Sequence[tuple[Entry, int]],
+                    queued: Sequence[Entry]) -> UploadError | None:
+        """One driver call for a layer's copies (host addresses, device addresses, bytes),
+        then the injected ``corrupt`` flips; the error that fails every expert queued (the
+        stream synchronized first), or None."""
+        try:
+            self._backend.copy_h2d_batch(np.array(copies, dtype=np.uint64), stream)
+            for entry, at in corrupt:
+                self._corrupt(entry, at, stream)
+        except Exception as exc:
+            self._settle(stream, queued[0])
+            return UploadError(f"copy of {len(queued)} experts to the device failed: {exc}")
+        return None
 
     def gather(
         self, kernels: Kernels, items: Sequence[tuple[Entry, Sequence[int], int]],
