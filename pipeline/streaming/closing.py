@@ -17,7 +17,7 @@ from moestream.pipeline.foundation.errors import (
 from moestream.pipeline.streaming.streamer import ExpertStreamer
 from moestream.pipeline.streaming.summary import RunSummary
 from moestream.pipeline.streaming.verify import Verifier
-from moestream.stages.manifest_build import RunManifest
+from moestream.stages.run_manifest import RunManifest
 
 __all__ = ["close_devices", "finish", "manifest_failure", "take_last_digests"]
 

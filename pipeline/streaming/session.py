@@ -54,7 +54,7 @@ from moestream.pipeline.streaming.shards import CacheGroup, StreamerGroup, open_
 from moestream.pipeline.streaming.streamer import ExpertStreamer
 from moestream.pipeline.streaming.summary import RunSummary, TokenTotals, describe_experts
 from moestream.pipeline.streaming.verify import Verifier
-from moestream.stages.manifest_build import RunManifest
+from moestream.stages.run_manifest import RunManifest
 
 __all__ = ["LastUse", "StreamSession"]
 
