@@ -5,8 +5,8 @@ Why: resident mode is only as good as the page cache behind it. Before a run (or
 machine where RAM >= model) an operator wants the file, or just the non-routed tensors and
 the hottest experts of a past run, loaded as fast as the disk allows; wants to see what is
 resident per part of the model; and wants to drop or pin it for experiments. Everything the
-kernel is asked goes through ``stages.residency`` and ``stages.warm``, the engine the
-controller uses too.
+kernel is asked goes through ``stages.residency`` (``stages.pagelock`` for ``--lock``) and
+``stages.warm``, the engine the controller uses too.
 
     python -m tools.warmup MODEL                   # preload the whole file
     python -m tools.warmup MODEL --report --per-expert
