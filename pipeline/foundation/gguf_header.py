@@ -160,6 +160,16 @@ def walk_header(path: Path, buf: mmap.mmap) -> HeaderLayout:
         raise NotGGUFError(path, f"the header counts {n_tensors} tensors, over the limit of "
                                  f"{_MAX_TENSORS} for a model (real ones have a few thousand)")
     walk.count(n_kv + n_tensors, "the metadata and tensor counts")
+    alignment = _walk_metadata(walk, n_kv)
+    extents = [_walk_tensor_info(walk, index) for index in range(n_tensors)]
+    data_offset = _pad(walk.pos, alignment)
+    _check_extents(walk, data_offset, extents, alignment)
+    return HeaderLayout(data_offset, n_tensors)
+
+
+def _walk_metadata(walk: _HeaderWalk, n_kv: int) -> int:
+    """Walk the ``n_kv`` metadata entries; the data's alignment (``general.alignment``, a
+    power of two, or the default)."""
     alignment = GGUF_DEFAULT_ALIGNMENT
     for _ in range(n_kv):
         key = walk.short_string("metadata key", _MAX_KEY_BYTES)
@@ -172,46 +182,56 @@ def walk_header(path: Path, buf: mmap.mmap) -> HeaderLayout:
             walk.count(n_items, what)
         elif key == b"general.alignment":
             if value_type != GGUFValueType.UINT32:
-                raise NotGGUFError(path, f"general.alignment has type {value_type}, not UINT32")
+                raise NotGGUFError(walk.path, f"general.alignment has type {value_type}, "
+                                              f"not UINT32")
             alignment = walk.u32(what)
             if alignment == 0 or alignment & (alignment - 1):
-                raise NotGGUFError(path, f"general.alignment {alignment} is not a power of two")
+                raise NotGGUFError(walk.path, f"general.alignment {alignment} is not a power "
+                                              f"of two")
         else:
             walk.values(value_type, 1, what)
-    extents: list[tuple[str, int, int]] = []
-    for index in range(n_tensors):
-        name = repr(walk.short_string(f"tensor {index} name", _MAX_NAME_BYTES)
-                    .decode("utf-8", "replace"))
-        n_dims = walk.u32(f"tensor {name} n_dims")
-        if n_dims > _MAX_DIMS:
-            raise NotGGUFError(path, f"tensor {name} has {n_dims} dimensions (at most {_MAX_DIMS})")
-        dims = [walk.u64(f"tensor {name} dimensions") for _ in range(n_dims)]
-        ggml_type = walk.u32(f"tensor {name} type")
-        offset = walk.u64(f"tensor {name} data offset")
-        n_elements = math.prod(dims)
-        if n_elements >= 2**63 or any(d >= 2**63 for d in dims):
-            raise NotGGUFError(path, f"tensor {name} has shape {dims}, too large for int64")
-        try:
-            block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)]
-        except (ValueError, KeyError) as exc:
-            problem = f"tensor {name} has type {ggml_type}, not a ggml type"
-            raise NotGGUFError(path, problem) from exc
-        if (dims[0] if dims else 1) % block:
-            raise NotGGUFError(path, f"tensor {name} has rows of {dims[0]} elements, not a "
-                                     f"multiple of its type's block of {block}")
-        extents.append((name, offset, n_elements * type_size // block))
-    data_offset = _pad(walk.pos, alignment)
+    return alignment
+
+
+def _walk_tensor_info(walk: _HeaderWalk, index: int) -> tuple[str, int, int]:
+    """Walk tensor ``index``'s info: its name (quoted), data offset and bytes."""
+    path = walk.path
+    name = repr(walk.short_string(f"tensor {index} name", _MAX_NAME_BYTES)
+                .decode("utf-8", "replace"))
+    n_dims = walk.u32(f"tensor {name} n_dims")
+    if n_dims > _MAX_DIMS:
+        raise NotGGUFError(path, f"tensor {name} has {n_dims} dimensions (at most {_MAX_DIMS})")
+    dims = [walk.u64(f"tensor {name} dimensions") for _ in range(n_dims)]
+    ggml_type = walk.u32(f"tensor {name} type")
+    offset = walk.u64(f"tensor {name} data offset")
+    n_elements = math.prod(dims)
+    if n_elements >= 2**63 or any(d >= 2**63 for d in dims):
+        raise NotGGUFError(path, f"tensor {name} has shape {dims}, too large for int64")
+    try:
+        block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)]
+    except (ValueError, KeyError) as exc:
+        problem = f"tensor {name} has type {ggml_type}, not a ggml type"
+        raise NotGGUFError(path, problem) from exc
+    if (dims[0] if dims else 1) % block:
+        raise NotGGUFError(path, f"tensor {name} has rows of {dims[0]} elements, not a "
+                                 f"multiple of its type's block of {block}")
+    return name, offset, n_elements * type_size // block
+
+
+def _check_extents(walk: _HeaderWalk, data_offset: int, extents: list[tuple[str, int, int]],
+                   alignment: int) -> None:
+    """The tensors' data lies in the file, in order, each padded to ``alignment``."""
     expected = 0
     for name, offset, nbytes in extents:
         end = data_offset + offset + nbytes
         if end > walk.size:
-            raise TruncatedFileError(path, f"tensor {name} data ends at byte {end}, past the end "
-                                           f"of the file ({walk.size} bytes)")
+            raise TruncatedFileError(walk.path, f"tensor {name} data ends at byte {end}, past "
+                                                f"the end of the file ({walk.size} bytes)")
         if offset != expected:
-            raise NotGGUFError(path, f"tensor {name} has data offset {offset}, expected "
-                                     f"{expected} (tensors lie in order, padded to {alignment})")
+            raise NotGGUFError(walk.path, f"tensor {name} has data offset {offset}, expected "
+                                          f"{expected} (tensors lie in order, padded to "
+                                          f"{alignment})")
         expected = _pad(offset + nbytes, alignment)
-    return HeaderLayout(data_offset, n_tensors)
 
 
 def check_magic(path: Path, head: bytes) -> None:

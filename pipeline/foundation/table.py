@@ -22,10 +22,12 @@ import os
 import re
 import struct
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 from gguf import (
     GGML_QUANT_SIZES,
+    GGMLQuantizationType,
     GGUFReader,
     GGUFValueType,
 )
@@ -165,8 +167,44 @@ def open_gguf_table(path: Path) -> ExpertTable:
 
 def _gguf_table(path: Path, file: ModelFile, reader: GGUFReader) -> ExpertTable:
     """The table of a parsed GGUF file."""
-    file_bytes = file.nbytes
+    by_layer, non_routed, routers, n_blocks = _sort_tensors(path, reader)
+    if not by_layer:
+        raise ExpertLayoutError(path, "no routed expert tensors (blk.N.ffn_*_exps.weight)")
 
+    layers: dict[int, MoeLayer] = {}
+    for index in sorted(by_layer):
+        layers[index] = _build_layer(path, index, by_layer[index], routers.get(index))
+
+    counts = {layer.n_experts for layer in layers.values()}
+    if len(counts) != 1:
+        raise ExpertLayoutError(path, f"MoE layers disagree on the expert count: {sorted(counts)}")
+    hiddens = {layer.shape[0] for layer in layers.values()}
+    if len(hiddens) != 1:
+        raise ExpertLayoutError(path, f"MoE layers disagree on the hidden size: {sorted(hiddens)}")
+    n_experts = counts.pop()
+    top_k, hash_routed = _routing(path, reader, n_experts, len(layers))
+    block_count = _metadata_int(path, reader, ".block_count")
+    if block_count is not None and block_count != n_blocks:
+        raise ExpertLayoutError(path, f"block_count is {block_count}, but the tensors name "
+                                      f"blocks 0..{n_blocks - 1}")
+    return ExpertTable(
+        path=path,
+        file_bytes=file.nbytes,
+        n_layers=n_blocks,
+        layers=layers,
+        top_k=top_k,
+        hash_routed=hash_routed,
+        hidden=hiddens.pop(),
+        non_routed=tuple(non_routed),
+        digests=_read_digests(path, reader, len(layers), n_experts),
+        files=(file,),
+    )
+
+
+def _sort_tensors(path: Path, reader: GGUFReader) -> tuple[
+        dict[int, dict[str, ReaderTensor]], list[TensorInfo], dict[int, TensorInfo], int]:
+    """The tensors by kind: routed ones by layer and part (gate, up, down, gate_up), the
+    non-routed ones, routers by layer; and how many blocks the tensors name."""
     by_layer: dict[int, dict[str, ReaderTensor]] = {}
     non_routed: list[TensorInfo] = []
     routers: dict[int, TensorInfo] = {}
@@ -190,46 +228,22 @@ def _gguf_table(path: Path, file: ModelFile, reader: GGUFReader) -> ExpertTable:
         if len(t.shape) != 3:
             raise ExpertLayoutError(path, f"{t.name} is {len(t.shape)}-D, expected 3-D")
         by_layer.setdefault(layer, {})[part] = t
+    return by_layer, non_routed, routers, n_blocks
 
-    if not by_layer:
-        raise ExpertLayoutError(path, "no routed expert tensors (blk.N.ffn_*_exps.weight)")
 
-    layers: dict[int, MoeLayer] = {}
-    for index in sorted(by_layer):
-        layers[index] = _build_layer(path, index, by_layer[index], routers.get(index))
-
-    counts = {layer.n_experts for layer in layers.values()}
-    if len(counts) != 1:
-        raise ExpertLayoutError(path, f"MoE layers disagree on the expert count: {sorted(counts)}")
-    hiddens = {layer.shape[0] for layer in layers.values()}
-    if len(hiddens) != 1:
-        raise ExpertLayoutError(path, f"MoE layers disagree on the hidden size: {sorted(hiddens)}")
-    n_experts = counts.pop()
+def _routing(path: Path, reader: GGUFReader, n_experts: int, n_moe: int) -> tuple[int, int]:
+    """The top-k (``expert_used_count``, else ``min(6, n_experts)``) and how many of the
+    ``n_moe`` MoE layers are hash-routed, each checked against the layers."""
     top_k = _metadata_int(path, reader, ".expert_used_count")
     if top_k is None:
         top_k = min(6, n_experts)
     elif not 0 < top_k <= n_experts:
         raise ExpertLayoutError(path, f"expert_used_count {top_k} outside 1..{n_experts}")
     hash_routed = _metadata_int(path, reader, "moestream.hash_routed_layer_count") or 0
-    if not 0 <= hash_routed <= len(layers):
+    if not 0 <= hash_routed <= n_moe:
         raise ExpertLayoutError(path, f"moestream.hash_routed_layer_count {hash_routed} outside "
-                                      f"0..{len(layers)} (the MoE layer count)")
-    block_count = _metadata_int(path, reader, ".block_count")
-    if block_count is not None and block_count != n_blocks:
-        raise ExpertLayoutError(path, f"block_count is {block_count}, but the tensors name "
-                                      f"blocks 0..{n_blocks - 1}")
-    return ExpertTable(
-        path=path,
-        file_bytes=file_bytes,
-        n_layers=n_blocks,
-        layers=layers,
-        top_k=top_k,
-        hash_routed=hash_routed,
-        hidden=hiddens.pop(),
-        non_routed=tuple(non_routed),
-        digests=_read_digests(path, reader, len(layers), n_experts),
-        files=(file,),
-    )
+                                      f"0..{n_moe} (the MoE layer count)")
+    return top_k, hash_routed
 
 
 def _experts_of(path: Path, index: int, t: ReaderTensor, name: str, n_experts: int) -> int:
@@ -248,6 +262,19 @@ def _matrix_shape(t: ReaderTensor) -> tuple[int, int]:
     return int(t.shape[0]), int(t.shape[1])
 
 
+class _GateUp(NamedTuple):
+    """Where one expert's gate and up slices lie, and what they are."""
+
+    gate_bytes: int
+    up_bytes: int
+    stride: int  # bytes from one expert's gate slice to the next's
+    gate_offset: int
+    up_offset: int
+    type: GGMLQuantizationType
+    hidden: int
+    ffn: int
+
+
 def _build_layer(
     path: Path, index: int, parts: dict[str, ReaderTensor], router: TensorInfo | None
 ) -> MoeLayer:
@@ -260,59 +287,68 @@ def _build_layer(
         raise ExpertLayoutError(path, f"layer {index}: zero experts in ffn_down_exps")
     down_bytes = _experts_of(path, index, down, "ffn_down_exps", n_experts)
     fused = parts.get("gate_up")
-    if fused is not None:
-        if "gate" in parts or "up" in parts:
-            raise ExpertLayoutError(path, f"layer {index}: both fused and separate gate/up")
-        stride = _experts_of(path, index, fused, "ffn_gate_up_exps", n_experts)
-        if stride % 2 or int(fused.shape[1]) % 2:
-            raise ExpertLayoutError(path, f"layer {index}: fused gate_up has an odd row count")
-        gate_bytes = up_bytes = stride // 2
-        gate_offset = int(fused.data_offset)
-        up_offset = gate_offset + gate_bytes
-        gate_up_type = fused.tensor_type
-        hidden, ffn = int(fused.shape[0]), int(fused.shape[1]) // 2
-    else:
-        gate, up = parts.get("gate"), parts.get("up")
-        if gate is None or up is None:
-            missing = "ffn_gate_exps" if gate is None else "ffn_up_exps"
-            raise ExpertLayoutError(path, f"layer {index}: blk.{index}.{missing}.weight missing")
-        if gate.tensor_type != up.tensor_type:
-            raise ExpertLayoutError(
-                path,
-                f"layer {index}: gate is {gate.tensor_type.name} but up is "
-                f"{up.tensor_type.name}; they must share a type",
-            )
-        gate_bytes = _experts_of(path, index, gate, "ffn_gate_exps", n_experts)
-        up_bytes = _experts_of(path, index, up, "ffn_up_exps", n_experts)
-        if _matrix_shape(gate) != _matrix_shape(up):
-            raise ExpertLayoutError(path, f"layer {index}: gate experts are "
-                                          f"{_matrix_shape(gate)}, up experts {_matrix_shape(up)}")
-        stride = gate_bytes
-        gate_offset, up_offset = int(gate.data_offset), int(up.data_offset)
-        gate_up_type = gate.tensor_type
-        hidden, ffn = int(gate.shape[0]), int(gate.shape[1])
-    block, type_size = GGML_QUANT_SIZES[gate_up_type]
-    if hidden * ffn * type_size // block != gate_bytes:
+    g = (_separate_gate_up(path, index, parts, n_experts) if fused is None
+         else _fused_gate_up(path, index, parts, fused, n_experts))
+    hidden, ffn = g.hidden, g.ffn
+    block, type_size = GGML_QUANT_SIZES[g.type]
+    if hidden * ffn * type_size // block != g.gate_bytes:
         raise ExpertLayoutError(path, f"layer {index}: gate slice size does not match its shape")
     # down maps ffn back to hidden: ne0 = ffn, ne1 = hidden, the transpose of gate and up.
     if _matrix_shape(down) != (ffn, hidden):
         raise ExpertLayoutError(path, f"layer {index}: down experts are {_matrix_shape(down)}, "
                                       f"expected {(ffn, hidden)} for gate/up of {(hidden, ffn)}")
-    if gate_bytes == 0 or down_bytes == 0:
+    if g.gate_bytes == 0 or down_bytes == 0:
         raise ExpertLayoutError(path, f"layer {index}: empty expert matrices {(hidden, ffn)}")
     return MoeLayer(
         index=index,
         n_experts=n_experts,
-        gate_up_type=gate_up_type,
+        gate_up_type=g.type,
         down_type=down.tensor_type,
-        gate_offset=gate_offset,
-        up_offset=up_offset,
+        gate_offset=g.gate_offset,
+        up_offset=g.up_offset,
         down_offset=int(down.data_offset),
-        gate_bytes=gate_bytes,
-        up_bytes=up_bytes,
+        gate_bytes=g.gate_bytes,
+        up_bytes=g.up_bytes,
         down_bytes=down_bytes,
-        gate_up_stride=stride,
+        gate_up_stride=g.stride,
         fused_gate_up=fused is not None,
         router=router,
         shape=(hidden, ffn),
     )
+
+
+def _fused_gate_up(path: Path, index: int, parts: dict[str, ReaderTensor],
+                   fused: ReaderTensor, n_experts: int) -> _GateUp:
+    """Gate and up as the two row halves of each expert's ``ffn_gate_up_exps`` slice."""
+    if "gate" in parts or "up" in parts:
+        raise ExpertLayoutError(path, f"layer {index}: both fused and separate gate/up")
+    stride = _experts_of(path, index, fused, "ffn_gate_up_exps", n_experts)
+    if stride % 2 or int(fused.shape[1]) % 2:
+        raise ExpertLayoutError(path, f"layer {index}: fused gate_up has an odd row count")
+    gate_offset = int(fused.data_offset)
+    return _GateUp(stride // 2, stride // 2, stride, gate_offset, gate_offset + stride // 2,
+                   fused.tensor_type, int(fused.shape[0]), int(fused.shape[1]) // 2)
+
+
+def _separate_gate_up(path: Path, index: int, parts: dict[str, ReaderTensor],
+                      n_experts: int) -> _GateUp:
+    """Gate and up as slices of ``ffn_gate_exps`` and ``ffn_up_exps``, of one type and
+    shape."""
+    gate, up = parts.get("gate"), parts.get("up")
+    if gate is None or up is None:
+        missing = "ffn_gate_exps" if gate is None else "ffn_up_exps"
+        raise ExpertLayoutError(path, f"layer {index}: blk.{index}.{missing}.weight missing")
+    if gate.tensor_type != up.tensor_type:
+        raise ExpertLayoutError(
+            path,
+            f"layer {index}: gate is {gate.tensor_type.name} but up is "
+            f"{up.tensor_type.name}; they must share a type",
+        )
+    gate_bytes = _experts_of(path, index, gate, "ffn_gate_exps", n_experts)
+    up_bytes = _experts_of(path, index, up, "ffn_up_exps", n_experts)
+    if _matrix_shape(gate) != _matrix_shape(up):
+        raise ExpertLayoutError(path, f"layer {index}: gate experts are "
+                                      f"{_matrix_shape(gate)}, up experts {_matrix_shape(up)}")
+    return _GateUp(gate_bytes, up_bytes, gate_bytes, int(gate.data_offset),
+                   int(up.data_offset), gate.tensor_type, int(gate.shape[0]),
+                   int(gate.shape[1]))
