@@ -6,8 +6,7 @@ modification and change times) is taken from that descriptor with ``fstat``, and
 later open by any part of the run (readers, the resident mapping, the manifest builder, the
 warm-up tool) is checked against it with ``open_checked``. A file renamed over the model,
 replaced or written in place between the table's read and any later open is therefore
-caught, never read at the table's offsets (issue 27: nothing computed from a second open is
-trusted).
+caught, never read at the table's offsets: nothing computed from a second open is trusted.
 
 The shards are laid end to end in one address space, each at a page-aligned base right after
 the page-rounded end of the one before. The expert table's offsets are offsets of that
