@@ -137,7 +137,7 @@ class SyncLease(LeaseFacts):
 
     def _gathered_now(self) -> list[ExpertHandle] | None:
         self._lease.available()
-        return self._lease._in_order() if self.remaining == 0 else None
+        return self._lease._in_order() if self._layer_lease.pending == 0 else None
 
     def available(self) -> list[ExpertHandle]:
         """As ``Lease.available``."""
@@ -146,7 +146,7 @@ class SyncLease(LeaseFacts):
     def release(self, after: After = None, *, ordered: bool = False) -> None:
         """As ``Lease.release``; None means each device's current CuPy stream *of the
         calling thread*."""
-        if self.released:
+        if self._layer_lease.released:
             return
         if after is None and self._session._cupy:
             after = _current_streams(self._session.devices)
