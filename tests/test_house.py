@@ -27,6 +27,12 @@ class TestTheTree:
     def test_no_import_cycles(self) -> None:
         assert REPORT.cycles == []
 
+    def test_no_module_over_500_lines(self) -> None:
+        assert REPORT.too_long_modules == []
+
+    def test_no_function_over_60_lines(self) -> None:
+        assert REPORT.long_functions == []
+
     def test_the_wheel_ships_one_package(self) -> None:
         config = tomllib.loads((house.ROOT / "pyproject.toml").read_text())
         assert config["tool"]["setuptools"]["packages"]["find"]["include"] == ["moestream*"]
