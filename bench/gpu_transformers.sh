@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device lease for moestream.transformers: the GPU tests of
-# tests/test_transformers.py, bench.archs --device cuda, then python -m bench.transformers on
+# tests/transformers/test_transformers.py, bench.archs --device cuda, then python -m bench.transformers on
 # a random Qwen3-MoE of Qwen3-30B-A3B's per-layer shape (8 layers, 11.2 GB, made here).
 # Writes under $OUT. Usage (on the GPU machine, repo root):
 #   MOESTREAM_COMMIT=<sha> bash bench/gpu_transformers.sh
@@ -9,7 +9,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 nvidia-smi -L; free -g | head -2; df -h . | tail -1
 python3 -c 'import torch, transformers, cupy; print("torch", torch.__version__, "transformers", transformers.__version__, "cupy", cupy.__version__)'
-timeout 420 python3 -m pytest -q -p no:cacheprovider tests/test_transformers.py -k "Gpu" 2>&1 | tail -15 | tee $OUT/gpu-tests.log
+timeout 420 python3 -m pytest -q -p no:cacheprovider tests/transformers/test_transformers.py -k "Gpu" 2>&1 | tail -15 | tee $OUT/gpu-tests.log
 # every model type bench.archs sweeps, through the CuPy backend (ARCHS=0 skips it)
 if [ "${ARCHS:-1}" = 1 ]; then
   timeout 540 python3 -m bench.archs --device cuda --out $OUT/archs-h200.json 2>&1 | tail -60 \

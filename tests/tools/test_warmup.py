@@ -28,7 +28,7 @@ from moestream.tools.warmup.select import (
 )
 from tests.reclaim import assert_all_resident
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 GIB = 1 << 30
 
 

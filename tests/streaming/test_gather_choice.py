@@ -51,8 +51,8 @@ def test_small_experts_gather_unless_told(tiny_model: Path, gather: bool,
     from moestream.pipeline.foundation.config import ComputeSpec
     from moestream.stages.layout import plan_expert
     from moestream.stages.upload import Uploader
-    from tests.test_pipeline import DeferredKernels
-    from tests.test_streamer import RegisteringDeferredBackend
+    from tests.streaming.test_pipeline import DeferredKernels
+    from tests.streaming.test_streamer import RegisteringDeferredBackend
 
     table = open_table(tiny_model)
     backend = RegisteringDeferredBackend()

@@ -18,7 +18,7 @@ from moestream.gpu.batchcopy import BatchCopy, open_batch_copy
 from moestream.gpu.host import HostBackend
 from moestream.pipeline.foundation.errors import UploadError
 from moestream.stages.upload import Uploader
-from tests.test_upload import SIZE, _Layer
+from tests.stages.test_upload import SIZE, _Layer
 
 
 class _Driver:

@@ -21,9 +21,9 @@ import pytest
 import moestream
 from moestream.pipeline.foundation.table import ExpertTable
 from moestream.pipeline.makers.modelgen import spec_for, write_model
-from tests.test_api import _landed
+from tests.api.test_api import _landed
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _open(model: Path, **kwargs: Any) -> moestream.Session:

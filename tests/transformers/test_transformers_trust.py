@@ -179,7 +179,7 @@ def _unknown_type(path: Path, marker: Path) -> None:
 def _cli(args: list[str], stdin: str = "") -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "pipeline.run", "--engine", "transformers",
                            "--tokens", "1", *args], input=stdin, capture_output=True,
-                          text=True, timeout=240, cwd=Path(__file__).parents[1])
+                          text=True, timeout=240, cwd=Path(__file__).resolve().parents[2])
 
 
 class TestNoCheckpointCode:

@@ -23,7 +23,7 @@ from moestream.pipeline.runlog.read import read_log
 from moestream.tools.analyze.cli import main, summarize, summary_table
 from moestream.tools.analyze.device_report import device_balance, device_rows
 from moestream.tools.analyze.report_text import Value
-from tests.test_analyze import header, token, write
+from tests.tools.test_analyze import header, token, write
 
 
 @pytest.fixture(autouse=True)

@@ -31,7 +31,7 @@ from moestream.tools.analyze.whatif_replay import (
 from tests.synthetic_logs import SyntheticRun, write_synthetic_log
 
 UNIT = 1000  # bytes of one expert in the small logs
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(autouse=True)

@@ -28,7 +28,7 @@ from moestream.pipeline.streaming.lease import EventJoiner, LayerLease, LeasePar
 from moestream.pipeline.streaming.streamer import ExpertStreamer
 from moestream.pipeline.streaming.verify import DigestRows, Verifier
 from moestream.stages.layout import plan_expert
-from tests.test_pipeline import DeferredBackend, DeferredKernels, DeferredStream
+from tests.streaming.test_pipeline import DeferredBackend, DeferredKernels, DeferredStream
 
 
 class RegisteringDeferredBackend(DeferredBackend):

@@ -33,7 +33,7 @@ from tests.quantized import (  # noqa: E402
     dequantized,
     mxfp4_checkpoint,
 )
-from tests.test_transformers import ARCHS  # noqa: E402
+from tests.transformers.test_transformers import ARCHS  # noqa: E402
 
 MXFP4 = transformers.Mxfp4Config(dequantize=True)
 """transformers' own dequantization at load: the reference."""

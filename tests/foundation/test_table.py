@@ -31,7 +31,7 @@ from moestream.pipeline.foundation.table import ByteRange, open_table
 from moestream.pipeline.makers.modelgen import spec_for, write_model
 from tests.gguf_files import finish_gguf
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 HIDDEN, FFN, EXPERTS = 32, 16, 4  # the hand-made files: tiny F16 experts
 
 # (layers, experts) per preset: small files that keep every preset's per-expert sizes.

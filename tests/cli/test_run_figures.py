@@ -12,7 +12,7 @@ the same figures as ``tests/data/run_figures.json``, token by token.
 A change that means to alter these figures (a new policy, another synthetic preset)
 records them again and says why in its commit::
 
-    .venv/bin/python tests/test_run_figures.py tests/data/run_figures.json
+    .venv/bin/python tests/cli/test_run_figures.py tests/data/run_figures.json
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from moestream.pipeline.cli.run import run
 from moestream.pipeline.foundation.config import Budget, ComputeSpec, RunConfig
 from moestream.pipeline.makers.modelgen import spec_for, write_model
 
-FIGURES = Path(__file__).parent / "data" / "run_figures.json"
+FIGURES = Path(__file__).resolve().parents[1] / "data" / "run_figures.json"
 
 # each run's settings beside the defaults (16 tokens, seed 3, host backend, auto mode,
 # every expert cached, no prefetch, lru, real compute); budgets in experts
@@ -101,7 +101,7 @@ class TestFiguresPinned:
 
 
 if __name__ == "__main__":
-    # record the figures: python tests/test_run_figures.py tests/data/run_figures.json
+    # record the figures: python tests/cli/test_run_figures.py tests/data/run_figures.json
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         model = _tiny(work)

@@ -13,7 +13,7 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
 from tests.quantized import assert_streams_like, dequantized  # noqa: E402
-from tests.test_transformers_fp8 import ARCHS, FP8, _float, fp8_checkpoint  # noqa: E402
+from tests.transformers.test_transformers_fp8 import ARCHS, FP8, _float, fp8_checkpoint  # noqa: E402
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="torch sees no CUDA device"),

@@ -18,7 +18,7 @@ from moestream.tools.analyze.plots import PLOT_FILES, plot_interval, write_plots
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
-SCHEMA_1_LOG = Path(__file__).parent / "data" / "run-schema1.jsonl"
+SCHEMA_1_LOG = Path(__file__).resolve().parents[1] / "data" / "run-schema1.jsonl"
 """A real log of the schema-1 writer: 12 tokens of the tiny model, direct mode."""
 
 

@@ -169,7 +169,7 @@ def test_bench_command_names_a_missing_model_in_one_line(module: str, tmp_path: 
     missing = tmp_path / "absent.gguf"
     done = subprocess.run([sys.executable, "-m", f"bench.{module}", "--model", str(missing)],
                           capture_output=True, text=True, timeout=120, check=False,
-                          cwd=Path(__file__).resolve().parent.parent)
+                          cwd=Path(__file__).resolve().parents[2])
     assert done.returncode == 2
     lines = done.stderr.strip().splitlines()
     assert lines == [f"python -m bench.{module}: error: {missing}: no such file"]
@@ -183,7 +183,7 @@ def test_gpu_only_probe_without_a_device_says_so_in_one_line(module: str,
     args = [] if module == "dmaload" else ["--out", str(tmp_path / "out.json")]
     done = subprocess.run([sys.executable, "-m", f"bench.{module}", *args],
                           capture_output=True, text=True, timeout=120, check=False,
-                          cwd=Path(__file__).resolve().parent.parent)
+                          cwd=Path(__file__).resolve().parents[2])
     assert done.returncode == 2
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1

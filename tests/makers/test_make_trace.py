@@ -30,13 +30,13 @@ from moestream.tools.make_trace import main
 POINTS = 0.05
 """How close a synthetic trace must come to a published figure: 5 points."""
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
 def published() -> dict[str, Any]:
     """The published locality measurements, from the test data (the source of truth)."""
-    with open(Path(__file__).parent / "data" / "routing_locality.json") as source:
+    with open(Path(__file__).resolve().parents[1] / "data" / "routing_locality.json") as source:
         data: dict[str, Any] = json.load(source)
     return data
 

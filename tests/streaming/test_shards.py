@@ -22,7 +22,7 @@ from moestream.pipeline.cli.run import run
 from moestream.pipeline.foundation.config import Budget, ComputeSpec, RunConfig
 from moestream.pipeline.foundation.errors import UsageError
 from moestream.pipeline.foundation.trace import load_trace
-from tests.test_controller import FedSampler
+from tests.streaming.test_controller import FedSampler
 
 
 class TestPlacement:

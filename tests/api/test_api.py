@@ -23,7 +23,7 @@ from moestream.pipeline.foundation.table import ExpertTable
 from tests.conftest import BACKENDS
 
 _NO_CUDA = unavailable_reason()
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _file_bytes(table: ExpertTable, key: tuple[int, int]) -> list[bytes]:

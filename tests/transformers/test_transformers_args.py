@@ -19,7 +19,7 @@ pytest.importorskip("transformers.integrations.moe")
 import moestream  # noqa: E402
 from moestream import transformers as mt  # noqa: E402
 from moestream.pipeline.foundation.errors import UsageError, UsageTypeError  # noqa: E402
-from tests.test_transformers_trust import CONFIG, IDS, _save  # noqa: E402
+from tests.transformers.test_transformers_trust import CONFIG, IDS, _save  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 

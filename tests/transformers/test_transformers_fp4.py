@@ -38,7 +38,7 @@ from tests.quantized import (  # noqa: E402
     logits,
     quantize_fp4,
 )
-from tests.test_transformers import ARCHS  # noqa: E402
+from tests.transformers.test_transformers import ARCHS  # noqa: E402
 
 FP8 = transformers.FineGrainedFP8Config(dequantize=True)
 """transformers' own dequantization at load: the reference."""

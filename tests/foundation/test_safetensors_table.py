@@ -37,7 +37,7 @@ D, F, E, LAYERS = 8, 4, 3, 2  # hidden, expert FFN, experts, layers
 ITEM = {"F16": 2, "BF16": 2, "F32": 4, "F8_E4M3": 1, "I8": 1, "I32": 4}
 CONFIG = {"model_type": "qwen3_moe", "hidden_size": D, "moe_intermediate_size": F,
           "num_experts": E, "num_experts_per_tok": 2, "num_hidden_layers": LAYERS}
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 class T:
