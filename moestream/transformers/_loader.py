@@ -59,6 +59,7 @@ from moestream.transformers._files import CONFIG, GENERATION_FILES, snapshot
 from moestream.transformers._gate import is_available
 from moestream.transformers._layout import TORCH_DTYPES, first_projection
 from moestream.transformers._quantized import load_scales
+from moestream.transformers._swap import swap_experts
 
 __all__ = ["from_pretrained"]
 
@@ -153,6 +154,7 @@ def _served(session: moestream.SyncSession, root: Path, device: Any, dtype: Any,
     experts served by an ``ExpertStream`` that runs a token each forward (the caller closes
     the session on a failure)."""
     model, config = _built(session, root, dtype, attention)
+    swap_experts(model)  # experts outside transformers' registry (Llama 4, JetMoE)
     experts = _experts_modules(root, model, config)
     group = _check_experts(session, experts)
     load_dense(model, session, device, progress)

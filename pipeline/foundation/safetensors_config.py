@@ -4,7 +4,8 @@ Each of the integers ``config.json`` may hold (the expert count ``num_experts``/
 ``num_local_experts``/``n_routed_experts``, the hidden size ``moe_latent_size`` or
 ``hidden_size``, the expert FFN ``moe_intermediate_size`` or, in Mixtral's configs,
 ``intermediate_size``, the top-k under any name transformers gives it
-(``num_experts_per_tok``, ``moe_topk``, ``moe_k``, ``num_experts_per_token``, ``moe_top_k``),
+(``num_experts_per_tok``, ``moe_topk``, ``moe_k``, ``num_experts_per_token``, ``moe_top_k``,
+``top_k_experts``),
 ``num_hidden_layers`` and ``num_nextn_predict_layers``) must be an integer where present
 (``null`` counts as absent, as transformers writes an unset value; a per-layer list of top-k
 as absent too), and must agree: the expert count, hidden size and FFN with every MoE layer,
@@ -30,9 +31,9 @@ CONFIG_LIMIT_BYTES = 16 << 20
 """The largest ``config.json`` (or index) read."""
 EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
 TOP_K_KEYS = ("num_experts_per_tok", "moe_topk", "moe_k", "num_experts_per_token",
-              "moe_top_k")
+              "moe_top_k", "top_k_experts")
 """The top-k's names in config.json: transformers' own and those its config classes map to
-it (Hunyuan and LongCat-Flash, ERNIE-4.5, Kimi-Linear and Bailing, Step)."""
+it (Hunyuan and LongCat-Flash, ERNIE-4.5, Kimi-Linear and Bailing, Step), and Gemma 4's."""
 _INT_KEYS = (*EXPERT_KEYS, "moe_latent_size", "hidden_size", "moe_intermediate_size",
              "intermediate_size", "num_hidden_layers", "num_nextn_predict_layers", *TOP_K_KEYS)
 Size = tuple[str, int, int]

@@ -8,7 +8,8 @@ then the data; each tensor is one contiguous range. Only the headers are read he
 
 Routed experts are found by name, in the layouts transformers writes, under a layer's MoE
 block ``B`` (``mlp``; ``block_sparse_moe`` in Mixtral and Granite, ``ffn`` in DeepSeek-V4,
-``feed_forward`` in Jamba, ``mixer`` in Nemotron-H):
+``feed_forward`` in Jamba and Llama 4, ``mixer`` in Nemotron-H; none in Gemma 4, whose
+``layers.L.experts`` sit beside its dense MLP):
 
 - per expert (Qwen2-MoE, Qwen3-MoE, OLMoE, DeepSeek-V2/V3, Jamba): ``...layers.L.B.experts.E.
   {gate_proj,up_proj,down_proj}.weight``, gate and up ``[F, D]``, down ``[D, F]``; Mixtral
@@ -16,9 +17,11 @@ block ``B`` (``mlp``; ``block_sparse_moe`` in Mixtral and Granite, ``ffn`` in De
   gate (``MoeLayer.gated`` false: the up projection's row halves stand as gate and up);
 - fused: ``...layers.L.B.experts.gate_up_proj`` ``[E, 2F, D]`` (gate the first F rows) and
   ``...B.experts.down_proj`` ``[E, D, F]``, an expert one slice along the first axis;
-  Granite-MoE's ``block_sparse_moe.input_linear.weight`` and ``output_linear.weight`` are
-  the same two; gpt-oss's are transposed, ``[E, D, 2F]`` (gate and up interleaved by
-  column) and ``[E, F, D]`` (``MoeLayer.transposed``), their biases non-routed tensors.
+  Granite-MoE's ``block_sparse_moe.input_linear.weight`` and ``output_linear.weight`` (and
+  JetMoE's under ``mlp``) are the same two; gpt-oss's are transposed, ``[E, D, 2F]`` (gate
+  and up interleaved by column) and ``[E, F, D]`` (``MoeLayer.transposed``), their biases
+  non-routed tensors; Llama 4's and Aria's (``experts.fc1.weight``/``fc2.weight``) are
+  transposed too, gate the first F columns.
 
 Shared experts (``mlp.shared_expert(s)``), dense layers and everything else are non-routed
 tensors (``is_routed`` tells which). The router of layer L is ``...layers.L.B.gate.weight``
@@ -95,19 +98,23 @@ _INDEX_DIGITS = 6  # a layer or expert index of more: no model has that many
 _MOE = r"(?:mlp|block_sparse_moe|ffn|feed_forward|mixer)"
 """A MoE block's name in a layer: Qwen/DeepSeek-V2/V3, Mixtral/Granite, DeepSeek-V4, Jamba,
 Nemotron-H."""
-_EXPERT = re.compile(rf"^(?:.*\.)?layers\.(\d+)\.{_MOE}\.experts\.(\d+)\."
+# Gemma 4 keeps its experts beside the dense MLP, under the layer itself (layers.L.experts)
+_EXPERT = re.compile(rf"^(?:.*\.)?layers\.(\d+)\.(?:{_MOE}\.)?experts\.(\d+)\."
                      r"(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$", re.ASCII)
-_FUSED = re.compile(rf"^(?:.*\.)?layers\.(\d+)\.(?:{_MOE}\.experts\.(gate_up_proj|down_proj)"
-                    r"(?:\.weight|_blocks)?|block_sparse_moe\.(input_linear|output_linear)"
-                    r"\.weight)$", re.ASCII)
+_FUSED = re.compile(rf"^(?:.*\.)?layers\.(\d+)\.(?:(?:{_MOE}\.)?experts\."
+                    r"(?:(gate_up_proj|down_proj)(?:\.weight|_blocks)?|(fc1|fc2)\.weight)"
+                    r"|(?:block_sparse_moe|mlp)\.(input_linear|output_linear)\.weight)$",
+                    re.ASCII)
 _ROUTER = re.compile(rf"^(?:.*\.)?layers\.(\d+)\.{_MOE}\.(?:gate|router|router\.layer)"
                      r"\.weight$", re.ASCII)
 _BLOCK = re.compile(r"(?:^|\.)layers\.(\d+)\.", re.ASCII)
 _MATRIX = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up",
            "down_proj": "down", "w2": "down"}
-_GRANITE = {"input_linear": "gate_up_proj", "output_linear": "down_proj"}
-"""Granite-MoE's fused expert names (``block_sparse_moe.input_linear`` [E, 2F, D], gate the
-first F rows, and ``output_linear`` [E, D, F]), as the fused form's."""
+_FUSED_NAMES = {"input_linear": "gate_up_proj", "output_linear": "down_proj",
+                "fc1": "gate_up_proj", "fc2": "down_proj"}
+"""Other fused expert names, as the fused form's: Granite-MoE's and JetMoE's
+``input_linear`` [E, 2F, D] (gate the first F rows) and ``output_linear`` [E, D, F]; Aria's
+``experts.fc1`` [E, D, 2F] and ``fc2`` [E, F, D] (transposed, gate the first F columns)."""
 
 
 def is_routed(name: str) -> bool:
@@ -261,7 +268,7 @@ def _sort_tensors(path: Path, shards: list[Shard]) -> tuple[
                 _claim(path, parts, _MATRIX[m.group(3)], t, f"layer {layer} expert {expert}'s")
             elif (m := _FUSED.match(name)) is not None:
                 layer = _index(path, name, m.group(1), "layer")
-                slot = m.group(2) or _GRANITE[m.group(3)]
+                slot = m.group(2) or _FUSED_NAMES[m.group(3) or m.group(4)]
                 t = Tensor(name, dtype, shape, base + begin, end - begin)
                 _claim(path, fused.setdefault(layer, {}), slot, t, f"layer {layer}'s")
             else:
@@ -289,8 +296,9 @@ def _build(path: Path, files: tuple[ModelFile, ...], shards: list[Shard],
                                       "block_sparse_moe, ffn, feed_forward or mixer block: "
                                       "experts.E.{gate,up,down}_proj.weight, "
                                       "experts.E.{w1,w3,w2}.weight, or fused "
-                                      "experts.gate_up_proj/down_proj or input_linear/"
-                                      "output_linear; docs/TRANSFORMERS.md, "
+                                      "experts.gate_up_proj/down_proj, experts.fc1/fc2 "
+                                      "or input_linear/output_linear; "
+                                      "docs/TRANSFORMERS.md, "
                                       "Supported models)")
     want = layer_sizes(config, ints)
     quant = quant_config(path, config)
