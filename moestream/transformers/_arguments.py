@@ -7,26 +7,43 @@ weights on one device, the experts' device memory bounded by the budget, a local
 
 from __future__ import annotations
 
+import os
 import re
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch  # type: ignore[import-not-found, unused-ignore]
 
 from moestream.pipeline.foundation.errors import ModelFileError, UsageError, UsageTypeError
 
-__all__ = ["build_with", "device_of", "dtype_of", "first_line", "loading_words", "not_a_dtype",
-           "wanted_dtype"]
+__all__ = ["LoadingWords", "build_with", "device_of", "dtype_of", "first_line", "loading_words",
+           "not_a_dtype", "wanted_dtype"]
 
 
 _ARGUMENTS = ("path", "budget", "mode", "device", "dtype", "compute", "policy", "verify", "log",
               "tuning", "progress", "torch_dtype", "attn_implementation", "device_map",
-              "low_cpu_mem_usage", "trust_remote_code")
+              "max_memory", "revision", "cache_dir", "local_files_only", "low_cpu_mem_usage",
+              "trust_remote_code")
 """What ``from_pretrained`` takes, as an unknown keyword's refusal lists it."""
 
 
-def loading_words(words: dict[str, Any], device: Any, dtype: Any) -> tuple[Any, Any, Any]:
-    """``device``, ``dtype`` and the attention implementation, after transformers' loading
-    words in ``words`` (see ``from_pretrained``); the rest refused in one line each."""
+class LoadingWords(NamedTuple):
+    """What transformers' loading words said, once checked."""
+
+    device: Any
+    dtype: Any
+    attention: str | None
+    max_memory: Any
+    """transformers' ``max_memory`` (device to size), or None."""
+    revision: str | None
+    """A hub id's revision (a branch, tag or commit), or None."""
+    cache_dir: str | None
+    """The hub cache to look a hub id up in (None: huggingface_hub's default)."""
+
+
+def loading_words(words: dict[str, Any], device: Any, dtype: Any) -> LoadingWords:
+    """``device``, ``dtype``, the attention implementation and the hub and memory words,
+    after transformers' loading words in ``words`` (see ``from_pretrained``); the rest
+    refused in one line each."""
     words = dict(words)
     torch_dtype = words.pop("torch_dtype", None)
     if torch_dtype is not None:
@@ -38,14 +55,13 @@ def loading_words(words: dict[str, Any], device: Any, dtype: Any) -> tuple[Any, 
         dtype = torch_dtype
     if "device_map" in words:
         device = _device_map(words.pop("device_map"), device)
-    if words.pop("max_memory", None) is not None:
-        raise UsageError("max_memory: moestream keeps the dense weights on one device and "
-                         "bounds the routed experts' device memory by budget= (e.g. "
-                         "budget=\"20GiB\")")
-    if words.pop("revision", None) is not None:
-        raise UsageError("revision: moestream reads a local checkpoint directory only; fetch "
-                         "the revision first (huggingface_hub.snapshot_download(repo, "
-                         "revision=...)) and pass its path")
+    max_memory = words.pop("max_memory", None)
+    revision, cache_dir = words.pop("revision", None), words.pop("cache_dir", None)
+    for name, value in (("revision", revision), ("cache_dir", cache_dir)):
+        if value is not None and not isinstance(value, (str, os.PathLike)):
+            raise UsageTypeError(f"{name} must be text, not {type(value).__name__}")
+    if words.pop("local_files_only", None) not in (None, True, False):
+        raise UsageTypeError("local_files_only must be True or False")
     trust = words.pop("trust_remote_code", None)
     if trust not in (None, False):
         raise UsageError("trust_remote_code: moestream never runs a checkpoint's code; it "
@@ -59,9 +75,10 @@ def loading_words(words: dict[str, Any], device: Any, dtype: Any) -> tuple[Any, 
         names = ", ".join(sorted(words))
         raise UsageTypeError(f"from_pretrained got an unexpected argument"
                              f"{'s' if len(words) > 1 else ''} {names}; it takes "
-                             f"{', '.join(_ARGUMENTS)} (max_memory and revision are refused "
-                             "with what replaces them)")
-    return device, dtype, attention
+                             f"{', '.join(_ARGUMENTS)}")
+    return LoadingWords(device, dtype, attention, max_memory,
+                        None if revision is None else str(revision),
+                        None if cache_dir is None else os.fspath(cache_dir))
 
 
 def _device_map(device_map: Any, device: Any) -> Any:

@@ -28,7 +28,9 @@ large batch) are fetched in groups that do, each released before the next is fet
 
 from __future__ import annotations
 
+import threading
 import time
+import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any, Literal
@@ -40,6 +42,8 @@ from moestream import ExpertHandle, SyncSession, TokenStats
 from moestream.pipeline.foundation.errors import UsageError
 from moestream.transformers._dequant_cuda import CUDA_DTYPES, fp8_experts_cuda
 from moestream.transformers._dequant_cuda import available as cuda_kernel
+from moestream.transformers._generate import GenerateStats
+from moestream.transformers._gguf_experts import GgufExperts
 from moestream.transformers._layout import (
     TORCH_DTYPES,
     biases,
@@ -110,12 +114,13 @@ class ExpertStream:
         compute: ``"grouped"`` or ``"eager"`` (the module docstring says what each matches).
         group_experts: the most experts one fetch pins (what the budget holds beside
             another layer in flight).
-        scales: the block scales of each quantized layer, on ``device`` (its experts are
-            dequantized per use).
+        scales: the block scales of each quantized layer, on ``device``, or a GGUF
+            layer's expert types (its experts are dequantized per use).
     """
 
     def __init__(self, session: SyncSession, device: Any, *, compute: Compute,
-                 group_experts: int, scales: Mapping[int, LayerScales] | None = None) -> None:
+                 group_experts: int,
+                 scales: Mapping[int, LayerScales | GgufExperts] | None = None) -> None:
         if compute not in COMPUTES:
             raise UsageError(f"compute must be one of {', '.join(COMPUTES)}, got {compute!r}")
         if group_experts < 1:
@@ -124,10 +129,13 @@ class ExpertStream:
         self.device = torch.device(device)
         self.compute: Compute = compute
         self.group_experts = group_experts
-        self.scales: Mapping[int, LayerScales] = scales or {}
+        self.scales: Mapping[int, LayerScales | GgufExperts] = scales or {}
         self.last: TokenStats | None = None
         """The last token's stats (``end_token``'s answer)."""
         self.tokens = 0
+        self.last_generate: GenerateStats | None = None
+        """What the model's last ``generate`` call did (its hits, misses, bytes, stall time);
+        ``session.counters()`` holds the totals since loading."""
         self.on_token: Callable[[TokenStats], None] | None = None
         """Called with each token's stats (a live progress line, say)."""
         self._cuda = self.device.type == "cuda"
@@ -167,6 +175,27 @@ class ExpertStream:
     def close(self) -> None:
         """Close the session (idempotent); the model cannot compute its experts after."""
         self.session.close()
+
+    def __enter__(self) -> ExpertStream:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        # as an unclosed file does: a session left open when its model is collected is the
+        # caller's leak, said once as a ResourceWarning, and closed here so that its loop's
+        # thread and device memory do not outlive the model
+        session = getattr(self, "session", None)
+        if session is None or session.closed:
+            return
+        warnings.warn(f"unclosed moestream session over {session.model.path} (close the "
+                      "model: model.moestream.close() or a with block)", ResourceWarning,
+                      source=self, stacklevel=2)
+        try:
+            session.close()
+        except UsageError:  # collected on the session's own loop thread: close from another
+            threading.Thread(target=session.close, name="moestream-close", daemon=True).start()
 
     # -- one experts call ------------------------------------------------------------------
 
@@ -229,7 +258,8 @@ class ExpertStream:
         one product per matrix kind for the whole batch."""
         scales = self.scales[handles[0].layer]
         experts = [h.expert for h in handles]
-        if (self._cuda and scales.method == "fp8" and not scales.transposed
+        if (self._cuda and isinstance(scales, LayerScales) and scales.method == "fp8"
+                and not scales.transposed
                 and down.dtype in CUDA_DTYPES and cuda_kernel()):
             # one kernel a matrix kind, reading the cache where it is: no stacked copy
             ffn = down.shape[-1]

@@ -47,7 +47,8 @@ from moestream.transformers._arguments import (
     not_a_dtype,
     wanted_dtype,
 )
-from moestream.transformers._dense import load_dense, tensor_reader
+from moestream.transformers._budget import budget_for
+from moestream.transformers._dense import load_dense, load_gguf_dense, tensor_reader
 from moestream.transformers._experts import (
     COMPUTES,
     IMPLEMENTATION,
@@ -57,8 +58,12 @@ from moestream.transformers._experts import (
 )
 from moestream.transformers._files import CONFIG, GENERATION_FILES, snapshot
 from moestream.transformers._gate import is_available
+from moestream.transformers._gguf import GgufSource, gguf_model, is_gguf
+from moestream.transformers._gguf_experts import GgufExperts, gguf_experts
+from moestream.transformers._hub import local_checkpoint
 from moestream.transformers._layout import TORCH_DTYPES, first_projection
-from moestream.transformers._quantized import load_scales
+from moestream.transformers._model import serve
+from moestream.transformers._quantized import LayerScales, load_scales
 from moestream.transformers._swap import swap_experts
 
 __all__ = ["from_pretrained"]
@@ -75,10 +80,13 @@ def from_pretrained(path: str | os.PathLike[str], *, budget: str | moestream.Bud
     """Load a transformers MoE causal LM whose routed experts moestream serves.
 
     Args:
-        path: a checkpoint directory (``config.json`` and safetensors shards), or one
-            ``.safetensors`` file with the ``config.json`` beside it.
-        budget: the device cache for the routed experts: ``"64"`` (experts), ``"3GiB"``,
-            or a ``Budget``; None holds every expert.
+        path: a checkpoint directory (``config.json`` and safetensors shards), one
+            ``.safetensors`` file with the ``config.json`` beside it, or a hub id already
+            in the local hub cache (never downloaded).
+        budget: the device cache for the routed experts: ``64`` or ``"64"`` (experts),
+            ``"3GiB"`` (a size takes its unit), or a ``Budget``; None holds every expert.
+            The least is the model's top-k experts for each layer in flight (2 by default):
+            a smaller budget is refused naming that number.
         mode: moestream's I/O mode, ``auto``, ``direct`` or ``resident``.
         device: where the model computes: ``"cpu"`` (moestream's host backend) or
             ``"cuda"``/``"cuda:N"`` (CuPy); None: the first GPU if torch sees one.
@@ -89,32 +97,36 @@ def from_pretrained(path: str | os.PathLike[str], *, budget: str | moestream.Bud
         policy, verify, log, tuning: as ``moestream.open``.
         progress: a progress bar while the dense weights load (default: stderr is a
             terminal).
-        **words: transformers' own loading words where they mean something here
-            (``torch_dtype``, ``attn_implementation``, ``device_map`` naming one device,
-            ``low_cpu_mem_usage``, ``trust_remote_code=False``); a splitting ``device_map``,
-            ``max_memory``, ``revision``, ``trust_remote_code=True`` and any other word are
-            refused in one line naming what replaces them (``loading_words`` says each).
+        **words: transformers' loading words where they mean something here (``torch_dtype``,
+            ``attn_implementation``, ``device_map`` of one device, ``max_memory``: the
+            budget is what it leaves once the dense weights are counted, ``revision``,
+            ``cache_dir``, ``local_files_only``, ``low_cpu_mem_usage``,
+            ``trust_remote_code=False``); others refused in one line (docs/TRANSFORMERS.md).
 
     Returns:
         The model, in eval mode, on ``device``; ``model.moestream`` is its
-        ``ExpertStream`` (``.session``, ``.close()``). Each forward is one moestream token
-        (``end_token`` at its end). Close it when done: ``model.moestream.close()``.
+        ``ExpertStream`` (``.session``, ``.close()``, ``.last_generate``). Each forward is
+        one moestream token (``end_token`` at its end). Close it when done: ``with
+        from_pretrained(...) as model:``, or ``model.moestream.close()``; a model collected
+        unclosed warns (``ResourceWarning``) and closes its session. ``save_pretrained``
+        is refused (the experts were never loaded).
 
     Raises:
         UsageError: torch or transformers missing, a bad or unknown argument, a
-            transformers word moestream replaces (above), a budget below what one
-            layer's experts need.
+            transformers word moestream replaces (above), a budget below the model's
+            least (named), ``budget`` and ``max_memory`` both given.
         ModelFileError: the checkpoint cannot be used (its subclasses name why); nothing
             stays open or loaded.
     """
     is_available(raise_error=True)
-    device, dtype, attention = loading_words(words, device, dtype)
-    given, root = _checkpoint(path, compute)
-    torch_device, wanted = device_of(device), wanted_dtype(dtype)
+    said = loading_words(words, device, dtype)
+    given, root = _checkpoint(local_checkpoint(path, said.revision, said.cache_dir), compute)
+    torch_device, wanted = device_of(said.device), wanted_dtype(said.dtype)
+    budget = budget_for(given, budget, said.max_memory, torch_device, wanted, tuning)
     session = _open(given, torch_device, budget=budget, mode=mode, policy=policy,
                     verify=verify, log=log, tuning=tuning)
     try:
-        return _served(session, root, torch_device, wanted, attention, compute, progress)
+        return _served(session, root, torch_device, wanted, said.attention, compute, progress)
     except BaseException:
         session.close()
         raise
@@ -128,14 +140,9 @@ def _checkpoint(path: str | os.PathLike[str], compute: Compute) -> tuple[Path, P
         raise UsageError(f"compute must be one of {', '.join(COMPUTES)}, got {compute!r}")
     register()
     given = Path(path)
-    if given.suffix == ".gguf":
-        raise ModelFileError(given, "moestream.transformers reads safetensors checkpoints "
-                             "(a directory with config.json); GGUF is not supported yet")
+    if is_gguf(given):  # its metadata is its config, its tokenizer too
+        return given, given.parent
     root = given.parent if given.is_file() else given
-    if not given.exists():
-        raise ModelFileError(given, "no such checkpoint directory or file (a local path: a "
-                             "hub id is not downloaded, fetch it first, e.g. with "
-                             "huggingface_hub.snapshot_download)")
     if not (root / CONFIG).is_file():
         raise ModelFileError(root, "not a checkpoint directory (no config.json)")
     return given, root
@@ -153,12 +160,15 @@ def _served(session: moestream.SyncSession, root: Path, device: Any, dtype: Any,
     """The model over ``session``: built on the meta device, its dense weights loaded, its
     experts served by an ``ExpertStream`` that runs a token each forward (the caller closes
     the session on a failure)."""
-    model, config = _built(session, root, dtype, attention)
+    gguf = None
+    if is_gguf(session.model.path):
+        model, config, gguf = _gguf_built(session, root, dtype, attention)
+    else:
+        model, config = _built(session, root, dtype, attention)
     swap_experts(model)  # experts outside transformers' registry (Llama 4, JetMoE)
     experts = _experts_modules(root, model, config)
     group = _check_experts(session, experts)
-    load_dense(model, session, device, progress)
-    scales = load_scales(session, sorted(experts), device, tensor_reader(session))
+    scales = _weights(model, session, device, progress, sorted(experts), gguf)
     experts_stream = ExpertStream(session, device, compute=compute, group_experts=group,
                                   scales=scales)
     for layer, module in experts.items():
@@ -168,7 +178,28 @@ def _served(session: moestream.SyncSession, root: Path, device: Any, dtype: Any,
     model.register_forward_pre_hook(_begin_hook(experts_stream))
     model.register_forward_hook(_end_hook(experts_stream))
     model.eval()
-    return model
+    return serve(model)
+
+
+def _weights(model: Any, session: moestream.SyncSession, device: Any, progress: bool | None,
+             layers: list[int], gguf: GgufSource | None) -> dict[int, LayerScales | GgufExperts]:
+    """Load the dense weights; the dequantization of each quantized layer's experts."""
+    if gguf is not None:
+        load_gguf_dense(model, session, device, progress, gguf)
+        return dict(gguf_experts(session, layers))
+    load_dense(model, session, device, progress)
+    return dict(load_scales(session, layers, device, tensor_reader(session)))
+
+
+def _gguf_built(session: moestream.SyncSession, root: Path, dtype: Any,
+                attention: str | None) -> tuple[Any, Any, GgufSource]:
+    """As :func:`_built`, for a GGUF file: the config from its metadata by transformers."""
+    def build(files: Path, config: Any) -> Any:
+        if attention is not None:  # as transformers' _from_config applies it
+            config._attn_implementation = attention
+        return build_with(attention, lambda: _meta_model(root, files, config, dtype))
+
+    return gguf_model(session, build)
 
 
 def _built(session: moestream.SyncSession, root: Path, dtype: Any,
@@ -299,7 +330,8 @@ def _check_experts(session: moestream.SyncSession, experts: dict[int, Any]) -> i
                 raise ExpertLayoutError(path, f"layer {layer}: the config says {what} "
                                         f"{want}, the checkpoint's experts have {have}")
         for matrix_type in (got.gate_up_type, got.down_type):
-            if matrix_type.name not in TORCH_DTYPES and got.quant is None:
+            if (matrix_type.name not in TORCH_DTYPES and got.quant is None
+                    and not is_gguf(info.path)):  # GGUF types: gguf_experts checks them
                 raise ModelFileError(path, f"layer {layer}: experts in {matrix_type.name}; "
                                      f"torch computes {', '.join(TORCH_DTYPES)} experts")
     budget = session.counters().budget_bytes

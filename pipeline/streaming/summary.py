@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from moestream.pipeline.foundation.errors import printable
+from moestream.pipeline.foundation.sizes import size_text
 from moestream.pipeline.foundation.timesplit import TimeSplit
 
 __all__ = ["RunSummary", "TokenTotals", "print_summary", "size_text"]
@@ -127,15 +128,6 @@ class RunSummary:
         }
 
 
-def size_text(nbytes: int) -> str:
-    """A byte count in the largest binary unit it reaches (``1.50 GiB``, ``47.00 KiB``,
-    ``12 B``), so a small model's sizes do not all print as ``0.00 GiB``."""
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(nbytes) >= scale:
-            return f"{nbytes / scale:.2f} {unit}"
-    return f"{nbytes} B"
-
-
 def print_summary(summary: RunSummary, as_json: bool) -> None:
     if as_json:
         print(json.dumps(summary.as_dict(), indent=2))
@@ -153,7 +145,8 @@ def print_summary(summary: RunSummary, as_json: bool) -> None:
         f"bytes      {size_text(summary.file_bytes)} read from file, "
         f"{size_text(summary.cache_bytes)} served from cache, "
         f"{size_text(summary.storage_bytes)} from storage\n"
-        f"verified: {summary.verified} experts, {summary.mismatches} mismatches"
+        f"verified: {_count(summary.verified, 'expert')}, "
+        f"{_count(summary.mismatches, 'mismatch', 'mismatches')}"
         f"{f', {summary.unverified} not verified' if summary.unverified else ''}"
         f" (digests: {summary.digests})"
     )
@@ -176,7 +169,12 @@ def describe_experts(layers: Iterable[Any]) -> str:
         kinds = {first.gate_up_type.name, first.down_type.name}
         kind = "/".join(sorted(kinds))
     sizes = sorted({layer.expert_bytes for layer in layers})
-    each = f"{sizes[0] / (1 << 20):.2f} MiB"
+    each = size_text(sizes[0])
     if len(sizes) > 1:
-        each += f" to {sizes[-1] / (1 << 20):.2f} MiB"
+        each += f" to {size_text(sizes[-1])}"
     return f"experts {kind}, {each} an expert as stored"
+
+
+def _count(n: int, noun: str, plural: str | None = None) -> str:
+    """``n`` and ``noun``, plural unless ``n`` is one (``1 expert``, ``0 mismatches``)."""
+    return f"{n} {noun if n == 1 else plural or noun + 's'}"

@@ -1,0 +1,130 @@
+"""The experts' budget from transformers' words: ``max_memory``, and a budget of nothing.
+
+transformers bounds a model's memory per device with ``max_memory``; here the dense weights
+sit on one device whole and only the routed experts stream, so ``max_memory`` for that
+device is the dense weights plus the experts' cache: the budget is what ``max_memory``
+leaves once the dense weights are counted. Both that and the refusal of a zero or negative
+budget need the model's sizes (its dense tensors, its top-k and expert bytes) before the
+session opens with the budget, so they read the checkpoint's headers once more
+(``open_table``): sizes only, never a byte the model computes with.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch  # type: ignore[import-not-found, unused-ignore]
+
+import moestream
+from moestream.pipeline.foundation.config import Budget, parse_budget, parse_size
+from moestream.pipeline.foundation.errors import UsageError, UsageTypeError
+from moestream.pipeline.foundation.experts import ExpertTable
+from moestream.pipeline.foundation.sizes import size_text
+from moestream.pipeline.foundation.table import open_table
+
+__all__ = ["budget_for", "dense_bytes"]
+
+_FLOATS = {"F16", "BF16", "F32", "F64", "F8_E4M3", "F8_E5M2", "F8_E4M3FNUZ", "F8_E5M2FNUZ"}
+"""Dense tensor types the loader casts to the model's dtype (FP8 weights dequantized)."""
+
+
+def budget_for(path: Path, budget: Any, max_memory: Any, device: Any, dtype: Any,
+               tuning: moestream.Tuning | None) -> Any:
+    """The budget to open the session with: ``budget`` as given, or what ``max_memory``
+    leaves the experts on ``device``.
+
+    Raises:
+        UsageError: both given; ``max_memory`` names no size for ``device`` or leaves the
+            experts less than they need; a budget of no experts (the refusal names the
+            model's least).
+    """
+    if max_memory is not None and budget is not None:
+        raise UsageError("give budget or max_memory, not both (max_memory for the device, "
+                         "less the dense weights, is the experts' budget)")
+    in_flight = (tuning or moestream.Tuning()).layers_in_flight
+    if max_memory is not None:
+        return _from_max_memory(path, max_memory, device, dtype, in_flight)
+    if _nothing(budget):
+        table = open_table(path)
+        least = in_flight * table.top_k
+        shown = str(budget) if isinstance(budget, Budget) else repr(budget)
+        raise UsageError(f"budget {shown[:40]}: this model needs at least {least} "
+                         f"experts (its top-{table.top_k} for each of the {in_flight} layers "
+                         f"in flight): give budget={least} or more, or a size (\"20GiB\")")
+    return budget
+
+
+def _nothing(budget: Any) -> bool:
+    """A budget of no experts or bytes (zero or negative), which no model can take."""
+    if isinstance(budget, Budget):
+        return (budget.experts if budget.experts is not None else budget.nbytes or 0) < 1
+    if isinstance(budget, int) and not isinstance(budget, bool):
+        return budget < 1
+    if isinstance(budget, str):
+        if budget.strip().startswith("-"):
+            return True
+        try:
+            parsed = parse_budget(budget)
+        except UsageError:
+            return False  # unreadable: the session's own check says why
+        return (parsed.experts if parsed.experts is not None else parsed.nbytes or 0) < 1
+    return False
+
+
+def _from_max_memory(path: Path, max_memory: Any, device: Any, dtype: Any,
+                     in_flight: int) -> Budget:
+    limit = _device_limit(max_memory, device)
+    table = open_table(path)
+    dense = dense_bytes(table, dtype)
+    least = in_flight * table.top_k * max(layer.expert_bytes for layer in table.layers.values())
+    if limit - dense < least:
+        raise UsageError(f"max_memory {size_text(limit)} for {device}: the dense weights take "
+                         f"{size_text(dense)} and the experts at least {size_text(least)} "
+                         f"(top-{table.top_k} for each of {in_flight} layers in flight): give "
+                         f"at least {size_text(dense + least)}")
+    return Budget(nbytes=limit - dense)
+
+
+def _device_limit(max_memory: Any, device: Any) -> int:
+    """The bytes ``max_memory`` gives ``device`` (keys as transformers': a GPU's index or
+    ``"cuda:N"``, ``"cpu"``); entries for other devices are not used."""
+    if not isinstance(max_memory, dict):
+        raise UsageTypeError(f"max_memory must be a dict of device to size, as transformers "
+                             f"takes it ({{0: \"20GiB\"}}), not {type(max_memory).__name__}")
+    keys = ([device.index or 0, str(device.index or 0), f"cuda:{device.index or 0}"]
+            if device.type == "cuda" else ["cpu"])
+    if device.type == "cuda" and device.index in (None, 0):
+        keys.append("cuda")
+    for key in keys:
+        if key in max_memory:
+            value = max_memory[key]
+            break
+    else:
+        raise UsageError(f"max_memory names no size for {device}, where the model computes "
+                         f"(give {{{keys[0]!r}: \"20GiB\"}}; its keys: "
+                         f"{', '.join(map(repr, list(max_memory)[:8]))})")
+    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+        return value
+    if isinstance(value, str):
+        return parse_size(value.strip())
+    raise UsageError(f"max_memory[{key!r}]: {str(value)[:40]!r} is not a size (bytes as an "
+                     "int, or text with its unit: \"20GiB\")")
+
+
+def dense_bytes(table: ExpertTable, dtype: Any) -> int:
+    """The device bytes of the checkpoint's tensors other than the routed experts, as the
+    model will hold them: floating (and FP8, dequantized) ones in ``dtype`` (None: the
+    checkpoint's, as ``config.json`` names it), others as stored."""
+    if dtype is None:
+        stored = table.config.get("dtype") or table.config.get("torch_dtype")
+        dtype = getattr(torch, str(stored), None) if stored not in (None, "auto") else None
+    size = torch.tensor([], dtype=dtype).element_size() if isinstance(dtype, torch.dtype) else None
+    total = 0
+    for tensor in table.non_routed:
+        elements = 1
+        for n in tensor.shape:
+            elements *= n
+        total += (elements * size if size is not None and tensor.type_name in _FLOATS
+                  else tensor.nbytes)
+    return total
