@@ -206,6 +206,10 @@ def parse_budget(text: str) -> Budget:
                              f"{MAX_BUDGET_EXPERTS} experts a budget may hold (give a size, "
                              "e.g. 20GiB, or leave it out to hold every expert)")
         return Budget(experts=int(stripped))
+    match = _SIZE.match(stripped)
+    if not match or match.group(3).lower() not in _UNITS:  # parse_size's examples are bytes
+        raise UsageError(f"cannot read cache budget {_shown(stripped)}: a number of experts "
+                         "(64) or a size with its unit (4096B, 11GB, 20GiB)")
     return Budget(nbytes=parse_size(stripped))
 
 

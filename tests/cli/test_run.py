@@ -170,7 +170,7 @@ class TestErrors:
     """Bad input: one line on stderr, a non-zero exit, no traceback."""
 
     @pytest.mark.parametrize(("args", "code", "words"), [
-        (["--cache-budget", "lots"], 2, "cannot read size"),
+        (["--cache-budget", "lots"], 2, "cannot read cache budget"),
         (["--cache-budget", "1"], 2, "cannot hold one layer"),
         (["--compute", "quantum"], 2, "--compute"),
         (["--queue-depth", "0"], 2, "--queue-depth"),
