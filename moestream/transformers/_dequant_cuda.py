@@ -1,17 +1,17 @@
-"""FP8 block dequantization of a batch of cached experts on a CUDA device, in one kernel a
-matrix kind (CuPy), bitwise what torch's ops give.
+"""Quantized experts dequantized on a CUDA device by kernels of our own (CuPy), bitwise what
+torch's ops give: one launch a batch of arrived experts, all three matrix kinds.
 
-torch's path stacks the experts' bytes (a copy, made through one DLPack import a matrix:
-host time), then ``float32(w) * float32(scale)`` and ``.to(dtype)`` (four kernels, about 15
-bytes of memory traffic a weight). This kernel reads each expert's FP8 bytes where the
-cache holds them (a table of device addresses and expert ids, copied from pinned memory
-without a wait) and its block scale, and writes the compute dtype straight into the grouped
-product's stacked weights. It computes the same values: E4M3 decoded exactly (every E4M3
-value is a float32), one IEEE float32 product, rounded to the output type by
-round-to-nearest-even (BF16 by c10's rule, F16 by ``__float2half_rn``): ``torch.equal``
-to the torch ops' (NaN codes give a NaN either way). Integer arithmetic is 32-bit per row
-and column (a 64-bit division per weight made a first version slower than torch's ops).
-Launched on torch's current stream: ordered with the model's kernels, no synchronization.
+torch's path stacks the experts' bytes (a copy, through one DLPack import a matrix: host
+time), then gathers, multiplies and casts (several kernels and float32 temporaries a
+matrix kind). These kernels read each expert's bytes where the cache holds them and write
+the compute dtype straight into the grouped product's stacked weights, in the module's
+layout (gpt-oss's transposed one included). What they compute is in ``_dequant_source``:
+FP8 by its arithmetic (an exact decode, one float32 product, the output type's rounding),
+the FP4 formats by a table of the torch path's own values for every code and scale byte.
+
+A batch's table of addresses, expert ids and kind parameters goes to the device from a
+ring of pinned slots (:class:`_TableRing`): no allocation, no wait, a copy queued on torch's
+stream. Launched on torch's current stream: ordered with the model's kernels.
 """
 
 from __future__ import annotations
@@ -19,65 +19,59 @@ from __future__ import annotations
 import functools
 import warnings
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch  # type: ignore[import-not-found, unused-ignore]
 
-__all__ = ["CUDA_DTYPES", "available", "fp8_experts_cuda"]
+from moestream.transformers._dequant import (
+    e2m1_pairs,
+    fp4_blocks,
+    mxfp4_blocks,
+    mxfp4_exponents,
+)
+from moestream.transformers._dequant_source import FP4_PARAMS, FP8_PARAMS, SOURCE
+from moestream.transformers._quantized import LayerScales
 
-_SOURCE = r"""
-#include <cuda_fp16.h>
+__all__ = ["CUDA_DTYPES", "Kind", "available", "fp4_experts_cuda", "fp8_experts_cuda",
+           "fp8_kinds_cuda", "layer_experts_cuda", "lookup_table"]
 
-__device__ __forceinline__ float e4m3(unsigned char b) {
-    int e = (b >> 3) & 15, m = b & 7;
-    float v;
-    if (e == 15 && m == 7) v = __int_as_float(0x7fc00000);
-    else if (e == 0) v = ldexpf((float)m, -9);
-    else v = ldexpf((float)(8 + m), e - 10);
-    return (b & 128) ? -v : v;
-}
-
-__device__ __forceinline__ unsigned short to_bf16(float f) {
-    unsigned int u = __float_as_uint(f);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (unsigned short)(u >> 16);
-}
-
-#define KERNEL(NAME, OUT, STORE)                                                          \
-extern "C" __global__ void NAME(const long long* table, const float* scales,             \
-                                unsigned long long out_address, int n, int rows,         \
-                                int cols, int sr, int sc, int bm, int bn,                \
-                                long long out_stride) {                                  \
-    OUT* out = (OUT*)out_address;                                                        \
-    for (int row = blockIdx.y; row < n * rows; row += gridDim.y) {                       \
-        int k = row / rows, r = row - k * rows;                                          \
-        const unsigned char* w = (const unsigned char*)table[k] + (long long)r * cols;   \
-        const float* s = scales + ((long long)table[n + k] * sr + r / bm) * sc;          \
-        OUT* o = out + k * out_stride + (long long)r * cols;                             \
-        for (int c = blockIdx.x * blockDim.x + threadIdx.x; c < cols;                    \
-             c += gridDim.x * blockDim.x) {                                              \
-            float x = e4m3(w[c]) * s[c / bn];                                            \
-            o[c] = STORE;                                                                \
-        }                                                                                \
-    }                                                                                    \
-}
-
-KERNEL(fp8_experts_bf16, unsigned short, to_bf16(x))
-KERNEL(fp8_experts_f16, unsigned short, __half_as_ushort(__float2half_rn(x)))
-KERNEL(fp8_experts_f32, float, x)
-"""
-_KERNELS = {torch.bfloat16: "fp8_experts_bf16", torch.float16: "fp8_experts_f16",
-            torch.float32: "fp8_experts_f32"}
-CUDA_DTYPES = frozenset(_KERNELS)
-"""The output types the kernel writes."""
+_FP8_KERNELS = {torch.bfloat16: "fp8_experts_bf16", torch.float16: "fp8_experts_f16",
+                torch.float32: "fp8_experts_f32"}
+CUDA_DTYPES = frozenset(_FP8_KERNELS)
+"""The output types the kernels write."""
 _THREADS = 256
-_ROWS_AT_ONCE = 65535  # the grid's y limit; rows past it are strided over
+_MAX_BLOCKS = 4096
+_SLOT = 4096
+"""int64 values a table slot holds: the kinds' parameters and 4 a matrix (a batch of up to
+~1000 experts; larger ones are launched in parts)."""
+_SLOTS = 64
+_PART = 1000
+"""Experts one launch takes (its table within a slot)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Kind:
+    """One matrix kind of a batch (gate, up or down).
+
+    Attributes:
+        addresses: each expert's matrix on the device (``Matrix.ptr``).
+        scales: the layer's scales of this kind, indexed by expert: FP8 float32
+            ``(experts, rows / bm, cols / bn)``; FP4 the E8M0 bytes ``(experts, rows,
+            cols / 32)``, rows and experts at any stride.
+        out: ``(n, rows, cols)`` (FP4 transposed: ``(n, cols, rows)``), the last axis
+            contiguous.
+    """
+
+    addresses: Sequence[int]
+    scales: Any
+    out: Any
 
 
 @functools.cache
 def available() -> bool:
-    """Whether CuPy is here to compile and launch the kernel (with a CUDA device)."""
+    """Whether CuPy is here to compile and launch the kernels (with a CUDA device)."""
     try:
         import cupy  # noqa: F401
     except ImportError:
@@ -96,15 +90,130 @@ def _stream(pointer: int, device: int) -> Any:
 
 
 @functools.cache
-def _module() -> Any:
+def _module(device: int) -> Any:
     import cupy
 
-    return cupy.RawModule(code=_SOURCE, options=("-std=c++14",))
+    with cupy.cuda.Device(device):
+        return cupy.RawModule(code=SOURCE, options=("-std=c++14",))
+
+
+@functools.cache
+def _function(name: str, device: int) -> Any:
+    import cupy
+
+    with cupy.cuda.Device(device):
+        return _module(device).get_function(name)
+
+
+class _TableRing:
+    """Pinned host slots and their device twins, used in turn for the batches' tables.
+
+    A table is written into the next host slot and copied to its device slot on torch's
+    stream, not waited for. Reuse is safe by two events a lap: entering one half of the
+    ring waits (on the host) for the event recorded when the other half was last entered,
+    after every copy and kernel that used this half was queued; a change of stream makes
+    the new stream wait for the old one first.
+    """
+
+    def __init__(self, device: Any) -> None:
+        self.host = torch.empty((_SLOTS, _SLOT), dtype=torch.int64, pin_memory=True)
+        self.values = self.host.numpy()
+        self.device = torch.empty((_SLOTS, _SLOT), dtype=torch.int64, device=device)
+        self.next = 0
+        self.marks: list[Any] = [None, None]
+        self.stream: Any = None
+
+    def put(self, values: Sequence[int], stream: Any) -> int:
+        """The device address of ``values`` (int64), queued on ``stream``."""
+        import cupy
+
+        if self.stream is not None and stream != self.stream:
+            stream.wait_stream(self.stream)
+        self.stream = stream
+        slot, half = self.next, _SLOTS // 2
+        self.next = (slot + 1) % _SLOTS
+        if slot % half == 0:
+            other = self.marks[1 - slot // half]
+            if other is not None:
+                other.synchronize()
+            mark = torch.cuda.Event()
+            mark.record(stream)
+            self.marks[slot // half] = mark
+        m = len(values)
+        self.values[slot, :m] = values
+        target = self.device[slot].data_ptr()
+        cupy.cuda.runtime.memcpyAsync(target, self.host[slot].data_ptr(), m * 8,
+                                      cupy.cuda.runtime.memcpyHostToDevice, stream.cuda_stream)
+        return int(target)
+
+
+@functools.cache
+def _ring(device: int) -> _TableRing:
+    return _TableRing(torch.device("cuda", device))
+
+
+def _launch(name: str, out: Any, table: Sequence[int], kinds: int, chunks: int,
+            *tail: Any) -> None:
+    """One kernel over ``kinds`` kinds of ``chunks`` chunks at most, its table ``table``."""
+    import cupy
+
+    device = out.device.index or 0
+    stream = torch.cuda.current_stream(out.device)
+    address = _ring(device).put(table, stream)
+    grid = (max(1, min(-(-chunks // _THREADS), _MAX_BLOCKS)), kinds)
+    with cupy.cuda.Device(device), _stream(stream.cuda_stream, device):
+        _function(name, device)(grid, (_THREADS,), (np.uint64(address), np.int32(kinds),
+                                                     *tail))
+
+
+def _aligned(*values: int) -> bool:
+    return all(v % 16 == 0 for v in values)
+
+
+def fp8_kinds_cuda(kinds: Sequence[Kind], experts: Sequence[int], block: tuple[int, int]
+                   ) -> None:
+    """Dequantize FP8 matrices of each kind into its ``out``, one launch (a part of
+    ``_PART`` experts).
+
+    Raises:
+        ValueError: an output or scales the kernel cannot address.
+    """
+    n = len(experts)
+    if n > _PART:
+        for at in range(0, n, _PART):
+            part = [Kind(k.addresses[at:at + _PART], k.scales, k.out[at:at + _PART])
+                    for k in kinds]
+            fp8_kinds_cuda(part, experts[at:at + _PART], block)
+        return
+    out = kinds[0].out
+    bm, bn = block
+    params: list[int] = []
+    chunks = 0
+    for kind in kinds:
+        o = kind.out
+        _, rows, cols = o.shape
+        if o.stride(2) != 1 or o.stride(1) != cols or o.dtype != out.dtype:
+            raise ValueError("the kernel writes rows of contiguous columns, one type a batch")
+        scales = kind.scales
+        if scales.dtype != torch.float32 or not scales.is_contiguous():
+            raise ValueError("FP8 scales are contiguous float32 on the device")
+        size = o.element_size()
+        vec = (cols % 16 == 0 and bn % 16 == 0 and _aligned(*kind.addresses)
+               and _aligned(o.data_ptr(), o.stride(0) * size))
+        _, sr, sc = scales.shape
+        params += [o.data_ptr(), o.stride(0), rows, cols, scales.data_ptr(), sr, sc, int(vec)]
+        chunks = max(chunks, n * rows * (cols // 16 if vec else cols))
+    if n == 0 or chunks == 0:
+        return
+    addresses = [int(a) for kind in kinds for a in kind.addresses]
+    assert len(params) == FP8_PARAMS * len(kinds)
+    _launch(_FP8_KERNELS[out.dtype], out, params + addresses + [int(e) for e in experts],
+            len(kinds), chunks, np.int32(n), np.int32(bm), np.int32(bn))
 
 
 def fp8_experts_cuda(addresses: Sequence[int], experts: Sequence[int], scales: Any,
                      out: Any, block: tuple[int, int]) -> None:
-    """Dequantize ``len(addresses)`` FP8 matrices into ``out``.
+    """Dequantize ``len(addresses)`` FP8 matrices of one kind into ``out``.
 
     Args:
         addresses: each matrix's device address (``Matrix.ptr``), ``(rows, cols)`` bytes.
@@ -114,23 +223,83 @@ def fp8_experts_cuda(addresses: Sequence[int], experts: Sequence[int], scales: A
             the stacked gate_up is fine: any stride between matrices).
         block: ``(bm, bn)``.
     """
-    import cupy
+    fp8_kinds_cuda([Kind(addresses, scales, out)], experts, block)
 
-    n, rows, cols = out.shape
-    if n == 0 or rows == 0 or cols == 0:
+
+@functools.lru_cache(maxsize=32)
+def lookup_table(method: str, dtype: Any, device: Any) -> Any:
+    """``(256 * 16,)`` of ``dtype``: the torch path's value of each E2M1 code under each E8M0
+    scale byte (``method``: ``fp4`` or ``mxfp4``), scale-major. Both paths' values are
+    elementwise functions of (code, scale), so a lookup is bitwise the torch path."""
+    pairs = e2m1_pairs(device)
+    codes = torch.arange(16, dtype=torch.uint8, device=device)
+    group = torch.zeros(16, dtype=torch.uint8, device=device)  # one group: 32 values
+    group[:8] = codes[0::2] | (codes[1::2] << 4)
+    packed = group.expand(256, 16).contiguous()
+    scales = torch.arange(256, dtype=torch.int32, device=device).to(torch.uint8)[:, None]
+    if method == "mxfp4":
+        values = mxfp4_blocks(packed, mxfp4_exponents(scales), dtype, pairs)
+    elif method == "fp4":
+        values = fp4_blocks(packed, scales.view(torch.float8_e8m0fnu), dtype, pairs)
+    else:
+        raise ValueError(f"no lookup table for {method!r}")
+    return values[:, :16].contiguous().reshape(-1)
+
+
+def fp4_experts_cuda(kinds: Sequence[Kind], experts: Sequence[int], method: str,
+                     transposed: bool) -> None:
+    """Dequantize FP4 (``fp4``) or MXFP4 (``mxfp4``) matrices of each kind into its
+    ``out`` (``transposed``: each matrix's transpose, as gpt-oss keeps its experts), one
+    launch (a part of ``_PART`` experts).
+
+    Raises:
+        ValueError: an output or scales the kernel cannot address.
+    """
+    n = len(experts)
+    if n > _PART:
+        for at in range(0, n, _PART):
+            part = [Kind(k.addresses[at:at + _PART], k.scales, k.out[at:at + _PART])
+                    for k in kinds]
+            fp4_experts_cuda(part, experts[at:at + _PART], method, transposed)
         return
-    if out.stride(2) != 1 or out.stride(1) != cols:
-        raise ValueError("the kernel writes rows of contiguous columns")
-    device = out.device
-    table = torch.tensor([*addresses, *experts], dtype=torch.int64, pin_memory=True)
-    table = table.to(device, non_blocking=True)  # from pinned memory: queued, not waited
-    _, sr, sc = scales.shape
-    grid = (min(-(-cols // _THREADS), 8), min(n * rows, _ROWS_AT_ONCE))
-    index = device.index or 0
-    stream = _stream(torch.cuda.current_stream(device).cuda_stream, index)
-    with cupy.cuda.Device(index), stream:
-        _module().get_function(_KERNELS[out.dtype])(grid, (_THREADS,), (
-            cupy.uint64(table.data_ptr()), cupy.uint64(scales.data_ptr()),
-            cupy.uint64(out.data_ptr()), cupy.int32(n), cupy.int32(rows), cupy.int32(cols),
-            cupy.int32(sr), cupy.int32(sc), cupy.int32(block[0]), cupy.int32(block[1]),
-            cupy.int64(out.stride(0))))
+    out = kinds[0].out
+    params: list[int] = []
+    chunks = 0
+    for kind in kinds:
+        o, scales = kind.out, kind.scales
+        _, rows, groups = scales.shape
+        want = (groups * 32, rows) if transposed else (rows, groups * 32)
+        if (tuple(o.shape[1:]) != want or o.stride(2) != 1 or o.dtype != out.dtype
+                or scales.dtype != torch.uint8 or scales.stride(2) != 1):
+            raise ValueError("FP4 outputs of the scales' shape with contiguous last axes, one "
+                             "type a batch; scales their E8M0 bytes")
+        size = o.element_size()
+        vec = int(_aligned(*kind.addresses)) | (
+            int(not transposed and _aligned(o.data_ptr(), o.stride(0) * size,
+                                            o.stride(1) * size)) << 1)
+        params += [o.data_ptr(), o.stride(0), o.stride(1), int(transposed), rows, groups,
+                   scales.data_ptr(), scales.stride(0), scales.stride(1), vec]
+        chunks = max(chunks, n * rows * groups)
+    if n == 0 or chunks == 0:
+        return
+    lut = lookup_table(method, out.dtype, out.device)
+    addresses = [int(a) for kind in kinds for a in kind.addresses]
+    assert len(params) == FP4_PARAMS * len(kinds)
+    _launch(f"fp4_experts_{out.element_size()}", out,
+            params + addresses + [int(e) for e in experts], len(kinds), chunks, np.int32(n),
+            np.uint64(lut.data_ptr()))
+
+
+
+def layer_experts_cuda(scales: LayerScales, addresses: Sequence[Sequence[int]],
+                       experts: Sequence[int], gate_up: Any, down: Any) -> None:
+    """A batch of one layer's quantized experts (``addresses``: per kind, gate, up and down,
+    each expert's matrix) dequantized into the stacked ``gate_up`` and ``down`` in the
+    module's layout, one launch."""
+    targets = scales.targets(gate_up, down)
+    kinds = [Kind(a, stack, t) for a, stack, t in
+             zip(addresses, (scales.gate, scales.up, scales.down), targets, strict=True)]
+    if scales.method == "fp8" and not scales.transposed:
+        fp8_kinds_cuda(kinds, experts, scales.block)
+    else:
+        fp4_experts_cuda(kinds, experts, scales.method, scales.transposed)

@@ -84,16 +84,22 @@ class LayerScales:
         half = gate_up.shape[0] // 2
         return gate_up[:half], gate_up[half:], down.T.contiguous()
 
+    def targets(self, gate_up: Any, down: Any) -> tuple[Any, Any, Any]:
+        """Where the gate, up and down matrices go in the stacked ``gate_up`` and ``down``
+        (views): gate the first F rows of gate_up, up the others, or, transposed, its
+        first and last F columns."""
+        if self.transposed:
+            ffn = down.shape[-2]
+            return gate_up[..., :ffn], gate_up[..., ffn:], down
+        ffn = down.shape[-1]
+        return gate_up[:, :ffn], gate_up[:, ffn:], down
+
     def fill(self, experts: list[int], raws: tuple[Any, Any, Any], gate_up: Any,
              down: Any) -> None:
         """The experts' matrices (``raws``: the stacked gate, up and down bytes) dequantized
         into the module's layout: ``gate_up`` ``(n, 2F, D)`` and ``down`` ``(n, D, F)``, or
         transposed ``(n, D, 2F)`` and ``(n, F, D)``; one product per matrix kind."""
-        ffn = down.shape[-1] if not self.transposed else down.shape[-2]
-        if self.transposed:
-            targets = (gate_up[..., :ffn], gate_up[..., ffn:], down)
-        else:
-            targets = (gate_up[:, :ffn], gate_up[:, ffn:], down)
+        targets = self.targets(gate_up, down)
         # the ids on the device once a batch (from pinned memory: queued, not waited), not
         # one host-to-device copy a matrix kind
         ids = torch.tensor(experts, dtype=torch.int64, pin_memory=self.gate.is_cuda)

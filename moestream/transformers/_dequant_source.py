@@ -1,0 +1,179 @@
+"""The CUDA C of the quantized experts' dequantization kernels (``_dequant_cuda`` compiles
+and launches them; kept apart so the source reads as one piece).
+
+Every kernel reads one batch's *table* (int64, device memory): per matrix kind (gate, up,
+down: ``blockIdx.y``) a block of parameters, then each kind's matrix addresses (where the
+cache holds the expert's bytes), then the experts' ids (their rows of the scales). A thread
+turns one chunk into output values: 16 FP8 bytes of a row (or one, where the row, its block
+width or an address does not allow 16), or one 32-value group of an FP4 row (16 bytes and
+its one E8M0 scale). Index arithmetic is 64-bit once a chunk, never per value.
+
+- FP8 (``fp8_experts_*``): E4M3 decoded exactly by its bits (every E4M3 value is a float32),
+  times the block's float32 scale (one IEEE product), rounded to the output type: BF16 by
+  c10's round-to-nearest-even (NaN 0x7fc0), F16 by ``__float2half_rn``.
+- FP4 (``fp4_experts_*``): a byte is two E2M1 codes, the low nibble first; each value is
+  looked up in a table of the output type's bits, 16 codes for each of the 256 scale bytes,
+  made once by the torch path itself (so it is that path's value for that code and scale,
+  whatever its arithmetic: DeepSeek-V4's ``e2m1 * e8m0``, gpt-oss's ``ldexp``). MXFP4's
+  bytes are rows of the untransposed matrices while gpt-oss keeps them transposed: the
+  kernel writes the transpose, consecutive threads taking consecutive rows so that each
+  store of a warp is contiguous.
+"""
+
+from __future__ import annotations
+
+__all__ = ["FP4_PARAMS", "FP8_PARAMS", "SOURCE"]
+
+FP8_PARAMS = 8
+"""int64 parameters of a kind in an FP8 table: out, out_stride, rows, cols, scales,
+scale_rows, scale_cols, vec (bit 0: 16 bytes at once)."""
+FP4_PARAMS = 10
+"""int64 parameters of a kind in an FP4 table: out, out_stride, ld, transposed, rows,
+groups, scales, scale_expert_stride, scale_row_stride, vec (bit 0: the bytes 16-aligned,
+bit 1: the output rows 16-aligned)."""
+
+SOURCE = r"""
+#include <cuda_fp16.h>
+
+typedef unsigned short u16;
+typedef unsigned int u32;
+typedef long long i64;
+
+__device__ __forceinline__ float e4m3(u32 b) {
+    u32 e = (b >> 3) & 15u, m = b & 7u;
+    float v;
+    if (e == 15u && m == 7u) v = __int_as_float(0x7fc00000);
+    else if (e == 0u) v = (float)m * 0.001953125f;  /* m * 2^-9, exact */
+    else v = __uint_as_float(((e + 120u) << 23) | (m << 20));
+    return (b & 128u) ? -v : v;
+}
+
+__device__ __forceinline__ u16 to_bf16(float f) {
+    u32 u = __float_as_uint(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (u16)(u >> 16);
+}
+
+#define STORE static __device__ __forceinline__
+struct BF16 { typedef u16 T; STORE u16 put(float x) { return to_bf16(x); } };
+struct F16 {
+    typedef u16 T;
+    STORE u16 put(float x) { return __half_as_ushort(__float2half_rn(x)); }
+};
+struct F32 { typedef float T; STORE float put(float x) { return x; } };
+
+template <typename T, int N>
+__device__ __forceinline__ void store_vec(T* to, const T* from) {
+    const uint4* src = (const uint4*)from;
+    uint4* dst = (uint4*)to;
+    #pragma unroll
+    for (int i = 0; i < (int)(N * sizeof(T) / 16); ++i) dst[i] = src[i];
+}
+
+__device__ __forceinline__ void load16(const unsigned char* w, int aligned, u32* words) {
+    if (aligned) {
+        uint4 b = *(const uint4*)w;
+        words[0] = b.x; words[1] = b.y; words[2] = b.z; words[3] = b.w;
+    } else {
+        for (int i = 0; i < 4; ++i)
+            words[i] = (u32)w[4 * i] | ((u32)w[4 * i + 1] << 8) | ((u32)w[4 * i + 2] << 16)
+                       | ((u32)w[4 * i + 3] << 24);
+    }
+}
+
+template <class S>
+__device__ void fp8_kind(const i64* table, int kinds, int n, int kind, int bm, int bn) {
+    typedef typename S::T OUT;
+    const i64* p = table + kind * 8;
+    OUT* out = (OUT*)p[0];
+    i64 ostride = p[1];
+    int rows = (int)p[2], cols = (int)p[3];
+    const float* scales = (const float*)p[4];
+    int sr = (int)p[5], sc = (int)p[6], vec = (int)p[7] & 1;
+    const i64* addresses = table + kinds * 8 + kind * n;
+    const i64* experts = table + kinds * 8 + kinds * n;
+    int width = vec ? 16 : 1, per_row = cols / width;
+    i64 per_matrix = (i64)rows * per_row, chunks = per_matrix * n;
+    for (i64 t = (i64)blockIdx.x * blockDim.x + threadIdx.x; t < chunks;
+         t += (i64)gridDim.x * blockDim.x) {
+        int k = (int)(t / per_matrix);
+        i64 rem = t - k * per_matrix;
+        int r = (int)(rem / per_row);
+        int c = (int)(rem - (i64)r * per_row) * width;
+        const unsigned char* w = (const unsigned char*)addresses[k] + (i64)r * cols + c;
+        float scale = scales[((i64)experts[k] * sr + r / bm) * sc + c / bn];
+        OUT* o = out + k * ostride + (i64)r * cols + c;
+        if (vec) {
+            u32 words[4];
+            load16(w, 1, words);
+            __align__(16) OUT vals[16];
+            #pragma unroll
+            for (int i = 0; i < 16; ++i)
+                vals[i] = S::put(e4m3((words[i >> 2] >> (8 * (i & 3))) & 255u) * scale);
+            store_vec<OUT, 16>(o, vals);
+        } else {
+            o[0] = S::put(e4m3(w[0]) * scale);
+        }
+    }
+}
+
+template <typename OUT>
+__device__ void fp4_kind(const i64* table, int kinds, int n, int kind, const OUT* lut) {
+    const i64* p = table + kind * 10;
+    OUT* out = (OUT*)p[0];
+    i64 ostride = p[1], ld = p[2];
+    int transposed = (int)p[3], rows = (int)p[4], groups = (int)p[5];
+    const unsigned char* scales = (const unsigned char*)p[6];
+    i64 ses = p[7], srs = p[8];
+    int aligned = (int)p[9] & 1, out_aligned = ((int)p[9] >> 1) & 1;
+    const i64* addresses = table + kinds * 10 + kind * n;
+    const i64* experts = table + kinds * 10 + kinds * n;
+    i64 per_matrix = (i64)rows * groups, chunks = per_matrix * n;
+    for (i64 t = (i64)blockIdx.x * blockDim.x + threadIdx.x; t < chunks;
+         t += (i64)gridDim.x * blockDim.x) {
+        int k = (int)(t / per_matrix);
+        i64 rem = t - k * per_matrix;
+        int r, g;
+        if (transposed) { g = (int)(rem / rows); r = (int)(rem - (i64)g * rows); }
+        else { r = (int)(rem / groups); g = (int)(rem - (i64)r * groups); }
+        const unsigned char* w = (const unsigned char*)addresses[k] + ((i64)r * groups + g) * 16;
+        const OUT* row = lut + 16 * (int)scales[experts[k] * ses + r * srs + g];
+        u32 words[4];
+        load16(w, aligned, words);
+        __align__(16) OUT vals[32];
+        #pragma unroll
+        for (int i = 0; i < 16; ++i) {
+            u32 b = (words[i >> 2] >> (8 * (i & 3))) & 255u;
+            vals[2 * i] = row[b & 15u];
+            vals[2 * i + 1] = row[b >> 4];
+        }
+        OUT* o = out + k * ostride;
+        if (transposed) {
+            o += (i64)g * 32 * ld + r;
+            #pragma unroll
+            for (int i = 0; i < 32; ++i) o[i * ld] = vals[i];
+        } else if (out_aligned) {
+            store_vec<OUT, 32>(o + (i64)r * ld + g * 32, vals);
+        } else {
+            o += (i64)r * ld + g * 32;
+            for (int i = 0; i < 32; ++i) o[i] = vals[i];
+        }
+    }
+}
+
+#define FP8_KERNEL(NAME, S)                                                               \
+extern "C" __global__ void NAME(const i64* table, int kinds, int n, int bm, int bn) {  \
+    fp8_kind<S>(table, kinds, n, blockIdx.y, bm, bn);                                   \
+}
+FP8_KERNEL(fp8_experts_bf16, BF16)
+FP8_KERNEL(fp8_experts_f16, F16)
+FP8_KERNEL(fp8_experts_f32, F32)
+
+extern "C" __global__ void fp4_experts_2(const i64* table, int kinds, int n, const u16* lut) {
+    fp4_kind<u16>(table, kinds, n, blockIdx.y, lut);
+}
+extern "C" __global__ void fp4_experts_4(const i64* table, int kinds, int n, const u32* lut) {
+    fp4_kind<u32>(table, kinds, n, blockIdx.y, lut);
+}
+"""
