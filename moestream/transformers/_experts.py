@@ -40,7 +40,7 @@ from transformers.integrations import moe as hf_moe  # type: ignore[import-not-f
 
 from moestream import ExpertHandle, SyncSession, TokenStats
 from moestream.pipeline.foundation.errors import UsageError
-from moestream.transformers._dequant_cuda import CUDA_DTYPES, fp8_experts_cuda
+from moestream.transformers._dequant_cuda import CUDA_DTYPES, layer_experts_cuda
 from moestream.transformers._dequant_cuda import available as cuda_kernel
 from moestream.transformers._generate import GenerateStats
 from moestream.transformers._layout import (
@@ -256,14 +256,11 @@ class ExpertStream:
         one product per matrix kind for the whole batch."""
         scales = self.scales[handles[0].layer]
         experts = [h.expert for h in handles]
-        if (self._cuda and scales.method == "fp8" and not scales.transposed
+        if (self._cuda and (scales.method != "fp8" or not scales.transposed)
                 and down.dtype in CUDA_DTYPES and cuda_kernel()):
-            # one kernel a matrix kind, reading the cache where it is: no stacked copy
-            ffn = down.shape[-1]
-            for at, name, target in ((0, "gate", gate_up[:, :ffn]), (1, "up", gate_up[:, ffn:]),
-                                     (2, "down", down)):
-                fp8_experts_cuda([h.matrices[at].ptr for h in handles], experts,
-                                 getattr(scales, name), target, scales.block)
+            # one kernel a batch, reading the cache where it is: no stacked copy
+            layer_experts_cuda(scales, [[h.matrices[at].ptr for h in handles] for at in range(3)],
+                               experts, gate_up, down)
             return
         raws = [torch.stack([raw(h.matrices[at]) for h in handles]) for at in range(3)]
         scales.fill(experts, (raws[0], raws[1], raws[2]), gate_up, down)
