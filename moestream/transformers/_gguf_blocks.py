@@ -1,17 +1,17 @@
 """GGUF quantized blocks to float32 with torch ops, bitwise what gguf-py computes.
 
-Each routine takes ``(n, block_bytes)`` uint8 blocks on any device and returns ``(n,
-block_elems)`` float32 computed there. They are transcriptions of gguf-py's numpy
-``dequantize_blocks`` (``gguf/quants.py``, the reference ``gguf.quants.dequantize``), kept
-operation for operation where a float is rounded: the same products in the same order
-(``d * sc`` before ``* q``, ``dl * q - ml``, ``(db * grid) * sign``), every intermediate in
-float32, so the results are bitwise equal on the CPU and on CUDA (eager torch fuses no
+Each routine takes ``(n, block_bytes)`` uint8 blocks on any device and writes ``(n,
+block_elems)`` values into ``out`` there, of any float dtype. They are transcriptions of
+gguf-py's numpy ``dequantize_blocks`` (``gguf/quants.py``, the reference
+``gguf.quants.dequantize``), kept operation for operation where a float is rounded: the same
+products in the same order (``d * sc`` before ``* q``, ``dl * q - ml``), every intermediate
+in float32, the last product stored straight into ``out`` (torch computes an op in its
+inputs' float32 and rounds once on the store: one pass fewer than a cast afterwards). So the
+results are bitwise gguf-py's rounded once, on the CPU and on CUDA (eager torch fuses no
 multiply-add). Only the integer unpacking differs in form: bit fields are read byte by byte
-(a GGUF block's fields are not aligned for a wider view) and sign patterns are looked up as
-±1 rows. The IQ types' grids and the IQ4 levels come from gguf-py itself.
-
-:mod:`moestream.transformers._gguf_dequant` is the interface; it uses transformers' own
-routine for a type where the installed transformers has one, and these otherwise.
+(a GGUF block's fields are not aligned for a wider view), quants stay integers until the
+product that promotes them, and an IQ point's values and signs are one row of a signed grid.
+The IQ grids, sign patterns and IQ4 levels come from gguf-py itself.
 """
 
 from __future__ import annotations
@@ -22,10 +22,11 @@ import gguf
 import numpy as np
 import torch  # type: ignore[import-not-found, unused-ignore]
 
-__all__ = ["ROUTINES", "Routine"]
+__all__ = ["F16_SCALES", "ROUTINES", "Routine"]
 
-Routine = Callable[[torch.Tensor], torch.Tensor]
-"""``(n, block_bytes)`` uint8 -> ``(n, block_elems)`` float32, on the blocks' device."""
+Routine = Callable[[torch.Tensor, torch.Tensor], None]
+"""``(n, block_bytes)`` uint8 blocks -> written into ``out``, ``(n, block_elems)`` of any
+float dtype on the blocks' device: computed in float32, rounded once on the last store."""
 
 Q = gguf.GGMLQuantizationType
 
@@ -45,17 +46,32 @@ def _table(name: str, device: torch.device) -> torch.Tensor:
 
 
 def _host_table(name: str) -> np.ndarray:
+    ksigns = np.frombuffer(gguf.quants.IQ2_XXS.ksigns, dtype=np.uint8)
+    if name == "ksigns":
+        return ksigns.copy()
     if name in ("IQ2_XXS", "IQ2_XS", "IQ3_XXS"):
-        kind = getattr(gguf.quants, name)
-        kind.init_grid()
-        return np.ascontiguousarray(kind.grid.reshape(kind.grid_shape), dtype=np.float32)
-    if name == "signs":  # ksigns_iq2xs: a 7-bit index -> its 8 signs as ±1 (the 8th is parity)
-        codes = np.frombuffer(gguf.quants.IQ2_XXS.ksigns, dtype=np.uint8).reshape(128, 1)
-        bits = (codes >> np.arange(8, dtype=np.uint8)) & 1
-        return np.where(bits == 0, np.float32(1), np.float32(-1))
+        return _signed_grid(name, ksigns)
     if name == "iq4":
         return np.array(gguf.quants.IQ4_NL.kvalues, dtype=np.float32)
     return np.array(_MXFP4_LEVELS, dtype=np.float32)
+
+
+def _signed_grid(name: str, ksigns: np.ndarray) -> np.ndarray:
+    """gguf-py's grid of ``name`` times every sign pattern its points take, row ``point <<
+    7 | sign index`` (IQ3_XXS's 4-value points: ``point << 4 | nibble`` of a sign byte).
+
+    ``db * (grid * sign)`` is bitwise gguf-py's ``(db * grid) * sign``: a sign only flips
+    the sign bit, and rounding to nearest is symmetric. One gather instead of two.
+    """
+    kind = getattr(gguf.quants, name)
+    kind.init_grid()
+    grid = kind.grid.reshape(kind.grid_shape).astype(np.float32)
+    width = grid.shape[1]
+    patterns = ksigns if width == 8 else np.arange(16, dtype=np.uint8)
+    bits = (patterns.reshape(-1, 1) >> np.arange(width, dtype=np.uint8)) & 1
+    signs = np.where(bits == 0, np.float32(1), np.float32(-1))
+    signed: np.ndarray = (grid[:, None, :] * signs[None, :, :]).reshape(-1, width)
+    return signed
 
 
 def _f16(blocks: torch.Tensor, start: int) -> torch.Tensor:
@@ -97,18 +113,18 @@ def _word28(data: torch.Tensor) -> torch.Tensor:
     return b[..., 0] | (b[..., 1] << 8) | (b[..., 2] << 16) | ((b[..., 3] & 15) << 24)
 
 
-def _q8_0(blocks: torch.Tensor) -> torch.Tensor:
-    return blocks[:, 2:34].view(torch.int8).float() * _f16(blocks, 0)
+def _q8_0(blocks: torch.Tensor, out: torch.Tensor) -> None:
+    torch.mul(blocks[:, 2:34].view(torch.int8), _f16(blocks, 0), out=out)
 
 
-def _q4_0(blocks: torch.Tensor) -> torch.Tensor:
+def _q4_0(blocks: torch.Tensor, out: torch.Tensor) -> None:
     q = _nibbles(blocks[:, 2:18], 1).reshape(-1, 32).to(torch.int8) - 8
-    return _f16(blocks, 0) * q.float()
+    torch.mul(_f16(blocks, 0), q, out=out)
 
 
-def _q4_1(blocks: torch.Tensor) -> torch.Tensor:
-    q = _nibbles(blocks[:, 4:20], 1).reshape(-1, 32).float()
-    return _f16(blocks, 0) * q + _f16(blocks, 2)
+def _q4_1(blocks: torch.Tensor, out: torch.Tensor) -> None:
+    q = _nibbles(blocks[:, 4:20], 1).reshape(-1, 32)
+    torch.add(_f16(blocks, 0) * q, _f16(blocks, 2), out=out)
 
 
 def _q5(blocks: torch.Tensor, start: int) -> torch.Tensor:
@@ -117,24 +133,23 @@ def _q5(blocks: torch.Tensor, start: int) -> torch.Tensor:
     return low | (_bits_little(blocks[:, start : start + 4]) << 4)
 
 
-def _q5_0(blocks: torch.Tensor) -> torch.Tensor:
-    q = _q5(blocks, 2).to(torch.int8) - 16
-    return _f16(blocks, 0) * q.float()
+def _q5_0(blocks: torch.Tensor, out: torch.Tensor) -> None:
+    torch.mul(_f16(blocks, 0), _q5(blocks, 2).to(torch.int8) - 16, out=out)
 
 
-def _q5_1(blocks: torch.Tensor) -> torch.Tensor:
-    return _f16(blocks, 0) * _q5(blocks, 4).float() + _f16(blocks, 2)
+def _q5_1(blocks: torch.Tensor, out: torch.Tensor) -> None:
+    torch.add(_f16(blocks, 0) * _q5(blocks, 4), _f16(blocks, 2), out=out)
 
 
-def _q2_k(blocks: torch.Tensor) -> torch.Tensor:
+def _q2_k(blocks: torch.Tensor, out: torch.Tensor) -> None:
     scales, n = blocks[:, 0:16], blocks.shape[0]
     dl = (_f16(blocks, 80) * (scales & 15).float()).reshape(n, 16, 1)
     ml = (_f16(blocks, 82) * (scales >> 4).float()).reshape(n, 16, 1)
-    q = _crumbs(blocks[:, 16:80], 2).reshape(n, 16, 16).float()
-    return (dl * q - ml).reshape(n, 256)
+    q = _crumbs(blocks[:, 16:80], 2).reshape(n, 16, 16)
+    torch.sub(dl * q, ml, out=out.view(n, 16, 16))
 
 
-def _q3_k(blocks: torch.Tensor) -> torch.Tensor:
+def _q3_k(blocks: torch.Tensor, out: torch.Tensor) -> None:
     n = blocks.shape[0]
     low = _nibbles(blocks[:, 96:104], 1).reshape(n, 16)
     high = _crumbs(blocks[:, 104:108], 1).reshape(n, 16)
@@ -143,8 +158,7 @@ def _q3_k(blocks: torch.Tensor) -> torch.Tensor:
     ql = _crumbs(blocks[:, 32:96], 2).reshape(n, 16, 16)
     # the high bit is an inverted borrow: 4 comes off where the mask bit is clear
     qh = (_bits(blocks[:, 0:32]).reshape(n, 16, 16) ^ 1) << 2
-    q = (ql.to(torch.int8) - qh.to(torch.int8)).float()
-    return (dl * q).reshape(n, 256)
+    torch.mul(dl, ql.to(torch.int8) - qh.to(torch.int8), out=out.view(n, 16, 16))
 
 
 def _k_scales(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -156,66 +170,67 @@ def _k_scales(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (_f16(blocks, 0) * sc).reshape(n, 8, 1), (_f16(blocks, 2) * mn).reshape(n, 8, 1)
 
 
-def _q4_k(blocks: torch.Tensor) -> torch.Tensor:
+def _q4_k(blocks: torch.Tensor, out: torch.Tensor) -> None:
     d, dm = _k_scales(blocks)
-    q = _nibbles(blocks[:, 16:144], 4).reshape(-1, 8, 32).float()
-    return (d * q - dm).reshape(-1, 256)
+    q = _nibbles(blocks[:, 16:144], 4).reshape(-1, 8, 32)
+    torch.sub(d * q, dm, out=out.view(-1, 8, 32))
 
 
-def _q5_k(blocks: torch.Tensor) -> torch.Tensor:
+def _q5_k(blocks: torch.Tensor, out: torch.Tensor) -> None:
     d, dm = _k_scales(blocks)
     low = _nibbles(blocks[:, 48:176], 4).reshape(-1, 8, 32)
-    q = (low | (_bits(blocks[:, 16:48]) << 4)).float()
-    return (d * q - dm).reshape(-1, 256)
+    torch.sub(d * (low | (_bits(blocks[:, 16:48]) << 4)), dm, out=out.view(-1, 8, 32))
 
 
-def _q6_k(blocks: torch.Tensor) -> torch.Tensor:
+def _q6_k(blocks: torch.Tensor, out: torch.Tensor) -> None:
     n = blocks.shape[0]
     d = (_f16(blocks, 208) * blocks[:, 192:208].view(torch.int8).float()).reshape(n, 16, 1)
     low = _nibbles(blocks[:, 0:128], 2).reshape(n, 8, 32)
     high = _crumbs(blocks[:, 128:192], 2).reshape(n, 8, 32)
-    q = ((low | (high << 4)).to(torch.int8) - 32).reshape(n, 16, 16).float()
-    return (d * q).reshape(n, 256)
+    q = ((low | (high << 4)).to(torch.int8) - 32).reshape(n, 16, 16)
+    torch.mul(d, q, out=out.view(n, 16, 16))
 
 
-def _iq_signs(words: torch.Tensor) -> torch.Tensor:
-    """``(n, g)`` int32 words -> ``(n, g, 4, 8)`` ±1: four 7-bit ksigns indices a word."""
-    index = (words.unsqueeze(-1) >> _shifts(words, (0, 7, 14, 21), 3, last=True).int()) & 127
-    return _table("signs", words.device)[index.long()]
+def _sign_index(words: torch.Tensor) -> torch.Tensor:
+    """``(n, g)`` int32 words -> ``(n, g, 4)`` int64: four 7-bit ksigns indices a word."""
+    return ((words.unsqueeze(-1) >> _shifts(words, (0, 7, 14, 21), 3, last=True).int())
+            & 127).long()
 
 
-def _iq2_xxs(blocks: torch.Tensor) -> torch.Tensor:
+def _iq2_xxs(blocks: torch.Tensor, out: torch.Tensor) -> None:
     n = blocks.shape[0]
     groups = blocks[:, 2:66].reshape(n, 8, 8)  # per 32 values: 4 grid indices, 1 word of meta
     scale = (groups[:, :, 7] >> 4).float()
     db = (_f16(blocks, 0) * (0.5 + scale) * 0.25).reshape(n, 8, 1, 1)
-    signs = _iq_signs(_word28(groups[:, :, 4:8].reshape(n, 32)))
-    grid = _table("IQ2_XXS", blocks.device)[groups[:, :, 0:4].long()]
-    return (db * grid * signs).reshape(n, 256)
+    signs = _sign_index(_word28(groups[:, :, 4:8].reshape(n, 32)))
+    index = (groups[:, :, 0:4].long() << 7) | signs
+    torch.mul(db, _table("IQ2_XXS", blocks.device)[index], out=out.view(n, 8, 4, 8))
 
 
-def _iq2_xs(blocks: torch.Tensor) -> torch.Tensor:
+def _iq2_xs(blocks: torch.Tensor, out: torch.Tensor) -> None:
     n = blocks.shape[0]
     words = blocks[:, 2:66].reshape(n, 32, 2).to(torch.int32)
-    words = words[..., 0] | (words[..., 1] << 8)
+    index = (words[..., 0] | (words[..., 1] << 8)).long()  # 9-bit grid index, 7-bit signs
     scale = _nibbles(blocks[:, 66:74].reshape(n * 8, 1), 1).reshape(n, 16).float()
     db = (_f16(blocks, 0) * (0.5 + scale) * 0.25).reshape(n, 16, 1, 1)
-    signs = _table("signs", blocks.device)[(words >> 9).long()].reshape(n, 16, 2, 8)
-    grid = _table("IQ2_XS", blocks.device)[(words & 511).long()].reshape(n, 16, 2, 8)
-    return (db * grid * signs).reshape(n, 256)
+    signed = _table("IQ2_XS", blocks.device)[((index & 511) << 7) | (index >> 9)]
+    torch.mul(db, signed.reshape(n, 16, 2, 8), out=out.view(n, 16, 2, 8))
 
 
-def _iq3_xxs(blocks: torch.Tensor) -> torch.Tensor:
+def _iq3_xxs(blocks: torch.Tensor, out: torch.Tensor) -> None:
     n = blocks.shape[0]
     meta = blocks[:, 66:98].reshape(n, 8, 4)
     scale = (meta[:, :, 3] >> 4).float()
     db = (_f16(blocks, 0) * (0.5 + scale) * 0.5).reshape(n, 8, 1, 1)
-    signs = _iq_signs(_word28(meta.reshape(n, 32)))
-    grid = _table("IQ3_XXS", blocks.device)[blocks[:, 2:66].long()].reshape(n, 8, 4, 8)
-    return (db * grid * signs).reshape(n, 256)
+    # a sign byte covers two 4-value grid points: its low nibble the first, its high the second
+    signs = _table("ksigns", blocks.device)[_sign_index(_word28(meta.reshape(n, 32)))]
+    halves = (signs.unsqueeze(-1) >> _shifts(signs, (0, 4), 4, last=True).long()) & 15
+    index = (blocks[:, 2:66].reshape(n, 8, 4, 2).long() << 4) | halves
+    signed = _table("IQ3_XXS", blocks.device)[index]
+    torch.mul(db, signed.reshape(n, 8, 4, 8), out=out.view(n, 8, 4, 8))
 
 
-def _iq4_xs(blocks: torch.Tensor) -> torch.Tensor:
+def _iq4_xs(blocks: torch.Tensor, out: torch.Tensor) -> None:
     n = blocks.shape[0]
     high_word = blocks[:, 2:4].to(torch.int32)
     high_word = high_word[:, 0:1] | (high_word[:, 1:2] << 8)
@@ -224,15 +239,15 @@ def _iq4_xs(blocks: torch.Tensor) -> torch.Tensor:
     scale = ((low | (high << 4)) - 32).float()
     dl = (_f16(blocks, 0) * scale).reshape(n, 8, 1)
     q = _nibbles(blocks[:, 8:136], 8).reshape(n, 8, 32)
-    return (dl * _table("iq4", blocks.device)[q.long()]).reshape(n, 256)
+    torch.mul(dl, _table("iq4", blocks.device)[q.long()], out=out.view(n, 8, 32))
 
 
-def _mxfp4(blocks: torch.Tensor) -> torch.Tensor:
+def _mxfp4(blocks: torch.Tensor, out: torch.Tensor) -> None:
     e = blocks[:, 0:1].to(torch.int32)
     # ggml_e8m0_to_fp32_half: 2 ** (e - 128) as float32 bits, subnormal for e < 2
     bits = torch.where(e < 2, 0x00200000 << e, (e - 1) << 23)
     q = _nibbles(blocks[:, 1:17], 1).reshape(-1, 32)
-    return bits.view(torch.float32) * _table("mxfp4", blocks.device)[q.long()]
+    torch.mul(bits.view(torch.float32), _table("mxfp4", blocks.device)[q.long()], out=out)
 
 
 ROUTINES: dict[int, Routine] = {
@@ -242,3 +257,12 @@ ROUTINES: dict[int, Routine] = {
     Q.MXFP4: _mxfp4,
 }
 """ggml type id -> its routine: every quantized type moestream dequantizes."""
+
+F16_SCALES: dict[int, tuple[int, ...]] = {
+    Q.Q4_0: (0,), Q.Q4_1: (0, 2), Q.Q5_0: (0,), Q.Q5_1: (0, 2), Q.Q8_0: (0,),
+    Q.Q2_K: (80, 82), Q.Q3_K: (108,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,),
+    Q.IQ2_XXS: (0,), Q.IQ2_XS: (0,), Q.IQ3_XXS: (0,), Q.IQ4_XS: (0,), Q.MXFP4: (),
+}
+"""Each type's float16 scale fields, as byte offsets in its block (MXFP4's one scale is an
+E8M0 byte at 0): what a maker of valid random blocks sets to finite values (any other byte
+of these types is valid as it comes)."""

@@ -20,42 +20,42 @@ use turns the arrived experts of a layer into the compute dtype here, one call p
   device, or ``out`` filled: a contiguous tensor of exactly that shape and dtype on that
   device, which the caller may reuse as scratch from call to call (nothing else is kept).
   Work is done in chunks of at most ``CHUNK_VALUES`` values, so the float32 temporaries
-  stay bounded whatever the batch.
+  stay bounded whatever the batch. Ops run on torch's current stream, like the model's:
+  no synchronization here.
+- Refused, each in one line: a type not :func:`supported` (``UsageError``; a loader that
+  knows the file and tensor calls :func:`require` first and says which), a dtype not in
+  ``DTYPES``, a last dimension that is not whole blocks, an ``out`` that does not fit
+  (``UsageError``), ``blocks`` that are not a uint8/int8 tensor (``UsageTypeError``).
 
-Exactness, the contract: the result is ``torch.equal`` (bitwise, in fact) to
+Exactness, the contract: the result is bitwise equal (so ``torch.equal``) to
 ``torch.from_numpy(gguf.quants.dequantize(raw, ggml_type)).to(dtype)``, gguf-py's float32
-reference rounded once to ``dtype``. Every routine therefore computes in float32 and
-casts at the end: transformers' own routines compute in ``dtype`` when asked for bf16
-(``d.to(bf16) * q``: two roundings, not equal), so they are always called for float32.
+reference rounded once to ``dtype``: every routine (``_gguf_blocks``) computes in float32,
+product for product as gguf-py does, and rounds once, on the store of its last product into
+the output. ``tests/transformers/test_gguf_dequant.py`` holds it on random valid blocks of
+every type and dtype (and ``test_gguf_dequant_gpu.py`` on CUDA).
 
-Which routine runs: transformers' ``integrations/gguf/dequant.py`` (torch ops, any device)
-where the installed transformers has the type and this module trusts it (it is tested equal
-to gguf-py in ``tests/transformers/test_gguf_dequant.py``), moestream's own
-(``_gguf_blocks``) otherwise. transformers 5.18 and later ship it for Q4_0, Q4_1, Q8_0,
-Q2_K..Q6_K, IQ2_XXS, IQ2_XS, IQ3_XXS and IQ4_XS; 5.17 for Q8_0 and Q4_K..Q6_K only; 5.16
-and earlier not at all. This module falls back rather than requiring 5.18 (the GPU machine
-has 5.17): moestream's routines cover every type above, so Q5_0, Q5_1 and MXFP4 (which no
-transformers has) and, on an older transformers, the rest come from there; each fallback
-for a type transformers lacks is logged once. :func:`source` says which runs for a type.
+Why not transformers' ``integrations/gguf/dequant.py`` (torch ops, any device): it is not
+in the transformers the GPU machine has for most types (5.16 and earlier: absent; 5.17:
+Q8_0 and Q4_K..Q6_K only; 5.18 to 5.25: 12 of the 15 types, never Q5_0, Q5_1 or MXFP4),
+asked for bf16 it computes in bf16 (``d.to(bf16) * q``: two roundings, not gguf-py's
+values), and at float32, where it is equal, it is slower: it returns float32 that must
+then be cast (one more pass over the values) and builds the IQ types' values with two
+gathers and two products where a signed grid needs one of each (``python -m
+bench.gguf_dequant`` times both: IQ2_XXS 3.6x, the others 1.1-1.3x on a CPU). So no
+transformers version is required, and one code path runs everywhere.
 """
 
 from __future__ import annotations
 
-import functools
-from types import ModuleType
 from typing import Any
 
 import gguf
-import structlog
 import torch  # type: ignore[import-not-found, unused-ignore]
 
 from moestream.pipeline.foundation.errors import UsageError, UsageTypeError
-from moestream.transformers._gguf_blocks import ROUTINES, Routine
+from moestream.transformers._gguf_blocks import ROUTINES
 
-__all__ = ["CHUNK_VALUES", "DTYPES", "block_shape", "dequantize", "require", "source",
-           "supported"]
-
-_log = structlog.get_logger("moestream.transformers")
+__all__ = ["CHUNK_VALUES", "DTYPES", "block_shape", "dequantize", "require", "supported"]
 
 Q = gguf.GGMLQuantizationType
 
@@ -67,13 +67,6 @@ CHUNK_VALUES = 1 << 24
 
 _PLAIN = {Q.F32: torch.float32, Q.F16: torch.float16, Q.BF16: torch.bfloat16}
 """The float types: their bytes are the values, read as this torch dtype."""
-
-_TRANSFORMERS_TRUSTED = frozenset({Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K,
-                                   Q.Q6_K, Q.IQ2_XXS, Q.IQ2_XS, Q.IQ3_XXS, Q.IQ4_XS})
-"""The types whose transformers routine (5.17 to 5.25), at float32, is tested bitwise equal
-to gguf-py; another type transformers adds is not used until it is tested here."""
-
-_fallbacks_logged: set[int] = set()
 
 
 def supported(ggml_type: int) -> bool:
@@ -98,15 +91,6 @@ def block_shape(ggml_type: int) -> tuple[int, int]:
     require(ggml_type)
     elems, nbytes = gguf.GGML_QUANT_SIZES[Q(ggml_type)]
     return int(elems), int(nbytes)
-
-
-def source(ggml_type: int) -> str:
-    """Whose routine dequantizes this type here: ``"transformers"``, ``"moestream"`` or, for
-    the float types, ``"cast"``."""
-    require(ggml_type)
-    if ggml_type in _PLAIN:
-        return "cast"
-    return "transformers" if _transformers_has(ggml_type) else "moestream"
 
 
 def dequantize(blocks: torch.Tensor, ggml_type: int, dtype: torch.dtype, *,
@@ -136,11 +120,10 @@ def dequantize(blocks: torch.Tensor, ggml_type: int, dtype: torch.dtype, *,
         return _cast(raw, _PLAIN[Q(ggml_type)], target)
     flat_blocks = raw.reshape(-1, nbytes)
     flat_out = target.view(-1, elems)
-    routine = _routine(ggml_type)
+    routine = ROUTINES[ggml_type]
     step = max(1, CHUNK_VALUES // elems)
     for start in range(0, flat_blocks.shape[0], step):
-        values = routine(flat_blocks[start : start + step])
-        flat_out[start : start + step].copy_(values)
+        routine(flat_blocks[start : start + step], flat_out[start : start + step])
     return target
 
 
@@ -178,40 +161,6 @@ def _cast(raw: torch.Tensor, stored: Any, target: torch.Tensor) -> torch.Tensor:
     if raw.storage_offset() % size or not raw.is_contiguous():
         raw = raw.clone()  # a typed view needs aligned, contiguous bytes
     return target.copy_(raw.view(stored))
-
-
-def _routine(ggml_type: int) -> Routine:
-    """transformers' routine for the type at float32 where trusted and present, else ours."""
-    if _transformers_has(ggml_type):
-        return functools.partial(_transformers_blocks, ggml_type=ggml_type)
-    if ggml_type in _TRANSFORMERS_TRUSTED and ggml_type not in _fallbacks_logged:
-        _fallbacks_logged.add(ggml_type)
-        _log.info("gguf_dequant_fallback", ggml_type=_name(ggml_type),
-                  reason="the installed transformers has no routine for it (5.18 has)")
-    return ROUTINES[ggml_type]
-
-
-def _transformers_blocks(blocks: Any, ggml_type: int) -> Any:
-    module = _transformers_module()
-    assert module is not None  # _transformers_has checked it
-    values = module.dequantize(blocks.reshape(-1), ggml_type, torch.float32)
-    return values.reshape(blocks.shape[0], -1)
-
-
-def _transformers_has(ggml_type: int) -> bool:
-    module = _transformers_module()
-    return (module is not None and ggml_type in _TRANSFORMERS_TRUSTED
-            and ggml_type in getattr(module, "GGML_BLOCK", {}))
-
-
-@functools.cache
-def _transformers_module() -> ModuleType | None:
-    """transformers' torch GGUF dequantizer, or None where this transformers has none."""
-    try:
-        from transformers.integrations.gguf import dequant
-    except ImportError:
-        return None
-    return dequant
 
 
 def _name(ggml_type: int) -> str:

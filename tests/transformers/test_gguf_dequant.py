@@ -16,22 +16,13 @@ from hypothesis import strategies as st
 torch = pytest.importorskip("torch")
 gguf = pytest.importorskip("gguf")
 
-from structlog.testing import capture_logs  # noqa: E402
-
 from moestream.pipeline.foundation.errors import UsageError, UsageTypeError  # noqa: E402
 from moestream.transformers import _gguf_dequant as gd  # noqa: E402
-from moestream.transformers._gguf_blocks import ROUTINES  # noqa: E402
+from moestream.transformers._gguf_blocks import F16_SCALES, ROUTINES  # noqa: E402
 
 Q = gguf.GGMLQuantizationType
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 TYPES = sorted(ROUTINES)
-
-SCALES: dict[int, tuple[int, ...]] = {
-    Q.Q4_0: (0,), Q.Q4_1: (0, 2), Q.Q5_0: (0,), Q.Q5_1: (0, 2), Q.Q8_0: (0,),
-    Q.Q2_K: (80, 82), Q.Q3_K: (108,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,),
-    Q.IQ2_XXS: (0,), Q.IQ2_XS: (0,), Q.IQ3_XXS: (0,), Q.IQ4_XS: (0,), Q.MXFP4: (),
-}
-"""Where each type's float16 scales lie in its block (MXFP4's E8M0 byte is any byte)."""
 
 EXTREMES = (65504.0, -65504.0, 6.1e-05, -6.1e-05, 6e-08, -6e-08, 0.0, -0.0, 1.0)
 """float16's largest, smallest normal and smallest subnormal magnitudes, both zeros, one."""
@@ -56,7 +47,7 @@ def assert_bitwise(got: Any, want: Any) -> None:
 def with_scales(raw: np.ndarray, ggml_type: int, scales: list[float]) -> np.ndarray:
     """``raw`` blocks with their float16 scale fields set, block by block, from ``scales``."""
     raw = raw.copy()
-    offsets = SCALES[ggml_type]
+    offsets = F16_SCALES[ggml_type]
     for i in range(raw.shape[0]):
         for j, at in enumerate(offsets):
             value = np.float16(scales[(i * len(offsets) + j) % len(scales)])
@@ -106,16 +97,25 @@ def exhaustive(ggml_type: int) -> np.ndarray:
     return with_scales(np.concatenate([d, body], axis=1), ggml_type, list(EXTREMES))
 
 
+def own(blocks_t: Any, ggml_type: int, dtype: Any) -> Any:
+    """moestream's own routine for the type (whatever :func:`dequantize` would choose)."""
+    out = torch.empty(blocks_t.shape[0], gd.block_shape(ggml_type)[0], dtype=dtype,
+                      device=blocks_t.device)
+    ROUTINES[ggml_type](blocks_t, out)
+    return out
+
+
 def check(raw: np.ndarray, ggml_type: int, device: str) -> None:
-    """Every dtype through :func:`dequantize`, and float32 through our own routine."""
+    """Every dtype through :func:`dequantize` and through our own routine."""
     blocks_t = torch.from_numpy(raw).to(device)
     for dtype in DTYPES:
-        assert_bitwise(gd.dequantize(blocks_t, ggml_type, dtype), reference(raw, ggml_type, dtype))
-    assert_bitwise(ROUTINES[ggml_type](blocks_t), reference(raw, ggml_type, torch.float32))
+        want = reference(raw, ggml_type, dtype)
+        assert_bitwise(gd.dequantize(blocks_t, ggml_type, dtype), want)
+        assert_bitwise(own(blocks_t, ggml_type, dtype), want)
 
 
 class TestExact:
-    """Each type equal to gguf-py's reference cast once, whoever's routine runs."""
+    """Each type equal to gguf-py's reference cast once, in every compute dtype."""
 
     @pytest.mark.parametrize("ggml_type", TYPES, ids=[Q(t).name for t in TYPES])
     def test_random_blocks(self, ggml_type: int) -> None:
@@ -146,18 +146,6 @@ class TestExact:
             for dtype in DTYPES:
                 got = gd.dequantize(blocks_t, ggml_type, dtype)
                 assert_bitwise(got, reference(raw, ggml_type, dtype))
-
-    def test_fallback_without_transformers(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        """With no transformers routine (transformers < 5.17), ours runs, logged once."""
-        monkeypatch.setattr(gd, "_transformers_module", lambda: None)
-        monkeypatch.setattr(gd, "_fallbacks_logged", set())
-        raw = with_scales(np.random.default_rng(2).integers(0, 256, (4, 84), dtype=np.uint8),
-                          Q.Q2_K, [1.5, -0.25])
-        with capture_logs() as logs:
-            check(raw, Q.Q2_K, "cpu")
-        assert gd.source(Q.Q2_K) == "moestream"
-        assert [e["ggml_type"] for e in logs if e["event"] == "gguf_dequant_fallback"] \
-            == ["Q2_K (10)"]
 
 
 class TestInterface:
@@ -209,7 +197,6 @@ class TestInterface:
             gd.dequantize(raw, Q.Q8_0, torch.bfloat16, out=torch.empty(2, 32))
         assert gd.dequantize(raw.view(torch.int8), Q.Q8_0, torch.float32).shape == (2, 32)
 
-    def test_supported_and_source(self) -> None:
+    def test_supported_and_block_shape(self) -> None:
         assert all(gd.supported(t) for t in [*TYPES, Q.F32, Q.F16, Q.BF16])
-        assert gd.source(Q.MXFP4) == "moestream" and gd.source(Q.F16) == "cast"
         assert gd.block_shape(Q.IQ2_XXS) == (256, 66) and gd.block_shape(Q.MXFP4) == (32, 17)

@@ -13,7 +13,6 @@ torch = pytest.importorskip("torch")
 gguf = pytest.importorskip("gguf")
 
 from moestream.transformers import _gguf_dequant as gd  # noqa: E402
-from moestream.transformers._gguf_blocks import ROUTINES  # noqa: E402
 from tests.transformers.test_gguf_dequant import (  # noqa: E402
     DTYPES,
     EXTREMES,
@@ -23,6 +22,7 @@ from tests.transformers.test_gguf_dequant import (  # noqa: E402
     blocks,
     check,
     exhaustive,
+    own,
     reference,
     with_scales,
 )
@@ -57,9 +57,10 @@ def test_every_e8m0_scale() -> None:
 
 
 @pytest.mark.parametrize("ggml_type", TYPES, ids=NAMES)
-def test_expert_matrix_into_scratch(ggml_type: int) -> None:
-    """A 768 x 2048 expert matrix (Qwen3-30B-A3B's down projection) in several chunks,
-    into one ``out`` reused for every dtype's view of the same bytes."""
+def test_expert_matrix_into_scratch(ggml_type: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A 768 x 2048 expert matrix (Qwen3-30B-A3B's down projection) in six chunks, into
+    scratch reused from call to call."""
+    monkeypatch.setattr(gd, "CHUNK_VALUES", 1 << 18)
     elems, nbytes = gguf.GGML_QUANT_SIZES[Q(ggml_type)]
     rows, cols = 768, 2048
     rng = np.random.default_rng(ggml_type)
@@ -67,14 +68,13 @@ def test_expert_matrix_into_scratch(ggml_type: int) -> None:
     raw = with_scales(raw, ggml_type, list(EXTREMES) + list(rng.standard_normal(37)))
     device_bytes = torch.from_numpy(raw.reshape(rows, -1)).cuda()
     scratch = {dtype: torch.empty(rows, cols, dtype=dtype, device="cuda") for dtype in DTYPES}
-    for dtype in DTYPES:
+    for dtype in DTYPES * 2:
         want = reference(raw, ggml_type, dtype).reshape(rows, cols)
         got = gd.dequantize(device_bytes, ggml_type, dtype, out=scratch[dtype])
         assert got is scratch[dtype]
         assert_bitwise(got, want)
-    mine = ROUTINES[ggml_type](device_bytes.reshape(-1, nbytes))
-    assert_bitwise(mine.reshape(rows, cols), reference(raw, ggml_type, torch.float32)
-                   .reshape(rows, cols))
+        mine = own(device_bytes.reshape(-1, nbytes), ggml_type, dtype)
+        assert_bitwise(mine.reshape(rows, cols), want)
 
 
 @pytest.mark.parametrize("ggml_type", [Q.F32, Q.F16, Q.BF16], ids=["F32", "F16", "BF16"])
