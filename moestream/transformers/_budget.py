@@ -11,6 +11,7 @@ session opens with the budget, so they read the checkpoint's headers once more
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +24,7 @@ from moestream.pipeline.foundation.experts import ExpertTable
 from moestream.pipeline.foundation.sizes import size_text
 from moestream.pipeline.foundation.table import open_table
 
-__all__ = ["budget_for", "dense_bytes"]
+__all__ = ["budget_for", "dense_bytes", "warn_if_clamped"]
 
 _FLOATS = {"F16", "BF16", "F32", "F64", "F8_E4M3", "F8_E5M2", "F8_E4M3FNUZ", "F8_E5M2FNUZ"}
 """Dense tensor types the loader casts to the model's dtype (FP8 weights dequantized)."""
@@ -128,3 +129,24 @@ def dense_bytes(table: ExpertTable, dtype: Any) -> int:
         total += (elements * size if size is not None and tensor.type_name in _FLOATS
                   else tensor.nbytes)
     return total
+
+
+def warn_if_clamped(session: moestream.SyncSession, budget: Any) -> None:
+    """Warn (``UserWarning``, shown whether or not the application configured logging) when
+    the session holds less than ``budget`` asked: the device had less free memory, so the
+    cache was cut to it and more experts will miss than the budget promised."""
+    info = session.model
+    expert_bytes = max(layer.expert_bytes for layer in info.layers.values())
+    if budget is None:
+        asked, wanted = "every expert", sum(layer.n_experts * layer.expert_bytes
+                                            for layer in info.layers.values())
+    else:
+        given = budget if isinstance(budget, Budget) else parse_budget(str(budget))
+        asked = f"budget {given}"
+        wanted = (given.nbytes if given.nbytes is not None
+                  else (given.experts or 0) * expert_bytes)
+    held = session.counters().budget_bytes
+    if held < wanted:
+        warnings.warn(f"{asked} ({size_text(wanted)}) is more than the device's free memory: "
+                      f"the experts' cache holds {size_text(held)}, "
+                      f"{held // expert_bytes} experts", UserWarning, stacklevel=3)

@@ -47,7 +47,7 @@ from moestream.transformers._arguments import (
     not_a_dtype,
     wanted_dtype,
 )
-from moestream.transformers._budget import budget_for
+from moestream.transformers._budget import budget_for, warn_if_clamped
 from moestream.transformers._dense import load_dense, tensor_reader
 from moestream.transformers._experts import (
     COMPUTES,
@@ -124,6 +124,7 @@ def from_pretrained(path: str | os.PathLike[str], *, budget: str | moestream.Bud
     session = _open(given, torch_device, budget=budget, mode=mode, policy=policy,
                     verify=verify, log=log, tuning=tuning)
     try:
+        warn_if_clamped(session, budget)
         return _served(session, root, torch_device, wanted, said.attention, compute, progress)
     except BaseException:
         session.close()

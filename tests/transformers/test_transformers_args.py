@@ -121,12 +121,6 @@ class TestRefused:
     def test_device_and_another_device_map(self, checkpoint: Path, never_opened: None) -> None:
         _refused(checkpoint, UsageError, "give one", device="cpu", device_map="cuda:0")
 
-    def test_max_memory(self, checkpoint: Path, never_opened: None) -> None:
-        _refused(checkpoint, UsageError, "max_memory", "budget=", max_memory={0: "20GiB"})
-
-    def test_revision(self, checkpoint: Path, never_opened: None) -> None:
-        _refused(checkpoint, UsageError, "revision", "local", revision="main")
-
     def test_trust_remote_code(self, checkpoint: Path, never_opened: None) -> None:
         _refused(checkpoint, UsageError, "never runs", trust_remote_code=True)
 
@@ -156,8 +150,9 @@ class TestUnknownWords:
     what ``from_pretrained`` takes."""
 
     def test_named_with_the_arguments(self, checkpoint: Path, never_opened: None) -> None:
-        text = _refused(checkpoint, UsageTypeError, "unexpected argument cache_dir",
-                        "budget", "torch_dtype", "device_map", cache_dir="/tmp")
+        text = _refused(checkpoint, UsageTypeError, "unexpected argument subfolder",
+                        "budget", "torch_dtype", "device_map", "max_memory", "revision",
+                        subfolder="text")
         assert "arguments" not in text.split(";")[0]
 
     def test_several(self, checkpoint: Path, never_opened: None) -> None:
