@@ -4,14 +4,16 @@ The model is loaded by :func:`moestream.transformers.from_pretrained` (routed ex
 streamed under ``--cache-budget``), the prompt is the checkpoint tokenizer's encoding of
 ``--prompt`` or the ids of ``--prompt-ids``, and ``--tokens`` tokens are generated greedily
 with transformers' own ``generate``. Prints the tokens (and the text, with a tokenizer),
-then the run's summary in ``moestream.pipeline.cli.run``'s format; ``--log`` writes the same run log
-(one ``token`` line per generated token), which ``tools.analyze`` reads. Errors are one
-line and exit 2 for bad input, as ``moestream.pipeline.cli.run``'s.
+then the run's summary in ``moestream.pipeline.cli.run``'s format (``--json``: one JSON
+object, the summary's fields with ``prompt_ids``, ``token_ids`` and ``text``); ``--log``
+writes the same run log (one ``token`` line per generated token), which ``tools.analyze``
+reads. Errors are one line and exit 2 for bad input, as ``moestream.pipeline.cli.run``'s.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from pathlib import Path
@@ -129,12 +131,16 @@ def _generate(args: argparse.Namespace) -> int:
         stream.close()
     new = out[0, len(ids):].tolist()
     _fill(summary, counters, tokens=len(new), verify=not args.no_verify)
+    text = tokenizer.decode(new) if tokenizer is not None else None
     with closable_stdout():
-        if not args.json:
+        if args.json:  # the summary's fields, and what was generated
+            print(json.dumps({**summary.as_dict(), "prompt_ids": ids, "token_ids": new,
+                              **({"text": text} if text is not None else {})}, indent=2))
+        else:
             print(f"tokens     {','.join(str(t) for t in new)}")
-            if tokenizer is not None:
-                print(f"text       {tokenizer.decode(new)!r}")
-        print_summary(summary, args.json)
+            if text is not None:
+                print(f"text       {text!r}")
+            print_summary(summary, as_json=False)
     return 3 if counters.mismatches else 0
 
 

@@ -1,0 +1,83 @@
+"""``python -m pipeline.run --engine transformers``'s output as docs/TRANSFORMERS.md shows
+it: ``--json`` holds the generated token ids, sizes print in a unit that reads, counts in
+the right number, a budget of nothing names the model's least."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("transformers.integrations.moe")
+
+from moestream import transformers as mt  # noqa: E402
+from moestream.pipeline import run as pipeline_run  # noqa: E402
+from tests.transformers.test_transformers_trust import CONFIG, IDS, _save  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+
+LEAST = 2 * CONFIG["num_experts_per_tok"]
+NEW = 4
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _save(tmp_path_factory.mktemp("cli-out") / "qwen3_moe", seed=0)
+
+
+def _run(capsys: pytest.CaptureFixture[str], checkpoint: Path,
+         *extra: str) -> tuple[int, str, str]:
+    code = pipeline_run.main(["--engine", "transformers", "-m", str(checkpoint),
+                              "--prompt-ids", ",".join(map(str, IDS[0])), "--tokens", str(NEW),
+                              "--backend", "host", *extra])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+class TestJson:
+    """``--json``: one object, the summary's fields with the prompt's and the generated
+    token ids."""
+
+    def test_token_ids(self, capsys: pytest.CaptureFixture[str], checkpoint: Path) -> None:
+        code, out, _ = _run(capsys, checkpoint, "--cache-budget", str(LEAST), "--json")
+        assert code == 0
+        got = json.loads(out)
+        assert got["prompt_ids"] == IDS[0]
+        assert len(got["token_ids"]) == got["tokens"] == NEW
+        assert "text" not in got  # the checkpoint has no tokenizer
+        with mt.from_pretrained(checkpoint, budget=LEAST, device="cpu") as model, \
+                torch.no_grad():
+            ids = model.generate(torch.tensor(IDS), max_new_tokens=NEW, min_new_tokens=NEW,
+                                 do_sample=False)
+        assert got["token_ids"] == ids[0, len(IDS[0]):].tolist()
+
+
+class TestText:
+    """The plain summary: sizes in the unit they reach, counts in the right number."""
+
+    def test_units_and_counts(self, capsys: pytest.CaptureFixture[str],
+                              checkpoint: Path) -> None:
+        code, out, _ = _run(capsys, checkpoint, "--cache-budget", str(LEAST))
+        assert code == 0
+        assert "0.00 GiB" not in out and "0.00 MiB" not in out
+        assert re.search(r"budget \d+\.\d\d KiB", out)
+        assert re.search(r"experts \w+, \d+\.\d\d KiB an expert as stored", out)
+        verified = re.search(r"verified: (\d+) (experts?), (\d+) (mismatch(?:es)?)", out)
+        assert verified is not None
+        assert (verified.group(2) == "expert") == (verified.group(1) == "1")
+        assert (verified.group(4) == "mismatch") == (verified.group(3) == "1")
+
+
+class TestLeastBudget:
+    """``--cache-budget 0``: one line naming the model's least."""
+
+    @pytest.mark.parametrize("budget", ["0", "-1"])
+    def test_names_the_least(self, capsys: pytest.CaptureFixture[str], checkpoint: Path,
+                             budget: str) -> None:
+        code, out, err = _run(capsys, checkpoint, f"--cache-budget={budget}")
+        assert code == 2 and out == ""
+        assert err.count("\n") == 1 and f"at least {LEAST} experts" in err
