@@ -61,6 +61,7 @@ from moestream.transformers._gate import is_available
 from moestream.transformers._hub import local_checkpoint
 from moestream.transformers._layout import TORCH_DTYPES, first_projection
 from moestream.transformers._model import serve
+from moestream.transformers._mtp import mtp_layers
 from moestream.transformers._quantized import load_scales
 from moestream.transformers._swap import swap_experts
 
@@ -283,7 +284,10 @@ def _check_experts(session: moestream.SyncSession, experts: dict[int, Any]) -> i
     may pin (what the budget holds beside another layer in flight)."""
     info = session.model
     path = info.path
-    ours, theirs = sorted(experts), sorted(info.moe_layers)
+    # a checkpoint's multi-token-prediction layers are not the model's (transformers
+    # ignores their weights too): their experts are never fetched
+    ours = sorted(experts)
+    theirs = sorted(set(info.moe_layers) - mtp_layers(info.config, info.moe_layers))
     if ours != theirs:
         raise ExpertLayoutError(path, f"the config has routed experts in layers {ours}, "
                                 f"the checkpoint in layers {theirs}")
