@@ -38,9 +38,10 @@ import uvloop
 from bench.kit import budget_for, drop_caches, exit_with
 from bench.record import provenance, write_result
 from moestream.pipeline.cli.run import run
-from moestream.pipeline.foundation.config import ComputeSpec, RunConfig, parse_size
+from moestream.pipeline.foundation.config import ComputeSpec, parse_size
 from moestream.pipeline.foundation.table import open_table
 from moestream.pipeline.foundation.trace import save_trace
+from moestream.pipeline.proxy.config import RunConfig
 from moestream.pipeline.proxy.synthetic import synthetic_trace
 
 __all__ = ["main"]

@@ -48,10 +48,11 @@ from bench.rates import window_rate
 from bench.record import provenance, write_result
 from moestream.gpu.selection import select_backend
 from moestream.pipeline.cli.run import RunSummary, run
-from moestream.pipeline.foundation.config import Budget, ComputeSpec, Mode, RunConfig, parse_devices
+from moestream.pipeline.foundation.config import Budget, ComputeSpec, Mode, parse_devices
 from moestream.pipeline.foundation.errors import UsageError
 from moestream.pipeline.foundation.machine import machine_info
 from moestream.pipeline.foundation.table import ExpertTable, open_table
+from moestream.pipeline.proxy.config import RunConfig
 from moestream.tools.analyze.device_report import device_balance
 
 __all__ = ["RunSpec", "device_window", "main"]

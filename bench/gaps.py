@@ -33,10 +33,11 @@ import uvloop
 from bench.kit import exit_with, make_resident
 from moestream.gpu import kernels as kernel_module
 from moestream.pipeline.cli.run import run
-from moestream.pipeline.foundation.config import ComputeSpec, RunConfig
+from moestream.pipeline.foundation.config import ComputeSpec
 from moestream.pipeline.foundation.table import open_table
 from moestream.pipeline.foundation.trace import save_trace
 from moestream.pipeline.proxy import decode
+from moestream.pipeline.proxy.config import RunConfig
 from moestream.pipeline.proxy.synthetic import synthetic_trace
 from moestream.pipeline.runlog import write as logs
 from moestream.pipeline.streaming import session as session_module

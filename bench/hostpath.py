@@ -43,8 +43,9 @@ from moestream.gpu.backend import DeviceArray, DeviceBuffer, Stream
 from moestream.gpu.cache.store import DeviceCache
 from moestream.gpu.host import HostBackend
 from moestream.gpu.kernels import HostKernels
-from moestream.pipeline.foundation.config import Budget, ComputeSpec, RunConfig
+from moestream.pipeline.foundation.config import Budget, ComputeSpec
 from moestream.pipeline.foundation.table import ExpertTable, open_table
+from moestream.pipeline.proxy.config import RunConfig
 from moestream.pipeline.streaming.streamer import ExpertStreamer
 from moestream.stages.layout import plan_expert
 

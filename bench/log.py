@@ -20,7 +20,8 @@ import uvloop
 from bench.kit import exit_with
 from bench.record import provenance, write_result
 from moestream.pipeline.cli.run import run
-from moestream.pipeline.foundation.config import Budget, ComputeSpec, RunConfig
+from moestream.pipeline.foundation.config import Budget, ComputeSpec
+from moestream.pipeline.proxy.config import RunConfig
 
 __all__ = ["main"]
 

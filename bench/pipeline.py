@@ -66,9 +66,10 @@ from bench.references import (
 from moestream.gpu.backend import Backend
 from moestream.gpu.selection import select_backend
 from moestream.pipeline.cli.run import RunSummary, run
-from moestream.pipeline.foundation.config import GATHER_BLOCKS, Budget, ComputeSpec, RunConfig
+from moestream.pipeline.foundation.config import GATHER_BLOCKS, Budget, ComputeSpec
 from moestream.pipeline.foundation.table import ExpertTable, open_table
 from moestream.pipeline.foundation.trace import Trace, save_trace
+from moestream.pipeline.proxy.config import RunConfig
 
 __all__ = ["Bench", "add_run_options", "main"]
 

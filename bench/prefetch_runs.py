@@ -19,8 +19,9 @@ from bench.kit import budget_for
 from bench.prefetch_figures import device_expert_bytes, guess_loads, prefetch_figures
 from bench.rates import token_events, window_rate
 from moestream.pipeline.cli.run import RunSummary, run
-from moestream.pipeline.foundation.config import ComputeSpec, Mode, RunConfig
+from moestream.pipeline.foundation.config import ComputeSpec, Mode
 from moestream.pipeline.foundation.table import ExpertTable
+from moestream.pipeline.proxy.config import RunConfig
 
 __all__ = ["MIB", "PrefetchBench", "RunSpec", "exact_guesses", "has_router", "run_tokens"]
 

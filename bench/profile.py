@@ -34,9 +34,10 @@ import uvloop
 from bench.kit import exit_with, make_resident
 from bench.pipeline import sweep_trace
 from moestream.pipeline.cli.run import run
-from moestream.pipeline.foundation.config import Budget, ComputeSpec, RunConfig
+from moestream.pipeline.foundation.config import Budget, ComputeSpec
 from moestream.pipeline.foundation.table import open_table
 from moestream.pipeline.foundation.trace import save_trace
+from moestream.pipeline.proxy.config import RunConfig
 from moestream.pipeline.proxy.synthetic import synthetic_trace
 
 __all__ = ["main"]

@@ -46,9 +46,10 @@ import uvloop
 from bench.kit import exit_with
 from bench.record import provenance, write_result
 from moestream.pipeline.cli.run import RunSummary, run
-from moestream.pipeline.foundation.config import Budget, RunConfig, parse_compute, parse_size
+from moestream.pipeline.foundation.config import Budget, parse_compute, parse_size
 from moestream.pipeline.foundation.table import open_table
 from moestream.pipeline.foundation.trace import save_trace
+from moestream.pipeline.proxy.config import RunConfig
 from moestream.pipeline.proxy.synthetic import synthetic_trace
 
 __all__ = ["SoakPlan", "main", "soak"]

@@ -11,7 +11,7 @@ from moestream._args import budget_of, choice, devices_of
 from moestream._logging import route_unconfigured
 from moestream._session import Session
 from moestream._tuning import Tuning
-from moestream.pipeline.foundation.config import Budget, RunConfig
+from moestream.pipeline.foundation.config import Budget, StreamConfig
 from moestream.pipeline.foundation.errors import UsageTypeError
 from moestream.pipeline.makers.modelgen import ensure_default_model
 from moestream.pipeline.streaming.session import StreamSession
@@ -64,7 +64,7 @@ def open(
     choice(policy, "policy", ("lru", "freq"))
     choice(backend, "backend", ("auto", "cupy", "host"))
     route_unconfigured()
-    cfg = RunConfig(
+    cfg = StreamConfig(
         # the embedded tiny model is this API's default, chosen here: never by the session
         model=Path(model) if model is not None else ensure_default_model(),
         budget=budget_of(budget),

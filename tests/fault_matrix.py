@@ -29,9 +29,10 @@ from typing import Any
 
 from moestream.gpu.cache.store import DeviceCache
 from moestream.pipeline.cli.run import RunSummary, run
-from moestream.pipeline.foundation.config import Budget, ComputeSpec, RunConfig
+from moestream.pipeline.foundation.config import Budget, ComputeSpec
 from moestream.pipeline.foundation.errors import MoestreamError, VerificationError
 from moestream.pipeline.foundation.faults import STAGES, parse_faults
+from moestream.pipeline.proxy.config import RunConfig
 from moestream.stages.reader import ModelReader
 from moestream.stages.staging import StagingRing
 

@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 import moestream
 from moestream.gpu.host import HostBackend, HostPinned
 from moestream.pipeline.cli.common import print_error
-from moestream.pipeline.foundation.config import TUNING_BOUNDS, RunConfig
+from moestream.pipeline.foundation.config import TUNING_BOUNDS
 from moestream.pipeline.foundation.errors import (
     MAX_MESSAGE_CHARS,
     DeviceMemoryError,
@@ -36,6 +36,7 @@ from moestream.pipeline.foundation.errors import (
     UsageError,
     one_line,
 )
+from moestream.pipeline.proxy.config import RunConfig
 from moestream.pipeline.run import main as run_main
 from moestream.stages.staging import StagingRing, StagingSlot, check_ring_fits
 

@@ -29,8 +29,9 @@ import pytest
 
 from moestream.gpu.host import HostBackend
 from moestream.pipeline.cli.run import RunSummary, run
-from moestream.pipeline.foundation.config import Budget, ComputeSpec, RunConfig
+from moestream.pipeline.foundation.config import Budget, ComputeSpec
 from moestream.pipeline.foundation.machine import process_read_bytes
+from moestream.pipeline.proxy.config import RunConfig
 from tests.fault_matrix import observe
 
 REPO = Path(__file__).resolve().parents[1]

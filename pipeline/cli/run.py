@@ -47,7 +47,6 @@ from moestream.pipeline.cli.interrupts import (
 )
 from moestream.pipeline.cli.progress import LiveLine
 from moestream.pipeline.cli.run_arguments import build_parser, config_from_args
-from moestream.pipeline.foundation.config import RunConfig
 from moestream.pipeline.foundation.errors import (
     MoestreamError,
     TraceError,
@@ -58,6 +57,7 @@ from moestream.pipeline.foundation.faults import FaultPlan, parse_faults
 from moestream.pipeline.foundation.outputs import check_not_input, check_output
 from moestream.pipeline.foundation.table import ExpertTable, open_table
 from moestream.pipeline.foundation.trace import TraceRecorder, load_trace, save_trace
+from moestream.pipeline.proxy.config import RunConfig
 from moestream.pipeline.proxy.decode import Decode
 from moestream.pipeline.proxy.loop import DecodeLoop
 from moestream.pipeline.runlog.write import configure_console
@@ -169,9 +169,10 @@ def _stream_session(cfg: RunConfig, table: ExpertTable, sampler: Sampler | None,
     plan, compute and the table it opened already."""
     # a layer's experts, and those loaded ahead of it, may all live on one device: the
     # budget of each holds that many layers
-    pinned_layers = 1 + {"oracle": cfg.lookahead, "predict": 1}.get(cfg.prefetch, 0)
-    return StreamSession(cfg, layers_in_flight=pinned_layers, sampler=sampler,
-                         faults=faults, summary=summary, table=table, compute=cfg.compute)
+    details = {"limits": cfg.limits.record()} if cfg.limits is not None else {}
+    return StreamSession(cfg, layers_in_flight=1 + cfg.layers_ahead, sampler=sampler,
+                         faults=faults, summary=summary, table=table, compute=cfg.compute,
+                         run_details=details)
 
 
 def _decode_loop(cfg: RunConfig, table: ExpertTable, session: StreamSession, ms: Session,

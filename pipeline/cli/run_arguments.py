@@ -12,13 +12,13 @@ from pathlib import Path
 
 from moestream.pipeline.foundation.config import (
     GATHER_BLOCKS,
-    RunConfig,
     parse_budget,
     parse_compute,
     parse_devices,
     parse_limits,
     parse_size,
 )
+from moestream.pipeline.proxy.config import RunConfig
 
 __all__ = ["build_parser", "config_from_args"]
 

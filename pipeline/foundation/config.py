@@ -1,4 +1,7 @@
-"""The run's configuration: one frozen object built from the command line, passed down.
+"""The library's settings (``StreamConfig``): one frozen object, passed down.
+
+A client's own settings (the proxy run's tokens, routing and output) extend it where the
+client lives (``pipeline.proxy.config.RunConfig``).
 
 Parsing helpers turn user text (``20GiB``, ``2522``, ``fixed:0.57``) into typed values and
 raise ``UsageError`` with a one-line reason for anything else.
@@ -9,7 +12,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from types import MappingProxyType
 from typing import Literal
@@ -34,8 +37,9 @@ __all__ = [
     "ComputeSpec",
     "Limits",
     "Mode",
-    "RunConfig",
+    "StreamConfig",
     "check_bound",
+    "layer_ms_problem",
     "parse_budget",
     "parse_compute",
     "parse_devices",
@@ -130,9 +134,9 @@ TUNING_BOUNDS: Mapping[str, Bound] = MappingProxyType({
     "ram_limit": Bound("--ram-limit", 0, MAX_SIZE_BYTES, "4 EiB"),
     "margin_bytes": Bound("--margin", 0, MAX_SIZE_BYTES, "4 EiB"),
 })
-"""Every tuning setting's range, by the name ``RunConfig`` and ``moestream.Tuning`` give it:
-the one table both check against (``check_bound``), so the command line and the API refuse
-the same values."""
+"""Every tuning setting's range, by the name ``StreamConfig`` (or the proxy's ``RunConfig``)
+and ``moestream.Tuning`` give it: the one table both check against (``check_bound``), so
+the command line and the API refuse the same values."""
 
 
 def _number(value: float) -> str:
@@ -285,7 +289,8 @@ MAX_LAYER_MS = 1000.0
 (0.57 ms for ds4 on an H200); a larger value is a typo, and ``inf`` would never end."""
 
 
-def _layer_ms_problem(ms: float) -> str | None:
+def layer_ms_problem(ms: float) -> str | None:
+    """Why ``ms`` cannot be ``fixed:MS`` compute per layer, or None when it can."""
     if not math.isfinite(ms) or not 0 <= ms <= MAX_LAYER_MS:
         return f"takes 0 to {MAX_LAYER_MS:g} ms of compute per layer, got {ms:g}"
     return None
@@ -308,7 +313,7 @@ def parse_compute(text: str) -> ComputeSpec:
         except ValueError:
             pass
         else:
-            problem = _layer_ms_problem(ms)
+            problem = layer_ms_problem(ms)
             if problem is not None:
                 raise UsageError(f"--compute {text!r}: fixed:MS {problem}")
             return ComputeSpec("fixed", ms)
@@ -316,16 +321,19 @@ def parse_compute(text: str) -> ComputeSpec:
 
 
 @dataclass(frozen=True, kw_only=True)
-class RunConfig:
-    """Everything a run needs to know, fixed before it starts.
+class StreamConfig:
+    """The library's settings for one streaming session, fixed before it opens.
+
+    ``moestream.open`` builds one from its arguments; a client with settings of its own
+    (``pipeline.proxy.config.RunConfig``: tokens, routing, prefetch, output) extends it,
+    and the streaming layer reads only these fields.
 
     Attributes:
-        model: the GGUF file; None makes (once) and uses the embedded tiny model.
-        tokens: tokens to decode.
+        model: the model's file (a GGUF file or a checkpoint); None only before the caller
+            chose one (the session refuses it: a default model is the caller's choice).
         budget: device cache budget (experts or bytes); None holds every expert.
         mode: ``auto`` lets the controller choose; ``direct``/``resident`` force it.
         policy: cache eviction policy (``lru`` or ``freq``).
-        compute: what decode does with the experts.
         backend: ``auto``, ``host`` or ``cupy``.
         devices: device indices to shard the experts over (None: every visible device;
             on the host backend, indices emulate devices).
@@ -333,49 +341,32 @@ class RunConfig:
         chunk_bytes: largest single read request.
         staging_slots: experts that can be staged in pinned memory at once.
         upload_streams: CUDA streams used in turn for uploads.
-            These, ``gather_blocks``, ``lookahead``, ``sample_ms``, ``dwell_s``,
-            ``ram_limit`` and ``margin_bytes`` lie in their ``TUNING_BOUNDS`` ranges.
+            These, ``gather_blocks``, ``sample_ms``, ``dwell_s``, ``ram_limit`` and
+            ``margin_bytes`` lie in their ``TUNING_BOUNDS`` ranges.
         gather: resident misses of a layer copied by one gather kernel that reads the
             registered mapping (and digests as it writes), where the device maps registered
             memory and the experts' matrices average under 2 MiB
-            (``pipeline.streaming.streamer.GATHER_BELOW_BYTES``: above it the copy engines are as
-            fast);
+            (``pipeline.streaming.streamer.GATHER_BELOW_BYTES``: above it the copy engines
+            are as fast);
             False: the copy engines always (a layer's copies as one batched copy), which
             leave the SMs to an engine's compute (``--no-gather``).
         gather_blocks: the gather kernel's blocks per copy, at most: its SM budget beside
             an engine's kernels (``--gather-blocks``).
         verify: check every installed expert against the file's bytes.
-        prefetch: ``none``; ``predict``: while a layer computes, load the experts the next
-            layer is guessed to pick; ``oracle``: start loads of the next layers early from
-            the routing, which a trace knows ahead (the upper bound).
-        router: ``trace`` replays the trace (or synthetic routing); ``live`` applies the
-            model's router tensors to the hidden state.
-        lookahead: how many layers ahead ``oracle`` prefetch runs.
-        seed: synthetic routing seed.
-        trace: a routing trace to replay instead of synthetic routing.
-        record_trace: write the routing this run used here.
-        routing_preset: the synthetic generator's preset.
         log: JSON-lines log file (one event per token).
-        log_level: ``info`` or ``debug`` (per-layer events).
         ram_limit: cap on the RAM the controller believes it has.
         sample_ms: controller sampling period.
         margin_bytes: the controller's safety margin (None: max(2 GiB, 5% of RAM)).
         warmup: in resident mode, warm the model's missing pages in the background.
         dwell_s: least time between two mode switches (pressure overrides it).
-        json: print the summary as JSON.
-        debug: show tracebacks.
-        faults: injected faults, ``kind[=value]@N[+]`` items (``pipeline.foundation.faults``); empty
-            (the default) injects nothing. A test facility.
-        limits: storage-read and host-to-device bandwidths the run is told, logged in
-            ``run_start`` for the analysis's device limit (None: none given).
+        faults: injected faults, ``kind[=value]@N[+]`` items (``pipeline.foundation.faults``);
+            empty (the default) injects nothing. A test facility.
     """
 
     model: Path | None = None
-    tokens: int = 32
     budget: Budget | None = None
     mode: Mode = "auto"
     policy: str = "lru"
-    compute: ComputeSpec = field(default_factory=lambda: ComputeSpec("real"))
     backend: str = "auto"
     devices: tuple[int, ...] | None = None
     queue_depth: int = 8
@@ -385,40 +376,20 @@ class RunConfig:
     gather_blocks: int = GATHER_BLOCKS
     gather: bool = True
     verify: bool = True
-    prefetch: str = "none"
-    lookahead: int = 1
-    router: str = "trace"
-    seed: int = 0
-    trace: Path | None = None
-    record_trace: Path | None = None
-    routing_preset: str = "ds4-flash"
     log: Path | None = None
-    log_level: str = "info"
     ram_limit: int | None = None
     sample_ms: float = 250.0
     margin_bytes: int | None = None
     warmup: bool = True
     dwell_s: float = 2.0
-    json: bool = False
-    debug: bool = False
     faults: str = ""
-    limits: Limits | None = None
 
     def __post_init__(self) -> None:
-        layer_ms_problem = _layer_ms_problem(self.compute.layer_ms)
         checks = [
-            (self.tokens >= 1, f"--tokens must be >= 1, got {self.tokens}"),
             (self.chunk_bytes % 4096 == 0,
              f"--chunk must be a multiple of 4096, got {self.chunk_bytes}"),
             (self.mode in ("auto", "direct", "resident"), f"unknown --mode {self.mode!r}"),
             (self.policy in ("lru", "freq"), f"unknown --policy {self.policy!r}"),
-            (self.log_level in ("info", "debug"), f"unknown --log-level {self.log_level!r}"),
-            (layer_ms_problem is None, f"--compute fixed:MS {layer_ms_problem}"),
-            (self.prefetch in ("none", "oracle", "predict"),
-             f"unknown --prefetch {self.prefetch!r}"),
-            (self.router in ("trace", "live"), f"unknown --router {self.router!r}"),
-            (not (self.router == "live" and self.prefetch == "oracle"),
-             "--prefetch oracle needs the routing ahead: a trace, not --router live"),
             (self.devices is None or (len(self.devices) >= 1 and min(self.devices) >= 0
                                       and len(set(self.devices)) == len(self.devices)),
              f"--devices must name distinct device indices, got {self.devices}"),
@@ -427,7 +398,7 @@ class RunConfig:
             if not ok:
                 raise UsageError(message)
         for name in ("queue_depth", "staging_slots", "upload_streams", "gather_blocks",
-                     "lookahead", "sample_ms", "dwell_s", "chunk_bytes"):
+                     "sample_ms", "dwell_s", "chunk_bytes"):
             check_bound(name, getattr(self, name))
         for name in ("ram_limit", "margin_bytes"):
             if getattr(self, name) is not None:
@@ -438,11 +409,10 @@ class RunConfig:
             parse_faults(self.faults)  # a malformed spec fails here, with its reason
 
     def describe(self) -> dict[str, object]:
-        """JSON-ready options, for the log header."""
+        """JSON-ready settings, for the log header (``run_start.config``)."""
         out = asdict(self)
         for key, value in out.items():
             if isinstance(value, Path):
                 out[key] = str(value)
         out["budget"] = str(self.budget) if self.budget else None
-        out["compute"] = str(self.compute)
         return out

@@ -21,9 +21,9 @@ from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, Protocol
 
 from moestream import ExpertHandle, Lease, Session, TokenStats
-from moestream.pipeline.foundation.config import RunConfig
 from moestream.pipeline.foundation.table import ExpertTable
 from moestream.pipeline.foundation.trace import TraceRecorder
+from moestream.pipeline.proxy.config import RunConfig
 from moestream.pipeline.proxy.decode import Decode, Launched, LayerResult
 from moestream.pipeline.streaming.routing import Routing
 from moestream.pipeline.streaming.verify import Digests

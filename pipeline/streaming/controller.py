@@ -29,7 +29,7 @@ from typing import Any
 
 import structlog
 
-from moestream.pipeline.foundation.config import RunConfig
+from moestream.pipeline.foundation.config import StreamConfig
 from moestream.pipeline.foundation.machine import ram_available_bytes
 from moestream.pipeline.foundation.table import ExpertTable
 from moestream.pipeline.runlog.write import RunLog
@@ -75,7 +75,7 @@ class ModeController:
 
     def __init__(
         self,
-        config: RunConfig,
+        config: StreamConfig,
         table: ExpertTable,
         streamer: object,
         runlog: RunLog,

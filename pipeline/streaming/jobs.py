@@ -20,7 +20,7 @@ import numpy.typing as npt
 
 from moestream.gpu.backend import Backend, Event, Kernels, Stream
 from moestream.gpu.cache.store import DeviceCache, Entry
-from moestream.pipeline.foundation.config import RunConfig
+from moestream.pipeline.foundation.config import StreamConfig
 from moestream.pipeline.foundation.errors import StageError
 from moestream.pipeline.foundation.faults import FaultPlan
 from moestream.pipeline.foundation.table import ExpertTable
@@ -45,13 +45,15 @@ class ExpertJobs:
 
     def __init__(
         self,
-        config: RunConfig,
+        config: StreamConfig,
         table: ExpertTable,
         backend: Backend,
         cache: DeviceCache,
         kernels: Kernels,
         faults: FaultPlan | None = None,
         primary: ExpertJobs | None = None,
+        *,
+        layers_ahead: int = 0,
     ) -> None:
         self._cfg = config
         self._primary = primary
@@ -81,8 +83,8 @@ class ExpertJobs:
         self.times = StageTimes()
         self._times_lock = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
-        ahead = config.lookahead if config.prefetch == "oracle" else 0
-        capacity = (len(table.layers) + ahead) * table.top_k
+        # the digests one take finds: a token's layers and those loaded ahead of it
+        capacity = (len(table.layers) + layers_ahead) * table.top_k
         self.digests = DigestRows(kernels, capacity) if config.verify else None
 
     def layout(self, key: tuple[int, int]) -> ExpertLayout:

@@ -5,12 +5,12 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from moestream.gpu.backend import Backend
 from moestream.gpu.cache.store import DeviceCache
-from moestream.pipeline.foundation.config import ComputeSpec, RunConfig
+from moestream.pipeline.foundation.config import ComputeSpec, StreamConfig
 from moestream.pipeline.foundation.errors import MoestreamError, UsageError
 from moestream.pipeline.foundation.table import ExpertTable
 from moestream.stages.layout import plan_expert
@@ -18,7 +18,7 @@ from moestream.stages.layout import plan_expert
 __all__ = ["open_outcome", "plan_budget", "run_start"]
 
 
-def plan_budget(config: RunConfig, table: ExpertTable, layers_in_flight: int,
+def plan_budget(config: StreamConfig, table: ExpertTable, layers_in_flight: int,
                 devices: int) -> tuple[dict[int, int], int, int]:
     """Each MoE layer's expert bytes on a device, the cache budget (``config.budget``,
     default: every routed expert) and the least each device's cache must hold
@@ -39,7 +39,7 @@ def plan_budget(config: RunConfig, table: ExpertTable, layers_in_flight: int,
     return device_sizes, budget, min_bytes
 
 
-def _check_budget(config: RunConfig, table: ExpertTable, layers_in_flight: int,
+def _check_budget(config: StreamConfig, table: ExpertTable, layers_in_flight: int,
                   devices: int, budget: int, min_bytes: int, expert_bytes: int) -> None:
     """Refuse a budget that cannot pin ``layers_in_flight`` layers' top-k experts on
     every device, in the caller's terms (experts and bytes)."""
@@ -61,14 +61,19 @@ def _check_budget(config: RunConfig, table: ExpertTable, layers_in_flight: int,
         f"give a budget of at least {_count(experts, 'expert')}")
 
 
-def run_start(config: RunConfig, compute: ComputeSpec | None, table: ExpertTable,
+def run_start(config: StreamConfig, compute: ComputeSpec | None, table: ExpertTable,
               device_sizes: dict[int, int], machine: dict[str, object], budget_bytes: int,
-              backends: Sequence[Backend], caches: Sequence[DeviceCache]) -> dict[str, Any]:
-    """The ``run_start`` header's fields; ``compute`` None: an engine's own decode."""
+              backends: Sequence[Backend], caches: Sequence[DeviceCache],
+              details: Mapping[str, Any]) -> dict[str, Any]:
+    """The ``run_start`` header's fields; ``compute`` None: an engine's own decode.
+
+    ``config`` is described whole (a client's config that extends the library's names its
+    own settings too); ``details`` are the client's fields beside it (a proxy run's
+    ``limits``)."""
     described = str(compute) if compute is not None else "engine"
+    settings = config.describe()
     return dict(
-        config=(config.describe() if compute is not None
-                else {**config.describe(), "tokens": None, "compute": described}),
+        config=settings if compute is not None else {**settings, "compute": described},
         model={**table.summary(),
                "expert_bytes": [device_sizes[n] for n in table.moe_layers]},
         machine=machine,
@@ -78,7 +83,7 @@ def run_start(config: RunConfig, compute: ComputeSpec | None, table: ExpertTable
         policy=config.policy,
         compute=described,
         backend=backends[0].name,
-        **({"limits": config.limits.record()} if config.limits is not None else {}),
+        **details,
     )
 
 

@@ -15,7 +15,7 @@ from typing import Any
 
 from moestream.gpu.backend import Backend, Event, Kernels
 from moestream.gpu.cache.store import DeviceCache, Entry
-from moestream.pipeline.foundation.config import RunConfig
+from moestream.pipeline.foundation.config import StreamConfig
 from moestream.pipeline.foundation.faults import FaultPlan
 from moestream.pipeline.foundation.table import ExpertTable
 from moestream.pipeline.foundation.timesplit import LoadPhases
@@ -47,15 +47,18 @@ class RegisteredLayers(ExpertJobs):
 
     def __init__(
         self,
-        config: RunConfig,
+        config: StreamConfig,
         table: ExpertTable,
         backend: Backend,
         cache: DeviceCache,
         kernels: Kernels,
         faults: FaultPlan | None = None,
         primary: ExpertJobs | None = None,
+        *,
+        layers_ahead: int = 0,
     ) -> None:
-        super().__init__(config, table, backend, cache, kernels, faults, primary)
+        super().__init__(config, table, backend, cache, kernels, faults, primary,
+                         layers_ahead=layers_ahead)
         # registered copies by key, valid for the mapping they were cut from: its windows
         # are only ever added while it lives, and a released mapping is never current again
         self._sources: dict[tuple[int, int], MappedCopies] = {}
@@ -105,7 +108,7 @@ class RegisteredLayers(ExpertJobs):
         """Loop: queue a whole layer's misses from the registered mapping, in one pass.
 
         Where the device reads registered memory in place (``Backend.maps_host``, and
-        ``RunConfig.gather``), the layer is one ``gather`` launch: every range copied and
+        ``StreamConfig.gather``), the layer is one ``gather`` launch: every range copied and
         digested as it is written, one event for the layer. Otherwise the layer's copies
         are one batched copy on the copy engines, its install digests one launch after
         them, one event (``Uploader.upload_layer``). Either way: the device waits for each

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 import traceback
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -28,7 +28,7 @@ from moestream.gpu.cache.placement import balanced_placement, split_budget
 from moestream.gpu.cache.store import DeviceCache
 from moestream.gpu.kernels import make_kernels
 from moestream.pipeline.foundation.compute import resolve_compute
-from moestream.pipeline.foundation.config import ComputeSpec, RunConfig
+from moestream.pipeline.foundation.config import ComputeSpec, StreamConfig
 from moestream.pipeline.foundation.errors import (
     DeviceMemoryError,
     ModelChangedError,
@@ -80,11 +80,13 @@ class StreamSession(LeaseDesk):
             proxy decode); None: an engine's own compute, unknown here. ``digest``
             compute needs the file's digests even without ``config.verify``; the log
             header names it and the whole ``config``.
+        run_details: the client's own fields for the ``run_start`` header, beside the
+            session's (a proxy run's ``limits``).
     """
 
     def __init__(
         self,
-        config: RunConfig,
+        config: StreamConfig,
         *,
         layers_in_flight: int = 2,
         sampler: Sampler | None = None,
@@ -92,6 +94,7 @@ class StreamSession(LeaseDesk):
         summary: RunSummary | None = None,
         table: ExpertTable | None = None,
         compute: ComputeSpec | None = None,
+        run_details: Mapping[str, Any] | None = None,
     ) -> None:
         if layers_in_flight < 1:
             raise UsageError(f"layers_in_flight must be >= 1, got {layers_in_flight}")
@@ -102,6 +105,7 @@ class StreamSession(LeaseDesk):
         self.faults = faults if faults is not None else parse_faults(config.faults)
         self.table = table
         self.compute = compute
+        self._run_details = dict(run_details or {})
         self.backends: list[Backend] = []
         self.kernels: list[Kernels] = []
         self.streamer: Any = None  # the one streamer, or a StreamerGroup (the controller's)
@@ -179,7 +183,7 @@ class StreamSession(LeaseDesk):
         machine = machine_info(table.path, home.device_name if home.name == "cupy" else None)
         self.runlog.emit("run_start", **run_start(
             cfg, self.compute, table, device_sizes, machine, summary.budget_bytes,
-            self.backends, self.caches))
+            self.backends, self.caches, self._run_details))
         await self.controller.start()  # its first decision follows the header
         self._read_bytes = process_read_bytes()
 
@@ -202,7 +206,8 @@ class StreamSession(LeaseDesk):
                 self.caches.append(cache)
                 self.streamers.append(ExpertStreamer(
                     cfg, table, backend, cache, kernels, self.faults,
-                    primary=self.streamers[0] if self.streamers else None))
+                    primary=self.streamers[0] if self.streamers else None,
+                    layers_ahead=self._layers_in_flight - 1))
                 self._joiners.append(EventJoiner(backend.new_stream(), backend.activate))
         if len(self.backends) == 1:
             self.streamer, self.cache = self.streamers[0], self.caches[0]

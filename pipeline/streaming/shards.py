@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from moestream.gpu.backend import Backend
 from moestream.gpu.cache.store import DeviceCache
 from moestream.gpu.selection import select_backend, visible_devices
-from moestream.pipeline.foundation.config import RunConfig
+from moestream.pipeline.foundation.config import StreamConfig
 from moestream.pipeline.streaming.loads import IOMode, StageTimes, WarmGate
 from moestream.pipeline.streaming.streamer import ExpertStreamer
 from moestream.pipeline.streaming.verify import Digests
@@ -137,7 +137,7 @@ class CacheGroup:
             c.close()
 
 
-def open_backends(cfg: RunConfig) -> list[Backend]:
+def open_backends(cfg: StreamConfig) -> list[Backend]:
     """One backend per device of the run, the home device (the first named) first."""
     home = select_backend(cfg.backend, cfg.devices[0] if cfg.devices else 0)
     devices = cfg.devices or tuple(range(visible_devices(home.name)))

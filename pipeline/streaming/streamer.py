@@ -57,7 +57,7 @@ class ExpertStreamer(RegisteredLayers):
     """Owns the reader, mapping, staging ring, upload streams and the reader pool.
 
     Args:
-        config: the run's configuration.
+        config: the library's settings (reader, staging, uploads, gather, verify).
         table: the model's expert table.
         backend: the device.
         cache: the device cache the experts go into.
@@ -67,6 +67,9 @@ class ExpertStreamer(RegisteredLayers):
         primary: on a run over several devices, the first device's streamer: it owns the
             model mapping (registered once, portable, for every device), and this one
             borrows it in resident mode.
+        layers_ahead: layers whose experts a client loads ahead of the token it decodes
+            (the session's ``layers_in_flight`` beyond the one fetched): sizes the install
+            digests' rows, a token's and those.
     """
 
     # -- mode ------------------------------------------------------------------------------

@@ -27,8 +27,9 @@ from typing import Any
 import pytest
 
 from moestream.pipeline.cli.run import run
-from moestream.pipeline.foundation.config import Budget, ComputeSpec, RunConfig
+from moestream.pipeline.foundation.config import Budget, ComputeSpec
 from moestream.pipeline.makers.modelgen import spec_for, write_model
+from moestream.pipeline.proxy.config import RunConfig
 
 FIGURES = Path(__file__).resolve().parents[1] / "data" / "run_figures.json"
 

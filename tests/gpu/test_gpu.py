@@ -10,8 +10,9 @@ import pytest
 
 from moestream.gpu.cuda import unavailable_reason
 from moestream.pipeline.cli.run import run
-from moestream.pipeline.foundation.config import Budget, ComputeSpec, RunConfig
+from moestream.pipeline.foundation.config import Budget, ComputeSpec
 from moestream.pipeline.foundation.digest import digest_bytes
+from moestream.pipeline.proxy.config import RunConfig
 
 pytestmark = [
     pytest.mark.gpu,

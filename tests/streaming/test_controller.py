@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 
 from moestream.pipeline.cli.run import run
-from moestream.pipeline.foundation.config import Budget, ComputeSpec, RunConfig
+from moestream.pipeline.foundation.config import Budget, ComputeSpec
 from moestream.pipeline.foundation.table import ExpertTable
+from moestream.pipeline.proxy.config import RunConfig
 from moestream.pipeline.streaming.controller import (
     ControllerReadings,
     MachineSampler,

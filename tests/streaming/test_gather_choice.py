@@ -21,10 +21,10 @@ import pytest
 
 import moestream
 from moestream.gpu.kernels import GATHER_BLOCKS, HostKernels, make_kernels
-from moestream.pipeline.foundation.config import RunConfig
 from moestream.pipeline.foundation.errors import UsageError
 from moestream.pipeline.foundation.table import open_table
 from moestream.pipeline.makers.modelgen import spec_for, write_model
+from moestream.pipeline.proxy.config import RunConfig
 from moestream.pipeline.streaming.registered import GATHER_BELOW_BYTES, _small_ranges
 from moestream.pipeline.streaming.streamer import ExpertStreamer
 

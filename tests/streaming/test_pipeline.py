@@ -22,8 +22,9 @@ import pytest
 from moestream.gpu.host import HostBackend
 from moestream.gpu.kernels import HostKernels
 from moestream.pipeline.cli.run import RunSummary, run
-from moestream.pipeline.foundation.config import Budget, ComputeSpec, RunConfig
+from moestream.pipeline.foundation.config import Budget, ComputeSpec
 from moestream.pipeline.foundation.errors import VerificationError
+from moestream.pipeline.proxy.config import RunConfig
 from moestream.pipeline.proxy.loop import DecodeLoop
 from moestream.stages.staging import StagingSlot
 from tests.gguf_files import write_plain_moe

@@ -19,9 +19,10 @@ from hypothesis import strategies as st
 
 from moestream.gpu.cache.placement import balanced_placement, split_budget
 from moestream.pipeline.cli.run import run
-from moestream.pipeline.foundation.config import Budget, ComputeSpec, RunConfig
+from moestream.pipeline.foundation.config import Budget, ComputeSpec
 from moestream.pipeline.foundation.errors import UsageError
 from moestream.pipeline.foundation.trace import load_trace
+from moestream.pipeline.proxy.config import RunConfig
 from tests.streaming.test_controller import FedSampler
 
 

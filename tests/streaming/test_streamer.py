@@ -19,10 +19,11 @@ import numpy.typing as npt
 import pytest
 
 from moestream.gpu.cache.store import DeviceCache
-from moestream.pipeline.foundation.config import Budget, ComputeSpec, RunConfig
+from moestream.pipeline.foundation.config import Budget, ComputeSpec
 from moestream.pipeline.foundation.errors import StageError
 from moestream.pipeline.foundation.faults import parse_faults
 from moestream.pipeline.foundation.table import ExpertTable
+from moestream.pipeline.proxy.config import RunConfig
 from moestream.pipeline.streaming.arrivals import Arrivals
 from moestream.pipeline.streaming.lease import EventJoiner, LayerLease, LeasePart
 from moestream.pipeline.streaming.streamer import ExpertStreamer

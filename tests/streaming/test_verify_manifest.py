@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from structlog.testing import capture_logs
 
 from moestream.pipeline.cli.run import RunSummary, run
-from moestream.pipeline.foundation.config import Budget, ComputeSpec, RunConfig
+from moestream.pipeline.foundation.config import Budget, ComputeSpec
 from moestream.pipeline.foundation.digest import GOLDEN, RunningDigest, digest_bytes
 from moestream.pipeline.foundation.errors import ModelChangedError, ReadError
 from moestream.pipeline.foundation.manifest import (
@@ -33,6 +33,7 @@ from moestream.pipeline.foundation.manifest import (
 )
 from moestream.pipeline.foundation.table import ExpertTable, open_table
 from moestream.pipeline.makers.modelgen import spec_for, write_model
+from moestream.pipeline.proxy.config import RunConfig
 from moestream.pipeline.run import main
 from moestream.pipeline.streaming.verify import Digests, Verifier
 from moestream.stages.manifest_build import ManifestBuilder

@@ -17,7 +17,8 @@ import pytest
 import structlog
 
 from moestream.pipeline.cli.run import run
-from moestream.pipeline.foundation.config import Budget, RunConfig
+from moestream.pipeline.foundation.config import Budget
+from moestream.pipeline.proxy.config import RunConfig
 from moestream.pipeline.runlog.devices import DEVICE_COLUMNS
 from moestream.pipeline.runlog.read import read_log
 from moestream.tools.analyze.cli import main, summarize, summary_table
