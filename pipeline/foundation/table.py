@@ -239,10 +239,15 @@ def _routing(path: Path, reader: GGUFReader, n_experts: int, n_moe: int) -> tupl
         top_k = min(6, n_experts)
     elif not 0 < top_k <= n_experts:
         raise ExpertLayoutError(path, f"expert_used_count {top_k} outside 1..{n_experts}")
-    hash_routed = _metadata_int(path, reader, "moestream.hash_routed_layer_count") or 0
+    # ds4's files say it as deepseek4.hash_layer_count (its layers route by tid2eid)
+    key = "moestream.hash_routed_layer_count"
+    hash_routed = _metadata_int(path, reader, key)
+    if hash_routed is None:
+        key = "deepseek4.hash_layer_count"
+        hash_routed = _metadata_int(path, reader, key) or 0
     if not 0 <= hash_routed <= n_moe:
-        raise ExpertLayoutError(path, f"moestream.hash_routed_layer_count {hash_routed} outside "
-                                      f"0..{n_moe} (the MoE layer count)")
+        raise ExpertLayoutError(path, f"{key} {hash_routed} outside 0..{n_moe} (the MoE "
+                                      f"layer count)")
     return top_k, hash_routed
 
 

@@ -10,7 +10,8 @@ Two sources of routing:
 - ``LiveRouter`` routes like the model: it applies each MoE layer's router
   (``blk.N.ffn_gate_inp.weight``) to the hidden state flowing through the MoE layers (an
   FFN-only decode proxy; the token's row of ``token_embd.weight`` starts it), top-k with
-  softmax weights. Hash-routed layers, which have no router, pick experts from the token id.
+  softmax weights. Hash-routed layers (their router, where the file has one as ds4's do,
+  unused) pick experts from the token id.
   Its guess of layer L+1 applies L+1's router to the hidden state *before* layer L runs
   (the Mixtral-offloading technique), so the loads of L+1 can overlap L's compute.
 """
@@ -155,9 +156,11 @@ class LiveRouter:
 
             self._xp = cupy
         self._routers: dict[int, Any] = {}
-        for layer in self._layers:
+        for i, layer in enumerate(self._layers):
             info = table.layers[layer].router
-            if info is not None:
+            # ds4's hash-routed layers carry a router too (its scores weight the experts
+            # the token id picks), but the token id picks: no top-k there
+            if info is not None and i >= table.hash_routed:
                 w = _floats(table, info, info.offset, table.n_experts * table.hidden)
                 self._routers[layer] = self._xp.asarray(w.reshape(table.n_experts, table.hidden))
         if not self._routers and table.hash_routed < len(self._layers):

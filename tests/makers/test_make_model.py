@@ -156,15 +156,17 @@ class TestWrittenFile:
     def test_metadata(self, models: dict[str, Path], preset: str) -> None:
         spec = _spec_of(preset)
         fields = GGUFReader(models[preset]).fields
+        a = spec.arch  # deepseek2 for tiny, ds4's deepseek4 (no dense layers) for the others
         expect = {
-            "general.architecture": "deepseek2",
-            "deepseek2.block_count": spec.n_layers,
-            "deepseek2.embedding_length": spec.hidden,
-            "deepseek2.expert_feed_forward_length": spec.expert_ffn,
-            "deepseek2.expert_count": spec.n_experts,
-            "deepseek2.expert_used_count": spec.top_k,
-            "deepseek2.leading_dense_block_count": spec.leading_dense,
-            "deepseek2.expert_shared_count": 1,
+            "general.architecture": a,
+            f"{a}.block_count": spec.n_layers,
+            f"{a}.embedding_length": spec.hidden,
+            f"{a}.expert_feed_forward_length": spec.expert_ffn,
+            f"{a}.expert_count": spec.n_experts,
+            f"{a}.expert_used_count": spec.top_k,
+            f"{a}.expert_shared_count": 1,
+            **({f"{a}.leading_dense_block_count": spec.leading_dense} if a == "deepseek2"
+               else {f"{a}.hash_layer_count": spec.hash_routed}),
             "moestream.preset": preset,
             "moestream.seed": 0,
             "moestream.hash_routed_layer_count": spec.hash_routed,
@@ -190,12 +192,15 @@ class TestWrittenFile:
                     layer >= spec.leading_dense)
 
     def test_router_shape(self, models: dict[str, Path]) -> None:
+        # ds4's layout: every layer has an F16 router (a hash-routed one weights the
+        # experts its tid2eid table picks)
         spec = _spec_of("ds4-flash-q2")
         tensors = _tensors(GGUFReader(models["ds4-flash-q2"]))
-        router = tensors[f"blk.{spec.n_layers - 1}.ffn_gate_inp.weight"]
-        assert router.tensor_type == QType.F32
-        assert list(router.shape) == [spec.hidden, spec.n_experts]
-        assert f"blk.{spec.hash_routed - 1}.ffn_gate_inp.weight" not in tensors
+        for layer in range(spec.n_layers):
+            router = tensors[f"blk.{layer}.ffn_gate_inp.weight"]
+            assert router.tensor_type == QType.F16
+            assert list(router.shape) == [spec.hidden, spec.n_experts]
+        assert f"blk.{spec.hash_routed - 1}.ffn_gate_tid2eid.weight" in tensors
 
     @pytest.mark.parametrize("preset", sorted(SMALL))
     def test_digests_match_slices(self, models: dict[str, Path], preset: str) -> None:
@@ -230,13 +235,13 @@ class TestF16Preset:
         table = open_table(write_model(spec, tmp_path / "f16.gguf"))
         assert table.moe_layers == [0, 1, 2, 3] and table.hash_routed == 3
         assert (table.n_experts, table.top_k, table.hidden) == (2, 2, 4096)
-        for n, layer in table.layers.items():
+        for layer in table.layers.values():
             assert layer.gate_up_type == layer.down_type == QType.F16
             assert layer.expert_bytes == 48 * MiB and layer.shape == (4096, 2048)
-            assert (layer.router is not None) == (n >= 3)
+            assert layer.router is not None  # ds4's hash layers carry one too
         router = table.layers[3].router
-        assert router is not None and router.type_name == QType.F32.name
-        assert router.nbytes == 2 * 4096 * 4
+        assert router is not None and router.type_name == QType.F16.name
+        assert router.nbytes == 2 * 4096 * 2
         assert table.digests is not None
 
 
