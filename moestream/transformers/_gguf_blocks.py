@@ -35,6 +35,7 @@ Q = gguf.GGMLQuantizationType
 _MXFP4_LEVELS = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
 
 _TABLES: dict[tuple[str, torch.device], torch.Tensor] = {}
+_SHIFTS: dict[tuple[object, ...], torch.Tensor] = {}
 
 
 def _table(name: str, device: torch.device) -> torch.Tensor:
@@ -76,7 +77,7 @@ def _signed_grid(name: str, ksigns: np.ndarray) -> np.ndarray:
 
 def _f16(blocks: torch.Tensor, start: int) -> torch.Tensor:
     """The float16 at byte ``start`` of each block, as ``(n, 1)`` float32."""
-    return blocks[:, start : start + 2].contiguous().view(torch.float16).float()
+    return _words(blocks[:, start : start + 2], torch.float16).float()
 
 
 def _nibbles(data: torch.Tensor, rows: int) -> torch.Tensor:
@@ -102,15 +103,21 @@ def _bits_little(data: torch.Tensor) -> torch.Tensor:
 
 def _shifts(data: torch.Tensor, shifts: tuple[int, ...], ndim: int,
             last: bool = False) -> torch.Tensor:
-    shape = [1] * ndim
-    shape[-1 if last else (2 if ndim == 4 else 1)] = len(shifts)
-    return torch.tensor(shifts, dtype=torch.uint8, device=data.device).reshape(shape)
+    """``shifts`` of ``data``'s dtype and device, shaped to broadcast along dimension 1 (2
+    of 4), or the last: made once (a tensor from a Python list is a blocking copy to a GPU)."""
+    key = (shifts, ndim, last, data.dtype, data.device)
+    if key not in _SHIFTS:
+        shape = [1] * ndim
+        shape[-1 if last else (2 if ndim == 4 else 1)] = len(shifts)
+        _SHIFTS[key] = torch.tensor(shifts, dtype=data.dtype).reshape(shape).to(data.device)
+    return _SHIFTS[key]
 
 
-def _word28(data: torch.Tensor) -> torch.Tensor:
-    """``(n, k * 4)`` bytes -> ``(n, k)`` int32: each little-endian word's low 28 bits."""
-    b = data.reshape(data.shape[0], -1, 4).to(torch.int32)
-    return b[..., 0] | (b[..., 1] << 8) | (b[..., 2] << 16) | ((b[..., 3] & 15) << 24)
+def _words(data: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``(n, k)`` bytes as little-endian words of ``dtype`` (copied first: a block's words
+    are not aligned for a view in place; the copy is a few bytes a block)."""
+    copy = data.clone(memory_format=torch.contiguous_format)  # offset 0: aligned
+    return copy.view(dtype)
 
 
 def _q8_0(blocks: torch.Tensor, out: torch.Tensor) -> None:
@@ -191,41 +198,41 @@ def _q6_k(blocks: torch.Tensor, out: torch.Tensor) -> None:
     torch.mul(d, q, out=out.view(n, 16, 16))
 
 
-def _sign_index(words: torch.Tensor) -> torch.Tensor:
-    """``(n, g)`` int32 words -> ``(n, g, 4)`` int64: four 7-bit ksigns indices a word."""
-    return ((words.unsqueeze(-1) >> _shifts(words, (0, 7, 14, 21), 3, last=True).int())
-            & 127).long()
+def _iq_meta(meta: torch.Tensor, d: torch.Tensor, step: float) -> tuple[torch.Tensor, ...]:
+    """IQ2_XXS's and IQ3_XXS's meta words, ``(n, 8)`` int32: ``(n, 8, 1, 1)`` float32 ``d *
+    (0.5 + s) * step`` of each word's top four bits, and ``(n, 8, 4)`` int64 ksigns indices
+    (the word's four 7-bit fields)."""
+    scale = ((meta >> 28) & 15).float()
+    db = (d * (0.5 + scale) * step).reshape(*meta.shape, 1, 1)
+    signs = (meta.unsqueeze(-1) >> _shifts(meta, (0, 7, 14, 21), 3, last=True)) & 127
+    return db, signs.long()
 
 
 def _iq2_xxs(blocks: torch.Tensor, out: torch.Tensor) -> None:
     n = blocks.shape[0]
-    groups = blocks[:, 2:66].reshape(n, 8, 8)  # per 32 values: 4 grid indices, 1 word of meta
-    scale = (groups[:, :, 7] >> 4).float()
-    db = (_f16(blocks, 0) * (0.5 + scale) * 0.25).reshape(n, 8, 1, 1)
-    signs = _sign_index(_word28(groups[:, :, 4:8].reshape(n, 32)))
-    index = (groups[:, :, 0:4].long() << 7) | signs
+    qs = _words(blocks[:, 2:66], torch.int32)  # per 32 values: 4 grid indices, a meta word
+    db, signs = _iq_meta(qs[:, 1::2], _f16(blocks, 0), 0.25)
+    index = (qs.view(torch.uint8).reshape(n, 8, 8)[:, :, 0:4].long() << 7) | signs
     torch.mul(db, _table("IQ2_XXS", blocks.device)[index], out=out.view(n, 8, 4, 8))
 
 
 def _iq2_xs(blocks: torch.Tensor, out: torch.Tensor) -> None:
     n = blocks.shape[0]
-    words = blocks[:, 2:66].reshape(n, 32, 2).to(torch.int32)
-    index = (words[..., 0] | (words[..., 1] << 8)).long()  # 9-bit grid index, 7-bit signs
+    qs = _words(blocks[:, 2:66], torch.int16)  # a 9-bit grid index, 7 bits of signs
     scale = _nibbles(blocks[:, 66:74].reshape(n * 8, 1), 1).reshape(n, 16).float()
     db = (_f16(blocks, 0) * (0.5 + scale) * 0.25).reshape(n, 16, 1, 1)
-    signed = _table("IQ2_XS", blocks.device)[((index & 511) << 7) | (index >> 9)]
+    index = ((qs & 511).long() << 7) | ((qs >> 9) & 127)
+    signed = _table("IQ2_XS", blocks.device)[index]
     torch.mul(db, signed.reshape(n, 16, 2, 8), out=out.view(n, 16, 2, 8))
 
 
 def _iq3_xxs(blocks: torch.Tensor, out: torch.Tensor) -> None:
     n = blocks.shape[0]
-    meta = blocks[:, 66:98].reshape(n, 8, 4)
-    scale = (meta[:, :, 3] >> 4).float()
-    db = (_f16(blocks, 0) * (0.5 + scale) * 0.5).reshape(n, 8, 1, 1)
+    db, signs = _iq_meta(_words(blocks[:, 66:98], torch.int32), _f16(blocks, 0), 0.5)
     # a sign byte covers two 4-value grid points: its low nibble the first, its high the second
-    signs = _table("ksigns", blocks.device)[_sign_index(_word28(meta.reshape(n, 32)))]
-    halves = (signs.unsqueeze(-1) >> _shifts(signs, (0, 4), 4, last=True).long()) & 15
-    index = (blocks[:, 2:66].reshape(n, 8, 4, 2).long() << 4) | halves
+    signs = _table("ksigns", blocks.device)[signs]
+    halves = (signs.unsqueeze(-1) >> _shifts(signs, (0, 4), 4, last=True)) & 15
+    index = (blocks[:, 2:66].reshape(n, 8, 4, 2).long() << 4) | halves.long()
     signed = _table("IQ3_XXS", blocks.device)[index]
     torch.mul(db, signed.reshape(n, 8, 4, 8), out=out.view(n, 8, 4, 8))
 
@@ -234,7 +241,7 @@ def _iq4_xs(blocks: torch.Tensor, out: torch.Tensor) -> None:
     n = blocks.shape[0]
     high_word = blocks[:, 2:4].to(torch.int32)
     high_word = high_word[:, 0:1] | (high_word[:, 1:2] << 8)
-    high = (high_word >> torch.arange(0, 16, 2, device=blocks.device, dtype=torch.int32)) & 3
+    high = (high_word >> _shifts(high_word, tuple(range(0, 16, 2)), 2, last=True)) & 3
     low = _nibbles(blocks[:, 4:8].reshape(n * 4, 1), 1).reshape(n, 8).to(torch.int32)
     scale = ((low | (high << 4)) - 32).float()
     dl = (_f16(blocks, 0) * scale).reshape(n, 8, 1)

@@ -170,6 +170,14 @@ class TestInterface:
         assert got is out
         assert_bitwise(out, reference(raw, Q.IQ2_XXS, torch.float16).reshape(-1))
 
+    @pytest.mark.parametrize("ggml_type", TYPES, ids=[Q(t).name for t in TYPES])
+    def test_misaligned_view(self, ggml_type: int) -> None:
+        """Blocks at an odd address (a view into a larger buffer) read as well."""
+        raw = self._raw(ggml_type, 2)
+        buffer = torch.from_numpy(np.concatenate([[7], raw.reshape(-1)]).astype(np.uint8))
+        got = gd.dequantize(buffer[1:].view(1, -1), ggml_type, torch.bfloat16)
+        assert_bitwise(got.reshape(2, -1), reference(raw, ggml_type, torch.bfloat16))
+
     def test_chunks(self, monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.setattr(gd, "CHUNK_VALUES", 3 * 32)
         raw = self._raw(Q.Q5_0, 10)
