@@ -63,6 +63,7 @@ from moestream.transformers._layout import TORCH_DTYPES, first_projection
 from moestream.transformers._model import serve
 from moestream.transformers._mtp import mtp_layers
 from moestream.transformers._quantized import load_scales
+from moestream.transformers._scale_budget import budget_less_scales
 from moestream.transformers._swap import swap_experts
 
 __all__ = ["from_pretrained"]
@@ -122,6 +123,9 @@ def from_pretrained(path: str | os.PathLike[str], *, budget: str | moestream.Bud
     given, root = _checkpoint(local_checkpoint(path, said.revision, said.cache_dir), compute)
     torch_device, wanted = device_of(said.device), wanted_dtype(said.dtype)
     budget = budget_for(given, budget, said.max_memory, torch_device, wanted, tuning)
+    if said.max_memory is None:  # max_memory's dense weights counted the scales already
+        in_flight = (tuning or moestream.Tuning()).layers_in_flight
+        budget = budget_less_scales(given, budget, in_flight)
     session = _open(given, torch_device, budget=budget, mode=mode, policy=policy,
                     verify=verify, log=log, tuning=tuning)
     try:

@@ -1,0 +1,91 @@
+"""The quantized experts' scales inside the budget: a size given is the cache plus every
+scale the device holds; what the loader holds is what the budget counted; a size the
+scales leave too little of is refused naming them; a count of experts keeps its count."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers.integrations.moe")
+
+from moestream import transformers as mt  # noqa: E402
+from moestream.pipeline.foundation.errors import UsageError  # noqa: E402
+from moestream.pipeline.foundation.table import open_table  # noqa: E402
+from moestream.pipeline.makers.checkpointgen import (  # noqa: E402
+    CheckpointOptions,
+    write_checkpoint,
+)
+from moestream.pipeline.makers.modelspec import spec_for  # noqa: E402
+from moestream.transformers._scale_budget import (  # noqa: E402
+    budget_less_scales,
+    held_bytes,
+    scale_bytes,
+    scales_text,
+)
+
+QUANTS = ["fp8", "mxfp4", "fp4"]
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("scales")
+    return {quant: write_checkpoint(spec_for("tiny", 2, 8, 0), root / quant,
+                                    CheckpointOptions(quant=quant)).path
+            for quant in QUANTS}
+
+
+def _sizes(path: Path) -> tuple[int, int, int]:
+    """The scales' bytes, one expert's and the least the cache holds (2 layers' top-k)."""
+    table = open_table(path)
+    expert = max(layer.expert_bytes for layer in table.layers.values())
+    return scale_bytes(table), expert, 2 * table.top_k * expert
+
+
+@pytest.mark.parametrize("quant", QUANTS)
+class TestScalesInTheBudget:
+    def test_a_size_is_cache_plus_scales(self, checkpoints: dict[str, Path],
+                                         quant: str) -> None:
+        path = checkpoints[quant]
+        scales, expert, least = _sizes(path)
+        assert scales > 0
+        given = scales + least + 3 * expert
+        model = mt.from_pretrained(path, device="cpu", budget=f"{given}B")
+        try:
+            assert model.moestream.session.counters().budget_bytes == given - scales
+            assert held_bytes(model.moestream.scales) == scales  # counted what is held
+            with torch.no_grad():
+                model.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=2, do_sample=False)
+        finally:
+            model.moestream.close()
+
+    def test_too_little_left_is_refused_naming_the_scales(self, checkpoints: dict[str, Path],
+                                                          quant: str) -> None:
+        path = checkpoints[quant]
+        scales, _, least = _sizes(path)
+        with pytest.raises(UsageError, match=r"the experts' scales take .* give at least"):
+            mt.from_pretrained(path, device="cpu", budget=f"{scales + least - 1}B")
+
+    def test_a_count_keeps_its_experts(self, checkpoints: dict[str, Path],
+                                       quant: str) -> None:
+        path = checkpoints[quant]
+        assert budget_less_scales(path, "12", 2) == "12"
+        assert budget_less_scales(path, None, 2) is None
+
+
+def test_scales_fraction_by_format(checkpoints: dict[str, Path]) -> None:
+    """FP4 formats hold a byte a 32 values (1/16 of the expert's bytes), FP8 a float32 a
+    128 x 128 block at most."""
+    for quant, at_most in (("mxfp4", 1 / 16), ("fp4", 1 / 16), ("fp8", 4 / 128 / 128 * 16)):
+        table = open_table(checkpoints[quant])
+        experts = sum(layer.n_experts * layer.expert_bytes for layer in table.layers.values())
+        assert 0 < scale_bytes(table) <= experts * at_most
+
+
+def test_plain_checkpoints_hold_none(tmp_path: Path) -> None:
+    path = write_checkpoint(spec_for("tiny", 2, 8, 0), tmp_path / "plain").path
+    assert scale_bytes(open_table(path)) == 0
+    assert budget_less_scales(path, "1MiB", 2) == "1MiB"
+    assert scales_text({}) == ""
