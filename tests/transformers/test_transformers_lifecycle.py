@@ -133,3 +133,33 @@ class TestPerGenerate:
                 model.generate(torch.tensor(IDS), max_new_tokens=-1)
             assert model.moestream.last_generate is not None
             assert model.moestream.last_generate.tokens == 0
+
+
+_DOC = Path(__file__).resolve().parents[2] / "docs" / "TRANSFORMERS.md"
+
+
+class TestDocs:
+    """docs/TRANSFORMERS.md: its quick start runs as written on a CPU, and it lists every
+    argument ``from_pretrained`` takes."""
+
+    def test_quick_start_runs(self, checkpoint: Path,
+                              capsys: pytest.CaptureFixture[str]) -> None:
+        text = _DOC.read_text(encoding="utf-8")
+        program = text.split("```python\n", 1)[1].split("```", 1)[0]
+        assert '"cuda"' not in program  # it runs wherever it is (the CPU here, a GPU there)
+        exec(program.replace("path/to/checkpoint", str(checkpoint)), {})
+        out = capsys.readouterr().out
+        assert "GenerateStats(" in out and "Counters(" in out
+
+    def test_every_argument_listed(self, checkpoint: Path) -> None:
+        import inspect
+
+        text = _DOC.read_text(encoding="utf-8")
+        named = [p for p in inspect.signature(mt.from_pretrained).parameters
+                 if p != "words"]
+        with pytest.raises(TypeError) as caught:
+            mt.from_pretrained(checkpoint, not_a_word=1)
+        taken = str(caught.value).split("it takes ", 1)[1].split(", ")
+        assert set(named) <= set(taken)
+        missing = [name for name in taken if f"`{name}`" not in text]
+        assert missing == []
