@@ -235,12 +235,14 @@ def logits(model: Any) -> Any:
 
 
 def assert_streams_like(whole: Any, path: Path, compute: str, budget: str | None = "4",
-                        device: str = "cpu") -> None:
-    """moestream's model of ``path`` gives ``whole``'s logits (``torch.equal``) and greedy
-    tokens; at a budget below the experts, misses and evictions happen meanwhile."""
+                        device: str = "cpu", dtype: Any = None) -> None:
+    """moestream's model of ``path`` (in ``dtype``, None: the checkpoint's) gives
+    ``whole``'s logits (``torch.equal``) and greedy tokens; at a budget below the experts,
+    misses and evictions happen meanwhile."""
     from moestream import transformers as mt
 
-    model = mt.from_pretrained(path, device=device, compute=compute, budget=budget)
+    model = mt.from_pretrained(path, device=device, compute=compute, budget=budget,
+                               dtype=dtype)
     try:
         assert torch.equal(logits(whole), logits(model))
         if budget is not None:

@@ -19,9 +19,10 @@ import torch  # type: ignore[import-not-found, unused-ignore]
 import moestream
 from moestream.pipeline.foundation.errors import ExpertLayoutError, ModelFileError
 from moestream.transformers._arguments import first_line
+from moestream.transformers._gguf import GgufSource, dense_tensors
 from moestream.transformers._quantized import DenseScales
 
-__all__ = ["load_dense", "tensor_reader"]
+__all__ = ["load_dense", "load_gguf_dense", "tensor_reader"]
 
 _log = structlog.get_logger("moestream.transformers")
 
@@ -82,6 +83,33 @@ def load_dense(model: Any, session: moestream.SyncSession, device: Any,
     loaded = _Loaded(model, root)
     merged = _read_dense(model, session, device, progress, loaded)
     _convert(model, root, merged, loaded)
+    _finish(model, root, device, loaded)
+
+
+def load_gguf_dense(model: Any, session: moestream.SyncSession, device: Any,
+                    progress: bool | None, source: GgufSource) -> None:
+    """Read every non-routed tensor of a GGUF file through the session, as transformers'
+    GGUF loading makes it (gguf-py's float32, transformers' names and processing), onto
+    ``device`` in the model's dtypes, and assign it; make the buffers; tie."""
+    root = session.model.path
+    loaded = _Loaded(model, root)
+    from tqdm import tqdm
+
+    with tqdm(total=len(session.model.tensors), unit="tensor", desc="loading dense weights",
+              disable=not (sys.stderr.isatty() if progress is None else progress), leave=False,
+              file=sys.stderr) as bar:
+        for name, target, tensor in dense_tensors(model, session, source):
+            bar.update(1)
+            if target is None or target not in loaded.expected:
+                loaded.unexpected.append(name)
+                continue
+            loaded.assign(name, target, tensor.to(device))
+    _finish(model, root, device, loaded)
+
+
+def _finish(model: Any, root: Path, device: Any, loaded: _Loaded) -> None:
+    """Assign what was loaded; tie; refuse a model left with a parameter no tensor gave
+    (the routed experts aside); make the buffers."""
     if loaded.unexpected:
         _log.warning("checkpoint_tensors_unused", count=len(loaded.unexpected),
                      first=loaded.unexpected[:4], path=str(root))
@@ -201,6 +229,11 @@ def _make_buffers(root: Path, model: Any, device: Any) -> None:
         owners[owner_name] = owner
     with torch.no_grad():
         for owner in owners.values():
+            # what was loaded stays as loaded: transformers' init functions skip a tensor
+            # marked so, as from_pretrained marks it (Gemma's embedding owns a buffer too)
+            for tensor in (*owner.parameters(recurse=False), *owner.buffers(recurse=False)):
+                if not tensor.is_meta:
+                    tensor._is_hf_initialized = True
             model._init_weights(owner)
     left = [name for name, b in model.named_buffers() if b.is_meta]
     if left:

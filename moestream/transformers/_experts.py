@@ -43,6 +43,7 @@ from moestream.pipeline.foundation.errors import UsageError
 from moestream.transformers._dequant_cuda import CUDA_DTYPES, layer_experts_cuda
 from moestream.transformers._dequant_cuda import available as cuda_kernel
 from moestream.transformers._generate import GenerateStats
+from moestream.transformers._gguf_experts import GgufExperts
 from moestream.transformers._layout import (
     TORCH_DTYPES,
     biases,
@@ -113,12 +114,13 @@ class ExpertStream:
         compute: ``"grouped"`` or ``"eager"`` (the module docstring says what each matches).
         group_experts: the most experts one fetch pins (what the budget holds beside
             another layer in flight).
-        scales: the block scales of each quantized layer, on ``device`` (its experts are
-            dequantized per use).
+        scales: the block scales of each quantized layer, on ``device``, or a GGUF
+            layer's expert types (its experts are dequantized per use).
     """
 
     def __init__(self, session: SyncSession, device: Any, *, compute: Compute,
-                 group_experts: int, scales: Mapping[int, LayerScales] | None = None) -> None:
+                 group_experts: int,
+                 scales: Mapping[int, LayerScales | GgufExperts] | None = None) -> None:
         if compute not in COMPUTES:
             raise UsageError(f"compute must be one of {', '.join(COMPUTES)}, got {compute!r}")
         if group_experts < 1:
@@ -127,7 +129,7 @@ class ExpertStream:
         self.device = torch.device(device)
         self.compute: Compute = compute
         self.group_experts = group_experts
-        self.scales: Mapping[int, LayerScales] = scales or {}
+        self.scales: Mapping[int, LayerScales | GgufExperts] = scales or {}
         self.last: TokenStats | None = None
         """The last token's stats (``end_token``'s answer)."""
         self.tokens = 0
@@ -256,7 +258,8 @@ class ExpertStream:
         one product per matrix kind for the whole batch."""
         scales = self.scales[handles[0].layer]
         experts = [h.expert for h in handles]
-        if (self._cuda and (scales.method != "fp8" or not scales.transposed)
+        if (self._cuda and isinstance(scales, LayerScales)
+                and (scales.method != "fp8" or not scales.transposed)
                 and down.dtype in CUDA_DTYPES and cuda_kernel()):
             # one kernel a batch, reading the cache where it is: no stacked copy
             layer_experts_cuda(scales, [[h.matrices[at].ptr for h in handles] for at in range(3)],

@@ -29,8 +29,9 @@ def view(matrix: Any, dtype: Any) -> Any:
 
 
 def raw(matrix: Any) -> Any:
-    """A quantized matrix's bytes as a uint8 tensor of its shape (no copy)."""
-    return torch.utils.dlpack.from_dlpack(matrix).view(matrix.shape)
+    """A quantized matrix's bytes as a tensor of its rows (no copy): uint8 ``(rows,
+    row_bytes)`` (a GGUF block type's rows are whole blocks), typed for F16 and F32."""
+    return torch.utils.dlpack.from_dlpack(matrix).view(matrix.shape[0], -1)
 
 
 def first_projection(module: Any) -> Any:

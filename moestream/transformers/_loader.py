@@ -48,7 +48,7 @@ from moestream.transformers._arguments import (
     wanted_dtype,
 )
 from moestream.transformers._budget import budget_for, warn_if_clamped
-from moestream.transformers._dense import load_dense, tensor_reader
+from moestream.transformers._dense import load_dense, load_gguf_dense, tensor_reader
 from moestream.transformers._experts import (
     COMPUTES,
     IMPLEMENTATION,
@@ -58,12 +58,13 @@ from moestream.transformers._experts import (
 )
 from moestream.transformers._files import CONFIG, GENERATION_FILES, snapshot
 from moestream.transformers._gate import is_available
+from moestream.transformers._gguf import GgufSource, gguf_model, is_gguf
+from moestream.transformers._gguf_experts import GgufExperts, gguf_experts
 from moestream.transformers._hub import local_checkpoint
 from moestream.transformers._layout import TORCH_DTYPES, first_projection
 from moestream.transformers._model import serve
 from moestream.transformers._mtp import mtp_layers
-from moestream.transformers._quantized import load_scales
-from moestream.transformers._scale_budget import budget_less_scales
+from moestream.transformers._quantized import LayerScales, load_scales
 from moestream.transformers._swap import swap_experts
 
 __all__ = ["from_pretrained"]
@@ -123,9 +124,6 @@ def from_pretrained(path: str | os.PathLike[str], *, budget: str | moestream.Bud
     given, root = _checkpoint(local_checkpoint(path, said.revision, said.cache_dir), compute)
     torch_device, wanted = device_of(said.device), wanted_dtype(said.dtype)
     budget = budget_for(given, budget, said.max_memory, torch_device, wanted, tuning)
-    if said.max_memory is None:  # max_memory's dense weights counted the scales already
-        in_flight = (tuning or moestream.Tuning()).layers_in_flight
-        budget = budget_less_scales(given, budget, in_flight)
     session = _open(given, torch_device, budget=budget, mode=mode, policy=policy,
                     verify=verify, log=log, tuning=tuning)
     try:
@@ -144,9 +142,8 @@ def _checkpoint(path: str | os.PathLike[str], compute: Compute) -> tuple[Path, P
         raise UsageError(f"compute must be one of {', '.join(COMPUTES)}, got {compute!r}")
     register()
     given = Path(path)
-    if given.suffix == ".gguf":
-        raise ModelFileError(given, "moestream.transformers reads safetensors checkpoints "
-                             "(a directory with config.json); GGUF is not supported yet")
+    if is_gguf(given):  # its metadata is its config, its tokenizer too
+        return given, given.parent
     root = given.parent if given.is_file() else given
     if not (root / CONFIG).is_file():
         raise ModelFileError(root, "not a checkpoint directory (no config.json)")
@@ -165,12 +162,15 @@ def _served(session: moestream.SyncSession, root: Path, device: Any, dtype: Any,
     """The model over ``session``: built on the meta device, its dense weights loaded, its
     experts served by an ``ExpertStream`` that runs a token each forward (the caller closes
     the session on a failure)."""
-    model, config = _built(session, root, dtype, attention)
+    gguf = None
+    if is_gguf(session.model.path):
+        model, config, gguf = _gguf_built(session, root, dtype, attention)
+    else:
+        model, config = _built(session, root, dtype, attention)
     swap_experts(model)  # experts outside transformers' registry (Llama 4, JetMoE)
     experts = _experts_modules(root, model, config)
     group = _check_experts(session, experts)
-    load_dense(model, session, device, progress)
-    scales = load_scales(session, sorted(experts), device, tensor_reader(session))
+    scales = _weights(model, session, device, progress, sorted(experts), gguf)
     experts_stream = ExpertStream(session, device, compute=compute, group_experts=group,
                                   scales=scales)
     for layer, module in experts.items():
@@ -181,6 +181,27 @@ def _served(session: moestream.SyncSession, root: Path, device: Any, dtype: Any,
     model.register_forward_hook(_end_hook(experts_stream))
     model.eval()
     return serve(model)
+
+
+def _weights(model: Any, session: moestream.SyncSession, device: Any, progress: bool | None,
+             layers: list[int], gguf: GgufSource | None) -> dict[int, LayerScales | GgufExperts]:
+    """Load the dense weights; the dequantization of each quantized layer's experts."""
+    if gguf is not None:
+        load_gguf_dense(model, session, device, progress, gguf)
+        return dict(gguf_experts(session, layers))
+    load_dense(model, session, device, progress)
+    return dict(load_scales(session, layers, device, tensor_reader(session)))
+
+
+def _gguf_built(session: moestream.SyncSession, root: Path, dtype: Any,
+                attention: str | None) -> tuple[Any, Any, GgufSource]:
+    """As :func:`_built`, for a GGUF file: the config from its metadata by transformers."""
+    def build(files: Path, config: Any) -> Any:
+        if attention is not None:  # as transformers' _from_config applies it
+            config._attn_implementation = attention
+        return build_with(attention, lambda: _meta_model(root, files, config, dtype))
+
+    return gguf_model(session, build)
 
 
 def _built(session: moestream.SyncSession, root: Path, dtype: Any,
@@ -314,7 +335,8 @@ def _check_experts(session: moestream.SyncSession, experts: dict[int, Any]) -> i
                 raise ExpertLayoutError(path, f"layer {layer}: the config says {what} "
                                         f"{want}, the checkpoint's experts have {have}")
         for matrix_type in (got.gate_up_type, got.down_type):
-            if matrix_type.name not in TORCH_DTYPES and got.quant is None:
+            if (matrix_type.name not in TORCH_DTYPES and got.quant is None
+                    and not is_gguf(info.path)):  # GGUF types: gguf_experts checks them
                 raise ModelFileError(path, f"layer {layer}: experts in {matrix_type.name}; "
                                      f"torch computes {', '.join(TORCH_DTYPES)} experts")
     budget = session.counters().budget_bytes

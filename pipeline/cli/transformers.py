@@ -1,7 +1,8 @@
 """``python -m pipeline.run --engine transformers``: generate with a real model through moestream.
 
-The model is loaded by :func:`moestream.transformers.from_pretrained` (routed experts
-streamed under ``--cache-budget``), the prompt is the checkpoint tokenizer's encoding of
+The model is loaded by :func:`moestream.transformers.from_pretrained` (a checkpoint
+directory or a GGUF file; routed experts streamed under ``--cache-budget``), the prompt is
+the checkpoint tokenizer's (a GGUF file's: transformers' from its metadata) encoding of
 ``--prompt`` or the ids of ``--prompt-ids``, and ``--tokens`` tokens are generated greedily
 with transformers' own ``generate``. Prints the tokens (and the text, with a tokenizer),
 then the run's summary in ``moestream.pipeline.cli.run``'s format (``--json``: one JSON
@@ -54,28 +55,37 @@ def _prompt_ids(args: argparse.Namespace, model_dir: Path) -> tuple[list[int], A
         if not ids:
             raise UsageError("--prompt-ids: no ids")
     elif args.prompt is not None:
-        import transformers  # type: ignore[import-not-found, unused-ignore]
-
-        root = model_dir.parent if model_dir.is_file() else model_dir
-        if not any((root / name).is_file() for name in _TOKENIZER_FILES):
-            raise UsageError(f"{root}: the checkpoint has no tokenizer for --prompt; "
-                             "pass --prompt-ids")
-        # the tokenizer's files read once, bounded, into a private directory: transformers
-        # never reads the checkpoint's own by path nor runs its code
-        with snapshot(root, {CONFIG: 16 << 20, **TOKENIZER_FILES}) as files:
-            try:
-                tokenizer = transformers.AutoTokenizer.from_pretrained(
-                    files, trust_remote_code=False)
-            except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
-                raise UsageError(f"{root}: no usable tokenizer for --prompt "
-                                 f"({str(exc).strip().splitlines()[0][:200]}); pass "
-                                 "--prompt-ids") from exc
+        tokenizer = _tokenizer(model_dir)
         ids = [int(t) for t in tokenizer(args.prompt)["input_ids"]]
         if not ids:
             raise UsageError("--prompt: the tokenizer made no tokens of it")
     else:
         raise UsageError("--engine transformers needs --prompt TEXT or --prompt-ids 1,2,3")
     return ids, tokenizer
+
+
+def _tokenizer(model: Path) -> Any:
+    """The checkpoint's tokenizer, or the one transformers builds from a GGUF file's
+    metadata."""
+    import transformers  # type: ignore[import-not-found, unused-ignore]
+
+    from moestream.transformers._gguf import gguf_tokenizer, is_gguf
+
+    if is_gguf(model):
+        return gguf_tokenizer(model)
+    root = model.parent if model.is_file() else model
+    if not any((root / name).is_file() for name in _TOKENIZER_FILES):
+        raise UsageError(f"{root}: the checkpoint has no tokenizer for --prompt; "
+                         "pass --prompt-ids")
+    # the tokenizer's files read once, bounded, into a private directory: transformers
+    # never reads the checkpoint's own by path nor runs its code
+    with snapshot(root, {CONFIG: 16 << 20, **TOKENIZER_FILES}) as files:
+        try:
+            return transformers.AutoTokenizer.from_pretrained(files, trust_remote_code=False)
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise UsageError(f"{root}: no usable tokenizer for --prompt "
+                             f"({str(exc).strip().splitlines()[0][:200]}); pass "
+                             "--prompt-ids") from exc
 
 
 def main(args: argparse.Namespace) -> int:
@@ -92,7 +102,7 @@ def main(args: argparse.Namespace) -> int:
 
 def _generate(args: argparse.Namespace) -> int:
     if args.model is None:
-        raise UsageError("--engine transformers needs -m CHECKPOINT_DIR")
+        raise UsageError("--engine transformers needs -m CHECKPOINT_DIR or -m FILE.gguf")
     if args.tokens < 1:
         raise UsageError(f"--tokens must be >= 1, got {args.tokens}")
     if args.log is not None:
@@ -105,7 +115,6 @@ def _generate(args: argparse.Namespace) -> int:
     import torch  # type: ignore[import-not-found, unused-ignore]
 
     from moestream.transformers._loader import from_pretrained
-    from moestream.transformers._scale_budget import scales_text
 
     device = {"host": "cpu", "cupy": "cuda"}.get(args.backend)
     model = from_pretrained(args.model, budget=args.cache_budget, mode=args.mode,
@@ -114,8 +123,7 @@ def _generate(args: argparse.Namespace) -> int:
     stream = model.moestream
     summary = RunSummary(model=str(args.model), backend=stream.session.backend,
                          device=str(stream.device),
-                         experts=describe_experts(stream.session.model.layers.values())
-                         + scales_text(stream.scales))
+                         experts=describe_experts(stream.session.model.layers.values()))
     live = LiveLine(args.tokens, enabled=not args.json and sys.stderr.isatty())
     stream.on_token = lambda s: live.update(s.hits, s.misses, s.time, s.mode)
     try:

@@ -1,0 +1,246 @@
+"""A GGUF file as a transformers model: its config, tokenizer and dense weights by
+transformers' own GGUF mapping, its routed experts left in the file for the session.
+
+transformers reads a GGUF file by dequantizing all of it to float at load
+(``from_pretrained(dir, gguf_file=...)``: ``load_gguf_checkpoint``, gguf-py's numpy
+dequantization, then its per-architecture ``TensorProcessor`` renames ggml names to its own
+and reshapes or permutes where an architecture needs it). Here the same pieces build the
+same model with the routed experts left out:
+
+- the config and tokenizer come from transformers' own ``AutoConfig`` / ``AutoTokenizer``
+  with ``gguf_file=``, pointed at a private directory whose one entry is a link to a
+  descriptor this module opened (``/proc/self/fd/N``): transformers parses the file opened
+  here, not whatever the path names by then, and its tensor table is checked against the
+  session's before anything is built from it;
+- every non-routed tensor's bytes come through the session (``read_tensor``: the file as
+  the session identified it), are dequantized by gguf-py as transformers does, and are
+  renamed and processed by transformers' ``get_gguf_hf_weights_map`` and the
+  architecture's ``TensorProcessor``; the dtype is transformers' (float32 unless given);
+- the routed experts (``ffn_{gate,up,down}_exps``) never leave the session: they stream
+  quantized and ``_gguf_experts`` dequantizes them per use.
+
+Served: the architectures transformers' legacy GGUF loader maps whose experts it stacks
+into ``gate_up_proj`` / ``down_proj`` (``TENSOR_PROCESSORS`` with a ``HF_MOE_W13_PATTERN``:
+qwen2moe, qwen3moe and minimax-m2 in transformers 5.17 to 5.25). Refused in one line: an
+architecture transformers maps no model from, one it maps through its newer GGUF
+conversion ops (``integrations/gguf``: qwen35moe), gpt-oss (its experts are transposed and
+interleaved), and a transformers without GGUF loading.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import re
+import tempfile
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch  # type: ignore[import-not-found, unused-ignore]
+import transformers  # type: ignore[import-not-found, unused-ignore]
+from gguf import GGMLQuantizationType, GGUFReader
+from gguf.quants import dequantize as gguf_dequantize
+
+import moestream
+from moestream.pipeline.foundation.errors import ModelFileError, UsageError
+from moestream.transformers._arguments import first_line
+
+__all__ = ["GgufSource", "dense_tensors", "gguf_model", "gguf_tokenizer", "is_gguf"]
+
+_ROUTED = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down|gate_up)_exps\.weight$")
+"""A routed-experts tensor's name, as the session's table reads it."""
+_LINK = "model.gguf"
+"""The private directory's one entry: a link to the descriptor opened here."""
+_FFN_KEYS = (("expert_feed_forward_length", "moe_intermediate_size"),
+             ("expert_shared_feed_forward_length", "shared_expert_intermediate_size"))
+"""What the file states of the experts' widths and transformers' legacy mapping drops
+(it leaves the config class's defaults): set from the file where the config has them."""
+
+
+def is_gguf(path: Path) -> bool:
+    """Whether ``from_pretrained`` reads ``path`` as a GGUF file (a file, not safetensors)."""
+    return path.suffix == ".gguf" or (path.is_file() and path.suffix != ".safetensors")
+
+
+def _legacy() -> Any:
+    """transformers' GGUF loader module, or a one-line refusal naming the version."""
+    version = importlib.metadata.version("transformers")
+    try:
+        from transformers import modeling_gguf_pytorch_utils as legacy
+    except ImportError as exc:
+        raise UsageError(f"transformers {version} reads no GGUF ({first_line(exc)}); "
+                         "moestream.transformers builds GGUF models with transformers' "
+                         "own GGUF mapping (transformers >= 5 with gguf installed)") from exc
+    if not all(hasattr(legacy, name) for name in ("load_gguf_checkpoint", "TENSOR_PROCESSORS",
+                                                  "get_gguf_hf_weights_map")):
+        raise UsageError(f"transformers {version} has no GGUF loader moestream can follow "
+                         "(load_gguf_checkpoint, TENSOR_PROCESSORS, get_gguf_hf_weights_map)")
+    return legacy
+
+
+def _served_archs(legacy: Any) -> list[str]:
+    """The architectures whose experts transformers stacks as gate_up_proj / down_proj."""
+    return sorted(arch for arch, processor in legacy.TENSOR_PROCESSORS.items()
+                  if hasattr(processor, "HF_MOE_W13_PATTERN"))
+
+
+def _check_arch(path: Path, arch: str, legacy: Any) -> None:
+    """Refuse, in one line naming it, an architecture moestream cannot serve from GGUF."""
+    served = _served_archs(legacy)
+    if arch in served:
+        return
+    version = importlib.metadata.version("transformers")
+    if arch in ("gpt-oss", "gpt_oss"):
+        why = ("transformers keeps its experts transposed with gate and up interleaved, "
+               "which moestream does not stream from GGUF")
+    elif _new_path(arch):
+        why = (f"transformers {version} loads it through its GGUF conversion ops "
+               "(integrations/gguf), which moestream does not follow yet")
+    else:
+        why = f"transformers {version} maps no MoE model from it"
+    raise ModelFileError(path, f"GGUF architecture {arch[:40]!r}: {why} (served: "
+                         f"{', '.join(served)})")
+
+
+def _new_path(arch: str) -> bool:
+    try:
+        from transformers.integrations.gguf import utils
+    except ImportError:
+        return False
+    return bool(getattr(utils, "is_gguf_arch_supported", lambda _: False)(arch))
+
+
+@contextmanager
+def _pinned(path: Path) -> Iterator[tuple[Path, GGUFReader]]:
+    """A private directory whose one entry links to a descriptor of ``path`` opened here,
+    and gguf's reader of that descriptor; both gone on exit."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError as exc:
+        raise ModelFileError(path, f"cannot read: {exc.strerror or exc}") from exc
+    try:
+        with tempfile.TemporaryDirectory(prefix="moestream-gguf-") as made:
+            private = Path(made)
+            (private / _LINK).symlink_to(f"/proc/self/fd/{fd}")
+            try:
+                reader = GGUFReader(private / _LINK)
+            except (ValueError, IndexError, KeyError, OSError) as exc:
+                raise ModelFileError(path, f"gguf cannot read it: {first_line(exc)}") from exc
+            yield private, reader
+    finally:
+        os.close(fd)
+
+
+def _check_same(path: Path, reader: GGUFReader, session: moestream.SyncSession) -> None:
+    """The file transformers reads (``reader``) has the session's tensor table: the same
+    dense tensors (names, types, shapes) and the same routed experts (layers, types, expert
+    counts); a file renamed over the path since the session opened it is refused."""
+    info = session.model
+    ours = {t.name: (t.tensor_type.name, tuple(int(n) for n in reversed(t.shape)))
+            for t in reader.tensors}
+    same = all(ours.get(name) == (spec.dtype, spec.shape) for name, spec in info.tensors.items())
+    for name, (kind, shape) in ours.items():
+        if name in info.tensors:
+            continue
+        routed = _ROUTED.match(name)
+        layer = info.layers.get(int(routed.group(1))) if routed else None
+        want = None if layer is None else (
+            layer.down_type if routed and routed.group(2) == "down" else layer.gate_up_type)
+        same = same and layer is not None and want is not None and kind == want.name \
+            and shape[0] == layer.n_experts
+    if not same or len(ours) < len(info.tensors):
+        raise ModelFileError(path, "changed while it was opened (its tensors are not those "
+                             "the session read)")
+
+
+@dataclass(frozen=True)
+class GgufSource:
+    """What building the model from a GGUF file found: its architecture and transformers'
+    tensor processor for it (the dense weights' renaming and reshaping)."""
+
+    path: Path
+    arch: str
+    processor: Any
+    legacy: Any
+
+
+def gguf_model(session: moestream.SyncSession,
+               build: Callable[[Path, Any], Any]) -> tuple[Any, Any, GgufSource]:
+    """The model of the GGUF file of ``session``, its config (transformers' own, from the
+    file) and its source: ``build(files, config)`` builds the model, ``files`` a private
+    directory with no generation or tokenizer file.
+
+    Raises:
+        UsageError: transformers reads no GGUF.
+        ModelFileError: an architecture moestream does not serve (named), a file transformers
+            cannot parse, or one that is not the session's.
+    """
+    path = session.model.path
+    legacy = _legacy()
+    with _pinned(path) as (private, reader):
+        _check_same(path, reader, session)
+        field = legacy.read_field(reader, "general.architecture")
+        arch = str(field[0]) if field else "(none)"
+        _check_arch(path, arch, legacy)
+        try:
+            config = transformers.AutoConfig.from_pretrained(private, gguf_file=_LINK,
+                                                             trust_remote_code=False)
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise ModelFileError(path, f"transformers' GGUF config: {first_line(exc)}") from exc
+        for key, attribute in _FFN_KEYS:
+            stated = legacy.read_field(reader, f"{arch}.{key}")
+            if stated and hasattr(config, attribute):
+                setattr(config, attribute, int(stated[0]))
+        processor = legacy.TENSOR_PROCESSORS[arch](config=config.to_dict())
+        with tempfile.TemporaryDirectory(prefix="moestream-gguf-build-") as files:
+            model = build(Path(files), config)
+    return model, config, GgufSource(path, arch, processor, legacy)
+
+
+def gguf_tokenizer(path: Path) -> Any:
+    """transformers' tokenizer of the GGUF file at ``path`` (``AutoTokenizer`` with
+    ``gguf_file=``, from a descriptor opened here).
+
+    Raises:
+        UsageError: transformers reads no GGUF, or builds no tokenizer from this file.
+    """
+    _legacy()
+    with _pinned(path) as (private, _):
+        try:
+            return transformers.AutoTokenizer.from_pretrained(private, gguf_file=_LINK,
+                                                              trust_remote_code=False)
+        except (OSError, ValueError, KeyError, TypeError, AttributeError,
+                NotImplementedError) as exc:
+            raise UsageError(f"{path}: transformers builds no tokenizer from this GGUF "
+                             f"({first_line(exc)[:200]}); pass --prompt-ids") from exc
+
+
+def dense_tensors(model: Any, session: moestream.SyncSession,
+                  source: GgufSource) -> Iterator[tuple[str, str | None, Any]]:
+    """Each non-routed tensor as transformers loads it: (file name, model name, float32
+    tensor on the CPU), read through the session, dequantized by gguf-py and processed by
+    transformers' tensor processor; tensors the model has no place for come with the model
+    name None."""
+    mapping = source.legacy.get_gguf_hf_weights_map(model, source.processor)
+    for spec in session.model.tensors.values():
+        weights = _dequantized(source.path, spec, session.read_tensor(spec.name))
+        result = source.processor.process(weights=weights, name=spec.name,
+                                          tensor_key_mapping=mapping,
+                                          parsed_parameters={"tensors": {}})
+        target = mapping.get(result.name) if result.name is not None else None
+        yield spec.name, target, torch.from_numpy(np.array(result.weights, dtype=np.float32))
+
+
+def _dequantized(path: Path, spec: moestream.TensorSpec, data: bytearray) -> Any:
+    """A tensor's bytes as gguf-py's float32 values of its shape."""
+    try:
+        kind = GGMLQuantizationType[spec.dtype]
+        rows = np.frombuffer(data, dtype=np.uint8).reshape(*spec.shape[:-1], -1)
+        return np.asarray(gguf_dequantize(rows, kind), dtype=np.float32).reshape(spec.shape)
+    except (KeyError, ValueError, NotImplementedError) as exc:
+        raise ModelFileError(path, f"{spec.name[:120]}: a {spec.dtype[:20]} tensor gguf cannot "
+                             f"dequantize ({first_line(exc)[:120]})") from exc

@@ -1,0 +1,87 @@
+"""A GGUF layer's routed experts dequantized per use, into the module's own layout.
+
+The experts of a GGUF file stream as their blocks (the cache holds, and the budget counts,
+the quantized bytes); each use turns the experts of one arrival batch into the compute
+dtype on the device, by ``_gguf_dequant.dequantize`` (bitwise gguf-py's float32 rounded once
+to the dtype: what transformers' own GGUF loading gives, since it dequantizes with gguf-py
+and casts). A layer's gate and up share one ggml type (the table checks it) and are
+dequantized in one call straight into the stacked ``gate_up`` (gate rows first, as
+transformers stacks ``ffn_gate_exps`` and ``ffn_up_exps``); down in a second. Types may
+differ from layer to layer and between gate/up and down; float types (F16, BF16, F32)
+among them are cast by the same call.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch  # type: ignore[import-not-found, unused-ignore]
+from gguf import GGMLQuantizationType
+
+import moestream
+from moestream.pipeline.foundation.errors import ModelFileError
+from moestream.transformers._gguf_dequant import dequantize, supported
+
+__all__ = ["GgufExperts", "gguf_experts"]
+
+
+@dataclass(frozen=True, slots=True)
+class GgufExperts:
+    """One GGUF layer's expert types, and their dequantization into the module's layout
+    (``gate_up`` ``(n, 2F, D)``, ``down`` ``(n, D, F)``; GGUF's experts are never
+    transposed).
+
+    Attributes:
+        gate_up_type: the ggml type of gate and up.
+        down_type: the ggml type of down.
+    """
+
+    gate_up_type: int
+    down_type: int
+    method: str = "gguf"
+    transposed: bool = False
+
+    def fill(self, experts: list[int], raws: tuple[Any, Any, Any], gate_up: Any,
+             down: Any) -> None:
+        """The stacked blocks of gate, up and down (``raws``: ``(n, rows, row_bytes)``
+        each) dequantized into ``gate_up`` and ``down``: one call per matrix kind."""
+        stacked = torch.cat((_bytes(raws[0]), _bytes(raws[1])), dim=1)
+        dequantize(stacked, self.gate_up_type, gate_up.dtype, out=gate_up)
+        dequantize(_bytes(raws[2]), self.down_type, down.dtype, out=down)
+
+    def expert(self, expert: int, raws: tuple[Any, Any, Any], dtype: Any
+               ) -> tuple[Any, Any, Any]:
+        """One expert's gate ``(F, D)``, up ``(F, D)`` and down ``(D, F)`` in ``dtype``, from
+        its blocks (``raws``: ``(rows, row_bytes)`` each)."""
+        gate, up, down = raws
+        return (dequantize(_bytes(gate), self.gate_up_type, dtype),
+                dequantize(_bytes(up), self.gate_up_type, dtype),
+                dequantize(_bytes(down), self.down_type, dtype))
+
+
+def _bytes(matrix: Any) -> Any:
+    """A matrix of the cache as its bytes, ``(..., rows, row_bytes)`` (an F16 or F32 matrix
+    comes typed)."""
+    return matrix if matrix.dtype == torch.uint8 else matrix.view(torch.uint8)
+
+
+def gguf_experts(session: moestream.SyncSession, layers: list[int]) -> dict[int, GgufExperts]:
+    """Each MoE layer's :class:`GgufExperts`, once every expert type is one moestream
+    dequantizes.
+
+    Raises:
+        ModelFileError: a layer's experts in a type the dequantizer lacks (named).
+    """
+    out = {}
+    path: Path = session.model.path
+    for layer in layers:
+        info = session.model.layers[layer]
+        for kind in (info.gate_up_type, info.down_type):
+            if not supported(int(kind)):
+                names = ", ".join(t.name for t in GGMLQuantizationType if supported(int(t)))
+                raise ModelFileError(path, f"layer {layer}: experts in {kind.name}, a GGUF "
+                                     f"type moestream does not dequantize (it does {names})")
+        out[layer] = GgufExperts(int(info.gate_up_type), int(info.down_type))
+    return out

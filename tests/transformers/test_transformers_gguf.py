@@ -1,0 +1,398 @@
+"""GGUF files through moestream.transformers: the config, tokenizer and dense weights by
+transformers' own GGUF mapping, the experts streamed quantized and dequantized per use.
+
+The files are written here, as llama.cpp's ``convert_hf_to_gguf.py`` writes them (its tensor
+names through gguf's own name map, its metadata keys, a GPT-2 byte-level tokenizer), from a
+tiny qwen2moe / qwen3moe ``save_pretrained`` checkpoint: dense weights F16 or Q8_0, norms
+F32, the routed experts in a different type per layer and per projection, quantized by
+``gguf.quants.quantize`` (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, BF16, F16) or, for the types
+gguf-py cannot quantize (the K-quants, IQ types, MXFP4), random blocks with finite scales.
+The reference is transformers' own ``from_pretrained(dir, gguf_file=...)`` on the same file,
+which dequantizes the whole file at load (gguf-py) and so reads every one of these types.
+Where transformers' legacy mapping cannot build the model (an expert width other than the
+config class's default: it drops ``expert_feed_forward_length``), the reference is a
+transformers model holding gguf's dequantization of the same blocks.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("transformers.integrations.moe")
+pytest.importorskip("transformers.modeling_gguf_pytorch_utils")
+pytest.importorskip("accelerate")  # transformers' GGUF loading asks for it
+import gguf  # noqa: E402
+import numpy as np  # noqa: E402
+from gguf import GGMLQuantizationType as Q  # noqa: E402
+from gguf import GGUFWriter  # noqa: E402
+
+import moestream  # noqa: E402
+from moestream import transformers as mt  # noqa: E402
+from moestream.pipeline import run as pipeline_run  # noqa: E402
+from moestream.pipeline.foundation.errors import ModelFileError, UsageError  # noqa: E402
+from tests.gguf_files import write_plain_moe  # noqa: E402
+from tests.quantized import assert_streams_like, logits  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+
+SHAPES: dict[str, dict[str, Any]] = {
+    # the experts' widths are the config classes' defaults: transformers' legacy GGUF
+    # mapping drops expert_feed_forward_length, so only these load there
+    "qwen3_moe": dict(hidden_size=256, intermediate_size=96, num_experts=8,
+                      num_experts_per_tok=2, num_hidden_layers=4, head_dim=16,
+                      num_attention_heads=4, num_key_value_heads=2,
+                      max_position_embeddings=128, norm_topk_prob=True),
+    "qwen2_moe": dict(hidden_size=64, intermediate_size=96, num_experts=8,
+                      num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=128),
+}
+ARCH = {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe"}
+EXPERT_TYPES: dict[str, list[tuple[Q, Q]]] = {
+    # per layer, (gate and up, down): quantized by gguf-py, or random blocks where it cannot
+    "qwen3_moe": [(Q.Q8_0, Q.Q4_0), (Q.Q5_1, Q.BF16), (Q.Q4_K, Q.Q6_K), (Q.IQ2_XXS, Q.Q2_K)],
+    # qwen2moe's expert width (1408) is no whole number of 256-value blocks: no K-quants
+    "qwen2_moe": [(Q.Q4_1, Q.Q8_0), (Q.F16, Q.Q5_0)],
+}
+MORE_TYPES = [(Q.Q3_K, Q.IQ4_XS), (Q.Q5_K, Q.MXFP4), (Q.IQ2_XS, Q.IQ3_XXS), (Q.F16, Q.Q4_0)]
+"""The other types, in a second qwen3moe file."""
+
+_QUANTIZABLE = {Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.BF16}
+_SCALE_AT = {Q.Q2_K: (80, 82), Q.Q3_K: (108,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,),
+             Q.IQ2_XXS: (0,), Q.IQ2_XS: (0,), Q.IQ3_XXS: (0,), Q.IQ4_XS: (0,), Q.IQ1_S: (0,)}
+"""Where each random-block type's float16 scales lie in its block."""
+_SCALE = np.float16(2.0 ** -13)
+"""Their value: small enough that no activation overflows, a normal float16."""
+
+
+def _tokenizer_metadata(writer: GGUFWriter) -> None:
+    """A GPT-2 byte-level vocabulary of 256 bytes, three merges and an end-of-text token,
+    as convert_hf_to_gguf writes a Qwen tokenizer."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    tokens = [*bytes_to_unicode().values(), "he", "ll", "llo", "<|endoftext|>"]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("qwen2")
+    writer.add_token_list(tokens)
+    writer.add_token_types([1] * (len(tokens) - 1) + [3])
+    writer.add_token_merges(["h e", "l l", "ll o"])
+    writer.add_bos_token_id(len(tokens) - 1)
+    writer.add_eos_token_id(len(tokens) - 1)
+
+
+VOCAB = 260
+
+
+def _metadata(writer: GGUFWriter, config: Any, arch: str) -> None:
+    """The hyperparameters convert_hf_to_gguf writes for Qwen2-MoE and Qwen3-MoE."""
+    writer.add_name("tiny")
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_expert_count(config.num_experts)
+    writer.add_expert_used_count(config.num_experts_per_tok)
+    writer.add_expert_feed_forward_length(config.moe_intermediate_size)
+    if arch == "qwen3moe":
+        writer.add_key_length(config.head_dim)
+        writer.add_value_length(config.head_dim)
+    else:
+        writer.add_expert_shared_feed_forward_length(config.shared_expert_intermediate_size)
+    _tokenizer_metadata(writer)
+
+
+def _random_blocks(shape: tuple[int, ...], kind: Q, seed: int) -> np.ndarray:
+    """Random valid blocks for values of ``shape``: random bytes, small finite scales."""
+    block, nbytes = gguf.GGML_QUANT_SIZES[kind]
+    rows = int(np.prod(shape[:-1])) * (shape[-1] // block)
+    raw = np.random.default_rng(seed).integers(0, 256, (rows, nbytes), dtype=np.uint8)
+    if kind == Q.MXFP4:
+        raw[:, 0] = 127 - 8  # the E8M0 exponent: 2 ** -8
+    for at in _SCALE_AT.get(kind, ()):
+        raw[:, at:at + 2] = np.frombuffer(_SCALE.tobytes(), dtype=np.uint8)
+    return raw.reshape(*shape[:-1], shape[-1] // block * nbytes)
+
+
+def _stored(value: np.ndarray, kind: Q, seed: int) -> np.ndarray:
+    """``value`` as the file stores it: float bytes or quantized blocks."""
+    value = np.ascontiguousarray(value, dtype=np.float32)
+    if kind == Q.F32:
+        return value
+    if kind == Q.F16:
+        return value.astype(np.float16)
+    if kind in _QUANTIZABLE:
+        return gguf.quants.quantize(value, kind)
+    return _random_blocks(value.shape, kind, seed)
+
+
+class _Gguf:
+    """A GGUF file being written, and gguf's float32 dequantization of every tensor by
+    its model name (the reference checkpoint)."""
+
+    def __init__(self, path: Path, arch: str) -> None:
+        self.writer = GGUFWriter(path, arch)
+        self.path = path
+        self.values: dict[str, np.ndarray] = {}
+
+    def add(self, name: str, model_name: str, value: np.ndarray, kind: Q, seed: int = 0) -> None:
+        stored = _stored(value, kind, seed)
+        if kind in (Q.F32, Q.F16):
+            self.writer.add_tensor(name, stored)
+        else:
+            self.writer.add_tensor(name, stored, raw_shape=stored.shape, raw_dtype=kind)
+        self.values[model_name] = gguf.quants.dequantize(stored, kind).reshape(value.shape)
+
+    def close(self) -> Path:
+        self.writer.write_header_to_file()
+        self.writer.write_kv_data_to_file()
+        self.writer.write_tensors_to_file()
+        self.writer.close()
+        return self.path
+
+
+def _convert(checkpoint: Path, path: Path, arch: str, types: list[tuple[Q, Q]],
+             dense: Q = Q.F16) -> _Gguf:
+    """``checkpoint`` (a save_pretrained directory) as llama.cpp converts it: gguf's tensor
+    names, 1-D tensors F32, other dense ``dense``, layer ``i``'s experts ``types[i]``."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
+    config = model.config
+    names = gguf.get_tensor_name_map(
+        next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch), config.num_hidden_layers)
+    out = _Gguf(path, arch)
+    _metadata(out.writer, config, arch)
+    state = {k: v.numpy() for k, v in model.state_dict().items()}
+    for name, value in state.items():
+        if ".mlp.experts." in name:
+            continue
+        base, _, suffix = name.rpartition(".")
+        gguf_name = f"{names.get_name(base)}.{suffix}"
+        if gguf_name.startswith("blk.") and ".ffn_gate_inp_shexp." in gguf_name:
+            value = value.reshape(-1)  # llama.cpp's shared-expert gate is a vector
+        out.add(gguf_name, name, value, Q.F32 if value.ndim == 1 else dense)
+        out.values[name] = out.values[name].reshape(state[name].shape)
+    for layer, (gate_up_type, down_type) in enumerate(types):
+        prefix = f"model.layers.{layer}.mlp.experts."
+        gate_up, down = state[prefix + "gate_up_proj"], state[prefix + "down_proj"]
+        ffn = gate_up.shape[1] // 2
+        out.add(f"blk.{layer}.ffn_gate_exps.weight", f"{prefix}gate", gate_up[:, :ffn],
+                gate_up_type, seed=3 * layer)
+        out.add(f"blk.{layer}.ffn_up_exps.weight", f"{prefix}up", gate_up[:, ffn:],
+                gate_up_type, seed=3 * layer + 1)
+        out.add(f"blk.{layer}.ffn_down_exps.weight", prefix + "down_proj", down, down_type,
+                seed=3 * layer + 2)
+        out.values[prefix + "gate_up_proj"] = np.concatenate(
+            (out.values.pop(f"{prefix}gate"), out.values.pop(f"{prefix}up")), axis=1)
+    out.close()
+    return out
+
+
+def _saved(kind: str, where: Path, **overrides: Any) -> Path:
+    config = transformers.AutoConfig.for_model(kind, vocab_size=VOCAB,
+                                               **{**SHAPES[kind], **overrides})
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.save_pretrained(where)
+    return where
+
+
+def _gguf(root: Path, kind: str, types: list[tuple[Q, Q]], name: str = "model.gguf",
+          **overrides: Any) -> _Gguf:
+    checkpoint = _saved(kind, root / f"{kind}-checkpoint", **overrides)
+    return _convert(checkpoint, root / name, ARCH[kind], types,
+                    dense=Q.Q8_0 if kind == "qwen3_moe" else Q.F16)
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, _Gguf]:
+    """The GGUF files, each alone in its directory (transformers' gguf_file= is a name in
+    one)."""
+    made = {}
+    for kind in SHAPES:
+        root = tmp_path_factory.mktemp(kind)
+        made[kind] = _gguf(root, kind, EXPERT_TYPES[kind])
+    root = tmp_path_factory.mktemp("more")
+    made["more"] = _gguf(root, "qwen3_moe", MORE_TYPES)
+    return made
+
+
+def _transformers(path: Path, implementation: str, dtype: Any = None) -> Any:
+    """transformers' own model of the GGUF file: the whole file dequantized at load (in
+    float32 unless ``dtype``, as transformers loads a GGUF)."""
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        path.parent, gguf_file=path.name, experts_implementation=implementation, dtype=dtype)
+
+
+def _holding(made: _Gguf, kind: str, implementation: str, dtype: Any = None,
+             **overrides: Any) -> Any:
+    """A transformers model holding gguf's dequantization of every tensor of the file
+    (rounded once to ``dtype``, float32 unless given)."""
+    config = transformers.AutoConfig.for_model(kind, vocab_size=VOCAB,
+                                               **{**SHAPES[kind], **overrides})
+    model = transformers.AutoModelForCausalLM.from_config(
+        config, dtype=dtype or torch.float32, experts_implementation=implementation)
+    tensors = {name: torch.from_numpy(np.array(value)).to(model.dtype)
+               for name, value in made.values.items()}
+    missing, unexpected = model.load_state_dict(tensors, strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}
+    return model.eval()
+
+
+ARITHMETICS = pytest.mark.parametrize("compute, implementation, dtype", [
+    ("grouped", "grouped_mm", torch.bfloat16),
+    ("eager", "eager", None),
+    ("eager", "eager", torch.bfloat16),
+])
+"""Both arithmetics. Grouped at bfloat16: torch's grouped product on the CPU is not bitwise
+the same over other groupings of the rows in float32 (a safetensors float32 checkpoint
+differs as much), so grouped is compared where it is exact; eager in both."""
+
+
+class TestExact:
+    """Logits ``torch.equal`` and greedy tokens identical to transformers' own GGUF
+    loading, at a budget of four experts (misses, evictions, grouped fetches)."""
+
+    @ARITHMETICS
+    @pytest.mark.parametrize("kind", ["qwen3_moe", "qwen2_moe", "more"])
+    def test_equals_transformers(self, files: dict[str, _Gguf], kind: str, compute: str,
+                                 implementation: str, dtype: Any) -> None:
+        path = files[kind].path
+        assert_streams_like(_transformers(path, implementation, dtype), path, compute,
+                            dtype=dtype)
+
+    def test_reference_is_gguf_dequantization(self, files: dict[str, _Gguf]) -> None:
+        """transformers' GGUF model is gguf's dequantization of the file, expert by expert:
+        the reference above is the file's own numbers."""
+        whole = _transformers(files["qwen3_moe"].path, "eager")
+        held = _holding(files["qwen3_moe"], "qwen3_moe", "eager")
+        assert torch.equal(logits(whole), logits(held))
+
+    @ARITHMETICS
+    def test_expert_width_transformers_drops(self, tmp_path: Path, compute: str,
+                                             implementation: str, dtype: Any) -> None:
+        """An expert width other than the config class's default: transformers' legacy
+        mapping leaves the default (its own loading fails); moestream takes the file's
+        ``expert_feed_forward_length`` and equals gguf's dequantization in transformers."""
+        made = _gguf(tmp_path, "qwen3_moe", EXPERT_TYPES["qwen3_moe"][:2],
+                     num_hidden_layers=2, moe_intermediate_size=512)
+        held = _holding(made, "qwen3_moe", implementation, dtype, num_hidden_layers=2,
+                        moe_intermediate_size=512)
+        assert_streams_like(held, made.path, compute, dtype=dtype)
+
+    def test_budget_counts_quantized_bytes(self, files: dict[str, _Gguf]) -> None:
+        """The cache holds the experts' blocks: a layer's expert costs its bytes in the file."""
+        path = files["qwen3_moe"].path
+        model = mt.from_pretrained(path, device="cpu", budget="4")
+        try:
+            info = model.moestream.session.model
+            reader = gguf.GGUFReader(path)
+            for layer, layer_info in info.layers.items():
+                in_file = sum(int(t.n_bytes) for t in reader.tensors
+                              if t.name.startswith(f"blk.{layer}.ffn_")
+                              and "_exps." in t.name)
+                assert layer_info.expert_bytes * layer_info.n_experts == in_file
+        finally:
+            model.moestream.close()
+
+
+class TestTokenizer:
+    """The GGUF's tokenizer, as transformers builds it."""
+
+    def test_same_as_transformers(self, files: dict[str, _Gguf]) -> None:
+        from moestream.transformers._gguf import gguf_tokenizer
+
+        path = files["qwen3_moe"].path
+        theirs = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+        ours = gguf_tokenizer(path)
+        assert ours("hello world")["input_ids"] == theirs("hello world")["input_ids"]
+
+
+class TestRefused:
+    """What cannot be served is refused in one line naming it; nothing stays open."""
+
+    def _refused(self, path: Path, *words: str, error: type = ModelFileError) -> None:
+        with pytest.raises(error) as caught:
+            mt.from_pretrained(path, device="cpu")
+        message = str(caught.value)
+        assert "\n" not in message
+        for word in words:
+            assert word in message
+
+    @pytest.mark.parametrize("arch, words", [
+        ("deepseek2", ("'deepseek2'", "maps no MoE model")),
+        ("gpt-oss", ("'gpt-oss'", "transposed")),
+    ])
+    def test_unmapped_architecture(self, tmp_path: Path, arch: str,
+                                   words: tuple[str, ...]) -> None:
+        path = write_plain_moe(tmp_path / f"{arch}.gguf", layers=2, experts=4, arch=arch)
+        self._refused(path, *words, "qwen3moe")
+
+    def test_conversion_ops_architecture(self, tmp_path: Path) -> None:
+        """qwen35moe, where transformers loads it through integrations/gguf's ops."""
+        pytest.importorskip("transformers.integrations.gguf")
+        path = write_plain_moe(tmp_path / "qwen35moe.gguf", layers=2, experts=4,
+                               arch="qwen35moe")
+        self._refused(path, "'qwen35moe'", "conversion ops")
+
+    def test_expert_type_the_dequantizer_lacks(self, tmp_path: Path) -> None:
+        made = _gguf(tmp_path, "qwen3_moe", [(Q.Q8_0, Q.IQ1_S)], num_hidden_layers=1)
+        self._refused(made.path, "IQ1_S", "layer 0")
+
+    def test_transformers_without_gguf(self, files: dict[str, _Gguf],
+                                       monkeypatch: pytest.MonkeyPatch) -> None:
+        monkeypatch.setitem(sys.modules, "transformers.modeling_gguf_pytorch_utils", None)
+        self._refused(files["qwen3_moe"].path, f"transformers {transformers.__version__}",
+                      "reads no GGUF", error=UsageError)
+
+    def test_file_replaced_after_open(self, files: dict[str, _Gguf],
+                                      monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+        """Another GGUF renamed over the path right after the session opened it: transformers
+        never builds the config from it."""
+        path = tmp_path / "model.gguf"
+        path.write_bytes(files["qwen3_moe"].path.read_bytes())
+        other = files["more"].path
+        opened = moestream.open_sync
+
+        def open_then_replace(*args: Any, **kwargs: Any) -> Any:
+            session = opened(*args, **kwargs)
+            replacement = tmp_path / "other.gguf"
+            replacement.write_bytes(other.read_bytes())
+            replacement.replace(path)
+            return session
+
+        monkeypatch.setattr(moestream, "open_sync", open_then_replace)
+        self._refused(path, "changed while it was opened")
+
+
+class TestCli:
+    """python -m pipeline.run --engine transformers -m FILE.gguf."""
+
+    def test_generates(self, files: dict[str, _Gguf], capsys: pytest.CaptureFixture[str]) -> None:
+        path = files["qwen3_moe"].path
+        code = pipeline_run.main(["--engine", "transformers", "-m", str(path),
+                                  "--prompt-ids", "3,17,42", "--tokens", "4",
+                                  "--cache-budget", "4", "--backend", "host"])
+        out = capsys.readouterr().out
+        assert code == 0
+        whole = _transformers(path, "grouped_mm")
+        ids = torch.tensor([[3, 17, 42]])
+        expected = whole.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4,
+                                  min_new_tokens=4, do_sample=False)[0, 3:].tolist()
+        assert f"tokens     {','.join(map(str, expected))}" in out
+
+    def test_prompt_through_the_gguf_tokenizer(self, files: dict[str, _Gguf],
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+        path = files["qwen3_moe"].path
+        code = pipeline_run.main(["--engine", "transformers", "-m", str(path),
+                                  "--prompt", "hello", "--tokens", "2", "--backend", "host"])
+        out = capsys.readouterr().out
+        assert code == 0
+        assert "text       " in out
