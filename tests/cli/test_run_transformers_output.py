@@ -16,6 +16,7 @@ pytest.importorskip("transformers.integrations.moe")
 
 from moestream import transformers as mt  # noqa: E402
 from moestream.pipeline import run as pipeline_run  # noqa: E402
+from moestream.tools.analyze.cli import main as analyze_main  # noqa: E402
 from tests.transformers.test_transformers_trust import CONFIG, IDS, _save  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
@@ -81,3 +82,26 @@ class TestLeastBudget:
         code, out, err = _run(capsys, checkpoint, f"--cache-budget={budget}")
         assert code == 2 and out == ""
         assert err.count("\n") == 1 and f"at least {LEAST} experts" in err
+
+
+class TestPrefillInTheLog:
+    """The prefill is one forward: its token line lists every expert the prompt routed to
+    in a layer, more than top-k; ``tools.analyze`` reads it as it is, without a warning."""
+
+    def test_analyzed_as_it_is(self, capsys: pytest.CaptureFixture[str], checkpoint: Path,
+                               tmp_path: Path) -> None:
+        log = tmp_path / "run.jsonl"
+        code, _, _ = _run(capsys, checkpoint, "--cache-budget", str(LEAST), "--log", str(log))
+        assert code == 0
+        tokens = [json.loads(line) for line in log.read_text().splitlines()
+                  if json.loads(line).get("event") == "token"]
+        widest = max(len(layer) for layer in tokens[0]["experts"])
+        assert widest > CONFIG["num_experts_per_tok"]  # the prefill's union
+        assert all(len(layer) == CONFIG["num_experts_per_tok"]
+                   for token in tokens[1:] for layer in token["experts"])
+        assert analyze_main([str(log)]) == 0
+        out, err = capsys.readouterr()
+        assert err == ""
+        assert re.search(r"consistency problems\s+0\n", out)
+        hits = sum(t["hits"] for t in tokens)
+        assert re.search(rf"\nhits\s+{hits}\n", out)
