@@ -68,7 +68,8 @@ def blocks(draw: Any, ggml_type: int, most: int = 6) -> np.ndarray:
 
 def _iq_words(count: int, fields: list[tuple[int, int]]) -> np.ndarray:
     """``count`` little-endian uint32 words, as bytes: field ``k`` of word ``i`` is
-    ``i * step_k mod 2 ** width_k`` at the running bit offset (so every value is met)."""
+    ``i * step_k mod 2 ** width_k`` at the running bit offset (a field of step 1 meets
+    every value once ``count >= 2 ** width``)."""
     words = np.zeros(count, dtype=np.uint64)
     at = 0
     for width, step in fields:
@@ -86,19 +87,35 @@ def exhaustive(ggml_type: int) -> np.ndarray:
         nibbles = ((k % 16) | ((k // 8 % 16) << 4)).astype(np.uint8).reshape(16, 8)
         body = np.concatenate([qs, nibbles], axis=1)
     elif ggml_type == Q.IQ2_XXS:  # 8 groups: 4 index bytes, a word of 4 signs and a scale
-        index = np.arange(256, dtype=np.uint8).reshape(8, 8, 4)
-        meta = _iq_words(64, [(7, 1), (7, 3), (7, 5), (7, 7), (4, 1)]).reshape(8, 8, 4)
-        body = np.concatenate([index, meta], axis=2).reshape(8, 64)
+        index = (np.arange(512, dtype=np.uint32) % 256).astype(np.uint8).reshape(16, 8, 4)
+        meta = _iq_words(128, [(7, 1), (7, 3), (7, 5), (7, 7), (4, 1)]).reshape(16, 8, 4)
+        body = np.concatenate([index, meta], axis=2).reshape(16, 64)
     else:  # IQ3_XXS: 64 index bytes, then 8 words of 4 signs and a scale
-        index = np.arange(512, dtype=np.uint32).astype(np.uint8).reshape(8, 64)
-        meta = _iq_words(64, [(7, 1), (7, 3), (7, 5), (7, 7), (4, 1)]).reshape(8, 32)
+        index = (np.arange(1024, dtype=np.uint32) % 256).astype(np.uint8).reshape(16, 64)
+        meta = _iq_words(128, [(7, 1), (7, 3), (7, 5), (7, 7), (4, 1)]).reshape(16, 32)
         body = np.concatenate([index, meta], axis=1)
     d = np.zeros((body.shape[0], 2), dtype=np.uint8)
     return with_scales(np.concatenate([d, body], axis=1), ggml_type, list(EXTREMES))
 
 
+def met(raw: np.ndarray, ggml_type: int) -> tuple[int, int, int]:
+    """How many grid indices, sign indices and scale nibbles IQ blocks ``raw`` use."""
+    if ggml_type == Q.IQ2_XS:
+        qs = raw[:, 2:66].copy().view(np.uint16).astype(np.int64)
+        scales = raw[:, 66:74].reshape(-1, 1) >> np.array([0, 4], dtype=np.uint8)
+        return (len(set((qs & 511).ravel())), len(set((qs >> 9).ravel())),
+                len(set((scales & 15).ravel())))
+    if ggml_type == Q.IQ2_XXS:
+        words = raw[:, 2:66].copy().view(np.uint32).reshape(-1, 2)
+        index, meta = words[:, 0:1].copy().view(np.uint8), words[:, 1]
+    else:
+        index, meta = raw[:, 2:66], raw[:, 66:98].copy().view(np.uint32).ravel()
+    signs = meta.reshape(-1, 1) >> np.array([0, 7, 14, 21], dtype=np.uint32)
+    return len(set(index.ravel())), len(set((signs & 127).ravel())), len(set(meta >> 28))
+
+
 def own(blocks_t: Any, ggml_type: int, dtype: Any) -> Any:
-    """moestream's own routine for the type (whatever :func:`dequantize` would choose)."""
+    """The type's routine called directly, into an ``out`` of ``dtype``."""
     out = torch.empty(blocks_t.shape[0], gd.block_shape(ggml_type)[0], dtype=dtype,
                       device=blocks_t.device)
     ROUTINES[ggml_type](blocks_t, out)
@@ -129,7 +146,9 @@ class TestExact:
     @pytest.mark.parametrize("ggml_type", [Q.IQ2_XXS, Q.IQ2_XS, Q.IQ3_XXS],
                              ids=["IQ2_XXS", "IQ2_XS", "IQ3_XXS"])
     def test_every_grid_index_and_sign(self, ggml_type: int) -> None:
-        check(exhaustive(ggml_type), ggml_type, "cpu")
+        raw = exhaustive(ggml_type)
+        assert met(raw, ggml_type) == {Q.IQ2_XS: (512, 128, 16)}.get(ggml_type, (256, 128, 16))
+        check(raw, ggml_type, "cpu")
 
     def test_every_e8m0_scale(self) -> None:
         codes = np.arange(256, dtype=np.uint8).reshape(16, 16)  # every E2M1 pair, twice
