@@ -138,15 +138,17 @@ def warn_if_clamped(session: moestream.SyncSession, budget: Any) -> None:
     info = session.model
     expert_bytes = max(layer.expert_bytes for layer in info.layers.values())
     if budget is None:
-        asked, wanted = "every expert", sum(layer.n_experts * layer.expert_bytes
-                                            for layer in info.layers.values())
+        wanted = sum(layer.n_experts * layer.expert_bytes for layer in info.layers.values())
+        asked = f"every expert ({size_text(wanted)})"
     else:
         given = budget if isinstance(budget, Budget) else parse_budget(str(budget))
-        asked = f"budget {given}"
-        wanted = (given.nbytes if given.nbytes is not None
-                  else (given.experts or 0) * expert_bytes)
+        if given.nbytes is not None:
+            wanted, asked = given.nbytes, f"budget {size_text(given.nbytes)}"
+        else:
+            wanted = (given.experts or 0) * expert_bytes
+            asked = f"budget {given} ({size_text(wanted)})"
     held = session.counters().budget_bytes
     if held < wanted:
-        warnings.warn(f"{asked} ({size_text(wanted)}) is more than the device's free memory: "
-                      f"the experts' cache holds {size_text(held)}, "
-                      f"{held // expert_bytes} experts", UserWarning, stacklevel=3)
+        warnings.warn(f"{asked} is more than the device's free memory: the experts' cache "
+                      f"holds {size_text(held)} (room for {held // expert_bytes} experts)",
+                      UserWarning, stacklevel=3)

@@ -17,6 +17,7 @@ import argparse
 import json
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -117,9 +118,11 @@ def _generate(args: argparse.Namespace) -> int:
     from moestream.transformers._loader import from_pretrained
 
     device = {"host": "cpu", "cupy": "cuda"}.get(args.backend)
-    model = from_pretrained(args.model, budget=args.cache_budget, mode=args.mode,
-                            device=device, compute=args.experts, policy=args.policy,
-                            verify=not args.no_verify, log=args.log)
+    with warnings.catch_warnings():  # the console's budget_clamped event says it already
+        warnings.filterwarnings("ignore", category=UserWarning, module=__name__)
+        model = from_pretrained(args.model, budget=args.cache_budget, mode=args.mode,
+                                device=device, compute=args.experts, policy=args.policy,
+                                verify=not args.no_verify, log=args.log)
     stream = model.moestream
     summary = RunSummary(model=str(args.model), backend=stream.session.backend,
                          device=str(stream.device),
