@@ -38,11 +38,11 @@ Why not transformers' ``integrations/gguf/dequant.py`` (torch ops, any device): 
 in the transformers the GPU machine has for most types (5.16 and earlier: absent; 5.17:
 Q8_0 and Q4_K..Q6_K only; 5.18 to 5.25: 12 of the 15 types, never Q5_0, Q5_1 or MXFP4),
 asked for bf16 it computes in bf16 (``d.to(bf16) * q``: two roundings, not gguf-py's
-values), and at float32, where it is equal, it is slower: it returns float32 that must
-then be cast (one more pass over the values) and builds the IQ types' values with two
+values), and at float32, where it is equal, it does more work: it returns float32 that
+must then be cast (one more pass over the values) and builds the IQ types' values with two
 gathers and two products where a signed grid needs one of each (``python -m
-bench.gguf_dequant`` times both: IQ2_XXS 3.6x, the others 1.1-1.3x on a CPU). So no
-transformers version is required, and one code path runs everywhere.
+bench.gguf_dequant`` times both, and checks they make the same bits). So no transformers
+version is required, and one code path runs everywhere.
 """
 
 from __future__ import annotations
