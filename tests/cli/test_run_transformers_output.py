@@ -105,3 +105,6 @@ class TestPrefillInTheLog:
         assert re.search(r"consistency problems\s+0\n", out)
         hits = sum(t["hits"] for t in tokens)
         assert re.search(rf"\nhits\s+{hits}\n", out)
+        # a tiny model's sizes in the unit they reach, not 0.00 GB
+        assert re.search(r"\nbudget\s+\d+\.\d\d KiB\n", out)
+        assert re.search(r"\npeak device \(run_end\)\s+\d+\.\d\d KiB\n", out)

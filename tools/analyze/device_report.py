@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from moestream.pipeline.runlog.records import RunLog
-from moestream.tools.analyze.report_text import GB, Value, ratio, size_text, text_table
+from moestream.tools.analyze.report_text import Value, ratio, size_text, text_table
 
 __all__ = ["device_balance", "device_rows", "device_table", "devices_json"]
 
@@ -104,6 +104,11 @@ def _cell(value: Value, digits: int, scale: float = 1.0) -> str:
     return f"{value / scale:,.{digits}f}"
 
 
+def _bytes(value: Value) -> str:
+    """A byte count in the binary unit it reaches ("-" when unknown)."""
+    return "-" if value is None or isinstance(value, bool | str) else size_text(int(value))
+
+
 def device_table(run: RunLog) -> str:
     """The per-device section of a run over several devices ("" for one device).
 
@@ -115,14 +120,14 @@ def device_table(run: RunLog) -> str:
     if not rows:
         return ""
     balance = device_balance(rows)
-    table = [["device", "name", "hits", "misses", "hit rate", "file GB", "file share",
-              "stall ms/token", "compute ms/token", "budget GB", "peak GB", "peak <= budget"]]
+    table = [["device", "name", "hits", "misses", "hit rate", "file", "file share",
+              "stall ms/token", "compute ms/token", "budget", "peak", "peak <= budget"]]
     for r in rows:
         table.append([str(r["device"]), _cell(r["name"], 0), _cell(r["hits"], 0),
                       _cell(r["misses"], 0), _cell(r["hit_rate"], 4),
-                      _cell(r["file_bytes"], 3, GB), _cell(r["file_share"], 3),
+                      _bytes(r["file_bytes"]), _cell(r["file_share"], 3),
                       _cell(r["stall_ms_per_token"], 2), _cell(r["compute_ms_per_token"], 2),
-                      _cell(r["budget_bytes"], 3, GB), _cell(r["peak_device_bytes"], 3, GB),
+                      _bytes(r["budget_bytes"]), _bytes(r["peak_device_bytes"]),
                       _cell(r["peak_within_budget"], 0)])
     cols, end = run.tokens, run.end
     n = len(cols)
@@ -131,10 +136,10 @@ def device_table(run: RunLog) -> str:
     peak = end.peak_device_bytes if end else None
     table.append(["run", "-", _cell(int(hits), 0), _cell(int(misses), 0),
                   _cell(ratio(hits, hits + misses), 4),
-                  _cell(cols.total("file_bytes"), 3, GB), "-",
+                  _bytes(cols.total("file_bytes")), "-",
                   _cell(ratio(cols.total("stall_ms"), n), 2),
                   _cell(ratio(cols.total("compute_ms"), n), 2),
-                  _cell(budget, 3, GB), _cell(peak, 3, GB),
+                  _bytes(budget), _bytes(peak),
                   _cell(None if budget is None or peak is None else peak <= budget, 0)])
     title = (f"devices: {len(rows)}; file bytes balance (max/mean)"
              f" {_cell(balance, 3)}\n")

@@ -17,7 +17,7 @@ import numpy as np
 
 from moestream.pipeline.runlog.records import RunLog
 from moestream.tools.analyze.intervals import STAGE_COLUMNS
-from moestream.tools.analyze.report_text import GB, MB, Value, ratio, text_table
+from moestream.tools.analyze.report_text import GB, MB, Value, ratio, size_text, text_table
 from moestream.tools.analyze.time_report import PART_LABELS, TimeReport, time_report
 
 __all__ = [
@@ -47,6 +47,14 @@ def _fmt(digits: int) -> Callable[[Value], str]:
         return f"{value:,.{digits}f}"
 
     return render
+
+
+def _size(value: Value) -> str:
+    """A figure in GB (10^9 B, as the JSON and CSV keep it) in the binary unit it reaches,
+    so that a small model's budget does not print as 0.00."""
+    if isinstance(value, bool | str) or value is None:
+        return str(value)
+    return size_text(round(value * GB))
 
 
 _ROWS: tuple[tuple[str, str, Callable[[Value], str]], ...] = (
@@ -79,8 +87,8 @@ _ROWS: tuple[tuple[str, str, Callable[[Value], str]], ...] = (
     ("decisions", "controller decisions", _fmt(0)),
     ("prefetch_accuracy", "prefetch accuracy", _fmt(3)),
     ("prefetch_wasted_mb_per_token", "prefetch wasted MB/token", _fmt(2)),
-    ("peak_device_gb", "peak device GB (run_end)", _fmt(2)),
-    ("budget_gb", "budget GB", _fmt(2)),
+    ("peak_device_gb", "peak device (run_end)", _size),
+    ("budget_gb", "budget", _size),
     ("verified", "verified", _fmt(0)),
     ("mismatches", "mismatches", _fmt(0)),
     ("exit", "exit", _fmt(0)),
@@ -221,14 +229,18 @@ def log_notes(run: RunLog) -> str:
     return "".join(f"  {note}\n" for note in notes)
 
 
-def _change(before: Value, after: Value) -> tuple[str, str]:
-    """(delta, percent change) of two values, as text; '-' when not numeric."""
+def _change(before: Value, after: Value,
+            render: Callable[[Value], str] | None = None) -> tuple[str, str]:
+    """(delta, percent change) of two values, as text ('-' when not numeric); the delta
+    by ``render`` with its sign, where given (a size in its unit)."""
     numeric = (int, float)
     if (isinstance(before, bool) or isinstance(after, bool)
             or not isinstance(before, numeric) or not isinstance(after, numeric)):
         return ("-", "-") if before == after else ("changed", "-")
     delta = float(after) - float(before)
     pct = f"{100.0 * delta / abs(before):+.1f}%" if before else "-"
+    if render is not None:
+        return f"{'-' if delta < 0 else '+'}{render(abs(delta))}", pct
     return f"{delta:+,.4g}", pct
 
 
@@ -246,7 +258,8 @@ def compare_table(summaries: Sequence[Summary]) -> str:
     for key, label, render in _row_specs(summaries):
         values = [s.get(key) for s in summaries]
         row = [label] + ["-" if v is None else render(v) for v in values]
-        changes = [_change(values[0], v) for v in values[1:]]
+        changes = [_change(values[0], v, render if render is _size else None)
+                   for v in values[1:]]
         row += list(changes[0]) if pair else [pct for _, pct in changes]
         rows.append(row)
     return text_table(rows)
