@@ -50,9 +50,10 @@ def budget_for(path: Path, budget: Any, max_memory: Any, device: Any, dtype: Any
         table = open_table(path)
         least = in_flight * table.top_k
         shown = str(budget) if isinstance(budget, Budget) else repr(budget)
-        raise UsageError(f"budget {shown[:40]}: this model needs at least {least} "
-                         f"experts (its top-{table.top_k} for each of the {in_flight} layers "
-                         f"in flight): give budget={least} or more, or a size (\"20GiB\")")
+        raise UsageError(f"budget {shown[:40]}: this model needs at least "
+                         f"{_experts(least)} (its top-{table.top_k} for "
+                         f"{_in_flight(in_flight)}): give budget={least} or more, or "
+                         "a size (\"20GiB\")")
     return budget
 
 
@@ -82,8 +83,8 @@ def _from_max_memory(path: Path, max_memory: Any, device: Any, dtype: Any,
     if limit - dense < least:
         raise UsageError(f"max_memory {size_text(limit)} for {device}: the dense weights take "
                          f"{size_text(dense)} and the experts at least {size_text(least)} "
-                         f"(top-{table.top_k} for each of {in_flight} layers in flight): give "
-                         f"at least {size_text(dense + least)}")
+                         f"(top-{table.top_k} for {_in_flight(in_flight)}): "
+                         f"give at least {size_text(dense + least)}")
     return Budget(nbytes=limit - dense)
 
 
@@ -150,5 +151,13 @@ def warn_if_clamped(session: moestream.SyncSession, budget: Any) -> None:
     held = session.counters().budget_bytes
     if held < wanted:
         warnings.warn(f"{asked} is more than the device's free memory: the experts' cache "
-                      f"holds {size_text(held)} (room for {held // expert_bytes} experts)",
+                      f"holds {size_text(held)} (room for {_experts(held // expert_bytes)})",
                       UserWarning, stacklevel=3)
+
+
+def _experts(n: int) -> str:
+    return f"{n} expert{'' if n == 1 else 's'}"
+
+
+def _in_flight(n: int) -> str:
+    return "the one layer in flight" if n == 1 else f"each of the {n} layers in flight"
