@@ -33,6 +33,7 @@ from moestream.pipeline.makers.checkpointgen import (
     write_checkpoint,
 )
 from moestream.pipeline.makers.modelgen import PRESETS, ModelSpec, spec_for, write_model
+from moestream.pipeline.makers.modelspec import DS4_SHAPES
 
 __all__ = ["main"]
 
@@ -61,7 +62,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.out.exists() and not args.force:
             raise UsageError(f"{args.out} exists (use --force to replace it)")
         spec = spec_for(args.preset, args.layers, args.experts, args.seed,
-                        fused_gate_up=args.fused_gate_up)
+                        fused_gate_up=args.fused_gate_up, ds4_shape=args.ds4_shape)
         started = time.perf_counter()
         write_model(spec, args.out, progress=sys.stderr.isatty(),
                     record_digests=not args.no_digests)
@@ -96,6 +97,10 @@ def _parser() -> UsageParser:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--fused-gate-up", action="store_true",
                         help="one ffn_gate_up_exps tensor instead of gate and up")
+    parser.add_argument("--ds4-shape", choices=sorted(DS4_SHAPES),
+                        help="ds4 presets: the attention, hyper-connections and vocabulary at "
+                        "DeepSeek V4 Flash's size (flash) or small (default: flash unscaled, "
+                        "small with --layers/--experts)")
     parser.add_argument("--no-digests", action="store_true",
                         help="no moestream metadata (digests, preset, seed), as real files "
                         "come: runs verify against a digest manifest")
@@ -127,6 +132,8 @@ def _checkpoint(args: argparse.Namespace) -> int:
     """``--format safetensors``: write the checkpoint directory and print its summary line."""
     if args.fused_gate_up:
         raise UsageError("--fused-gate-up is for GGUF; a checkpoint's is --fused-experts")
+    if args.ds4_shape is not None:
+        raise UsageError("--ds4-shape is for GGUF (ds4's layout)")
     if args.block is not None and args.quant != "fp8":
         raise UsageError("--block is for --quant fp8")
     options = CheckpointOptions(
