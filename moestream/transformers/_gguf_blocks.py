@@ -75,9 +75,13 @@ def _signed_grid(name: str, ksigns: np.ndarray) -> np.ndarray:
     return signed
 
 
-def _f16(blocks: torch.Tensor, start: int) -> torch.Tensor:
-    """The float16 at byte ``start`` of each block, as ``(n, 1)`` float32."""
-    return _words(blocks[:, start : start + 2], torch.float16).float()
+def _f16(blocks: torch.Tensor, start: int, count: int = 1) -> torch.Tensor:
+    """The ``count`` float16 from byte ``start`` of each block, as ``(n, count)`` float32.
+
+    Quants stay integers elsewhere: a float32 times an integer tensor computes in float32
+    with the integer converted exactly, in the product's own pass.
+    """
+    return _words(blocks[:, start : start + 2 * count], torch.float16).float()
 
 
 def _nibbles(data: torch.Tensor, rows: int) -> torch.Tensor:
@@ -131,7 +135,8 @@ def _q4_0(blocks: torch.Tensor, out: torch.Tensor) -> None:
 
 def _q4_1(blocks: torch.Tensor, out: torch.Tensor) -> None:
     q = _nibbles(blocks[:, 4:20], 1).reshape(-1, 32)
-    torch.add(_f16(blocks, 0) * q, _f16(blocks, 2), out=out)
+    dm = _f16(blocks, 0, 2)
+    torch.add(dm[:, 0:1] * q, dm[:, 1:2], out=out)
 
 
 def _q5(blocks: torch.Tensor, start: int) -> torch.Tensor:
@@ -145,13 +150,15 @@ def _q5_0(blocks: torch.Tensor, out: torch.Tensor) -> None:
 
 
 def _q5_1(blocks: torch.Tensor, out: torch.Tensor) -> None:
-    torch.add(_f16(blocks, 0) * _q5(blocks, 4), _f16(blocks, 2), out=out)
+    dm = _f16(blocks, 0, 2)
+    torch.add(dm[:, 0:1] * _q5(blocks, 4), dm[:, 1:2], out=out)
 
 
 def _q2_k(blocks: torch.Tensor, out: torch.Tensor) -> None:
     scales, n = blocks[:, 0:16], blocks.shape[0]
-    dl = (_f16(blocks, 80) * (scales & 15).float()).reshape(n, 16, 1)
-    ml = (_f16(blocks, 82) * (scales >> 4).float()).reshape(n, 16, 1)
+    dm = _f16(blocks, 80, 2)
+    dl = (dm[:, 0:1] * (scales & 15)).reshape(n, 16, 1)
+    ml = (dm[:, 1:2] * (scales >> 4)).reshape(n, 16, 1)
     q = _crumbs(blocks[:, 16:80], 2).reshape(n, 16, 16)
     torch.sub(dl * q, ml, out=out.view(n, 16, 16))
 
@@ -160,7 +167,7 @@ def _q3_k(blocks: torch.Tensor, out: torch.Tensor) -> None:
     n = blocks.shape[0]
     low = _nibbles(blocks[:, 96:104], 1).reshape(n, 16)
     high = _crumbs(blocks[:, 104:108], 1).reshape(n, 16)
-    scale = ((low | (high << 4)).to(torch.int8) - 32).float()
+    scale = (low | (high << 4)).to(torch.int8) - 32
     dl = (_f16(blocks, 108) * scale).reshape(n, 16, 1)
     ql = _crumbs(blocks[:, 32:96], 2).reshape(n, 16, 16)
     # the high bit is an inverted borrow: 4 comes off where the mask bit is clear
@@ -171,10 +178,10 @@ def _q3_k(blocks: torch.Tensor, out: torch.Tensor) -> None:
 def _k_scales(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Q4_K's and Q5_K's ``d * sc`` and ``dmin * m``, ``(n, 8, 1)`` each (get_scale_min)."""
     d, m, md = blocks[:, 4:8], blocks[:, 8:12], blocks[:, 12:16]
-    sc = torch.cat([d & 63, (md & 15) | ((d >> 2) & 48)], dim=1).float()
-    mn = torch.cat([m & 63, (md >> 4) | ((m >> 2) & 48)], dim=1).float()
-    n = blocks.shape[0]
-    return (_f16(blocks, 0) * sc).reshape(n, 8, 1), (_f16(blocks, 2) * mn).reshape(n, 8, 1)
+    sc = torch.cat([d & 63, (md & 15) | ((d >> 2) & 48)], dim=1)
+    mn = torch.cat([m & 63, (md >> 4) | ((m >> 2) & 48)], dim=1)
+    n, dm = blocks.shape[0], _f16(blocks, 0, 2)
+    return (dm[:, 0:1] * sc).reshape(n, 8, 1), (dm[:, 1:2] * mn).reshape(n, 8, 1)
 
 
 def _q4_k(blocks: torch.Tensor, out: torch.Tensor) -> None:
@@ -191,7 +198,7 @@ def _q5_k(blocks: torch.Tensor, out: torch.Tensor) -> None:
 
 def _q6_k(blocks: torch.Tensor, out: torch.Tensor) -> None:
     n = blocks.shape[0]
-    d = (_f16(blocks, 208) * blocks[:, 192:208].view(torch.int8).float()).reshape(n, 16, 1)
+    d = (_f16(blocks, 208) * blocks[:, 192:208].view(torch.int8)).reshape(n, 16, 1)
     low = _nibbles(blocks[:, 0:128], 2).reshape(n, 8, 32)
     high = _crumbs(blocks[:, 128:192], 2).reshape(n, 8, 32)
     q = ((low | (high << 4)).to(torch.int8) - 32).reshape(n, 16, 16)
@@ -202,8 +209,9 @@ def _iq_meta(meta: torch.Tensor, d: torch.Tensor, step: float) -> tuple[torch.Te
     """IQ2_XXS's and IQ3_XXS's meta words, ``(n, 8)`` int32: ``(n, 8, 1, 1)`` float32 ``d *
     (0.5 + s) * step`` of each word's top four bits, and ``(n, 8, 4)`` int64 ksigns indices
     (the word's four 7-bit fields)."""
-    scale = ((meta >> 28) & 15).float()
-    db = (d * (0.5 + scale) * step).reshape(*meta.shape, 1, 1)
+    # float32 before the Python float: an integer tensor plus a float takes torch's default
+    # dtype, which a caller (transformers' loading) may have changed
+    db = (d * (0.5 + ((meta >> 28) & 15).float()) * step).reshape(*meta.shape, 1, 1)
     signs = (meta.unsqueeze(-1) >> _shifts(meta, (0, 7, 14, 21), 3, last=True)) & 127
     return db, signs.long()
 
@@ -243,7 +251,7 @@ def _iq4_xs(blocks: torch.Tensor, out: torch.Tensor) -> None:
     high_word = high_word[:, 0:1] | (high_word[:, 1:2] << 8)
     high = (high_word >> _shifts(high_word, tuple(range(0, 16, 2)), 2, last=True)) & 3
     low = _nibbles(blocks[:, 4:8].reshape(n * 4, 1), 1).reshape(n, 8).to(torch.int32)
-    scale = ((low | (high << 4)) - 32).float()
+    scale = (low | (high << 4)) - 32
     dl = (_f16(blocks, 0) * scale).reshape(n, 8, 1)
     q = _nibbles(blocks[:, 8:136], 8).reshape(n, 8, 32)
     torch.mul(dl, _table("iq4", blocks.device)[q.long()], out=out.view(n, 8, 32))

@@ -197,6 +197,19 @@ class TestInterface:
         got = gd.dequantize(buffer[1:].view(1, -1), ggml_type, torch.bfloat16)
         assert_bitwise(got.reshape(2, -1), reference(raw, ggml_type, torch.bfloat16))
 
+    def test_default_dtype_does_not_matter(self) -> None:
+        """transformers' loading may set torch's default dtype; the values stay float32's."""
+        raws = {t: self._raw(t, 2) for t in TYPES}
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(torch.float64)
+        try:
+            got = {t: gd.dequantize(torch.from_numpy(r), t, torch.bfloat16)
+                   for t, r in raws.items()}
+        finally:
+            torch.set_default_dtype(previous)
+        for t, raw in raws.items():
+            assert_bitwise(got[t], reference(raw, t, torch.bfloat16))
+
     def test_chunks(self, monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.setattr(gd, "CHUNK_VALUES", 3 * 32)
         raw = self._raw(Q.Q5_0, 10)
