@@ -1,4 +1,4 @@
-"""GGUF quantized blocks to float32 with torch ops, bitwise what gguf-py computes.
+"""GGUF quantized blocks to values with torch ops, bitwise what gguf-py computes.
 
 Each routine takes ``(n, block_bytes)`` uint8 blocks on any device and writes ``(n,
 block_elems)`` values into ``out`` there, of any float dtype. They are transcriptions of
@@ -8,9 +8,10 @@ products in the same order (``d * sc`` before ``* q``, ``dl * q - ml``), every i
 in float32, the last product stored straight into ``out`` (torch computes an op in its
 inputs' float32 and rounds once on the store: one pass fewer than a cast afterwards). So the
 results are bitwise gguf-py's rounded once, on the CPU and on CUDA (eager torch fuses no
-multiply-add). Only the integer unpacking differs in form: bit fields are read byte by byte
-(a GGUF block's fields are not aligned for a wider view), quants stay integers until the
-product that promotes them, and an IQ point's values and signs are one row of a signed grid.
+multiply-add). Only the integer unpacking differs in form: bit fields are read from the
+bytes, or from words copied out of the block (its fields are not aligned for a view in
+place), quants stay integers until the product that converts them (exactly, in its own
+pass), and an IQ point's values and signs are one row of a signed grid.
 The IQ grids, sign patterns and IQ4 levels come from gguf-py itself.
 """
 
@@ -39,7 +40,8 @@ _SHIFTS: dict[tuple[object, ...], torch.Tensor] = {}
 
 
 def _table(name: str, device: torch.device) -> torch.Tensor:
-    """A float32 lookup table on ``device``, made once a device (a grid, levels, signs)."""
+    """A lookup table on ``device``, made once a device: a signed grid, levels (float32) or
+    ksigns' nibbles (int64)."""
     key = (name, device)
     if key not in _TABLES:
         _TABLES[key] = torch.from_numpy(_host_table(name)).to(device)
@@ -48,8 +50,8 @@ def _table(name: str, device: torch.device) -> torch.Tensor:
 
 def _host_table(name: str) -> np.ndarray:
     ksigns = np.frombuffer(gguf.quants.IQ2_XXS.ksigns, dtype=np.uint8)
-    if name == "ksigns":
-        return ksigns.copy()
+    if name == "ksigns_halves":  # a sign byte's low nibble, its high nibble
+        return np.stack([ksigns & 15, ksigns >> 4], axis=1).astype(np.int64)
     if name in ("IQ2_XXS", "IQ2_XS", "IQ3_XXS"):
         return _signed_grid(name, ksigns)
     if name == "iq4":
@@ -76,11 +78,7 @@ def _signed_grid(name: str, ksigns: np.ndarray) -> np.ndarray:
 
 
 def _f16(blocks: torch.Tensor, start: int, count: int = 1) -> torch.Tensor:
-    """The ``count`` float16 from byte ``start`` of each block, as ``(n, count)`` float32.
-
-    Quants stay integers elsewhere: a float32 times an integer tensor computes in float32
-    with the integer converted exactly, in the product's own pass.
-    """
+    """The ``count`` float16 from byte ``start`` of each block, as ``(n, count)`` float32."""
     return _words(blocks[:, start : start + 2 * count], torch.float16).float()
 
 
@@ -238,9 +236,8 @@ def _iq3_xxs(blocks: torch.Tensor, out: torch.Tensor) -> None:
     n = blocks.shape[0]
     db, signs = _iq_meta(_words(blocks[:, 66:98], torch.int32), _f16(blocks, 0), 0.5)
     # a sign byte covers two 4-value grid points: its low nibble the first, its high the second
-    signs = _table("ksigns", blocks.device)[signs]
-    halves = (signs.unsqueeze(-1) >> _shifts(signs, (0, 4), 4, last=True)) & 15
-    index = (blocks[:, 2:66].reshape(n, 8, 4, 2).long() << 4) | halves.long()
+    halves = _table("ksigns_halves", blocks.device)[signs]
+    index = (blocks[:, 2:66].reshape(n, 8, 4, 2).long() << 4) | halves
     signed = _table("IQ3_XXS", blocks.device)[index]
     torch.mul(db, signed.reshape(n, 8, 4, 8), out=out.view(n, 8, 4, 8))
 
