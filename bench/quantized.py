@@ -1,50 +1,68 @@
-"""``python -m bench.quantized``: an FP8 checkpoint streamed, against its BF16 original.
+"""``python -m bench.quantized``: a quantized checkpoint streamed, against transformers'
+resident dequantized model; FP8 blocks, MXFP4 (gpt-oss) or FP4 (DeepSeek-V4).
 
-One process, two checkpoints of one shape: a random-init BF16 Qwen3-MoE
-(``bench.transformers.make_checkpoint``) and its FP8 block quantization (every ``*_proj``
-weight F8_E4M3 with an F32 ``weight_scale_inv`` per 128 x 128 block, as DeepSeek-V3 and
-Qwen3-FP8 ship theirs; quantized here on the device). Runs, greedy, ``--tokens`` tokens:
+One process, one format (``--format``), one shape (``--shape``):
 
-- ``reference``: transformers' own ``from_pretrained(fp8, quantization_config=
-  FineGrainedFP8Config(dequantize=True))``, resident: the tokens every FP8 run must equal;
-- ``fp8``: moestream on the FP8 checkpoint, dense weights + expert cache within ``--total``
-  (the checkpoint's pages warm in the page cache);
-- ``bf16``: moestream on the BF16 checkpoint at the same expert-cache bytes;
-- ``fp8_all``: moestream on the FP8 checkpoint holding every expert;
-- ``dequant``: one layer's top-k experts dequantized on the device (one batch a matrix
-  kind: the CUDA kernel the experts call uses, and torch's ops) against the upload of
-  their FP8 bytes from pinned memory, CUDA events, medians.
+- ``fp8`` (``tiny``, ``qwen3-30b-a3b``): a random-init BF16 Qwen3-MoE
+  (``bench.transformers.make_checkpoint``) and its FP8 block quantization (every ``*_proj``
+  weight F8_E4M3 with an F32 ``weight_scale_inv`` per 128 x 128 block, as DeepSeek-V3 and
+  Qwen3-FP8 ship theirs; quantized here on the device);
+- ``mxfp4`` (``tiny``, ``gpt-oss-120b``) and ``fp4`` (``tiny``, ``deepseek-v4-flash``): the
+  project's checkpoint maker (``tools.make_model --quant``: gpt-oss's fused E2M1 blocks;
+  DeepSeek-V4's I8 E2M1 experts and FP8 dense weights), experts at the model's layer shape
+  (hidden, expert FFN, experts, top-k), the dense part small (vocabulary 1024, 4 heads).
 
-Prints one JSON object (``--out`` writes it too): tok/s, hit rates, same tokens, and the
-ratios the FP8 path is held to (``fp8`` over ``bf16``; dequantization over upload).
+Runs, greedy, ``--tokens`` tokens:
 
-    python -m bench.quantized --make /tmp/q8 --shape qwen3-30b-a3b --layers 8 --total 3GiB
+- ``reference``: transformers' ``from_pretrained(..., quantization_config=<format>(
+  dequantize=True))``, resident: the tokens every streamed run must equal (skipped, with
+  the reason, where it does not load or fit);
+- ``<format>``: moestream on the quantized checkpoint, dense weights + expert cache + the
+  experts' scales within ``--total`` (its pages warm in the page cache), with the hit rate
+  the same routing would give BF16 experts in the same bytes (a replay of the run's log
+  through the cache's own index: ``hit_rate_replayed``, ``bf16_hit_rate_same_bytes``);
+- ``bf16`` (``fp8`` only): moestream on the BF16 original at the same cache bytes;
+- ``<format>_all``: moestream holding every expert;
+- ``dequant``: one layer's top-k experts dequantized on the device against the upload of
+  their bytes (``bench.dequant``).
+
+Prints one JSON object (``--out`` writes it too); exit 1 if a streamed run's tokens differ
+from the reference's.
+
+    python -m bench.quantized --make /tmp/q --format mxfp4 --shape gpt-oss-120b --layers 2
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import shutil
-import statistics
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
-from bench.transformers import (
-    SHAPES,
-    _timed,
-    _versions,
-    dense_bytes,
-    make_checkpoint,
-    run_moestream,
-)
+from gguf import GGMLQuantizationType as QType
+
+from bench.dequant import dequant_vs_upload
+from bench.transformers import SHAPES, _timed, _versions, make_checkpoint, run_moestream
 from moestream.pipeline.foundation.config import Budget, parse_size
 
-__all__ = ["main", "quantize_fp8_blocks"]
+__all__ = ["MADE_SHAPES", "main", "quantize_fp8_blocks"]
 
 BLOCK = (128, 128)
 E4M3_MAX = 448.0
+FORMATS = ("fp8", "mxfp4", "fp4")
+MADE_SHAPES: dict[str, dict[str, int]] = {
+    "tiny": dict(hidden=64, expert_ffn=64, experts=8, top_k=2),
+    "gpt-oss-120b": dict(hidden=2880, expert_ffn=2880, experts=128, top_k=4),
+    "deepseek-v4-flash": dict(hidden=4096, expert_ffn=2048, experts=256, top_k=6),
+}
+"""The MXFP4 and FP4 checkpoints' expert shapes (the makers' ``qwen3-30b-a3b`` preset,
+reshaped: its dense part stays small)."""
+_FLOATS = {"BF16": 2, "F16": 2, "F32": 2, "F8_E4M3": 2}
+"""Dense tensor types and their bytes on the device (the model's BF16; FP8 dequantized)."""
 
 
 def quantize_fp8_blocks(weight: Any, block: tuple[int, int] = BLOCK) -> tuple[Any, Any]:
@@ -88,13 +106,7 @@ def make_fp8(source: Path, target: Path, device: str) -> None:
         del out
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-    index = staging / "model.safetensors.index.json"
-    if index.is_file():
-        doc = json.loads(index.read_text())
-        for name, shard in list(doc["weight_map"].items()):
-            if name.endswith("_proj.weight"):
-                doc["weight_map"][name[:-len("weight")] + "weight_scale_inv"] = shard
-        index.write_text(json.dumps(doc))
+    _index_scales(staging)
     config = json.loads((staging / "config.json").read_text())
     config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3",
                                      "weight_block_size": list(BLOCK),
@@ -103,137 +115,233 @@ def make_fp8(source: Path, target: Path, device: str) -> None:
     staging.rename(target)
 
 
+def _index_scales(staging: Path) -> None:
+    """The shard index names each new scale in its weight's shard."""
+    index = staging / "model.safetensors.index.json"
+    if index.is_file():
+        doc = json.loads(index.read_text())
+        for name, shard in list(doc["weight_map"].items()):
+            if name.endswith("_proj.weight"):
+                doc["weight_map"][name[:-len("weight")] + "weight_scale_inv"] = shard
+        index.write_text(json.dumps(doc))
+
+
+def make_quantized(where: Path, fmt: str, shape: str, layers: int) -> None:
+    """The ``mxfp4`` or ``fp4`` checkpoint of ``shape`` by the project's maker."""
+    from moestream.pipeline.makers.checkpointgen import CheckpointOptions, write_checkpoint
+    from moestream.pipeline.makers.modelspec import spec_for
+
+    made = MADE_SHAPES[shape]
+    spec = spec_for("qwen3-30b-a3b", layers, made["experts"], 0)
+    spec = dataclasses.replace(spec, hidden=made["hidden"], expert_ffn=made["expert_ffn"],
+                               top_k=made["top_k"], gate_up_type=QType.F16,
+                               down_type=QType.F16)  # the preset's GGUF types bind no shape
+    write_checkpoint(spec, where, CheckpointOptions(quant=fmt))  # type: ignore[arg-type]
+
+
+def device_dense_bytes(path: Path) -> int:
+    """The bytes the model holds on the device besides its experts and their scales: the
+    dense tensors in BF16 (FP8 ones dequantized), the dense weights' scales consumed."""
+    from moestream.pipeline.foundation.table import open_table
+
+    table = open_table(path)
+    scales = {name for layer in table.layers.values() if layer.quant is not None
+              for name in layer.quant.names}
+    total = 0
+    for tensor in table.non_routed:
+        if tensor.name in scales or tensor.name.endswith(("_scale_inv", ".scale")):
+            continue
+        elements = 1
+        for n in tensor.shape:
+            elements *= n
+        size = _FLOATS.get(tensor.type_name)
+        total += elements * size if size is not None else tensor.nbytes
+    return total
+
+
 def run_reference(args: argparse.Namespace, prompt: Any, device: Any) -> dict[str, Any]:
+    """transformers' resident model of the quantized checkpoint, dequantized at load."""
+    import torch
     import transformers
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        args.fp8, quantization_config=transformers.FineGrainedFP8Config(dequantize=True),
-        experts_implementation="grouped_mm", device_map=str(device))
-    result = _timed(model, prompt, args, device, warm_up=True)
+    config = (transformers.Mxfp4Config(dequantize=True)  # type: ignore[attr-defined]
+              if args.format == "mxfp4"
+              else transformers.FineGrainedFP8Config(dequantize=True))
+    try:
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            args.quantized, quantization_config=config, experts_implementation="grouped_mm",
+            device_map=str(device))
+        result = _timed(model, prompt, args, device, warm_up=True)
+    except torch.cuda.OutOfMemoryError:
+        return {"skipped": "does not fit the device"}
+    except Exception as exc:  # transformers' own model failing is a finding, not a crash
+        return {"skipped": f"transformers failed: {type(exc).__name__}: "
+                           f"{str(exc).strip().splitlines()[0][:200] if str(exc) else ''}"}
     del model
     return result
 
 
-def run_dequant(args: argparse.Namespace, device: Any) -> dict[str, Any]:
-    """One layer's top-k experts: dequantization (one batch per matrix kind) against the
-    upload of their FP8 bytes from pinned memory."""
-    import torch
+def hit_rates_replayed(log: Path, quantized: Path, cache_bytes: int) -> dict[str, Any]:
+    """The run's accesses replayed through the cache's own index: at the run's cache (its
+    live count, checked) and as BF16 experts in the same bytes, the scales' included."""
+    from moestream.pipeline.foundation.table import open_table
+    from moestream.pipeline.runlog.read import read_log
+    from moestream.tools.analyze.whatif_replay import AccessTrace, replay
+    from moestream.transformers._scale_budget import scale_bytes
 
-    from moestream.transformers._dequant import fp8_blocks
-    from moestream.transformers._dequant_cuda import fp8_experts_cuda
-
-    if device.type != "cuda":
-        return {"skipped": "timed with CUDA events on a GPU"}
-    shape = SHAPES[args.shape]
-    k, hidden, ffn = (shape["num_experts_per_tok"], shape["hidden_size"],
-                      shape["moe_intermediate_size"])
-    gen = torch.Generator(device=device).manual_seed(0)
-    raw = [torch.randint(0, 120, (k, rows, cols), dtype=torch.uint8, device=device,
-                         generator=gen) for rows, cols in ((ffn, hidden),) * 2 + ((hidden, ffn),)]
-    scales = [torch.rand((k, -(-r.shape[1] // 128), -(-r.shape[2] // 128)), device=device)
-              for r in raw]
-    pinned = [r.cpu().pin_memory() for r in raw]
-    target = [torch.empty_like(r) for r in raw]
-
-    def timed(work: Any) -> float:
-        times = []
-        for _ in range(20):
-            start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
-            end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
-            start.record()
-            work()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        return float(statistics.median(times[5:]))
-
-    outs = [torch.empty(r.shape, dtype=torch.bfloat16, device=device) for r in raw]
-    experts = list(range(k))
-
-    def kernel() -> None:  # as the experts call runs it: from each matrix's address
-        for r, s, o in zip(raw, scales, outs, strict=True):
-            fp8_experts_cuda([r[e].data_ptr() for e in experts], experts, s, o, BLOCK)
-
-    dequant_ms = timed(kernel)
-    torch_ms = timed(lambda: [fp8_blocks(r, s, BLOCK, torch.bfloat16)
-                              for r, s in zip(raw, scales, strict=True)])
-    upload_ms = timed(lambda: [t.copy_(p, non_blocking=True)
-                               for t, p in zip(target, pinned, strict=True)])
-    nbytes = sum(r.numel() for r in raw)
-    return {"experts": k, "fp8_bytes": nbytes, "dequant_ms": round(dequant_ms, 4),
-            "dequant_torch_ops_ms": round(torch_ms, 4),
-            "upload_ms": round(upload_ms, 4),
-            "upload_gb_s": round(nbytes / upload_ms / 1e6, 1),
-            "dequant_over_upload": round(dequant_ms / upload_ms, 3)}
+    run = read_log(log)
+    trace = AccessTrace.from_log(run)
+    policy = run.header.policy if run.header is not None and run.header.policy else "lru"
+    table = open_table(quantized)
+    bf16 = tuple(2 * table.layers[n].shape[0] * table.layers[n].shape[1] * 3
+                 for n in trace.moe_layers)
+    same = replay(trace, policy, cache_bytes)
+    as_bf16 = replay(dataclasses.replace(trace, expert_bytes=bf16), policy,
+                     cache_bytes + scale_bytes(table))
+    return {"hit_rate_replayed": round(same.hit_rate, 4),
+            "bf16_hit_rate_same_bytes": round(as_bf16.hit_rate, 4),
+            "bf16_expert_bytes": bf16[0], "replayed_tokens": trace.tokens}
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m bench.quantized",
                                 description=__doc__.splitlines()[0])
-    p.add_argument("--make", type=Path, required=True, help="folder of the two checkpoints "
-                   "(bf16/ and fp8/ inside; made unless there)")
-    p.add_argument("--shape", default="tiny", choices=list(SHAPES))
+    p.add_argument("--make", type=Path, required=True, help="folder of the checkpoints "
+                   "(made unless there)")
+    p.add_argument("--format", default="fp8", choices=FORMATS)
+    p.add_argument("--shape", default="tiny",
+                   choices=sorted(set(SHAPES) | set(MADE_SHAPES)),
+                   help="fp8: tiny, qwen3-30b-a3b; mxfp4: tiny, gpt-oss-120b; fp4: tiny, "
+                   "deepseek-v4-flash")
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--tokens", type=int, default=16)
     p.add_argument("--warmup", type=int, default=4)
     p.add_argument("--prompt-ids", default="1,2,3,4")
     p.add_argument("--total", default="3GiB", help="device memory of the streamed runs: "
-                   "dense weights + expert cache (3GiB)")
-    p.add_argument("--runs", default="reference,fp8,bf16,fp8_all,dequant")
+                   "dense weights + expert cache + the experts' scales (3GiB)")
+    p.add_argument("--runs", help="default: reference,<format>,bf16 (fp8),<format>_all,"
+                   "dequant")
     p.add_argument("--device", help="cpu or cuda (default: cuda if torch sees one)")
     p.add_argument("--mode", default="auto", choices=["auto", "direct", "resident"])
     p.add_argument("--out", type=Path)
     return p
 
 
+def _models(args: argparse.Namespace, device: Any) -> Path | None:
+    """Make the checkpoints unless there; the quantized one in ``args.quantized``, the BF16
+    original (``fp8`` only) returned."""
+    if args.format == "fp8":
+        bf16 = args.make / f"bf16-{args.shape}-{args.layers}"
+        args.quantized = args.make / f"fp8-{args.shape}-{args.layers}"
+        if not (bf16 / "config.json").is_file():
+            make_checkpoint(bf16, args.shape, args.layers, str(device))
+        if not (args.quantized / "config.json").is_file():
+            make_fp8(bf16, args.quantized, str(device))
+        return Path(bf16)
+    args.quantized = args.make / f"{args.format}-{args.shape}-{args.layers}"
+    if not (args.quantized / "config.json").is_file():
+        args.make.mkdir(parents=True, exist_ok=True)
+        make_quantized(args.quantized, args.format, args.shape, args.layers)
+    return None
+
+
+def _run(name: str, args: argparse.Namespace, prompt: Any, device: Any, bf16: Path | None,
+         budget: Budget, logs: Path) -> dict[str, Any]:
+    fmt = args.format
+    if name == "reference":
+        return run_reference(args, prompt, device)
+    if name == "dequant":
+        shape = _expert_shape(args)
+        return dequant_vs_upload(fmt, shape["top_k"], shape["hidden"], shape["expert_ffn"],
+                                 device)
+    if name == "bf16":
+        if bf16 is None:
+            return {"skipped": "a BF16 original is made for fp8 only (see the replay)"}
+        args.model = bf16
+        return run_moestream(args, prompt, device, budget=budget, cold=False)
+    if name not in (fmt, f"{fmt}_all"):
+        return {"skipped": f"no run {name!r} for --format {fmt}"}
+    args.model = args.quantized
+    log = logs / f"{name}.jsonl"
+    result = run_moestream(args, prompt, device, budget=None if name.endswith("_all")
+                           else budget, cold=False, log=log)
+    if name == fmt:
+        result.update(hit_rates_replayed(log, args.quantized, result["budget_bytes"]))
+    return result
+
+
+def _expert_shape(args: argparse.Namespace) -> dict[str, int]:
+    if args.format == "fp8":
+        shape = SHAPES[args.shape]
+        return {"hidden": shape["hidden_size"], "expert_ffn": shape["moe_intermediate_size"],
+                "top_k": shape["num_experts_per_tok"]}
+    return MADE_SHAPES[args.shape]
+
+
+def _ratios(results: dict[str, dict[str, Any]], fmt: str, moe_layers: int
+            ) -> dict[str, float]:
+    def rate(name: str) -> float | None:
+        value = results.get(name, {}).get("tokens_per_s")
+        return float(value) if value is not None else None
+
+    ratios: dict[str, float] = {}
+    ours, bf16, resident = rate(fmt), rate("bf16"), rate("reference")
+    if ours is not None and bf16 is not None:
+        ratios[f"{fmt}_over_bf16"] = round(ours / bf16, 3)
+    for name in (fmt, f"{fmt}_all"):
+        value = rate(name)
+        if value is not None and resident is not None:
+            ratios[f"{name}_over_resident"] = round(value / resident, 3)
+    dequant, every = results.get("dequant", {}), rate(f"{fmt}_all")
+    if "dequant_device_ms" in dequant and every is not None:
+        ratios["dequant_over_cached_token"] = round(
+            dequant["dequant_device_ms"] * moe_layers / (1000.0 / every), 4)
+    return ratios
+
+
 def main(argv: list[str] | None = None) -> int:
     import torch
 
     args = build_parser().parse_args(argv)
+    allowed = SHAPES if args.format == "fp8" else MADE_SHAPES
+    if args.shape not in allowed:
+        build_parser().error(f"--shape {args.shape} is not a {args.format} shape "
+                             f"({', '.join(allowed)})")
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    bf16, args.fp8 = args.make / "bf16", args.make / "fp8"
-    if not (bf16 / "config.json").is_file():
-        make_checkpoint(bf16, args.shape, args.layers, str(device))
-    if not (args.fp8 / "config.json").is_file():
-        make_fp8(bf16, args.fp8, str(device))
-    dense = dense_bytes(bf16)  # on the device both are BF16: FP8 dense weights dequantized
+    bf16 = _models(args, device)
+    dense = device_dense_bytes(args.quantized)
     budget = Budget(nbytes=parse_size(args.total) - dense)
     prompt = torch.tensor([[int(t) for t in args.prompt_ids.split(",")]])
-    runs = [r for r in args.runs.split(",") if r]
+    fmt = args.format
+    runs = [r for r in (args.runs or f"reference,{fmt},{'bf16,' if fmt == 'fp8' else ''}"
+                        f"{fmt}_all,dequant").split(",") if r]
     results: dict[str, dict[str, Any]] = {}
-    for name in runs:  # a run named twice is measured twice (the later one kept as name)
-        if name in results:
-            results[f"{name}_first"] = results.pop(name)
-        if name == "reference":
-            results[name] = run_reference(args, prompt, device)
-        elif name == "dequant":
-            results[name] = run_dequant(args, device)
-        else:
-            args.model = bf16 if name == "bf16" else args.fp8
-            results[name] = run_moestream(args, prompt, device,
-                                          budget=None if name == "fp8_all" else budget,
-                                          cold=False)
-    reference = results.get("reference", {}).get("tokens")
-    for name in ("fp8", "fp8_all"):
-        if reference is not None and "tokens" in results.get(name, {}):
-            results[name]["same_tokens"] = results[name]["tokens"] == reference
-    ratios = {}
-    if "tokens_per_s" in results.get("fp8", {}) and "tokens_per_s" in results.get("bf16", {}):
-        ratios["fp8_over_bf16"] = round(results["fp8"]["tokens_per_s"]
-                                        / results["bf16"]["tokens_per_s"], 3)
-    if "tokens_per_s" in results.get("reference", {}):
-        for name in ("fp8", "fp8_all"):
-            if "tokens_per_s" in results.get(name, {}):
-                ratios[f"{name}_over_resident"] = round(
-                    results[name]["tokens_per_s"] / results["reference"]["tokens_per_s"], 3)
-    report = {"command": "python -m bench.quantized " + " ".join(sys.argv[1:]),
-              "device": str(device), "dense_bytes": dense, "cache_budget_bytes": budget.nbytes,
-              **_versions(), "ratios": ratios, "runs": results}
+    with tempfile.TemporaryDirectory(prefix="bench-quantized-") as logs:
+        for name in runs:  # a run named twice is measured twice (the later one kept)
+            if name in results:
+                results[f"{name}_first"] = results.pop(name)
+            results[name] = _run(name, args, prompt, device, bf16, budget, Path(logs))
+    _check_tokens(results, fmt)
+    from moestream.pipeline.foundation.table import open_table
+
+    moe_layers = len(open_table(args.quantized).layers)
+    report = {"command": "python -m bench.quantized " + " ".join(sys.argv[1:] if argv is None
+                                                                  else argv),
+              "format": fmt, "shape": args.shape, "layers": args.layers,
+              "device": str(device), "dense_bytes": dense, "experts_budget_bytes": budget.nbytes,
+              **_versions(), "ratios": _ratios(results, fmt, moe_layers), "runs": results}
     text = json.dumps(report, indent=2)
     print(text)
     if args.out is not None:
         args.out.write_text(text + "\n")
     return 0 if all(r.get("same_tokens", True) for r in results.values()) else 1
+
+
+def _check_tokens(results: dict[str, dict[str, Any]], fmt: str) -> None:
+    reference = results.get("reference", {}).get("tokens")
+    for name in (fmt, f"{fmt}_all"):
+        if reference is not None and "tokens" in results.get(name, {}):
+            results[name]["same_tokens"] = results[name]["tokens"] == reference
 
 
 if __name__ == "__main__":

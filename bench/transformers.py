@@ -168,7 +168,7 @@ def run_accelerate(args: argparse.Namespace, prompt: Any, device: Any) -> dict[s
 
 
 def run_moestream(args: argparse.Namespace, prompt: Any, device: Any, *,
-                  budget: Budget | None, cold: bool) -> dict[str, Any]:
+                  budget: Budget | None, cold: bool, log: Path | None = None) -> dict[str, Any]:
     from bench.kit import drop_caches, make_resident
     from moestream.transformers import from_pretrained
 
@@ -178,7 +178,7 @@ def run_moestream(args: argparse.Namespace, prompt: Any, device: Any, *,
         else:
             make_resident(shard)
     _peak_reset(device)
-    model = from_pretrained(args.model, budget=budget, device=device, mode=args.mode)
+    model = from_pretrained(args.model, budget=budget, device=device, mode=args.mode, log=log)
     stream = model.moestream
     parts: dict[str, float] = {}
     try:

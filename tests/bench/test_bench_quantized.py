@@ -1,5 +1,6 @@
-"""bench.quantized: its device quantizer is the format's rule, and a tiny run's FP8 tokens
-equal transformers' dequantized model's."""
+"""bench.quantized: its device quantizer is the format's rule, and a tiny run's FP8, MXFP4
+and FP4 tokens equal transformers' dequantized model's, at a budget below the experts and
+holding them all, with the BF16 hit rate of the same bytes replayed."""
 
 from __future__ import annotations
 
@@ -36,3 +37,29 @@ def test_tiny_run(tmp_path: Path) -> None:
     assert code == 0 and report["runs"]["fp8"]["same_tokens"]
     assert report["ratios"]["fp8_over_bf16"] > 0
     assert report["runs"]["fp8"]["hit_rate"] >= report["runs"]["bf16"]["hit_rate"]
+
+
+@pytest.mark.parametrize("fmt, total", [("mxfp4", "512KiB"), ("fp4", "1060KiB")])
+def test_tiny_run_fp4_formats(tmp_path: Path, fmt: str, total: str) -> None:
+    """The maker's checkpoints: dense ~0.5 (MXFP4) and ~1 MB (FP4), experts 6 KiB, their
+    scales 6 KiB in all; ``total`` leaves the cache about half the experts."""
+    if fmt == "fp4":
+        pytest.importorskip("transformers.models.deepseek_v4")
+    out = tmp_path / "report.json"
+    code = main(["--make", str(tmp_path / "m"), "--format", fmt, "--shape", "tiny",
+                 "--tokens", "3", "--warmup", "1", "--total", total, "--device", "cpu",
+                 "--out", str(out)])
+    report = json.loads(out.read_text())
+    runs = report["runs"]
+    assert code == 0 and runs[fmt]["same_tokens"] and runs[f"{fmt}_all"]["same_tokens"]
+    assert runs[fmt]["misses"] > 0 and runs[f"{fmt}_all"]["hit_rate"] == 1.0
+    # the cache is what the total leaves once the dense weights and the scales are counted
+    assert runs[fmt]["budget_bytes"] < report["experts_budget_bytes"]
+    assert 0 <= runs[fmt]["bf16_hit_rate_same_bytes"] <= runs[fmt]["hit_rate_replayed"]
+    assert "bf16" not in runs and runs["dequant"]["skipped"]
+    assert f"{fmt}_over_resident" in report["ratios"]
+
+
+def test_a_shape_of_another_format_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(SystemExit):
+        main(["--make", str(tmp_path), "--format", "mxfp4", "--shape", "qwen3-30b-a3b"])
