@@ -28,6 +28,7 @@ large batch) are fetched in groups that do, each released before the next is fet
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 import warnings
@@ -187,7 +188,9 @@ class ExpertStream:
         # caller's leak, said once as a ResourceWarning, and closed here so that its loop's
         # thread and device memory do not outlive the model
         session = getattr(self, "session", None)
-        if session is None or session.closed:
+        if session is None or session.closed or sys.is_finalizing():
+            # at exit the loop's daemon thread and the executors no longer run: a close
+            # would hang; the process's end releases what the session held
             return
         warnings.warn(f"unclosed moestream session over {session.model.path} (close the "
                       "model: model.moestream.close() or a with block)", ResourceWarning,
