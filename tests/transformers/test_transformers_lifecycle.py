@@ -5,6 +5,8 @@ refused in one line, each ``generate`` call's own figures beside the session's t
 from __future__ import annotations
 
 import gc
+import subprocess
+import sys
 import warnings
 from pathlib import Path
 from typing import Any
@@ -88,6 +90,18 @@ class TestCollectedUnclosed:
             del model
             gc.collect()
         assert not [w for w in seen if issubclass(w.category, ResourceWarning)]
+
+
+    def test_exit_with_the_model_open(self, checkpoint: Path) -> None:
+        """A program that ends with its model open exits (nothing waits on the session's
+        thread, which no longer runs then)."""
+        program = ("import sys, torch; from moestream import transformers as mt; "
+                   f"m = mt.from_pretrained({str(checkpoint)!r}, budget={BUDGET}, "
+                   "device='cpu'); m.generate(torch.tensor([[3, 17]]), max_new_tokens=1); "
+                   "print('done')")
+        done = subprocess.run([sys.executable, "-c", program], capture_output=True,
+                              text=True, timeout=300, check=False)
+        assert (done.returncode, done.stdout) == (0, "done\n"), done.stderr[-2000:]
 
 
 class TestSaving:
