@@ -105,12 +105,10 @@ def from_pretrained(path: str | os.PathLike[str], *, budget: str | moestream.Bud
             ``trust_remote_code=False``); others refused in one line (docs/TRANSFORMERS.md).
 
     Returns:
-        The model, in eval mode, on ``device``; ``model.moestream`` is its
-        ``ExpertStream`` (``.session``, ``.close()``, ``.last_generate``). Each forward is
-        one moestream token (``end_token`` at its end). Close it when done: ``with
-        from_pretrained(...) as model:``, or ``model.moestream.close()``; a model collected
-        unclosed warns (``ResourceWarning``) and closes its session. ``save_pretrained``
-        is refused (the experts were never loaded).
+        The model, in eval mode, on ``device``; ``model.moestream`` is its ``ExpertStream``
+        (``.session``, ``.close()``, ``.last_generate``); each forward is one moestream
+        token. Close it (a ``with`` block; collected unclosed, it warns and closes);
+        ``save_pretrained`` is refused.
 
     Raises:
         UsageError: torch or transformers missing, a bad or unknown argument, a
