@@ -65,6 +65,7 @@ from moestream.transformers._layout import TORCH_DTYPES, first_projection
 from moestream.transformers._model import serve
 from moestream.transformers._mtp import mtp_layers
 from moestream.transformers._quantized import LayerScales, load_scales
+from moestream.transformers._scale_budget import budget_less_scales
 from moestream.transformers._swap import swap_experts
 
 __all__ = ["from_pretrained"]
@@ -122,6 +123,7 @@ def from_pretrained(path: str | os.PathLike[str], *, budget: str | moestream.Bud
     given, root = _checkpoint(local_checkpoint(path, said.revision, said.cache_dir), compute)
     torch_device, wanted = device_of(said.device), wanted_dtype(said.dtype)
     budget = budget_for(given, budget, said.max_memory, torch_device, wanted, tuning)
+    budget = budget_less_scales(given, budget, tuning, said.max_memory)
     session = _open(given, torch_device, budget=budget, mode=mode, policy=policy,
                     verify=verify, log=log, tuning=tuning)
     try:

@@ -23,6 +23,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import moestream
 from moestream.pipeline.foundation.config import Budget, parse_budget
 from moestream.pipeline.foundation.errors import UsageError
 from moestream.pipeline.foundation.experts import ExpertTable
@@ -67,17 +68,20 @@ def held_bytes(scales: Mapping[int, Any]) -> int:
     return total
 
 
-def budget_less_scales(path: Path, budget: Any, layers_in_flight: int) -> Any:
+def budget_less_scales(path: Path, budget: Any, tuning: moestream.Tuning | None,
+                       max_memory: Any = None) -> Any:
     """``budget`` for the session's cache: a size less the scales the device will hold
-    (unchanged for a quantized-free checkpoint, a count of experts, or no budget).
+    (unchanged for a quantized-free checkpoint, a count of experts, no budget, or a budget
+    from ``max_memory``, whose dense weights counted the scales already).
 
     Raises:
-        UsageError: the scales leave the cache less than ``layers_in_flight`` layers' top-k
-            experts.
+        UsageError: the scales leave the cache less than ``Tuning.layers_in_flight``
+            layers' top-k experts.
     """
     given = _bytes_of(budget)
-    if given is None:
+    if given is None or max_memory is not None:
         return budget
+    layers_in_flight = (tuning or moestream.Tuning()).layers_in_flight
     table = open_table(path)
     scales = scale_bytes(table)
     if scales == 0:

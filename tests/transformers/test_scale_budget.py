@@ -71,8 +71,10 @@ class TestScalesInTheBudget:
     def test_a_count_keeps_its_experts(self, checkpoints: dict[str, Path],
                                        quant: str) -> None:
         path = checkpoints[quant]
-        assert budget_less_scales(path, "12", 2) == "12"
-        assert budget_less_scales(path, None, 2) is None
+        assert budget_less_scales(path, "12", None) == "12"
+        assert budget_less_scales(path, None, None) is None
+        # max_memory's budget is what the dense weights, scales among them, leave
+        assert budget_less_scales(path, "1MiB", None, {"cpu": "2MiB"}) == "1MiB"
 
 
 def test_scales_fraction_by_format(checkpoints: dict[str, Path]) -> None:
@@ -87,5 +89,5 @@ def test_scales_fraction_by_format(checkpoints: dict[str, Path]) -> None:
 def test_plain_checkpoints_hold_none(tmp_path: Path) -> None:
     path = write_checkpoint(spec_for("tiny", 2, 8, 0), tmp_path / "plain").path
     assert scale_bytes(open_table(path)) == 0
-    assert budget_less_scales(path, "1MiB", 2) == "1MiB"
+    assert budget_less_scales(path, "1MiB", None) == "1MiB"
     assert scales_text({}) == ""
