@@ -29,11 +29,12 @@ if TYPE_CHECKING:
     from moestream._lease import Lease
     from moestream._model_info import LayerInfo, ModelInfo, Router, TensorSpec
     from moestream._open import open
+    from moestream._run_session import RunSession, open_config
     from moestream._session import Session
     from moestream._stats import Counters, TokenStats
     from moestream._sync import SyncLease, SyncSession, open_sync
     from moestream._tuning import Tuning
-    from moestream.pipeline.foundation.config import Budget
+    from moestream.pipeline.foundation.config import Budget, StreamConfig
     from moestream.pipeline.foundation.errors import (
         DeviceMemoryError,
         ExpertLayoutError,
@@ -69,10 +70,13 @@ _EXPORTS = {
     "TokenStats": "moestream._stats",
     "Tuning": "moestream._tuning",
     "open": "moestream._open",
+    "open_config": "moestream._run_session",
+    "RunSession": "moestream._run_session",
     "SyncLease": "moestream._sync",
     "SyncSession": "moestream._sync",
     "open_sync": "moestream._sync",
     "Budget": "moestream.pipeline.foundation.config",
+    "StreamConfig": "moestream.pipeline.foundation.config",
     "DeviceMemoryError": "moestream.pipeline.foundation.errors",
     "ExpertLayoutError": "moestream.pipeline.foundation.errors",
     "ModelChangedError": "moestream.pipeline.foundation.errors",
@@ -113,8 +117,10 @@ __all__ = [
     "OutputError",
     "ReadError",
     "Router",
+    "RunSession",
     "Session",
     "StageError",
+    "StreamConfig",
     "SyncLease",
     "SyncSession",
     "TensorSpec",
@@ -127,6 +133,7 @@ __all__ = [
     "VerificationError",
     "__version__",
     "open",
+    "open_config",
     "open_sync",
     "wait_uploads",
 ]

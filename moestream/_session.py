@@ -37,9 +37,8 @@ class Session:
     """
 
     def __init__(self, streaming: StreamSession) -> None:
-        """The face of ``streaming`` (not yet opened). ``open`` makes one;
-        ``moestream.pipeline.cli.run`` makes its own streaming session, with what only the
-        run has (its summary, fault plan, compute)."""
+        """The face of ``streaming`` (not yet opened): ``open`` makes one (``open_config``
+        a ``RunSession``)."""
         self._streaming = streaming
         self._loop: asyncio.AbstractEventLoop | None = None
         self._model: ModelInfo | None = None

@@ -36,7 +36,7 @@ from pathlib import Path
 import structlog
 import uvloop
 
-from moestream import Session
+from moestream import RunSession, open_config
 from moestream.gpu.kernels import make_kernels
 from moestream.pipeline.cli.common import closable_stdout, print_error
 from moestream.pipeline.cli.interrupts import (
@@ -64,7 +64,6 @@ from moestream.pipeline.runlog.write import configure_console
 from moestream.pipeline.streaming.closing import finish
 from moestream.pipeline.streaming.controller import Sampler
 from moestream.pipeline.streaming.routing import BlockRouting, Routing, TraceRouting
-from moestream.pipeline.streaming.session import StreamSession
 from moestream.pipeline.streaming.summary import RunSummary, print_summary
 
 __all__ = ["RunSummary", "build_parser", "config_from_args", "main", "run"]
@@ -134,14 +133,14 @@ async def run(
                 if cfg.record_trace is not None else None)  # refuses too long a record now
     if summary is None:
         summary = RunSummary()
-    session = _stream_session(cfg, table, sampler, faults, summary)
+    session = _session(cfg, table, sampler, faults, summary)
     loop: DecodeLoop | None = None
     live = LiveLine(cfg.tokens, enabled=False)  # replaced once decoding starts
     try:
         # the session's open holds the run's first await, where a cancel (a signal) can
         # first land: a log file, once made, always ends with run_end
-        ms = await Session(session)
-        loop = _decode_loop(cfg, table, session, ms, replay, recorder)
+        await session
+        loop = _decode_loop(cfg, table, session, replay, recorder)
         live = LiveLine(cfg.tokens, enabled=not cfg.json and sys.stderr.isatty())
         with _quiet_gc():
             for t in range(cfg.tokens):
@@ -151,47 +150,46 @@ async def run(
         await session.settle()
         summary.exit = "ok"
     except BaseException as exc:
-        await _stopped(session, exc)
+        await _stopped(session, summary, exc)
         raise
     finally:
         live.close()  # erased before the summary or an error line is printed
         # closing must finish even if the caller cancels (again) meanwhile
-        await finish(_close(cfg, session, loop))
-    if session.runlog.error is not None:  # the last lines, written at close, were refused
-        summary.exit = str(session.runlog.error)
-        raise session.runlog.error
+        await finish(_close(cfg, session, summary, loop))
+    if session.log_error is not None:  # the last lines, written at close, were refused
+        summary.exit = str(session.log_error)
+        raise session.log_error
     return summary
 
 
-def _stream_session(cfg: RunConfig, table: ExpertTable, sampler: Sampler | None,
-                    faults: FaultPlan, summary: RunSummary) -> StreamSession:
+def _session(cfg: RunConfig, table: ExpertTable, sampler: Sampler | None,
+             faults: FaultPlan, summary: RunSummary) -> RunSession:
     """The run's session, not yet open, with what only the run has: its summary, fault
-    plan, compute and the table it opened already."""
+    plan, compute, bandwidths told and the table it opened already."""
     # a layer's experts, and those loaded ahead of it, may all live on one device: the
     # budget of each holds that many layers
     details = {"limits": cfg.limits.record()} if cfg.limits is not None else {}
-    return StreamSession(cfg, layers_in_flight=1 + cfg.layers_ahead, sampler=sampler,
-                         faults=faults, summary=summary, table=table, compute=cfg.compute,
-                         run_details=details)
+    return open_config(cfg, layers_in_flight=1 + cfg.layers_ahead, sampler=sampler,
+                       faults=faults, summary=summary, table=table, compute=cfg.compute,
+                       run_details=details)
 
 
-def _decode_loop(cfg: RunConfig, table: ExpertTable, session: StreamSession, ms: Session,
+def _decode_loop(cfg: RunConfig, table: ExpertTable, session: RunSession,
                  replay: Routing | None, recorder: TraceRecorder | None) -> DecodeLoop:
     """The proxy engine on the open session: its own compute (kernels and streams on the
     session's devices), the routing (``replay``, or the model's live router), the loop."""
-    assert session.compute is not None and session.verifier is not None
-    decode = Decode.for_devices(session.compute, table, session.backends,
-                                [make_kernels(b.name) for b in session.backends], cfg.seed)
-    routing: Routing = replay if replay is not None else ms.router(cfg.seed)
-    return DecodeLoop(cfg, table, routing, session=ms, decode=decode,
-                      checker=session.verifier, runlog=session.runlog, recorder=recorder)
+    assert session.compute is not None
+    backends = session.device_backends
+    decode = Decode.for_devices(session.compute, table, backends,
+                                [make_kernels(b.name) for b in backends], cfg.seed)
+    routing: Routing = replay if replay is not None else session.router(cfg.seed)
+    return DecodeLoop(cfg, table, routing, session=session, decode=decode, recorder=recorder)
 
 
-async def _stopped(session: StreamSession, exc: BaseException) -> None:
+async def _stopped(session: RunSession, summary: RunSummary, exc: BaseException) -> None:
     """Record why the run stopped (``summary.exit``); a verification mismatch stops at the
     end of its token, so what still waited for its digests is compared first: the final
     counts."""
-    summary = session.summary
     if isinstance(exc, asyncio.CancelledError):
         summary.exit = "cancelled"
     elif isinstance(exc, MoestreamError):
@@ -233,10 +231,11 @@ def _quiet_gc() -> Iterator[None]:
         gc.unfreeze()
 
 
-async def _close(cfg: RunConfig, session: StreamSession, loop: DecodeLoop | None) -> None:
+async def _close(cfg: RunConfig, session: RunSession, summary: RunSummary,
+                 loop: DecodeLoop | None) -> None:
     """Close the session (everything the run holds, in order, then ``run_end``), then write
     the routing the run decoded (``--record-trace``)."""
-    await session.aclose(outcome=session.summary.exit, check=False)
+    await session.aclose(outcome=summary.exit, check=False)
     recorded = loop.recorder.trace() if loop is not None and loop.recorder is not None else None
     if cfg.record_trace is not None and recorded is not None:
         save_trace(recorded, cfg.record_trace)

@@ -18,35 +18,16 @@ from __future__ import annotations
 import asyncio
 import functools
 from collections.abc import Awaitable, Callable, Coroutine
-from typing import Any, Protocol
+from typing import Any
 
-from moestream import ExpertHandle, Lease, Session, TokenStats
+from moestream import ExpertHandle, Lease, RunSession, Session, TokenStats
 from moestream.pipeline.foundation.table import ExpertTable
 from moestream.pipeline.foundation.trace import TraceRecorder
 from moestream.pipeline.proxy.config import RunConfig
 from moestream.pipeline.proxy.decode import Decode, Launched, LayerResult
 from moestream.pipeline.streaming.routing import Routing
-from moestream.pipeline.streaming.verify import Digests
 
-__all__ = ["DecodeLoop", "LayerLog", "UseCheck"]
-
-
-class UseCheck(Protocol):
-    """What the loop needs of the session's verification, beneath the public API: compare
-    the digests of what ``digest`` compute read with the file's, counted with the session's
-    own checks (``moestream.Session`` takes no digests from an engine)."""
-
-    def check(self, digests: Digests) -> None: ...
-
-
-class LayerLog(Protocol):
-    """What the loop needs of the run log, beneath the public API: render its pending lines
-    while the devices compute, and take ``--log-level debug``'s ``layer`` events
-    (``moestream.Session`` takes no events from an engine)."""
-
-    def render(self) -> None: ...
-
-    def emit(self, event: str, **fields: Any) -> None: ...
+__all__ = ["DecodeLoop"]
 
 
 class _Work:
@@ -78,10 +59,8 @@ class DecodeLoop:
         config: prefetch, lookahead, log level.
         table: the model.
         routing: where each layer's experts come from (a trace, or the live router).
-        session: the open ``moestream.Session`` the experts come through.
+        session: the open ``moestream.RunSession`` the experts come through.
         decode: the proxy engine's compute.
-        checker: compares what ``digest`` compute read with the file.
-        runlog: where ``--log-level debug`` writes a ``layer`` event per layer.
         recorder: where each decoded token's routing is recorded (``--record-trace``).
     """
 
@@ -91,10 +70,8 @@ class DecodeLoop:
         table: ExpertTable,
         routing: Routing,
         *,
-        session: Session,
+        session: RunSession,
         decode: Decode,
-        checker: UseCheck,
-        runlog: LayerLog,
         recorder: TraceRecorder | None = None,
     ) -> None:
         self._cfg = config
@@ -105,8 +82,11 @@ class DecodeLoop:
         # a trace's routing has none
         self._live = hasattr(routing, "embedding")
         self._decode = decode
-        self._checker = checker
-        self._runlog = runlog
+        # bound once: called every layer. What ``digest`` compute read is compared with
+        # the file (``RunSession.check_digests``); the run log's pending lines are rendered
+        # while the devices compute (``RunSession.render_log``)
+        self._check = session.check_digests
+        self._render = session.render_log
         self._ahead = config.lookahead if config.prefetch == "oracle" else 0
         self._predict = config.prefetch == "predict"
         self._debug = config.log_level == "debug"
@@ -138,7 +118,7 @@ class DecodeLoop:
         the next layer's planning off the host's path between one layer's end and the next
         one's kernels, so a layer whose experts are all cached runs at compute speed.
         """
-        self._runlog.render()
+        self._render()
         if not self._plans_ahead or position >= self._end or position in self._taken:
             return
         token, i = divmod(position, len(self._layers))
@@ -183,7 +163,7 @@ class DecodeLoop:
         lease = self._fetched.get(position)
         if lease is None or last.misses:
             return
-        self._checker.check(self._decode.take_use_digests())
+        self._check(self._decode.take_use_digests())
         self._ended = await work.end(self._ms)
         await asyncio.sleep(0)  # the next token's yield (see ``token``)
         self._yielded = True
@@ -225,9 +205,9 @@ class DecodeLoop:
         else:
             work.add(result)
         if self._debug:
-            self._runlog.emit("layer", token=token, layer=layer, hits=result.hits,
-                              misses=result.misses, stall_ms=round(result.stall_ms, 3),
-                              compute_ms=round(result.compute_ms, 3))
+            self._ms.log_event("layer", token=token, layer=layer, hits=result.hits,
+                               misses=result.misses, stall_ms=round(result.stall_ms, 3),
+                               compute_ms=round(result.compute_ms, 3))
 
     async def token(self, t: int) -> TokenStats:
         """Decode token ``t``; returns what the session counted (and logged) for it.
@@ -271,7 +251,7 @@ class DecodeLoop:
             self._count(result, work, t, layer)
         stats, self._ended = self._ended, None
         if stats is None:
-            self._checker.check(decode.take_use_digests())
+            self._check(decode.take_use_digests())
             stats = await work.end(ms)
         if self.recorder is not None:
             self.recorder.add(used, used_weights)
