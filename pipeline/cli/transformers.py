@@ -116,6 +116,7 @@ def _generate(args: argparse.Namespace) -> int:
     import torch  # type: ignore[import-not-found, unused-ignore]
 
     from moestream.transformers._loader import from_pretrained
+    from moestream.transformers._scale_budget import scales_text
 
     device = {"host": "cpu", "cupy": "cuda"}.get(args.backend)
     with warnings.catch_warnings():  # the console's budget_clamped event says it already
@@ -126,7 +127,8 @@ def _generate(args: argparse.Namespace) -> int:
     stream = model.moestream
     summary = RunSummary(model=str(args.model), backend=stream.session.backend,
                          device=str(stream.device),
-                         experts=describe_experts(stream.session.model.layers.values()))
+                         experts=describe_experts(stream.session.model.layers.values())
+                         + scales_text(stream.scales))
     live = LiveLine(args.tokens, enabled=not args.json and sys.stderr.isatty())
     stream.on_token = lambda s: live.update(s.hits, s.misses, s.time, s.mode)
     try:
