@@ -214,3 +214,21 @@ class TestBudgetTooLarge:
             model = mt.from_pretrained(checkpoint, budget=LEAST, device="cpu")
         model.moestream.close()
         assert not [w for w in seen if "free memory" in str(w.message)]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="torch sees no CUDA device")
+class TestOnTheGpu:
+    """``max_memory`` keyed as transformers keys a GPU, and the device left to its default."""
+
+    @pytest.mark.parametrize("key", [0, "cuda:0"])
+    def test_max_memory_for_the_gpu(self, checkpoint: Path, key: Any) -> None:
+        limit = 2 << 20
+        with mt.from_pretrained(checkpoint, max_memory={key: limit, "cpu": "1KiB"}) as model:
+            assert model.device.type == "cuda"
+            budget = model.moestream.session.counters().budget_bytes
+            assert budget > 0 and budget + _dense_bytes(model) <= limit
+            with torch.no_grad():
+                model.generate(torch.tensor(IDS, device=model.device), max_new_tokens=2,
+                               do_sample=False)
+            assert model.moestream.last_generate.misses > 0
