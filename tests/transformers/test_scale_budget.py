@@ -4,6 +4,7 @@ scales leave too little of is refused naming them; a count of experts keeps its 
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,7 @@ pytest.importorskip("transformers.integrations.moe")
 
 from moestream import transformers as mt  # noqa: E402
 from moestream.pipeline.foundation.errors import UsageError  # noqa: E402
+from moestream.pipeline.foundation.sizes import size_text  # noqa: E402
 from moestream.pipeline.foundation.table import open_table  # noqa: E402
 from moestream.pipeline.makers.checkpointgen import (  # noqa: E402
     CheckpointOptions,
@@ -91,3 +93,19 @@ def test_plain_checkpoints_hold_none(tmp_path: Path) -> None:
     assert scale_bytes(open_table(path)) == 0
     assert budget_less_scales(path, "1MiB", None) == "1MiB"
     assert scales_text({}) == ""
+
+
+def test_the_run_summary_names_the_scales(checkpoints: dict[str, Path],
+                                          capsys: pytest.CaptureFixture[str]) -> None:
+    from moestream.pipeline import run as pipeline_run
+
+    path = checkpoints["mxfp4"]
+    scales, expert, least = _sizes(path)
+    code = pipeline_run.main(["--engine", "transformers", "-m", str(path), "--prompt-ids",
+                              "1,2,3", "--tokens", "2", "--backend", "host", "--json",
+                              "--cache-budget", f"{scales + least + expert}B"])
+    summary = json.loads(capsys.readouterr().out)
+    assert code == 0
+    assert summary["experts"].endswith(f"their scales {size_text(scales)} on the device, "
+                                       "in the budget")
+    assert summary["budget_bytes"] == least + expert  # the cache: what the scales leave
