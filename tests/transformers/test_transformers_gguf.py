@@ -3,8 +3,8 @@ transformers' own GGUF mapping, the experts streamed quantized and dequantized p
 
 The files are written here, as llama.cpp's ``convert_hf_to_gguf.py`` writes them (its tensor
 names through gguf's own name map, its metadata keys, a GPT-2 byte-level tokenizer), from a
-tiny qwen2moe / qwen3moe ``save_pretrained`` checkpoint: dense weights F16 or Q8_0, norms
-F32, the routed experts in a different type per layer and per projection, quantized by
+tiny qwen2moe / qwen3moe / minimax-m2 ``save_pretrained`` checkpoint: dense weights F16 or
+Q8_0, norms F32, the routed experts in a different type per layer and per projection, quantized by
 ``gguf.quants.quantize`` (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, BF16, F16) or, for the types
 gguf-py cannot quantize (the K-quants, IQ types, MXFP4), random blocks with finite scales.
 The reference is transformers' own ``from_pretrained(dir, gguf_file=...)`` on the same file,
@@ -51,13 +51,18 @@ SHAPES: dict[str, dict[str, Any]] = {
     "qwen2_moe": dict(hidden_size=64, intermediate_size=96, num_experts=8,
                       num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=4,
                       num_key_value_heads=2, max_position_embeddings=128),
+    "minimax_m2": dict(hidden_size=64, intermediate_size=96, num_local_experts=8,
+                       num_experts_per_tok=2, num_hidden_layers=2, head_dim=16,
+                       num_attention_heads=4, num_key_value_heads=2,
+                       max_position_embeddings=128),
 }
-ARCH = {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe"}
+ARCH = {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "minimax_m2": "minimax-m2"}
 EXPERT_TYPES: dict[str, list[tuple[Q, Q]]] = {
     # per layer, (gate and up, down): quantized by gguf-py, or random blocks where it cannot
     "qwen3_moe": [(Q.Q8_0, Q.Q4_0), (Q.Q5_1, Q.BF16), (Q.Q4_K, Q.Q6_K), (Q.IQ2_XXS, Q.Q2_K)],
     # qwen2moe's expert width (1408) is no whole number of 256-value blocks: no K-quants
     "qwen2_moe": [(Q.Q4_1, Q.Q8_0), (Q.F16, Q.Q5_0)],
+    "minimax_m2": [(Q.Q8_0, Q.Q4_0), (Q.Q5_1, Q.BF16)],
 }
 MORE_TYPES = [(Q.Q3_K, Q.IQ4_XS), (Q.Q5_K, Q.MXFP4), (Q.IQ2_XS, Q.IQ3_XXS), (Q.F16, Q.Q4_0)]
 """The other types, in a second qwen3moe file."""
@@ -89,7 +94,8 @@ VOCAB = 260
 
 
 def _metadata(writer: GGUFWriter, config: Any, arch: str) -> None:
-    """The hyperparameters convert_hf_to_gguf writes for Qwen2-MoE and Qwen3-MoE."""
+    """The hyperparameters convert_hf_to_gguf writes for Qwen2-MoE, Qwen3-MoE and
+    MiniMax-M2."""
     writer.add_name("tiny")
     writer.add_block_count(config.num_hidden_layers)
     writer.add_context_length(config.max_position_embeddings)
@@ -99,14 +105,19 @@ def _metadata(writer: GGUFWriter, config: Any, arch: str) -> None:
     writer.add_head_count_kv(config.num_key_value_heads)
     writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-    writer.add_expert_count(config.num_experts)
+    writer.add_expert_count(getattr(config, "num_experts", None) or config.num_local_experts)
     writer.add_expert_used_count(config.num_experts_per_tok)
-    writer.add_expert_feed_forward_length(config.moe_intermediate_size)
-    if arch == "qwen3moe":
+    if arch == "minimax-m2":  # its experts are intermediate_size wide, sigmoid-routed
+        writer.add_expert_feed_forward_length(config.intermediate_size)
+        writer.add_rope_dimension_count(config.head_dim)
+        writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+    else:
+        writer.add_expert_feed_forward_length(config.moe_intermediate_size)
+    if arch == "qwen2moe":
+        writer.add_expert_shared_feed_forward_length(config.shared_expert_intermediate_size)
+    else:
         writer.add_key_length(config.head_dim)
         writer.add_value_length(config.head_dim)
-    else:
-        writer.add_expert_shared_feed_forward_length(config.shared_expert_intermediate_size)
     _tokenizer_metadata(writer)
 
 
@@ -173,8 +184,7 @@ def _convert(checkpoint: Path, path: Path, arch: str, types: list[tuple[Q, Q]],
     for name, value in state.items():
         if ".mlp.experts." in name:
             continue
-        base, _, suffix = name.rpartition(".")
-        gguf_name = f"{names.get_name(base)}.{suffix}"
+        gguf_name = _gguf_name(names, name)
         if gguf_name.startswith("blk.") and ".ffn_gate_inp_shexp." in gguf_name:
             value = value.reshape(-1)  # llama.cpp's shared-expert gate is a vector
         out.add(gguf_name, name, value, Q.F32 if value.ndim == 1 else dense)
@@ -193,6 +203,15 @@ def _convert(checkpoint: Path, path: Path, arch: str, types: list[tuple[Q, Q]],
             (out.values.pop(f"{prefix}gate"), out.values.pop(f"{prefix}up")), axis=1)
     out.close()
     return out
+
+
+def _gguf_name(names: Any, name: str) -> str:
+    """The GGUF name convert_hf_to_gguf gives a model tensor: gguf's name map, and
+    MiniMax-M2's routing bias as llama.cpp names it."""
+    if name.endswith(".mlp.e_score_correction_bias"):
+        return f"blk.{name.split('.')[2]}.exp_probs_b.bias"
+    base, _, suffix = name.rpartition(".")
+    return f"{names.get_name(base)}.{suffix}"
 
 
 def _saved(kind: str, where: Path, **overrides: Any) -> Path:
@@ -261,7 +280,7 @@ class TestExact:
     loading, at a budget of four experts (misses, evictions, grouped fetches)."""
 
     @ARITHMETICS
-    @pytest.mark.parametrize("kind", ["qwen3_moe", "qwen2_moe", "more"])
+    @pytest.mark.parametrize("kind", ["qwen3_moe", "qwen2_moe", "minimax_m2", "more"])
     def test_equals_transformers(self, files: dict[str, _Gguf], kind: str, compute: str,
                                  implementation: str, dtype: Any) -> None:
         path = files[kind].path
@@ -417,7 +436,7 @@ class TestGpu:
     against transformers' own GGUF model moved to the GPU."""
 
     @ARITHMETICS
-    @pytest.mark.parametrize("kind", ["qwen3_moe", "qwen2_moe", "more"])
+    @pytest.mark.parametrize("kind", ["qwen3_moe", "qwen2_moe", "minimax_m2", "more"])
     def test_equals_transformers(self, files: dict[str, _Gguf], kind: str, compute: str,
                                  implementation: str, dtype: Any) -> None:
         path = files[kind].path
