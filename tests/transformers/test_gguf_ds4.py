@@ -123,14 +123,24 @@ def _deepseek_checkpoint(path: Path, directory: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def reference(ds4_file: Path, tmp_path_factory: pytest.TempPathFactory) -> Any:
-    """transformers' DeepSeek-V4 from the DeepSeek-named checkpoint, as it loads one."""
-    directory = _deepseek_checkpoint(ds4_file, tmp_path_factory.mktemp("ref") / "ckpt")
+def checkpoint(ds4_file: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _deepseek_checkpoint(ds4_file, tmp_path_factory.mktemp("ref") / "ckpt")
+
+
+def _reference(checkpoint: Path, implementation: str = "eager", dtype: Any = None) -> Any:
+    """transformers' DeepSeek-V4 from the DeepSeek-named checkpoint, as it loads one, its
+    experts computed by ``implementation``, its weights rounded once to ``dtype``."""
     model, info = transformers.DeepseekV4ForCausalLM.from_pretrained(
-        directory, dtype=torch.float32, output_loading_info=True)
+        checkpoint, dtype=dtype or torch.float32, experts_implementation=implementation,
+        output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"]
     assert not info["mismatched_keys"]
     return model.eval()
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoint: Path) -> Any:
+    return _reference(checkpoint)
 
 
 class TestConfig:
@@ -266,10 +276,18 @@ class TestDense:
 
 
 class TestTokens:
-    """moestream's model of the ds4 file gives the reference's logits and greedy tokens,
-    its experts streamed quantized at a budget below them and dequantized per use."""
+    """moestream's model of the ds4 file gives the reference's logits (``torch.equal``)
+    and greedy tokens, its experts streamed quantized at a budget of four (of 16) and
+    dequantized per use; both arithmetics (grouped where torch's grouped product is
+    exact on the CPU: bfloat16)."""
 
-    def test_identical(self, ds4_file: Path, reference: Any) -> None:
+    @pytest.mark.parametrize(("compute", "implementation", "dtype"), [
+        ("grouped", "grouped_mm", torch.bfloat16),
+        ("eager", "eager", None),
+        ("eager", "eager", torch.bfloat16),
+    ])
+    def test_identical(self, ds4_file: Path, checkpoint: Path, compute: str,
+                       implementation: str, dtype: Any) -> None:
         from moestream import transformers as mt
 
         try:
@@ -278,4 +296,5 @@ class TestTokens:
             if "deepseek4" in str(exc):
                 pytest.skip(f"the GGUF loader does not call the ds4 mapping yet: {exc}")
             raise
-        assert_streams_like(reference, ds4_file, "eager")
+        assert_streams_like(_reference(checkpoint, implementation, dtype), ds4_file, compute,
+                            dtype=dtype)
