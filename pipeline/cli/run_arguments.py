@@ -15,10 +15,9 @@ from moestream.pipeline.foundation.config import (
     parse_budget,
     parse_compute,
     parse_devices,
-    parse_limits,
     parse_size,
 )
-from moestream.pipeline.proxy.config import RunConfig
+from moestream.pipeline.proxy.config import RunConfig, parse_limits
 
 __all__ = ["build_parser", "config_from_args"]
 

@@ -35,7 +35,6 @@ __all__ = [
     "Bound",
     "Budget",
     "ComputeSpec",
-    "Limits",
     "Mode",
     "StreamConfig",
     "check_bound",
@@ -43,7 +42,6 @@ __all__ = [
     "parse_budget",
     "parse_compute",
     "parse_devices",
-    "parse_limits",
     "parse_size",
 ]
 
@@ -240,48 +238,6 @@ def parse_devices(text: str) -> tuple[int, ...]:
     except ValueError:
         raise UsageError(f"--devices takes device indices like 0,1, not {text!r}") from None
     return devices
-
-
-@dataclass(frozen=True, slots=True)
-class Limits:
-    """Bandwidths the run is told (``--limits``), for the device limit the analysis puts
-    beside the measured rate: ``read`` from storage, ``copy`` host to device; bytes/s."""
-
-    read_bytes_per_s: float | None = None
-    copy_bytes_per_s: float | None = None
-
-    def record(self) -> dict[str, float | str]:
-        """``run_start.limits``: the figures given, and where they came from."""
-        out: dict[str, float | str] = {"source": "told"}
-        if self.read_bytes_per_s is not None:
-            out["read_bytes_per_s"] = self.read_bytes_per_s
-        if self.copy_bytes_per_s is not None:
-            out["copy_bytes_per_s"] = self.copy_bytes_per_s
-        return out
-
-
-def parse_limits(text: str) -> Limits:
-    """``read=1.8GB/s,copy=55GB/s`` (either may be left out) -> ``Limits`` in bytes/s.
-
-    Raises:
-        UsageError: another key, a repeated key, or a rate that is not a positive size
-            per second (``GB/s`` is 10**9 bytes, ``GiB/s`` 2**30).
-    """
-    given: dict[str, float] = {}
-    for item in text.split(","):
-        key, sep, value = item.partition("=")
-        key = key.strip()
-        if not sep or key not in ("read", "copy") or key in given:
-            raise UsageError(f"cannot read --limits {text!r} (expected read=RATE,copy=RATE, "
-                             "e.g. read=1.8GB/s,copy=55GB/s)")
-        rate = value.strip()
-        if not rate.lower().endswith("/s"):
-            raise UsageError(f"--limits {key}={rate!r}: a rate needs /s (e.g. 1.8GB/s)")
-        nbytes = parse_size(rate[:-2])
-        if nbytes <= 0:
-            raise UsageError(f"--limits {key}={rate!r}: a rate must be above 0")
-        given[key] = float(nbytes)
-    return Limits(given.get("read"), given.get("copy"))
 
 
 MAX_LAYER_MS = 1000.0

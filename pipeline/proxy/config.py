@@ -13,14 +13,56 @@ from pathlib import Path
 
 from moestream.pipeline.foundation.config import (
     ComputeSpec,
-    Limits,
     StreamConfig,
     check_bound,
     layer_ms_problem,
+    parse_size,
 )
 from moestream.pipeline.foundation.errors import UsageError
 
-__all__ = ["RunConfig"]
+__all__ = ["Limits", "RunConfig", "parse_limits"]
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """Bandwidths the run is told (``--limits``), for the device limit the analysis puts
+    beside the measured rate: ``read`` from storage, ``copy`` host to device; bytes/s."""
+
+    read_bytes_per_s: float | None = None
+    copy_bytes_per_s: float | None = None
+
+    def record(self) -> dict[str, float | str]:
+        """``run_start.limits``: the figures given, and where they came from."""
+        out: dict[str, float | str] = {"source": "told"}
+        if self.read_bytes_per_s is not None:
+            out["read_bytes_per_s"] = self.read_bytes_per_s
+        if self.copy_bytes_per_s is not None:
+            out["copy_bytes_per_s"] = self.copy_bytes_per_s
+        return out
+
+
+def parse_limits(text: str) -> Limits:
+    """``read=1.8GB/s,copy=55GB/s`` (either may be left out) -> ``Limits`` in bytes/s.
+
+    Raises:
+        UsageError: another key, a repeated key, or a rate that is not a positive size
+            per second (``GB/s`` is 10**9 bytes, ``GiB/s`` 2**30).
+    """
+    given: dict[str, float] = {}
+    for item in text.split(","):
+        key, sep, value = item.partition("=")
+        key = key.strip()
+        if not sep or key not in ("read", "copy") or key in given:
+            raise UsageError(f"cannot read --limits {text!r} (expected read=RATE,copy=RATE, "
+                             "e.g. read=1.8GB/s,copy=55GB/s)")
+        rate = value.strip()
+        if not rate.lower().endswith("/s"):
+            raise UsageError(f"--limits {key}={rate!r}: a rate needs /s (e.g. 1.8GB/s)")
+        nbytes = parse_size(rate[:-2])
+        if nbytes <= 0:
+            raise UsageError(f"--limits {key}={rate!r}: a rate must be above 0")
+        given[key] = float(nbytes)
+    return Limits(given.get("read"), given.get("copy"))
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -7,7 +7,8 @@ model's expert table, one backend, kernels, cache and streamer per device, the v
 with its ``run_start`` header, and closes everything in one order (``run_end`` last). For
 an engine it also hands out layer leases and prefetch hints (``streaming.desk``, over
 ``streaming.lease``), keeps the per-token accounting (``streaming.ledger``) and writes it
-in the run log's schema (``docs/LOG_SCHEMA.md``). The public face over it is ``moestream``.
+in the run log's schema (``docs/LOG_SCHEMA.md``). Its public faces: ``moestream.Session``,
+``RunSession`` (the proxy run's).
 
 All methods run on the event loop's thread that opened the session.
 """
@@ -65,9 +66,8 @@ class StreamSession(LeaseDesk):
     """The parts an engine's fetches go through, for one model, from ``open`` to ``aclose``.
 
     Args:
-        config: model, budget, mode, policy, backend, devices, reader and staging sizes,
-            verification, log and controller settings (``tokens`` and ``compute`` are not
-            used: the engine decodes).
+        config: the library's settings (a client's config that extends them is described
+            whole in the log header).
         layers_in_flight: how many layers' experts may be pinned at once (a fetched layer
             and a prefetched one, or concurrent fetches); the budget must hold that many.
         sampler: machine readings for the controller (tests feed their own).
@@ -76,12 +76,9 @@ class StreamSession(LeaseDesk):
             caller has them even when opening or decoding raises.
         table: the model's table, when the caller opened it already (``config.model``
             is then not opened again).
-        compute: what the client's decode does with the experts (``moestream.pipeline.cli.run``'s
-            proxy decode); None: an engine's own compute, unknown here. ``digest``
-            compute needs the file's digests even without ``config.verify``; the log
-            header names it and the whole ``config``.
-        run_details: the client's own fields for the ``run_start`` header, beside the
-            session's (a proxy run's ``limits``).
+        compute: what the client's decode does with the experts (the proxy run's); None:
+            an engine's own. ``digest`` needs the file's digests even without ``verify``.
+        run_details: the client's own fields for the ``run_start`` header (``limits``).
     """
 
     def __init__(
