@@ -6,9 +6,8 @@ model's expert table, one backend, kernels, cache and streamer per device, the v
 (and the digest manifest of a file without digests), the mode controller and the run log
 with its ``run_start`` header, and closes everything in one order (``run_end`` last). For
 an engine it also hands out layer leases and prefetch hints (``streaming.desk``, over
-``streaming.lease``), keeps the per-token accounting (``streaming.ledger``) and writes it
-in the run log's schema (``docs/LOG_SCHEMA.md``). Its public faces: ``moestream.Session``,
-``RunSession`` (the proxy run's).
+``streaming.lease``), keeps the per-token accounting (``streaming.ledger``) and writes it in
+the log's schema (``docs/LOG_SCHEMA.md``). Public faces: ``moestream.Session``, ``RunSession``.
 
 All methods run on the event loop's thread that opened the session.
 """
