@@ -31,6 +31,7 @@ from moestream.gpu.cache.policy import CacheIndex, ExpertKey, make_policy
 from moestream.gpu.cache.pool import BufferPool
 from moestream.pipeline.foundation.errors import DeviceMemoryError, UsageError
 from moestream.pipeline.foundation.faults import FaultPlan
+from moestream.pipeline.foundation.sizes import size_text
 
 __all__ = ["CacheCounters", "DeviceCache", "Entry", "LayerPlan"]
 
@@ -64,10 +65,12 @@ class DeviceCache:
                 reason="budget larger than free device memory",
             )
             budget_bytes = free
-        if budget_bytes < min_bytes:
+        if budget_bytes < min_bytes:  # the session checked the budget asked: it was cut
             raise UsageError(
-                f"cache budget of {budget_bytes} bytes cannot hold one layer's experts "
-                f"({min_bytes} bytes)"
+                f"cache budget of {size_text(budget_bytes)}"
+                f"{' (cut to the free device memory)' if budget_bytes == free else ''} cannot "
+                f"hold one layer's top-k experts for each layer in flight, "
+                f"{size_text(min_bytes)}: free device memory, or pin fewer layers at once"
             )
         self._backend = backend
         self._min_bytes = min_bytes
