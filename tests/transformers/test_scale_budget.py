@@ -20,6 +20,7 @@ from moestream.pipeline.makers.checkpointgen import (  # noqa: E402
     CheckpointOptions,
     write_checkpoint,
 )
+from moestream.pipeline.makers.checkpointlayouts import Quant  # noqa: E402
 from moestream.pipeline.makers.modelspec import spec_for  # noqa: E402
 from moestream.transformers._scale_budget import (  # noqa: E402
     budget_less_scales,
@@ -28,13 +29,13 @@ from moestream.transformers._scale_budget import (  # noqa: E402
     scales_text,
 )
 
-QUANTS = ["fp8", "mxfp4", "fp4"]
+QUANTS: list[Quant] = ["fp8", "mxfp4", "fp4"]
 
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("scales")
-    return {quant: write_checkpoint(spec_for("tiny", 2, 8, 0), root / quant,
+    return {str(quant): write_checkpoint(spec_for("tiny", 2, 8, 0), root / quant,
                                     CheckpointOptions(quant=quant)).path
             for quant in QUANTS}
 

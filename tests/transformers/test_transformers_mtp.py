@@ -31,11 +31,12 @@ pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
 LAYERS = 3
 """The model's layers (0 dense, 1 and 2 MoE); the checkpoint holds one more, the MTP."""
-CONFIG = dict(hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+HIDDEN, VOCAB = 64, 96
+CONFIG = dict(hidden_size=HIDDEN, intermediate_size=96, moe_intermediate_size=32,
               n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
               first_k_dense_replace=1, n_group=2, topk_group=1, q_lora_rank=None,
               kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
-              num_attention_heads=4, num_key_value_heads=4, vocab_size=96)
+              num_attention_heads=4, num_key_value_heads=4, vocab_size=VOCAB)
 
 
 def _with_mtp(where: Path) -> Path:
@@ -48,7 +49,7 @@ def _with_mtp(where: Path) -> Path:
     shard = where / "model.safetensors"
     tensors = load_file(shard)
     mtp = f"model.layers.{LAYERS}."
-    hidden, vocab = CONFIG["hidden_size"], CONFIG["vocab_size"]
+    hidden, vocab = HIDDEN, VOCAB
     gen = torch.Generator().manual_seed(1)
     for name, shape in (("enorm.weight", (hidden,)), ("hnorm.weight", (hidden,)),
                         ("eh_proj.weight", (hidden, 2 * hidden)),
