@@ -28,9 +28,11 @@ from moestream.transformers._gate import EXTRA, is_available
 
 if TYPE_CHECKING:  # the names __getattr__ hands out, for type checkers
     from moestream.transformers._experts import ExpertStream, register, stream_of
+    from moestream.transformers._generate import GenerateStats
     from moestream.transformers._loader import from_pretrained
 
-__all__ = ["EXTRA", "ExpertStream", "from_pretrained", "is_available", "register", "stream_of"]
+__all__ = ["EXTRA", "ExpertStream", "GenerateStats", "from_pretrained", "is_available",
+           "register", "stream_of"]
 
 
 def __getattr__(name: str) -> Any:
@@ -40,6 +42,10 @@ def __getattr__(name: str) -> Any:
         from moestream.transformers import _experts
 
         return getattr(_experts, name)
+    if name == "GenerateStats":
+        from moestream.transformers._generate import GenerateStats
+
+        return GenerateStats
     if name == "from_pretrained":
         from moestream.transformers._loader import from_pretrained
 
