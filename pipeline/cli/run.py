@@ -61,7 +61,6 @@ from moestream.pipeline.proxy.config import RunConfig
 from moestream.pipeline.proxy.decode import Decode
 from moestream.pipeline.proxy.loop import DecodeLoop
 from moestream.pipeline.runlog.write import configure_console
-from moestream.pipeline.streaming.closing import finish
 from moestream.pipeline.streaming.controller import Sampler
 from moestream.pipeline.streaming.routing import BlockRouting, Routing, TraceRouting
 from moestream.pipeline.streaming.summary import RunSummary, print_summary
@@ -154,8 +153,7 @@ async def run(
         raise
     finally:
         live.close()  # erased before the summary or an error line is printed
-        # closing must finish even if the caller cancels (again) meanwhile
-        await finish(_close(cfg, session, summary, loop))
+        await _close(cfg, session, summary, loop)
     if session.log_error is not None:  # the last lines, written at close, were refused
         summary.exit = str(session.log_error)
         raise session.log_error
@@ -234,8 +232,18 @@ def _quiet_gc() -> Iterator[None]:
 async def _close(cfg: RunConfig, session: RunSession, summary: RunSummary,
                  loop: DecodeLoop | None) -> None:
     """Close the session (everything the run holds, in order, then ``run_end``), then write
-    the routing the run decoded (``--record-trace``)."""
-    await session.aclose(outcome=summary.exit, check=False)
+    the routing the run decoded (``--record-trace``). A cancel (again) meanwhile stops
+    neither: the session's close finishes, then raises it, and the routing is written
+    before it goes on."""
+    try:
+        await session.aclose(outcome=summary.exit, check=False)
+    except asyncio.CancelledError:
+        _save_recorded(cfg, loop)
+        raise
+    _save_recorded(cfg, loop)
+
+
+def _save_recorded(cfg: RunConfig, loop: DecodeLoop | None) -> None:
     recorded = loop.recorder.trace() if loop is not None and loop.recorder is not None else None
     if cfg.record_trace is not None and recorded is not None:
         save_trace(recorded, cfg.record_trace)
