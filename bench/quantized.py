@@ -18,9 +18,11 @@ Runs, greedy, ``--tokens`` tokens:
   dequantize=True))``, resident: the tokens every streamed run must equal (skipped, with
   the reason, where it does not load or fit);
 - ``<format>``: moestream on the quantized checkpoint, dense weights + expert cache + the
-  experts' scales within ``--total`` (its pages warm in the page cache), with the hit rate
-  the same routing would give BF16 experts in the same bytes (a replay of the run's log
-  through the cache's own index: ``hit_rate_replayed``, ``bf16_hit_rate_same_bytes``);
+  experts' scales within ``--total`` (its pages warm in the page cache), with the hit rates
+  the same routing would give in the same bytes BF16 experts and these experts with their
+  scales streamed beside each one instead of held for all (a replay of the run's log
+  through the cache's own index: ``hit_rate_replayed``, ``bf16_hit_rate_same_bytes``,
+  ``scales_streamed_hit_rate_same_bytes``);
 - ``bf16`` (``fp8`` only): moestream on the BF16 original at the same cache bytes;
 - ``<format>_all``: moestream holding every expert;
 - ``dequant``: one layer's top-k experts dequantized on the device against the upload of
@@ -182,25 +184,33 @@ def run_reference(args: argparse.Namespace, prompt: Any, device: Any) -> dict[st
 
 
 def hit_rates_replayed(log: Path, quantized: Path, cache_bytes: int) -> dict[str, Any]:
-    """The run's accesses replayed through the cache's own index: at the run's cache (its
-    live count, checked) and as BF16 experts in the same bytes, the scales' included."""
+    """The run's accesses replayed through the cache's own index, all in the run's bytes
+    (its cache and the scales held): at the run's cache (its live count, checked), as BF16
+    experts, and as the quantized experts with their scales streamed beside each one (the
+    layout not taken: each cached expert carries its own, none are held for the others)."""
     from moestream.pipeline.foundation.table import open_table
     from moestream.pipeline.runlog.read import read_log
     from moestream.tools.analyze.whatif_replay import AccessTrace, replay
-    from moestream.transformers._scale_budget import scale_bytes
+    from moestream.transformers._scale_budget import layer_scale_bytes
 
     run = read_log(log)
     trace = AccessTrace.from_log(run)
     policy = run.header.policy if run.header is not None and run.header.policy else "lru"
     table = open_table(quantized)
-    bf16 = tuple(2 * table.layers[n].shape[0] * table.layers[n].shape[1] * 3
-                 for n in trace.moe_layers)
+    layers = [table.layers[n] for n in trace.moe_layers]
+    scales = layer_scale_bytes(table)
+    in_all = cache_bytes + sum(scales.values())
+    bf16 = tuple(2 * 3 * layer.shape[0] * layer.shape[1] for layer in layers)
+    streamed = tuple(layer.expert_bytes + scales.get(layer.index, 0) // layer.n_experts
+                     for layer in layers)
     same = replay(trace, policy, cache_bytes)
-    as_bf16 = replay(dataclasses.replace(trace, expert_bytes=bf16), policy,
-                     cache_bytes + scale_bytes(table))
+    as_bf16 = replay(dataclasses.replace(trace, expert_bytes=bf16), policy, in_all)
+    with_scales = replay(dataclasses.replace(trace, expert_bytes=streamed), policy, in_all)
     return {"hit_rate_replayed": round(same.hit_rate, 4),
             "bf16_hit_rate_same_bytes": round(as_bf16.hit_rate, 4),
-            "bf16_expert_bytes": bf16[0], "replayed_tokens": trace.tokens}
+            "scales_streamed_hit_rate_same_bytes": round(with_scales.hit_rate, 4),
+            "bf16_expert_bytes": bf16[0], "scale_bytes_held": in_all - cache_bytes,
+            "replayed_tokens": trace.tokens}
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -31,7 +31,8 @@ from moestream.pipeline.foundation.sizes import size_text
 from moestream.pipeline.foundation.table import open_table
 from moestream.transformers._mtp import mtp_layers
 
-__all__ = ["budget_less_scales", "held_bytes", "scale_bytes", "scales_text"]
+__all__ = ["budget_less_scales", "held_bytes", "layer_scale_bytes", "scale_bytes",
+           "scales_text"]
 
 _HELD_SIZE = {"fp8": 4, "fp4": 1, "mxfp4": 1}
 """Bytes a scale takes on the device, by format: FP8 block scales as float32 (whatever the
@@ -41,19 +42,26 @@ file's type), the FP4 formats' E8M0 as their bytes."""
 def scale_bytes(table: ExpertTable) -> int:
     """The device bytes ``load_scales`` holds for ``table``'s expert scales: every quantized
     layer the model computes (its MTP layers are not), each scale at its held size."""
+    return sum(layer_scale_bytes(table).values())
+
+
+def layer_scale_bytes(table: ExpertTable) -> dict[int, int]:
+    """:func:`scale_bytes` per quantized layer the model computes."""
     shapes = {t.name: t.shape for t in table.non_routed}
     skipped = mtp_layers(table.config, table.layers)
-    total = 0
+    out: dict[int, int] = {}
     for index, layer in table.layers.items():
         quant = layer.quant
         if quant is None or index in skipped:
             continue
+        total = 0
         for name in quant.names:
             elements = 1
             for n in shapes[name]:
                 elements *= n
             total += elements * _HELD_SIZE[quant.method]
-    return total
+        out[index] = total
+    return out
 
 
 def held_bytes(scales: Mapping[int, Any]) -> int:

@@ -56,6 +56,8 @@ def test_tiny_run_fp4_formats(tmp_path: Path, fmt: str, total: str) -> None:
     # the cache is what the total leaves once the dense weights and the scales are counted
     assert runs[fmt]["budget_bytes"] < report["experts_budget_bytes"]
     assert 0 <= runs[fmt]["bf16_hit_rate_same_bytes"] <= runs[fmt]["hit_rate_replayed"]
+    assert 0 <= runs[fmt]["scales_streamed_hit_rate_same_bytes"] <= 1
+    assert runs[fmt]["scale_bytes_held"] == 6144  # 1/16 of the experts' 96 KiB
     assert "bf16" not in runs and runs["dequant"]["skipped"]
     assert f"{fmt}_over_resident" in report["ratios"]
 
