@@ -27,9 +27,14 @@ fields are transformers 5.25's ``configuration_deepseek_v4.py``.
 Refused, each in one line: a key ds4 requires missing; a shape transformers' model cannot
 hold (more than one KV head, value and key widths that differ, more or fewer than one
 shared expert, expert groups, per-layer SwiGLU clamps that differ, a compression ratio
-other than 0, 4 or 128); multi-token-prediction layers inside the main file (ds4 ships
-them as a separate file, and transformers builds none); a tensor ds4's layout does not
-have, or one it requires missing. The MTP file itself (``mtp.0.*``) is not a model.
+other than 0, 4 or 128); multi-token-prediction blocks inside the main file (llama.cpp's
+``blk.N.nextn.*``: ds4 ships them as a separate file, and transformers builds none); a
+tensor ds4's layout does not have, or one it requires missing (the selection bias
+``exp_probs_b``, optional to ds4, included: DeepSeek's checkpoint has it on every top-k
+layer). DeepSeek's own ``mtp.*`` tensors are skipped, as transformers skips them. Not
+read: ``deepseek4.nextn_predict_layers`` and ``expert_gating_func`` (ds4 reads neither; its
+scores are sqrt-softplus whatever a key says) and the tokenizer (transformers builds none
+for ``deepseek4``).
 """
 
 from __future__ import annotations
@@ -151,10 +156,6 @@ def _check_shape(path: Path, metadata: Mapping[str, Any]) -> None:
         if metadata.get(_A + key, 0):
             raise ExpertLayoutError(path, f"{_A}{key} is {metadata[_A + key]}: grouped expert "
                                           f"routing, which DeepSeek-V4 does not have")
-    if metadata.get(_A + "nextn_predict_layers", 0):
-        raise ExpertLayoutError(path, "multi-token-prediction layers inside the model file "
-                                      "(ds4 ships them as a separate file; transformers builds "
-                                      "none)")
 
 
 def config_kwargs(path: Path, metadata: Mapping[str, Any]) -> dict[str, Any]:
@@ -343,6 +344,10 @@ def _checkpoint_name(path: Path, name: str) -> str:
     """DeepSeek's checkpoint name of GGUF tensor ``name`` (ds4's converter table)."""
     if name in _TOP:
         return _TOP[name]
+    if ".nextn." in name:
+        raise ExpertLayoutError(path, f"{name}: a multi-token-prediction layer inside the "
+                                      f"model file (llama.cpp's form; ds4 ships them as a "
+                                      f"separate file, and transformers builds none)")
     block = _BLOCK.match(name)
     if block is None or block.group(2) not in _LAYER:
         raise ExpertLayoutError(path, f"tensor {name} is not in ds4's DeepSeek V4 layout")

@@ -176,7 +176,6 @@ class TestConfig:
         ("deepseek4.expert_shared_count", 2, "exactly 1"),
         ("deepseek4.attention.value_length", 32, "one head_dim"),
         ("deepseek4.expert_group_count", 8, "grouped expert routing"),
-        ("deepseek4.nextn_predict_layers", 1, "multi-token-prediction"),
         ("deepseek4.attention.compress_ratios", [0, 0, 8, 128], "0, 4, 128"),
         ("deepseek4.swiglu_clamp_exp", [10.0, 10.0, 7.0, 10.0], "differs between layers"),
         ("deepseek4.swiglu_clamp_exp", [0.0] * 4, "no clamp"),
@@ -235,6 +234,7 @@ class TestNames:
         (lambda n: [x for x in n if not x.startswith("blk.1.")], "and 20 more"),
         (lambda n: [*n, "blk.0.exp_probs_b.bias"], "has no place"),
         (lambda n: [*n, "blk.4.attn_norm.weight"], "has no place"),
+        (lambda n: [*n, "blk.3.nextn.e_proj.weight"], "multi-token-prediction"),
     ])
     def test_refused(self, ds4_file: Path, change: Any, words: str) -> None:
         reader = gguf.GGUFReader(ds4_file)
@@ -275,26 +275,46 @@ class TestDense:
         assert torch.isfinite(out).all() and not torch.equal(out[0], out[1])
 
 
+ARITHMETICS = pytest.mark.parametrize(("compute", "implementation", "dtype"), [
+    ("grouped", "grouped_mm", torch.bfloat16),
+    ("eager", "eager", None),
+    ("eager", "eager", torch.bfloat16),
+])
+"""Both arithmetics; grouped where torch's grouped product is exact on the CPU
+(bfloat16), as the GGUF tests compare it."""
+
+
+def _served_or_skip(path: Path, device: str) -> None:
+    """Skip while the GGUF loader does not call the ds4 mapping (it refuses ``deepseek4``)."""
+    from moestream import transformers as mt
+
+    try:
+        mt.from_pretrained(path, device=device, budget="4").moestream.close()
+    except ModelFileError as exc:
+        if "deepseek4" in str(exc):
+            pytest.skip(f"the GGUF loader does not call the ds4 mapping yet: {exc}")
+        raise
+
+
 class TestTokens:
     """moestream's model of the ds4 file gives the reference's logits (``torch.equal``)
     and greedy tokens, its experts streamed quantized at a budget of four (of 16) and
-    dequantized per use; both arithmetics (grouped where torch's grouped product is
-    exact on the CPU: bfloat16)."""
+    dequantized per use."""
 
-    @pytest.mark.parametrize(("compute", "implementation", "dtype"), [
-        ("grouped", "grouped_mm", torch.bfloat16),
-        ("eager", "eager", None),
-        ("eager", "eager", torch.bfloat16),
-    ])
+    @ARITHMETICS
     def test_identical(self, ds4_file: Path, checkpoint: Path, compute: str,
                        implementation: str, dtype: Any) -> None:
-        from moestream import transformers as mt
-
-        try:
-            mt.from_pretrained(ds4_file, device="cpu", budget="4").moestream.close()
-        except ModelFileError as exc:
-            if "deepseek4" in str(exc):
-                pytest.skip(f"the GGUF loader does not call the ds4 mapping yet: {exc}")
-            raise
+        _served_or_skip(ds4_file, "cpu")
         assert_streams_like(_reference(checkpoint, implementation, dtype), ds4_file, compute,
                             dtype=dtype)
+
+    @pytest.mark.gpu
+    @pytest.mark.skipif(not torch.cuda.is_available(), reason="torch sees no CUDA device")
+    @ARITHMETICS
+    def test_identical_on_cuda(self, ds4_file: Path, checkpoint: Path, compute: str,
+                               implementation: str, dtype: Any) -> None:
+        """On a GPU (IQ2_XXS and Q2_K blocks dequantized on the device): the same
+        equalities against the reference moved to the GPU."""
+        _served_or_skip(ds4_file, "cuda")
+        whole = _reference(checkpoint, implementation, dtype).to("cuda")
+        assert_streams_like(whole, ds4_file, compute, device="cuda", dtype=dtype)
