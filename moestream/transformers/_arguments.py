@@ -22,7 +22,7 @@ __all__ = ["LoadingWords", "build_with", "device_of", "dtype_of", "first_line", 
 _ARGUMENTS = ("path", "budget", "mode", "device", "dtype", "compute", "policy", "verify", "log",
               "tuning", "progress", "torch_dtype", "attn_implementation", "device_map",
               "max_memory", "revision", "cache_dir", "local_files_only", "low_cpu_mem_usage",
-              "trust_remote_code")
+              "trust_remote_code", "gguf_file")
 """What ``from_pretrained`` takes, as an unknown keyword's refusal lists it."""
 
 
@@ -38,6 +38,8 @@ class LoadingWords(NamedTuple):
     """A hub id's revision (a branch, tag or commit), or None."""
     cache_dir: str | None
     """The hub cache to look a hub id up in (None: huggingface_hub's default)."""
+    gguf_file: str | None = None
+    """transformers' ``gguf_file``: the GGUF file in the directory (or hub snapshot) given."""
 
 
 def loading_words(words: dict[str, Any], device: Any, dtype: Any) -> LoadingWords:
@@ -57,7 +59,9 @@ def loading_words(words: dict[str, Any], device: Any, dtype: Any) -> LoadingWord
         device = _device_map(words.pop("device_map"), device)
     max_memory = words.pop("max_memory", None)
     revision, cache_dir = words.pop("revision", None), words.pop("cache_dir", None)
-    for name, value in (("revision", revision), ("cache_dir", cache_dir)):
+    gguf_file = words.pop("gguf_file", None)
+    for name, value in (("revision", revision), ("cache_dir", cache_dir),
+                        ("gguf_file", gguf_file)):
         if value is not None and not isinstance(value, (str, os.PathLike)):
             raise UsageTypeError(f"{name} must be text, not {type(value).__name__}")
     if words.pop("local_files_only", None) not in (None, True, False):
@@ -78,7 +82,8 @@ def loading_words(words: dict[str, Any], device: Any, dtype: Any) -> LoadingWord
                              f"{', '.join(_ARGUMENTS)}")
     return LoadingWords(device, dtype, attention, max_memory,
                         None if revision is None else str(revision),
-                        None if cache_dir is None else os.fspath(cache_dir))
+                        None if cache_dir is None else os.fspath(cache_dir),
+                        None if gguf_file is None else os.fspath(gguf_file))
 
 
 def _device_map(device_map: Any, device: Any) -> Any:

@@ -83,8 +83,8 @@ def from_pretrained(path: str | os.PathLike[str], *, budget: str | moestream.Bud
 
     Args:
         path: a checkpoint directory (``config.json`` and safetensors shards), one
-            ``.safetensors`` file with the ``config.json`` beside it, or a hub id already
-            in the local hub cache (never downloaded).
+            ``.safetensors`` file with the ``config.json`` beside it, a GGUF file (or
+            ``gguf_file=`` in a directory), or a hub id in the local hub cache.
         budget: the device cache for the routed experts: ``64`` or ``"64"`` (experts),
             ``"3GiB"`` (a size takes its unit), or a ``Budget``; None holds every expert.
             The least is the model's top-k experts for each layer in flight (2 by default):
@@ -102,7 +102,7 @@ def from_pretrained(path: str | os.PathLike[str], *, budget: str | moestream.Bud
         **words: transformers' loading words where they mean something here (``torch_dtype``,
             ``attn_implementation``, ``device_map`` of one device, ``max_memory``: the
             budget is what it leaves once the dense weights are counted, ``revision``,
-            ``cache_dir``, ``local_files_only``, ``low_cpu_mem_usage``,
+            ``cache_dir``, ``local_files_only``, ``low_cpu_mem_usage``, ``gguf_file``,
             ``trust_remote_code=False``); others refused in one line (docs/TRANSFORMERS.md).
 
     Returns:
@@ -120,7 +120,8 @@ def from_pretrained(path: str | os.PathLike[str], *, budget: str | moestream.Bud
     """
     is_available(raise_error=True)
     said = loading_words(words, device, dtype)
-    given, root = _checkpoint(local_checkpoint(path, said.revision, said.cache_dir), compute)
+    given, root = _checkpoint(local_checkpoint(path, said.revision, said.cache_dir), compute,
+                              said.gguf_file)
     torch_device, wanted = device_of(said.device), wanted_dtype(said.dtype)
     budget = budget_for(given, budget, said.max_memory, torch_device, wanted, tuning)
     budget = budget_less_scales(given, budget, tuning, said.max_memory)
@@ -134,14 +135,15 @@ def from_pretrained(path: str | os.PathLike[str], *, budget: str | moestream.Bud
         raise
 
 
-def _checkpoint(path: str | os.PathLike[str], compute: Compute) -> tuple[Path, Path]:
+def _checkpoint(path: str | os.PathLike[str], compute: Compute,
+                gguf_file: str | None = None) -> tuple[Path, Path]:
     """The checkpoint as given and its directory, once ``compute`` is checked and the
-    experts implementation registered: a directory, or one .safetensors file with the
-    config.json beside it."""
+    experts implementation registered: a directory, one .safetensors file with the
+    config.json beside it, or a GGUF file (``gguf_file`` in the directory given)."""
     if compute not in COMPUTES:
         raise UsageError(f"compute must be one of {', '.join(COMPUTES)}, got {compute!r}")
     register()
-    given = Path(path)
+    given = Path(path) if gguf_file is None else Path(path) / gguf_file
     if is_gguf(given):  # its metadata is its config, its tokenizer too
         return given, given.parent
     root = given.parent if given.is_file() else given

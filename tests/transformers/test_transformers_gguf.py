@@ -331,6 +331,19 @@ class TestExact:
             model.moestream.close()
 
 
+    def test_gguf_file_word(self, files: dict[str, _Gguf]) -> None:
+        """transformers' own spelling, ``from_pretrained(dir, gguf_file=name)``."""
+        path = files["qwen2_moe"].path
+        whole = _transformers(path, "eager")
+        model = mt.from_pretrained(path.parent, gguf_file=path.name, device="cpu",
+                                   compute="eager", budget="4")
+        try:
+            assert model.moestream.session.model.path == path
+            assert torch.equal(logits(whole), logits(model))
+        finally:
+            model.moestream.close()
+
+
 class TestTokenizer:
     """The GGUF's tokenizer, as transformers builds it."""
 
