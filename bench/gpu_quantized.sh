@@ -6,7 +6,8 @@
 # Usage (on the GPU machine, repo root):
 #   MOESTREAM_COMMIT=<sha> bash bench/gpu_quantized.sh
 # Sizes: FP8_LAYERS (4), OSS_LAYERS (2), V4_LAYERS (1), TOKENS (32), TOTAL (3GiB); TESTS=0
-# skips the tests, FORMATS="fp8 mxfp4 fp4" picks the benches.
+# skips the tests, FORMATS="fp8 mxfp4 fp4" picks the benches, BENCH_S (130) bounds each
+# (150 + 3 x 130 s stays under a 10-minute command).
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>/dev/null
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
@@ -25,7 +26,7 @@ for fmt in ${FORMATS:-fp8 mxfp4 fp4}; do
     fp4) shape=deepseek-v4-flash; layers=${V4_LAYERS:-1};;
   esac
   t0=$(date +%s)
-  timeout ${BENCH_S:-200} python3 -m bench.quantized --make $PWD/quantized-models --format $fmt \
+  timeout ${BENCH_S:-130} python3 -m bench.quantized --make $PWD/quantized-models --format $fmt \
     --shape $shape --layers $layers --total ${TOTAL:-3GiB} --tokens ${TOKENS:-32} \
     --out $OUT/quantized-$fmt.json > $OUT/quantized-$fmt.log 2>&1
   echo "bench.quantized $fmt rc=$? in $(( $(date +%s) - t0 )) s (commit ${MOESTREAM_COMMIT:-unknown})"
