@@ -1,9 +1,12 @@
 """DeepSeek V4 Flash as ds4 runs it: ds4's GGUF mapped onto transformers' DeepSeek-V4.
 
-What it gives the GGUF loader, for a file whose ``general.architecture`` is ``deepseek4``:
-``config_kwargs`` (the ``deepseek4.*`` metadata as ``DeepseekV4Config`` arguments) and
-``Ds4Names`` (every tensor of the file to the model's parameter or buffer it becomes, with
-the part of a fused parameter it fills), each refusing in one line what does not map.
+What it gives the GGUF loader, for a file whose ``general.architecture`` is ``deepseek4``
+(transformers maps no model from it): ``ds4_config`` (the ``deepseek4.*`` metadata as a
+``DeepseekV4Config``; ``config_kwargs`` its arguments), in place of transformers' GGUF
+config, and ``ds4_dense_tensors`` (every non-routed tensor as the model holds it, under the
+model's name), in place of transformers' tensor processor; ``Ds4Names`` says where each
+tensor goes, routed experts included (``gate_up_proj`` stacks gate rows then up rows, as
+the loader's GGUF experts fill it). Each refuses in one line what does not map.
 
 How the names map, in two public steps and no guess:
 
