@@ -6,7 +6,9 @@ open files, a loop's thread, device memory), so it behaves as resource owners do
 warns (``ResourceWarning``, from its ``ExpertStream``) and closes it. Two of transformers'
 methods change meaning: ``generate`` also records that call's own figures
 (``model.moestream.last_generate``), and ``save_pretrained`` is refused in one line, since
-the routed experts were never loaded (the source checkpoint already is the saved model).
+the routed experts were never loaded (the source checkpoint already is the saved model);
+``to`` changes the dtype, and the device only to the one the model computes on (its
+session serves the experts there).
 
 These are methods of a subclass of the model's own class (same name and module), made once
 per class and given to the instance after it is built: transformers' classes are not
@@ -19,6 +21,8 @@ from __future__ import annotations
 import functools
 import time
 from typing import Any
+
+import torch  # type: ignore[import-not-found, unused-ignore]
 
 from moestream.pipeline.foundation.errors import UsageError
 from moestream.transformers._generate import GenerateStats
@@ -60,6 +64,37 @@ class _Served:
     def push_to_hub(self, *args: Any, **kwargs: Any) -> None:
         """Refused, as ``save_pretrained`` (which it would call)."""
         self.save_pretrained()
+
+    def to(self, *args: Any, **kwargs: Any) -> Any:
+        """``Module.to`` for a dtype, or the device the model already computes on; another
+        device is refused in one line (its session streams the experts to this one)."""
+        device, dtype, non_blocking, _ = torch._C._nn._parse_to(*args, **kwargs)
+        self._stays_on(device)
+        if dtype is None:
+            return self
+        return super().to(dtype=dtype, non_blocking=non_blocking)  # type: ignore[misc]
+
+    def cuda(self, device: Any = None) -> Any:
+        """As ``to``: the model stays where it computes."""
+        self._stays_on(torch.device("cuda", device) if isinstance(device, int)
+                       else torch.device(device or "cuda"))
+        return self
+
+    def cpu(self) -> Any:
+        """As ``to``: the model stays where it computes."""
+        self._stays_on(torch.device("cpu"))
+        return self
+
+    def _stays_on(self, device: Any) -> None:
+        if device is None:
+            return
+        wanted, mine = torch.device(device), self.moestream.device  # type: ignore[attr-defined]
+        if wanted.type != mine.type or wanted.index not in (None, mine.index or 0):
+            instead = (f"; load it with device=\"{wanted}\" to compute there"
+                       if wanted.type in ("cpu", "cuda") else "")
+            raise UsageError(f"moving the model to {wanted}: it computes on {mine}, where its "
+                             "session streams the routed experts (they were never loaded, to "
+                             f"be moved){instead}")
 
 
 @functools.cache

@@ -117,6 +117,27 @@ class TestSaving:
         assert not (tmp_path / "saved").exists()
 
 
+class TestMoving:
+    """``to``/``cpu``/``cuda``: a dtype, or the device it computes on, as transformers does;
+    another device refused in one line (the experts stream to this one)."""
+
+    def test_its_own_device_and_a_dtype(self, checkpoint: Path) -> None:
+        with _load(checkpoint) as model:
+            assert model.to("cpu") is model and model.cpu() is model
+            assert model.to(torch.device("cpu"), torch.float32) is model
+            assert model.dtype == torch.float32
+            assert _generate(model).shape[1] == len(IDS[0]) + 3
+
+    @pytest.mark.parametrize("move", [lambda m: m.to("cuda:0"), lambda m: m.cuda(),
+                                      lambda m: m.to("meta"), lambda m: m.to(device="cuda")])
+    def test_another_device(self, checkpoint: Path, move: Any) -> None:
+        with _load(checkpoint) as model:
+            with pytest.raises(UsageError) as caught:
+                move(model)
+            assert "\n" not in str(caught.value) and "computes on cpu" in str(caught.value)
+            assert _generate(model).shape[1] == len(IDS[0]) + 3  # still whole
+
+
 class TestPerGenerate:
     """``model.moestream.last_generate``: one call's hits, misses, bytes and stall time;
     the calls add up to the session's totals."""
