@@ -29,10 +29,10 @@ from numpy.lib import format as npy_format
 import moestream.pipeline.foundation.trace
 from moestream.pipeline.foundation.errors import TraceError
 from moestream.pipeline.foundation.trace import TraceRecorder, load_trace
+from moestream.pipeline.proxy.routing import BlockRouting
 from moestream.pipeline.proxy.synthetic import BLOCK_TOKENS, synthetic_blocks, synthetic_trace
 from moestream.pipeline.run import main as run_main
 from moestream.pipeline.runlog.read import MAX_LINE_BYTES, read_log
-from moestream.pipeline.streaming.routing import BlockRouting
 from moestream.tools.analyze.cli import main as analyze_main
 from moestream.tools.warmup.cli import main as warmup_main
 from tests.gguf_files import finish_gguf

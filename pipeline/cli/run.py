@@ -60,9 +60,9 @@ from moestream.pipeline.foundation.trace import TraceRecorder, load_trace, save_
 from moestream.pipeline.proxy.config import RunConfig
 from moestream.pipeline.proxy.decode import Decode
 from moestream.pipeline.proxy.loop import DecodeLoop
+from moestream.pipeline.proxy.routing import BlockRouting, Routing, TraceRouting
 from moestream.pipeline.runlog.write import configure_console
 from moestream.pipeline.streaming.controller import Sampler
-from moestream.pipeline.streaming.routing import BlockRouting, Routing, TraceRouting
 from moestream.pipeline.streaming.summary import RunSummary, print_summary
 
 __all__ = ["RunSummary", "build_parser", "config_from_args", "main", "run"]

@@ -25,7 +25,7 @@ from moestream.pipeline.foundation.table import ExpertTable
 from moestream.pipeline.foundation.trace import TraceRecorder
 from moestream.pipeline.proxy.config import RunConfig
 from moestream.pipeline.proxy.decode import Decode, Launched, LayerResult
-from moestream.pipeline.streaming.routing import Routing
+from moestream.pipeline.proxy.routing import Routing
 
 __all__ = ["DecodeLoop"]
 

@@ -7,8 +7,9 @@ import pytest
 
 from moestream.gpu.backend import Backend
 from moestream.pipeline.foundation.table import ExpertTable
+from moestream.pipeline.proxy.routing import TraceRouting
 from moestream.pipeline.proxy.synthetic import synthetic_trace
-from moestream.pipeline.streaming.routing import LiveRouter, TraceRouting
+from moestream.pipeline.streaming.routing import LiveRouter
 
 
 class TestTraceRouting:
