@@ -117,8 +117,12 @@ def _device_limit(max_memory: Any, device: Any) -> int:
 def dense_bytes(table: ExpertTable, dtype: Any) -> int:
     """The device bytes of the checkpoint's tensors other than the routed experts, as the
     model will hold them: floating (and FP8, dequantized) ones in ``dtype`` (None: the
-    checkpoint's, as ``config.json`` names it), others as stored."""
-    if dtype is None:
+    checkpoint's, as ``config.json`` names it), others as stored. A GGUF file's are all
+    dequantized at load, in float32 unless ``dtype`` (transformers' dtype for a GGUF)."""
+    gguf = table.format == "gguf"
+    if dtype is None and gguf:
+        dtype = torch.float32
+    elif dtype is None:
         stored = table.config.get("dtype") or table.config.get("torch_dtype")
         dtype = getattr(torch, str(stored), None) if stored not in (None, "auto") else None
     size = torch.tensor([], dtype=dtype).element_size() if isinstance(dtype, torch.dtype) else None
@@ -127,8 +131,8 @@ def dense_bytes(table: ExpertTable, dtype: Any) -> int:
         elements = 1
         for n in tensor.shape:
             elements *= n
-        total += (elements * size if size is not None and tensor.type_name in _FLOATS
-                  else tensor.nbytes)
+        floating = gguf or tensor.type_name in _FLOATS
+        total += elements * size if size is not None and floating else tensor.nbytes
     return total
 
 

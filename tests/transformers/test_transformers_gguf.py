@@ -344,6 +344,23 @@ class TestExact:
             model.moestream.close()
 
 
+    @pytest.mark.parametrize("dtype, size", [(None, 4), (torch.bfloat16, 2)])
+    def test_max_memory_counts_dense_as_loaded(self, files: dict[str, _Gguf], dtype: Any,
+                                               size: int) -> None:
+        """max_memory's dense weights are the file's dense tensors as the model holds them,
+        dequantized (float32 unless dtype), not their blocks: the experts get the rest."""
+        path = files["qwen3_moe"].path
+        dense = sum(int(np.prod(t.shape)) * size for t in gguf.GGUFReader(path).tensors
+                    if "_exps." not in t.name)
+        limit = dense + (8 << 20)
+        model = mt.from_pretrained(path, device="cpu", dtype=dtype,
+                                   max_memory={"cpu": limit})
+        try:
+            assert model.moestream.session.counters().budget_bytes == limit - dense
+        finally:
+            model.moestream.close()
+
+
 class TestTokenizer:
     """The GGUF's tokenizer, as transformers builds it."""
 
