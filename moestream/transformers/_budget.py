@@ -43,7 +43,9 @@ def budget_for(path: Path, budget: Any, max_memory: Any, device: Any, dtype: Any
     if max_memory is not None and budget is not None:
         raise UsageError("give budget or max_memory, not both (max_memory for the device, "
                          "less the dense weights, is the experts' budget)")
-    in_flight = (tuning or moestream.Tuning()).layers_in_flight
+    # a tuning of another type is refused by the session's open, in its own words
+    in_flight = (tuning if isinstance(tuning, moestream.Tuning)
+                 else moestream.Tuning()).layers_in_flight
     if max_memory is not None:
         return _from_max_memory(path, max_memory, device, dtype, in_flight)
     if _nothing(budget):
