@@ -6,8 +6,8 @@ a tiny random-init bf16 checkpoint written by transformers' ``save_pretrained`` 
 ``SIZES``, ``_rules`` and ``FIXES``), then for each compute (``grouped``, ``eager``)
 ``moestream.transformers.from_pretrained(path, device="cpu", compute=...)`` against the same
 checkpoint loaded whole by transformers with ``experts_implementation`` ``grouped_mm`` or
-``eager``: logits ``torch.equal`` on two prompts and 6 greedy tokens identical. Each compute
-ends as
+``eager`` (a model that takes none, whose experts moestream swaps: as it is): logits
+``torch.equal`` on two prompts and 6 greedy tokens identical. Each compute ends as
 
 - ``PASS``: both equal;
 - ``MISMATCH``: logits or tokens differ (the logits' largest absolute difference);
@@ -15,7 +15,10 @@ ends as
 - ``CRASH``: anything else raised (type, message, innermost moestream frame), or the
   worker process died or ran past ``--timeout``;
 - ``SKIPPED``: the tiny model could not be built, transformers has no causal-LM class for
-  it, or transformers' own model failed (why).
+  it (a vision-language model's text part, an encoder-decoder, a classifier), or
+  transformers' own model failed (why).
+
+The kinds, sizes and per-kind fixes are ``bench.arch_configs``'s.
 
 A kind's outcome is its worst compute's. A model type AutoModelForCausalLM does not map is
 built by its own ``<Name>ForCausalLM`` class where transformers has one (Mistral-4), as the
@@ -38,7 +41,6 @@ import argparse
 import json
 import math
 import os
-import re
 import subprocess
 import sys
 import tempfile
@@ -50,27 +52,16 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
+from bench.arch_configs import FIXES, KINDS, MODEL_TYPES, SIZES, ZERO_INIT, overrides
 from bench.kit import run_command
 from bench.record import provenance, write_result
 from moestream.pipeline.foundation.errors import UsageError
 from moestream.pipeline.foundation.outputs import check_output
 
-__all__ = ["FIXES", "KINDS", "SIZES", "ZERO_INIT", "main", "one", "overrides"]
+__all__ = ["FIXES", "KINDS", "MODEL_TYPES", "SIZES", "ZERO_INIT", "main", "one", "overrides"]
 
 PROG = "bench.archs"
 REPO = Path(__file__).resolve().parent.parent
-
-KINDS = (
-    "afmoe", "axk1", "axk2", "bailing_hybrid", "beam", "cohere2_moe", "deepseek_v2",
-    "deepseek_v3", "deepseek_v32", "deepseek_v4", "dots1", "ergo", "ernie4_5_moe",
-    "exaone_moe", "flex_olmo", "flint", "glm4_moe", "glm4_moe_lite", "glm_moe_dsa", "gpt_oss",
-    "granitemoe", "granitemoe_swa", "granitemoehybrid", "granitemoeshared", "hunyuan_v1_moe",
-    "hy_v3", "hy_v4", "jamba", "kimi_linear", "kolibri1", "laguna", "lara_mini", "lfm2_moe",
-    "longcat_flash", "mellum", "mimo_v2_flash", "minicpm5_moe", "minimax", "minimax_m2",
-    "mistral4", "mixtral", "nemotron_h", "olmoe", "phimoe", "qwen2_moe", "qwen3_5_moe",
-    "qwen3_moe", "qwen3_next", "solar_open", "step3p7",
-)
-"""The MoE model types swept by default (those the installed transformers knows)."""
 
 OUTCOMES = ("PASS", "MISMATCH", "REFUSED", "CRASH", "SKIPPED")
 _WORST_FIRST = ("CRASH", "MISMATCH", "REFUSED", "SKIPPED", "PASS")
@@ -78,109 +69,6 @@ COMPUTES = {"grouped": "grouped_mm", "eager": "eager"}
 """moestream's compute and the ``experts_implementation`` of transformers' it must equal."""
 PROMPTS = [[3, 17, 42, 5, 9, 11], [7, 8, 9, 10, 11, 12]]
 NEW_TOKENS = 6
-LAYERS = 4
-MODEL_TYPES = {"qwen3_5_moe": "qwen3_5_moe_text"}
-"""Kinds whose causal LM is built from another config (Qwen3.5-MoE's is vision-language)."""
-
-SIZES: dict[str, Any] = {
-    # width, experts and attention: every name a config may use for them
-    "hidden_size": 64, "intermediate_size": 96, "moe_intermediate_size": 32,
-    "ffn_hidden_size": 96, "expert_ffn_hidden_size": 32, "shared_expert_intermediate_size": 48,
-    "num_experts": 8, "num_local_experts": 8, "n_routed_experts": 8, "moe_num_experts": 8,
-    "num_experts_per_tok": 2, "num_experts_per_token": 2, "moe_k": 2, "moe_topk": 2,
-    "num_hidden_layers": LAYERS, "num_layers": LAYERS,
-    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 96,
-    "max_position_embeddings": 128, "model_max_length": 128,
-    # multi-head latent attention (DeepSeek, GLM-4-MoE-Lite, Kimi, LongCat, Mistral-4)
-    "kv_lora_rank": 16, "q_lora_rank": 24, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8,
-    "v_head_dim": 16,
-    # a dense first layer, then MoE layers to the last
-    "first_k_dense_replace": 1, "num_dense_layers": 1, "moe_layer_start_index": 1,
-    "moe_layer_end_index": LAYERS - 1,
-    # linear attention and Mamba layers (Qwen3-Next, Kimi-Linear, Jamba)
-    "linear_key_head_dim": 16, "linear_value_head_dim": 16, "linear_num_key_heads": 2,
-    "linear_num_value_heads": 4, "linear_head_dim": 16, "linear_num_heads": 4,
-    "mamba_dt_rank": 8, "mamba_d_state": 4, "use_mamba_kernels": False,
-    # sparse-attention indexers and grouped output projections (DeepSeek-V3.2, V4)
-    "index_topk": 16, "index_head_dim": 16, "index_n_heads": 2, "o_lora_rank": 16,
-    "o_groups": 2,
-}
-"""The tiny sizes, each applied where the kind's default config has that attribute: a tiny
-model of every kind is built from these names, whichever of them its config uses."""
-
-_SMALL_EXPERTS = {"intermediate_size": 32}  # experts sized by intermediate_size
-FIXES: dict[str, dict[str, Any]] = {
-    # attention sized by head_dim, one KV head, compressed layers that fit 4 layers, and a
-    # swiglu_limit small enough that the experts' clamped SwiGLU binds (as the tests)
-    "deepseek_v4": {"head_dim": 16, "num_key_value_heads": 1, "sliding_window": 8,
-                    "swiglu_limit": 0.001,
-                    "compress_rates": {"compressed_sparse_attention": 4,
-                                       "heavily_compressed_attention": 8}},
-    "bailing_hybrid": {"layer_types": ["linear_attention", "full_attention"] * (LAYERS // 2),
-                       "num_expert_group": 2, "topk_group": 1},
-    "dots1": {"n_shared_experts": 1},
-    "ernie4_5_moe": {"moe_num_shared_experts": 1},
-    "flex_olmo": _SMALL_EXPERTS,
-    "gpt_oss": {**_SMALL_EXPERTS, "swiglu_limit": 0.001},  # a clamp that binds
-    "granitemoe": _SMALL_EXPERTS,
-    "granitemoehybrid": {"layer_types": ["linear_attention", "attention"] * (LAYERS // 2)},
-    "granitemoeshared": {**_SMALL_EXPERTS, "shared_intermediate_size": 48},
-    "jamba": {**_SMALL_EXPERTS, "attn_layer_period": 2, "attn_layer_offset": 1,
-              "expert_layer_period": 2, "expert_layer_offset": 1},
-    # its first layers are all linear attention: mix in full attention
-    "kimi_linear": {"num_expert_group": 1, "topk_group": 1,
-                    "layer_types": ["linear_attention", "full_attention"] * (LAYERS // 2)},
-    "lfm2_moe": {"layer_types": ["conv", "full_attention"] * (LAYERS // 2)},
-    # zero (identity) experts beside the routed ones; head_dim is the rope part of q and k
-    "longcat_flash": {"zero_expert_num": 2, "head_dim": 8},
-    "minimax": _SMALL_EXPERTS,
-    "minimax_m2": _SMALL_EXPERTS,
-    "mixtral": _SMALL_EXPERTS,
-    # Mamba, MoE and attention layers; a small shared expert and Mamba heads
-    "nemotron_h": {"moe_shared_expert_intermediate_size": 48, "mamba_num_heads": 4,
-                   "mamba_head_dim": 16, "ssm_state_size": 8, "n_groups": 1,
-                   "layers_block_type": ["mamba", "moe", "attention", "moe"]},
-    "olmoe": _SMALL_EXPERTS,
-    "phimoe": _SMALL_EXPERTS,
-}
-"""Per-kind overrides on top of ``SIZES`` and ``_rules``: what a kind needs besides them."""
-
-ZERO_INIT = re.compile(r"\.experts\.\w+_bias$|\.router\.gate\.weight$")
-"""Parameters drawn from normal(0, 0.02) where they start at zero: experts' biases (gpt-oss;
-the bias path would go unchecked) and a router's weight (AfMoE; every token would tie onto
-the same two experts)."""
-
-
-def _rules(defaults: dict[str, Any]) -> dict[str, Any]:
-    """Overrides that follow from a default config: per-layer lists cut to ``LAYERS``, MLA's
-    heads, expert groups, and token ids the tiny vocabulary must hold."""
-    out: dict[str, Any] = {}
-    layers = defaults.get("num_hidden_layers") or defaults.get("num_layers")
-    for key, value in defaults.items():
-        if isinstance(value, list) and len(value) == layers and key != "architectures":
-            out[key] = value[:LAYERS]
-            if key == "mlp_layer_types" and set(value) == {"dense", "sparse"}:
-                out[key] = ["dense"] + ["sparse"] * (LAYERS - 1)
-    if "kv_lora_rank" in defaults:  # MLA: heads shaped by the ranks, head_dim derived
-        out["num_key_value_heads"] = 4
-    n_group = defaults.get("n_group")
-    if isinstance(n_group, int) and n_group > 1:
-        out.update(n_group=2, topk_group=1)
-    vocab = SIZES["vocab_size"]
-    for key, small in (("pad_token_id", 0), ("bos_token_id", 1), ("eos_token_id", 2)):
-        value = defaults.get(key)
-        ids = value if isinstance(value, list) else [value]
-        if any(isinstance(i, int) and i >= vocab for i in ids):
-            out[key] = small
-    return out
-
-
-def overrides(kind: str, defaults: dict[str, Any]) -> dict[str, Any]:
-    """The tiny config's overrides of ``kind``, whose default config is ``defaults``."""
-    out = {k: v for k, v in SIZES.items() if k in defaults}
-    if "kv_lora_rank" in defaults:
-        out.pop("head_dim", None)
-    return {**out, **_rules(defaults), **FIXES.get(kind, {})}
 
 
 # -- the worker: one kind, in its own process -------------------------------------------------
@@ -251,6 +139,18 @@ def _generate(model: Any) -> Any:
                           min_new_tokens=NEW_TOKENS, do_sample=False)
 
 
+def _reference(path: Path, lm: Any, compute: str) -> tuple[Any, bool]:
+    """transformers' own model of ``path`` with the ``experts_implementation`` that
+    ``compute`` must equal; for a model that computes its experts in a module of its own
+    (Llama 4, JetMoE: moestream swaps that module), the model as it is, and True."""
+    try:
+        return lm.from_pretrained(path, experts_implementation=COMPUTES[compute]), False
+    except ValueError as exc:
+        if "does not support setting experts implementation" not in str(exc):
+            raise
+    return lm.from_pretrained(path), True
+
+
 def _compare(path: Path, lm: Any, compute: str, device: str) -> dict[str, Any]:
     """One compute's status on ``device``: moestream's model against transformers' own."""
     import torch
@@ -260,7 +160,8 @@ def _compare(path: Path, lm: Any, compute: str, device: str) -> dict[str, Any]:
 
     ids = torch.tensor(PROMPTS, device=device)
     try:
-        whole = lm.from_pretrained(path, experts_implementation=COMPUTES[compute]).to(device)
+        whole, own = _reference(path, lm, compute)
+        whole = whole.to(device)
         with torch.no_grad():
             expected = whole(ids).logits
         expected_tokens = _generate(whole)
@@ -287,6 +188,8 @@ def _compare(path: Path, lm: Any, compute: str, device: str) -> dict[str, Any]:
         "status": "PASS" if logits_equal and tokens_equal else "MISMATCH",
         "expert_misses": misses,
     }
+    if own:
+        result["reference"] = "the model's own experts (it takes no experts_implementation)"
     if result["status"] == "MISMATCH":
         diff = (expected.float() - got.float()).abs().max() if expected.shape == got.shape \
             else math.inf
