@@ -220,19 +220,21 @@ def _make_buffers(root: Path, model: Any, device: Any) -> None:
     """Non-persistent buffers (rotary frequencies) as ``from_pretrained`` makes them: on
     the device, filled by the model's ``_init_weights``."""
     owners = {}
+    made: set[int] = set()
     for name, buffer in model.named_buffers():
         if not buffer.is_meta:
             continue
         owner_name, _, leaf = name.rpartition(".")
         owner = model.get_submodule(owner_name)
         owner._buffers[leaf] = torch.empty_like(buffer, device=device)
+        made.add(id(owner._buffers[leaf]))
         owners[owner_name] = owner
     with torch.no_grad():
         for owner in owners.values():
             # what was loaded stays as loaded: transformers' init functions skip a tensor
             # marked so, as from_pretrained marks it (Gemma's embedding owns a buffer too)
             for tensor in (*owner.parameters(recurse=False), *owner.buffers(recurse=False)):
-                if not tensor.is_meta:
+                if id(tensor) not in made and not tensor.is_meta:
                     tensor._is_hf_initialized = True
             model._init_weights(owner)
     left = [name for name, b in model.named_buffers() if b.is_meta]
