@@ -109,7 +109,10 @@ def _generate(args: argparse.Namespace) -> int:
     if args.log is not None:
         check_output(args.log, what="--log", in_place=True)
         check_not_input(args.log, {"--model": args.model}, what="--log")
-    ids, tokenizer = _prompt_ids(args, args.model)
+    from moestream.transformers._hub import local_checkpoint
+
+    checkpoint = local_checkpoint(args.model, None, None)  # a hub id: the hub cache's snapshot
+    ids, tokenizer = _prompt_ids(args, checkpoint)
     from moestream.transformers import is_available
 
     is_available(raise_error=True)
@@ -121,7 +124,7 @@ def _generate(args: argparse.Namespace) -> int:
     device = {"host": "cpu", "cupy": "cuda"}.get(args.backend)
     with warnings.catch_warnings():  # the console's budget_clamped event says it already
         warnings.filterwarnings("ignore", category=UserWarning, module=__name__)
-        model = from_pretrained(args.model, budget=args.cache_budget, mode=args.mode,
+        model = from_pretrained(checkpoint, budget=args.cache_budget, mode=args.mode,
                                 device=device, compute=args.experts, policy=args.policy,
                                 verify=not args.no_verify, log=args.log)
     stream = model.moestream

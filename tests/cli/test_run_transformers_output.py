@@ -17,6 +17,7 @@ pytest.importorskip("transformers.integrations.moe")
 from moestream import transformers as mt  # noqa: E402
 from moestream.pipeline import run as pipeline_run  # noqa: E402
 from moestream.tools.analyze.cli import main as analyze_main  # noqa: E402
+from tests.transformers.test_transformers_hub_memory import REPO, write_hub_cache  # noqa: E402
 from tests.transformers.test_transformers_trust import CONFIG, IDS, _save  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
@@ -108,3 +109,17 @@ class TestPrefillInTheLog:
         # a tiny model's sizes in the unit they reach, not 0.00 GB
         assert re.search(r"\nbudget\s+\d+\.\d\d KiB\n", out)
         assert re.search(r"\npeak device \(run_end\)\s+\d+\.\d\d KiB\n", out)
+
+
+class TestHubId:
+    """``-m org/name``: the hub id's snapshot in the local hub cache, as the API reads it."""
+
+    def test_generates_as_the_directory(self, capsys: pytest.CaptureFixture[str],
+                                        checkpoint: Path, tmp_path: Path,
+                                        monkeypatch: pytest.MonkeyPatch) -> None:
+        code, out, _ = _run(capsys, checkpoint, "--cache-budget", str(LEAST), "--json")
+        assert code == 0
+        write_hub_cache(checkpoint, tmp_path / "hub", monkeypatch)
+        code, by_id, _ = _run(capsys, Path(REPO), "--cache-budget", str(LEAST), "--json")
+        assert code == 0
+        assert json.loads(by_id)["token_ids"] == json.loads(out)["token_ids"]

@@ -50,12 +50,11 @@ def no_network(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(socket.socket, "connect", refused)
 
 
-@pytest.fixture
-def hub_cache(tmp_path: Path, checkpoint: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """The checkpoint as huggingface_hub's cache keeps a download of ``REPO``: blobs, a
-    snapshot of links to them at ``COMMIT``, ``refs/main`` naming it; ``HF_HUB_CACHE``
-    points there."""
-    repo = tmp_path / "hub" / f"models--{REPO.replace('/', '--')}"
+def write_hub_cache(checkpoint: Path, hub: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """``checkpoint`` as huggingface_hub's cache ``hub`` keeps a download of ``REPO``:
+    blobs, a snapshot of links to them at ``COMMIT``, ``refs/main`` naming it;
+    ``HF_HUB_CACHE`` points there."""
+    repo = hub / f"models--{REPO.replace('/', '--')}"
     blobs, snapshot = repo / "blobs", repo / "snapshots" / COMMIT
     blobs.mkdir(parents=True)
     snapshot.mkdir(parents=True)
@@ -67,9 +66,14 @@ def hub_cache(tmp_path: Path, checkpoint: Path, monkeypatch: pytest.MonkeyPatch)
     # HF_HUB_CACHE as a user sets it before Python starts; huggingface_hub read it at import
     import huggingface_hub.constants
 
-    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
-    return tmp_path / "hub"
+    monkeypatch.setenv("HF_HUB_CACHE", str(hub))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(hub))
+    return hub
+
+
+@pytest.fixture
+def hub_cache(tmp_path: Path, checkpoint: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    return write_hub_cache(checkpoint, tmp_path / "hub", monkeypatch)
 
 
 def _dense_bytes(model: Any) -> int:
