@@ -14,7 +14,7 @@ import warnings
 from asyncio.events import _get_running_loop
 from collections.abc import Generator, Mapping, Sequence
 from types import TracebackType
-from typing import Any
+from typing import Any, Self
 
 from moestream._args import ExpertIds, Index, engine_ms, expert_ids, index, milliseconds
 from moestream._lease import Lease, pins_held
@@ -47,7 +47,7 @@ class Session:
 
     # -- lifetime --------------------------------------------------------------------------
 
-    async def _open(self) -> Session:
+    async def _open(self) -> Self:
         if self._loop is not None:
             return self
         await self._streaming.open()
@@ -58,10 +58,10 @@ class Session:
         self._streaming.default_last_use = lambda part: event_after(backends[part.device], None)
         return self
 
-    def __await__(self) -> Generator[Any, None, Session]:
+    def __await__(self) -> Generator[Any, None, Self]:
         return self._open().__await__()
 
-    async def __aenter__(self) -> Session:
+    async def __aenter__(self) -> Self:
         return await self._open()
 
     async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
