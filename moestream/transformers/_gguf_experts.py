@@ -23,6 +23,7 @@ from gguf import GGMLQuantizationType
 import moestream
 from moestream.pipeline.foundation.errors import ModelFileError
 from moestream.transformers._gguf_dequant import dequantize, supported
+from moestream.transformers._layout import TORCH_DTYPES
 
 __all__ = ["GgufExperts", "gguf_experts"]
 
@@ -68,8 +69,10 @@ def _bytes(matrix: Any) -> Any:
 
 
 def gguf_experts(session: moestream.SyncSession, layers: list[int]) -> dict[int, GgufExperts]:
-    """Each MoE layer's :class:`GgufExperts`, once every expert type is one moestream
-    dequantizes.
+    """Each quantized MoE layer's :class:`GgufExperts`, once every expert type is one
+    moestream dequantizes. A layer of float experts only (F16, BF16, F32) is left out: the
+    experts call casts those from the cache as it does a checkpoint's (on a GPU by copies
+    out of the cache, no stacking), the same values (a float type's values cast once).
 
     Raises:
         ModelFileError: a layer's experts in a type the dequantizer lacks (named).
@@ -83,5 +86,6 @@ def gguf_experts(session: moestream.SyncSession, layers: list[int]) -> dict[int,
                 names = ", ".join(t.name for t in GGMLQuantizationType if supported(int(t)))
                 raise ModelFileError(path, f"layer {layer}: experts in {kind.name}, a GGUF "
                                      f"type moestream does not dequantize (it does {names})")
-        out[layer] = GgufExperts(int(info.gate_up_type), int(info.down_type))
+        if {info.gate_up_type.name, info.down_type.name} - set(TORCH_DTYPES):
+            out[layer] = GgufExperts(int(info.gate_up_type), int(info.down_type))
     return out

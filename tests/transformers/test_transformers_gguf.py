@@ -64,8 +64,10 @@ EXPERT_TYPES: dict[str, list[tuple[Q, Q]]] = {
     "qwen2_moe": [(Q.Q4_1, Q.Q8_0), (Q.F16, Q.Q5_0)],
     "minimax_m2": [(Q.Q8_0, Q.Q4_0), (Q.Q5_1, Q.BF16)],
 }
-MORE_TYPES = [(Q.Q3_K, Q.IQ4_XS), (Q.Q5_K, Q.MXFP4), (Q.IQ2_XS, Q.IQ3_XXS), (Q.F16, Q.Q4_0)]
-"""The other types, in a second qwen3moe file."""
+MORE_TYPES = [(Q.Q3_K, Q.IQ4_XS), (Q.Q5_K, Q.MXFP4), (Q.IQ2_XS, Q.IQ3_XXS), (Q.F16, Q.Q4_0),
+              (Q.BF16, Q.F16)]
+"""The other types, in a second qwen3moe file (the last layer float only: cast from the
+cache as a checkpoint's experts are)."""
 
 _QUANTIZABLE = {Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.BF16}
 _SCALE_AT = {Q.Q2_K: (80, 82), Q.Q3_K: (108,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,),
@@ -239,7 +241,7 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, _Gguf]:
         root = tmp_path_factory.mktemp(kind)
         made[kind] = _gguf(root, kind, EXPERT_TYPES[kind])
     root = tmp_path_factory.mktemp("more")
-    made["more"] = _gguf(root, "qwen3_moe", MORE_TYPES)
+    made["more"] = _gguf(root, "qwen3_moe", MORE_TYPES, num_hidden_layers=len(MORE_TYPES))
     return made
 
 
