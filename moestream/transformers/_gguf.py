@@ -32,6 +32,7 @@ from __future__ import annotations
 import importlib.metadata
 import os
 import re
+import struct
 import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -128,7 +129,8 @@ def _pinned(path: Path) -> Iterator[tuple[Path, GGUFReader]]:
             (private / _LINK).symlink_to(f"/proc/self/fd/{fd}")
             try:
                 reader = GGUFReader(private / _LINK)
-            except (ValueError, IndexError, KeyError, OSError) as exc:
+            except (ValueError, IndexError, KeyError, OverflowError, TypeError, struct.error,
+                    OSError) as exc:  # what gguf's reader raises on a malformed header
                 raise ModelFileError(path, f"gguf cannot read it: {first_line(exc)}") from exc
             yield private, reader
     finally:
