@@ -233,6 +233,6 @@ def run_case(case: FaultCase, model: Path, tokens: int = 6, backend: str = "host
             failed = (int(m.group(1)), int(m.group(2))) if m else None
     if exit_code == 0 and summary.mismatches:  # as the CLI: the run ends with exit 3
         exit_code = VerificationError.exit_code
-        error = f"{summary.mismatches} experts differ from the file"
+        error = f"experts that differ from the file: {summary.mismatches}"
     return CaseResult(case, exit_code, error, dict(plan.fired), summary.as_dict(), seen,
                       failed, time.perf_counter() - t0)

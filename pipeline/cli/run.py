@@ -367,8 +367,8 @@ def _main(args: argparse.Namespace, default_model: Callable[[], Path] | None) ->
               "in-flight work finished or abandoned, memory released", file=sys.stderr)
         return _SIGNAL_EXIT[interrupt.signum]
     if summary.mismatches:
-        err = VerificationError(f"{summary.mismatches} experts differ from the file, first: "
-                                f"{summary.first_mismatch}")
+        err = VerificationError(f"experts that differ from the file: {summary.mismatches}, "
+                                f"first: {summary.first_mismatch}")
         print_error("moestream: error: ", err)
         return err.exit_code
     return 0

@@ -294,9 +294,10 @@ class StreamSession(LeaseDesk):
         assert self.verifier is not None
         self._reported = self.verifier.mismatches
         if self.verifier.mismatches > mismatches:
-            raise VerificationError(
-                f"{self.verifier.mismatches - mismatches} experts loaded during token "
-                f"{self._token - 1} differ from the file, first: {self.verifier.first_mismatch}")
+            raise VerificationError(  # the count last: "1 experts" never reads
+                f"experts loaded during token {self._token - 1} that differ from the file: "
+                f"{self.verifier.mismatches - mismatches}, first: "
+                f"{self.verifier.first_mismatch}")
         failed = manifest_failure(self.manifest, self.verifier)
         if isinstance(failed, ModelChangedError) and not self._build_reported:
             # the file changed: what is read now is not the file verified (a failed read
@@ -356,7 +357,7 @@ class StreamSession(LeaseDesk):
             raise self.runlog.error
         found = self.summary.mismatches - self._reported
         if outcome == "ok" and found:  # compared at close: not yet raised by end_token
-            raise VerificationError(f"{found} experts differ from the file, "
+            raise VerificationError(f"experts that differ from the file: {found}, "
                                     f"first: {self.summary.first_mismatch}")
         if outcome == "ok" and self.summary.unverified:
             # never a clean close with experts consumed but not compared with the file
