@@ -7,7 +7,8 @@ Three kinds of work consume cached experts:
   (verification, and the ``--compute digest`` decoder);
 - ``busy``: keeps the device busy for a fixed time (``--compute fixed:MS``), emulating an
   engine's per-layer compute;
-- ``swiglu``: a real SwiGLU expert on a hidden state, for F16 experts.
+- ``swiglu``: a real SwiGLU expert on a hidden state, in float32: F16 experts (cast), or
+  quantized ones dequantized (``moestream.gpu.dequant``; float32 already: no copy).
 
 Digest results are written into a results array and read back once per token, so the host
 never waits per expert.
@@ -116,9 +117,9 @@ class HostKernels:
 
     def swiglu(self, x: DeviceArray, gate: DeviceArray, up: DeviceArray, down: DeviceArray,
                stream: Stream) -> DeviceArray:
-        g = gate.astype(np.float32) @ x
-        u = up.astype(np.float32) @ x
-        return down.astype(np.float32) @ (g / (1.0 + np.exp(-g)) * u)
+        g = gate.astype(np.float32, copy=False) @ x
+        u = up.astype(np.float32, copy=False) @ x
+        return down.astype(np.float32, copy=False) @ (g / (1.0 + np.exp(-g)) * u)
 
     def as_f16(self, data: DeviceArray, rows: int, cols: int) -> DeviceArray:
         return data.view(np.float16).reshape(rows, cols)
@@ -205,9 +206,9 @@ class CudaKernels:
         cp = self._cp
         _, raw = _cuda_parts(None, stream)
         with raw:
-            g = gate.astype(cp.float32) @ x
-            u = up.astype(cp.float32) @ x
-            return down.astype(cp.float32) @ (g / (1.0 + cp.exp(-g)) * u)
+            g = gate.astype(cp.float32, copy=False) @ x
+            u = up.astype(cp.float32, copy=False) @ x
+            return down.astype(cp.float32, copy=False) @ (g / (1.0 + cp.exp(-g)) * u)
 
     def as_f16(self, data: DeviceArray, rows: int, cols: int) -> DeviceArray:
         return data.view(self._cp.float16).reshape(rows, cols)

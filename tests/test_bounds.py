@@ -380,7 +380,8 @@ HIDDEN, FFN, EXPERTS = 64, 32, 8
 
 @pytest.fixture(scope="module")
 def mixed_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """MoE layer 1 of F16 experts, layer 2 of Q8_0 experts, both with F32 routers."""
+    """MoE layer 1 of F16 experts, layer 2 of Q8_1 experts (a type real compute does not
+    dequantize), both with F32 routers."""
     path = tmp_path_factory.mktemp("mixed") / "mixed.gguf"
     rng = np.random.default_rng(0)
     writer = GGUFWriter(path, "deepseek2")
@@ -388,7 +389,7 @@ def mixed_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     writer.add_uint32("deepseek2.expert_used_count", 2)
     writer.add_embedding_length(HIDDEN)
     writer.add_tensor("token_embd.weight", rng.standard_normal((8, HIDDEN)).astype(np.float16))
-    q8_0 = GGMLQuantizationType.Q8_0
+    q8_1 = GGMLQuantizationType.Q8_1
     for layer in (1, 2):
         writer.add_tensor(f"blk.{layer}.ffn_gate_inp.weight",
                           rng.standard_normal((EXPERTS, HIDDEN)).astype(np.float32))
@@ -398,9 +399,9 @@ def mixed_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
             if layer == 1:
                 writer.add_tensor(name, rng.standard_normal((EXPERTS, rows, cols))
                                   .astype(np.float16))
-            else:  # Q8_0: blocks of 32 values in 34 bytes
-                raw = rng.integers(0, 255, (EXPERTS, rows, cols // 32 * 34), dtype=np.uint8)
-                writer.add_tensor(name, raw, raw_dtype=q8_0)
+            else:  # Q8_1: blocks of 32 values in 40 bytes
+                raw = rng.integers(0, 255, (EXPERTS, rows, cols // 32 * 40), dtype=np.uint8)
+                writer.add_tensor(name, raw, raw_dtype=q8_1)
     return finish_gguf(writer, path, {})
 
 
@@ -414,8 +415,8 @@ class TestMixedExpertTypes:
         err = capsys.readouterr().err.strip().splitlines()
         assert code == 2
         assert sum("error:" in line for line in err) == 1
-        assert ("real compute needs F16 experts in every MoE layer: layer 1 is F16, layer 2 "
-                "is Q8_0/Q8_0" in err[-1])
+        assert ("real compute cannot run layer 2's Q8_1/Q8_1 experts (layer 1 is F16/F16; "
+                "it dequantizes IQ2_XXS, " in err[-1])
 
     def test_digest_compute_runs(self, mixed_model: Path) -> None:
         assert run_main(["-m", str(mixed_model), "-n", "3", "--backend", "host", "--router",

@@ -14,8 +14,10 @@ devices each one's weighted sum is combined on the first (the home), which keeps
 hidden state.
 
 What "compute" is (``real``, ``digest``, ``fixed:MS``) is each device's ``Decoder``
-(``moestream.pipeline.proxy.decoder``); ``real`` on a model without F16 experts falls back
-to ``digest`` (``moestream.pipeline.foundation.compute``).
+(``moestream.pipeline.proxy.decoder``); ``real`` on a model whose experts are neither F16
+nor a GGUF type it dequantizes falls back to ``digest``
+(``moestream.pipeline.foundation.compute``). Quantized experts are computed per batch the
+handles come in (``Decoder.flush`` after each): one dequantization launch per type a batch.
 
 Each layer also measures its own compute for the token's time split (``end_token``'s
 ``compute_ms`` and ``upload_ms``): on a GPU the end-of-layer wait is split, in queue order,
@@ -89,7 +91,8 @@ class Decode:
     @classmethod
     def for_devices(cls, compute: ComputeSpec, table: ExpertTable, backends: Sequence[Backend],
                     kernels: Sequence[Kernels], seed: int = 0) -> Decode:
-        """One ``Decoder`` per device, made on its device; ``real`` needs F16 experts."""
+        """One ``Decoder`` per device, made on its device; ``real`` needs F16 experts or
+        quantized ones it dequantizes."""
         compute = resolve_compute(compute, table)
         decoders = []
         for backend, k in zip(backends, kernels, strict=True):
@@ -134,7 +137,8 @@ class Decode:
 
     def _consume(self, batch: Sequence[ExpertHandle], weight_of: dict[int, float],
                  used: list[bool], device_s: list[float]) -> None:
-        """Queue ``batch``'s compute, each expert on its device's stream."""
+        """Queue ``batch``'s compute, each expert on its device's stream; then each device
+        computes what it held back (quantized experts: one dequantization a type)."""
         per_expert_ms = self._per_expert_ms
         if self._several:
             for h in batch:
@@ -144,12 +148,19 @@ class Decode:
                 with d.ctx:
                     d.consume(h, weight_of[h.expert], per_expert_ms)
                 device_s[h.device] += time.perf_counter() - t_one
+            for i in {h.device for h in batch}:
+                t_one = time.perf_counter()
+                d = self._decoders[i]
+                with d.ctx:
+                    d.flush()
+                device_s[i] += time.perf_counter() - t_one
             return
         used[0] = True
         d = self._home
         with d.ctx:
             for h in batch:
                 d.consume(h, weight_of[h.expert], per_expert_ms)
+            d.flush()
 
     async def run_layer(
         self,

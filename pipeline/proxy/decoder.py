@@ -2,10 +2,11 @@
 stream, its copy of the hidden state, what it computes per expert, and the split of its
 end-of-layer wait.
 
-What "compute" is: ``real`` runs a SwiGLU expert on a hidden state (F16 experts, from the
-handles' float16 views), ``digest`` reads every byte of every used expert and checks it
-against the file, ``fixed:MS`` keeps the device busy MS milliseconds per layer, like an
-engine's kernels would.
+What "compute" is: ``real`` runs a SwiGLU expert on a hidden state in float32 (F16 experts
+from the handles' float16 views; GGUF quantized experts dequantized to float32 first,
+``moestream.gpu.dequant``, bitwise ``gguf.quants.dequantize``), ``digest`` reads every byte
+of every used expert and checks it against the file, ``fixed:MS`` keeps the device busy MS
+milliseconds per layer, like an engine's kernels would.
 
 The wait is split, in queue order, into the compute stream working (``compute``) and the
 compute stream stalled on an upload event (``upload``): before each device-side wait on an
@@ -21,10 +22,13 @@ import time
 from typing import Any
 
 import numpy as np
+from gguf import GGMLQuantizationType
 
 from moestream import ExpertHandle
 from moestream.gpu.backend import Backend, Event, Kernels
+from moestream.gpu.dequant import Dequantizer, make_dequantizer, values_of
 from moestream.pipeline.foundation.config import ComputeSpec
+from moestream.pipeline.foundation.errors import DeviceMemoryError
 from moestream.pipeline.foundation.table import ExpertTable
 from moestream.pipeline.foundation.timesplit import TimeSplit
 from moestream.pipeline.streaming.verify import DigestRows, Digests
@@ -35,7 +39,7 @@ _HOST_SLICE_MS = 10.0
 """``fixed`` compute on the host backend spins the CPU on the event loop's thread, in slices
 of at most this long with a yield to the loop after each: a signal or a cancel lands within
 a slice, not after the layer (``fixed:1000`` is a second per layer)."""
-
+_F16 = GGMLQuantizationType.F16
 
 
 class _OnDevice:
@@ -85,6 +89,14 @@ class Decoder:
             self.ctx = _OnDevice(backend, self.stream.raw)  # type: ignore[attr-defined]
         self.compute = compute
         self._hidden = self._initial_hidden(seed) if compute.kind == "real" else None
+        # quantized experts (``real``): held by ``consume`` until the batch's ``flush``
+        # dequantizes them, one launch per type, into ``_scratch`` (reused, grown as needed)
+        self._dequant: Dequantizer | None = None
+        if compute.kind == "real" and any(
+                {layer.gate_up_type, layer.down_type} != {_F16} for layer in table.layers.values()):
+            self._dequant = make_dequantizer(backend.name)
+        self._held: list[tuple[ExpertHandle, float]] = []
+        self._scratch: Any = None
         self.acc: Any = None  # the layer's weighted sum of expert outputs (``real``)
         self.use_digests = DigestRows(kernels, len(table.layers) * table.top_k)
         # (bytes, ms) of host compute queued by consume, spent by spend_host_compute
@@ -129,6 +141,7 @@ class Decoder:
         """A new layer: no waits yet, a zero sum for ``real`` compute."""
         self._device_waits.clear()  # a failed layer leaves its own behind
         self._waited_on = None
+        self._held.clear()
         if self.compute.kind == "real":
             with self.ctx:
                 self.acc = self._kernels.zeros(self._table.hidden)
@@ -143,7 +156,10 @@ class Decoder:
                 self._device_waits.append((self.stream.record(), upload))
             self.stream.wait(upload)
         kind = self.compute.kind
-        if kind == "real":
+        if kind == "real" and self._dequant is not None and any(
+                m.ggml_type != _F16 for m in h.matrices):
+            self._held.append((h, weight))  # computed by ``flush``, with the batch's others
+        elif kind == "real":
             gate, up, down = h.matrices
             self.acc += weight * self._kernels.swiglu(self._hidden, gate.array, up.array,
                                                       down.array, self.stream)
@@ -156,6 +172,53 @@ class Decoder:
             self._host_compute.append((h.down.bytes, layer_ms))
         elif layer_ms > 0:  # the device spins on its clock: no view to make
             self._kernels.busy(layer_ms, None, self.stream)
+
+    def flush(self) -> None:
+        """Compute the quantized experts ``consume`` held (inside ``ctx``, after the batch):
+        their matrices dequantized to float32 on the compute stream, one launch per type for
+        the whole batch (a layer whose experts are all in hand is one batch), then each
+        expert's SwiGLU, in the order they were consumed.
+
+        Raises:
+            DeviceMemoryError: the float32 scratch for the batch could not be allocated.
+        """
+        if not self._held:
+            return
+        held, self._held = self._held, []
+        # each held expert's (gate, up, down) values: F16 views now, the others filled below
+        values = [[m.array if m.ggml_type == _F16 else None for m in h.matrices]
+                  for h, _ in held]
+        by_type: dict[GGMLQuantizationType, list[tuple[list[Any], int, Any]]] = {}
+        for (h, _), row in zip(held, values, strict=True):
+            for i, m in enumerate(h.matrices):
+                if row[i] is None:
+                    by_type.setdefault(m.ggml_type, []).append((row, i, m))
+        sizes = {q: sum(values_of(q, m.nbytes) for _, _, m in ms) for q, ms in by_type.items()}
+        scratch = self._scratch_for(sum(sizes.values()))
+        at = 0
+        assert self._dequant is not None  # held only with a dequantizer
+        for qtype, ms in by_type.items():
+            views = self._dequant.dequantize(qtype, [m.bytes for _, _, m in ms],
+                                             scratch[at : at + sizes[qtype]], self.stream)
+            for (row, i, m), view in zip(ms, views, strict=True):
+                row[i] = view.reshape(m.shape)
+            at += sizes[qtype]
+        for (_, weight), (gate, up, down) in zip(held, values, strict=True):
+            self.acc += weight * self._kernels.swiglu(self._hidden, gate, up, down, self.stream)
+
+    def _scratch_for(self, n: int) -> Any:
+        """``n`` float32 of scratch on the device: the one kept, grown when too small. Its
+        earlier contents are read only by work queued before on the same stream."""
+        if self._scratch is None or self._scratch.size < n:
+            self._scratch = None  # the old one goes back before the larger is made
+            try:
+                self._scratch = self._xp.empty(n, dtype=self._xp.float32)
+            except MemoryError as exc:  # CuPy's OutOfMemoryError is one
+                raise DeviceMemoryError(
+                    f"no device memory for {n * 4} bytes of dequantized experts (real "
+                    "compute's scratch); use a smaller --cache-budget or --compute digest"
+                ) from exc
+        return self._scratch[:n]
 
     async def spend_host_compute(self) -> None:
         """Run the ``fixed`` host compute ``consume`` queued, yielding to the event loop

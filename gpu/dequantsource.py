@@ -1,0 +1,167 @@
+"""The CUDA C source of ``moestream.gpu.dequant``'s kernels: GGUF quantized blocks to float32,
+bitwise what gguf-py's ``gguf.quants.dequantize`` computes.
+
+One kernel a type, ``dequant_<TYPE>(const Row* rows)``: ``blockIdx.y`` picks a row (a
+matrix's blocks and where its values go), the grid strides over the row's values, one thread
+a value. A value is computed from its block alone, in gguf-py's float32 operations and their
+order (``d * sc`` before ``* q``, ``dl * q - ml``); the products and sums are the ``_rn``
+intrinsics so the compiler cannot contract them into a fused multiply-add (one rounding
+fewer: not gguf-py's bits). Float16 scales are widened by their bits (exact, subnormals
+included), not by ``cuda_fp16.h``, so the source also builds as host C++ for the tests that
+check it without a GPU. IQ2_XXS's grid and sign patterns are written into the source from
+gguf-py's own tables.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from gguf import GGML_QUANT_SIZES, quants
+from gguf import GGMLQuantizationType as Q
+
+__all__ = ["KERNELS", "dequant_source"]
+
+KERNELS: dict[Q, str] = {
+    q: f"dequant_{q.name.lower()}"
+    for q in (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K,
+              Q.IQ2_XXS)
+}
+"""Each type's kernel name (``Row``: source address, destination address, blocks)."""
+
+_COMMON = r"""
+struct Row {
+    unsigned long long src;     // the matrix's blocks (device address)
+    unsigned long long dst;     // its float32 values (device address)
+    unsigned long long blocks;  // how many blocks
+};
+
+__device__ __forceinline__ float h2f(const unsigned char* p) {
+    // IEEE half to float by its bits: exact, as numpy's astype(float32)
+    unsigned int h = (unsigned int)p[0] | ((unsigned int)p[1] << 8);
+    unsigned int sign = (h & 0x8000u) << 16, e = (h >> 10) & 0x1fu, m = h & 0x3ffu;
+    if (e == 0x1fu) return __uint_as_float(sign | 0x7f800000u | (m << 13));
+    if (e != 0) return __uint_as_float(sign | ((e + 112u) << 23) | (m << 13));
+    float v = (float)m * 5.9604644775390625e-08f;  // m * 2**-24: exact
+    return sign ? -v : v;
+}
+
+__device__ __forceinline__ unsigned int nib(const unsigned char* qs, int j, int half) {
+    // value j of 2 * half nibbles: the low nibbles of qs[0..half), then the high ones
+    return j < half ? (qs[j] & 15u) : (qs[j - half] >> 4);
+}
+
+__device__ __forceinline__ void k_scale_min(const unsigned char* s, int g, unsigned int* sc,
+                                            unsigned int* mn) {
+    // Q4_K's and Q5_K's 6-bit scale and min of sub-block g (gguf-py's get_scale_min)
+    if (g < 4) { *sc = s[g] & 63u; *mn = s[4 + g] & 63u; return; }
+    int i = g - 4;
+    *sc = (s[8 + i] & 15u) | ((s[i] >> 2) & 0x30u);
+    *mn = (s[8 + i] >> 4) | ((s[4 + i] >> 2) & 0x30u);
+}
+
+__device__ __forceinline__ float q4_0(const unsigned char* b, int j) {
+    return __fmul_rn(h2f(b), (float)((int)nib(b + 2, j, 16) - 8));
+}
+__device__ __forceinline__ float q4_1(const unsigned char* b, int j) {
+    return __fadd_rn(__fmul_rn(h2f(b), (float)nib(b + 4, j, 16)), h2f(b + 2));
+}
+__device__ __forceinline__ unsigned int q5_bits(const unsigned char* qh, const unsigned char* qs,
+                                                int j) {
+    return nib(qs, j, 16) | (((qh[j >> 3] >> (j & 7)) & 1u) << 4);
+}
+__device__ __forceinline__ float q5_0(const unsigned char* b, int j) {
+    return __fmul_rn(h2f(b), (float)((int)q5_bits(b + 2, b + 6, j) - 16));
+}
+__device__ __forceinline__ float q5_1(const unsigned char* b, int j) {
+    return __fadd_rn(__fmul_rn(h2f(b), (float)q5_bits(b + 4, b + 8, j)), h2f(b + 2));
+}
+__device__ __forceinline__ float q8_0(const unsigned char* b, int j) {
+    return __fmul_rn((float)(signed char)b[2 + j], h2f(b));
+}
+
+__device__ __forceinline__ unsigned int crumb(const unsigned char* qs, int j) {
+    // 2-bit value j of 256: two halves of 32 bytes, each four planes of 2 bits
+    int r = j & 127;
+    return (qs[(j >> 7) * 32 + (r & 31)] >> (2 * (r >> 5))) & 3u;
+}
+__device__ __forceinline__ float q2_k(const unsigned char* b, int j) {
+    unsigned int s = b[j >> 4];
+    float dl = __fmul_rn(h2f(b + 80), (float)(s & 15u));
+    float ml = __fmul_rn(h2f(b + 82), (float)(s >> 4));
+    return __fsub_rn(__fmul_rn(dl, (float)crumb(b + 16, j)), ml);
+}
+__device__ __forceinline__ float q3_k(const unsigned char* b, int j) {
+    const unsigned char* s = b + 96;
+    int g = j >> 4;
+    unsigned int low = (s[g & 7] >> (4 * (g >> 3))) & 15u;
+    unsigned int high = (s[8 + (g & 3)] >> (2 * (g >> 2))) & 3u;
+    float dl = __fmul_rn(h2f(b + 108), (float)((int)(low | (high << 4)) - 32));
+    unsigned int borrow = ((b[j & 31] >> (j >> 5)) & 1u) ^ 1u;  // set: 4 comes off
+    return __fmul_rn(dl, (float)((int)crumb(b + 32, j) - (int)(borrow << 2)));
+}
+__device__ __forceinline__ float q4_k(const unsigned char* b, int j) {
+    unsigned int sc, mn;
+    int g = j >> 5;
+    k_scale_min(b + 4, g, &sc, &mn);
+    float d = __fmul_rn(h2f(b), (float)sc), dm = __fmul_rn(h2f(b + 2), (float)mn);
+    unsigned int q = (b[16 + (g >> 1) * 32 + (j & 31)] >> (4 * (g & 1))) & 15u;
+    return __fsub_rn(__fmul_rn(d, (float)q), dm);
+}
+__device__ __forceinline__ float q5_k(const unsigned char* b, int j) {
+    unsigned int sc, mn;
+    int g = j >> 5;
+    k_scale_min(b + 4, g, &sc, &mn);
+    float d = __fmul_rn(h2f(b), (float)sc), dm = __fmul_rn(h2f(b + 2), (float)mn);
+    unsigned int q = (b[48 + (g >> 1) * 32 + (j & 31)] >> (4 * (g & 1))) & 15u;
+    q |= ((b[16 + (j & 31)] >> g) & 1u) << 4;
+    return __fsub_rn(__fmul_rn(d, (float)q), dm);
+}
+__device__ __forceinline__ float q6_k(const unsigned char* b, int j) {
+    int half = j >> 7, r = j & 127;
+    unsigned int low = (b[half * 64 + (r & 63)] >> (4 * (r >> 6))) & 15u;
+    unsigned int high = (b[128 + half * 32 + (r & 31)] >> (2 * (r >> 5))) & 3u;
+    float d = __fmul_rn(h2f(b + 208), (float)(signed char)b[192 + (j >> 4)]);
+    return __fmul_rn(d, (float)((int)(low | (high << 4)) - 32));
+}
+__device__ __forceinline__ float iq2_xxs(const unsigned char* b, int j) {
+    const unsigned char* sub = b + 2 + 8 * (j >> 5);  // 4 grid indices, then a meta word
+    unsigned int meta = (unsigned int)sub[4] | ((unsigned int)sub[5] << 8)
+                        | ((unsigned int)sub[6] << 16) | ((unsigned int)sub[7] << 24);
+    float db = __fmul_rn(__fmul_rn(h2f(b), __fadd_rn(0.5f, (float)(meta >> 28))), 0.25f);
+    int k = (j >> 3) & 3, e = j & 7;
+    float v = __fmul_rn(db, (float)IQ2_XXS_GRID[sub[k] * 8 + e]);
+    // a sign flips the sign bit only: (db * grid) * -1 is -(db * grid), bit for bit
+    return (KSIGNS[(meta >> (7 * k)) & 127u] >> e) & 1u ? -v : v;
+}
+"""
+
+_KERNEL = r"""
+extern "C" __global__ void dequant_{name}(const Row* rows) {{
+    const Row row = rows[blockIdx.y];
+    const unsigned char* src = (const unsigned char*)row.src;
+    float* dst = (float*)row.dst;
+    const unsigned long long n = row.blocks * {elems}ull;
+    const unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
+    for (unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x;
+         i < n; i += stride)
+        dst[i] = {name}(src + (i / {elems}ull) * {size}ull, (int)(i % {elems}ull));
+}}
+"""
+
+
+def _byte_table(name: str, values: np.ndarray) -> str:
+    body = ",".join(str(int(v)) for v in values.reshape(-1))
+    return f"__device__ const unsigned char {name}[{values.size}] = {{{body}}};\n"
+
+
+def dequant_source() -> str:
+    """The kernels' CUDA C: the tables from gguf-py, the value routines, a kernel a type."""
+    quants.IQ2_XXS.init_grid()  # type: ignore[no-untyped-call]
+    grid = quants.IQ2_XXS.grid
+    assert grid is not None  # init_grid made it
+    tables = (_byte_table("IQ2_XXS_GRID", grid.reshape(-1).astype(np.uint8))
+              + _byte_table("KSIGNS", np.frombuffer(quants.IQ2_XXS.ksigns, dtype=np.uint8)))
+    kernels = "".join(
+        _KERNEL.format(name=name.removeprefix("dequant_"), elems=GGML_QUANT_SIZES[q][0],
+                       size=GGML_QUANT_SIZES[q][1])
+        for q, name in KERNELS.items())
+    return tables + _COMMON + kernels

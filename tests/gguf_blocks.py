@@ -1,0 +1,83 @@
+"""Random valid GGUF quantized blocks and their reference values (``gguf.quants``), for the
+proxy dequantizer's tests on the host and on CUDA, and the quantized models they write."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import gguf
+import numpy as np
+from gguf import GGML_QUANT_SIZES, GGUFWriter
+from gguf import GGMLQuantizationType as Q
+
+from tests.gguf_files import finish_gguf
+
+SCALES = {Q.Q4_0: (0,), Q.Q4_1: (0, 2), Q.Q5_0: (0,), Q.Q5_1: (0, 2), Q.Q8_0: (0,),
+          Q.Q2_K: (80, 82), Q.Q3_K: (108,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,),
+          Q.IQ2_XXS: (0,)}
+"""Each type's float16 scale fields (byte offsets in a block): the only bytes that can be
+invalid (inf or NaN); every other byte is valid as it comes."""
+
+
+def random_blocks(qtype: Q, n: int, seed: int = 0, extreme: bool = True) -> np.ndarray:
+    """``n`` valid random blocks of ``qtype``, (n, block bytes) uint8: random bytes, finite
+    float16 scales (``extreme``: any finite half, the smallest subnormal, -0 and +-65504
+    among them; else small positive ones, whose values a SwiGLU keeps finite)."""
+    rng = np.random.default_rng([seed, int(qtype)])
+    blocks = rng.integers(0, 256, (n, GGML_QUANT_SIZES[qtype][1]), dtype=np.uint8)
+    for offset in SCALES[qtype]:
+        if extreme:
+            halves = rng.integers(0, 1 << 16, n, dtype=np.uint16)
+            halves[(halves & 0x7C00) == 0x7C00] &= 0xBFFF  # exponent 31 (inf, NaN) -> 15
+            halves[: min(n, 4)] = (0x0001, 0x8000, 0x7BFF, 0xFBFF)[: min(n, 4)]
+        else:
+            halves = (rng.uniform(2.0**-12, 2.0**-8, n)).astype(np.float16).view(np.uint16)
+        blocks[:, offset : offset + 2] = halves.view(np.uint8).reshape(n, 2)
+    return blocks
+
+
+def same_bits(a: np.ndarray, b: np.ndarray) -> bool:
+    """Bitwise equal float32, NaN to NaN whatever its payload (inf - inf is NaN in both)."""
+    nan = np.isnan(a)
+    return bool(np.array_equal(nan, np.isnan(b))
+                and np.array_equal(a[~nan].view(np.uint32), b[~nan].view(np.uint32)))
+
+
+def reference(qtype: Q, data: np.ndarray) -> np.ndarray:
+    """gguf-py's float32 values of ``data`` (blocks of ``qtype``), flat."""
+    with np.errstate(all="ignore"):
+        values: np.ndarray = gguf.quants.dequantize(np.ascontiguousarray(data).reshape(-1),
+                                                    qtype)
+    return values.reshape(-1)
+
+
+def write_quantized_moe(path: Path, types: Sequence[tuple[Q, Q]], *, experts: int = 6,
+                        hidden: int = 256, ffn: int = 256, top_k: int = 3,
+                        seed: int = 0) -> Path:
+    """A qwen3moe GGUF whose MoE layer ``i`` has gate/up of ``types[i][0]`` and down of
+    ``types[i][1]`` (F16 or a quantized type: random valid blocks, small scales), with F32
+    routers: what the proxy engine's real compute runs on."""
+    rng = np.random.default_rng(seed)
+    writer = GGUFWriter(path, "qwen3moe")
+    writer.add_uint32("qwen3moe.block_count", len(types))
+    writer.add_uint32("qwen3moe.expert_used_count", top_k)
+    writer.add_embedding_length(hidden)
+    writer.add_tensor("token_embd.weight", rng.standard_normal((16, hidden)).astype(np.float16))
+    for layer, (gate_up, down) in enumerate(types):
+        writer.add_tensor(f"blk.{layer}.ffn_gate_inp.weight",
+                          rng.standard_normal((experts, hidden)).astype(np.float32))
+        for m, (matrix, qtype, (rows, cols)) in enumerate((("gate", gate_up, (ffn, hidden)),
+                                                           ("up", gate_up, (ffn, hidden)),
+                                                           ("down", down, (hidden, ffn)))):
+            name = f"blk.{layer}.ffn_{matrix}_exps.weight"
+            if qtype == Q.F16:
+                writer.add_tensor(name, (rng.standard_normal((experts, rows, cols)) * 0.05)
+                                  .astype(np.float16))
+                continue
+            elems, size = GGML_QUANT_SIZES[qtype]
+            blocks = random_blocks(qtype, experts * rows * cols // elems,
+                                   seed=seed * 1000 + layer * 3 + m, extreme=False)
+            writer.add_tensor(name, blocks.reshape(experts, rows, cols // elems * size),
+                              raw_dtype=qtype)
+    return finish_gguf(writer, path, {})
