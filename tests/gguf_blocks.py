@@ -37,6 +37,23 @@ def random_blocks(qtype: Q, n: int, seed: int = 0, extreme: bool = True) -> np.n
     return blocks
 
 
+def every_iq2_xxs_pattern() -> np.ndarray:
+    """IQ2_XXS blocks holding each of the 256 grid points under each of the 128 sign
+    patterns once (32 pairs a block: 8 sub-blocks of 4), random scales otherwise."""
+    n = 256 * 128 // 32  # 32 (point, signs) pairs a block: 8 sub-blocks x 4
+    blocks = random_blocks(Q.IQ2_XXS, n, seed=7)
+    pairs = np.arange(256 * 128)
+    points, signs = (pairs >> 7).astype(np.uint32), (pairs & 127).astype(np.uint32)
+    words = blocks[:, 2:].copy().view("<u4").reshape(n, 8, 2)
+    points, signs = points.reshape(n, 8, 4), signs.reshape(n, 8, 4)
+    words[:, :, 0] = points[..., 0] | points[..., 1] << 8 | points[..., 2] << 16 \
+        | points[..., 3] << 24
+    words[:, :, 1] = (words[:, :, 1] & 0xF0000000) | signs[..., 0] | signs[..., 1] << 7 \
+        | signs[..., 2] << 14 | signs[..., 3] << 21
+    blocks[:, 2:] = words.reshape(n, 16).view(np.uint8)
+    return blocks
+
+
 def same_bits(a: np.ndarray, b: np.ndarray) -> bool:
     """Bitwise equal float32, NaN to NaN whatever its payload (inf - inf is NaN in both)."""
     nan = np.isnan(a)

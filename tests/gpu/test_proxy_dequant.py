@@ -26,7 +26,7 @@ from moestream.gpu.dequantsource import KERNELS, dequant_source
 from moestream.gpu.host import HostStream
 from moestream.pipeline.foundation.compute import DEQUANTIZED
 from moestream.pipeline.foundation.errors import UsageError
-from tests.gguf_blocks import random_blocks, reference, same_bits
+from tests.gguf_blocks import every_iq2_xxs_pattern, random_blocks, reference, same_bits
 
 TYPES = sorted(DEQUANTIZED, key=lambda q: q.name)
 
@@ -135,16 +135,6 @@ class TestKernelSourceOnTheHost:
 
     def test_every_iq2_xxs_grid_point_and_sign_pattern(self, walk: Callable[..., Any]) -> None:
         """Each of the 256 grid points under each of the 128 sign patterns, in some block."""
-        n = 256 * 128 // 32  # 32 (point, signs) pairs a block: 8 sub-blocks x 4
-        blocks = random_blocks(Q.IQ2_XXS, n, seed=7)
-        pairs = np.arange(256 * 128)
-        points, signs = (pairs >> 7).astype(np.uint32), (pairs & 127).astype(np.uint32)
-        words = blocks[:, 2:].copy().view("<u4").reshape(n, 8, 2)
-        points, signs = points.reshape(n, 8, 4), signs.reshape(n, 8, 4)
-        words[:, :, 0] = points[..., 0] | points[..., 1] << 8 | points[..., 2] << 16 \
-            | points[..., 3] << 24
-        words[:, :, 1] = (words[:, :, 1] & 0xF0000000) | signs[..., 0] | signs[..., 1] << 7 \
-            | signs[..., 2] << 14 | signs[..., 3] << 21
-        blocks[:, 2:] = words.reshape(n, 16).view(np.uint8)
+        blocks = every_iq2_xxs_pattern()
         (values,) = walk(Q.IQ2_XXS, [blocks.reshape(-1)])
         assert same_bits(values, reference(Q.IQ2_XXS, blocks))
