@@ -52,6 +52,7 @@ if TYPE_CHECKING:
         VerificationError,
     )
     from moestream.pipeline.foundation.quantization import ExpertQuant
+    from moestream.pipeline.streaming.summary import RunSummary
 
 # each public name and the module that defines it: imported on first use, so that a
 # command importing one low module (``python -m pipeline.run`` installs its signal handlers
@@ -92,6 +93,7 @@ _EXPORTS = {
     "UsageTypeError": "moestream.pipeline.foundation.errors",
     "VerificationError": "moestream.pipeline.foundation.errors",
     "ExpertQuant": "moestream.pipeline.foundation.quantization",
+    "RunSummary": "moestream.pipeline.streaming.summary",
 }
 
 try:
@@ -118,6 +120,7 @@ __all__ = [
     "ReadError",
     "Router",
     "RunSession",
+    "RunSummary",
     "Session",
     "StageError",
     "StreamConfig",

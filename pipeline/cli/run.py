@@ -36,7 +36,7 @@ from pathlib import Path
 import structlog
 import uvloop
 
-from moestream import RunSession, open_config
+from moestream import RunSession, RunSummary, open_config
 from moestream.gpu.kernels import make_kernels
 from moestream.pipeline.cli.common import closable_stdout, print_error
 from moestream.pipeline.cli.interrupts import (
@@ -63,7 +63,7 @@ from moestream.pipeline.proxy.loop import DecodeLoop
 from moestream.pipeline.proxy.routing import BlockRouting, Routing, TraceRouting
 from moestream.pipeline.runlog.write import configure_console
 from moestream.pipeline.streaming.controller import Sampler
-from moestream.pipeline.streaming.summary import RunSummary, print_summary
+from moestream.pipeline.streaming.summary import print_summary
 
 __all__ = ["RunSummary", "build_parser", "config_from_args", "main", "run"]
 
