@@ -3,7 +3,8 @@
 With no arguments it makes (once) the embedded tiny model, decodes a few tokens on
 synthetic routing calibrated to real models, prints a summary and a verification line.
 The decode is ``moestream``'s first client: a loop and a proxy engine written against the
-public API (``moestream.pipeline.proxy.loop``, ``moestream.pipeline.proxy.decode``).
+public API (``moestream.pipeline.proxy.loop``, ``moestream.pipeline.proxy.decode``), on a
+session opened with ``moestream.open_config``.
 Errors print one line and exit non-zero (2 for bad input, 1 for a failed stage, 3 for a
 verification mismatch: the run stops at the end of the token that found it, as an engine
 would, after comparing what still waited for its digests); ``--debug`` shows the traceback
