@@ -129,6 +129,12 @@ def metadata_values(reader: GGUFReader) -> dict[str, Any]:
     return {name: field.contents() for name, field in reader.fields.items()}
 
 
+def _decimal(value: Any) -> float:
+    """A FLOAT32 key's value as the decimal a converter wrote from ``config.json`` (the
+    shortest one that rounds to the same float32: ``1e-06``, not ``9.99999997e-07``)."""
+    return float(str(np.float32(value)))
+
+
 def _required(path: Path, metadata: Mapping[str, Any], key: str) -> Any:
     if _A + key not in metadata:
         raise ExpertLayoutError(path, f"ds4 GGUF without the metadata key {_A}{key}")
@@ -199,10 +205,10 @@ def config_kwargs(path: Path, metadata: Mapping[str, Any]) -> dict[str, Any]:
         "index_topk": int(get("attention.indexer.top_k")),
         "hc_mult": int(get("hyper_connection.count")),
         "hc_sinkhorn_iters": int(get("hyper_connection.sinkhorn_iterations")),
-        "hc_eps": float(get("hyper_connection.epsilon")),
-        "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon")),
+        "hc_eps": _decimal(get("hyper_connection.epsilon")),
+        "rms_norm_eps": _decimal(get("attention.layer_norm_rms_epsilon")),
         "scoring_func": "sqrtsoftplus",  # ds4.c layer_router_probs_one; no key says it
-        "routed_scaling_factor": float(get("expert_weights_scale")),
+        "routed_scaling_factor": _decimal(get("expert_weights_scale")),
         "norm_topk_prob": bool(get("expert_weights_norm")),
         "num_nextn_predict_layers": 0,
         "tie_word_embeddings": False,
@@ -227,7 +233,7 @@ def _per_layer(path: Path, metadata: Mapping[str, Any]) -> dict[str, Any]:
         raise ExpertLayoutError(path, f"{_A}attention.compress_ratios {ratios[:8]} is not one "
                                       f"of 0, 4, 128 for each of {n_layers} layers")
     clamps = _required(path, metadata, "swiglu_clamp_exp")[:n_layers]
-    clamp = float(_one_of(path, "swiglu_clamp_exp", clamps))
+    clamp = _decimal(_one_of(path, "swiglu_clamp_exp", clamps))
     if clamp <= 0:
         raise ExpertLayoutError(path, f"{_A}swiglu_clamp_exp {clamp}: no clamp, which "
                                       f"transformers' DeepSeek-V4 always applies")
@@ -246,18 +252,18 @@ def _rope(path: Path, metadata: Mapping[str, Any], head_dim: int) -> dict[str, A
         return _required(path, metadata, key)
 
     rotary = int(get("rope.dimension_count")) / head_dim
-    main = {"rope_type": "default", "rope_theta": float(get("rope.freq_base")),
+    main = {"rope_type": "default", "rope_theta": _decimal(get("rope.freq_base")),
             "partial_rotary_factor": rotary}
     compress: dict[str, Any] = {"rope_type": "default",
-                                "rope_theta": float(get("attention.compress_rope_freq_base")),
+                                "rope_theta": _decimal(get("attention.compress_rope_freq_base")),
                                 "partial_rotary_factor": rotary}
-    factor = float(get("rope.scaling.factor"))
+    factor = _decimal(get("rope.scaling.factor"))
     if factor > 1:  # ds4: ext_factor 1 on compressed layers only when the factor exceeds 1
         compress.update(rope_type="yarn", factor=factor, attention_factor=1.0,
                         original_max_position_embeddings=int(
                             get("rope.scaling.original_context_length")),
-                        beta_fast=float(get("rope.scaling.yarn_beta_fast")),
-                        beta_slow=float(get("rope.scaling.yarn_beta_slow")))
+                        beta_fast=_decimal(get("rope.scaling.yarn_beta_fast")),
+                        beta_slow=_decimal(get("rope.scaling.yarn_beta_slow")))
     return {"main": main, "compress": compress}
 
 

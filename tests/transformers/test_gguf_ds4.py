@@ -170,6 +170,30 @@ class TestConfig:
         assert compress["attention_factor"] == 1.0
         assert compress["original_max_position_embeddings"] == 65536
 
+    def test_flash_is_transformers_flash(self, tmp_path: Path) -> None:
+        """The full preset's keys (ds4's constants) make transformers' own DeepSeek-V4
+        Flash config (its defaults) but for what Flash's checkpoint says otherwise: the
+        layer schedule (sliding, sliding, then CSA/HCA alternating; the defaults are
+        V4-Pro's), YaRN on the compressed layers, and no MTP layer."""
+        from moestream.pipeline.makers.ds4layout import ds4_metadata
+        from moestream.pipeline.makers.modelspec import PRESETS
+
+        path = tmp_path / "keys.gguf"
+        writer = gguf.GGUFWriter(path, "deepseek4")
+        ds4_metadata(writer, PRESETS["ds4-flash-q2"])
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_ti_data_to_file()
+        writer.close()
+        ours = transformers.DeepseekV4Config(
+            **config_kwargs(path, metadata_values(gguf.GGUFReader(path)))).to_dict()
+        flash = transformers.DeepseekV4Config().to_dict()
+        differ = {k for k in set(ours) | set(flash) if ours.get(k) != flash.get(k)}
+        assert differ == {"layer_types", "rope_parameters", "num_nextn_predict_layers"}
+        assert ours["layer_types"][:4] == ["sliding_attention"] * 2 + [
+            "compressed_sparse_attention", "heavily_compressed_attention"]
+        assert ours["rope_parameters"]["main"] == flash["rope_parameters"]["main"]
+
     @pytest.mark.parametrize(("key", "value", "words"), [
         ("general.architecture", "deepseek2", "not 'deepseek4'"),
         ("deepseek4.attention.head_count_kv", 2, "exactly 1"),
