@@ -4,10 +4,11 @@
 (``blk.N.ffn_gate_inp.weight``) to the hidden state flowing through the MoE layers (an
 FFN-only decode proxy; the token's row of ``token_embd.weight`` starts it), top-k with
 softmax weights. Hash-routed layers (their router, where the file has one as ds4's do,
-unused) pick experts from the token id. Its guess of layer L+1 applies L+1's router to the
-hidden state *before* layer L runs (the Mixtral-offloading technique), so the loads of L+1
-can overlap L's compute. The proxy run's replays of a trace are its own
-(``pipeline.proxy.routing``).
+unused) pick experts from the token id: by the file's own table where it has one (ds4's
+``blk.N.ffn_gate_tid2eid.weight``, I32 ``[vocab, top_k]``), else by a seeded draw. Its
+guess of layer L+1 applies L+1's router to the hidden state *before* layer L runs (the
+Mixtral-offloading technique), so the loads of L+1 can overlap L's compute. The proxy
+run's replays of a trace are its own (``pipeline.proxy.routing``).
 """
 
 from __future__ import annotations
@@ -44,6 +45,22 @@ def _floats(table: ExpertTable, info: TensorInfo, offset: int,
     return data.astype(np.float32)
 
 
+def _hash_tables(table: ExpertTable) -> dict[int, TensorInfo]:
+    """The hash-routed layers' token -> experts tables the file has (ds4's I32
+    ``tid2eid``, ``top_k`` ids a token), by layer; one of another shape is refused."""
+    hashed = set(table.moe_layers[: table.hash_routed])
+    tables = {}
+    for info in table.non_routed:
+        layer, _, rest = info.name.removeprefix("blk.").partition(".")
+        if rest != "ffn_gate_tid2eid.weight" or not layer.isdigit() or int(layer) not in hashed:
+            continue
+        if info.type_name != "I32" or info.nbytes % (4 * table.top_k):
+            raise ExpertLayoutError(table.path, f"{info.name} is {info.type_name} of "
+                                    f"{info.nbytes} bytes, not I32 rows of {table.top_k} ids")
+        tables[int(layer)] = info
+    return tables
+
+
 class LiveRouter:
     """Routes with the model's own router tensors.
 
@@ -74,6 +91,7 @@ class LiveRouter:
         if not self._routers and table.hash_routed < len(self._layers):
             raise ExpertLayoutError(table.path, "no router tensors (ffn_gate_inp) to route live")
         self._embed = next((t for t in table.non_routed if t.name in _EMBEDDINGS), None)
+        self._hash_tables = _hash_tables(table)
 
     def embedding(self, token: int) -> Any:
         """The hidden state a token starts with: its row of the token embedding (F32, F16 or
@@ -90,6 +108,9 @@ class LiveRouter:
 
     def _top_k(self, layer: int, token: int, hidden: Any) -> tuple[list[int], list[float]]:
         router = self._routers.get(layer)
+        ids = self._hash_tables.get(layer)
+        if router is None and ids is not None:  # ds4's hash layer: its table's row
+            return self._hash_row(ids, token), [1.0 / self._k] * self._k
         if router is None:  # hash-routed: the token id picks
             rng = np.random.default_rng([self._seed, token, layer])
             experts = rng.choice(self._table.n_experts, self._k, replace=False)
@@ -101,6 +122,18 @@ class LiveRouter:
         top = top[np.argsort(-logits[top])]
         z = np.exp(logits[top] - logits[top].max())
         return [int(e) for e in top], (z / z.sum()).astype(np.float32).tolist()
+
+    def _hash_row(self, ids: TensorInfo, token: int) -> list[int]:
+        """Token ``token``'s experts in a hash table (its row, the token id modulo the
+        table's rows), each checked to be an expert of the layer."""
+        width = 4 * self._k
+        offset = ids.offset + (token % (ids.nbytes // width)) * width
+        row = np.frombuffer(self._table.read_bytes(offset, width), dtype="<i4")
+        n = self._table.n_experts
+        if row.min() < 0 or row.max() >= n:
+            raise ExpertLayoutError(self._table.path, f"{ids.name}: token {token}'s experts "
+                                    f"{row.tolist()} outside 0..{n - 1}")
+        return [int(e) for e in row]
 
     def route(self, token: int, i: int, hidden: Any) -> tuple[list[int], list[float]]:
         return self._top_k(self._layers[i], token, hidden)
