@@ -119,7 +119,10 @@ class HostKernels:
                stream: Stream) -> DeviceArray:
         g = gate.astype(np.float32, copy=False) @ x
         u = up.astype(np.float32, copy=False) @ x
-        return down.astype(np.float32, copy=False) @ (g / (1.0 + np.exp(-g)) * u)
+        # exp(-g) overflows to inf for a very negative g: g / inf is SiLU's limit there, 0
+        with np.errstate(over="ignore"):
+            silu = g / (1.0 + np.exp(-g))
+        return down.astype(np.float32, copy=False) @ (silu * u)
 
     def as_f16(self, data: DeviceArray, rows: int, cols: int) -> DeviceArray:
         return data.view(np.float16).reshape(rows, cols)
