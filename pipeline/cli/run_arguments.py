@@ -39,7 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--policy", default="lru", choices=["lru", "freq"],
                    help="eviction: lru, or freq (route hotness with decay) (lru)")
     p.add_argument("--compute", default="real",
-                   help="real (SwiGLU on F16 experts), digest, or fixed:MS per layer (real)")
+                   help="real (SwiGLU on F16 experts, or GGUF quantized ones dequantized: "
+                   "Q4_0..Q8_0, Q2_K..Q6_K, IQ2_XXS), digest, or fixed:MS per layer (real)")
     p.add_argument("--backend", default="auto", choices=["auto", "host", "cupy"])
     p.add_argument("--devices", help="devices to shard the experts over, e.g. 0,1 (default: "
                    "every visible GPU; with --backend host, indices emulate devices)")
