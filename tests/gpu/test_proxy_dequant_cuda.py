@@ -51,6 +51,7 @@ def _dequantize(cuda: Any, qtype: Q, mats: list[np.ndarray]) -> list[np.ndarray]
     sources = [cupy.asarray(m.reshape(-1)) for m in mats]
     total = sum(m.shape[0] for m in mats) * reference(qtype, mats[0][:1]).size
     out = cupy.full(total + 5, cupy.nan, dtype=cupy.float32)
+    cupy.cuda.Device().synchronize()  # made on the legacy stream, unordered with ``stream``
     views = dequantizer.dequantize(qtype, sources, out, stream)
     stream.synchronize()
     assert bool(cupy.isnan(out[total:]).all())  # nothing written past the values
