@@ -34,7 +34,8 @@ __all__ = ["CudaDequantizer", "Dequantizer", "HostDequantizer", "make_dequantize
 
 _THREADS = 256
 _MAX_BLOCKS_X = 1024  # a grid-stride loop covers larger matrices
-_MAX_ROWS = 65535  # gridDim.y
+_SLOTS = 16
+_SLOT_ROWS = 256  # matrices a launch, at most (a layer's batch is top-k x 3 of them)
 
 
 class Dequantizer(Protocol):
@@ -109,9 +110,9 @@ class CudaDequantizer:
     def __init__(self) -> None:
         import cupy
 
-        self._cp = cupy
         self._module = cupy.RawModule(code=dequant_source())
         self._kernels: dict[GGMLQuantizationType, Any] = {}
+        self._rows = _RowSlots(_SLOTS, _SLOT_ROWS)
 
     def _kernel(self, qtype: GGMLQuantizationType) -> Any:
         if qtype not in self._kernels:
@@ -120,7 +121,8 @@ class CudaDequantizer:
 
     def dequantize(self, qtype: GGMLQuantizationType, sources: Sequence[DeviceArray],
                    out: DeviceArray, stream: Stream) -> list[DeviceArray]:
-        """One launch for every source (up to 65535 a launch: the grid's rows)."""
+        """One launch for every source (up to 256 a launch), its table read in place from
+        pinned host memory."""
         spans = _layout(qtype, sources, out)
         if not isinstance(stream, CudaStream):
             raise TypeError(f"CUDA dequantization got a {type(stream).__name__}")
@@ -133,13 +135,48 @@ class CudaDequantizer:
         largest = max(n for _, n in spans)
         blocks = max(1, min(_MAX_BLOCKS_X, -(-largest // _THREADS)))
         with stream.raw:
-            for start in range(0, len(rows), _MAX_ROWS):
-                part = rows[start : start + _MAX_ROWS]
-                # the table is copied on this stream and freed into this stream's pool:
-                # CuPy reuses its memory only for later work on the same stream
-                table = self._cp.asarray(part)
-                kernel((blocks, len(part)), (_THREADS,), (table,))
+            for start in range(0, len(rows), _SLOT_ROWS):
+                part = rows[start : start + _SLOT_ROWS]
+                slot, table = self._rows.take()
+                table[: len(part)] = part
+                kernel((blocks, len(part)), (_THREADS,), (np.uint64(table.ctypes.data),))
+                self._rows.used(slot, stream.raw)
         return [out[at : at + n] for at, n in spans]
+
+
+class _RowSlots:
+    """Pinned tables of ``Row``s for the launches, reused in turn once the launch that read
+    one has run.
+
+    ``cudaHostAlloc`` memory is mapped for the device (unified addressing), so a kernel reads
+    its table in place: no copy from pageable memory (which can make the host wait for the
+    stream) and no allocation a launch. A slot is rewritten only after the event recorded
+    behind its last launch (``_SLOTS`` launches ago: long done, so the wait is a check).
+    """
+
+    def __init__(self, slots: int, rows: int) -> None:
+        import cupy
+
+        from moestream.gpu.cuda import CudaPinned
+
+        self._pinned = CudaPinned(slots * rows * 3 * 8)
+        self._rows = self._pinned.array.view(np.uint64).reshape(slots, rows, 3)
+        self._events = [cupy.cuda.Event(block=False, disable_timing=True) for _ in range(slots)]
+        self._recorded = [False] * slots
+        self._next = 0  # one decoder's dequantizer: used on the event loop's thread only
+
+    def take(self) -> tuple[int, Any]:
+        slot = self._next
+        self._next = (slot + 1) % len(self._events)
+        if self._recorded[slot]:
+            self._events[slot].synchronize()
+            self._recorded[slot] = False
+        return slot, self._rows[slot]
+
+    def used(self, slot: int, stream: Any) -> None:
+        """Record ``slot``'s event on ``stream`` (a CuPy stream) right after its launch."""
+        self._events[slot].record(stream)
+        self._recorded[slot] = True
 
 
 def make_dequantizer(backend_name: str) -> Dequantizer:
