@@ -4,27 +4,29 @@ One process, one checkpoint, greedy generation of ``--tokens`` tokens from one p
 in these runs (``--runs`` picks some):
 
 - ``resident``: every weight on the device, ``experts_implementation="grouped_mm"``
-  (transformers' default); its tokens are the reference every other run is checked against;
+  (transformers' default);
 - ``eager``: the same with ``experts_implementation="eager"``;
 - ``accelerate``: accelerate's offload, ``device_map="auto"`` with ``max_memory`` of
   ``--total`` on the device (needs accelerate and a GPU);
-- ``warm``: moestream at the same ``--total`` in all (dense weights + expert cache), the
-  checkpoint's pages resident in the page cache first (as accelerate's experts sit in RAM);
+- ``warm``: moestream at the same ``--total`` in all (dense weights + expert cache), or with
+  a cache of ``--cache-share`` of the experts' bytes, the checkpoint's pages resident in the
+  page cache first (as accelerate's experts sit in RAM);
 - ``cold``: the same from storage (page cache dropped, no warm-up generate);
 - ``all``: moestream with a budget that holds every expert, every expert fetched once and
   a warm-up generate before timing.
 
-``resident`` runs first (its tokens are the reference) and again last, as
-``resident_last``: the first model a process loads runs slower, so ``x_resident`` compares
-with the faster of the two.
-
-Each run but ``cold`` generates ``--warmup`` tokens before the timed generate (the first
-model a process loads runs slower, whatever its implementation). Prints one JSON object:
-the machine, the versions, and per run tokens/s, whether its tokens equal the resident
-run's, device memory, and for moestream runs the hit rate and the token time split summed
-over the timed tokens (what bounds the run). ``--make DIR`` first writes a random-init
-checkpoint with ``save_pretrained`` (``--shape tiny`` or ``qwen3-30b-a3b``: Qwen3-30B-A3B's
-per-layer shape, ``--layers`` layers).
+The reference holds: the process first loads the resident model and generates the timed
+tokens untimed (the first model a process loads runs slower, whatever its implementation);
+those tokens are the reference every run is checked against. Each run then generates
+``--warmup`` tokens (but ``cold``) and ``--repeat`` timed generates: in one load where the
+run's state does not change between generates, in a fresh load each where it does (a budget
+below every expert: the previous generate would have warmed the cache). Prints one JSON
+object: the machine, its load, the versions, and per run the median tokens/s, every run's
+figure and the spread, whether every run's tokens equal the reference, device memory, and
+for moestream runs the hit rate and the token time split summed over the timed tokens (what
+bounds the run). ``--make DIR`` first writes a random-init checkpoint with
+``save_pretrained`` (``--shape``: ``tiny``, ``cpu``, the host backend's bench shape, or
+``qwen3-30b-a3b``: Qwen3-30B-A3B's per-layer shape, ``--layers`` layers).
 
     python -m bench.transformers --make /tmp/tiny --shape tiny --tokens 8
     python -m bench.transformers -m /data/qwen3-8l --total 3GiB --out bench/results/x.json
@@ -37,6 +39,7 @@ import gc
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import time
@@ -55,6 +58,9 @@ SHAPES: dict[str, dict[str, Any]] = {
     "tiny": dict(hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
                  num_experts=8, num_experts_per_tok=2, num_attention_heads=4,
                  num_key_value_heads=2, head_dim=16, vocab_size=96),
+    "cpu": dict(hidden_size=512, intermediate_size=1536, moe_intermediate_size=256,
+                num_experts=64, num_experts_per_tok=8, num_attention_heads=8,
+                num_key_value_heads=2, head_dim=64, vocab_size=8192),
     "qwen3-30b-a3b": dict(hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
                           num_experts=128, num_experts_per_tok=8, num_attention_heads=32,
                           num_key_value_heads=4, head_dim=128, vocab_size=151936),
@@ -78,22 +84,25 @@ def _shards(path: Path) -> list[Path]:
     return sorted(path.glob("*.safetensors"))
 
 
-def dense_bytes(path: Path) -> int:
+def checkpoint_bytes(path: Path) -> tuple[int, int]:
     """The checkpoint's bytes outside the routed experts (what moestream puts on the
-    device besides its cache)."""
+    device besides its cache) and the routed experts' bytes."""
     from safetensors import safe_open
 
-    total = 0
+    dense = experts = 0
     for shard in _shards(path):
         with safe_open(str(shard), framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 (a safe_open is not iterable)
-                if not is_routed(name):
-                    tensor = f.get_slice(name)
-                    n = 1
-                    for d in tensor.get_shape():
-                        n *= d
-                    total += n * {"BF16": 2, "F16": 2, "F32": 4}.get(tensor.get_dtype(), 4)
-    return total
+                tensor = f.get_slice(name)
+                n = 1
+                for d in tensor.get_shape():
+                    n *= d
+                n *= {"BF16": 2, "F16": 2, "F32": 4}.get(tensor.get_dtype(), 4)
+                if is_routed(name):
+                    experts += n
+                else:
+                    dense += n
+    return dense, experts
 
 
 def _peak_reset(device: Any) -> None:
@@ -126,29 +135,62 @@ def _generate(model: Any, prompt: Any, tokens: int, device: Any) -> tuple[list[i
     return out[0, ids.shape[1]:].tolist(), time.perf_counter() - started
 
 
-def _timed(model: Any, prompt: Any, args: argparse.Namespace, device: Any,
-           warm_up: bool) -> dict[str, Any]:
+def _timed(model: Any, prompt: Any, args: argparse.Namespace, device: Any, *, warm_up: bool,
+           repeat: int) -> list[tuple[list[int], float]]:
+    """``repeat`` timed generates of ``args.tokens`` after ``args.warmup`` untimed tokens
+    (when ``warm_up``): each one's tokens and seconds."""
     if warm_up and args.warmup:
         _generate(model, prompt, args.warmup, device)
-    tokens, seconds = _generate(model, prompt, args.tokens, device)
-    return {"tokens": ",".join(map(str, tokens)), "seconds": round(seconds, 4),
-            "tokens_per_s": round(len(tokens) / seconds, 3)}
+    return [_generate(model, prompt, args.tokens, device) for _ in range(repeat)]
 
 
-def run_resident(args: argparse.Namespace, prompt: Any, device: Any,
-                 implementation: str) -> dict[str, Any]:
+def summary(timings: Sequence[tuple[list[int], float]], reference: str | None) -> dict[str, Any]:
+    """A run's timed generates: the median tokens/s, each one's, the spread (max - min over
+    the median), and whether every generate gave the reference tokens."""
+    rates = [len(tokens) / seconds for tokens, seconds in timings]
+    median = statistics.median(rates)
+    texts = {",".join(map(str, tokens)) for tokens, _ in timings}
+    out: dict[str, Any] = {
+        "tokens": texts.pop() if len(texts) == 1 else "differ between runs",
+        "tokens_per_s": round(median, 3),
+        "tokens_per_s_runs": [round(r, 3) for r in rates],
+        "spread": round((max(rates) - min(rates)) / median, 4),
+        "seconds": [round(seconds, 4) for _, seconds in timings],
+    }
+    out["same_tokens"] = reference is not None and not texts and out["tokens"] == reference
+    return out
+
+
+def reference_tokens(args: argparse.Namespace, prompt: Any, device: Any) -> str:
+    """The process's warm-up: the resident model loaded and the timed tokens generated
+    untimed (the first model a process loads runs slower); its tokens are the reference."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        args.model, experts_implementation="grouped_mm").to(device)
+    if args.warmup:
+        _generate(model, prompt, args.warmup, device)
+    tokens, _ = _generate(model, prompt, args.tokens, device)
+    del model
+    return ",".join(map(str, tokens))
+
+
+def run_resident(args: argparse.Namespace, prompt: Any, device: Any, implementation: str,
+                 reference: str) -> dict[str, Any]:
     import transformers
 
     _peak_reset(device)
     model = transformers.AutoModelForCausalLM.from_pretrained(
         args.model, experts_implementation=implementation).to(device)
-    result = _timed(model, prompt, args, device, warm_up=True)
+    result = summary(_timed(model, prompt, args, device, warm_up=True, repeat=args.repeat),
+                     reference)
     result["device_peak_bytes"] = _peak(device)
     del model
     return result
 
 
-def run_accelerate(args: argparse.Namespace, prompt: Any, device: Any) -> dict[str, Any]:
+def run_accelerate(args: argparse.Namespace, prompt: Any, device: Any,
+                   reference: str) -> dict[str, Any]:
     import importlib.util
 
     if importlib.util.find_spec("accelerate") is None:
@@ -161,14 +203,52 @@ def run_accelerate(args: argparse.Namespace, prompt: Any, device: Any) -> dict[s
     model = transformers.AutoModelForCausalLM.from_pretrained(
         args.model, device_map="auto",
         max_memory={device.index or 0: args.total_bytes, "cpu": 1 << 40})
-    result = _timed(model, prompt, args, device, warm_up=True)
+    result = summary(_timed(model, prompt, args, device, warm_up=True, repeat=args.repeat),
+                     reference)
     result["device_peak_bytes"] = _peak(device)
     del model
     return result
 
 
-def run_moestream(args: argparse.Namespace, prompt: Any, device: Any, *,
-                  budget: Budget | None, cold: bool, log: Path | None = None) -> dict[str, Any]:
+def run_moestream(args: argparse.Namespace, prompt: Any, device: Any, reference: str, *,
+                  budget: Budget | None, cold: bool) -> dict[str, Any]:
+    """moestream's run: one load timed ``--repeat`` times holding every expert (``budget``
+    None), else a fresh load a timed generate (the previous one would have warmed the
+    cache)."""
+    loads, per_load = (1, args.repeat) if budget is None else (args.repeat, 1)
+    timings: list[tuple[list[int], float]] = []
+    parts: dict[str, float] = {}
+    hits = misses = file_bytes = storage_bytes = 0
+    last: Any = None
+    for _ in range(loads):
+        done, last = _moestream_load(args, prompt, device, budget=budget, cold=cold,
+                                     repeat=per_load, parts=parts)
+        timings += done["timings"]
+        hits, misses = hits + done["hits"], misses + done["misses"]
+        file_bytes += done["file_bytes"]
+        storage_bytes += done["storage_bytes"]
+    result = summary(timings, reference)
+    result.update({
+        "budget_bytes": last.budget_bytes,
+        "cache_peak_bytes": last.peak_device_bytes,
+        "device_peak_bytes": _peak(device),
+        "hit_rate": round(hits / (hits + misses), 4) if hits + misses else 0.0,
+        "misses": misses,
+        "file_bytes": file_bytes,
+        "storage_bytes": storage_bytes,
+        "mode": last.mode,
+        "time_ms": {k: round(v, 3) for k, v in parts.items()},
+        "bound": max(parts, key=parts.__getitem__) if parts else None,
+    })
+    return result
+
+
+def _moestream_load(args: argparse.Namespace, prompt: Any, device: Any, *,
+                    budget: Budget | None, cold: bool, repeat: int,
+                    parts: dict[str, float]) -> tuple[dict[str, Any], Any]:
+    """One moestream model loaded, warmed (unless ``cold``) and timed ``repeat`` times; its
+    token time split added into ``parts``. Returns the timings and counts, and the
+    session's last counters."""
     from bench.kit import drop_caches, make_resident
     from moestream.transformers import from_pretrained
 
@@ -178,40 +258,29 @@ def run_moestream(args: argparse.Namespace, prompt: Any, device: Any, *,
         else:
             make_resident(shard)
     _peak_reset(device)
-    model = from_pretrained(args.model, budget=budget, device=device, mode=args.mode, log=log)
+    model = from_pretrained(args.model, budget=budget, device=device, mode=args.mode)
     stream = model.moestream
-    parts: dict[str, float] = {}
     try:
         if budget is None:  # every expert on the device before timing
             _fill_cache(stream)
-        if not cold and args.warmup:
-            _generate(model, prompt, args.warmup, device)
-        before = stream.session.counters()
 
         def add(stats: Any) -> None:
             for part, ms in stats.time.items():
                 parts[part] = parts.get(part, 0.0) + ms
 
+        if not cold and args.warmup:
+            _generate(model, prompt, args.warmup, device)
+        before = stream.session.counters()
         stream.on_token = add
-        result = _timed(model, prompt, args, device, warm_up=False)
+        timings = _timed(model, prompt, args, device, warm_up=False, repeat=repeat)
         after = stream.session.counters()
     finally:
         stream.close()
-    hits, misses = after.hits - before.hits, after.misses - before.misses
-    result.update({
-        "budget_bytes": after.budget_bytes,
-        "cache_peak_bytes": after.peak_device_bytes,
-        "device_peak_bytes": _peak(device),
-        "hit_rate": round(hits / (hits + misses), 4) if hits + misses else 0.0,
-        "misses": misses,
-        "file_bytes": after.file_bytes - before.file_bytes,
-        "storage_bytes": after.storage_bytes - before.storage_bytes,
-        "mode": after.mode,
-        "time_ms": {k: round(v, 3) for k, v in parts.items()},
-        "bound": max(parts, key=parts.__getitem__) if parts else None,
-    })
     del model
-    return result
+    return {"timings": timings, "hits": after.hits - before.hits,
+            "misses": after.misses - before.misses,
+            "file_bytes": after.file_bytes - before.file_bytes,
+            "storage_bytes": after.storage_bytes - before.storage_bytes}, after
 
 
 def _fill_cache(stream: Any) -> None:
@@ -255,6 +324,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--layers", type=int, default=2, help="layers of --make's model (2)")
     p.add_argument("--tokens", type=int, default=16, help="tokens timed (16)")
     p.add_argument("--warmup", type=int, default=4, help="tokens generated first (4)")
+    p.add_argument("--repeat", type=int, default=3, help="timed generates a run (3): their "
+                   "median, each and the spread are reported")
+    p.add_argument("--cache-share", type=float, help="the warm and cold runs' cache: this "
+                   "share of the experts' bytes (0.25, say), instead of --total less the "
+                   "dense weights")
     p.add_argument("--prompt-ids", default="1,2,3,4", help="prompt token ids (1,2,3,4)")
     p.add_argument("--total", default="3GiB", help="device memory of the offloaded runs: "
                    "accelerate's max_memory, moestream's dense weights + cache (3GiB)")
@@ -289,6 +363,8 @@ def _bench(args: argparse.Namespace) -> dict[str, Any]:
     unknown = sorted(set(runs) - set(RUNS))
     if unknown:
         raise UsageError(f"--runs: unknown {', '.join(unknown)} (runs: {', '.join(RUNS)})")
+    if args.repeat < 1:
+        raise UsageError(f"--repeat must be >= 1, got {args.repeat}")
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if args.make is not None:
         if not (args.make / "config.json").is_file():
@@ -299,53 +375,56 @@ def _bench(args: argparse.Namespace) -> dict[str, Any]:
     if not (args.model / "config.json").is_file():
         raise UsageError(f"{args.model}: not a checkpoint directory (no config.json)")
     args.total_bytes = parse_size(args.total)
-    dense = dense_bytes(args.model)
-    cache = args.total_bytes - dense
+    dense, experts = checkpoint_bytes(args.model)
+    cache = _cache_bytes(args, dense, experts)
     fits = Budget(nbytes=cache)
-    if cache <= 0:
-        raise UsageError(f"--total {args.total} does not hold the dense weights "
-                         f"({dense} bytes)")
     prompt = torch.tensor([[int(t) for t in args.prompt_ids.split(",")]])
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+    reference = reference_tokens(args, prompt, device)
     plan: dict[str, Callable[[], dict[str, Any]]] = {
-        "resident": lambda: run_resident(args, prompt, device, "grouped_mm"),
-        "eager": lambda: run_resident(args, prompt, device, "eager"),
-        "accelerate": lambda: run_accelerate(args, prompt, device),
-        "warm": lambda: run_moestream(args, prompt, device, budget=fits, cold=False),
-        "cold": lambda: run_moestream(args, prompt, device, budget=fits, cold=True),
-        "all": lambda: run_moestream(args, prompt, device, budget=None, cold=False),
+        "resident": lambda: run_resident(args, prompt, device, "grouped_mm", reference),
+        "eager": lambda: run_resident(args, prompt, device, "eager", reference),
+        "accelerate": lambda: run_accelerate(args, prompt, device, reference),
+        "warm": lambda: run_moestream(args, prompt, device, reference, budget=fits, cold=False),
+        "cold": lambda: run_moestream(args, prompt, device, reference, budget=fits, cold=True),
+        "all": lambda: run_moestream(args, prompt, device, reference, budget=None, cold=False),
     }
-    results: dict[str, dict[str, Any]] = {}
-    reference: str | None = None
-    if "resident" in runs:  # first: the reference, and the process's warm-up; again last,
-        # as the first model a process loads runs slower whatever its implementation
-        runs = ["resident"] + [r for r in runs if r != "resident"] + ["resident_last"]
-        plan["resident_last"] = plan["resident"]
-    for name in runs:
-        results[name] = plan[name]()
-        tokens = results[name].get("tokens")
-        if tokens is not None and reference is None:
-            reference = tokens
-        if tokens is not None:
-            results[name]["same_tokens"] = tokens == reference
+    results = {name: plan[name]() for name in runs}
     _compare(results)
     return {
         "command": "python -m bench.transformers " + " ".join(sys.argv[1:]),
         "model": str(args.model), "device": str(device), "dense_bytes": dense,
-        "total_bytes": args.total_bytes, "cache_budget_bytes": cache, "tokens": args.tokens,
+        "expert_bytes": experts, "total_bytes": args.total_bytes, "cache_budget_bytes": cache,
+        "tokens": args.tokens, "repeat": args.repeat, "reference_tokens": reference,
+        "load_before": load,
+        "load_after": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
         **_versions(),
         "identical_tokens": all(r.get("same_tokens", True) for r in results.values()),
         "runs": results,
     }
 
 
+def _cache_bytes(args: argparse.Namespace, dense: int, experts: int) -> int:
+    """The warm and cold runs' cache budget: ``--cache-share`` of the experts' bytes, or
+    ``--total`` less the dense weights."""
+    if args.cache_share is not None:
+        if not 0 < args.cache_share <= 1:
+            raise UsageError(f"--cache-share must be in (0, 1], got {args.cache_share}")
+        return int(experts * args.cache_share)
+    cache = int(args.total_bytes) - dense
+    if cache <= 0:
+        raise UsageError(f"--total {args.total} does not hold the dense weights "
+                         f"({dense} bytes)")
+    return cache
+
+
 def _compare(results: dict[str, dict[str, Any]]) -> None:
-    """Each run's speed against the faster resident run's (``x_resident``), and the
+    """Each run's median speed against the resident run's (``x_resident``), and the
     moestream runs' against accelerate's offload (``x_accelerate``), added in place."""
-    fastest = max((results[r].get("tokens_per_s", 0.0) for r in ("resident", "resident_last")
-                   if r in results), default=None)
+    resident = results.get("resident", {}).get("tokens_per_s")
     for result in results.values():
-        if fastest and "tokens_per_s" in result:
-            result["x_resident"] = round(result["tokens_per_s"] / fastest, 3)
+        if resident and "tokens_per_s" in result:
+            result["x_resident"] = round(result["tokens_per_s"] / resident, 3)
     offload = results.get("accelerate", {}).get("tokens_per_s")
     for name in ("warm", "cold"):
         if offload and "tokens_per_s" in results.get(name, {}):

@@ -1,0 +1,39 @@
+"""bench.transformers: a tiny run whose reference holds (the process warmed first, each run
+timed ``--repeat`` times, every run's tokens checked against the warm-up's), with a cache of
+a share of the experts' bytes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from bench.transformers import main
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+
+
+def test_tiny_run_repeats_and_checks_tokens(tmp_path: Path) -> None:
+    out = tmp_path / "report.json"
+    code = main(["--make", str(tmp_path / "m"), "--shape", "tiny", "--tokens", "3",
+                 "--warmup", "1", "--repeat", "2", "--cache-share", "0.25", "--device", "cpu",
+                 "--runs", "resident,warm,all", "--out", str(out)])
+    report = json.loads(out.read_text())
+    runs = report["runs"]
+    assert code == 0 and report["identical_tokens"]
+    for name in ("resident", "warm", "all"):
+        assert runs[name]["same_tokens"] and runs[name]["tokens"] == report["reference_tokens"]
+        assert len(runs[name]["tokens_per_s_runs"]) == 2 and runs[name]["spread"] >= 0
+    assert runs["resident"]["x_resident"] == 1.0
+    # a quarter of the experts' bytes, each timed generate from a fresh load (misses in both)
+    assert report["cache_budget_bytes"] == report["expert_bytes"] // 4
+    assert runs["warm"]["misses"] > 0 and runs["all"]["hit_rate"] == 1.0
+
+
+def test_a_share_out_of_range_is_refused(tmp_path: Path) -> None:
+    assert main(["--make", str(tmp_path / "m"), "--cache-share", "1.5", "--device", "cpu",
+                 "--runs", "all"]) != 0
