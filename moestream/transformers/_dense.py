@@ -21,6 +21,7 @@ from moestream.pipeline.foundation.errors import ExpertLayoutError, ModelFileErr
 from moestream.transformers._arguments import first_line
 from moestream.transformers._gguf import GgufSource, dense_tensors
 from moestream.transformers._quantized import DenseScales
+from moestream.transformers._renaming import renamer
 
 __all__ = ["load_dense", "load_gguf_dense", "tensor_reader"]
 
@@ -37,41 +38,6 @@ _FILE_DTYPES: dict[str, Any] = {
 }
 """safetensors' type names, as torch loads them (as safetensors' own torch loader maps
 them)."""
-
-
-def _renamer(model: Any) -> Any:
-    """Checkpoint name -> (model name, the converter that builds it or None), by
-    transformers' own renamings and converters for this model; the routed experts are never
-    asked for (their converters stay unused)."""
-    meta_state = model.state_dict()
-    try:
-        from transformers.conversion_mapping import (  # type: ignore[import-not-found, unused-ignore]
-            get_model_conversion_mapping,
-        )
-        from transformers.core_model_loading import (  # type: ignore[import-not-found, unused-ignore]
-            WeightConverter,
-            WeightRenaming,
-            rename_source_key,
-        )
-    except ImportError as exc:  # an older 5.x: the names as they are
-        _log.warning("transformers_renamings_unavailable", reason=str(exc),
-                     fallback="checkpoint names used as they are")
-        return lambda key: (key, None)
-    mapping = get_model_conversion_mapping(model)
-    renamings = [t for t in mapping if isinstance(t, WeightRenaming)]
-    converters = [t for t in mapping if isinstance(t, WeightConverter)]
-    by_pattern = {p: c for c in converters for p in c.source_patterns}
-    prefix = getattr(model, "base_model_prefix", None)
-
-    def rename(key: str) -> tuple[str, tuple[Any, str] | None]:
-        renamed, pattern = rename_source_key(key, renamings, converters, prefix, meta_state)
-        if renamed not in meta_state and key in meta_state:
-            # as transformers' loading: a renaming that should not have fired (DeepSeek-V4's
-            # ``.norm.`` -> ``.kv_norm.`` on the final ``model.norm``); the prefix only
-            return rename_source_key(key, [], [], prefix, meta_state)[0], None
-        return renamed, (by_pattern[pattern], pattern) if pattern is not None else None
-
-    return rename
 
 
 def load_dense(model: Any, session: moestream.SyncSession, device: Any,
@@ -152,7 +118,7 @@ def _read_dense(model: Any, session: moestream.SyncSession, device: Any,
                 progress: bool | None, loaded: _Loaded) -> dict[str, Any]:
     """Read each dense tensor onto ``device`` and assign it; those a converter builds from
     several are collected by a copy of it instead, returned by the model name it makes."""
-    rename = _renamer(model)
+    rename = renamer(model)
     dense = list(session.model.tensors.values())
     read = tensor_reader(session)
     quantized = DenseScales(session, session.model.path)

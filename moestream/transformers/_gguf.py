@@ -49,6 +49,8 @@ from gguf.quants import dequantize as gguf_dequantize
 import moestream
 from moestream.pipeline.foundation.errors import ModelFileError, UsageError
 from moestream.transformers._arguments import first_line
+from moestream.transformers._gguf_ds4 import ARCHITECTURE as DS4
+from moestream.transformers._gguf_ds4 import ds4_config, ds4_dense_tensors
 
 __all__ = ["GgufSource", "dense_tensors", "gguf_model", "gguf_tokenizer", "is_gguf"]
 
@@ -187,6 +189,10 @@ def gguf_model(session: moestream.SyncSession,
         _check_same(path, reader, session)
         field = legacy.read_field(reader, "general.architecture")
         arch = str(field[0]) if field else "(none)"
+        if arch == DS4:  # ds4's DeepSeek V4 Flash: transformers maps no GGUF of it
+            config = ds4_config(path, reader)
+            with tempfile.TemporaryDirectory(prefix="moestream-gguf-build-") as files:
+                return build(Path(files), config), config, GgufSource(path, arch, None, legacy)
         _check_arch(path, arch, legacy)
         try:
             config = transformers.AutoConfig.from_pretrained(private, gguf_file=_LINK,
@@ -227,6 +233,9 @@ def dense_tensors(model: Any, session: moestream.SyncSession,
     tensor on the CPU), read through the session, dequantized by gguf-py and processed by
     transformers' tensor processor; tensors the model has no place for come with the model
     name None."""
+    if source.arch == DS4:
+        yield from ds4_dense_tensors(model, session)
+        return
     mapping = source.legacy.get_gguf_hf_weights_map(model, source.processor)
     for spec in session.model.tensors.values():
         weights = _dequantized(source.path, spec, session.read_tensor(spec.name))

@@ -19,7 +19,7 @@ How the names map, in two public steps and no guess:
 2. DeepSeek's name -> the model's, by transformers' own conversion mapping for
    ``deepseek_v4`` (the renamings, and the converter that stacks ``experts.*.w1`` and
    ``w3`` into ``gate_up_proj`` in that order, ``w2`` into ``down_proj``), asked through
-   the model as its loading asks (``_dense._renamer``).
+   the model as its loading asks (``_renaming.renamer``).
 
 The metadata keys, their types and the fixed choices (sqrt-softplus scores, YaRN on the
 compressed layers only and without its magnitude factor, layers 0-1 sliding then ratio 4
@@ -55,7 +55,7 @@ from gguf.quants import dequantize as gguf_dequantize
 
 import moestream
 from moestream.pipeline.foundation.errors import ExpertLayoutError, ModelFileError
-from moestream.transformers._dense import _renamer
+from moestream.transformers._renaming import renamer
 
 __all__ = ["ARCHITECTURE", "Ds4Names", "Target", "config_kwargs", "ds4_config",
            "ds4_dense_tensors", "metadata_values"]
@@ -296,7 +296,7 @@ class Ds4Names:
     """
 
     def __init__(self, model: Any, path: Path) -> None:
-        self._rename = _renamer(model)
+        self._rename = renamer(model)
         self._path = path
         self._state = set(model.state_dict())
         self._config = model.config
