@@ -45,6 +45,7 @@ from moestream.transformers._dequant_cuda import CUDA_DTYPES, layer_experts_cuda
 from moestream.transformers._dequant_cuda import available as cuda_kernel
 from moestream.transformers._generate import GenerateStats
 from moestream.transformers._gguf_experts import GgufExperts
+from moestream.transformers._host_grouped import HostWeights, host_grouped
 from moestream.transformers._layout import (
     TORCH_DTYPES,
     biases,
@@ -141,6 +142,7 @@ class ExpertStream:
         """Called with each token's stats (a live progress line, say)."""
         self._cuda = self.device.type == "cuda"
         self._started: Any = None
+        self._host_weights = HostWeights(_held_experts(session) + group_experts)
 
     # -- the token boundary ----------------------------------------------------------------
 
@@ -175,6 +177,7 @@ class ExpertStream:
 
     def close(self) -> None:
         """Close the session (idempotent); the model cannot compute its experts after."""
+        self._host_weights.clear()
         self.session.close()
 
     def __enter__(self) -> ExpertStream:
@@ -357,6 +360,11 @@ class ExpertStream:
 
     def _grouped(self, layer: int, module: Any, hidden: Any, top_k_index: Any,
                  top_k_weights: Any, wanted: Sequence[int]) -> Any:
+        if not self._cuda and layer not in self.scales and len(wanted) <= self.group_experts:
+            # the host: each expert's products on the cache's own matrices, no stacked copy
+            with self._leased(layer, wanted) as batches:
+                return host_grouped(batches, self._host_weights, module, hidden, top_k_index,
+                                    top_k_weights)
         tokens, top_k = top_k_index.shape
         expert_ids = top_k_index.reshape(-1)
         sample_weights = top_k_weights.reshape(-1)
@@ -370,6 +378,13 @@ class ExpertStream:
             return torch.zeros_like(hidden)
         final = weighted.view(tokens, top_k, hidden.size(-1)).sum(dim=1)
         return final.to(hidden.dtype)
+
+
+def _held_experts(session: SyncSession) -> int:
+    """How many of the model's smallest experts the session's budget holds."""
+    info = session.model
+    smallest = min((info.layers[layer].expert_bytes for layer in info.moe_layers), default=1)
+    return session.counters().budget_bytes // max(1, smallest)
 
 
 def _grouped_rows(experts_stream: ExpertStream, module: Any, hidden: Any, expert_ids: Any,
