@@ -195,6 +195,8 @@ def _matrix_shapes(info: MoeLayer) -> tuple[tuple[int, int], ...]:
     if info.quant is not None and info.quant.shapes is not None:
         return info.quant.shapes
     hidden, ffn = info.shape
+    if info.transposed and not info.gated:  # Ergo: up [D, F] in two row halves
+        return (hidden // 2, ffn), (hidden // 2, ffn), (ffn, hidden)
     if info.transposed:
         return (hidden // 2, 2 * ffn), (hidden // 2, 2 * ffn), (ffn, hidden)
     if not info.gated:

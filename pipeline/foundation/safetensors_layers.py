@@ -166,6 +166,8 @@ def fused_layer(path: Path, index: int, parts: dict[str, Tensor],
     """A layer of the fused form: ``gate_up_proj`` [E, 2F, D] and ``down_proj`` [E, D, F],
     or transposed (gpt-oss) [E, D, 2F] and [E, F, D]; the shapes tell which (both at once
     only when empty). gpt-oss's MXFP4 blocks are the transposed form, quantized."""
+    if "up_proj" in parts and "gate_up_proj" not in parts:
+        return _gateless_fused_layer(path, index, parts, router)
     gate_up, down = parts.get("gate_up_proj"), parts.get("down_proj")
     if gate_up is None or down is None:
         missing = "gate_up_proj" if gate_up is None else "down_proj"
@@ -198,6 +200,34 @@ def fused_layer(path: Path, index: int, parts: dict[str, Tensor],
         down_offset=down.offset, gate_bytes=stride // 2, up_bytes=stride // 2,
         down_bytes=down.nbytes // n, gate_up_stride=stride, fused_gate_up=True,
         router=router, shape=(hidden, ffn), transposed=transposed,
+    )
+
+
+def _gateless_fused_layer(path: Path, index: int, parts: dict[str, Tensor],
+                          router: TensorInfo | None) -> MoeLayer:
+    """A fused layer of experts without a gate, as Ergo stores them: ``up_proj`` [E, D, F]
+    and ``down_proj`` [E, F, D], transposed (the shapes alone cannot tell [E, F, D] and
+    [E, D, F] apart: a checkpoint of the other form meets config.json's hidden size, which
+    refuses it); an expert's up goes in two row halves as the "gate" and "up" slices, as a
+    per-expert gate-less layer's."""
+    up, down = parts["up_proj"], parts.get("down_proj")
+    if down is None:
+        raise ExpertLayoutError(path, f"layer {index}: fused experts lack down_proj")
+    if len(up.shape) != 3 or len(down.shape) != 3:
+        raise ExpertLayoutError(path, f"layer {index}: fused experts must be 3-D, got "
+                                      f"{short(list(up.shape))} and {short(list(down.shape))}")
+    n, hidden, ffn = up.shape
+    if down.shape != (n, ffn, hidden) or 0 in (n, hidden, ffn) or hidden % 2:
+        raise ExpertLayoutError(path, f"layer {index}: up_proj {list(up.shape)} and down_proj "
+                                      f"{list(down.shape)} are not [E, D, F] and [E, F, D] "
+                                      "with D even")
+    stride = up.nbytes // n
+    return MoeLayer(
+        index=index, n_experts=n, gate_up_type=expert_type(path, index, up),
+        down_type=expert_type(path, index, down), gate_offset=up.offset,
+        up_offset=up.offset + stride // 2, down_offset=down.offset, gate_bytes=stride // 2,
+        up_bytes=stride // 2, down_bytes=down.nbytes // n, gate_up_stride=stride,
+        fused_gate_up=True, router=router, shape=(hidden, ffn), transposed=True, gated=False,
     )
 
 

@@ -21,7 +21,9 @@ block ``B`` (``mlp``; ``block_sparse_moe`` in Mixtral and Granite, ``ffn`` in De
   JetMoE's under ``mlp``) are the same two; gpt-oss's are transposed, ``[E, D, 2F]`` (gate
   and up interleaved by column) and ``[E, F, D]`` (``MoeLayer.transposed``), their biases
   non-routed tensors; Llama 4's and Aria's (``experts.fc1.weight``/``fc2.weight``) are
-  transposed too, gate the first F columns.
+  transposed too, gate the first F columns; Ergo's have no gate, ``B.up_proj`` ``[E, D, F]``
+  and ``B.down_proj`` ``[E, F, D]`` (no ``experts.``, no ``.weight``: what tells them from a
+  dense MLP's).
 
 Shared experts (``mlp.shared_expert(s)``), dense layers and everything else are non-routed
 tensors (``is_routed`` tells which). The router of layer L is ``...layers.L.B.gate.weight``
@@ -103,8 +105,8 @@ _EXPERT = re.compile(rf"^(?:.*\.)?layers\.(\d+)\.(?:{_MOE}\.)?experts\.(\d+)\."
                      r"(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$", re.ASCII)
 _FUSED = re.compile(rf"^(?:.*\.)?layers\.(\d+)\.(?:(?:{_MOE}\.)?experts\."
                     r"(?:(gate_up_proj|down_proj)(?:\.weight|_blocks)?|(fc1|fc2)\.weight)"
-                    r"|(?:block_sparse_moe|mlp)\.(input_linear|output_linear)\.weight)$",
-                    re.ASCII)
+                    r"|(?:block_sparse_moe|mlp)\.(input_linear|output_linear)\.weight"
+                    rf"|{_MOE}\.(up_proj|down_proj))$", re.ASCII)
 _ROUTER = re.compile(rf"^(?:.*\.)?layers\.(\d+)\.{_MOE}\.(?:gate|router|router\.layer)"
                      r"\.weight$", re.ASCII)
 _BLOCK = re.compile(r"(?:^|\.)layers\.(\d+)\.", re.ASCII)
@@ -268,7 +270,7 @@ def _sort_tensors(path: Path, shards: list[Shard]) -> tuple[
                 _claim(path, parts, _MATRIX[m.group(3)], t, f"layer {layer} expert {expert}'s")
             elif (m := _FUSED.match(name)) is not None:
                 layer = _index(path, name, m.group(1), "layer")
-                slot = m.group(2) or _FUSED_NAMES[m.group(3) or m.group(4)]
+                slot = m.group(2) or m.group(5) or _FUSED_NAMES[m.group(3) or m.group(4)]
                 t = Tensor(name, dtype, shape, base + begin, end - begin)
                 _claim(path, fused.setdefault(layer, {}), slot, t, f"layer {layer}'s")
             else:

@@ -117,6 +117,39 @@ class TestExactness:
             assert counters.peak_device_bytes <= counters.budget_bytes
 
 
+class TestErgo:
+    """Ergo: experts without a gate stored as ``feed_forward.up_proj``/``down_proj``, a
+    norm per expert that transformers applies around its registry call."""
+
+    @pytest.mark.parametrize("budget", [None, "4"])
+    def test_eager_exact(self, tmp_path: Path, budget: str | None) -> None:
+        if _missing("ergo"):
+            pytest.skip(str(_missing("ergo")))
+        counters = _check_exact(_save("ergo", tmp_path / "ergo"), "ergo", "eager", budget,
+                                "cpu")
+        assert counters.misses > 0
+
+    def test_grouped_tokens(self, tmp_path: Path) -> None:
+        """Its model computes in float32 (the checkpoint's norms and router are), where
+        transformers' grouped product over every expert and moestream's over the arrived
+        ones round the last bit apart: greedy tokens identical, logits within float32's
+        rounding."""
+        if _missing("ergo"):
+            pytest.skip(str(_missing("ergo")))
+        path = _save("ergo", tmp_path / "ergo")
+        whole = _whole(path, "ergo", "grouped")
+        model = mt.from_pretrained(path, device="cpu", compute="grouped", budget="4")
+        try:
+            ids = torch.tensor(PROMPTS)
+            with torch.no_grad():
+                expected, got = whole(ids).logits, model(ids).logits
+            assert expected.dtype == torch.float32
+            assert torch.allclose(expected, got, rtol=0, atol=8 * torch.finfo(got.dtype).eps)
+            assert torch.equal(_generate(whole, 8), _generate(model, 8))
+        finally:
+            model.moestream.close()
+
+
 class TestSwap:
     """What the swap puts in the model, and what it leaves as it was."""
 
