@@ -8,7 +8,8 @@ most GGUF MoE files). Both dequantizers give gguf-py's values bit for bit (the r
 
 - ``HostDequantizer`` (the host backend) calls ``gguf.quants.dequantize`` itself;
 - ``CudaDequantizer`` (CuPy) runs one raw kernel per type over many matrices at once (their
-  rows in one table), written in ``moestream.gpu.dequantsource``: the proxy hands it a batch
+  rows in one table, read in place from pinned memory), written in
+  ``moestream.gpu.dequantsource``: the proxy hands it a batch
   of arrived experts, so a layer costs one launch per type, not one per matrix.
 
 The types are ``moestream.pipeline.foundation.compute.DEQUANTIZED``; another is refused in
@@ -98,7 +99,10 @@ class HostDequantizer:
         views = []
         for src, (at, n) in zip(sources, _layout(qtype, sources, out), strict=True):
             view = out[at : at + n]
-            view[...] = gguf.quants.dequantize(src, qtype)
+            # extreme scales overflow to inf (inf - inf is NaN) in gguf-py as on the device:
+            # the values are the reference's, not a fault to warn of
+            with np.errstate(over="ignore", invalid="ignore"):
+                view[...] = gguf.quants.dequantize(src, qtype)
             views.append(view)
         return views
 

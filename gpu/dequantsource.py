@@ -8,8 +8,8 @@ order (``d * sc`` before ``* q``, ``dl * q - ml``); the products and sums are th
 intrinsics so the compiler cannot contract them into a fused multiply-add (one rounding
 fewer: not gguf-py's bits). Float16 scales are widened by their bits (exact, subnormals
 included), not by ``cuda_fp16.h``, so the source also builds as host C++ for the tests that
-check it without a GPU. IQ2_XXS's grid and sign patterns are written into the source from
-gguf-py's own tables.
+check it without a GPU. The IQ grids, sign patterns and levels (IQ2_XXS, IQ2_XS, IQ3_XXS,
+IQ4_NL's for IQ4_XS, MXFP4's) are written into the source from gguf-py's own tables.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ __all__ = ["KERNELS", "dequant_source"]
 KERNELS: dict[Q, str] = {
     q: f"dequant_{q.name.lower()}"
     for q in (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K,
-              Q.IQ2_XXS)
+              Q.IQ2_XXS, Q.IQ2_XS, Q.IQ3_XXS, Q.IQ4_XS, Q.MXFP4)
 }
 """Each type's kernel name (``Row``: source address, destination address, blocks)."""
 
@@ -132,6 +132,38 @@ __device__ __forceinline__ float iq2_xxs(const unsigned char* b, int j) {
     // a sign flips the sign bit only: (db * grid) * -1 is -(db * grid), bit for bit
     return (KSIGNS[(meta >> (7 * k)) & 127u] >> e) & 1u ? -v : v;
 }
+__device__ __forceinline__ float iq2_xs(const unsigned char* b, int j) {
+    const unsigned char* q = b + 2 + 2 * (j >> 3);  // a 9-bit grid index, 7 bits of signs
+    unsigned int word = (unsigned int)q[0] | ((unsigned int)q[1] << 8);
+    unsigned int scale = (b[66 + (j >> 5)] >> (4 * ((j >> 4) & 1))) & 15u;
+    float db = __fmul_rn(__fmul_rn(h2f(b), __fadd_rn(0.5f, (float)scale)), 0.25f);
+    int e = j & 7;
+    float v = __fmul_rn(db, (float)IQ2_XS_GRID[(word & 511u) * 8 + e]);
+    return (KSIGNS[word >> 9] >> e) & 1u ? -v : v;
+}
+__device__ __forceinline__ float iq3_xxs(const unsigned char* b, int j) {
+    const unsigned char* w = b + 66 + 4 * (j >> 5);  // the sub-block's meta word
+    unsigned int meta = (unsigned int)w[0] | ((unsigned int)w[1] << 8)
+                        | ((unsigned int)w[2] << 16) | ((unsigned int)w[3] << 24);
+    float db = __fmul_rn(__fmul_rn(h2f(b), __fadd_rn(0.5f, (float)(meta >> 28))), 0.5f);
+    int k = (j >> 3) & 3, e = j & 7;
+    float v = __fmul_rn(db, (float)IQ3_XXS_GRID[b[2 + (j >> 2)] * 4 + (j & 3)]);
+    return (KSIGNS[(meta >> (7 * k)) & 127u] >> e) & 1u ? -v : v;
+}
+__device__ __forceinline__ float iq4_xs(const unsigned char* b, int j) {
+    int g = j >> 5, r = j & 31;
+    unsigned int high = (((unsigned int)b[2] | ((unsigned int)b[3] << 8)) >> (2 * g)) & 3u;
+    unsigned int low = (b[4 + (g >> 1)] >> (4 * (g & 1))) & 15u;
+    float dl = __fmul_rn(h2f(b), (float)((int)(low | (high << 4)) - 32));
+    unsigned int q = (b[8 + g * 16 + (r & 15)] >> (4 * (r >> 4))) & 15u;
+    return __fmul_rn(dl, (float)IQ4_LEVELS[q]);
+}
+__device__ __forceinline__ float mxfp4(const unsigned char* b, int j) {
+    // ggml_e8m0_to_fp32_half: 2**(e - 128) by its bits, subnormal below e = 2
+    unsigned int e = b[0];
+    float d = __uint_as_float(e < 2u ? 0x00200000u << e : (e - 1u) << 23);
+    return __fmul_rn(d, (float)MXFP4_LEVELS[nib(b + 1, j, 16)]);
+}
 """
 
 _KERNEL = r"""
@@ -148,18 +180,26 @@ extern "C" __global__ void dequant_{name}(const Row* rows) {{
 """
 
 
-def _byte_table(name: str, values: np.ndarray) -> str:
+def _table(name: str, values: np.ndarray, ctype: str = "unsigned char") -> str:
     body = ",".join(str(int(v)) for v in values.reshape(-1))
-    return f"__device__ const unsigned char {name}[{values.size}] = {{{body}}};\n"
+    return f"__device__ const {ctype} {name}[{values.size}] = {{{body}}};\n"
+
+
+def _grid(kind: type) -> np.ndarray:
+    """An IQ type's grid values (small integers, exact in a byte), row by row."""
+    kind.init_grid()  # type: ignore[attr-defined]
+    grid: np.ndarray = kind.grid  # type: ignore[attr-defined]
+    return grid.reshape(-1).astype(np.uint8)
 
 
 def dequant_source() -> str:
     """The kernels' CUDA C: the tables from gguf-py, the value routines, a kernel a type."""
-    quants.IQ2_XXS.init_grid()  # type: ignore[no-untyped-call]
-    grid = quants.IQ2_XXS.grid
-    assert grid is not None  # init_grid made it
-    tables = (_byte_table("IQ2_XXS_GRID", grid.reshape(-1).astype(np.uint8))
-              + _byte_table("KSIGNS", np.frombuffer(quants.IQ2_XXS.ksigns, dtype=np.uint8)))
+    tables = (_table("IQ2_XXS_GRID", _grid(quants.IQ2_XXS))
+              + _table("IQ2_XS_GRID", _grid(quants.IQ2_XS))
+              + _table("IQ3_XXS_GRID", _grid(quants.IQ3_XXS))
+              + _table("KSIGNS", np.frombuffer(quants.IQ2_XXS.ksigns, dtype=np.uint8))
+              + _table("IQ4_LEVELS", np.array(quants.IQ4_NL.kvalues), "signed char")
+              + _table("MXFP4_LEVELS", np.array(quants.MXFP4.kvalues), "signed char"))
     kernels = "".join(
         _KERNEL.format(name=name.removeprefix("dequant_"), elems=GGML_QUANT_SIZES[q][0],
                        size=GGML_QUANT_SIZES[q][1])

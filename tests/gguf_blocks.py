@@ -15,7 +15,7 @@ from tests.gguf_files import finish_gguf
 
 SCALES = {Q.Q4_0: (0,), Q.Q4_1: (0, 2), Q.Q5_0: (0,), Q.Q5_1: (0, 2), Q.Q8_0: (0,),
           Q.Q2_K: (80, 82), Q.Q3_K: (108,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,),
-          Q.IQ2_XXS: (0,)}
+          Q.IQ2_XXS: (0,), Q.IQ2_XS: (0,), Q.IQ3_XXS: (0,), Q.IQ4_XS: (0,), Q.MXFP4: ()}
 """Each type's float16 scale fields (byte offsets in a block): the only bytes that can be
 invalid (inf or NaN); every other byte is valid as it comes."""
 
@@ -23,7 +23,8 @@ invalid (inf or NaN); every other byte is valid as it comes."""
 def random_blocks(qtype: Q, n: int, seed: int = 0, extreme: bool = True) -> np.ndarray:
     """``n`` valid random blocks of ``qtype``, (n, block bytes) uint8: random bytes, finite
     float16 scales (``extreme``: any finite half, the smallest subnormal, -0 and +-65504
-    among them; else small positive ones, whose values a SwiGLU keeps finite)."""
+    among them, and any MXFP4 scale byte; else small positive scales, whose values a SwiGLU
+    keeps finite)."""
     rng = np.random.default_rng([seed, int(qtype)])
     blocks = rng.integers(0, 256, (n, GGML_QUANT_SIZES[qtype][1]), dtype=np.uint8)
     for offset in SCALES[qtype]:
@@ -34,23 +35,42 @@ def random_blocks(qtype: Q, n: int, seed: int = 0, extreme: bool = True) -> np.n
         else:
             halves = (rng.uniform(2.0**-12, 2.0**-8, n)).astype(np.float16).view(np.uint16)
         blocks[:, offset : offset + 2] = halves.view(np.uint8).reshape(n, 2)
+    if qtype == Q.MXFP4 and not extreme:  # its E8M0 scale: 2**(e - 128), here 2**-10..2**-6
+        blocks[:, 0] = rng.integers(118, 123, n)
     return blocks
 
 
-def every_iq2_xxs_pattern() -> np.ndarray:
-    """IQ2_XXS blocks holding each of the 256 grid points under each of the 128 sign
-    patterns once (32 pairs a block: 8 sub-blocks of 4), random scales otherwise."""
-    n = 256 * 128 // 32  # 32 (point, signs) pairs a block: 8 sub-blocks x 4
-    blocks = random_blocks(Q.IQ2_XXS, n, seed=7)
-    pairs = np.arange(256 * 128)
-    points, signs = (pairs >> 7).astype(np.uint32), (pairs & 127).astype(np.uint32)
-    words = blocks[:, 2:].copy().view("<u4").reshape(n, 8, 2)
-    points, signs = points.reshape(n, 8, 4), signs.reshape(n, 8, 4)
-    words[:, :, 0] = points[..., 0] | points[..., 1] << 8 | points[..., 2] << 16 \
-        | points[..., 3] << 24
-    words[:, :, 1] = (words[:, :, 1] & 0xF0000000) | signs[..., 0] | signs[..., 1] << 7 \
-        | signs[..., 2] << 14 | signs[..., 3] << 21
-    blocks[:, 2:] = words.reshape(n, 16).view(np.uint8)
+def every_pattern(qtype: Q) -> np.ndarray:
+    """Blocks of ``qtype`` (IQ2_XXS, IQ2_XS, IQ3_XXS or MXFP4) holding each of its codes at
+    least once, random otherwise: IQ2_XXS's every grid point under every sign pattern,
+    IQ2_XS's every 16-bit word (a 9-bit point, 7 bits of signs), IQ3_XXS's every grid point
+    and every sign index, MXFP4's every E8M0 scale and every 4-bit code."""
+    if qtype == Q.MXFP4:
+        blocks = random_blocks(qtype, 256, seed=7)
+        blocks[:, 0] = np.arange(256)
+        blocks[:, 1:] = np.arange(16, dtype=np.uint8) * 17  # both nibbles: every code
+        return blocks
+    if qtype == Q.IQ2_XS:
+        blocks = random_blocks(qtype, 65536 // 32, seed=7)
+        blocks[:, 2:66] = np.arange(65536, dtype="<u2").reshape(-1, 32).view(np.uint8)
+        return blocks
+    pairs = np.arange(256 * 128)  # (grid point, sign index), 32 a block: 8 words of 4 signs
+    n = len(pairs) // 32
+    blocks = random_blocks(qtype, n, seed=7)
+    signs = (pairs & 127).astype(np.uint32).reshape(n, 8, 4)
+    packed = signs[..., 0] | signs[..., 1] << 7 | signs[..., 2] << 14 | signs[..., 3] << 21
+    if qtype == Q.IQ2_XXS:  # a sub-block: a word of 4 one-byte points, then the meta word
+        words = blocks[:, 2:].copy().view("<u4").reshape(n, 8, 2)
+        points = (pairs >> 7).astype(np.uint32).reshape(n, 8, 4)
+        words[:, :, 0] = points[..., 0] | points[..., 1] << 8 | points[..., 2] << 16 \
+            | points[..., 3] << 24
+        words[:, :, 1] = (words[:, :, 1] & 0xF0000000) | packed
+        blocks[:, 2:] = words.reshape(n, 16).view(np.uint8)
+        return blocks
+    # IQ3_XXS: 64 one-byte points (every point in every 4 blocks), then 8 meta words
+    blocks[:, 2:66] = np.arange(256, dtype=np.uint8).reshape(4, 64)[np.arange(n) % 4]
+    words = blocks[:, 66:98].copy().view("<u4")
+    blocks[:, 66:98] = ((words & 0xF0000000) | packed).astype("<u4").view(np.uint8)
     return blocks
 
 

@@ -26,9 +26,10 @@ from moestream.gpu.dequantsource import KERNELS, dequant_source
 from moestream.gpu.host import HostStream
 from moestream.pipeline.foundation.compute import DEQUANTIZED
 from moestream.pipeline.foundation.errors import UsageError
-from tests.gguf_blocks import every_iq2_xxs_pattern, random_blocks, reference, same_bits
+from tests.gguf_blocks import every_pattern, random_blocks, reference, same_bits
 
 TYPES = sorted(DEQUANTIZED, key=lambda q: q.name)
+PATTERNED = [Q.IQ2_XXS, Q.IQ2_XS, Q.IQ3_XXS, Q.MXFP4]
 
 
 class TestTypes:
@@ -40,7 +41,7 @@ class TestTypes:
     def test_ds4s_and_the_common_types(self) -> None:
         assert {Q.IQ2_XXS, Q.Q2_K, Q.Q8_0, Q.Q4_0, Q.Q4_K, Q.Q5_K, Q.Q6_K} <= DEQUANTIZED
 
-    @pytest.mark.parametrize("qtype", [Q.IQ1_S, Q.TQ1_0, Q.MXFP4, Q.F32])
+    @pytest.mark.parametrize("qtype", [Q.IQ1_S, Q.TQ1_0, Q.IQ3_S, Q.F32])
     def test_other_types_refused_in_one_line(self, qtype: Q) -> None:
         with pytest.raises(UsageError, match=f"cannot dequantize {qtype.name} experts") as e:
             HostDequantizer().dequantize(qtype, [np.zeros(64, np.uint8)],
@@ -133,8 +134,9 @@ class TestKernelSourceOnTheHost:
         for m, values in zip(mats, walk(qtype, [m.reshape(-1) for m in mats]), strict=True):
             assert same_bits(values, reference(qtype, m))
 
-    def test_every_iq2_xxs_grid_point_and_sign_pattern(self, walk: Callable[..., Any]) -> None:
-        """Each of the 256 grid points under each of the 128 sign patterns, in some block."""
-        blocks = every_iq2_xxs_pattern()
-        (values,) = walk(Q.IQ2_XXS, [blocks.reshape(-1)])
-        assert same_bits(values, reference(Q.IQ2_XXS, blocks))
+    @pytest.mark.parametrize("qtype", PATTERNED, ids=lambda q: q.name)
+    def test_every_code(self, walk: Callable[..., Any], qtype: Q) -> None:
+        """Every grid point and sign pattern (IQ types), every scale and code (MXFP4)."""
+        blocks = every_pattern(qtype)
+        (values,) = walk(qtype, [blocks.reshape(-1)])
+        assert same_bits(values, reference(qtype, blocks))

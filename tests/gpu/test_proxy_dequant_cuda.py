@@ -1,9 +1,10 @@
 """The proxy engine's CUDA dequantizer (``moestream.gpu.dequant.CudaDequantizer``) on a
 device: every type bitwise gguf-py's float32 values on random valid blocks (every finite
-float16 scale among them) and every IQ2_XXS grid point and sign pattern, several matrices a
-launch; then ``real`` compute on a quantized model on CuPy: one launch per type per batch,
-its layer sums close to the host's (cuBLAS and numpy add in their own orders), and
-``pipeline.run --backend cupy --compute real`` decoding a quantized model, verified."""
+float16 scale among them), every IQ grid point and sign pattern, every MXFP4 scale and code,
+several matrices a launch; then ``real`` compute on a quantized model on CuPy: one launch
+per type per batch, its layer sums close to the host's (cuBLAS and numpy add in their own
+orders), and ``pipeline.run --backend cupy --compute real`` decoding a quantized model,
+verified."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from gguf import GGMLQuantizationType as Q
 from moestream.gpu.cuda import unavailable_reason
 from moestream.pipeline.foundation.compute import DEQUANTIZED
 from tests.gguf_blocks import (
-    every_iq2_xxs_pattern,
+    every_pattern,
     random_blocks,
     reference,
     same_bits,
@@ -66,10 +67,12 @@ def test_bitwise_gguf(cuda: Any, qtype: Q, extreme: bool) -> None:
         assert same_bits(values, reference(qtype, m))
 
 
-def test_every_iq2_xxs_grid_point_and_sign_pattern(cuda: Any) -> None:
-    blocks = every_iq2_xxs_pattern()
-    (values,) = _dequantize(cuda, Q.IQ2_XXS, [blocks])
-    assert same_bits(values, reference(Q.IQ2_XXS, blocks))
+@pytest.mark.parametrize("qtype", [Q.IQ2_XXS, Q.IQ2_XS, Q.IQ3_XXS, Q.MXFP4],
+                         ids=lambda q: q.name)
+def test_every_code(cuda: Any, qtype: Q) -> None:
+    blocks = every_pattern(qtype)
+    (values,) = _dequantize(cuda, qtype, [blocks])
+    assert same_bits(values, reference(qtype, blocks))
 
 
 def test_a_whole_ds4_expert_matrix(cuda: Any) -> None:
