@@ -40,7 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="eviction: lru, or freq (route hotness with decay) (lru)")
     p.add_argument("--compute", default="real",
                    help="real (SwiGLU on F16 experts, or GGUF quantized ones dequantized: "
-                   "Q4_0..Q8_0, Q2_K..Q6_K, IQ2_XXS), digest, or fixed:MS per layer (real)")
+                   "Q4_0..Q8_0, Q2_K..Q6_K, IQ2_XXS, IQ2_XS, IQ3_XXS, IQ4_XS, MXFP4), digest, "
+                   "or fixed:MS per layer (real)")
     p.add_argument("--backend", default="auto", choices=["auto", "host", "cupy"])
     p.add_argument("--devices", help="devices to shard the experts over, e.g. 0,1 (default: "
                    "every visible GPU; with --backend host, indices emulate devices)")
