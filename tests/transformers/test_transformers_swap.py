@@ -117,6 +117,27 @@ class TestExactness:
             assert counters.peak_device_bytes <= counters.budget_bytes
 
 
+class TestLlama4Checkpoint:
+    """Llama 4 as Scout and Maverick ship: the multimodal checkpoint
+    (``Llama4ForConditionalGeneration``, ``language_model.model.layers...``), whose text
+    model transformers' AutoModelForCausalLM builds."""
+
+    def test_text_model_exact(self, tmp_path: Path) -> None:
+        if _missing("llama4"):
+            pytest.skip(str(_missing("llama4")))
+        vision = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                      intermediate_size=32, image_size=28, patch_size=14,
+                      vision_output_dim=32, projector_input_dim=32, projector_output_dim=32)
+        config = transformers.Llama4Config(text_config=_config("llama4").to_dict(),
+                                           vision_config=vision)
+        torch.manual_seed(0)
+        transformers.Llama4ForConditionalGeneration(config).to(torch.bfloat16) \
+            .save_pretrained(tmp_path / "llama4")
+        # a budget of 16 experts: the top-k sits in text_config, beyond the table's reading
+        counters = _check_exact(tmp_path / "llama4", "llama4", "grouped", "16", "cpu")
+        assert counters.evictions > 0
+
+
 class TestErgo:
     """Ergo: experts without a gate stored as ``feed_forward.up_proj``/``down_proj``, a
     norm per expert that transformers applies around its registry call."""
