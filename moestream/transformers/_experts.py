@@ -55,6 +55,7 @@ from moestream.transformers._layout import (
     view,
 )
 from moestream.transformers._quantized import LayerScales
+from moestream.transformers._routing import WholeLayers
 
 __all__ = ["COMPUTES", "IMPLEMENTATION", "Compute", "ExpertStream", "experts_forward", "register",
            "stream_of"]
@@ -143,6 +144,8 @@ class ExpertStream:
         self._cuda = self.device.type == "cuda"
         self._started: Any = None
         self._host_weights = HostWeights(_held_experts(session) + group_experts)
+        # a GPU model held whole computes its layers with no host read of the routing
+        self._whole = WholeLayers(session, self.device) if self._cuda else None
 
     # -- the token boundary ----------------------------------------------------------------
 
@@ -168,6 +171,8 @@ class ExpertStream:
             done.record(torch.cuda.current_stream(self.device))
             done.synchronize()  # the logits are read next anyway (sampling)
             compute_ms = float(self._started.elapsed_time(done))
+        if self._whole is not None:  # its calls' hits, counted now the device is done
+            self._whole.account(torch.cuda.current_stream(self.device))
         self._started = None
         self.last = self.session.end_token(compute_ms=compute_ms)
         self.tokens += 1
@@ -178,6 +183,8 @@ class ExpertStream:
     def close(self) -> None:
         """Close the session (idempotent); the model cannot compute its experts after."""
         self._host_weights.clear()
+        if self._whole is not None:
+            self._whole.forget()
         self.session.close()
 
     def __enter__(self) -> ExpertStream:
@@ -208,6 +215,10 @@ class ExpertStream:
     def forward(self, layer: int, module: Any, hidden: Any, top_k_index: Any,
                 top_k_weights: Any) -> Any:
         """The routed experts' output for ``hidden``, as the module's experts would give."""
+        if self._whole is not None and self.compute == "grouped" and layer not in self.scales:
+            out = self._whole.forward(layer, module, hidden, top_k_index, top_k_weights)
+            if out is not None:
+                return out
         # the one host read of a layer: which experts to ask for (eager reads it too); one
         # copy of the ids, not a device unique (which would synchronize once more)
         wanted = sorted({int(e) for e in top_k_index.flatten().tolist()})

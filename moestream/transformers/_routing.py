@@ -1,0 +1,296 @@
+"""A CUDA layer held whole: its experts call without the host reading the routing.
+
+To fetch a layer's experts the experts call must name them, and on a GPU naming them reads
+the router's choice on the host: a device synchronization per MoE layer, after which the
+host no longer queues work ahead of the device. When the cache's budget holds every expert
+of the model and a layer's experts are all cached, nothing can evict them, so the call
+needs no lease to pin them: :class:`WholeLayers` keeps a device table of each such layer's
+matrix addresses (its slot table, built once from one lease of the whole layer), and
+:meth:`WholeLayers.grouped` computes the call on the device alone: the pairs sorted by
+expert, the distinct experts numbered there, one kernel copying their weights from the
+cache into the grouped product's stacked weights by the table, then transformers' own
+grouped product (``grouped_mm_experts_forward``'s arithmetic, the same groups of the same
+rows: the same bits). The routing is copied to pinned host memory behind an event, read
+at the token's end, after the device synchronization that ends it anyway, to count the
+layer's hits in the session (:meth:`WholeLayers.account`).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch  # type: ignore[import-not-found, unused-ignore]
+
+from moestream import SyncSession
+from moestream.transformers._layout import TORCH_DTYPES, biases, first_projection, grouped_linear
+
+__all__ = ["MAX_SLOTS", "Gather", "WholeLayers", "slotted_grouped"]
+
+MAX_SLOTS = 64
+"""The most distinct experts one call stacks on this path (a decode step's top-k, a short
+verification forward's); a call that may route to more (a prompt) takes the lease path."""
+
+_THREADS = 256
+_SOURCE = r"""
+// slot j of the call gets expert slots[j]'s gate and up (in order, its first projection)
+// and its down, copied from the cache by the layer's table of addresses (gate, up, down a
+// row); a slot of -1 (fewer distinct experts than slots) is an empty group, left unwritten
+__device__ void copy_bytes(unsigned char* dst, const unsigned char* src, long long n,
+                           long long start, long long step) {
+  if ((((unsigned long long)dst | (unsigned long long)src | (unsigned long long)n) & 15) == 0) {
+    const uint4* s = (const uint4*)src;
+    uint4* d = (uint4*)dst;
+    for (long long i = start; i < n / 16; i += step) d[i] = s[i];
+  } else {
+    for (long long i = start; i < n; i += step) dst[i] = src[i];
+  }
+}
+
+extern "C" __global__ void gather_experts(const long long* table, const long long* slots,
+                                          unsigned char* first, unsigned char* down,
+                                          long long gate_bytes, long long up_bytes,
+                                          long long down_bytes) {
+  long long expert = slots[blockIdx.y];
+  if (expert < 0) return;
+  const long long* row = table + 3 * expert;
+  long long start = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  long long step = (long long)gridDim.x * blockDim.x;
+  unsigned char* to = first + blockIdx.y * (gate_bytes + up_bytes);
+  copy_bytes(to, (const unsigned char*)row[0], gate_bytes, start, step);
+  copy_bytes(to + gate_bytes, (const unsigned char*)row[1], up_bytes, start, step);
+  copy_bytes(down + blockIdx.y * down_bytes, (const unsigned char*)row[2], down_bytes, start,
+             step);
+}
+"""
+
+
+@functools.cache
+def _kernel(device: int) -> Any:
+    import cupy
+
+    with cupy.cuda.Device(device):
+        return cupy.RawModule(code=_SOURCE).get_function("gather_experts")
+
+
+@functools.lru_cache(maxsize=64)
+def _stream(pointer: int, device: int) -> Any:
+    """torch's stream as CuPy's (made once a stream)."""
+    import cupy
+
+    with warnings.catch_warnings():  # its successor needs a protocol older torch lacks
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return cupy.cuda.ExternalStream(pointer, device)
+
+
+class _Table:
+    """One whole layer's addresses on the device, ``(experts, 3)`` int64, and its matrices'
+    bytes (every expert of a layer has the same)."""
+
+    __slots__ = ("addresses", "down_bytes", "gate_bytes", "up_bytes")
+
+    def __init__(self, addresses: Any, sizes: tuple[int, int, int]) -> None:
+        self.addresses = addresses
+        self.gate_bytes, self.up_bytes, self.down_bytes = sizes
+
+    def fits(self, first_shape: tuple[int, ...], down_shape: tuple[int, ...], dtype: Any
+             ) -> bool:
+        """Whether an expert's gate and up fill one of the module's first projections and
+        its down one down projection, in ``dtype`` (what the copies assume)."""
+        size = int(dtype.itemsize)
+        return (size * math.prod(first_shape) == self.gate_bytes + self.up_bytes
+                and size * math.prod(down_shape) == self.down_bytes)
+
+
+class WholeLayers:
+    """The slot tables of one CUDA model's layers, once the cache holds every expert of the
+    model within a budget that holds them all: no miss can come, so nothing is evicted and
+    the tables stay true.
+
+    Args:
+        session: the model's session (CuPy backend).
+        device: the torch CUDA device the model computes on.
+    """
+
+    def __init__(self, session: SyncSession, device: Any) -> None:
+        self.session = session
+        self.device = torch.device(device)
+        info = session.model
+        self._total = sum(info.layers[layer].n_experts * info.layers[layer].expert_bytes
+                          for layer in info.moe_layers)
+        self._tables: dict[tuple[int, Any], _Table | None] = {}
+        self._whole: bool | None = None
+        self._pending: list[tuple[int, Any, Any]] = []
+
+    def forward(self, layer: int, module: Any, hidden: Any, top_k_index: Any,
+                top_k_weights: Any) -> Any | None:
+        """The experts call served on the device alone, or None where this path does not
+        apply (the model not held whole yet, a call of more than ``MAX_SLOTS`` experts, no
+        tokens, a cast needed)."""
+        pairs = top_k_index.numel()
+        if pairs == 0 or min(pairs, module.num_experts) > MAX_SLOTS:
+            return None
+        dtype = module.down_proj.dtype
+        first_shape = tuple(first_projection(module).shape[1:])
+        down_shape = tuple(module.down_proj.shape[1:])
+        table = self._table(layer, dtype, first_shape, down_shape)
+        if table is None:
+            return None
+        return self.grouped(layer, table, module, hidden, top_k_index, top_k_weights,
+                            first_shape, down_shape)
+
+    def _table(self, layer: int, dtype: Any, first_shape: tuple[int, ...],
+               down_shape: tuple[int, ...]) -> _Table | None:
+        key = (layer, dtype)
+        if key in self._tables:
+            return self._tables[key]
+        if self._whole is None:  # asked once a token until it holds
+            self._whole = self._holds_every_expert()
+        if not self._whole:
+            return None
+        made = self._make(layer, self.session.model.layers[layer].n_experts, dtype)
+        if made is not None and not made.fits(first_shape, down_shape, dtype):
+            made = None  # a layout the copies do not serve: the lease path
+        self._tables[key] = made
+        return made
+
+    def _holds_every_expert(self) -> bool:
+        """Whether the budget holds every expert of the model and all are cached (host
+        queries: no device work)."""
+        session = self.session
+        if session.counters().budget_bytes < self._total:
+            return False
+        layers = session.model.layers
+        return all(session.ready(layer, range(layers[layer].n_experts))
+                   for layer in session.model.moe_layers)
+
+    def _make(self, layer: int, n: int, dtype: Any) -> _Table | None:
+        stream = torch.cuda.current_stream(self.device)
+        with self.session.fetch(layer, list(range(n))) as lease:
+            handles = lease.gather()  # all cached: nothing to wait for
+            rows, sizes = [], set()
+            for h in handles:
+                matrices = h.matrices
+                if any(TORCH_DTYPES.get(m.ggml_type.name) != dtype for m in matrices):
+                    lease.release(after=stream)
+                    return None  # the model computes in another dtype: the lease path casts
+                rows.append([m.ptr for m in matrices])
+                sizes.add(tuple(m.nbytes for m in matrices))
+            lease.release(after=stream)
+        if len(sizes) != 1:
+            return None
+        addresses = torch.tensor(rows, dtype=torch.int64).to(self.device)
+        gate, up, down = sizes.pop()
+        return _Table(addresses, (gate, up, down))
+
+    def forget(self) -> None:
+        """Drop every table (the session closes): the lease path serves every layer."""
+        self._tables.clear()
+        self._whole = None
+        self._pending.clear()
+
+    def grouped(self, layer: int, table: _Table, module: Any, hidden: Any, top_k_index: Any,
+                top_k_weights: Any, first_shape: tuple[int, int],
+                down_shape: tuple[int, int]) -> Any:
+        """``grouped_mm_experts_forward``'s output for a whole layer, queued on torch's
+        stream with no host read of the routing."""
+
+        def gather(slots: Any, first: Any, down: Any) -> None:
+            self._gather(table, slots, first, down)
+
+        out = slotted_grouped(module, hidden, top_k_index, top_k_weights,
+                              int(table.addresses.shape[0]), gather, first_shape, down_shape)
+        self._remember(layer, top_k_index)
+        return out
+
+    def _gather(self, table: _Table, slots: Any, first: Any, down: Any) -> None:
+        """One launch on torch's stream: each slot's weights copied from the cache."""
+        import cupy
+
+        index = self.device.index or 0
+        stream = torch.cuda.current_stream(self.device)
+        largest = max(table.gate_bytes, table.up_bytes, table.down_bytes)
+        blocks = max(1, min(-(-largest // (16 * _THREADS)), 128))
+        with cupy.cuda.Device(index), _stream(stream.cuda_stream, index):
+            _kernel(index)((blocks, slots.shape[0]), (_THREADS,), (
+                np.uint64(table.addresses.data_ptr()), np.uint64(slots.data_ptr()),
+                np.uint64(first.data_ptr()), np.uint64(down.data_ptr()),
+                np.int64(table.gate_bytes), np.int64(table.up_bytes),
+                np.int64(table.down_bytes)))
+
+    def _remember(self, layer: int, top_k_index: Any) -> None:
+        """The routing copied to pinned host memory behind an event, for :meth:`account`."""
+        ids = torch.empty(top_k_index.shape, dtype=top_k_index.dtype, pin_memory=True)
+        ids.copy_(top_k_index, non_blocking=True)
+        landed = torch.cuda.Event()
+        landed.record(torch.cuda.current_stream(self.device))
+        self._pending.append((layer, ids, landed))
+
+    def account(self, stream: Any) -> None:
+        """Count the token's calls served here in the session (a lease of each call's
+        experts, all hits, released after ``stream``'s work): called once the token's
+        device work is done, so reading the routing waits for nothing. A model not yet held
+        whole is asked again in the next token; one whose budget shrank below every expert
+        goes back to the lease path."""
+        pending, self._pending = self._pending, []
+        for layer, ids, landed in pending:
+            landed.synchronize()  # done already: the token's end synchronized the device
+            experts = np.unique(ids.numpy()).tolist()
+            with self.session.fetch(layer, experts) as lease:
+                lease.available()
+                lease.release(after=stream)
+        if not self._whole:
+            self._whole = None
+        elif self.session.counters().budget_bytes < self._total:
+            self.forget()
+
+
+Gather = Callable[[Any, Any, Any], None]
+"""Fills ``first`` ``(slots, ...)`` and ``down`` with the weights of each slot's expert (the
+``slots`` tensor's ids; -1 for none)."""
+
+
+def slotted_grouped(module: Any, hidden: Any, top_k_index: Any, top_k_weights: Any,
+                    n_experts: int, gather: Gather, first_shape: tuple[int, ...],
+                    down_shape: tuple[int, ...]) -> Any:
+    """``grouped_mm_experts_forward``'s arithmetic over the call's distinct experts only,
+    numbered on the device: the pairs sorted by expert, slot ``j`` the ``j``-th distinct
+    expert (its weights put there by ``gather``), the slots past the last distinct expert
+    empty groups. Each group is the same rows times the same weights as in transformers'
+    product over every expert: the same bits, with no host read."""
+    tokens, top_k = top_k_index.shape
+    device = hidden.device
+    expert_ids = top_k_index.reshape(-1)
+    sample_weights = top_k_weights.reshape(-1)
+    expert_ids_g, perm = torch.sort(expert_ids)
+    n = min(expert_ids_g.numel(), n_experts)
+    new = torch.ones_like(expert_ids_g, dtype=torch.bool)
+    new[1:] = expert_ids_g[1:] != expert_ids_g[:-1]
+    local = torch.cumsum(new, 0) - 1  # each pair's slot
+    slots = torch.full((n,), -1, dtype=torch.int64, device=device)
+    slots.scatter_(0, local, expert_ids_g.to(torch.int64))
+    offsets = torch.searchsorted(
+        local, torch.arange(1, n + 1, dtype=local.dtype, device=device)).to(torch.int32)
+    dtype = module.down_proj.dtype
+    first = torch.empty((n, *first_shape), dtype=dtype, device=device)
+    down = torch.empty((n, *down_shape), dtype=dtype, device=device)
+    gather(slots, first, down)
+    transposed = bool(getattr(module, "is_transposed", False))
+    up_bias, down_bias = biases(module)
+    if up_bias is not None:
+        up_bias, down_bias = up_bias[expert_ids_g], down_bias[expert_ids_g]
+    selected = hidden[perm // top_k]
+    proj = grouped_linear(selected, first, offsets, up_bias, transposed)
+    proj = module._apply_gate(proj) if getattr(module, "has_gate", True) else module.act_fn(proj)
+    proj = grouped_linear(proj, down, offsets, down_bias, transposed)
+    if getattr(module, "has_post_expert_norm", False):
+        proj = module.post_expert_norm(proj)
+    weighted = proj * sample_weights[perm].unsqueeze(-1)
+    inverse = torch.empty_like(perm)
+    inverse.scatter_(0, perm, torch.arange(perm.size(0), device=device))
+    final = weighted[inverse].view(tokens, top_k, hidden.size(-1)).sum(dim=1)
+    return final.to(hidden.dtype)
