@@ -12,6 +12,7 @@ taken one expert at a time as its weights arrive.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -24,7 +25,9 @@ from moestream.transformers._layout import TORCH_DTYPES, biases, view
 __all__ = ["HostWeights", "host_grouped"]
 
 Views = tuple[Any, Any]
-"""An expert's first projection (gate and up in order, or up) and down, as torch tensors."""
+"""An expert's first projection (gate and up in order, or up) and down, as torch tensors
+laid out as the product's right operand: ``(in, out)`` (transposed views of the cache's
+``(out, in)``, or the transposed layout's own)."""
 
 
 class HostWeights:
@@ -41,25 +44,27 @@ class HostWeights:
 
     def __init__(self, capacity: int) -> None:
         self.capacity = max(1, capacity)
-        self._views: dict[tuple[int, int], tuple[tuple[int, int, int], Views]] = {}
+        self._views: dict[tuple[int, int], tuple[int, Views, Any]] = {}
 
-    def of(self, handle: ExpertHandle, dtype: Any) -> Views:
-        """``handle``'s first projection ``(2F, D)`` (or the layout's own) and down, in
-        ``dtype``: views of the cache, cast (copied, and not kept) only when the cache holds
-        another dtype."""
+    def of(self, handle: ExpertHandle, dtype: Any, transposed: bool) -> Views:
+        """``handle``'s first projection and down as the products' right operands (see
+        ``Views``), in ``dtype``: views of the cache, cast (copied, and not kept) only when
+        the cache holds another dtype. An expert's three matrices lie in one buffer at
+        fixed offsets, so its gate's address says where all three are."""
         gate, up, down = handle.matrices
-        if any(TORCH_DTYPES.get(m.ggml_type.name) != dtype for m in (gate, up, down)):
-            return _joined(gate, up, dtype), view(down, dtype)
-        where = (gate.ptr, up.ptr, down.ptr)
+        where = gate.ptr
         key = (handle.layer, handle.expert)
         known = self._views.get(key)
-        if known is not None and known[0] == where:
+        if known is not None and known[0] == where and known[2] is dtype:
             return known[1]
-        views = (_joined(gate, up, dtype), view(down, dtype))
+        first, second = _joined(gate, up, dtype), view(down, dtype)
+        views = (first, second) if transposed else (first.t(), second.t())
+        if any(TORCH_DTYPES.get(m.ggml_type.name) != dtype for m in (gate, up, down)):
+            return views  # a cast copy: not kept
         self._views.pop(key, None)
         if len(self._views) >= self.capacity:
             self._views.pop(next(iter(self._views)))
-        self._views[key] = (where, views)
+        self._views[key] = (where, views, dtype)
         return views
 
     def clear(self) -> None:
@@ -90,25 +95,26 @@ def host_grouped(batches: Iterable[Sequence[ExpertHandle]], weights: HostWeights
     expert_ids = top_k_index.reshape(-1)
     sample_weights = top_k_weights.reshape(-1)
     expert_ids_g, perm = torch.sort(expert_ids)
-    experts, counts = torch.unique_consecutive(expert_ids_g, return_counts=True)
+    counts = Counter(expert_ids.tolist())  # the sort's groups: ascending expert order
     spans: dict[int, tuple[int, int]] = {}
     start = 0
-    for expert, count in zip(experts.tolist(), counts.tolist(), strict=True):
-        spans[expert] = (start, start + count)
-        start += count
+    for expert in sorted(counts):
+        spans[expert] = (start, start + counts[expert])
+        start += counts[expert]
     dtype = module.down_proj.dtype
     transposed = bool(getattr(module, "is_transposed", False))
     selected = hidden[perm // top_k].to(dtype)
-    held: list[tuple[tuple[int, int], Any]] = []
+    held: list[tuple[int, int, Any]] = []
     proj: Any = None
     for batch in batches:
         for h in batch:
-            first, down = weights.of(h, dtype)
-            span = spans[h.expert]
+            first, down = weights.of(h, dtype, transposed)
+            start, end = spans[h.expert]
             if proj is None:
-                proj = selected.new_empty((selected.size(0), _out_features(first, transposed)))
-            _product(selected, first, span, proj, transposed)
-            held.append((span, down))
+                proj = selected.new_empty((selected.size(0), first.shape[1]))
+            # one group of the grouped product, as torch's CPU grouped_mm computes it
+            torch.mm(selected[start:end], first, out=proj[start:end])
+            held.append((start, end, down))
     if proj is None:  # nothing routed (no tokens)
         return torch.zeros_like(hidden)
     up_bias, down_bias = biases(module)
@@ -116,9 +122,9 @@ def host_grouped(batches: Iterable[Sequence[ExpertHandle]], weights: HostWeights
         proj.add_(up_bias[expert_ids_g])
     proj = module._apply_gate(proj) if getattr(module, "has_gate", True) else module.act_fn(proj)
     proj = proj.to(dtype)
-    out = proj.new_empty((proj.size(0), _out_features(held[0][1], transposed)))
-    for span, down in held:
-        _product(proj, down, span, out, transposed)
+    out = proj.new_empty((proj.size(0), held[0][2].shape[1]))
+    for start, end, down in held:
+        torch.mm(proj[start:end], down, out=out[start:end])
     if down_bias is not None:
         out.add_(down_bias[expert_ids_g])
     if getattr(module, "has_post_expert_norm", False):
@@ -128,14 +134,3 @@ def host_grouped(batches: Iterable[Sequence[ExpertHandle]], weights: HostWeights
     inverse[perm] = torch.arange(perm.size(0))
     final = weighted[inverse].view(tokens, top_k, hidden.size(-1)).sum(dim=1)
     return final.to(hidden.dtype)
-
-
-def _out_features(weight: Any, transposed: bool) -> int:
-    return int(weight.shape[1] if transposed else weight.shape[0])
-
-
-def _product(rows: Any, weight: Any, span: tuple[int, int], out: Any, transposed: bool) -> None:
-    """One expert's group of the grouped product: ``rows[span] @ W`` into ``out[span]``, as
-    torch's CPU ``grouped_mm`` computes each group (``mm`` into the group's rows)."""
-    start, end = span
-    torch.mm(rows[start:end], weight if transposed else weight.t(), out=out[start:end])
