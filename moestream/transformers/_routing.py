@@ -169,7 +169,7 @@ class WholeLayers:
                    for layer in session.model.moe_layers)
 
     def _make(self, layer: int, n: int, dtype: Any) -> _Table | None:
-        stream = torch.cuda.current_stream(self.device)
+        stream = self._stream()
         with self.session.fetch(layer, list(range(n))) as lease:
             handles = lease.gather()  # all cached: nothing to wait for
             rows, sizes = [], set()
@@ -222,12 +222,20 @@ class WholeLayers:
                 np.int64(table.gate_bytes), np.int64(table.up_bytes),
                 np.int64(table.down_bytes)))
 
+    def _stream(self) -> Any:
+        """torch's current stream on the device (None on the host, where the session's
+        backend needs none)."""
+        return torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
+
     def _remember(self, layer: int, top_k_index: Any) -> None:
         """The routing copied to pinned host memory behind an event, for :meth:`account`."""
+        if self.device.type != "cuda":
+            self._pending.append((layer, top_k_index.clone(), None))
+            return
         ids = torch.empty(top_k_index.shape, dtype=top_k_index.dtype, pin_memory=True)
         ids.copy_(top_k_index, non_blocking=True)
         landed = torch.cuda.Event()
-        landed.record(torch.cuda.current_stream(self.device))
+        landed.record(self._stream())
         self._pending.append((layer, ids, landed))
 
     def account(self, stream: Any) -> None:
@@ -238,7 +246,8 @@ class WholeLayers:
         goes back to the lease path."""
         pending, self._pending = self._pending, []
         for layer, ids, landed in pending:
-            landed.synchronize()  # done already: the token's end synchronized the device
+            if landed is not None:  # done already: the token's end synchronized the device
+                landed.synchronize()
             experts = np.unique(ids.numpy()).tolist()
             with self.session.fetch(layer, experts) as lease:
                 lease.available()

@@ -2,7 +2,9 @@
 
 On the host: the arithmetic that numbers the call's distinct experts on the device
 (``slotted_grouped``) gives transformers' ``grouped_mm_experts_forward``'s bits, for
-routings with repeated experts, over gated, transposed-with-biases and gate-less experts.
+routings with repeated experts, over gated and transposed-with-biases experts; and
+``WholeLayers`` over a host session, its kernel's copies done on the host by the same table
+of addresses, gives the same and counts each call's distinct experts as the token's hits.
 On a GPU (``gpu`` marker): a model whose every expert is cached gives the resident
 model's logits and tokens through the whole-layer path, its experts calls synchronize
 nothing (``torch.cuda.set_sync_debug_mode("error")``), and its hits are still counted.
@@ -10,6 +12,7 @@ nothing (``torch.cuda.set_sync_debug_mode("error")``), and its hits are still co
 
 from __future__ import annotations
 
+import ctypes
 from pathlib import Path
 from typing import Any
 
@@ -90,6 +93,68 @@ class TestSlottedArithmetic:
 _CUDA = torch.cuda.is_available()
 
 
+def _host_gather(self: Any, table: Any, slots: Any, first: Any, down: Any) -> None:
+    """The kernel's copies on the host, by the same table: each slot's gate and up into
+    ``first``, its down into ``down``."""
+    rows = table.addresses.tolist()
+    g, u, d = table.gate_bytes, table.up_bytes, table.down_bytes
+    for j, expert in enumerate(slots.tolist()):
+        if expert < 0:
+            continue
+        gate, up, down_at = rows[expert]
+        ctypes.memmove(first.data_ptr() + j * (g + u), gate, g)
+        ctypes.memmove(first.data_ptr() + j * (g + u) + g, up, u)
+        ctypes.memmove(down.data_ptr() + j * d, down_at, d)
+
+
+class TestWholeLayersOnTheHost:
+    """The whole-layer path over a host session, the kernel's copies done on the host from
+    the same table: the table's addresses and layout, the arithmetic, the hits counted."""
+
+    @pytest.mark.parametrize("kind", list(ARCHS))
+    def test_equals_grouped_mm_and_counts_hits(self, checkpoints: dict[str, Path], kind: str,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+        monkeypatch.setattr(_routing.WholeLayers, "_gather", _host_gather)
+        resident = transformers.AutoModelForCausalLM.from_pretrained(
+            checkpoints[kind], experts_implementation="grouped_mm")
+        model = _held_whole(checkpoints[kind], "cpu")
+        try:
+            session = model.moestream.session
+            whole = _routing.WholeLayers(session, "cpu")
+            pairs = list(zip(_experts(model), _experts(resident), strict=True))
+            # the first token makes the tables: one lease of each layer, every expert a hit
+            for rounds in range(2):
+                before, distinct = session.counters().hits, 0
+                for i, (ours, theirs) in enumerate(pairs):
+                    index, weights = _routing_of(5, ours.num_experts, 2, seed=i + rounds)
+                    hidden = torch.randn(5, ARCHS[kind]["hidden_size"], dtype=torch.bfloat16,
+                                         generator=torch.Generator().manual_seed(i))
+                    with torch.no_grad():
+                        got = whole.forward(ours.moestream_layer, ours, hidden, index, weights)
+                        expected = hf_moe.grouped_mm_experts_forward(theirs, hidden, index,
+                                                                     weights)
+                    assert got is not None and torch.equal(got, expected)
+                    distinct += len(set(index.flatten().tolist()))
+                whole.account(None)
+                session.end_token()
+            # the next token's hits: each call's distinct experts, counted once a layer
+            assert session.counters().hits - before == distinct
+        finally:
+            model.moestream.close()
+
+    def test_a_budget_below_every_expert_takes_the_lease_path(
+            self, checkpoints: dict[str, Path]) -> None:
+        model = mt.from_pretrained(checkpoints["qwen3_moe"], device="cpu", budget="4")
+        try:
+            whole = _routing.WholeLayers(model.moestream.session, "cpu")
+            module = _experts(model)[0]
+            index, weights = _routing_of(1, module.num_experts, 2, seed=0)
+            hidden = torch.zeros(1, 64, dtype=torch.bfloat16)
+            assert whole.forward(module.moestream_layer, module, hidden, index, weights) is None
+        finally:
+            model.moestream.close()
+
+
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("nosync")
@@ -100,9 +165,9 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return out
 
 
-def _held_whole(path: Path) -> Any:
-    """The model through moestream on CUDA with every expert fetched once (held whole)."""
-    model = mt.from_pretrained(path, device="cuda", budget=None)
+def _held_whole(path: Path, device: str = "cuda") -> Any:
+    """The model through moestream with every expert fetched once: held whole."""
+    model = mt.from_pretrained(path, device=device, budget=None)
     session = model.moestream.session
     for layer in session.model.moe_layers:
         with session.fetch(layer, list(range(session.model.layers[layer].n_experts))) as lease:
