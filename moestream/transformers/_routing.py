@@ -174,6 +174,8 @@ class WholeLayers:
             handles = lease.gather()  # all cached: nothing to wait for
             rows, sizes = [], set()
             for h in handles:
+                if stream is not None and h.pending_event() is not None:
+                    h.wait(stream)  # landed this token: the stream waits for its upload once
                 matrices = h.matrices
                 if any(TORCH_DTYPES.get(m.ggml_type.name) != dtype for m in matrices):
                     lease.release(after=stream)

@@ -173,6 +173,8 @@ def _held_whole(path: Path, device: str = "cuda") -> Any:
         with session.fetch(layer, list(range(session.model.layers[layer].n_experts))) as lease:
             lease.gather()
     session.end_token()
+    if device == "cuda":
+        torch.cuda.synchronize()  # every upload done: the next token finds the model whole
     return model
 
 
@@ -211,7 +213,16 @@ class TestGpuWholeLayers:
         finally:
             model.moestream.close()
 
-    def test_experts_call_synchronizes_nothing(self, checkpoints: dict[str, Path]) -> None:
+    def test_experts_call_synchronizes_nothing(self, checkpoints: dict[str, Path],
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+        served = []
+        grouped = _routing.WholeLayers.grouped
+
+        def counted(self: Any, layer: int, *args: Any) -> Any:
+            served.append(layer)
+            return grouped(self, layer, *args)
+
+        monkeypatch.setattr(_routing.WholeLayers, "grouped", counted)
         model = _held_whole(checkpoints["qwen3_moe"])
         try:
             experts = _experts(model)
@@ -227,6 +238,7 @@ class TestGpuWholeLayers:
                     outs = [module(hidden, index, weights) for module in experts]
                 finally:
                     torch.cuda.set_sync_debug_mode(0)
+            assert len(served) == 2 * len(experts)  # every call through the whole-layer path
             assert all(o.shape == hidden.shape and torch.isfinite(o).all() for o in outs)
         finally:
             model.moestream.close()
