@@ -56,6 +56,39 @@ class TestSweep:
         assert lines[1] == "summary: 1 PASS (1 kinds)"
 
 
+@pytest.fixture(scope="module")
+def beyond_registry(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """The fast subset CI sweeps beside Qwen3-MoE: the swapped kinds (Llama 4, JetMoE), the
+    namings (Gemma 4, Aria) and one refused (Doge)."""
+    out = tmp_path_factory.mktemp("archs-beyond") / "archs.json"
+    with contextlib.redirect_stdout(io.StringIO()):
+        code = main(["--kinds", "llama4,jetmoe,gemma4,aria,doge", "--out", str(out)])
+    return {"code": code, **json.loads(out.read_text())}
+
+
+class TestBeyondTheRegistry:
+    """Kinds reached by a module swap or by their own namings pass; Doge is refused."""
+
+    def test_swapped_and_named_pass(self, beyond_registry: dict[str, Any]) -> None:
+        kinds = beyond_registry["kinds"]
+        for kind in ("llama4", "jetmoe", "gemma4", "aria"):
+            if kinds[kind]["outcome"] == "SKIPPED":  # a transformers without the type
+                continue
+            assert kinds[kind]["outcome"] == "PASS", (kind, kinds[kind])
+        for kind in ("llama4", "jetmoe"):  # grouped_mm refused: the model as it runs
+            reference = kinds[kind]["computes"]["grouped"].get("reference", "")
+            assert "experts_implementation" in reference, kind
+
+    def test_refused_with_its_reason(self, beyond_registry: dict[str, Any]) -> None:
+        """A refused kind makes the sweep's exit status 1 and says why, per compute."""
+        doge = beyond_registry["kinds"]["doge"]
+        if doge["outcome"] == "SKIPPED":
+            pytest.skip(doge["reason"])
+        assert beyond_registry["code"] == 1
+        assert doge["outcome"] == "REFUSED"
+        assert all("no routed expert tensors" in s["error"] for s in doge["computes"].values())
+
+
 class TestOverrides:
     """The tiny config of every default kind this transformers knows."""
 
