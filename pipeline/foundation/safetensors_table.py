@@ -118,6 +118,15 @@ _FUSED_NAMES = {"input_linear": "gate_up_proj", "output_linear": "down_proj",
 ``input_linear`` [E, 2F, D] (gate the first F rows) and ``output_linear`` [E, D, F]; Aria's
 ``experts.fc1`` [E, D, 2F] and ``fc2`` [E, F, D] (transposed, gate the first F columns)."""
 
+_NOT_STREAMED = {
+    "dbrx": "whose experts (ffn.experts.mlp.w1/v1/w2: every expert's rows in one [E*F, D] "
+            "tensor, w2 stored [F, D]) are not read yet",
+    "doge": "whose routed experts are rows of two embedding tables picked by product keys "
+            "(one vector each, read by an embedding lookup): no expert matrices to stream",
+}
+"""Model types whose routed experts the table does not read, and why (said instead of the
+namings it reads)."""
+
 
 def is_routed(name: str) -> bool:
     """Whether the checkpoint tensor ``name`` holds routed experts (read by moestream, not
@@ -294,6 +303,11 @@ def _build(path: Path, files: tuple[ModelFile, ...], shards: list[Shard],
     if both:
         raise ExpertLayoutError(path, f"layer {both[0]} has both per-expert and fused experts")
     if not per_expert and not fused:
+        why = _NOT_STREAMED.get(str(config.get("model_type")))
+        if why is not None:
+            raise ExpertLayoutError(path, f"no routed expert tensors: a {config['model_type']} "
+                                          f"checkpoint, {why} (docs/TRANSFORMERS.md, "
+                                          "Supported models)")
         raise ExpertLayoutError(path, "no routed expert tensors (read under a layer's mlp, "
                                       "block_sparse_moe, ffn, feed_forward or mixer block: "
                                       "experts.E.{gate,up,down}_proj.weight, "
