@@ -131,6 +131,8 @@ class WholeLayers:
         """The experts call served on the device alone, or None where this path does not
         apply (the model not held whole yet, a call of more than ``MAX_SLOTS`` experts, no
         tokens, a cast needed)."""
+        if self._whole is False:  # not held whole this token: the lease path, at once
+            return None
         pairs = top_k_index.numel()
         if pairs == 0 or min(pairs, module.num_experts) > MAX_SLOTS:
             return None
