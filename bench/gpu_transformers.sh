@@ -5,7 +5,8 @@
 # (LAYERS layers, 8: 11.2 GB, made here), then pipeline.run --engine transformers (RUN=0 skips it).
 # Writes under $OUT. Usage (on the GPU machine, repo root):
 #   MOESTREAM_COMMIT=<sha> bash bench/gpu_transformers.sh
-# About 3 minutes on an H100: ARCHS=0 RUN=0 LAYERS=4 TESTS_K="Gpu and (qwen3_moe or gpt_oss)" \
+# About 3 minutes on an H100: ARCHS=0 RUN=0 LAYERS=4 \
+#   TESTS_K="GpuWholeLayers or (Gpu and (qwen3_moe or gpt_oss))" \
 #   RUNS=resident,all,warm MOESTREAM_COMMIT=<sha> bash bench/gpu_transformers.sh
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>/dev/null
