@@ -169,6 +169,8 @@ class ExpertStream:
         if self._cuda and self._started is not None:
             done = torch.cuda.Event(enable_timing=True)
             done.record(torch.cuda.current_stream(self.device))
+            if self._whole is not None:  # the hits of calls done, while the device ends
+                self._whole.count_landed(torch.cuda.current_stream(self.device))
             done.synchronize()  # the logits are read next anyway (sampling)
             compute_ms = float(self._started.elapsed_time(done))
         if self._whole is not None:  # its calls' hits, counted now the device is done

@@ -242,6 +242,17 @@ class WholeLayers:
         landed.record(self._stream())
         self._pending.append((layer, ids, landed))
 
+    def count_landed(self, stream: Any) -> None:
+        """Count the calls whose routing has landed already (an event query: no wait), in
+        call order: run while the device still computes the token's last layers, so that
+        their leases cost the host nothing it would not spend waiting."""
+        pending = self._pending
+        done = 0
+        while done < len(pending) and (pending[done][2] is None or pending[done][2].query()):
+            self._count(pending[done][0], pending[done][1], stream)
+            done += 1
+        del pending[:done]
+
     def account(self, stream: Any) -> None:
         """Count the token's calls served here in the session (a lease of each call's
         experts, all hits, released after ``stream``'s work): called once the token's
@@ -252,15 +263,17 @@ class WholeLayers:
         for layer, ids, landed in pending:
             if landed is not None:  # done already: the token's end synchronized the device
                 landed.synchronize()
-            experts = np.unique(ids.numpy()).tolist()
-            with self.session.fetch(layer, experts) as lease:
-                lease.available()
-                lease.release(after=stream)
+            self._count(layer, ids, stream)
         if not self._whole:
             self._whole = None
         elif self.session.counters().budget_bytes < self._total:
             self.forget()
 
+    def _count(self, layer: int, ids: Any, stream: Any) -> None:
+        """One call's experts as hits: a lease of them, released at once."""
+        with self.session.fetch(layer, np.unique(ids.numpy()).tolist()) as lease:
+            lease.available()
+            lease.release(after=stream)
 
 Gather = Callable[[Any, Any, Any], None]
 """Fills ``first`` ``(slots, ...)`` and ``down`` with the weights of each slot's expert (the

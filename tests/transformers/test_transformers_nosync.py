@@ -135,6 +135,8 @@ class TestWholeLayersOnTheHost:
                                                                      weights)
                     assert got is not None and torch.equal(got, expected)
                     distinct += len(set(index.flatten().tolist()))
+                if rounds:  # what has landed counted first (on a GPU: while the device ends)
+                    whole.count_landed(None)
                 whole.account(None)
                 session.end_token()
             # the next token's hits: each call's distinct experts, counted once a layer
