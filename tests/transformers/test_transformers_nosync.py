@@ -13,6 +13,7 @@ nothing (``torch.cuda.set_sync_debug_mode("error")``), and its hits are still co
 from __future__ import annotations
 
 import ctypes
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -244,3 +245,33 @@ class TestGpuWholeLayers:
             assert all(o.shape == hidden.shape and torch.isfinite(o).all() for o in outs)
         finally:
             model.moestream.close()
+
+    def test_a_forward_synchronizes_as_the_resident_one(self,
+                                                        checkpoints: dict[str, Path]) -> None:
+        """The decoder's forward (the model's token hooks left out: their end reads the
+        logits anyway) synchronizes as often through moestream as resident: the whole-layer
+        path adds no synchronization per layer (the lease path adds one a layer)."""
+        path = checkpoints["qwen3_moe"]
+        whole = transformers.AutoModelForCausalLM.from_pretrained(
+            path, experts_implementation="grouped_mm").to("cuda")
+        model = _held_whole(path)
+        ids = torch.tensor(PROMPT, device="cuda")
+
+        def syncs(decoder: Any) -> int:
+            with torch.no_grad():
+                decoder(ids)  # warm: the first call of a layer makes its table
+                torch.cuda.synchronize()
+                with warnings.catch_warnings(record=True) as seen:
+                    warnings.simplefilter("always")
+                    torch.cuda.set_sync_debug_mode("warn")
+                    try:
+                        decoder(ids)
+                    finally:
+                        torch.cuda.set_sync_debug_mode(0)
+            return sum("synchroniz" in str(w.message) for w in seen)
+
+        try:
+            assert syncs(model.model) == syncs(whole.model)
+        finally:
+            model.moestream.close()
+
