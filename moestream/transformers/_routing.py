@@ -161,10 +161,10 @@ class WholeLayers:
         return made
 
     def _holds_every_expert(self) -> bool:
-        """Whether the budget holds every expert of the model and all are cached (host
-        queries: no device work)."""
+        """Whether the budget holds every expert of the model and all are cached, on one
+        device (a table holds one device's addresses); host queries: no device work."""
         session = self.session
-        if session.counters().budget_bytes < self._total:
+        if len(session.devices) != 1 or session.counters().budget_bytes < self._total:
             return False
         layers = session.model.layers
         return all(session.ready(layer, range(layers[layer].n_experts))
