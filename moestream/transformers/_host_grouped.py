@@ -96,25 +96,26 @@ def host_grouped(batches: Iterable[Sequence[ExpertHandle]], weights: HostWeights
     sample_weights = top_k_weights.reshape(-1)
     expert_ids_g, perm = torch.sort(expert_ids)
     counts = Counter(expert_ids.tolist())  # the sort's groups: ascending expert order
-    spans: dict[int, tuple[int, int]] = {}
-    start = 0
-    for expert in sorted(counts):
-        spans[expert] = (start, start + counts[expert])
-        start += counts[expert]
+    order = sorted(counts)
+    group = {expert: i for i, expert in enumerate(order)}
+    sizes = [counts[expert] for expert in order]
     dtype = module.down_proj.dtype
     transposed = bool(getattr(module, "is_transposed", False))
     selected = hidden[perm // top_k].to(dtype)
-    held: list[tuple[int, int, Any]] = []
+    rows = selected.split(sizes)  # one view a group: cheaper than a slice each
+    held: list[tuple[int, Any]] = []
     proj: Any = None
+    parts: Any = None
     for batch in batches:
         for h in batch:
             first, down = weights.of(h, dtype, transposed)
-            start, end = spans[h.expert]
+            i = group[h.expert]
             if proj is None:
                 proj = selected.new_empty((selected.size(0), first.shape[1]))
+                parts = proj.split(sizes)
             # one group of the grouped product, as torch's CPU grouped_mm computes it
-            torch.mm(selected[start:end], first, out=proj[start:end])
-            held.append((start, end, down))
+            torch.mm(rows[i], first, out=parts[i])
+            held.append((i, down))
     if proj is None:  # nothing routed (no tokens)
         return torch.zeros_like(hidden)
     up_bias, down_bias = biases(module)
@@ -122,9 +123,10 @@ def host_grouped(batches: Iterable[Sequence[ExpertHandle]], weights: HostWeights
         proj.add_(up_bias[expert_ids_g])
     proj = module._apply_gate(proj) if getattr(module, "has_gate", True) else module.act_fn(proj)
     proj = proj.to(dtype)
-    out = proj.new_empty((proj.size(0), held[0][2].shape[1]))
-    for start, end, down in held:
-        torch.mm(proj[start:end], down, out=out[start:end])
+    out = proj.new_empty((proj.size(0), held[0][1].shape[1]))
+    rows, parts = proj.split(sizes), out.split(sizes)
+    for i, down in held:
+        torch.mm(rows[i], down, out=parts[i])
     if down_bias is not None:
         out.add_(down_bias[expert_ids_g])
     if getattr(module, "has_post_expert_norm", False):
