@@ -123,6 +123,10 @@ _NOT_STREAMED = {
             "tensor, w2 stored [F, D]) are not read yet",
     "doge": "whose routed experts are rows of two embedding tables picked by product keys "
             "(one vector each, read by an embedding lookup): no expert matrices to stream",
+    **dict.fromkeys(
+        ("inkling2", "inkling2_text", "inkling2_loop", "inkling2_loop_text"),
+        "whose experts' gate and up rows are interleaved (mlp.experts.w13_weight, which "
+        "transformers' loading de-interleaves): not read yet"),
 }
 """Model types whose routed experts the table does not read, and why (said instead of the
 namings it reads)."""
@@ -305,9 +309,9 @@ def _build(path: Path, files: tuple[ModelFile, ...], shards: list[Shard],
     if not per_expert and not fused:
         why = _NOT_STREAMED.get(str(config.get("model_type")))
         if why is not None:
-            raise ExpertLayoutError(path, f"no routed expert tensors: a {config['model_type']} "
-                                          f"checkpoint, {why} (docs/TRANSFORMERS.md, "
-                                          "Supported models)")
+            raise ExpertLayoutError(path, f"no routed expert tensors: model type "
+                                          f"{config['model_type']}, {why} "
+                                          "(docs/TRANSFORMERS.md, Supported models)")
         raise ExpertLayoutError(path, "no routed expert tensors (read under a layer's mlp, "
                                       "block_sparse_moe, ffn, feed_forward or mixer block: "
                                       "experts.E.{gate,up,down}_proj.weight, "

@@ -210,7 +210,7 @@ class TestRefused:
         if _missing("doge"):
             pytest.skip(str(_missing("doge")))
         path = _save("doge", tmp_path / "doge")
-        with pytest.raises(moestream.ModelFileError, match="a doge checkpoint, whose routed "
+        with pytest.raises(moestream.ModelFileError, match="model type doge, whose routed "
                            "experts are rows of two embedding tables"):
             mt.from_pretrained(path, device="cpu")
 
