@@ -210,8 +210,9 @@ def run_accelerate(args: argparse.Namespace, prompt: Any, device: Any,
     return result
 
 
-def run_moestream(args: argparse.Namespace, prompt: Any, device: Any, reference: str, *,
-                  budget: Budget | None, cold: bool) -> dict[str, Any]:
+def run_moestream(args: argparse.Namespace, prompt: Any, device: Any, reference: str | None,
+                  *, budget: Budget | None, cold: bool, log: Path | None = None
+                  ) -> dict[str, Any]:
     """moestream's run: one load timed ``--repeat`` times holding every expert (``budget``
     None), else a fresh load a timed generate (the previous one would have warmed the
     cache)."""
@@ -222,7 +223,7 @@ def run_moestream(args: argparse.Namespace, prompt: Any, device: Any, reference:
     last: Any = None
     for _ in range(loads):
         done, last = _moestream_load(args, prompt, device, budget=budget, cold=cold,
-                                     repeat=per_load, parts=parts)
+                                     repeat=per_load, parts=parts, log=log)
         timings += done["timings"]
         hits, misses = hits + done["hits"], misses + done["misses"]
         file_bytes += done["file_bytes"]
@@ -245,7 +246,8 @@ def run_moestream(args: argparse.Namespace, prompt: Any, device: Any, reference:
 
 def _moestream_load(args: argparse.Namespace, prompt: Any, device: Any, *,
                     budget: Budget | None, cold: bool, repeat: int,
-                    parts: dict[str, float]) -> tuple[dict[str, Any], Any]:
+                    parts: dict[str, float], log: Path | None = None
+                    ) -> tuple[dict[str, Any], Any]:
     """One moestream model loaded, warmed (unless ``cold``) and timed ``repeat`` times; its
     token time split added into ``parts``. Returns the timings and counts, and the
     session's last counters."""
@@ -258,7 +260,7 @@ def _moestream_load(args: argparse.Namespace, prompt: Any, device: Any, *,
         else:
             make_resident(shard)
     _peak_reset(device)
-    model = from_pretrained(args.model, budget=budget, device=device, mode=args.mode)
+    model = from_pretrained(args.model, budget=budget, device=device, mode=args.mode, log=log)
     stream = model.moestream
     try:
         if budget is None:  # every expert on the device before timing

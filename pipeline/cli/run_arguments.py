@@ -45,23 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--backend", default="auto", choices=["auto", "host", "cupy"])
     p.add_argument("--devices", help="devices to shard the experts over, e.g. 0,1 (default: "
                    "every visible GPU; with --backend host, indices emulate devices)")
-    p.add_argument("--queue-depth", type=int, default=8, help="reads in flight (8)")
-    p.add_argument("--chunk", default="4MiB", help="largest read request (4MiB)")
-    p.add_argument("--staging-slots", type=int, default=16, help="pinned staging slots (16)")
-    p.add_argument("--streams", type=int, default=2, help="upload streams (2)")
-    p.add_argument("--router", default="trace", choices=["trace", "live"],
-                   help="trace: replay --trace or synthetic routing; live: the model's router")
-    p.add_argument("--prefetch", default="none", choices=["none", "predict", "oracle"],
-                   help="predict: load the next layer's guessed experts during this one; "
-                   "oracle: read the routing ahead (upper bound)")
-    p.add_argument("--lookahead", type=int, default=1, help="layers prefetched ahead (1)")
-    p.add_argument("--no-verify", action="store_true", help="skip install-time verification")
-    p.add_argument("--no-gather", action="store_true",
-                   help="resident misses on the copy engines (a layer's copies as one batched "
-                        "copy), not one gather kernel per layer (leaves the SMs to compute)")
-    p.add_argument("--gather-blocks", type=int, default=GATHER_BLOCKS,
-                   help="the gather kernel's blocks per copy, at most: its SM budget "
-                        f"({GATHER_BLOCKS})")
+    _add_io_options(p)
     p.add_argument("--seed", type=int, default=0, help="routing seed (0)")
     p.add_argument("--trace", type=Path, help="replay this routing trace (.npz or .jsonl)")
     p.add_argument("--record-trace", type=Path, help="write the routing used here")
@@ -83,6 +67,28 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_arguments(p)
     return p
+
+
+
+def _add_io_options(p: argparse.ArgumentParser) -> None:
+    """The read, staging, upload and gather knobs (a tuning, not a run's meaning)."""
+    p.add_argument("--queue-depth", type=int, default=8, help="reads in flight (8)")
+    p.add_argument("--chunk", default="4MiB", help="largest read request (4MiB)")
+    p.add_argument("--staging-slots", type=int, default=16, help="pinned staging slots (16)")
+    p.add_argument("--streams", type=int, default=2, help="upload streams (2)")
+    p.add_argument("--router", default="trace", choices=["trace", "live"],
+                   help="trace: replay --trace or synthetic routing; live: the model's router")
+    p.add_argument("--prefetch", default="none", choices=["none", "predict", "oracle"],
+                   help="predict: load the next layer's guessed experts during this one; "
+                   "oracle: read the routing ahead (upper bound)")
+    p.add_argument("--lookahead", type=int, default=1, help="layers prefetched ahead (1)")
+    p.add_argument("--no-verify", action="store_true", help="skip install-time verification")
+    p.add_argument("--no-gather", action="store_true",
+                   help="resident misses on the copy engines (a layer's copies as one batched "
+                        "copy), not one gather kernel per layer (leaves the SMs to compute)")
+    p.add_argument("--gather-blocks", type=int, default=GATHER_BLOCKS,
+                   help="the gather kernel's blocks per copy, at most: its SM budget "
+                        f"({GATHER_BLOCKS})")
 
 
 def config_from_args(args: argparse.Namespace) -> RunConfig:
