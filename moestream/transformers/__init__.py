@@ -14,10 +14,12 @@ Requires torch and transformers >= 5 (``pip install 'moestream[transformers]'``)
 :func:`is_available` says whether they are here. The rest of moestream never imports
 either. Supported: the model types whose routed experts transformers computes behind its
 experts registry (``gate_up_proj`` and ``down_proj``, transposed and biased as gpt-oss's
-included, and experts without a gate), with F16, BF16 or F32 experts in a safetensors
-checkpoint: 48 of the 50 MoE types of transformers 5.25 that ``python -m bench.archs``
-sweeps (DeepSeek-V2/V3/V4, Qwen2/3-MoE, Qwen3-Next, Mixtral, gpt-oss, GLM-4-MoE,
-Kimi-Linear, Nemotron-H...). ``docs/TRANSFORMERS.md`` is the guide.
+included, and experts without a gate), and Llama 4 and JetMoE, whose experts module it
+swaps for its own (``_swap.py``), with F16, BF16 or F32 experts in a safetensors
+checkpoint: 58 of the 77 MoE types of transformers 5.25 that ``python -m bench.archs``
+sweeps (DeepSeek-V2/V3/V4, Qwen2/3-MoE, Qwen3-Next, Mixtral, gpt-oss, GLM-4-MoE, Llama 4,
+Gemma 4, Kimi-Linear, Nemotron-H...; the others are refused or have no causal LM).
+``docs/TRANSFORMERS.md`` is the guide.
 """
 
 from __future__ import annotations
