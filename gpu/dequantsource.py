@@ -159,10 +159,15 @@ __device__ __forceinline__ float iq4_xs(const unsigned char* b, int j) {
     return __fmul_rn(dl, (float)IQ4_LEVELS[q]);
 }
 __device__ __forceinline__ float mxfp4(const unsigned char* b, int j) {
-    // ggml_e8m0_to_fp32_half: 2**(e - 128) by its bits, subnormal below e = 2
+    // ggml_e8m0_to_fp32_half: 2**(e - 128); below e = 2 that scale is subnormal, and a
+    // flush-to-zero build (as NVRTC's can be) would flush it and the products it makes, so
+    // there the value is built from its bits: |level| << (e + 21) units of 2**-149
     unsigned int e = b[0];
-    float d = __uint_as_float(e < 2u ? 0x00200000u << e : (e - 1u) << 23);
-    return __fmul_rn(d, (float)MXFP4_LEVELS[nib(b + 1, j, 16)]);
+    int level = MXFP4_LEVELS[nib(b + 1, j, 16)];
+    if (e >= 2u) return __fmul_rn(__uint_as_float((e - 1u) << 23), (float)level);
+    unsigned int n = (unsigned int)(level < 0 ? -level : level) << (e + 21u);
+    unsigned int bits = n < 0x00800000u ? n : __float_as_uint((float)n) - (149u << 23);
+    return __uint_as_float(level < 0 ? bits | 0x80000000u : bits);
 }
 """
 

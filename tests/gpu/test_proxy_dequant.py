@@ -76,6 +76,17 @@ _BUILTINS = r"""
 struct dim3 { unsigned int x, y, z; };
 static dim3 blockIdx, blockDim, gridDim, threadIdx;
 static inline float __uint_as_float(unsigned i) { float f; memcpy(&f, &i, 4); return f; }
+static inline unsigned __float_as_uint(float f) { unsigned i; memcpy(&i, &f, 4); return i; }
+#if defined(__SSE__)
+#include <xmmintrin.h>
+static inline unsigned flush_begin() {
+    unsigned c = _mm_getcsr(); _mm_setcsr(c | 0x8040u); return c;
+}
+static inline void flush_end(unsigned c) { _mm_setcsr(c); }
+#else
+static inline unsigned flush_begin() { return 0; }
+static inline void flush_end(unsigned) {}
+#endif
 static inline float __fmul_rn(float a, float b) { return a * b; }
 static inline float __fadd_rn(float a, float b) { return a + b; }
 static inline float __fsub_rn(float a, float b) { return a - b; }
@@ -94,7 +105,8 @@ def _walk_source() -> str:
                 blockIdx.x = x; blockIdx.y = y; threadIdx.x = t; CALL;                    \
             }
 extern "C" void walk(int which, const Row* rows, int n, int blocks, int threads) {
-""" + cases + "}\n"
+    unsigned csr = flush_begin();  // subnormals flushed in and out, as a device build may do
+""" + cases + "    flush_end(csr);\n}\n"
 
 
 @pytest.fixture(scope="module")

@@ -26,7 +26,7 @@ from gguf import GGMLQuantizationType as QType  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
 import moestream  # noqa: E402
-from moestream.pipeline.foundation.errors import ExpertLayoutError, ModelFileError  # noqa: E402
+from moestream.pipeline.foundation.errors import ExpertLayoutError  # noqa: E402
 from moestream.pipeline.makers.modelgen import write_model  # noqa: E402
 from moestream.pipeline.makers.modelspec import Ds4Shape, ModelSpec  # noqa: E402
 from moestream.transformers._gguf_ds4 import (  # noqa: E402
@@ -308,16 +308,16 @@ ARITHMETICS = pytest.mark.parametrize(("compute", "implementation", "dtype"), [
 (bfloat16), as the GGUF tests compare it."""
 
 
-def _served_or_skip(path: Path, device: str) -> None:
-    """Skip while the GGUF loader does not call the ds4 mapping (it refuses ``deepseek4``)."""
-    from moestream import transformers as mt
-
+def _runs_or_skip(whole: Any, device: str) -> Any:
+    """``whole``, skipped where transformers' own DeepSeek-V4 fails to run on ``device``
+    (5.17's mixes float32 and bfloat16 on a GPU): there is nothing to match."""
     try:
-        mt.from_pretrained(path, device=device, budget="4").moestream.close()
-    except ModelFileError as exc:
-        if "deepseek4" in str(exc):
-            pytest.skip(f"the GGUF loader does not call the ds4 mapping yet: {exc}")
-        raise
+        with torch.no_grad():
+            whole(torch.tensor([[1, 2]], device=device))
+    except RuntimeError as exc:
+        pytest.skip(f"transformers {transformers.__version__}'s own deepseek_v4 fails on "
+                    f"{device}: {str(exc).splitlines()[0]}")
+    return whole
 
 
 class TestTokens:
@@ -328,9 +328,8 @@ class TestTokens:
     @ARITHMETICS
     def test_identical(self, ds4_file: Path, checkpoint: Path, compute: str,
                        implementation: str, dtype: Any) -> None:
-        _served_or_skip(ds4_file, "cpu")
-        assert_streams_like(_reference(checkpoint, implementation, dtype), ds4_file, compute,
-                            dtype=dtype)
+        whole = _runs_or_skip(_reference(checkpoint, implementation, dtype), "cpu")
+        assert_streams_like(whole, ds4_file, compute, dtype=dtype)
 
     @pytest.mark.gpu
     @pytest.mark.skipif(not torch.cuda.is_available(), reason="torch sees no CUDA device")
@@ -339,6 +338,5 @@ class TestTokens:
                                implementation: str, dtype: Any) -> None:
         """On a GPU (IQ2_XXS and Q2_K blocks dequantized on the device): the same
         equalities against the reference moved to the GPU."""
-        _served_or_skip(ds4_file, "cuda")
-        whole = _reference(checkpoint, implementation, dtype).to("cuda")
+        whole = _runs_or_skip(_reference(checkpoint, implementation, dtype).to("cuda"), "cuda")
         assert_streams_like(whole, ds4_file, compute, device="cuda", dtype=dtype)
