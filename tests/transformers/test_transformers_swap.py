@@ -73,7 +73,16 @@ def _whole(path: Path, kind: str, compute: str) -> Any:
     lm = transformers.AutoModelForCausalLM
     if kind in SWAPPED:
         return lm.from_pretrained(path)
-    return lm.from_pretrained(path, experts_implementation=REFERENCE[compute])
+    try:
+        whole = lm.from_pretrained(path, experts_implementation=REFERENCE[compute])
+    except ValueError as exc:  # an older transformers' model without the experts registry
+        if "experts implementation" not in str(exc):
+            raise
+        whole = None
+    if whole is None or not getattr(whole, "_can_set_experts_implementation", bool)():
+        pytest.skip(f"transformers {transformers.__version__}'s {kind} keeps its experts "
+                    "outside the experts registry (moestream refuses it there, in one line)")
+    return whole
 
 
 def _generate(model: Any, tokens: int = 6) -> Any:
