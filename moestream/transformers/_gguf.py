@@ -29,6 +29,7 @@ interleaved), and a transformers without GGUF loading.
 
 from __future__ import annotations
 
+import importlib
 import importlib.metadata
 import os
 import re
@@ -72,8 +73,8 @@ def is_gguf(path: Path) -> bool:
 def _legacy() -> Any:
     """transformers' GGUF loader module, or a one-line refusal naming the version."""
     version = importlib.metadata.version("transformers")
-    try:
-        from transformers import modeling_gguf_pytorch_utils as legacy
+    try:  # by its full name: a module already bound on the package is looked up again
+        legacy = importlib.import_module("transformers.modeling_gguf_pytorch_utils")
     except ImportError as exc:
         raise UsageError(f"transformers {version} reads no GGUF ({first_line(exc)}); "
                          "moestream.transformers builds GGUF models with transformers' "
