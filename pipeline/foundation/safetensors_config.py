@@ -12,6 +12,11 @@ as absent too), and must agree: the expert count, hidden size and FFN with every
 the top-k within 1..experts, ``num_hidden_layers`` with the layers the tensors name (or,
 with DeepSeek's multi-token-prediction layers in the checkpoint, that plus
 ``num_nextn_predict_layers``).
+
+A multimodal checkpoint (Llama 4's Scout and Maverick, ``Llama4ForConditionalGeneration``)
+nests its language model's config as ``text_config``: the integers are read there, where
+transformers' ``get_text_config()`` finds them and the MoE layers read them, never at the
+top level (which has none of them, and would leave the top-k at its default of 8).
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ from moestream.pipeline.foundation.experts import MoeLayer
 from moestream.pipeline.foundation.safetensors_header import read_json, short
 
 __all__ = ["CONFIG_LIMIT_BYTES", "EXPERT_KEYS", "TOP_K_KEYS", "check_layer_sizes",
-           "config_ints", "layer_count", "layer_sizes", "read_config", "top_k"]
+           "config_ints", "layer_count", "layer_sizes", "read_config", "text_config", "top_k"]
 
 CONFIG_LIMIT_BYTES = 16 << 20
 """The largest ``config.json`` (or index) read."""
@@ -52,11 +57,22 @@ def read_config(directory: Path, *, required: bool) -> dict[str, Any]:
     return read_json(config, CONFIG_LIMIT_BYTES)
 
 
+def text_config(config: dict[str, Any]) -> tuple[dict[str, Any], str]:
+    """Where ``config.json`` keeps the language model's settings, and the prefix that names
+    that place in a refusal: its ``text_config`` object where it nests one (a multimodal
+    checkpoint), else the file's top level."""
+    nested = config.get("text_config")
+    if isinstance(nested, dict):
+        return nested, "text_config."
+    return config, ""
+
+
 def config_ints(path: Path, config: dict[str, Any]) -> dict[str, int]:
-    """The integers the table reads from ``config.json``, by key (see the module docstring),
-    read before any shard, so that a bad config costs no header;
+    """The integers the table reads from ``config.json`` (its :func:`text_config`), by key
+    (see the module docstring), read before any shard, so that a bad config costs no header;
     a value of another type (a bool, a float, a string...) is refused, never ignored."""
     out: dict[str, int] = {}
+    config, prefix = text_config(config)
     for key in _INT_KEYS:
         value = config.get(key)
         if value is None:
@@ -69,7 +85,7 @@ def config_ints(path: Path, config: dict[str, Any]) -> dict[str, int]:
             shown = json.dumps(value)  # as the file has it: true, "2", 16.0
             if len(shown) > 40:
                 shown = f"{shown[:40]}... ({len(shown)} characters)"
-            raise ExpertLayoutError(path, f"config.json's {key} is {kind} ({shown}), "
+            raise ExpertLayoutError(path, f"config.json's {prefix}{key} is {kind} ({shown}), "
                                           f"not an integer")
     return out
 
@@ -79,7 +95,7 @@ def layer_sizes(config: dict[str, Any], ints: dict[str, int]) -> list[Size]:
     are (those it names)."""
     hidden = ints.get("moe_latent_size", ints.get("hidden_size"))  # Nemotron's latent MoE
     ffn = ints.get("moe_intermediate_size")
-    if ffn is None and "num_local_experts" in config:  # Mixtral names its expert FFN so
+    if ffn is None and "num_local_experts" in text_config(config)[0]:  # Mixtral's, Llama 4's
         ffn = ints.get("intermediate_size")
     want = [(f"experts {short(ints[k], 20)} ({k})", ints[k], 0)
             for k in EXPERT_KEYS if k in ints]

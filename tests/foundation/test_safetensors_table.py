@@ -711,6 +711,20 @@ class TestConfig:
         config = {**CONFIG, "num_experts_per_tok": None, "moe_topk": [2, 2]}
         assert open_table(write_dir(tmp_path / "c", [model()], config=config)).top_k == E
 
+    def test_a_nested_text_config_is_read(self, tmp_path: Path) -> None:
+        """A multimodal checkpoint (Llama 4's) keeps its language model's integers in
+        ``text_config``: its top-k is read there, not defaulted, and its other integers
+        are checked against the tensors as at the top level."""
+        nested = {"model_type": "llama4", "text_config": {**CONFIG, "num_experts_per_tok": 1}}
+        table = open_table(write_dir(tmp_path / "c", [model()], config=nested))
+        assert table.top_k == 1
+        wrong = {"text_config": {**CONFIG, "num_experts": E + 1}}
+        with pytest.raises(ExpertLayoutError, match=f"experts {E + 1}"):
+            open_table(write_dir(tmp_path / "d", [model()], config=wrong))
+        odd = {"text_config": {**CONFIG, "num_experts_per_tok": "1"}}
+        with pytest.raises(ExpertLayoutError, match=r"text_config\.num_experts_per_tok is a str"):
+            open_table(write_dir(tmp_path / "e", [model()], config=odd))
+
     @pytest.mark.parametrize("key", TOP_K_KEYS)
     def test_top_k_under_each_of_its_names(self, tmp_path: Path, key: str) -> None:
         config = {k: v for k, v in CONFIG.items() if k != "num_experts_per_tok"}

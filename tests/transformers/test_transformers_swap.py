@@ -142,8 +142,12 @@ class TestLlama4Checkpoint:
         torch.manual_seed(0)
         transformers.Llama4ForConditionalGeneration(config).to(torch.bfloat16) \
             .save_pretrained(tmp_path / "llama4")
-        # a budget of 16 experts: the top-k sits in text_config, beyond the table's reading
-        counters = _check_exact(tmp_path / "llama4", "llama4", "grouped", "16", "cpu")
+        # the top-k sits in text_config: the least budget is two layers of it, not of the
+        # default top-8 a reading of the top level alone would give
+        least = 2 * config.get_text_config().num_experts_per_tok
+        with pytest.raises(moestream.UsageError, match=f"give budget={least} or more"):
+            mt.from_pretrained(tmp_path / "llama4", device="cpu", budget=0)
+        counters = _check_exact(tmp_path / "llama4", "llama4", "grouped", str(least), "cpu")
         assert counters.evictions > 0
 
 
