@@ -23,6 +23,7 @@ from moestream.pipeline.foundation.errors import UsageError, UsageTypeError
 from moestream.pipeline.foundation.experts import ExpertTable
 from moestream.pipeline.foundation.sizes import size_text
 from moestream.pipeline.foundation.table import open_table
+from moestream.transformers._scale_budget import scale_bytes
 
 __all__ = ["budget_for", "dense_bytes", "warn_if_clamped"]
 
@@ -120,7 +121,9 @@ def dense_bytes(table: ExpertTable, dtype: Any) -> int:
     """The device bytes of the checkpoint's tensors other than the routed experts, as the
     model will hold them: floating (and FP8, dequantized) ones in ``dtype`` (None: the
     checkpoint's, as ``config.json`` names it), others as stored. A GGUF file's are all
-    dequantized at load, in float32 unless ``dtype`` (transformers' dtype for a GGUF)."""
+    dequantized at load, in float32 unless ``dtype`` (transformers' dtype for a GGUF). The
+    experts' scales count at their held size; a dense FP8 weight's scale, folded into it at
+    load, not at all."""
     gguf = table.format == "gguf"
     if dtype is None and gguf:
         dtype = torch.float32
@@ -128,14 +131,29 @@ def dense_bytes(table: ExpertTable, dtype: Any) -> int:
         stored = table.config.get("dtype") or table.config.get("torch_dtype")
         dtype = getattr(torch, str(stored), None) if stored not in (None, "auto") else None
     size = torch.tensor([], dtype=dtype).element_size() if isinstance(dtype, torch.dtype) else None
-    total = 0
+    names = {tensor.name: tensor.type_name for tensor in table.non_routed}
+    experts_scales = {name for layer in table.layers.values() if layer.quant is not None
+                      for name in layer.quant.names}
+    total = scale_bytes(table)  # the experts' scales, at the size the device holds them
     for tensor in table.non_routed:
+        if tensor.name in experts_scales or _folded_scale(tensor.name, names):
+            continue
         elements = 1
         for n in tensor.shape:
             elements *= n
         floating = gguf or tensor.type_name in _FLOATS
         total += elements * size if size is not None and floating else tensor.nbytes
     return total
+
+
+def _folded_scale(name: str, types: dict[str, str]) -> bool:
+    """Whether ``name`` is a dense FP8 weight's scale, folded into the weight at load and
+    never held (a ``weight_scale_inv`` beside its weight, or DeepSeek-V4's ``.scale`` of an
+    F8_E4M3 ``.weight``)."""
+    if name.endswith("_scale_inv"):
+        return name.removesuffix("_scale_inv") in types
+    return name.endswith(".scale") and types.get(
+        name.removesuffix(".scale") + ".weight") == "F8_E4M3"
 
 
 def warn_if_clamped(session: moestream.SyncSession, budget: Any) -> None:

@@ -5,6 +5,7 @@ scales leave too little of is refused naming them; a count of experts keeps its 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -110,3 +111,24 @@ def test_the_run_summary_names_the_scales(checkpoints: dict[str, Path],
     assert summary["experts"].endswith(f"their scales {size_text(scales)} on the device, "
                                        "in the budget")
     assert summary["budget_bytes"] == least + expert  # the cache: what the scales leave
+
+
+@pytest.mark.parametrize("quant", QUANTS)
+def test_dense_bytes_count_what_the_model_holds(checkpoints: dict[str, Path], quant: str) -> None:
+    """max_memory's dense weights: the experts' scales once, at their held size; a dense FP8
+    weight's scale (folded into it at load) not at all; other floats in the model's dtype."""
+    from moestream.transformers._budget import dense_bytes
+
+    table = open_table(checkpoints[quant])
+    experts_scales = {name for layer in table.layers.values() if layer.quant is not None
+                      for name in layer.quant.names}
+    types = {t.name: t.type_name for t in table.non_routed}
+    folded = {name for name in types if name.endswith(".scale")
+              and types.get(name.removesuffix(".scale") + ".weight") == "F8_E4M3"}
+    folded |= {name for name in types if name.endswith("_scale_inv")
+               and name.removesuffix("_scale_inv") in types}
+    rest = [t for t in table.non_routed if t.name not in experts_scales | folded]
+    as_bf16 = sum(2 * math.prod(t.shape) if t.type_name in ("F32", "BF16", "F16", "F8_E4M3")
+                  else t.nbytes for t in rest)
+    assert dense_bytes(table, torch.bfloat16) == scale_bytes(table) + as_bf16
+    assert quant != "fp4" or folded  # DeepSeek-V4's dense FP8 weights carry .scale tensors
