@@ -24,6 +24,12 @@ Two arithmetics, chosen per model (``compute=``):
 
 Experts a call routes to that do not fit the budget at once (a long prompt's prefill, a
 large batch) are fetched in groups that do, each released before the next is fetched.
+
+This module holds the registry's entry and the model's :class:`ExpertStream` (its session,
+token boundary and life); the leases are ``_leases.py``'s, the experts' tensors
+``_expert_weights.py``'s and the two arithmetics ``_expert_compute.py``'s. The swapped
+experts modules (``_swap.py``) reach the same through :meth:`ExpertStream.arrivals`,
+:meth:`ExpertStream.weights` and :meth:`ExpertStream.stacked`.
 """
 
 from __future__ import annotations
@@ -33,7 +39,6 @@ import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
 from typing import Any, Literal
 
 import torch  # type: ignore[import-not-found, unused-ignore]
@@ -41,19 +46,12 @@ from transformers.integrations import moe as hf_moe  # type: ignore[import-not-f
 
 from moestream import ExpertHandle, SyncSession, TokenStats
 from moestream.pipeline.foundation.errors import UsageError
-from moestream.transformers._dequant_cuda import CUDA_DTYPES, layer_experts_cuda
-from moestream.transformers._dequant_cuda import available as cuda_kernel
+from moestream.transformers._expert_compute import eager, grouped
+from moestream.transformers._expert_weights import ExpertWeights
 from moestream.transformers._generate import GenerateStats
 from moestream.transformers._gguf_experts import GgufExperts
 from moestream.transformers._host_grouped import HostWeights, host_grouped
-from moestream.transformers._layout import (
-    TORCH_DTYPES,
-    biases,
-    first_projection,
-    grouped_linear,
-    raw,
-    view,
-)
+from moestream.transformers._leases import groups, leased
 from moestream.transformers._quantized import LayerScales
 from moestream.transformers._routing import WholeLayers
 
@@ -143,6 +141,7 @@ class ExpertStream:
         """Called with each token's stats (a live progress line, say)."""
         self._cuda = self.device.type == "cuda"
         self._started: Any = None
+        self._weights = ExpertWeights(self.device, self.scales)
         self._host_weights = HostWeights(_held_experts(session) + group_experts)
         # a GPU model held whole computes its layers with no host read of the routing
         self._whole = WholeLayers(session, self.device) if self._cuda else None
@@ -225,172 +224,33 @@ class ExpertStream:
         # copy of the ids, not a device unique (which would synchronize once more)
         wanted = sorted({int(e) for e in top_k_index.flatten().tolist()})
         if self.compute == "eager":
-            return self._eager(layer, module, hidden, top_k_index, top_k_weights, wanted)
-        return self._grouped(layer, module, hidden, top_k_index, top_k_weights, wanted)
-
-    def _groups(self, wanted: Sequence[int]) -> Iterator[list[int]]:
-        size = self.group_experts
-        for i in range(0, len(wanted), size):
-            yield list(wanted[i:i + size])
-
-    @contextmanager
-    def _leased(self, layer: int, experts: Sequence[int]) -> Iterator[Iterator[list[ExpertHandle]]]:
-        """The experts' handles in batches: those already there first, then each as it
-        lands; torch's stream waits on the device for each upload not yet installed, once
-        per event (``ExpertHandle.pending_event``: no query an expert). The lease is
-        released on leaving, after the work queued on torch's stream."""
-        lease = self.session.fetch(layer, experts)
-        cuda_stream = torch.cuda.current_stream(self.device) if self._cuda else None
-
-        def batches() -> Iterator[list[ExpertHandle]]:
-            waited = None  # torch's stream waits once per upload event: a layer's misses share one
-            while lease.remaining:
-                batch = lease.available() or [next(lease)]
-                if cuda_stream is not None:
-                    for h in batch:
-                        event = h.pending_event()  # None once installed: nothing to wait for
-                        if event is not None and event is not waited:
-                            h.wait(cuda_stream)
-                            waited = event
-                yield batch
-
-        try:
-            yield batches()
-        finally:
-            lease.release(after=cuda_stream)
-
-    def _weights(self, module: Any, h: ExpertHandle) -> tuple[Any, Any, Any]:
-        """The expert's gate ``(F, D)``, up ``(F, D)`` and down ``(D, F)`` (transposed: the
-        row halves of gate_up ``(D, 2F)`` and down ``(F, D)``): views of the cache, cast
-        (copied) only when the model computes in another dtype. Gate and up together are
-        the module's gate_up of the expert either way."""
-        dtype = module.down_proj.dtype
-        scales = self.scales.get(h.layer)
-        if scales is not None:
-            gate, up, down = h.matrices
-            return scales.expert(h.expert, (raw(gate), raw(up), raw(down)), dtype)
-        return view(h.gate, dtype), view(h.up, dtype), view(h.down, dtype)
-
-    def _dequantized(self, module: Any, handles: Sequence[ExpertHandle], gate_up: Any,
-                     down: Any) -> None:
-        """The quantized experts of ``handles`` dequantized into ``gate_up`` and ``down``:
-        one product per matrix kind for the whole batch."""
-        scales = self.scales[handles[0].layer]
-        experts = [h.expert for h in handles]
-        if (self._cuda and isinstance(scales, LayerScales)
-                and (scales.method != "fp8" or not scales.transposed)
-                and down.dtype in CUDA_DTYPES and cuda_kernel()):
-            # one kernel a batch, reading the cache where it is: no stacked copy
-            layer_experts_cuda(scales, [[h.matrices[at].ptr for h in handles] for at in range(3)],
-                               experts, gate_up, down)
-            return
-        raws = [torch.stack([raw(h.matrices[at]) for h in handles]) for at in range(3)]
-        scales.fill(experts, (raws[0], raws[1], raws[2]), gate_up, down)
-
-    def _stacked(self, module: Any, handles: Sequence[ExpertHandle]) -> tuple[Any, Any]:
-        """The experts' weights stacked for one grouped product, as the module keeps its
-        own: ``gate_up`` ``(n, 2F, D)`` (gate the first F rows) and ``down`` ``(n, D, F)``,
-        or transposed ``(n, D, 2F)`` and ``(n, F, D)``, copied from the cache on the device
-        (an expert's gate_up is its gate and up bytes in order, in either layout). On a GPU
-        the copies are queued on torch's stream by address (``cudaMemcpyAsync``, gate and
-        up in one when they are adjacent): no tensor is made per matrix, whose DLPack import
-        costs more host time than the copy; elsewhere, and when a cast is needed, one
-        multi-tensor copy of the views."""
-        n = len(handles)
-        dtype = module.down_proj.dtype
-        gate_up = torch.empty((n, *first_projection(module).shape[1:]), dtype=dtype,
-                              device=self.device)
-        down = torch.empty((n, *module.down_proj.shape[1:]), dtype=dtype, device=self.device)
-        if handles[0].layer in self.scales:
-            self._dequantized(module, handles, gate_up, down)
-            return gate_up, down
-        same = all(TORCH_DTYPES.get(m.ggml_type.name) == dtype for h in handles
-                   for m in h.matrices)
-        if self._cuda and same:
-            import cupy  # the session's backend on a GPU: present whenever this runs
-
-            copy = cupy.cuda.runtime.memcpyAsync
-            kind = cupy.cuda.runtime.memcpyDeviceToDevice
-            cuda_stream = torch.cuda.current_stream(self.device).cuda_stream
-            row = gate_up.stride(0) * gate_up.element_size()
-            base, down_base = gate_up.data_ptr(), down.data_ptr()
-            for i, h in enumerate(handles):
-                gate, up, d = h.gate, h.up, h.down
-                g = gate.ptr
-                if up.ptr == g + gate.nbytes:
-                    copy(base + i * row, g, 2 * gate.nbytes, kind, cuda_stream)
-                else:
-                    copy(base + i * row, g, gate.nbytes, kind, cuda_stream)
-                    copy(base + i * row + gate.nbytes, up.ptr, up.nbytes, kind, cuda_stream)
-                copy(down_base + i * d.nbytes, d.ptr, d.nbytes, kind, cuda_stream)
-            return gate_up, down
-        views = [self._weights(module, h) for h in handles]
-        flat, half = gate_up.view(n, -1), gate_up[0].numel() // 2
-        targets = ([flat[i, :half] for i in range(n)] + [flat[i, half:] for i in range(n)]
-                   + [down[i] for i in range(n)])
-        sources = ([v[0].reshape(-1) for v in views] + [v[1].reshape(-1) for v in views]
-                   + [v[2].view(down.shape[1:]) for v in views])
-        torch._foreach_copy_(targets, sources)
-        return gate_up, down
-
-    def _eager(self, layer: int, module: Any, hidden: Any, top_k_index: Any,
-               top_k_weights: Any, wanted: Sequence[int]) -> Any:
-        final = torch.zeros_like(hidden)
-        transposed = bool(getattr(module, "is_transposed", False))
-        gate = module._apply_gate if getattr(module, "has_gate", True) else module.act_fn
-        up_bias, down_bias = biases(module)
-        linear = torch.nn.functional.linear
-        with torch.no_grad():
-            mask = torch.nn.functional.one_hot(top_k_index, num_classes=module.num_experts + 1)
-            mask = mask.permute(2, 1, 0)
-        rows: dict[int, tuple[Any, Any]] = {}
-        for group in self._groups(wanted):
-            with self._leased(layer, group) as batches:
-                for batch in batches:
-                    for h in batch:
-                        first, second, down = self._weights(module, h)
-                        top_k_pos, token_idx = torch.where(mask[h.expert])
-                        current = hidden[token_idx]
-                        gate_up = torch.cat((first, second))  # or the gate-less up
-                        e = h.expert
-                        if transposed:  # x @ W (+ b), as gpt-oss's own eager
-                            out = current @ gate_up
-                            if up_bias is not None:
-                                out = out + up_bias[e]
-                            out = gate(out) @ down
-                            if down_bias is not None:
-                                out = out + down_bias[e]
-                        else:  # the module's own gate (a SwiGLU, a clamped one, or none)
-                            out = gate(linear(current, gate_up,
-                                              None if up_bias is None else up_bias[e]))
-                            out = linear(out, down, None if down_bias is None else down_bias[e])
-                        out = out * top_k_weights[token_idx, top_k_pos, None]
-                        rows[h.expert] = (token_idx, out.to(final.dtype))
-        for expert in sorted(rows):  # eager's order, whatever order they landed in
-            token_idx, out = rows[expert]
-            final.index_add_(0, token_idx, out)
-        return final
-
-    def _grouped(self, layer: int, module: Any, hidden: Any, top_k_index: Any,
-                 top_k_weights: Any, wanted: Sequence[int]) -> Any:
+            return eager(self.arrivals(layer, wanted), self._weights, module, hidden,
+                         top_k_index, top_k_weights)
         if not self._cuda and layer not in self.scales and len(wanted) <= self.group_experts:
             # the host: each expert's products on the cache's own matrices, no stacked copy
-            with self._leased(layer, wanted) as batches:
+            with leased(self.session, self.device, layer, wanted) as batches:
                 return host_grouped(batches, self._host_weights, module, hidden, top_k_index,
                                     top_k_weights)
-        tokens, top_k = top_k_index.shape
-        expert_ids = top_k_index.reshape(-1)
-        sample_weights = top_k_weights.reshape(-1)
-        weighted: Any = None
-        for group in self._groups(wanted):
-            with self._leased(layer, group) as batches:
-                for batch in batches:
-                    weighted = _grouped_rows(self, module, hidden, expert_ids, sample_weights,
-                                             top_k, batch, weighted)
-        if weighted is None:  # nothing routed (no tokens)
-            return torch.zeros_like(hidden)
-        final = weighted.view(tokens, top_k, hidden.size(-1)).sum(dim=1)
-        return final.to(hidden.dtype)
+        return grouped(self.arrivals(layer, wanted), self._weights, module, hidden,
+                       top_k_index, top_k_weights)
+
+    def arrivals(self, layer: int, wanted: Sequence[int]) -> Iterator[list[ExpertHandle]]:
+        """The handles of the ``wanted`` experts of ``layer``, a batch at a time as they
+        land, fetched in groups the budget holds (``group_experts``); each group's lease is
+        released after the work queued on torch's stream, before the next is fetched."""
+        for group in groups(wanted, self.group_experts):
+            with leased(self.session, self.device, layer, group) as batches:
+                yield from batches
+
+    def weights(self, module: Any, h: ExpertHandle) -> tuple[Any, Any, Any]:
+        """The leased expert's gate, up and down as ``module`` applies them (views of the
+        cache, or dequantized): ``ExpertWeights.expert``."""
+        return self._weights.expert(module, h)
+
+    def stacked(self, module: Any, handles: Sequence[ExpertHandle]) -> tuple[Any, Any]:
+        """The leased experts' ``gate_up`` and ``down`` stacked as ``module`` keeps its own,
+        for one grouped product: ``ExpertWeights.stacked``."""
+        return self._weights.stacked(module, handles)
 
 
 def _held_experts(session: SyncSession) -> int:
@@ -398,48 +258,4 @@ def _held_experts(session: SyncSession) -> int:
     info = session.model
     smallest = min((info.layers[layer].expert_bytes for layer in info.moe_layers), default=1)
     return session.counters().budget_bytes // max(1, smallest)
-
-
-def _grouped_rows(experts_stream: ExpertStream, module: Any, hidden: Any, expert_ids: Any,
-                  sample_weights: Any, top_k: int, batch: Sequence[ExpertHandle],
-                  weighted: Any) -> Any:
-    """The router-weighted output rows of the (token, slot) pairs routed to the experts of
-    ``batch``, as transformers' ``grouped_mm_experts_forward`` computes them, written into
-    ``weighted`` (``(tokens * top_k, hidden)``, made on the first batch) at the pairs'
-    places. No host synchronization: pairs routed elsewhere sort to the tail, which the
-    grouped product skips, and are left as they were."""
-    handles = sorted(batch, key=lambda h: h.expert)
-    n = len(handles)
-    gate_up, down = experts_stream._stacked(module, handles)
-
-    device = hidden.device
-    # local ids: the batch's experts 0..n-1 in ascending expert order, every other expert n
-    lookup = torch.full((module.num_experts,), n, dtype=expert_ids.dtype, device=device)
-    ids = torch.tensor([h.expert for h in handles], dtype=expert_ids.dtype,
-                       pin_memory=device.type == "cuda")
-    # from pinned memory the copy is queued, not waited for: no second host synchronization
-    lookup[ids.to(device, non_blocking=True)] = torch.arange(n, dtype=expert_ids.dtype,
-                                                             device=device)
-    local = lookup[expert_ids]
-    local_sorted, perm = torch.sort(local)
-    selected = hidden[perm // top_k]
-    offsets = torch.searchsorted(
-        local_sorted, torch.arange(1, n + 1, dtype=local_sorted.dtype, device=device)
-    ).to(torch.int32)
-    transposed = bool(getattr(module, "is_transposed", False))
-    up_bias, down_bias = biases(module)
-    if up_bias is not None:  # per sorted row, as grouped_mm_experts_forward
-        row_experts = expert_ids[perm]  # the tail's rows (other experts) are never used
-        up_bias, down_bias = up_bias[row_experts], down_bias[row_experts]
-    proj = grouped_linear(selected, gate_up, offsets, up_bias, transposed)
-    proj = module._apply_gate(proj) if getattr(module, "has_gate", True) else module.act_fn(proj)
-    proj = grouped_linear(proj, down, offsets, down_bias, transposed)
-    rows = proj * sample_weights[perm].unsqueeze(-1)
-    inverse = torch.empty_like(perm)
-    inverse[perm] = torch.arange(perm.size(0), device=device)
-    rows = rows[inverse]
-    if weighted is None:
-        return rows  # the pairs of other experts are overwritten by their own batches
-    mine = (local < n).unsqueeze(-1)
-    return torch.where(mine, rows, weighted)
 

@@ -58,12 +58,9 @@ class _Swapped(torch.nn.Module):
 
     def _arrivals(self, wanted: Sequence[int]) -> Iterator[list[ExpertHandle]]:
         """The handles of the ``wanted`` experts, a batch at a time as they land, in groups
-        the budget holds; each group's lease is released after the work queued on it."""
-        experts_stream = self._stream()
-        # the same package's lease machinery as the registry path: one fetch per group
-        for group in experts_stream._groups(wanted):
-            with experts_stream._leased(self.moestream_layer, group) as batches:
-                yield from batches
+        the budget holds; each group's lease is released after the work queued on it (the
+        registry path's leases: ``ExpertStream.arrivals``)."""
+        return self._stream().arrivals(self.moestream_layer, wanted)
 
 
 class Llama4Experts(_Swapped):
@@ -90,7 +87,7 @@ class Llama4Experts(_Swapped):
         experts_stream = self._stream()
         for batch in self._arrivals(wanted):
             handles = sorted(batch, key=lambda h: h.expert)
-            gate_up, down = experts_stream._stacked(self, handles)
+            gate_up, down = experts_stream.stacked(self, handles)
             at = torch.tensor([h.expert for h in handles], device=blocks.device)
             gate, up = torch.bmm(blocks[at], gate_up).chunk(2, dim=-1)
             out[at] = torch.bmm(up * self.act_fn(gate), down)
@@ -128,7 +125,7 @@ class JetMoeExperts(_Swapped):
         for batch in self._arrivals(wanted):
             for h in batch:
                 rows = slice(starts[h.expert], starts[h.expert + 1])
-                gate_w, up_w, down_w = experts_stream._weights(self, h)
+                gate_w, up_w, down_w = experts_stream.weights(self, h)
                 gate, up = linear(expert_inputs[rows], torch.cat((gate_w, up_w))).chunk(2, dim=-1)
                 outputs[rows] = linear(self.activation(gate) * up, down_w)
         outputs = outputs * batch_gates[:, None]

@@ -86,10 +86,10 @@ class TestFp4Experts:
                 with stream.session.fetch(layer, range(theirs.num_experts)) as lease:
                     handles = sorted(lease.gather(), key=lambda h: h.expert)
                     for h in handles:
-                        gate, up, down = stream._weights(module, h)
+                        gate, up, down = stream.weights(module, h)
                         assert torch.equal(torch.cat((gate, up)), theirs.gate_up_proj[h.expert])
                         assert torch.equal(down, theirs.down_proj[h.expert])
-                    gate_up, down = stream._stacked(module, handles)
+                    gate_up, down = stream.stacked(module, handles)
                     assert torch.equal(gate_up, theirs.gate_up_proj.data)
                     assert torch.equal(down, theirs.down_proj.data)
         finally:

@@ -84,11 +84,11 @@ class TestMxfp4Experts:
                 with stream.session.fetch(layer, range(theirs.num_experts)) as lease:
                     handles = sorted(lease.gather(), key=lambda h: h.expert)
                     for h in handles:
-                        first, second, down = stream._weights(module, h)
+                        first, second, down = stream.weights(module, h)
                         assert torch.equal(torch.cat((first, second)),
                                            theirs.gate_up_proj[h.expert])
                         assert torch.equal(down, theirs.down_proj[h.expert])
-                    gate_up, down = stream._stacked(module, handles)
+                    gate_up, down = stream.stacked(module, handles)
                     assert torch.equal(gate_up, theirs.gate_up_proj.data)
                     assert torch.equal(down, theirs.down_proj.data)
         finally:

@@ -1,0 +1,116 @@
+"""Leased experts as the torch tensors a product takes: one expert's matrices as views of
+the cache, or a batch's stacked as the experts module keeps its own.
+
+A quantized layer's experts (``LayerScales``: FP8, FP4, MXFP4; ``GgufExperts``: a GGUF
+layer's types) are dequantized per use, on a GPU by one CuPy kernel a batch where it
+applies; the others are views of the cache, cast (copied) only when the model computes in
+another dtype, and stacked on a GPU by device-to-device copies queued on torch's stream.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch  # type: ignore[import-not-found, unused-ignore]
+
+from moestream import ExpertHandle
+from moestream.transformers._dequant_cuda import CUDA_DTYPES, layer_experts_cuda
+from moestream.transformers._dequant_cuda import available as cuda_kernel
+from moestream.transformers._gguf_experts import GgufExperts
+from moestream.transformers._layout import TORCH_DTYPES, first_projection, raw, view
+from moestream.transformers._quantized import LayerScales
+
+__all__ = ["ExpertWeights"]
+
+
+class ExpertWeights:
+    """The weights of leased experts on ``device``.
+
+    Args:
+        device: the torch device the model computes on.
+        scales: the block scales of each quantized layer, on ``device``, or a GGUF
+            layer's expert types (its experts are dequantized per use).
+    """
+
+    def __init__(self, device: Any, scales: Mapping[int, LayerScales | GgufExperts]) -> None:
+        self.device = device
+        self.scales = scales
+        self._cuda = device.type == "cuda"
+
+    def expert(self, module: Any, h: ExpertHandle) -> tuple[Any, Any, Any]:
+        """The expert's gate ``(F, D)``, up ``(F, D)`` and down ``(D, F)`` (transposed: the
+        row halves of gate_up ``(D, 2F)`` and down ``(F, D)``): views of the cache, cast
+        (copied) only when the model computes in another dtype. Gate and up together are
+        the module's gate_up of the expert either way."""
+        dtype = module.down_proj.dtype
+        scales = self.scales.get(h.layer)
+        if scales is not None:
+            gate, up, down = h.matrices
+            return scales.expert(h.expert, (raw(gate), raw(up), raw(down)), dtype)
+        return view(h.gate, dtype), view(h.up, dtype), view(h.down, dtype)
+
+    def stacked(self, module: Any, handles: Sequence[ExpertHandle]) -> tuple[Any, Any]:
+        """The experts' weights stacked for one grouped product, as the module keeps its
+        own: ``gate_up`` ``(n, 2F, D)`` (gate the first F rows) and ``down`` ``(n, D, F)``,
+        or transposed ``(n, D, 2F)`` and ``(n, F, D)``, copied from the cache on the device
+        (an expert's gate_up is its gate and up bytes in order, in either layout). On a GPU
+        the copies are queued on torch's stream by address (:meth:`_copied`); elsewhere,
+        and when a cast is needed, one multi-tensor copy of the views."""
+        n = len(handles)
+        dtype = module.down_proj.dtype
+        gate_up = torch.empty((n, *first_projection(module).shape[1:]), dtype=dtype,
+                              device=self.device)
+        down = torch.empty((n, *module.down_proj.shape[1:]), dtype=dtype, device=self.device)
+        if handles[0].layer in self.scales:
+            self._dequantized(handles, gate_up, down)
+            return gate_up, down
+        same = all(TORCH_DTYPES.get(m.ggml_type.name) == dtype for h in handles
+                   for m in h.matrices)
+        if self._cuda and same:
+            self._copied(handles, gate_up, down)
+            return gate_up, down
+        views = [self.expert(module, h) for h in handles]
+        flat, half = gate_up.view(n, -1), gate_up[0].numel() // 2
+        targets = ([flat[i, :half] for i in range(n)] + [flat[i, half:] for i in range(n)]
+                   + [down[i] for i in range(n)])
+        sources = ([v[0].reshape(-1) for v in views] + [v[1].reshape(-1) for v in views]
+                   + [v[2].view(down.shape[1:]) for v in views])
+        torch._foreach_copy_(targets, sources)
+        return gate_up, down
+
+    def _copied(self, handles: Sequence[ExpertHandle], gate_up: Any, down: Any) -> None:
+        """The experts' bytes copied into ``gate_up`` and ``down`` on torch's stream by
+        address (``cudaMemcpyAsync``, gate and up in one when they are adjacent): no tensor
+        is made per matrix, whose DLPack import costs more host time than the copy."""
+        import cupy  # the session's backend on a GPU: present whenever this runs
+
+        copy = cupy.cuda.runtime.memcpyAsync
+        kind = cupy.cuda.runtime.memcpyDeviceToDevice
+        cuda_stream = torch.cuda.current_stream(self.device).cuda_stream
+        row = gate_up.stride(0) * gate_up.element_size()
+        base, down_base = gate_up.data_ptr(), down.data_ptr()
+        for i, h in enumerate(handles):
+            gate, up, d = h.gate, h.up, h.down
+            g = gate.ptr
+            if up.ptr == g + gate.nbytes:
+                copy(base + i * row, g, 2 * gate.nbytes, kind, cuda_stream)
+            else:
+                copy(base + i * row, g, gate.nbytes, kind, cuda_stream)
+                copy(base + i * row + gate.nbytes, up.ptr, up.nbytes, kind, cuda_stream)
+            copy(down_base + i * d.nbytes, d.ptr, d.nbytes, kind, cuda_stream)
+
+    def _dequantized(self, handles: Sequence[ExpertHandle], gate_up: Any, down: Any) -> None:
+        """The quantized experts of ``handles`` dequantized into ``gate_up`` and ``down``:
+        one product per matrix kind for the whole batch."""
+        scales = self.scales[handles[0].layer]
+        experts = [h.expert for h in handles]
+        if (self._cuda and isinstance(scales, LayerScales)
+                and (scales.method != "fp8" or not scales.transposed)
+                and down.dtype in CUDA_DTYPES and cuda_kernel()):
+            # one kernel a batch, reading the cache where it is: no stacked copy
+            layer_experts_cuda(scales, [[h.matrices[at].ptr for h in handles] for at in range(3)],
+                               experts, gate_up, down)
+            return
+        raws = [torch.stack([raw(h.matrices[at]) for h in handles]) for at in range(3)]
+        scales.fill(experts, (raws[0], raws[1], raws[2]), gate_up, down)

@@ -1,0 +1,54 @@
+"""The experts one call routes to, leased from the session a budget-sized group at a time.
+
+Shared by the experts implementation (``_experts.py``) and the swapped experts modules
+(``_swap.py``): each group is one ``fetch``; its handles come in batches, those already
+there first, then each as it lands; on a GPU torch's current stream waits on the device
+for each upload not yet installed, and the lease is released after the work queued on
+that stream, so that the cache reuses no buffer before the device has read it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import torch  # type: ignore[import-not-found, unused-ignore]
+
+from moestream import ExpertHandle, SyncSession
+
+__all__ = ["groups", "leased"]
+
+
+def groups(wanted: Sequence[int], size: int) -> Iterator[list[int]]:
+    """``wanted`` in groups of at most ``size`` experts (what one fetch may pin)."""
+    for i in range(0, len(wanted), size):
+        yield list(wanted[i:i + size])
+
+
+@contextmanager
+def leased(session: SyncSession, device: Any, layer: int,
+           experts: Sequence[int]) -> Iterator[Iterator[list[ExpertHandle]]]:
+    """The experts' handles in batches: those already there first, then each as it
+    lands; on a GPU (``device``) torch's stream waits on the device for each upload not
+    yet installed, once per event (``ExpertHandle.pending_event``: no query an expert).
+    The lease is released on leaving, after the work queued on torch's stream."""
+    lease = session.fetch(layer, experts)
+    cuda_stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
+
+    def batches() -> Iterator[list[ExpertHandle]]:
+        waited = None  # torch's stream waits once per upload event: a layer's misses share one
+        while lease.remaining:
+            batch = lease.available() or [next(lease)]
+            if cuda_stream is not None:
+                for h in batch:
+                    event = h.pending_event()  # None once installed: nothing to wait for
+                    if event is not None and event is not waited:
+                        h.wait(cuda_stream)
+                        waited = event
+            yield batch
+
+    try:
+        yield batches()
+    finally:
+        lease.release(after=cuda_stream)
