@@ -76,6 +76,9 @@ class ModelInfo:
         config: a checkpoint's ``config.json`` as the session's one read of it parsed it
             (bounded in size and depth, no duplicate keys); empty for a GGUF file. Build a
             model from these values, not from a second read of the path.
+        file_bytes: a GGUF file's size as the session identified it (for a checkpoint, the
+            end of its shards laid end to end); with ``Session.read_header`` it lays out a
+            private copy of the header a GGUF reader can parse.
     """
 
     path: Path
@@ -87,6 +90,7 @@ class ModelInfo:
     hash_routed: int
     tensors: Mapping[str, TensorSpec] = field(default_factory=dict)
     config: Mapping[str, Any] = field(default_factory=dict)
+    file_bytes: int = 0
 
     @classmethod
     def of(cls, table: ExpertTable) -> ModelInfo:
@@ -98,7 +102,8 @@ class ModelInfo:
         tensors = {t.name: TensorSpec(t.name, t.type_name, t.shape, t.nbytes)
                    for t in table.non_routed}
         return cls(table.path, tuple(table.moe_layers), layers, table.n_experts, table.top_k,
-                   table.hidden, table.hash_routed, tensors, copy.deepcopy(table.config))
+                   table.hidden, table.hash_routed, tensors, copy.deepcopy(table.config),
+                   table.file_bytes)
 
 
 class Router(Protocol):

@@ -156,6 +156,24 @@ class Session:
             raise UsageError(f"{name[:120]!r} is not a non-routed tensor of {self.model.path}")
         return self._table.read_bytes(info.offset, info.nbytes)
 
+    def read_header(self) -> bytearray:
+        """The bytes of a GGUF model's header (magic, metadata, tensor table: everything
+        before its tensor data), read as ``read_tensor`` reads, from the file as the session
+        identified it: an engine building its config or tokenizer from these bytes builds
+        them from the file its experts come from, never from whatever the path names later.
+
+        Raises:
+            UsageError: the model is a checkpoint (its ``config.json`` is ``model.config``),
+                or the session is not open.
+            ModelChangedError: the file changed since the session opened it.
+            ModelFileError: it was cut short.
+        """
+        table = self._table
+        if not table.header_bytes:
+            raise UsageError(f"{self.model.path} is not a GGUF file: a checkpoint's config "
+                             "is model.config")
+        return table.read_bytes(0, table.header_bytes)
+
     def _table_tensors(self) -> Mapping[str, Any]:
         if self._tensor_index is None:
             self._tensor_index = {t.name: t for t in self._table.non_routed}

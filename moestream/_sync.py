@@ -229,6 +229,10 @@ class SyncSession:
         nothing of the loop)."""
         return self._session.read_tensor(name)
 
+    def read_header(self) -> bytearray:
+        """As ``Session.read_header`` (on the caller's thread, as ``read_tensor``)."""
+        return self._session.read_header()
+
     def ready(self, layer: Index, experts: ExpertIds) -> bool:
         """As ``Session.ready`` (on the caller's thread)."""
         return self._loop.query(self._session._ready, layer, experts)

@@ -8,10 +8,11 @@ and reshapes or permutes where an architecture needs it). Here the same pieces b
 same model with the routed experts left out:
 
 - the config and tokenizer come from transformers' own ``AutoConfig`` / ``AutoTokenizer``
-  with ``gguf_file=``, pointed at a private directory whose one entry is a link to a
-  descriptor this module opened (``/proc/self/fd/N``): transformers parses the file opened
-  here, not whatever the path names by then, and its tensor table is checked against the
-  session's before anything is built from it;
+  with ``gguf_file=``, pointed at a private directory whose one entry is a copy of the
+  file's header read through the session (``read_header``: the file the session
+  identified, its identity checked before and after the read), the tensor data a hole:
+  nothing transformers parses comes from a second open of the path, which may name another
+  file by then; the copy's tensor table is checked against the session's too;
 - every non-routed tensor's bytes come through the session (``read_tensor``: the file as
   the session identified it), are dequantized by gguf-py as transformers does, and are
   renamed and processed by transformers' ``get_gguf_hf_weights_map`` and the
@@ -31,7 +32,6 @@ from __future__ import annotations
 
 import importlib
 import importlib.metadata
-import os
 import re
 import struct
 import tempfile
@@ -58,7 +58,7 @@ __all__ = ["GgufSource", "dense_tensors", "gguf_model", "gguf_tokenizer", "is_gg
 _ROUTED = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down|gate_up)_exps\.weight$")
 """A routed-experts tensor's name, as the session's table reads it."""
 _LINK = "model.gguf"
-"""The private directory's one entry: a link to the descriptor opened here."""
+"""The private directory's one entry: the copy of the session's header."""
 _FFN_KEYS = (("expert_feed_forward_length", "moe_intermediate_size"),
              ("expert_shared_feed_forward_length", "shared_expert_intermediate_size"))
 """What the file states of the experts' widths and transformers' legacy mapping drops
@@ -119,31 +119,36 @@ def _new_path(arch: str) -> bool:
 
 
 @contextmanager
-def _pinned(path: Path) -> Iterator[tuple[Path, GGUFReader]]:
-    """A private directory whose one entry links to a descriptor of ``path`` opened here,
-    and gguf's reader of that descriptor; both gone on exit."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    except OSError as exc:
-        raise ModelFileError(path, f"cannot read: {exc.strerror or exc}") from exc
-    try:
-        with tempfile.TemporaryDirectory(prefix="moestream-gguf-") as made:
-            private = Path(made)
-            (private / _LINK).symlink_to(f"/proc/self/fd/{fd}")
-            try:
-                reader = GGUFReader(private / _LINK)
-            except (ValueError, IndexError, KeyError, OverflowError, TypeError, struct.error,
-                    OSError) as exc:  # what gguf's reader raises on a malformed header
-                raise ModelFileError(path, f"gguf cannot read it: {first_line(exc)}") from exc
-            yield private, reader
-    finally:
-        os.close(fd)
+def _pinned(session: moestream.SyncSession) -> Iterator[tuple[Path, GGUFReader]]:
+    """A private directory whose one entry is a copy of the session's GGUF header, and
+    gguf's reader of that copy; both gone on exit.
+
+    The header is read through the session (``read_header``: the file as it identified it,
+    the identity checked before and after the read), never by opening the path again; the
+    copy is the header and a hole up to the file's size (a sparse file: the tensor data is
+    neither read nor written, and transformers' config and tokenizer read none of it).
+    """
+    path = session.model.path
+    header = session.read_header()
+    with tempfile.TemporaryDirectory(prefix="moestream-gguf-") as made:
+        private = Path(made)
+        copy = private / _LINK
+        with open(copy, "xb") as out:
+            out.write(header)
+            out.truncate(max(session.model.file_bytes, len(header)))
+        try:
+            reader = GGUFReader(copy)
+        except (ValueError, IndexError, KeyError, OverflowError, TypeError, struct.error,
+                OSError) as exc:  # what gguf's reader raises on a malformed header
+            raise ModelFileError(path, f"gguf cannot read it: {first_line(exc)}") from exc
+        yield private, reader
 
 
 def _check_same(path: Path, reader: GGUFReader, session: moestream.SyncSession) -> None:
-    """The file transformers reads (``reader``) has the session's tensor table: the same
+    """The header transformers reads (``reader``) has the session's tensor table: the same
     dense tensors (names, types, shapes) and the same routed experts (layers, types, expert
-    counts); a file renamed over the path since the session opened it is refused."""
+    counts). Both come from the file the session identified, so this holds unless the
+    header and the table drift apart; it is checked before anything is built from it."""
     info = session.model
     ours = {t.name: (t.tensor_type.name, tuple(int(n) for n in reversed(t.shape)))
             for t in reader.tensors}
@@ -158,8 +163,8 @@ def _check_same(path: Path, reader: GGUFReader, session: moestream.SyncSession) 
         same = same and layer is not None and want is not None and kind == want.name \
             and shape[0] == layer.n_experts
     if not same or len(ours) < len(info.tensors):
-        raise ModelFileError(path, "changed while it was opened (its tensors are not those "
-                             "the session read)")
+        raise ModelFileError(path, "its header's tensor table is not the one the session "
+                             "read")
 
 
 @dataclass(frozen=True)
@@ -186,7 +191,7 @@ def gguf_model(session: moestream.SyncSession,
     """
     path = session.model.path
     legacy = _legacy()
-    with _pinned(path) as (private, reader):
+    with _pinned(session) as (private, reader):
         _check_same(path, reader, session)
         field = legacy.read_field(reader, "general.architecture")
         arch = str(field[0]) if field else "(none)"
@@ -210,15 +215,17 @@ def gguf_model(session: moestream.SyncSession,
     return model, config, GgufSource(path, arch, processor, legacy)
 
 
-def gguf_tokenizer(path: Path) -> Any:
-    """transformers' tokenizer of the GGUF file at ``path`` (``AutoTokenizer`` with
-    ``gguf_file=``, from a descriptor opened here).
+def gguf_tokenizer(session: moestream.SyncSession) -> Any:
+    """transformers' tokenizer of the session's GGUF file (``AutoTokenizer`` with
+    ``gguf_file=``, from the header the session read: the file it identified).
 
     Raises:
         UsageError: transformers reads no GGUF, or builds no tokenizer from this file.
+        ModelChangedError: the file changed since the session opened it.
     """
     _legacy()
-    with _pinned(path) as (private, _):
+    path = session.model.path
+    with _pinned(session) as (private, _):
         try:
             return transformers.AutoTokenizer.from_pretrained(private, gguf_file=_LINK,
                                                               trust_remote_code=False)

@@ -2,7 +2,8 @@
 
 The model is loaded by :func:`moestream.transformers.from_pretrained` (a checkpoint
 directory or a GGUF file; routed experts streamed under ``--cache-budget``), the prompt is
-the checkpoint tokenizer's (a GGUF file's: transformers' from its metadata) encoding of
+the checkpoint tokenizer's (a GGUF file's: transformers' from the metadata the session
+read, after the load) encoding of
 ``--prompt`` or the ids of ``--prompt-ids``, and ``--tokens`` tokens are generated greedily
 with transformers' own ``generate``. Prints the tokens (and the text, with a tokenizer),
 then the run's summary in ``moestream.pipeline.cli.run``'s format (``--json``: one JSON
@@ -44,9 +45,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        "eager (logits equal to experts_implementation=eager) (grouped)")
 
 
-def _prompt_ids(args: argparse.Namespace, model_dir: Path) -> tuple[list[int], Any]:
-    """The prompt's ids, and the tokenizer (None without one)."""
-    tokenizer = None
+def _prompt_ids(args: argparse.Namespace, model_dir: Path) -> tuple[list[int] | None, Any]:
+    """The prompt's ids, and the tokenizer (None without one). For a GGUF file's
+    ``--prompt`` both are None here: its tokenizer is built after the load, from the header
+    the session read (``_gguf_prompt``), never from a second open of the path."""
     if args.prompt_ids is not None:
         try:
             ids = [int(t) for t in args.prompt_ids.split(",") if t.strip()]
@@ -55,26 +57,42 @@ def _prompt_ids(args: argparse.Namespace, model_dir: Path) -> tuple[list[int], A
                              f"{args.prompt_ids!r}") from exc
         if not ids:
             raise UsageError("--prompt-ids: no ids")
-    elif args.prompt is not None:
-        tokenizer = _tokenizer(model_dir)
-        ids = [int(t) for t in tokenizer(args.prompt)["input_ids"]]
-        if not ids:
-            raise UsageError("--prompt: the tokenizer made no tokens of it")
-    else:
+        return ids, None
+    if args.prompt is None:
         raise UsageError("--engine transformers needs --prompt TEXT or --prompt-ids 1,2,3")
-    return ids, tokenizer
+    from moestream.transformers._gguf import is_gguf
+
+    if is_gguf(model_dir):
+        return None, None
+    tokenizer = _tokenizer(model_dir)
+    return _encoded(tokenizer, args.prompt), tokenizer
 
 
-def _tokenizer(model: Path) -> Any:
-    """The checkpoint's tokenizer, or the one transformers builds from a GGUF file's
-    metadata."""
+def _encoded(tokenizer: Any, prompt: str) -> list[int]:
+    ids = [int(t) for t in tokenizer(prompt)["input_ids"]]
+    if not ids:
+        raise UsageError("--prompt: the tokenizer made no tokens of it")
+    return ids
+
+
+def _gguf_prompt(session: Any, prompt: str, ids: list[int] | None,
+                 tokenizer: Any) -> tuple[list[int], Any]:
+    """The prompt's ids and tokenizer as ``_prompt_ids`` gave them; for a GGUF file's
+    ``--prompt`` (``ids`` None), its ids by the tokenizer transformers builds from the
+    header the session read (the file it identified, whatever the path names by now)."""
+    from moestream.transformers._gguf import gguf_tokenizer
+
+    if ids is not None:
+        return ids, tokenizer
+    tokenizer = gguf_tokenizer(session)
+    return _encoded(tokenizer, prompt), tokenizer
+
+
+def _tokenizer(root: Path) -> Any:
+    """The checkpoint's tokenizer."""
     import transformers  # type: ignore[import-not-found, unused-ignore]
 
-    from moestream.transformers._gguf import gguf_tokenizer, is_gguf
-
-    if is_gguf(model):
-        return gguf_tokenizer(model)
-    root = model.parent if model.is_file() else model
+    root = root.parent if root.is_file() else root
     if not any((root / name).is_file() for name in _TOKENIZER_FILES):
         raise UsageError(f"{root}: the checkpoint has no tokenizer for --prompt; "
                          "pass --prompt-ids")
@@ -135,6 +153,7 @@ def _generate(args: argparse.Namespace) -> int:
     live = LiveLine(args.tokens, enabled=not args.json and sys.stderr.isatty())
     stream.on_token = lambda s: live.update(s.hits, s.misses, s.time, s.mode)
     try:
+        ids, tokenizer = _gguf_prompt(stream.session, args.prompt, ids, tokenizer)
         prompt = torch.tensor([ids], dtype=torch.long, device=stream.device)
         started = time.perf_counter()
         with torch.no_grad():

@@ -151,6 +151,10 @@ class ExpertTable:
         config: a checkpoint's ``config.json`` as the table's one read parsed it (empty for
             a GGUF file): whoever builds a model from it uses these values, never a second
             read of the path, which may name another file by then.
+        header_bytes: a GGUF file's header (magic, metadata, tensor table and padding: every
+            byte before its tensor data), as the table's one read walked it; 0 for a
+            checkpoint. Its config and tokenizer are built from these bytes, read again
+            through ``read_bytes`` (never a second open of the path).
     """
 
     path: Path
@@ -165,6 +169,7 @@ class ExpertTable:
     files: tuple[ModelFile, ...]
     format: str = "gguf"
     config: Mapping[str, Any] = field(default_factory=dict)
+    header_bytes: int = 0
 
     @property
     def data_bytes(self) -> int:

@@ -198,6 +198,7 @@ def _gguf_table(path: Path, file: ModelFile, reader: GGUFReader) -> ExpertTable:
         non_routed=tuple(non_routed),
         digests=_read_digests(path, reader, len(layers), n_experts),
         files=(file,),
+        header_bytes=int(reader.data_offset),
     )
 
 

@@ -321,7 +321,8 @@ class TestConventions:
         """Sessions and leases expose what docs/API.md's reference lists, no internals
         (``table``, ``backends``, ``core``)."""
         session = {"model", "backend", "devices", "mode", "closed", "fetch", "prefetch",
-                   "ready", "end_token", "counters", "router", "read_tensor"}
+                   "ready", "end_token", "counters", "router", "read_tensor",
+                   "read_header"}
         lease = {"layer", "experts", "hits", "misses", "released", "remaining", "available",
                  "gather", "release"}
         with _sync(tiny_model) as ms, ms.fetch(ms.model.moe_layers[0], [0]) as held:

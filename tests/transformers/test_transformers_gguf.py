@@ -16,7 +16,11 @@ transformers model holding gguf's dequantization of the same blocks.
 
 from __future__ import annotations
 
+import json
+import os
+import struct
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -371,8 +375,83 @@ class TestTokenizer:
 
         path = files["qwen3_moe"].path
         theirs = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-        ours = gguf_tokenizer(path)
+        with moestream.open_sync(path) as session:
+            ours = gguf_tokenizer(session)
         assert ours("hello world")["input_ids"] == theirs("hello world")["input_ids"]
+
+
+def _after_open(monkeypatch: pytest.MonkeyPatch, act: Callable[[], None]) -> None:
+    """Run ``act`` right after the loader's session opened: the window an attacker races."""
+    opened = moestream.open_sync
+
+    def open_then_act(*args: Any, **kwargs: Any) -> Any:
+        session = opened(*args, **kwargs)
+        act()
+        return session
+
+    monkeypatch.setattr(moestream, "open_sync", open_then_act)
+
+
+def _renamed_over(victim: Path, other: bytes) -> Callable[[], None]:
+    def rename() -> None:
+        staged = victim.with_name(victim.name + ".new")
+        staged.write_bytes(other)
+        os.replace(staged, victim)
+
+    return rename
+
+
+def _written(victim: Path, other: bytes) -> Callable[[], None]:
+    def write() -> None:  # same size, same inode: only the times tell
+        with open(victim, "r+b") as f:
+            f.write(other)
+
+    return write
+
+
+def _other_metadata(data: bytes, key: bytes, value: bytes | None) -> bytes:
+    """``data`` (a GGUF file) with the value after metadata ``key`` replaced by ``value``
+    (type and bytes, the same length), or for None another vocabulary: the tokens "he" and
+    "ll" (ids 256 and 257) swapped. The tensor table and the tensor bytes untouched."""
+    if value is None:
+        he, ll = (struct.pack("<Q", 2) + token for token in (b"he", b"ll"))
+        at = data.index(he + ll)
+        return data[:at] + ll + he + data[at + len(he + ll):]
+    at = data.index(struct.pack("<Q", len(key)) + key) + 8 + len(key)
+    return data[:at] + value + data[at + len(value):]
+
+
+_ROPE = b"qwen3moe.rope.freq_base"
+_TOKENS = b"tokenizer.ggml.tokens"
+
+
+def _configs_built(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
+    """Every config transformers' ``AutoConfig`` builds from now on."""
+    built: list[Any] = []
+    build = transformers.AutoConfig.from_pretrained
+
+    def recorded(*args: Any, **kwargs: Any) -> Any:
+        built.append(build(*args, **kwargs))
+        return built[-1]
+
+    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", recorded)
+    return built
+
+
+def _read_by_transformers(data: bytes, where: Path) -> tuple[Any, list[int]]:
+    """What transformers reads of a GGUF file's metadata: its rope theta, "hello"'s ids."""
+    (where / "read.gguf").write_bytes(data)
+    config = transformers.AutoConfig.from_pretrained(where, gguf_file="read.gguf")
+    tokenizer = transformers.AutoTokenizer.from_pretrained(where, gguf_file="read.gguf")
+    return config.rope_parameters["rope_theta"], tokenizer("hello")["input_ids"]
+
+
+def _tensor_table(data: bytes, where: Path) -> list[tuple[str, str, list[int], int]]:
+    """gguf's reading of a GGUF file's tensor table (name, type, shape, data offset)."""
+    path = where / "table.gguf"
+    path.write_bytes(data)
+    return [(t.name, t.tensor_type.name, [int(n) for n in t.shape], int(t.data_offset))
+            for t in gguf.GGUFReader(path).tensors]
 
 
 class TestRefused:
@@ -421,18 +500,44 @@ class TestRefused:
         never builds the config from it."""
         path = tmp_path / "model.gguf"
         path.write_bytes(files["qwen3_moe"].path.read_bytes())
-        other = files["more"].path
-        opened = moestream.open_sync
+        _after_open(monkeypatch, _renamed_over(path, files["more"].path.read_bytes()))
+        self._refused(path, "replaced by another file", error=moestream.ModelChangedError)
 
-        def open_then_replace(*args: Any, **kwargs: Any) -> Any:
-            session = opened(*args, **kwargs)
-            replacement = tmp_path / "other.gguf"
-            replacement.write_bytes(other.read_bytes())
-            replacement.replace(path)
-            return session
+    @pytest.mark.parametrize("attack", [_renamed_over, _written])
+    def test_same_tensors_other_metadata(self, files: dict[str, _Gguf],
+                                         monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                                         attack: Callable[[Path, bytes], Callable[[], None]]
+                                         ) -> None:
+        """A file with the session's tensor table and tensor bytes but another rope theta
+        put at the path after the open, renamed over it or written in place: the config
+        comes from the header the session reads of the file it identified, so the load stops
+        in one line before transformers builds any config, none from the other's metadata."""
+        path = tmp_path / "model.gguf"
+        original = files["qwen3_moe"].path.read_bytes()
+        path.write_bytes(original)
+        other = _other_metadata(original, _ROPE, struct.pack("<If", 6, 12345.0))
+        assert _tensor_table(other, tmp_path) == _tensor_table(original, tmp_path)
+        assert _read_by_transformers(other, tmp_path)[0] == 12345.0
+        built = _configs_built(monkeypatch)
+        _after_open(monkeypatch, attack(path, other))
+        self._refused(path, path.name, error=moestream.ModelChangedError)
+        assert built == []
 
-        monkeypatch.setattr(moestream, "open_sync", open_then_replace)
-        self._refused(path, "changed while it was opened")
+    def test_cli_other_metadata_no_tokens(self, files: dict[str, _Gguf], tmp_path: Path,
+                                          monkeypatch: pytest.MonkeyPatch,
+                                          capsys: pytest.CaptureFixture[str]) -> None:
+        """Another vocabulary (same tensors) renamed over the path after the open, through
+        the command line with prompt text: exit 2, one line, no tokens."""
+        path = tmp_path / "model.gguf"
+        original = files["qwen3_moe"].path.read_bytes()
+        path.write_bytes(original)
+        _after_open(monkeypatch, _renamed_over(path, _other_metadata(original, _TOKENS, None)))
+        code = pipeline_run.main(["--engine", "transformers", "-m", str(path), "--prompt",
+                                  "hello", "--tokens", "2", "--backend", "host"])
+        captured = capsys.readouterr()
+        assert code == moestream.ModelChangedError.exit_code != 0
+        assert "tokens" not in captured.out and "text" not in captured.out
+        assert captured.err.count("\n") == 1 and "replaced by another file" in captured.err
 
 
 class TestCli:
@@ -459,6 +564,31 @@ class TestCli:
         out = capsys.readouterr().out
         assert code == 0
         assert "text       " in out
+
+    def test_prompt_by_the_file_the_session_opened(self, files: dict[str, _Gguf],
+                                                   tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+        """Another vocabulary (same tensors) renamed over the path after the command started
+        but before the session opened: the prompt is encoded by the vocabulary of the file
+        the session opened and computes with, not by the one the path named first."""
+        path = tmp_path / "model.gguf"
+        original = files["qwen3_moe"].path.read_bytes()
+        path.write_bytes(original)
+        other = _other_metadata(original, _TOKENS, None)
+        wanted = _read_by_transformers(other, tmp_path)[1]
+        assert wanted != _read_by_transformers(original, tmp_path)[1]
+        opened = moestream.open_sync
+
+        def replace_then_open(*args: Any, **kwargs: Any) -> Any:
+            _renamed_over(path, other)()
+            return opened(*args, **kwargs)
+
+        monkeypatch.setattr(moestream, "open_sync", replace_then_open)
+        code = pipeline_run.main(["--engine", "transformers", "-m", str(path), "--prompt",
+                                  "hello", "--tokens", "2", "--backend", "host", "--json"])
+        assert code == 0
+        assert json.loads(capsys.readouterr().out)["prompt_ids"] == wanted
 
 
 @pytest.mark.gpu
