@@ -333,6 +333,26 @@ class TestConventions:
                 public = {n for n in dir(face) if not n.startswith("_")}
                 assert public == documented, type(face).__name__
 
+    def test_read_header_is_the_identified_files(self, tiny_model: Path,
+                                                 tmp_path: Path) -> None:
+        """``read_header``: the GGUF header (every byte before the tensor data) of the file
+        the session identified, and its size; a file renamed over the path after the open is
+        refused, never read."""
+        import gguf
+
+        path = tmp_path / "model.gguf"
+        shutil.copyfile(tiny_model, path)
+        data = path.read_bytes()
+        with _sync(path) as ms:
+            header = ms.read_header()
+            assert bytes(header) == data[:gguf.GGUFReader(path).data_offset]
+            assert ms.model.file_bytes == len(data)
+            staged = tmp_path / "other.gguf"
+            staged.write_bytes(data)
+            staged.replace(path)
+            with pytest.raises(moestream.ModelChangedError, match=r"model\.gguf"):
+                ms.read_header()
+
     def test_host_views_convert(self, tiny_model: Path) -> None:
         with _sync(tiny_model) as ms, ms.fetch(ms.model.moe_layers[0], [0]) as lease:
             (h,) = lease.gather()
