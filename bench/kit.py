@@ -17,11 +17,11 @@ from typing import Any, NoReturn
 
 import uvloop
 
+from moestream.pipeline.cli.console import configure_console
 from moestream.pipeline.foundation.config import Budget, Mode
 from moestream.pipeline.foundation.errors import MoestreamError, UsageError
 from moestream.pipeline.foundation.files import ModelFile, model_files
 from moestream.pipeline.foundation.table import ExpertTable
-from moestream.pipeline.runlog.write import configure_console
 from moestream.stages.residency import Residency, file_ranges
 from moestream.stages.warm import WarmEngine
 

@@ -64,7 +64,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     with contextlib.ExitStack() as stack:
         if args.null:
             import bench.hostpath as hostpath
-            import moestream.pipeline.cli.run as client
+            import moestream.pipeline.proxy.decode as client
             import moestream.pipeline.streaming.session as session
 
             # the session's names for them, swapped for this run only (put back after it:

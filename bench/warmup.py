@@ -44,9 +44,9 @@ from typing import Any
 import numpy as np
 
 from bench.record import provenance, write_result
+from moestream.pipeline.cli.console import configure_console
 from moestream.pipeline.foundation.errors import MoestreamError, UsageError
 from moestream.pipeline.foundation.table import ByteRange, open_table
-from moestream.pipeline.runlog.write import configure_console
 from moestream.stages.residency import Residency, evict
 from moestream.stages.warm import WarmEngine
 

@@ -52,6 +52,7 @@ if TYPE_CHECKING:
         VerificationError,
     )
     from moestream.pipeline.foundation.quantization import ExpertQuant
+    from moestream.pipeline.streaming.decision import ControllerReadings, Sampler
     from moestream.pipeline.streaming.summary import RunSummary
 
 # each public name and the module that defines it: imported on first use, so that a
@@ -94,6 +95,8 @@ _EXPORTS = {
     "VerificationError": "moestream.pipeline.foundation.errors",
     "ExpertQuant": "moestream.pipeline.foundation.quantization",
     "RunSummary": "moestream.pipeline.streaming.summary",
+    "ControllerReadings": "moestream.pipeline.streaming.decision",
+    "Sampler": "moestream.pipeline.streaming.decision",
 }
 
 try:
@@ -103,6 +106,7 @@ except PackageNotFoundError:  # a source tree that was never installed
 
 __all__ = [
     "Budget",
+    "ControllerReadings",
     "Counters",
     "DeviceMemoryError",
     "ExpertHandle",
@@ -121,6 +125,7 @@ __all__ = [
     "Router",
     "RunSession",
     "RunSummary",
+    "Sampler",
     "Session",
     "StageError",
     "StreamConfig",

@@ -14,11 +14,13 @@ import pytest
 
 import moestream
 from moestream._args import budget_of
+from moestream.pipeline.cli.summary import print_summary
 from moestream.pipeline.foundation.config import Budget, parse_budget
 from moestream.pipeline.foundation.errors import UsageError
+from moestream.pipeline.foundation.sizes import size_text
 from moestream.pipeline.foundation.table import ExpertTable
 from moestream.pipeline.run import main
-from moestream.pipeline.streaming.summary import RunSummary, print_summary, size_text
+from moestream.pipeline.streaming.summary import RunSummary
 
 ROOT = Path(__file__).resolve().parent.parent
 

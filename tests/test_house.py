@@ -79,6 +79,25 @@ class TestTheChecksCatch:
             folders[source] = "moestream/transformers"
         assert house.layer_violations({source: {target}, target: set()}, folders)
 
+    @pytest.mark.parametrize("target", [
+        "moestream.pipeline.streaming.summary",  # below the API: not a client's to import
+        "moestream.pipeline.runlog.write",
+        "moestream.gpu.kernels",
+    ])
+    def test_a_command_line_imports_beneath_the_api(self, target: str) -> None:
+        source = "moestream.pipeline.cli.run"
+        assert house.layer_violations({source: {target}, target: set()},
+                                      _folders(source, target))
+
+    @pytest.mark.parametrize("target", [
+        "moestream._run_session", "moestream.pipeline.proxy.decode",
+        "moestream.pipeline.foundation.errors",
+    ])
+    def test_a_command_line_imports_the_api_and_its_engines(self, target: str) -> None:
+        source = "moestream.pipeline.cli.run"
+        assert house.layer_violations({source: {target}, target: set()},
+                                      _folders(source, target)) == []
+
     def test_a_downward_import_is_fine(self) -> None:
         source, target = "moestream.pipeline.streaming.session", "moestream.gpu.cache.store"
         assert house.layer_violations({source: {target}}, _folders(source, target)) == []

@@ -37,9 +37,9 @@ from pathlib import Path
 import structlog
 import uvloop
 
-from moestream import RunSession, RunSummary, open_config
-from moestream.gpu.kernels import make_kernels
+from moestream import RunSession, RunSummary, Sampler, open_config
 from moestream.pipeline.cli.common import closable_stdout, print_error
+from moestream.pipeline.cli.console import configure_console
 from moestream.pipeline.cli.interrupts import (
     STOP_SIGNALS,
     exit_code,
@@ -48,6 +48,7 @@ from moestream.pipeline.cli.interrupts import (
 )
 from moestream.pipeline.cli.progress import LiveLine
 from moestream.pipeline.cli.run_arguments import build_parser, config_from_args
+from moestream.pipeline.cli.summary import print_summary
 from moestream.pipeline.foundation.errors import (
     MoestreamError,
     TraceError,
@@ -62,9 +63,6 @@ from moestream.pipeline.proxy.config import RunConfig
 from moestream.pipeline.proxy.decode import Decode
 from moestream.pipeline.proxy.loop import DecodeLoop
 from moestream.pipeline.proxy.routing import BlockRouting, Routing, TraceRouting
-from moestream.pipeline.runlog.write import configure_console
-from moestream.pipeline.streaming.controller import Sampler
-from moestream.pipeline.streaming.summary import print_summary
 
 __all__ = ["RunSummary", "build_parser", "config_from_args", "main", "run"]
 
@@ -178,9 +176,7 @@ def _decode_loop(cfg: RunConfig, table: ExpertTable, session: RunSession,
     """The proxy engine on the open session: its own compute (kernels and streams on the
     session's devices), the routing (``replay``, or the model's live router), the loop."""
     assert session.compute is not None
-    backends = session.device_backends
-    decode = Decode.for_devices(session.compute, table, backends,
-                                [make_kernels(b.name) for b in backends], cfg.seed)
+    decode = Decode.for_devices(session.compute, table, session.device_backends, cfg.seed)
     routing: Routing = replay if replay is not None else session.router(cfg.seed)
     return DecodeLoop(cfg, table, routing, session=session, decode=decode, recorder=recorder)
 

@@ -22,11 +22,13 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+from moestream import RunSummary
 from moestream.pipeline.cli.common import closable_stdout, print_error
 from moestream.pipeline.cli.progress import LiveLine
+from moestream.pipeline.cli.summary import print_summary
+from moestream.pipeline.foundation.describe import describe_experts
 from moestream.pipeline.foundation.errors import MoestreamError, UsageError
 from moestream.pipeline.foundation.outputs import check_not_input, check_output
-from moestream.pipeline.streaming.summary import RunSummary, describe_experts, print_summary
 from moestream.transformers._files import CONFIG, TOKENIZER_FILES, snapshot
 
 __all__ = ["add_arguments", "main"]

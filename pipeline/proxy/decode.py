@@ -36,7 +36,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from moestream import ExpertHandle, Lease
-from moestream.gpu.backend import Backend, Event, Kernels
+from moestream.gpu.backend import Backend, Event
+from moestream.gpu.kernels import make_kernels
 from moestream.pipeline.foundation.compute import resolve_compute
 from moestream.pipeline.foundation.config import ComputeSpec
 from moestream.pipeline.foundation.errors import MoestreamError, StageError
@@ -90,10 +91,12 @@ class Decode:
 
     @classmethod
     def for_devices(cls, compute: ComputeSpec, table: ExpertTable, backends: Sequence[Backend],
-                    kernels: Sequence[Kernels], seed: int = 0) -> Decode:
-        """One ``Decoder`` per device, made on its device; ``real`` needs F16 experts or
-        quantized ones it dequantizes."""
+                    seed: int = 0) -> Decode:
+        """One ``Decoder`` per device, made on its device with the kernels for its backend
+        (``RunSession.device_backends``: the engine brings its own compute, the session
+        only the devices); ``real`` needs F16 experts or quantized ones it dequantizes."""
         compute = resolve_compute(compute, table)
+        kernels = [make_kernels(b.name) for b in backends]
         decoders = []
         for backend, k in zip(backends, kernels, strict=True):
             with backend.activate():

@@ -1,16 +1,16 @@
-"""Logging: library events to the console, and the run's structured JSON-lines log.
+"""The run's structured JSON-lines log.
 
-Two streams with two jobs. Library events (fallbacks, clamps, warnings) go through
-structlog to stderr, rendered for people. The run log (``--log FILE``, schema in
-``docs/LOG_SCHEMA.md``) is a structlog logger of its own whose JSON lines are collected in
-memory and appended to the file by a background task through aiofiles, so the decode loop
-never waits on the disk. Rendering is deferred too: ``emit`` keeps the event's fields and
-its time (a token's line took 112 us to render on the H200 machine's host, a third of the
-device's idle time at a token boundary); ``render`` turns what is kept into lines, and the
-writer calls it before each append. An engine that has host time to spare while its
-device computes (``pipeline.proxy.loop`` does, after queuing a layer) calls ``render`` there, so
-the lines cost nothing on the path between one layer and the next. ``aclose`` renders and
-flushes what is left.
+Library events (fallbacks, clamps, warnings) go through structlog wherever the application
+pointed it (a command line renders them on stderr, ``pipeline.cli.console``). The run log
+(``--log FILE``, schema in ``docs/LOG_SCHEMA.md``) is a structlog logger of its own whose
+JSON lines are collected in memory and appended to the file by a background task through
+aiofiles, so the decode loop never waits on the disk. Rendering is deferred too: ``emit``
+keeps the event's fields and its time (a token's line took 112 us to render on the H200
+machine's host, a third of the device's idle time at a token boundary); ``render`` turns
+what is kept into lines, and the writer calls it before each append. An engine that has host
+time to spare while its device computes (``pipeline.proxy.loop`` does, after queuing a
+layer) calls ``render`` there, so the lines cost nothing on the path between one layer and
+the next. ``aclose`` renders and flushes what is left.
 
 The file is an output of ``pipeline.foundation.outputs``: a regular file, locked while the run
 writes it, so a second run given the same ``--log`` is refused before it truncates anything. When
@@ -24,9 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import logging
 import os
-import sys
 import time
 from collections.abc import MutableMapping
 from datetime import UTC, datetime
@@ -40,26 +38,10 @@ import structlog
 from moestream.pipeline.foundation.errors import OutputError
 from moestream.pipeline.foundation.outputs import open_exclusive
 
-__all__ = ["SCHEMA_VERSION", "RunLog", "configure_console"]
+__all__ = ["SCHEMA_VERSION", "RunLog"]
 
 SCHEMA_VERSION = 2
 """The run log's schema (docs/LOG_SCHEMA.md); 2 added the token event's required ``time``."""
-
-
-def configure_console(*, debug: bool = False) -> None:
-    """Render library events on stderr: warnings and up, everything with ``debug``."""
-    structlog.configure(
-        processors=[
-            structlog.processors.add_log_level,
-            structlog.processors.TimeStamper(fmt="%H:%M:%S", utc=False),
-            structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty()),
-        ],
-        wrapper_class=structlog.make_filtering_bound_logger(
-            logging.DEBUG if debug else logging.WARNING
-        ),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
-        cache_logger_on_first_use=False,
-    )
 
 
 class _LineSink:

@@ -29,6 +29,7 @@ from moestream.gpu.cache.store import DeviceCache
 from moestream.gpu.kernels import make_kernels
 from moestream.pipeline.foundation.compute import resolve_compute
 from moestream.pipeline.foundation.config import ComputeSpec, StreamConfig
+from moestream.pipeline.foundation.describe import describe_experts
 from moestream.pipeline.foundation.errors import (
     DeviceMemoryError,
     ModelChangedError,
@@ -52,7 +53,7 @@ from moestream.pipeline.streaming.ledger import DeviceTotals
 from moestream.pipeline.streaming.opening import open_outcome, plan_budget, run_start
 from moestream.pipeline.streaming.shards import CacheGroup, StreamerGroup, open_backends
 from moestream.pipeline.streaming.streamer import ExpertStreamer
-from moestream.pipeline.streaming.summary import RunSummary, TokenTotals, describe_experts
+from moestream.pipeline.streaming.summary import RunSummary, TokenTotals
 from moestream.pipeline.streaming.verify import Verifier
 from moestream.stages.run_manifest import RunManifest
 

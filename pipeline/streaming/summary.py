@@ -1,17 +1,14 @@
-"""A run's totals: what ``moestream.pipeline.cli.run`` returns, logs as ``run_end`` and prints."""
+"""A run's totals: what the session fills in and logs as ``run_end``, and
+``moestream.pipeline.cli.run`` returns and prints (``pipeline.cli.summary``)."""
 
 from __future__ import annotations
 
-import json
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from moestream.pipeline.foundation.errors import printable
-from moestream.pipeline.foundation.sizes import size_text
 from moestream.pipeline.foundation.timesplit import TimeSplit
 
-__all__ = ["RunSummary", "TokenTotals", "print_summary", "size_text"]
+__all__ = ["RunSummary", "TokenTotals"]
 
 
 @dataclass(slots=True)
@@ -62,7 +59,7 @@ class RunSummary:
     device: str = "host"
     model: str = ""
     experts: str = ""
-    """The experts as stored: their format and bytes each (``describe_experts``)."""
+    """The experts as stored: their format and bytes each (``pipeline.foundation.describe``)."""
     exit: str = "ok"
     first_mismatch: str = ""
     stall_ms: float = 0.0
@@ -126,55 +123,3 @@ class RunSummary:
             "exit": self.exit,
             "devices": self.devices,
         }
-
-
-def print_summary(summary: RunSummary, as_json: bool) -> None:
-    if as_json:
-        print(json.dumps(summary.as_dict(), indent=2))
-        return
-    print(
-        f"model      {printable(summary.model)}"
-        f"{f' ({summary.experts})' if summary.experts else ''}\n"
-        f"backend    {summary.backend} ({summary.device}), mode {summary.mode}"
-        f"{f', {summary.switches} switches' if summary.switches else ''}\n"
-        f"decoded    {summary.tokens} tokens in {summary.elapsed_s:.2f} s: "
-        f"{summary.tokens_per_s:.2f} tok/s\n"
-        f"cache      hit rate {summary.hit_rate:.3f} ({summary.hits} hits, {summary.misses} "
-        f"misses, {summary.evictions} evictions), budget {size_text(summary.budget_bytes)},"
-        f" peak {size_text(summary.peak_device_bytes)}\n"
-        f"bytes      {size_text(summary.file_bytes)} read from file, "
-        f"{size_text(summary.cache_bytes)} served from cache, "
-        f"{size_text(summary.storage_bytes)} from storage\n"
-        f"verified: {_count(summary.verified, 'expert')}, "
-        f"{_count(summary.mismatches, 'mismatch', 'mismatches')}"
-        f"{f', {summary.unverified} not verified' if summary.unverified else ''}"
-        f" (digests: {summary.digests})"
-    )
-
-
-def describe_experts(layers: Iterable[Any]) -> str:
-    """The experts as a miss reads them: format and bytes each, from MoE layer descriptions
-    (``MoeLayer`` or ``LayerInfo``: ``gate_up_type``, ``down_type``, ``expert_bytes``,
-    ``quant``), e.g. ``fp8 blocks 128x128, 4.50 MiB an expert as stored``."""
-    layers = list(layers)
-    if not layers:
-        return ""
-    first = layers[0]
-    if first.quant is not None and first.quant.method == "fp8":
-        bm, bn = first.quant.block
-        kind = f"fp8 blocks {bm}x{bn}"
-    elif first.quant is not None:  # E2M1 pairs, a power-of-two scale per 32 values
-        kind = f"{first.quant.method} (E2M1, an E8M0 scale per 32)"
-    else:
-        kinds = {first.gate_up_type.name, first.down_type.name}
-        kind = "/".join(sorted(kinds))
-    sizes = sorted({layer.expert_bytes for layer in layers})
-    each = size_text(sizes[0])
-    if len(sizes) > 1:
-        each += f" to {size_text(sizes[-1])}"
-    return f"experts {kind}, {each} an expert as stored"
-
-
-def _count(n: int, noun: str, plural: str | None = None) -> str:
-    """``n`` and ``noun``, plural unless ``n`` is one (``1 expert``, ``0 mismatches``)."""
-    return f"{n} {noun if n == 1 else plural or noun + 's'}"

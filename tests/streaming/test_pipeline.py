@@ -114,12 +114,12 @@ def _decode(cfg: RunConfig, monkeypatch: pytest.MonkeyPatch, tokens: int) -> Run
     """``pipeline.cli.run`` in direct mode on the deferred backend and kernels (the session's
     streamer and the proxy engine's compute alike), every token verified; a mismatch
     stops the run, and the summary says what was found."""
-    import moestream.pipeline.cli.run as run_module
+    import moestream.pipeline.proxy.decode as decode_module
     import moestream.pipeline.streaming.session as session_module
 
     monkeypatch.setattr(session_module, "open_backends", lambda cfg: [DeferredBackend()])
     monkeypatch.setattr(session_module, "make_kernels", lambda name, *_: DeferredKernels())
-    monkeypatch.setattr(run_module, "make_kernels", lambda name, *_: DeferredKernels())
+    monkeypatch.setattr(decode_module, "make_kernels", lambda name, *_: DeferredKernels())
     summary = RunSummary()
     with contextlib.suppress(VerificationError):
         asyncio.run(run(replace(cfg, tokens=tokens, mode="direct", backend="host"),
@@ -205,7 +205,7 @@ def _registering_device(monkeypatch: pytest.MonkeyPatch) -> None:
     """Runs and sessions get a GPU-like device that registers host memory (the resident
     copies from the mapping, gather or copy engines) and runs copies and kernels in stream
     order."""
-    import moestream.pipeline.cli.run as run_module
+    import moestream.pipeline.proxy.decode as decode_module
     import moestream.pipeline.streaming.session as session_module
 
     backend = type("RegisteringBackend", (DeferredBackend,), {
@@ -213,7 +213,7 @@ def _registering_device(monkeypatch: pytest.MonkeyPatch) -> None:
         "register_host": lambda self, array: True, "unregister_host": lambda self, a: None})
     monkeypatch.setattr(session_module, "open_backends", lambda cfg: [backend()])
     monkeypatch.setattr(session_module, "make_kernels", lambda name, *_: DeferredKernels())
-    monkeypatch.setattr(run_module, "make_kernels", lambda name, *_: DeferredKernels())
+    monkeypatch.setattr(decode_module, "make_kernels", lambda name, *_: DeferredKernels())
 
 
 def _counted(monkeypatch: pytest.MonkeyPatch, cls: type, name: str) -> list[int]:
@@ -296,14 +296,14 @@ class TestEndBeside:
     @staticmethod
     def _run(model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, *, beside: bool,
              mode: str = "resident") -> tuple[RunSummary, list[dict[str, Any]], int]:
-        import moestream.pipeline.cli.run as run_module
+        import moestream.pipeline.proxy.decode as decode_module
         import moestream.pipeline.streaming.session as session_module
 
         # a device that computes after the host queued the work, as a GPU does
         backend = type("QueuingBackend", (DeferredBackend,), {"async_copies": True})
         monkeypatch.setattr(session_module, "open_backends", lambda cfg: [backend()])
         monkeypatch.setattr(session_module, "make_kernels", lambda name, *_: DeferredKernels())
-        monkeypatch.setattr(run_module, "make_kernels", lambda name, *_: DeferredKernels())
+        monkeypatch.setattr(decode_module, "make_kernels", lambda name, *_: DeferredKernels())
         original = DecodeLoop._end_beside
         early = 0
 

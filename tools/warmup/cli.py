@@ -34,11 +34,11 @@ from pathlib import Path
 from typing import Any
 
 from moestream.pipeline.cli.common import UsageParser, closable_stdout, print_error
+from moestream.pipeline.cli.console import configure_console
 from moestream.pipeline.foundation.config import parse_size
 from moestream.pipeline.foundation.errors import MoestreamError, UsageError
 from moestream.pipeline.foundation.files import ModelFile, open_checked
 from moestream.pipeline.foundation.table import ByteRange, ExpertTable, open_table
-from moestream.pipeline.runlog.write import configure_console
 from moestream.stages.residency import (
     PageLock,
     Residency,
