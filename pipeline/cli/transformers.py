@@ -138,7 +138,7 @@ def _generate(args: argparse.Namespace) -> int:
     is_available(raise_error=True)
     import torch  # type: ignore[import-not-found, unused-ignore]
 
-    from moestream.transformers._loader import from_pretrained
+    from moestream.transformers import from_pretrained
     from moestream.transformers._scale_budget import scales_text
 
     device = {"host": "cpu", "cupy": "cuda"}.get(args.backend)
