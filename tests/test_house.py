@@ -56,6 +56,9 @@ def _folders(*names: str) -> dict[str, str]:
     """Module -> folder, for planted graphs: the name's path less its leaf."""
     out = {}
     for name in names:
+        if name.startswith("moestream.transformers"):  # the engine's folder, under moestream/
+            out[name] = "moestream/transformers"
+            continue
         parts = name.removeprefix("moestream.").split(".")
         out[name] = "/".join(parts[:-1]) or "moestream"
     return out
@@ -75,8 +78,6 @@ class TestTheChecksCatch:
     ])
     def test_upward_import(self, source: str, target: str) -> None:
         folders = _folders(source, target)
-        if source.startswith("moestream.transformers"):
-            folders[source] = "moestream/transformers"
         assert house.layer_violations({source: {target}, target: set()}, folders)
 
     @pytest.mark.parametrize("target", [
@@ -84,6 +85,7 @@ class TestTheChecksCatch:
         "moestream.pipeline.runlog.write",
         "moestream.gpu.kernels",
         "moestream._run_session",  # the API's own private module: its names, not its files
+        "moestream.transformers._hub",  # the engine's private module: its names, not its files
     ])
     def test_a_command_line_imports_beneath_the_api(self, target: str) -> None:
         source = "moestream.pipeline.cli.run"
@@ -92,6 +94,7 @@ class TestTheChecksCatch:
 
     @pytest.mark.parametrize("target", [
         "moestream", "moestream.pipeline.proxy.decode", "moestream.pipeline.foundation.errors",
+        "moestream.transformers",
     ])
     def test_a_command_line_imports_the_api_and_its_engines(self, target: str) -> None:
         source = "moestream.pipeline.cli.run"

@@ -24,6 +24,7 @@ Gemma 4, Kimi-Linear, Nemotron-H...; the others are refused or have no causal LM
 
 from __future__ import annotations
 
+import importlib
 from typing import TYPE_CHECKING, Any
 
 from moestream.transformers._gate import EXTRA, is_available
@@ -31,25 +32,25 @@ from moestream.transformers._gate import EXTRA, is_available
 if TYPE_CHECKING:  # the names __getattr__ hands out, for type checkers
     from moestream.transformers._experts import ExpertStream, register, stream_of
     from moestream.transformers._generate import GenerateStats
+    from moestream.transformers._gguf import is_gguf
+    from moestream.transformers._hub import local_checkpoint
     from moestream.transformers._loader import from_pretrained
+    from moestream.transformers._tokenizer import held_scale_bytes, tokenizer
 
-__all__ = ["EXTRA", "ExpertStream", "GenerateStats", "from_pretrained", "is_available",
-           "register", "stream_of"]
+__all__ = ["EXTRA", "ExpertStream", "GenerateStats", "from_pretrained", "held_scale_bytes",
+           "is_available", "is_gguf", "local_checkpoint", "register", "stream_of", "tokenizer"]
+
+_LAZY = {"ExpertStream": "_experts", "register": "_experts", "stream_of": "_experts",
+         "GenerateStats": "_generate", "from_pretrained": "_loader", "is_gguf": "_gguf",
+         "local_checkpoint": "_hub", "tokenizer": "_tokenizer",
+         "held_scale_bytes": "_tokenizer"}
+"""Each public name __getattr__ hands out, and the private module that defines it."""
 
 
 def __getattr__(name: str) -> Any:
     # torch and transformers are imported only when something that needs them is asked for:
     # ``import moestream.transformers`` stays cheap and works without them
-    if name in ("ExpertStream", "register", "stream_of"):
-        from moestream.transformers import _experts
-
-        return getattr(_experts, name)
-    if name == "GenerateStats":
-        from moestream.transformers._generate import GenerateStats
-
-        return GenerateStats
-    if name == "from_pretrained":
-        from moestream.transformers._loader import from_pretrained
-
-        return from_pretrained
-    raise AttributeError(f"module 'moestream.transformers' has no attribute {name!r}")
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'moestream.transformers' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"moestream.transformers.{module}"), name)

@@ -18,8 +18,8 @@ from moestream.pipeline.foundation.errors import ModelFileError, UsageError
 __all__ = ["local_checkpoint"]
 
 
-def local_checkpoint(path: str | os.PathLike[str], revision: str | None,
-                     cache_dir: str | None) -> Path:
+def local_checkpoint(path: str | os.PathLike[str], revision: str | None = None,
+                     cache_dir: str | None = None) -> Path:
     """``path`` if it exists (``revision`` must then be None), else the hub cache's snapshot
     of the hub id ``path`` at ``revision``.
 

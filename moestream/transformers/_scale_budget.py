@@ -31,8 +31,7 @@ from moestream.pipeline.foundation.sizes import size_text
 from moestream.pipeline.foundation.table import open_table
 from moestream.transformers._mtp import mtp_layers
 
-__all__ = ["budget_less_scales", "held_bytes", "layer_scale_bytes", "scale_bytes",
-           "scales_text"]
+__all__ = ["budget_less_scales", "held_bytes", "layer_scale_bytes", "scale_bytes"]
 
 _HELD_SIZE = {"fp8": 4, "fp4": 1, "mxfp4": 1}
 """Bytes a scale takes on the device, by format: FP8 block scales as float32 (whatever the
@@ -116,8 +115,3 @@ def _bytes_of(budget: Any) -> int | None:
             return None  # unreadable: the session's own check says why
     return None
 
-
-def scales_text(scales: Mapping[int, Any]) -> str:
-    """The summary's words for the scales held (empty when none are)."""
-    held = held_bytes(scales)
-    return f"; their scales {size_text(held)} on the device, in the budget" if held else ""

@@ -29,12 +29,9 @@ from moestream.pipeline.cli.summary import print_summary
 from moestream.pipeline.foundation.describe import describe_experts
 from moestream.pipeline.foundation.errors import MoestreamError, UsageError
 from moestream.pipeline.foundation.outputs import check_not_input, check_output
-from moestream.transformers._files import CONFIG, TOKENIZER_FILES, snapshot
+from moestream.pipeline.foundation.sizes import size_text
 
 __all__ = ["add_arguments", "main"]
-
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
-"""Any of these makes a tokenizer worth trying."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -62,11 +59,11 @@ def _prompt_ids(args: argparse.Namespace, model_dir: Path) -> tuple[list[int] | 
         return ids, None
     if args.prompt is None:
         raise UsageError("--engine transformers needs --prompt TEXT or --prompt-ids 1,2,3")
-    from moestream.transformers._gguf import is_gguf
+    from moestream import transformers as mt
 
-    if is_gguf(model_dir):
+    if mt.is_gguf(model_dir):
         return None, None
-    tokenizer = _tokenizer(model_dir)
+    tokenizer = mt.tokenizer(model_dir)
     return _encoded(tokenizer, args.prompt), tokenizer
 
 
@@ -77,36 +74,17 @@ def _encoded(tokenizer: Any, prompt: str) -> list[int]:
     return ids
 
 
-def _gguf_prompt(session: Any, prompt: str, ids: list[int] | None,
+def _gguf_prompt(model: Any, prompt: str, ids: list[int] | None,
                  tokenizer: Any) -> tuple[list[int], Any]:
     """The prompt's ids and tokenizer as ``_prompt_ids`` gave them; for a GGUF file's
     ``--prompt`` (``ids`` None), its ids by the tokenizer transformers builds from the
     header the session read (the file it identified, whatever the path names by now)."""
-    from moestream.transformers._gguf import gguf_tokenizer
+    from moestream import transformers as mt
 
     if ids is not None:
         return ids, tokenizer
-    tokenizer = gguf_tokenizer(session)
+    tokenizer = mt.tokenizer(model)
     return _encoded(tokenizer, prompt), tokenizer
-
-
-def _tokenizer(root: Path) -> Any:
-    """The checkpoint's tokenizer."""
-    import transformers  # type: ignore[import-not-found, unused-ignore]
-
-    root = root.parent if root.is_file() else root
-    if not any((root / name).is_file() for name in _TOKENIZER_FILES):
-        raise UsageError(f"{root}: the checkpoint has no tokenizer for --prompt; "
-                         "pass --prompt-ids")
-    # the tokenizer's files read once, bounded, into a private directory: transformers
-    # never reads the checkpoint's own by path nor runs its code
-    with snapshot(root, {CONFIG: 16 << 20, **TOKENIZER_FILES}) as files:
-        try:
-            return transformers.AutoTokenizer.from_pretrained(files, trust_remote_code=False)
-        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
-            raise UsageError(f"{root}: no usable tokenizer for --prompt "
-                             f"({str(exc).strip().splitlines()[0][:200]}); pass "
-                             "--prompt-ids") from exc
 
 
 def main(args: argparse.Namespace) -> int:
@@ -129,17 +107,16 @@ def _generate(args: argparse.Namespace) -> int:
     if args.log is not None:
         check_output(args.log, what="--log", in_place=True)
         check_not_input(args.log, {"--model": args.model}, what="--log")
-    from moestream.transformers._hub import local_checkpoint
+    from moestream.transformers import local_checkpoint
 
-    checkpoint = local_checkpoint(args.model, None, None)  # a hub id: the hub cache's snapshot
+    checkpoint = local_checkpoint(args.model)  # a hub id: the hub cache's snapshot
     ids, tokenizer = _prompt_ids(args, checkpoint)
     from moestream.transformers import is_available
 
     is_available(raise_error=True)
     import torch  # type: ignore[import-not-found, unused-ignore]
 
-    from moestream.transformers import from_pretrained
-    from moestream.transformers._scale_budget import scales_text
+    from moestream.transformers import from_pretrained, held_scale_bytes
 
     device = {"host": "cpu", "cupy": "cuda"}.get(args.backend)
     with warnings.catch_warnings():  # the console's budget_clamped event says it already
@@ -151,11 +128,11 @@ def _generate(args: argparse.Namespace) -> int:
     summary = RunSummary(model=str(args.model), backend=stream.session.backend,
                          device=str(stream.device),
                          experts=describe_experts(stream.session.model.layers.values())
-                         + scales_text(stream.scales))
+                         + _scales_text(held_scale_bytes(model)))
     live = LiveLine(args.tokens, enabled=not args.json and sys.stderr.isatty())
     stream.on_token = lambda s: live.update(s.hits, s.misses, s.time, s.mode)
     try:
-        ids, tokenizer = _gguf_prompt(stream.session, args.prompt, ids, tokenizer)
+        ids, tokenizer = _gguf_prompt(model, args.prompt, ids, tokenizer)
         prompt = torch.tensor([ids], dtype=torch.long, device=stream.device)
         started = time.perf_counter()
         with torch.no_grad():
@@ -181,6 +158,12 @@ def _generate(args: argparse.Namespace) -> int:
                 print(f"text       {text!r}")
             print_summary(summary, as_json=False)
     return 3 if counters.mismatches else 0
+
+
+def _scales_text(held: int) -> str:
+    """The summary's words for the quantized experts' scales on the device (empty when
+    none are)."""
+    return f"; their scales {size_text(held)} on the device, in the budget" if held else ""
 
 
 def _fill(summary: RunSummary, counters: Any, *, tokens: int, verify: bool) -> None:

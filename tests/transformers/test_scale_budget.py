@@ -27,7 +27,6 @@ from moestream.transformers._scale_budget import (  # noqa: E402
     budget_less_scales,
     held_bytes,
     scale_bytes,
-    scales_text,
 )
 
 QUANTS: list[Quant] = ["fp8", "mxfp4", "fp4"]
@@ -94,7 +93,15 @@ def test_plain_checkpoints_hold_none(tmp_path: Path) -> None:
     path = write_checkpoint(spec_for("tiny", 2, 8, 0), tmp_path / "plain").path
     assert scale_bytes(open_table(path)) == 0
     assert budget_less_scales(path, "1MiB", None) == "1MiB"
-    assert scales_text({}) == ""
+    assert held_bytes({}) == 0  # the summary names no scales
+
+
+@pytest.mark.parametrize("quant", QUANTS)
+def test_the_model_says_its_scales_bytes(checkpoints: dict[str, Path], quant: str) -> None:
+    """``mt.held_scale_bytes``: what the table's scales take on the device, for a summary."""
+    path = checkpoints[quant]
+    with mt.from_pretrained(path, device="cpu") as model:
+        assert mt.held_scale_bytes(model) == scale_bytes(open_table(path)) > 0
 
 
 def test_the_run_summary_names_the_scales(checkpoints: dict[str, Path],

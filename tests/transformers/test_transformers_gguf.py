@@ -379,6 +379,17 @@ class TestTokenizer:
             ours = gguf_tokenizer(session)
         assert ours("hello world")["input_ids"] == theirs("hello world")["input_ids"]
 
+    def test_the_public_name_reads_the_models_header(self, files: dict[str, _Gguf]) -> None:
+        """``mt.tokenizer(model)`` is the session's header's; the path alone is refused (a
+        second open of it could read another file)."""
+        path = files["qwen3_moe"].path
+        theirs = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+        with mt.from_pretrained(path, device="cpu") as model:
+            ours = mt.tokenizer(model)
+        assert ours("hello world")["input_ids"] == theirs("hello world")["input_ids"]
+        with pytest.raises(UsageError, match="pass the model"):
+            mt.tokenizer(path)
+
 
 def _after_open(monkeypatch: pytest.MonkeyPatch, act: Callable[[], None]) -> None:
     """Run ``act`` right after the loader's session opened: the window an attacker races."""
