@@ -34,6 +34,7 @@ experts modules (``_swap.py``) reach the same through :meth:`ExpertStream.arriva
 
 from __future__ import annotations
 
+import functools
 import sys
 import threading
 import time
@@ -52,6 +53,7 @@ from moestream.transformers._generate import GenerateStats
 from moestream.transformers._gguf_experts import GgufExperts
 from moestream.transformers._host_grouped import HostWeights, host_grouped
 from moestream.transformers._leases import groups, leased
+from moestream.transformers._prefetch import NextRouter
 from moestream.transformers._quantized import LayerScales
 from moestream.transformers._routing import WholeLayers
 
@@ -117,11 +119,15 @@ class ExpertStream:
             another layer in flight).
         scales: the block scales of each quantized layer, on ``device``, or a GGUF
             layer's expert types (its experts are dequantized per use).
+        next_routers: per MoE layer, the next one's router: its calls hint the experts
+            that router picks for their hidden state (``prefetch="predict"``,
+            ``_prefetch.py``); None or empty: no hints.
     """
 
     def __init__(self, session: SyncSession, device: Any, *, compute: Compute,
                  group_experts: int,
-                 scales: Mapping[int, LayerScales | GgufExperts] | None = None) -> None:
+                 scales: Mapping[int, LayerScales | GgufExperts] | None = None,
+                 next_routers: Mapping[int, NextRouter] | None = None) -> None:
         if compute not in COMPUTES:
             raise UsageError(f"compute must be one of {', '.join(COMPUTES)}, got {compute!r}")
         if group_experts < 1:
@@ -131,6 +137,7 @@ class ExpertStream:
         self.compute: Compute = compute
         self.group_experts = group_experts
         self.scales: Mapping[int, LayerScales | GgufExperts] = scales or {}
+        self.next_routers: Mapping[int, NextRouter] = next_routers or {}
         self.last: TokenStats | None = None
         """The last token's stats (``end_token``'s answer)."""
         self.tokens = 0
@@ -220,26 +227,46 @@ class ExpertStream:
             out = self._whole.forward(layer, module, hidden, top_k_index, top_k_weights)
             if out is not None:
                 return out
-        # the one host read of a layer: which experts to ask for (eager reads it too); one
-        # copy of the ids, not a device unique (which would synchronize once more)
-        wanted = sorted({int(e) for e in top_k_index.flatten().tolist()})
+        wanted, hint = self._wanted(layer, hidden, top_k_index)
         if self.compute == "eager":
-            return eager(self.arrivals(layer, wanted), self._weights, module, hidden,
+            return eager(self.arrivals(layer, wanted, hint), self._weights, module, hidden,
                          top_k_index, top_k_weights)
         if not self._cuda and layer not in self.scales and len(wanted) <= self.group_experts:
             # the host: each expert's products on the cache's own matrices, no stacked copy
-            with leased(self.session, self.device, layer, wanted) as batches:
+            with leased(self.session, self.device, layer, wanted, hint) as batches:
                 return host_grouped(batches, self._host_weights, module, hidden, top_k_index,
                                     top_k_weights)
-        return grouped(self.arrivals(layer, wanted), self._weights, module, hidden,
+        return grouped(self.arrivals(layer, wanted, hint), self._weights, module, hidden,
                        top_k_index, top_k_weights)
 
-    def arrivals(self, layer: int, wanted: Sequence[int]) -> Iterator[list[ExpertHandle]]:
+    def _wanted(self, layer: int, hidden: Any,
+                top_k_index: Any) -> tuple[list[int], Callable[[], object] | None]:
+        """The experts the call routes to, and the next layer's prefetch hint (None: no
+        guess here): the one host read of a layer, which experts to ask for, copies the
+        ids and the next router's guess together (not a device unique, which would
+        synchronize once more)."""
+        ids = top_k_index.flatten()
+        following = self.next_routers.get(layer)
+        if following is None:
+            return sorted({int(e) for e in ids.tolist()}), None
+        with torch.no_grad():
+            guess = following.guess(hidden, top_k_index.shape[-1]).flatten()
+        read = torch.cat((ids, guess.to(ids.dtype))).tolist()
+        guessed = sorted({int(e) for e in read[ids.numel():]})
+        return sorted({int(e) for e in read[:ids.numel()]}), functools.partial(
+            self.session.prefetch, following.layer, guessed)
+
+    def arrivals(self, layer: int, wanted: Sequence[int],
+                 hint: Callable[[], object] | None = None) -> Iterator[list[ExpertHandle]]:
         """The handles of the ``wanted`` experts of ``layer``, a batch at a time as they
         land, fetched in groups the budget holds (``group_experts``); each group's lease is
-        released after the work queued on torch's stream, before the next is fetched."""
+        released after the work queued on torch's stream, before the next is fetched.
+        ``hint`` (the next layer's prefetch) runs once the call's experts are pinned, when
+        one group holds them all (else the hint would evict the later groups' experts)."""
+        several = len(wanted) > self.group_experts
         for group in groups(wanted, self.group_experts):
-            with leased(self.session, self.device, layer, group) as batches:
+            with leased(self.session, self.device, layer, group,
+                        None if several else hint) as batches:
                 yield from batches
 
     def weights(self, module: Any, h: ExpertHandle) -> tuple[Any, Any, Any]:

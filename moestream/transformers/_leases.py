@@ -9,7 +9,7 @@ that stream, so that the cache reuses no buffer before the device has read it.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -27,12 +27,16 @@ def groups(wanted: Sequence[int], size: int) -> Iterator[list[int]]:
 
 
 @contextmanager
-def leased(session: SyncSession, device: Any, layer: int,
-           experts: Sequence[int]) -> Iterator[Iterator[list[ExpertHandle]]]:
+def leased(session: SyncSession, device: Any, layer: int, experts: Sequence[int],
+           then: Callable[[], object] | None = None) -> Iterator[Iterator[list[ExpertHandle]]]:
     """The experts' handles in batches: those already there first, then each as it
     lands; on a GPU (``device``) torch's stream waits on the device for each upload not
     yet installed, once per event (``ExpertHandle.pending_event``: no query an expert).
-    The lease is released on leaving, after the work queued on torch's stream."""
+    The lease is released on leaving, after the work queued on torch's stream.
+
+    ``then`` runs once the experts are pinned, before any is computed (a next layer's
+    prefetch hint: it can evict nothing this lease holds, and its loads overlap the
+    compute)."""
     lease = session.fetch(layer, experts)
     cuda_stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
 
@@ -49,6 +53,8 @@ def leased(session: SyncSession, device: Any, layer: int,
             yield batch
 
     try:
+        if then is not None:
+            then()
         yield batches()
     finally:
         lease.release(after=cuda_stream)

@@ -64,6 +64,7 @@ from moestream.transformers._hub import local_checkpoint
 from moestream.transformers._layout import TORCH_DTYPES, first_projection
 from moestream.transformers._model import serve
 from moestream.transformers._mtp import mtp_layers
+from moestream.transformers._prefetch import check_prefetch, next_routers
 from moestream.transformers._quantized import LayerScales, load_scales
 from moestream.transformers._scale_budget import budget_less_scales
 from moestream.transformers._swap import swap_experts
@@ -78,7 +79,7 @@ def from_pretrained(path: str | os.PathLike[str], *, budget: str | moestream.Bud
                     compute: Compute = "grouped", policy: str = "lru", verify: bool = True,
                     log: str | os.PathLike[str] | None = None,
                     tuning: moestream.Tuning | None = None, progress: bool | None = None,
-                    **words: Any) -> Any:
+                    prefetch: str = "none", **words: Any) -> Any:
     """Load a transformers MoE causal LM whose routed experts moestream serves.
 
     Args:
@@ -97,8 +98,8 @@ def from_pretrained(path: str | os.PathLike[str], *, budget: str | moestream.Bud
         compute: ``"grouped"`` (transformers' ``grouped_mm`` arithmetic, the default) or
             ``"eager"`` (logits ``torch.equal`` to ``experts_implementation="eager"``).
         policy, verify, log, tuning: as ``moestream.open``.
-        progress: a progress bar while the dense weights load (default: stderr is a
-            terminal).
+        prefetch: ``"none"`` or ``"predict"`` (prefetch the next MoE layer's router's guess).
+        progress: a progress bar while the dense weights load (default: stderr is a terminal).
         **words: transformers' loading words where they mean something here (``torch_dtype``,
             ``attn_implementation``, ``device_map`` of one device, ``max_memory``: the
             budget is what it leaves once the dense weights are counted, ``revision``,
@@ -107,9 +108,8 @@ def from_pretrained(path: str | os.PathLike[str], *, budget: str | moestream.Bud
 
     Returns:
         The model, in eval mode, on ``device``; ``model.moestream`` is its ``ExpertStream``
-        (``.session``, ``.close()``, ``.last_generate``); each forward is one moestream
-        token. Close it (a ``with`` block; collected unclosed, it warns and closes);
-        ``save_pretrained`` is refused.
+        (``.session``, ``.close()``, ``.last_generate``); each forward is one moestream token.
+        Close it (a ``with`` block; collected unclosed, it warns and closes); no save_pretrained.
 
     Raises:
         UsageError: torch or transformers missing, a bad or unknown argument, a
@@ -121,7 +121,7 @@ def from_pretrained(path: str | os.PathLike[str], *, budget: str | moestream.Bud
     is_available(raise_error=True)
     said = loading_words(words, device, dtype)
     given, root = _checkpoint(local_checkpoint(path, said.revision, said.cache_dir), compute,
-                              said.gguf_file)
+                              said.gguf_file, prefetch)
     torch_device, wanted = device_of(said.device), wanted_dtype(said.dtype)
     budget = budget_for(given, budget, said.max_memory, torch_device, wanted, tuning)
     budget = budget_less_scales(given, budget, tuning, said.max_memory)
@@ -129,19 +129,21 @@ def from_pretrained(path: str | os.PathLike[str], *, budget: str | moestream.Bud
                     verify=verify, log=log, tuning=tuning)
     try:
         warn_if_clamped(session, budget)
-        return _served(session, root, torch_device, wanted, said.attention, compute, progress)
+        return _served(session, root, torch_device, wanted, said.attention, compute, progress,
+                       prefetch)
     except BaseException:
         session.close()
         raise
 
 
 def _checkpoint(path: str | os.PathLike[str], compute: Compute,
-                gguf_file: str | None = None) -> tuple[Path, Path]:
-    """The checkpoint as given and its directory, once ``compute`` is checked and the
-    experts implementation registered: a directory, one .safetensors file with the
-    config.json beside it, or a GGUF file (``gguf_file`` in the directory given)."""
+                gguf_file: str | None = None, prefetch: str = "none") -> tuple[Path, Path]:
+    """The checkpoint as given and its directory, once ``compute`` and ``prefetch`` are
+    checked and the experts implementation registered: a directory, one .safetensors file
+    with the config.json beside it, or a GGUF file (``gguf_file`` in the directory given)."""
     if compute not in COMPUTES:
         raise UsageError(f"compute must be one of {', '.join(COMPUTES)}, got {compute!r}")
+    check_prefetch(prefetch)
     register()
     given = Path(path) if gguf_file is None else Path(path) / gguf_file
     if is_gguf(given):  # its metadata is its config, its tokenizer too
@@ -160,7 +162,8 @@ def _open(given: Path, device: Any, **session_words: Any) -> moestream.SyncSessi
 
 
 def _served(session: moestream.SyncSession, root: Path, device: Any, dtype: Any,
-            attention: str | None, compute: Compute, progress: bool | None) -> Any:
+            attention: str | None, compute: Compute, progress: bool | None,
+            prefetch: str = "none") -> Any:
     """The model over ``session``: built on the meta device, its dense weights loaded, its
     experts served by an ``ExpertStream`` that runs a token each forward (the caller closes
     the session on a failure)."""
@@ -173,8 +176,9 @@ def _served(session: moestream.SyncSession, root: Path, device: Any, dtype: Any,
     experts = _experts_modules(root, model, config)
     group = _check_experts(session, experts)
     scales = _weights(model, session, device, progress, sorted(experts), gguf)
+    routers = next_routers(model, experts) if prefetch == "predict" else None
     experts_stream = ExpertStream(session, device, compute=compute, group_experts=group,
-                                  scales=scales)
+                                  scales=scales, next_routers=routers)
     for layer, module in experts.items():
         module.moestream_stream = experts_stream
         module.moestream_layer = layer

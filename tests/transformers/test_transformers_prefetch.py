@@ -1,0 +1,147 @@
+"""moestream.transformers' ``prefetch="predict"``: each MoE layer hints the experts the next
+layer's router picks for its input.
+
+Tiny random-init checkpoints (transformers' own ``save_pretrained``) on the host backend at
+a budget that evicts: the hints change what is resident, never the arithmetic (logits and
+greedy tokens identical to a run without them), and the log's token lines count the
+guesses, the right ones and the wasted bytes as the proxy engine's ``--prefetch predict``
+does.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("transformers.integrations.moe")
+
+from moestream import UsageError  # noqa: E402
+from moestream import transformers as mt  # noqa: E402
+
+ATTENTION = dict(num_attention_heads=4, num_key_value_heads=2, vocab_size=96,
+                 max_position_embeddings=128)
+ARCHS: dict[str, dict[str, Any]] = {
+    # softmax routing: the guess is the top-k of the next router's logits
+    "qwen3_moe": dict(hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+                      num_experts=16, num_experts_per_tok=2, num_hidden_layers=4, head_dim=16,
+                      **ATTENTION),
+    # sigmoid scores plus the correction bias, a dense first layer (no router before it)
+    "deepseek_v3": dict(hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+                        n_routed_experts=16, num_experts_per_tok=2, n_shared_experts=1,
+                        first_k_dense_replace=1, n_group=1, topk_group=1,
+                        num_hidden_layers=4, q_lora_rank=None, kv_lora_rank=16,
+                        qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
+                        **{**ATTENTION, "num_key_value_heads": 4}),
+}
+PROMPT = [[3, 17, 42, 5, 9, 11]]
+BUDGET = "8"  # experts: a decode step's two layers in flight fit, the model's 48 do not
+TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("prefetch")
+    made = {}
+    for kind, words in ARCHS.items():
+        config = transformers.AutoConfig.for_model(kind, **words)
+        torch.manual_seed(0)
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+        if kind == "deepseek_v3":  # its correction bias starts at zero: make it count
+            with torch.no_grad():
+                for name, buffer in model.named_buffers():
+                    if name.endswith("e_score_correction_bias"):
+                        buffer.normal_(0.0, 0.05)
+        model.save_pretrained(root / kind)
+        made[kind] = root / kind
+    return made
+
+
+def _run(path: Path, log: Path, prefetch: str) -> tuple[Any, Any, Any]:
+    """The first forward's logits, the greedy tokens, and the model's session counters."""
+    model = mt.from_pretrained(path, device="cpu", budget=BUDGET, log=log, prefetch=prefetch)
+    try:
+        ids = torch.tensor(PROMPT)
+        with torch.no_grad():
+            logits = model(ids).logits
+        tokens = model.generate(ids, attention_mask=torch.ones_like(ids),
+                                max_new_tokens=TOKENS, min_new_tokens=TOKENS, do_sample=False)
+        return logits, tokens, model.moestream.session.counters()
+    finally:
+        model.moestream.close()
+
+
+def _token_lines(log: Path) -> list[dict[str, Any]]:
+    lines = [json.loads(line) for line in log.read_text().splitlines()]
+    return [line for line in lines if line["event"] == "token"]
+
+
+@pytest.mark.parametrize("kind", list(ARCHS))
+def test_same_tokens_and_counted_guesses(checkpoints: dict[str, Path], tmp_path: Path,
+                                         kind: str) -> None:
+    """Logits torch.equal and tokens identical with and without the hints; with them the
+    token lines count guesses (right ones at most all of them, wasted bytes at most the
+    loaded guesses' bytes) and the session loaded experts for them; without, nothing."""
+    plain_logits, plain_tokens, plain = _run(checkpoints[kind], tmp_path / "none.jsonl", "none")
+    logits, tokens, counters = _run(checkpoints[kind], tmp_path / "predict.jsonl", "predict")
+    assert torch.equal(plain_logits, logits)
+    assert torch.equal(plain_tokens, tokens)
+
+    assert plain.prefetched == 0
+    assert not any("prefetch" in line for line in _token_lines(tmp_path / "none.jsonl"))
+    # per token: the guesses made in it, the right ones, those loaded, the bytes of loaded
+    # guesses the next layer did not pick (the prompt's forwards, too many experts for one
+    # group, hint nothing)
+    counted = [line["prefetch"] for line in _token_lines(tmp_path / "predict.jsonl")
+               if "prefetch" in line]
+    largest = max(layer.expert_bytes for layer in _info(checkpoints[kind]).layers.values()
+                  if layer.n_experts)
+    assert counted and sum(c["predicted"] for c in counted) > 0
+    for c in counted:
+        assert 0 <= c["correct"] <= c["predicted"]
+        assert 0 <= c["loaded"] <= c["predicted"]
+        assert 0 <= c["wasted_bytes"] <= c["loaded"] * largest
+    assert sum(c["loaded"] for c in counted) == counters.prefetched > 0
+
+
+def _info(path: Path) -> Any:
+    import moestream
+
+    with moestream.open_sync(path, backend="host") as session:
+        return session.model
+
+
+@pytest.mark.parametrize("kind", list(ARCHS))
+def test_guess_is_the_next_router_choice(checkpoints: dict[str, Path], kind: str) -> None:
+    """Given the hidden state the next layer's router sees, the guess is that router's
+    own top-k (the guess differs from the next layer's choice only by its input)."""
+    model = mt.from_pretrained(checkpoints[kind], device="cpu", prefetch="predict")
+    try:
+        routers = model.moestream.next_routers
+        moe = model.moestream.session.model.moe_layers
+        assert sorted(routers) == list(moe[:-1])
+        assert [routers[layer].layer for layer in sorted(routers)] == list(moe[1:])
+        torch.manual_seed(1)
+        hidden = torch.randn(5, 64, dtype=torch.bfloat16)
+        for layer in routers:
+            block = model.model.layers[routers[layer].layer].mlp
+            with torch.no_grad():
+                got = routers[layer].guess(hidden, 2).sort(dim=-1).values
+                own = block.gate(hidden)[2]
+            assert torch.equal(got, own.sort(dim=-1).values)
+    finally:
+        model.moestream.close()
+
+
+def test_unknown_prefetch_refused(checkpoints: dict[str, Path]) -> None:
+    """An unknown value is refused in one line naming the known ones, before a session
+    opens."""
+    with pytest.raises(UsageError) as refused:
+        mt.from_pretrained(checkpoints["qwen3_moe"], device="cpu", prefetch="oracle")
+    message = str(refused.value)
+    assert "\n" not in message
+    assert "none, predict" in message and "'oracle'" in message
