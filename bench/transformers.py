@@ -12,6 +12,8 @@ in these runs (``--runs`` picks some):
   a cache of ``--cache-share`` of the experts' bytes, the checkpoint's pages resident in the
   page cache first (as accelerate's experts sit in RAM);
 - ``cold``: the same from storage (page cache dropped, no warm-up generate);
+- ``predict``: ``warm`` with ``prefetch="predict"`` (each MoE layer hints the experts the
+  next layer's router picks for its input), with the guesses' counts;
 - ``all``: moestream with a budget that holds every expert, every expert fetched once and
   a warm-up generate before timing.
 
@@ -53,7 +55,7 @@ from moestream.pipeline.foundation.safetensors_table import is_routed
 
 __all__ = ["main"]
 
-RUNS = ("resident", "eager", "accelerate", "warm", "cold", "all")
+RUNS = ("resident", "eager", "accelerate", "warm", "cold", "predict", "all")
 SHAPES: dict[str, dict[str, Any]] = {
     "tiny": dict(hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
                  num_experts=8, num_experts_per_tok=2, num_attention_heads=4,
@@ -211,23 +213,24 @@ def run_accelerate(args: argparse.Namespace, prompt: Any, device: Any,
 
 
 def run_moestream(args: argparse.Namespace, prompt: Any, device: Any, reference: str | None,
-                  *, budget: Budget | None, cold: bool, log: Path | None = None
-                  ) -> dict[str, Any]:
+                  *, budget: Budget | None, cold: bool, log: Path | None = None,
+                  prefetch: str = "none") -> dict[str, Any]:
     """moestream's run: one load timed ``--repeat`` times holding every expert (``budget``
     None), else a fresh load a timed generate (the previous one would have warmed the
     cache)."""
     loads, per_load = (1, args.repeat) if budget is None else (args.repeat, 1)
     timings: list[tuple[list[int], float]] = []
     parts: dict[str, float] = {}
-    hits = misses = file_bytes = storage_bytes = 0
+    hits = misses = file_bytes = storage_bytes = prefetched = 0
     last: Any = None
     for _ in range(loads):
         done, last = _moestream_load(args, prompt, device, budget=budget, cold=cold,
-                                     repeat=per_load, parts=parts, log=log)
+                                     repeat=per_load, parts=parts, log=log, prefetch=prefetch)
         timings += done["timings"]
         hits, misses = hits + done["hits"], misses + done["misses"]
         file_bytes += done["file_bytes"]
         storage_bytes += done["storage_bytes"]
+        prefetched += done["prefetched"]
     result = summary(timings, reference)
     result.update({
         "budget_bytes": last.budget_bytes,
@@ -237,6 +240,8 @@ def run_moestream(args: argparse.Namespace, prompt: Any, device: Any, reference:
         "misses": misses,
         "file_bytes": file_bytes,
         "storage_bytes": storage_bytes,
+        "prefetch": prefetch,
+        "prefetched": prefetched,
         "mode": last.mode,
         "time_ms": {k: round(v, 3) for k, v in parts.items()},
         "bound": max(parts, key=parts.__getitem__) if parts else None,
@@ -246,8 +251,8 @@ def run_moestream(args: argparse.Namespace, prompt: Any, device: Any, reference:
 
 def _moestream_load(args: argparse.Namespace, prompt: Any, device: Any, *,
                     budget: Budget | None, cold: bool, repeat: int,
-                    parts: dict[str, float], log: Path | None = None
-                    ) -> tuple[dict[str, Any], Any]:
+                    parts: dict[str, float], log: Path | None = None,
+                    prefetch: str = "none") -> tuple[dict[str, Any], Any]:
     """One moestream model loaded, warmed (unless ``cold``) and timed ``repeat`` times; its
     token time split added into ``parts``. Returns the timings and counts, and the
     session's last counters."""
@@ -260,7 +265,8 @@ def _moestream_load(args: argparse.Namespace, prompt: Any, device: Any, *,
         else:
             make_resident(shard)
     _peak_reset(device)
-    model = from_pretrained(args.model, budget=budget, device=device, mode=args.mode, log=log)
+    model = from_pretrained(args.model, budget=budget, device=device, mode=args.mode, log=log,
+                            prefetch=prefetch)
     stream = model.moestream
     try:
         if budget is None:  # every expert on the device before timing
@@ -282,7 +288,8 @@ def _moestream_load(args: argparse.Namespace, prompt: Any, device: Any, *,
     return {"timings": timings, "hits": after.hits - before.hits,
             "misses": after.misses - before.misses,
             "file_bytes": after.file_bytes - before.file_bytes,
-            "storage_bytes": after.storage_bytes - before.storage_bytes}, after
+            "storage_bytes": after.storage_bytes - before.storage_bytes,
+            "prefetched": after.prefetched - before.prefetched}, after
 
 
 def _fill_cache(stream: Any) -> None:
@@ -389,6 +396,8 @@ def _bench(args: argparse.Namespace) -> dict[str, Any]:
         "accelerate": lambda: run_accelerate(args, prompt, device, reference),
         "warm": lambda: run_moestream(args, prompt, device, reference, budget=fits, cold=False),
         "cold": lambda: run_moestream(args, prompt, device, reference, budget=fits, cold=True),
+        "predict": lambda: run_moestream(args, prompt, device, reference, budget=fits,
+                                         cold=False, prefetch="predict"),
         "all": lambda: run_moestream(args, prompt, device, reference, budget=None, cold=False),
     }
     results = {name: plan[name]() for name in runs}

@@ -21,17 +21,19 @@ def test_tiny_run_repeats_and_checks_tokens(tmp_path: Path) -> None:
     out = tmp_path / "report.json"
     code = main(["--make", str(tmp_path / "m"), "--shape", "tiny", "--tokens", "3",
                  "--warmup", "1", "--repeat", "2", "--cache-share", "0.25", "--device", "cpu",
-                 "--runs", "resident,warm,all", "--out", str(out)])
+                 "--runs", "resident,warm,predict,all", "--out", str(out)])
     report = json.loads(out.read_text())
     runs = report["runs"]
     assert code == 0 and report["identical_tokens"]
-    for name in ("resident", "warm", "all"):
+    for name in ("resident", "warm", "predict", "all"):
         assert runs[name]["same_tokens"] and runs[name]["tokens"] == report["reference_tokens"]
         assert len(runs[name]["tokens_per_s_runs"]) == 2 and runs[name]["spread"] >= 0
     assert runs["resident"]["x_resident"] == 1.0
     # a quarter of the experts' bytes, each timed generate from a fresh load (misses in both)
     assert report["cache_budget_bytes"] == report["expert_bytes"] // 4
     assert runs["warm"]["misses"] > 0 and runs["all"]["hit_rate"] == 1.0
+    # the predict run hints the next layer's guesses (loaded), the warm run none
+    assert runs["predict"]["prefetched"] > 0 and runs["warm"]["prefetched"] == 0
 
 
 def test_a_share_out_of_range_is_refused(tmp_path: Path) -> None:
