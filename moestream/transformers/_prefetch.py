@@ -9,10 +9,11 @@ layer's compute, and the next layer finds them cached. This is the proxy engine'
 in the token line's ``prefetch`` object. The guess changes what is resident, never the
 arithmetic: tokens are those of a run without it.
 
-The router is read as a linear map (its ``weight``, ``[experts, hidden]``) scored as the
-top-k of its logits, or of ``sigmoid(logits) + e_score_correction_bias`` where the router
-keeps that bias (DeepSeek-V3's selection); group-limited selection and hashed layers are
-not modelled: a guess that misses costs only wasted reads.
+The router is read as a linear map (its ``weight``, ``[experts, hidden]``, and ``bias``
+where it has one) scored as the top-k of its logits, or of ``sigmoid(logits) +
+e_score_correction_bias`` where the router keeps that bias (DeepSeek-V3's selection);
+group-limited selection and hashed layers are not modelled: a guess that misses costs only
+wasted reads.
 """
 
 from __future__ import annotations
@@ -61,7 +62,9 @@ class NextRouter:
         weight = self.router.weight
         bias = getattr(self.router, "e_score_correction_bias", None)
         if bias is None:  # the logits in the router's dtype (softmax keeps their order)
-            scores = torch.nn.functional.linear(hidden.to(weight.dtype), weight)
+            offset = getattr(self.router, "bias", None)  # gpt-oss's router is affine
+            offset = offset if isinstance(offset, torch.Tensor) else None
+            scores = torch.nn.functional.linear(hidden.to(weight.dtype), weight, offset)
         else:  # as DeepSeek-V3's router: float32 sigmoid scores plus the bias
             scores = torch.nn.functional.linear(hidden.float(), weight.float()).sigmoid() + bias
         return torch.topk(scores, min(top_k, scores.shape[-1]), dim=-1).indices

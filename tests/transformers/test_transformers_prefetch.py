@@ -11,6 +11,7 @@ does.
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +38,10 @@ ARCHS: dict[str, dict[str, Any]] = {
                         num_hidden_layers=4, q_lora_rank=None, kv_lora_rank=16,
                         qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
                         **{**ATTENTION, "num_key_value_heads": 4}),
+    # an affine router named router (its bias counts), sliding and full attention
+    "gpt_oss": dict(hidden_size=64, intermediate_size=32, num_local_experts=16,
+                    num_experts_per_tok=2, num_hidden_layers=4, head_dim=16,
+                    layer_types=["sliding_attention", "full_attention"] * 2, **ATTENTION),
 }
 PROMPT = [[3, 17, 42, 5, 9, 11]]
 BUDGET = "8"  # experts: a decode step's two layers in flight fit, the model's 48 do not
@@ -51,21 +56,20 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         config = transformers.AutoConfig.for_model(kind, **words)
         torch.manual_seed(0)
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-        if kind == "deepseek_v3":  # its correction bias starts at zero: make it count
-            with torch.no_grad():
-                for name, buffer in model.named_buffers():
-                    if name.endswith("e_score_correction_bias"):
-                        buffer.normal_(0.0, 0.05)
+        with torch.no_grad():  # routers' biases start at zero: make them count
+            for name, tensor in [*model.named_buffers(), *model.named_parameters()]:
+                if name.endswith(("e_score_correction_bias", "router.bias")):
+                    tensor.normal_(0.0, 0.05)
         model.save_pretrained(root / kind)
         made[kind] = root / kind
     return made
 
 
-def _run(path: Path, log: Path, prefetch: str) -> tuple[Any, Any, Any]:
+def _run(path: Path, log: Path, prefetch: str, device: str = "cpu") -> tuple[Any, Any, Any]:
     """The first forward's logits, the greedy tokens, and the model's session counters."""
-    model = mt.from_pretrained(path, device="cpu", budget=BUDGET, log=log, prefetch=prefetch)
+    model = mt.from_pretrained(path, device=device, budget=BUDGET, log=log, prefetch=prefetch)
     try:
-        ids = torch.tensor(PROMPT)
+        ids = torch.tensor(PROMPT, device=device)
         with torch.no_grad():
             logits = model(ids).logits
         tokens = model.generate(ids, attention_mask=torch.ones_like(ids),
@@ -129,9 +133,11 @@ def test_guess_is_the_next_router_choice(checkpoints: dict[str, Path], kind: str
         hidden = torch.randn(5, 64, dtype=torch.bfloat16)
         for layer in routers:
             block = model.model.layers[routers[layer].layer].mlp
+            router = getattr(block, "gate", None) or block.router  # the block's own
+            assert routers[layer].router is router
             with torch.no_grad():
                 got = routers[layer].guess(hidden, 2).sort(dim=-1).values
-                own = block.gate(hidden)[2]
+                own = router(hidden)[2]  # (logits, weights, indices) as the block takes them
             assert torch.equal(got, own.sort(dim=-1).values)
     finally:
         model.moestream.close()
@@ -145,3 +151,40 @@ def test_unknown_prefetch_refused(checkpoints: dict[str, Path]) -> None:
     message = str(refused.value)
     assert "\n" not in message
     assert "none, predict" in message and "'oracle'" in message
+
+
+def _syncs(path: Path, prefetch: str) -> int:
+    """The host synchronizations torch sees in one decode-sized forward (one token: one
+    group, so the hint is made), after a first forward of the same."""
+    model = mt.from_pretrained(path, device="cuda", budget=BUDGET, prefetch=prefetch)
+    try:
+        ids = torch.tensor([[3]], device="cuda")
+        with torch.no_grad():
+            model(ids)
+            torch.cuda.synchronize()
+            with warnings.catch_warnings(record=True) as seen:
+                warnings.simplefilter("always")
+                torch.cuda.set_sync_debug_mode("warn")
+                try:
+                    model(ids)
+                finally:
+                    torch.cuda.set_sync_debug_mode("default")
+        return sum("synchroniz" in str(w.message) for w in seen)
+    finally:
+        model.moestream.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="torch sees no CUDA device")
+@pytest.mark.parametrize("kind", list(ARCHS))
+def test_gpu_same_tokens_no_extra_sync(checkpoints: dict[str, Path], tmp_path: Path,
+                                       kind: str) -> None:
+    """On a GPU at a budget that evicts: tokens and logits identical with and without the
+    hints, guesses loaded, and no host synchronization beyond the call's own read of its
+    expert ids (the guess is read in the same copy)."""
+    plain_logits, plain_tokens, _ = _run(checkpoints[kind], tmp_path / "n.jsonl", "none", "cuda")
+    logits, tokens, counters = _run(checkpoints[kind], tmp_path / "p.jsonl", "predict", "cuda")
+    assert torch.equal(plain_logits, logits)
+    assert torch.equal(plain_tokens, tokens)
+    assert counters.prefetched > 0
+    assert _syncs(checkpoints[kind], "predict") == _syncs(checkpoints[kind], "none") > 0
