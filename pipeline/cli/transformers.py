@@ -119,11 +119,15 @@ def _generate(args: argparse.Namespace) -> int:
     from moestream.transformers import from_pretrained, held_scale_bytes
 
     device = {"host": "cpu", "cupy": "cuda"}.get(args.backend)
+    if args.prefetch == "oracle":
+        raise UsageError("--prefetch oracle replays a trace's routing ahead, the proxy "
+                         "engine's; --engine transformers takes none or predict")
     with warnings.catch_warnings():  # the console's budget_clamped event says it already
         warnings.filterwarnings("ignore", category=UserWarning, module=__name__)
         model = from_pretrained(checkpoint, budget=args.cache_budget, mode=args.mode,
                                 device=device, compute=args.experts, policy=args.policy,
-                                verify=not args.no_verify, log=args.log)
+                                verify=not args.no_verify, log=args.log,
+                                prefetch=args.prefetch)
     stream = model.moestream
     summary = RunSummary(model=str(args.model), backend=stream.session.backend,
                          device=str(stream.device),

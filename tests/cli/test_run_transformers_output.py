@@ -123,3 +123,27 @@ class TestHubId:
         code, by_id, _ = _run(capsys, Path(REPO), "--cache-budget", str(LEAST), "--json")
         assert code == 0
         assert json.loads(by_id)["token_ids"] == json.loads(out)["token_ids"]
+
+
+class TestPrefetch:
+    """``--prefetch predict`` reaches ``from_pretrained``: the same tokens, its guesses
+    counted in the log; ``oracle`` (a trace's routing, the proxy engine's) refused."""
+
+    def test_predict_same_tokens(self, capsys: pytest.CaptureFixture[str], checkpoint: Path,
+                                 tmp_path: Path) -> None:
+        runs = {}
+        for prefetch in ("none", "predict"):
+            log = tmp_path / f"{prefetch}.jsonl"
+            code, out, _ = _run(capsys, checkpoint, "--cache-budget", str(LEAST), "--json",
+                                "--prefetch", prefetch, "--log", str(log))
+            assert code == 0
+            lines = [json.loads(line) for line in log.read_text().splitlines()]
+            guessed = sum(line.get("prefetch", {}).get("predicted", 0) for line in lines)
+            runs[prefetch] = (json.loads(out)["token_ids"], guessed)
+        assert runs["none"][0] == runs["predict"][0]
+        assert runs["none"][1] == 0 < runs["predict"][1]
+
+    def test_oracle_refused(self, capsys: pytest.CaptureFixture[str], checkpoint: Path) -> None:
+        code, out, err = _run(capsys, checkpoint, "--prefetch", "oracle")
+        assert code == 2 and out == ""
+        assert len(err.strip().splitlines()) == 1 and "none or predict" in err
