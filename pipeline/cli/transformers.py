@@ -99,14 +99,22 @@ def main(args: argparse.Namespace) -> int:
         return exc.exit_code
 
 
-def _generate(args: argparse.Namespace) -> int:
+def _check_args(args: argparse.Namespace) -> None:
+    """The command line's own refusals, before anything is loaded."""
     if args.model is None:
         raise UsageError("--engine transformers needs -m CHECKPOINT_DIR or -m FILE.gguf")
     if args.tokens < 1:
         raise UsageError(f"--tokens must be >= 1, got {args.tokens}")
+    if args.prefetch == "oracle":
+        raise UsageError("--prefetch oracle replays a trace's routing ahead, the proxy "
+                         "engine's; --engine transformers takes none or predict")
     if args.log is not None:
         check_output(args.log, what="--log", in_place=True)
         check_not_input(args.log, {"--model": args.model}, what="--log")
+
+
+def _generate(args: argparse.Namespace) -> int:
+    _check_args(args)
     from moestream.transformers import local_checkpoint
 
     checkpoint = local_checkpoint(args.model)  # a hub id: the hub cache's snapshot
@@ -119,9 +127,6 @@ def _generate(args: argparse.Namespace) -> int:
     from moestream.transformers import from_pretrained, held_scale_bytes
 
     device = {"host": "cpu", "cupy": "cuda"}.get(args.backend)
-    if args.prefetch == "oracle":
-        raise UsageError("--prefetch oracle replays a trace's routing ahead, the proxy "
-                         "engine's; --engine transformers takes none or predict")
     with warnings.catch_warnings():  # the console's budget_clamped event says it already
         warnings.filterwarnings("ignore", category=UserWarning, module=__name__)
         model = from_pretrained(checkpoint, budget=args.cache_budget, mode=args.mode,
