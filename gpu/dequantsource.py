@@ -18,13 +18,11 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, quants
 from gguf import GGMLQuantizationType as Q
 
+from moestream.pipeline.foundation.compute import DEQUANTIZED
+
 __all__ = ["KERNELS", "dequant_source"]
 
-KERNELS: dict[Q, str] = {
-    q: f"dequant_{q.name.lower()}"
-    for q in (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K,
-              Q.IQ2_XXS, Q.IQ2_XS, Q.IQ3_XXS, Q.IQ4_XS, Q.MXFP4)
-}
+KERNELS: dict[Q, str] = {q: f"dequant_{q.name.lower()}" for q in sorted(DEQUANTIZED)}
 """Each type's kernel name (``Row``: source address, destination address, blocks)."""
 
 _COMMON = r"""

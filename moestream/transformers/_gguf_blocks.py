@@ -31,10 +31,6 @@ float dtype on the blocks' device: computed in float32, rounded once on the last
 
 Q = gguf.GGMLQuantizationType
 
-# MXFP4's E2M1 values doubled (its scale is read as half the power of two): gguf-py's
-# ``MXFP4.kvalues``, the OCP microscaling spec's table
-_MXFP4_LEVELS = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
-
 _TABLES: dict[tuple[str, torch.device], torch.Tensor] = {}
 _SHIFTS: dict[tuple[object, ...], torch.Tensor] = {}
 
@@ -56,7 +52,8 @@ def _host_table(name: str) -> np.ndarray:
         return _signed_grid(name, ksigns)
     if name == "iq4":
         return np.array(gguf.quants.IQ4_NL.kvalues, dtype=np.float32)
-    return np.array(_MXFP4_LEVELS, dtype=np.float32)
+    # MXFP4's E2M1 values doubled (its scale is read as half the power of two)
+    return np.array(gguf.quants.MXFP4.kvalues, dtype=np.float32)
 
 
 def _signed_grid(name: str, ksigns: np.ndarray) -> np.ndarray:

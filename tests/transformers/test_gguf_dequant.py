@@ -240,3 +240,13 @@ class TestInterface:
     def test_supported_and_block_shape(self) -> None:
         assert all(gd.supported(t) for t in [*TYPES, Q.F32, Q.F16, Q.BF16])
         assert gd.block_shape(Q.IQ2_XXS) == (256, 66) and gd.block_shape(Q.MXFP4) == (32, 17)
+
+
+def test_the_transformers_and_proxy_dequantizers_cover_the_same_types() -> None:
+    """One list of quantized GGUF types: what the proxy's real compute dequantizes (its
+    kernels are made from it) is what the transformers path's torch routines cover."""
+    from moestream.gpu.dequantsource import KERNELS
+    from moestream.pipeline.foundation.compute import DEQUANTIZED
+    from moestream.transformers._gguf_blocks import ROUTINES
+
+    assert set(KERNELS) == set(DEQUANTIZED) == {int(q) for q in ROUTINES}
