@@ -91,7 +91,10 @@ class LiveRouter:
         if not self._routers and table.hash_routed < len(self._layers):
             raise ExpertLayoutError(table.path, "no router tensors (ffn_gate_inp) to route live")
         self._embed = next((t for t in table.non_routed if t.name in _EMBEDDINGS), None)
-        self._hash_tables = _hash_tables(table)
+        # each hash table read once here (a few MB a layer), not a row per token and layer
+        self._hash_tables = {layer: (info, np.frombuffer(
+            table.read_bytes(info.offset, info.nbytes), dtype="<i4").reshape(-1, self._k))
+            for layer, info in _hash_tables(table).items()}
 
     def embedding(self, token: int) -> Any:
         """The hidden state a token starts with: its row of the token embedding (F32, F16 or
@@ -108,9 +111,9 @@ class LiveRouter:
 
     def _top_k(self, layer: int, token: int, hidden: Any) -> tuple[list[int], list[float]]:
         router = self._routers.get(layer)
-        ids = self._hash_tables.get(layer)
-        if router is None and ids is not None:  # ds4's hash layer: its table's row
-            return self._hash_row(ids, token), [1.0 / self._k] * self._k
+        hashed = self._hash_tables.get(layer)
+        if router is None and hashed is not None:  # ds4's hash layer: its table's row
+            return self._hash_row(*hashed, token), [1.0 / self._k] * self._k
         if router is None:  # hash-routed: the token id picks
             rng = np.random.default_rng([self._seed, token, layer])
             experts = rng.choice(self._table.n_experts, self._k, replace=False)
@@ -123,12 +126,10 @@ class LiveRouter:
         z = np.exp(logits[top] - logits[top].max())
         return [int(e) for e in top], (z / z.sum()).astype(np.float32).tolist()
 
-    def _hash_row(self, ids: TensorInfo, token: int) -> list[int]:
+    def _hash_row(self, ids: TensorInfo, rows: np.ndarray, token: int) -> list[int]:
         """Token ``token``'s experts in a hash table (its row, the token id modulo the
         table's rows), each checked to be an expert of the layer."""
-        width = 4 * self._k
-        offset = ids.offset + (token % (ids.nbytes // width)) * width
-        row = np.frombuffer(self._table.read_bytes(offset, width), dtype="<i4")
+        row = rows[token % len(rows)]
         n = self._table.n_experts
         if row.min() < 0 or row.max() >= n:
             raise ExpertLayoutError(self._table.path, f"{ids.name}: token {token}'s experts "
