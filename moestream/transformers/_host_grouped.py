@@ -129,8 +129,6 @@ def host_grouped(batches: Iterable[Sequence[ExpertHandle]], weights: HostWeights
         torch.mm(rows[i], down, out=parts[i])
     if down_bias is not None:
         out.add_(down_bias[expert_ids_g])
-    if getattr(module, "has_post_expert_norm", False):
-        out = module.post_expert_norm(out)
     weighted = out * sample_weights[perm].unsqueeze(-1)
     inverse = torch.empty_like(perm)
     inverse[perm] = torch.arange(perm.size(0))

@@ -313,8 +313,6 @@ def slotted_grouped(module: Any, hidden: Any, top_k_index: Any, top_k_weights: A
     proj = grouped_linear(selected, first, offsets, up_bias, transposed)
     proj = module._apply_gate(proj) if getattr(module, "has_gate", True) else module.act_fn(proj)
     proj = grouped_linear(proj, down, offsets, down_bias, transposed)
-    if getattr(module, "has_post_expert_norm", False):
-        proj = module.post_expert_norm(proj)
     weighted = proj * sample_weights[perm].unsqueeze(-1)
     inverse = torch.empty_like(perm)
     inverse.scatter_(0, perm, torch.arange(perm.size(0), device=device))
