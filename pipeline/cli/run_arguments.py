@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from moestream.pipeline.foundation.compute import DEQUANTIZED
 from moestream.pipeline.foundation.config import (
     GATHER_BLOCKS,
     parse_budget,
@@ -40,12 +41,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="eviction: lru, or freq (route hotness with decay) (lru)")
     p.add_argument("--compute", default="real",
                    help="real (SwiGLU on F16 experts, or GGUF quantized ones dequantized: "
-                   "Q4_0..Q8_0, Q2_K..Q6_K, IQ2_XXS, IQ2_XS, IQ3_XXS, IQ4_XS, MXFP4), digest, "
+                   f"{', '.join(q.name for q in sorted(DEQUANTIZED))}), digest, "
                    "or fixed:MS per layer (real)")
     p.add_argument("--backend", default="auto", choices=["auto", "host", "cupy"])
     p.add_argument("--devices", help="devices to shard the experts over, e.g. 0,1 (default: "
                    "every visible GPU; with --backend host, indices emulate devices)")
-    _add_io_options(p)
+    _add_streaming_options(p)
     p.add_argument("--seed", type=int, default=0, help="routing seed (0)")
     p.add_argument("--trace", type=Path, help="replay this routing trace (.npz or .jsonl)")
     p.add_argument("--record-trace", type=Path, help="write the routing used here")
@@ -69,9 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-
-def _add_io_options(p: argparse.ArgumentParser) -> None:
-    """The read, staging, upload and gather knobs (a tuning, not a run's meaning)."""
+def _add_streaming_options(p: argparse.ArgumentParser) -> None:
+    """How experts are read, staged, uploaded and gathered, which are loaded ahead
+    (--router, --prefetch, --lookahead) and whether they are verified."""
     p.add_argument("--queue-depth", type=int, default=8, help="reads in flight (8)")
     p.add_argument("--chunk", default="4MiB", help="largest read request (4MiB)")
     p.add_argument("--staging-slots", type=int, default=16, help="pinned staging slots (16)")
