@@ -235,18 +235,21 @@ def logits(model: Any) -> Any:
 
 
 def assert_streams_like(whole: Any, path: Path, compute: str, budget: str | None = "4",
-                        device: str = "cpu", dtype: Any = None) -> None:
-    """moestream's model of ``path`` (in ``dtype``, None: the checkpoint's) gives
-    ``whole``'s logits (``torch.equal``) and greedy tokens; at a budget below the experts,
-    misses and evictions happen meanwhile."""
+                        device: str = "cpu", dtype: Any = None, mode: str = "auto") -> None:
+    """moestream's model of ``path`` (in ``dtype``, None: the checkpoint's; I/O ``mode``)
+    gives ``whole``'s logits (``torch.equal``) and greedy tokens; at a budget below the
+    experts, misses and evictions happen meanwhile."""
     from moestream import transformers as mt
 
     model = mt.from_pretrained(path, device=device, compute=compute, budget=budget,
-                               dtype=dtype)
+                               dtype=dtype, mode=mode)
     try:
         assert torch.equal(logits(whole), logits(model))
+        counters = model.moestream.session.counters()
         if budget is not None:
-            assert model.moestream.session.counters().evictions > 0
+            assert counters.evictions > 0
+        if mode != "auto":
+            assert counters.mode == mode
         ids = torch.tensor(PROMPTS, device=device)
         args = dict(attention_mask=torch.ones_like(ids), max_new_tokens=4, min_new_tokens=4,
                     do_sample=False)

@@ -83,6 +83,13 @@ class TestFp8Experts:
         assert_streams_like(dequantized(fp8[kind], FP8, implementation), fp8[kind],
                             compute)
 
+    @pytest.mark.parametrize("mode", ["direct", "resident"])
+    def test_each_io_mode(self, fp8: dict[str, Path], mode: str) -> None:
+        """The same equality whether the FP8 bytes and their scales come by O_DIRECT
+        reads or from the page cache."""
+        path = fp8["deepseek_v3"]
+        assert_streams_like(dequantized(path, FP8, "eager"), path, "eager", mode=mode)
+
     def test_streamed_as_fp8_bytes(self, fp8: dict[str, Path]) -> None:
         """A miss reads and the budget counts one byte a weight; the scales are named."""
         with moestream.open_sync(fp8["qwen3_moe"], backend="host") as session:

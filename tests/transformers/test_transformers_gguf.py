@@ -293,6 +293,13 @@ class TestExact:
         assert_streams_like(_transformers(path, implementation, dtype), path, compute,
                             dtype=dtype)
 
+    @pytest.mark.parametrize("mode", ["direct", "resident"])
+    def test_each_io_mode(self, files: dict[str, _Gguf], mode: str) -> None:
+        """The same equality whether the blocks come by O_DIRECT reads (aligned covers of
+        GGUFWriter's offsets) or from the page cache."""
+        path = files["more"].path
+        assert_streams_like(_transformers(path, "eager"), path, "eager", mode=mode)
+
     def test_reference_is_gguf_dequantization(self, files: dict[str, _Gguf]) -> None:
         """transformers' GGUF model is gguf's dequantization of the file, expert by expert:
         the reference above is the file's own numbers."""
