@@ -113,7 +113,7 @@ class TestSizesThatRead:
 
     @pytest.mark.parametrize(("nbytes", "text"), [
         (0, "0 B"), (1023, "1023 B"), (48128, "47.00 KiB"), (3 << 20, "3.00 MiB"),
-        (3 << 29, "1.50 GiB"),
+        (3 << 29, "1.50 GiB"), (1000 << 20, "1,000.00 MiB"), (-(3 << 29), "-1.50 GiB"),
     ])
     def test_size_text(self, nbytes: int, text: str) -> None:
         assert size_text(nbytes) == text

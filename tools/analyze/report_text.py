@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import math
 
+from moestream.pipeline.foundation.sizes import size_text
+
 __all__ = ["GB", "MB", "Value", "ratio", "size_text", "text_table"]
 
 Value = float | int | str | bool | None
@@ -35,11 +37,3 @@ def text_table(rows: list[list[str]]) -> str:
         if i == 0:
             lines.append("  ".join("-" * w for w in widths))
     return "\n".join(lines) + "\n"
-
-
-def size_text(nbytes: int) -> str:
-    """A byte count in the largest binary unit it reaches (``1.50 GiB``, ``12 B``)."""
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if nbytes >= scale:
-            return f"{nbytes / scale:,.2f} {unit}"
-    return f"{nbytes} B"

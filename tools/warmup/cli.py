@@ -38,6 +38,7 @@ from moestream.pipeline.cli.console import configure_console
 from moestream.pipeline.foundation.config import parse_size
 from moestream.pipeline.foundation.errors import MoestreamError, UsageError
 from moestream.pipeline.foundation.files import ModelFile, open_checked
+from moestream.pipeline.foundation.sizes import size_text
 from moestream.pipeline.foundation.table import ByteRange, ExpertTable, open_table
 from moestream.stages.residency import (
     PageLock,
@@ -55,7 +56,6 @@ from moestream.tools.warmup.ram_guard import MemoryProbe, PsutilMemory, check_ra
 from moestream.tools.warmup.report import (
     format_percent,
     format_report,
-    format_size,
     residency_report,
 )
 from moestream.tools.warmup.select import (
@@ -107,7 +107,7 @@ def _hold(lock: PageLock, out: Any) -> None:
     signals = {signal.SIGINT, signal.SIGTERM}
     old = signal.pthread_sigmask(signal.SIG_BLOCK, signals)
     try:
-        print(f"locked {format_size(lock.locked_bytes)} of {lock.name} in RAM; "
+        print(f"locked {size_text(lock.locked_bytes)} of {lock.name} in RAM; "
               "Ctrl-C or SIGTERM releases it", file=out, flush=True)
         received = signal.sigwait(signals)
         print(f"released ({signal.Signals(received).name})", file=out, flush=True)
@@ -217,8 +217,8 @@ def _evict(table: ExpertTable, selection: Selection) -> int:
         finally:
             os.close(fd)
     [after] = resident_bytes_of(files, union)
-    print(f"evicted {format_size(left)} of {table.path}: selection resident "
-          f"{format_size(before)} -> {format_size(after)} of {format_size(selection.nbytes)}")
+    print(f"evicted {size_text(left)} of {table.path}: selection resident "
+          f"{size_text(before)} -> {size_text(after)} of {size_text(selection.nbytes)}")
     return 0
 
 
@@ -231,16 +231,16 @@ def _warm_missing(table: ExpertTable, selection: Selection, missing: list[ByteRa
     if early is not None:
         early_bytes = early.stop()
         missing = _past_early(files, missing, early, early_bytes)
-        head_start = f"; the first {format_size(early_bytes)} during start-up"
+        head_start = f"; the first {size_text(early_bytes)} during start-up"
     read_bytes, seconds = _warm(files, missing, threads) if missing else (0, 0.0)
     # counts only: cachestat, not a page map (0.1 s of the H200 host's warm-up was this check)
     union = coalesce(selection.ranges)
     resident, file_resident = resident_bytes_of(files, union, file_ranges(files))
     rate = f" ({read_bytes / seconds / 1e9:.2f} GB/s)" if seconds > 0 else ""
     file_pct = format_percent(file_resident, table.data_bytes)
-    print(f"resident: {format_size(resident)} of {format_size(selection.nbytes)} selected "
+    print(f"resident: {size_text(resident)} of {size_text(selection.nbytes)} selected "
           f"({format_percent(resident, selection.nbytes)}); file {file_pct}; "
-          f"read {format_size(read_bytes)} in {seconds:.2f} s{rate}{head_start}")
+          f"read {size_text(read_bytes)} in {seconds:.2f} s{rate}{head_start}")
     return 0
 
 

@@ -15,10 +15,10 @@ from typing import TextIO
 
 from moestream.pipeline.foundation.errors import ModelChangedError
 from moestream.pipeline.foundation.manifest import load_manifest, manifest_path
+from moestream.pipeline.foundation.sizes import size_text
 from moestream.pipeline.foundation.table import ExpertTable
 from moestream.stages.manifest_build import BuildResult, ManifestBuilder
 from moestream.stages.residency import Residency
-from moestream.tools.warmup.report import format_size
 
 __all__ = ["compute_digests"]
 
@@ -72,7 +72,7 @@ def compute_digests(table: ExpertTable, threads: int | None, out: TextIO | None 
                 raise ModelChangedError(table.path, f"changed while digested "
                                                     f"({', '.join(changed)}); nothing saved")
     source = "O_DIRECT" if direct else "page cache"
-    print(f"digests: {result.experts} experts, {format_size(result.bytes_read)} read in "
+    print(f"digests: {result.experts} experts, {size_text(result.bytes_read)} read in "
           f"{result.seconds:.2f} s ({result.gb_per_s:.2f} GB/s, {source}); manifest {path}",
           file=out)
     return 0

@@ -10,19 +10,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from moestream.pipeline.foundation.sizes import size_text
 from moestream.pipeline.foundation.table import ExpertTable
 from moestream.stages.residency import Residency
 from moestream.tools.warmup.select import Selection, non_routed_ranges
 
-__all__ = ["format_percent", "format_report", "format_size", "residency_report"]
-
-
-def format_size(nbytes: float) -> str:
-    """``nbytes`` in the largest binary unit that keeps it >= 1."""
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(nbytes) >= scale:
-            return f"{nbytes / scale:.2f} {unit}"
-    return f"{int(nbytes)} B"
+__all__ = ["format_percent", "format_report", "residency_report"]
 
 
 def format_percent(part: int, whole: int) -> str:
@@ -89,7 +82,7 @@ def _glyphs(each: Sequence[int], full: int) -> str:
 
 
 def _row(name: str, resident: int, total: int) -> str:
-    return (f"  {name:<28} {format_size(resident):>12} of {format_size(total):>12}  "
+    return (f"  {name:<28} {size_text(resident):>12} of {size_text(total):>12}  "
             f"{format_percent(resident, total):>6}")
 
 
@@ -97,7 +90,7 @@ def format_report(report: dict[str, Any]) -> str:
     """The report as text: one line per part, a glyph per expert with ``--per-expert``."""
     resident, file_bytes = report["resident_bytes"], report["file_bytes"]
     lines = [
-        f"{report['path']}: {format_size(resident)} of {format_size(file_bytes)} "
+        f"{report['path']}: {size_text(resident)} of {size_text(file_bytes)} "
         f"resident ({format_percent(resident, file_bytes)})"
     ]
     for part in report["parts"]:
