@@ -18,7 +18,10 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
 from typing import Any
+
+from bench.kit import median_ms
 
 __all__ = ["dequant_vs_upload"]
 
@@ -50,22 +53,6 @@ def _layer(method: str, experts: int, hidden: int, ffn: int, device: Any) -> tup
                        pairs=e2m1_pairs(device), transposed=method == "mxfp4"), raws
 
 
-def _timed(work: Any, repeats: int = _REPEATS) -> float:
-    """Median ms of ``work`` by CUDA events, the first ``_SKIP`` runs dropped."""
-    import torch
-
-    times = []
-    for _ in range(repeats + _SKIP):
-        start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
-        end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
-        start.record()
-        work()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return float(statistics.median(times[_SKIP:]))
-
-
 def dequant_vs_upload(method: str, experts: int, hidden: int, ffn: int,
                       device: Any) -> dict[str, Any]:
     """The micro-benchmark's figures for ``experts`` experts of ``method`` (``fp8``,
@@ -76,6 +63,10 @@ def dequant_vs_upload(method: str, experts: int, hidden: int, ffn: int,
 
     if device.type != "cuda":
         return {"skipped": "timed with CUDA events on a GPU"}
+
+    def _timed(work: Callable[[], Any], repeats: int = _REPEATS) -> float:
+        return median_ms(work, device, repeats=repeats, skip=_SKIP)
+
     scales, raws = _layer(method, experts, hidden, ffn, device)
     order = list(range(experts))
     first = (experts, hidden, 2 * ffn) if scales.transposed else (experts, 2 * ffn, hidden)

@@ -14,6 +14,9 @@ For each ggml type and each expert shape (``--shapes``: presets of
 - ``upload_ms``: the expert's quantized bytes copied host to device from pinned memory
   (on the CPU: a memcpy of those bytes), measured in the same run; ``over_upload`` is
   ``one_expert_ms / upload_ms`` (the issue holds dequantization to <= 10% of a miss);
+- ``kernel_expert_ms``: on a GPU, the same batch through the experts call's CUDA kernels
+  (``_dequant_cuda.gguf_layer_cuda``: one launch, two where down's type differs, straight into
+  the module's stacked layout), per expert; ``kernel_same_values``: the torch routines' bits;
 - ``transformers_expert_ms``: where the installed transformers has a torch routine for the
   type (``integrations/gguf/dequant.py``, 5.17 and later), the same expert through it at
   float32 and cast into the same scratch (its bf16 is not gguf-py's values); ``same_values``
@@ -29,10 +32,9 @@ Times are medians: CUDA events on a GPU, ``perf_counter`` on the CPU. Prints a t
 from __future__ import annotations
 
 import argparse
+import functools
 import json
-import statistics
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -40,10 +42,13 @@ from typing import Any
 import gguf
 import torch
 
+from bench.kit import median_ms
 from bench.transformers import _versions
 from moestream.pipeline.makers.modelspec import PRESETS
+from moestream.transformers import _dequant_cuda as dc
 from moestream.transformers import _gguf_dequant as gd
 from moestream.transformers._gguf_blocks import F16_SCALES, ROUTINES
+from moestream.transformers._gguf_experts import GgufExperts
 
 __all__ = ["build_parser", "main", "random_blocks"]
 
@@ -76,25 +81,7 @@ def random_blocks(ggml_type: int, rows: int, cols: int, device: Any,
 
 def _timer(device: Any, repeats: int) -> Callable[[Callable[[], Any]], float]:
     """A median-of-``repeats`` timer in milliseconds (after two unmeasured calls)."""
-    def timed(work: Callable[[], Any]) -> float:
-        for _ in range(2):
-            work()
-        times = []
-        for _ in range(repeats):
-            if device.type == "cuda":
-                start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
-                end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
-                start.record()
-                work()
-                end.record()
-                end.synchronize()
-                times.append(start.elapsed_time(end))
-            else:
-                began = time.perf_counter_ns()
-                work()
-                times.append((time.perf_counter_ns() - began) / 1e6)
-        return float(statistics.median(times))
-    return timed
+    return functools.partial(median_ms, device=device, repeats=repeats, skip=2)
 
 
 def _transformers_routine() -> Any:
@@ -168,8 +155,27 @@ def _batched(types: Types, dims: list[tuple[int, int]], batch: int,
     ms = timed(lambda: [gd.dequantize(s, t, dtype, out=o)
                         for s, t, o in zip(stacks, types, outs, strict=True)])
     obytes = sum(o.numel() for o in outs) * outs[0].element_size()
-    return {"batch": batch, "batch_expert_ms": round(ms / batch, 4),
-            "batch_out_gb_s": round(obytes / ms / 1e6, 1)}
+    row = {"batch": batch, "batch_expert_ms": round(ms / batch, 4),
+           "batch_out_gb_s": round(obytes / ms / 1e6, 1)}
+    if mats[0].device.type == "cuda" and {types[0], types[2]} <= dc.GGUF_TYPES:
+        row.update(_kernel(types, dims, stacks, dtype, timed))
+    return row
+
+
+def _kernel(types: Types, dims: list[tuple[int, int]], stacks: list[Any], dtype: Any,
+            timed: Callable[[Callable[[], Any]], float]) -> dict[str, Any]:
+    """The same batch through the experts call's CUDA kernels (``gguf_layer_cuda``: one
+    launch, two for two types, into the module's stacked layout), per expert, and whether
+    it made the torch routines' bits."""
+    batch, (ffn, hidden) = stacks[0].shape[0], dims[0]
+    gate_up = torch.empty((batch, 2 * ffn, hidden), dtype=dtype, device=stacks[0].device)
+    down = torch.empty((batch, hidden, ffn), dtype=dtype, device=stacks[0].device)
+    addresses = [[int(s[i].data_ptr()) for i in range(batch)] for s in stacks]
+    layer = GgufExperts(types[0], types[2])
+    ms = timed(lambda: dc.gguf_layer_cuda(layer, addresses, gate_up, down))
+    want = [gd.dequantize(s, t, dtype) for s, t in zip(stacks, types, strict=True)]
+    same = (torch.equal(gate_up, torch.cat(want[:2], dim=1)) and torch.equal(down, want[2]))
+    return {"kernel_expert_ms": round(ms / batch, 4), "kernel_same_values": same}
 
 
 def _rows(args: argparse.Namespace) -> list[tuple[Types, str]]:
@@ -194,7 +200,8 @@ def _rows(args: argparse.Namespace) -> list[tuple[Types, str]]:
 
 def _print_table(rows: list[dict[str, Any]], out: Any) -> None:
     head = ("type", "shape", "one_expert_ms", "out_gb_s", "upload_ms", "over_upload",
-            "batch_expert_ms", "batch_out_gb_s", "transformers_expert_ms", "same_values")
+            "batch_expert_ms", "batch_out_gb_s", "kernel_expert_ms", "kernel_same_values",
+            "transformers_expert_ms", "same_values")
     print("  ".join(f"{h:>15}" for h in head), file=out)
     for row in rows:
         print("  ".join(f"{row.get(h, '-')!s:>15}" for h in head), file=out)

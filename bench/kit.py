@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -25,7 +26,8 @@ from moestream.pipeline.foundation.table import ExpertTable
 from moestream.stages.residency import Residency, file_ranges
 from moestream.stages.warm import WarmEngine
 
-__all__ = ["budget_for", "drop_caches", "exit_with", "make_resident", "parse_modes", "run_command"]
+__all__ = ["budget_for", "drop_caches", "exit_with", "make_resident", "median_ms", "parse_modes",
+           "run_command"]
 
 
 def drop_caches(model: Path | Sequence[ModelFile]) -> None:
@@ -76,6 +78,35 @@ def budget_for(table: ExpertTable, share: float) -> Budget:
     16 GB card held ~15% of each layer's experts."""
     per_layer = max(table.top_k, round(share * table.n_experts))
     return Budget(experts=per_layer * len(table.layers))
+
+
+def median_ms(work: Callable[[], Any], device: Any, *, repeats: int, skip: int) -> float:
+    """The median milliseconds of ``repeats`` timed calls of ``work``, after ``skip`` untimed
+    ones (first calls pay for compiles, allocations and caches).
+
+    On a CUDA ``device`` (a ``torch.device``) each call sits between two torch CUDA events
+    and is waited for, so the figure is the device's time for the work queued; elsewhere it
+    is ``perf_counter``'s wall time around the call.
+    """
+    import torch
+
+    for _ in range(skip):
+        work()
+    times = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+            end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+            start.record()
+            work()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            began = time.perf_counter_ns()
+            work()
+            times.append((time.perf_counter_ns() - began) / 1e6)
+    return float(statistics.median(times))
 
 
 def parse_modes(text: str, option: str = "--modes") -> list[Mode]:

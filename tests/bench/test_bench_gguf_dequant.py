@@ -39,3 +39,21 @@ def test_random_blocks_are_valid(ggml_type: int) -> None:
     want = gguf.quants.dequantize(raw.numpy(), ggml_type).reshape(4, 256)
     got = gd.dequantize(raw, ggml_type, torch.float32)
     assert np.isfinite(want).all() and torch.equal(got, torch.from_numpy(want))
+
+
+def test_median_ms_skips_then_takes_the_median(monkeypatch: pytest.MonkeyPatch) -> None:
+    """bench.kit's one timer (the gguf and dequant benches' both): the ``skip`` first calls
+    are run but not timed, and the figure is the median of the others, in milliseconds."""
+    from bench import kit
+
+    clock = [0]
+    monkeypatch.setattr("bench.kit.time.perf_counter_ns", lambda: clock[0])
+    costs_ns = iter([7_000_000, 9_000_000, 1_000_000, 4_000_000, 2_000_000])
+    calls = []
+
+    def work() -> None:
+        calls.append(1)
+        clock[0] += next(costs_ns)
+
+    assert kit.median_ms(work, torch.device("cpu"), repeats=3, skip=2) == 2.0
+    assert len(calls) == 5
