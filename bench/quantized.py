@@ -57,6 +57,7 @@ from bench.transformers import (
     summary,
 )
 from moestream.pipeline.foundation.config import Budget, parse_size
+from moestream.pipeline.foundation.table import ExpertTable, open_table
 
 __all__ = ["MADE_SHAPES", "main", "quantize_fp8_blocks"]
 
@@ -148,12 +149,9 @@ def make_quantized(where: Path, fmt: str, shape: str, layers: int) -> None:
     write_checkpoint(spec, where, CheckpointOptions(quant=fmt))  # type: ignore[arg-type]
 
 
-def device_dense_bytes(path: Path) -> int:
+def device_dense_bytes(table: ExpertTable) -> int:
     """The bytes the model holds on the device besides its experts and their scales: the
     dense tensors in BF16 (FP8 ones dequantized), the dense weights' scales consumed."""
-    from moestream.pipeline.foundation.table import open_table
-
-    table = open_table(path)
     scales = {name for layer in table.layers.values() if layer.quant is not None
               for name in layer.quant.names}
     total = 0
@@ -191,12 +189,11 @@ def run_reference(args: argparse.Namespace, prompt: Any, device: Any) -> dict[st
     return result
 
 
-def hit_rates_replayed(log: Path, quantized: Path, cache_bytes: int) -> dict[str, Any]:
+def hit_rates_replayed(log: Path, table: ExpertTable, cache_bytes: int) -> dict[str, Any]:
     """The run's accesses replayed through the cache's own index, all in the run's bytes
     (its cache and the scales held): at the run's cache (its live count, checked), as BF16
     experts, and as the quantized experts with their scales streamed beside each one (the
     layout not taken: each cached expert carries its own, none are held for the others)."""
-    from moestream.pipeline.foundation.table import open_table
     from moestream.pipeline.runlog.read import read_log
     from moestream.tools.analyze.whatif_replay import AccessTrace, replay
     from moestream.transformers._scale_budget import layer_scale_bytes
@@ -204,7 +201,6 @@ def hit_rates_replayed(log: Path, quantized: Path, cache_bytes: int) -> dict[str
     run = read_log(log)
     trace = AccessTrace.from_log(run)
     policy = run.header.policy if run.header is not None and run.header.policy else "lru"
-    table = open_table(quantized)
     layers = [table.layers[n] for n in trace.moe_layers]
     scales = layer_scale_bytes(table)
     in_all = cache_bytes + sum(scales.values())
@@ -265,9 +261,20 @@ def _models(args: argparse.Namespace, device: Any) -> Path | None:
     return None
 
 
-def _run(name: str, args: argparse.Namespace, prompt: Any, device: Any, bf16: Path | None,
-         budget: Budget, logs: Path) -> dict[str, Any]:
-    fmt = args.format
+@dataclasses.dataclass(frozen=True)
+class _Shared:
+    """What every run of one command shares: the quantized checkpoint's table (opened once),
+    the BF16 original (``fp8`` only), the streamed runs' budget and their logs' folder."""
+
+    table: ExpertTable
+    bf16: Path | None
+    budget: Budget
+    logs: Path
+
+
+def _run(name: str, args: argparse.Namespace, prompt: Any, device: Any,
+         shared: _Shared) -> dict[str, Any]:
+    fmt, bf16, budget = args.format, shared.bf16, shared.budget
     if name == "reference":
         return run_reference(args, prompt, device)
     if name == "dequant":
@@ -282,11 +289,11 @@ def _run(name: str, args: argparse.Namespace, prompt: Any, device: Any, bf16: Pa
     if name not in (fmt, f"{fmt}_all"):
         return {"skipped": f"no run {name!r} for --format {fmt}"}
     args.model = args.quantized
-    log = logs / f"{name}.jsonl"
+    log = shared.logs / f"{name}.jsonl"
     result = run_moestream(args, prompt, device, None, budget=None if name.endswith("_all")
                            else budget, cold=False, log=log)
     if name == fmt:
-        result.update(hit_rates_replayed(log, args.quantized, result["budget_bytes"]))
+        result.update(hit_rates_replayed(log, shared.table, result["budget_bytes"]))
     return result
 
 
@@ -329,7 +336,8 @@ def main(argv: list[str] | None = None) -> int:
                              f"({', '.join(allowed)})")
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     bf16 = _models(args, device)
-    dense = device_dense_bytes(args.quantized)
+    table = open_table(args.quantized)
+    dense = device_dense_bytes(table)
     budget = Budget(nbytes=parse_size(args.total) - dense)
     prompt = torch.tensor([[int(t) for t in args.prompt_ids.split(",")]])
     fmt = args.format
@@ -337,14 +345,13 @@ def main(argv: list[str] | None = None) -> int:
                         f"{fmt}_all,dequant").split(",") if r]
     results: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory(prefix="bench-quantized-") as logs:
+        shared = _Shared(table, bf16, budget, Path(logs))
         for name in runs:  # a run named twice is measured twice (the later one kept)
             if name in results:
                 results[f"{name}_first"] = results.pop(name)
-            results[name] = _run(name, args, prompt, device, bf16, budget, Path(logs))
+            results[name] = _run(name, args, prompt, device, shared)
     _check_tokens(results, fmt)
-    from moestream.pipeline.foundation.table import open_table
-
-    moe_layers = len(open_table(args.quantized).layers)
+    moe_layers = len(table.layers)
     report = {"command": "python -m bench.quantized " + " ".join(sys.argv[1:] if argv is None
                                                                   else argv),
               "format": fmt, "shape": args.shape, "layers": args.layers,
