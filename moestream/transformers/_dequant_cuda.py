@@ -31,16 +31,29 @@ from moestream.transformers._dequant import (
     mxfp4_blocks,
     mxfp4_exponents,
 )
-from moestream.transformers._dequant_source import FP4_PARAMS, FP8_PARAMS, SOURCE
+from moestream.transformers._dequant_source import (
+    FP4_PARAMS,
+    FP8_PARAMS,
+    GGUF_KERNELS,
+    GGUF_PARAMS,
+    SOURCE,
+    gguf_source,
+)
+from moestream.transformers._gguf_experts import GgufExperts
 from moestream.transformers._quantized import LayerScales
 
-__all__ = ["CUDA_DTYPES", "Kind", "available", "fp4_experts_cuda", "fp8_experts_cuda",
-           "fp8_kinds_cuda", "layer_experts_cuda", "lookup_table"]
+__all__ = ["CUDA_DTYPES", "GGUF_TYPES", "Kind", "available", "fp4_experts_cuda",
+           "fp8_experts_cuda", "fp8_kinds_cuda", "gguf_kinds_cuda", "gguf_layer_cuda",
+           "layer_experts_cuda",
+           "lookup_table"]
 
 _FP8_KERNELS = {torch.bfloat16: "fp8_experts_bf16", torch.float16: "fp8_experts_f16",
                 torch.float32: "fp8_experts_f32"}
 CUDA_DTYPES = frozenset(_FP8_KERNELS)
 """The output types the kernels write."""
+_SUFFIXES = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32"}
+GGUF_TYPES = frozenset(GGUF_KERNELS)
+"""The ggml types (ids) the GGUF kernels dequantize."""
 _THREADS = 256
 _MAX_BLOCKS = 4096
 _SLOT = 4096
@@ -90,11 +103,13 @@ def _stream(pointer: int, device: int) -> Any:
 
 
 @functools.cache
-def _module(device: int) -> Any:
+def _module(device: int, gguf: bool) -> Any:
+    """The FP8/FP4 kernels, or (``gguf``) the GGUF ones: built apart, so that a model of
+    one kind never waits for the other's compile."""
     import cupy
 
     with cupy.cuda.Device(device):
-        return cupy.RawModule(code=SOURCE, options=("-std=c++14",))
+        return cupy.RawModule(code=gguf_source() if gguf else SOURCE, options=("-std=c++14",))
 
 
 @functools.cache
@@ -102,7 +117,7 @@ def _function(name: str, device: int) -> Any:
     import cupy
 
     with cupy.cuda.Device(device):
-        return _module(device).get_function(name)
+        return _module(device, name.startswith("gguf_")).get_function(name)
 
 
 class _TableRing:
@@ -289,6 +304,59 @@ def fp4_experts_cuda(kinds: Sequence[Kind], experts: Sequence[int], method: str,
             params + addresses + [int(e) for e in experts], len(kinds), chunks, np.int32(n),
             np.uint64(lut.data_ptr()))
 
+
+def gguf_kinds_cuda(ggml_type: int, kinds: Sequence[Kind]) -> None:
+    """Dequantize GGUF matrices of one ``ggml_type`` (one of ``GGUF_TYPES``) of each kind
+    into its ``out``, one launch (a part of ``_PART`` experts): a matrix's blocks in order
+    are its values in order, so a kind's ``out`` is ``(n, values)`` at any stride between
+    experts (``scales`` unused: a block holds its own).
+
+    Raises:
+        ValueError: an output the kernel cannot address.
+    """
+    n = len(kinds[0].addresses)
+    if n > _PART:
+        for at in range(0, n, _PART):
+            gguf_kinds_cuda(ggml_type, [Kind(k.addresses[at:at + _PART], None,
+                                             k.out[at:at + _PART]) for k in kinds])
+        return
+    out = kinds[0].out
+    params: list[int] = []
+    chunks = 0
+    for kind in kinds:
+        o = kind.out
+        values = o.shape[-1]
+        if (o.dim() != 2 or o.stride(1) != 1 or o.dtype != out.dtype or values % 8
+                or len(kind.addresses) != n):
+            raise ValueError("GGUF outputs are (experts, values) of whole groups of 8 "
+                             "contiguous values, one type a batch")
+        size = o.element_size()
+        vec = _aligned(o.data_ptr(), o.stride(0) * size)
+        params += [o.data_ptr(), o.stride(0), values, int(vec)]
+        chunks = max(chunks, n * values // 8)
+    if n == 0 or chunks == 0:
+        return
+    addresses = [int(a) for kind in kinds for a in kind.addresses]
+    assert len(params) == GGUF_PARAMS * len(kinds)
+    _launch(f"{GGUF_KERNELS[ggml_type]}_{_SUFFIXES[out.dtype]}", out, params + addresses,
+            len(kinds), chunks, np.int32(n))
+
+
+def gguf_layer_cuda(types: GgufExperts, addresses: Sequence[Sequence[int]], gate_up: Any,
+                    down: Any) -> None:
+    """A batch of one GGUF layer's experts (``addresses``: per kind, gate, up and down, each
+    expert's blocks) dequantized into the stacked ``gate_up`` (gate rows first) and
+    ``down``: one launch, or two where down's type is not gate and up's."""
+    n = len(addresses[0])
+    flat = gate_up.view(n, -1)
+    half = flat.shape[1] // 2
+    gate, up = Kind(addresses[0], None, flat[:, :half]), Kind(addresses[1], None, flat[:, half:])
+    rest = Kind(addresses[2], None, down.view(n, -1))
+    if types.down_type == types.gate_up_type:
+        gguf_kinds_cuda(types.gate_up_type, [gate, up, rest])
+    else:
+        gguf_kinds_cuda(types.gate_up_type, [gate, up])
+        gguf_kinds_cuda(types.down_type, [rest])
 
 
 def layer_experts_cuda(scales: LayerScales, addresses: Sequence[Sequence[int]],

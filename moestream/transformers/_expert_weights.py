@@ -15,7 +15,12 @@ from typing import Any
 import torch  # type: ignore[import-not-found, unused-ignore]
 
 from moestream import ExpertHandle
-from moestream.transformers._dequant_cuda import CUDA_DTYPES, layer_experts_cuda
+from moestream.transformers._dequant_cuda import (
+    CUDA_DTYPES,
+    GGUF_TYPES,
+    gguf_layer_cuda,
+    layer_experts_cuda,
+)
 from moestream.transformers._dequant_cuda import available as cuda_kernel
 from moestream.transformers._gguf_experts import GgufExperts
 from moestream.transformers._layout import TORCH_DTYPES, first_projection, raw, view
@@ -105,12 +110,16 @@ class ExpertWeights:
         one product per matrix kind for the whole batch."""
         scales = self.scales[handles[0].layer]
         experts = [h.expert for h in handles]
-        if (self._cuda and isinstance(scales, LayerScales)
-                and (scales.method != "fp8" or not scales.transposed)
-                and down.dtype in CUDA_DTYPES and cuda_kernel()):
-            # one kernel a batch, reading the cache where it is: no stacked copy
-            layer_experts_cuda(scales, [[h.matrices[at].ptr for h in handles] for at in range(3)],
-                               experts, gate_up, down)
-            return
+        if self._cuda and down.dtype in CUDA_DTYPES and cuda_kernel():
+            # one kernel a batch (two for a GGUF layer of two types), reading the cache
+            # where it is: no stacked copy
+            addresses = [[h.matrices[at].ptr for h in handles] for at in range(3)]
+            if isinstance(scales, GgufExperts):
+                if {scales.gate_up_type, scales.down_type} <= GGUF_TYPES:
+                    gguf_layer_cuda(scales, addresses, gate_up, down)
+                    return
+            elif scales.method != "fp8" or not scales.transposed:
+                layer_experts_cuda(scales, addresses, experts, gate_up, down)
+                return
         raws = [torch.stack([raw(h.matrices[at]) for h in handles]) for at in range(3)]
         scales.fill(experts, (raws[0], raws[1], raws[2]), gate_up, down)

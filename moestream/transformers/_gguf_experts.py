@@ -2,9 +2,11 @@
 
 The experts of a GGUF file stream as their blocks (the cache holds, and the budget counts,
 the quantized bytes); each use turns the experts of one arrival batch into the compute
-dtype on the device, by ``_gguf_dequant.dequantize`` (bitwise gguf-py's float32 rounded once
-to the dtype: what transformers' own GGUF loading gives, since it dequantizes with gguf-py
-and casts). A layer's gate and up share one ggml type (the table checks it) and are
+dtype on the device: on a GPU by ``_dequant_cuda.gguf_layer_cuda`` (one CuPy kernel launch
+a type, reading the cache in place), elsewhere (and for a float type among them) by
+:meth:`GgufExperts.fill`, ``_gguf_dequant.dequantize``'s torch ops. Both give gguf-py's
+float32 rounded once to the dtype, bit for bit: what transformers' own GGUF loading gives,
+since it dequantizes with gguf-py and casts. A layer's gate and up share one ggml type (the table checks it) and are
 dequantized in one call straight into the stacked ``gate_up`` (gate rows first, as
 transformers stacks ``ffn_gate_exps`` and ``ffn_up_exps``); down in a second. Types may
 differ from layer to layer and between gate/up and down; float types (F16, BF16, F32)

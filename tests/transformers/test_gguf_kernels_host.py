@@ -1,0 +1,175 @@
+"""The transformers path's GGUF kernels (``_dequant_source.gguf_source``) built for the host
+and walked block by block, thread by thread, through ``_dequant_cuda``'s own table building
+(its launch swapped for the walk), so CI without a GPU checks their arithmetic and indexing
+bitwise against the contract: gguf-py's float32 values rounded once to the output type (what
+``_gguf_dequant.dequantize`` gives, and transformers' GGUF loading). Every type and output
+type, random blocks with extreme float16 scales, experts at a stride, aligned and unaligned
+outputs, and a layer's three kinds in one launch or (two types) two. A small grid (3 blocks of
+7 threads) exercises the grid-stride loop. ``test_gguf_cuda.py`` runs the same on a device."""
+
+from __future__ import annotations
+
+import ctypes
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+gguf = pytest.importorskip("gguf")
+
+from moestream.transformers import _dequant_cuda as dc  # noqa: E402
+from moestream.transformers._dequant_source import GGUF_KERNELS, gguf_source  # noqa: E402
+from moestream.transformers._gguf_experts import GgufExperts  # noqa: E402
+from tests.gguf_blocks import random_blocks  # noqa: E402
+
+Q = gguf.GGMLQuantizationType
+DTYPES = {"bf16": torch.bfloat16, "f16": torch.float16, "f32": torch.float32}
+TYPES = sorted(Q(t) for t in GGUF_KERNELS)
+
+pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="no g++ to build the "
+                                "kernels' source for the host")
+
+_BUILTINS = r"""
+#include <cstring>
+#define __global__
+#define __device__
+#define __forceinline__ inline
+#define __align__(n) alignas(n)
+struct uint4 { unsigned int x, y, z, w; };
+struct dim3 { unsigned int x, y, z; };
+static dim3 blockIdx, blockDim, gridDim, threadIdx;
+static inline float __int_as_float(int i) { float f; memcpy(&f, &i, 4); return f; }
+static inline float __uint_as_float(unsigned i) { float f; memcpy(&f, &i, 4); return f; }
+static inline unsigned __float_as_uint(float f) { unsigned i; memcpy(&i, &f, 4); return i; }
+static inline float __fmul_rn(float a, float b) { return a * b; }
+static inline float __fadd_rn(float a, float b) { return a + b; }
+static inline float __fsub_rn(float a, float b) { return a - b; }
+typedef _Float16 __half;
+static inline __half __float2half_rn(float x) { return (_Float16)x; }
+static inline unsigned short __half_as_ushort(__half h) {
+    unsigned short u; memcpy(&u, &h, 2); return u;
+}
+"""
+
+
+def _walk_source() -> str:
+    names = [f"{name}_{suffix}" for name in GGUF_KERNELS.values() for suffix in DTYPES]
+    cases = "".join(f"    if (which == {i}) {{ WALK({name}(table, kinds, n)) }}\n"
+                    for i, name in enumerate(names))
+    return r"""
+#define WALK(CALL)                                                                        \
+    gridDim.x = blocks; gridDim.y = kinds; blockDim.x = threads;                          \
+    for (unsigned y = 0; y < (unsigned)kinds; ++y)                                        \
+        for (unsigned x = 0; x < (unsigned)blocks; ++x)                                   \
+            for (unsigned t = 0; t < (unsigned)threads; ++t) {                            \
+                blockIdx.x = x; blockIdx.y = y; threadIdx.x = t; CALL;                    \
+            }
+extern "C" void walk(int which, const i64* table, int kinds, int n, int blocks, int threads) {
+""" + cases + "}\n"
+
+
+@pytest.fixture(scope="module")
+def launches(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """The kernels built for the host; ``_dequant_cuda``'s launch walks them instead. Yields
+    the names launched, in order."""
+    where = Path(tmp_path_factory.mktemp("gguf_kernels"))
+    source = where / "gguf.cpp"
+    source.write_text(_BUILTINS + gguf_source().replace("#include <cuda_fp16.h>", "")
+                      + _walk_source())
+    built = subprocess.run(["g++", "-std=c++17", "-O1", "-ffp-contract=off",
+                            "-fno-strict-aliasing", "-w", "-shared", "-fPIC", str(source),
+                            "-o", str(where / "g.so")], capture_output=True, text=True)
+    if built.returncode:
+        pytest.fail(f"g++ cannot build the kernels' source: {built.stderr.strip()[:2000]}")
+    library = ctypes.CDLL(str(where / "g.so"))
+    which = {f"{name}_{suffix}": i for i, (name, suffix) in enumerate(
+        (name, suffix) for name in GGUF_KERNELS.values() for suffix in DTYPES)}
+    names: list[str] = []
+
+    def launch(name: str, out: Any, table: Any, kinds: int, chunks: int, *tail: Any) -> None:
+        values = np.array(table, dtype=np.int64)
+        names.append(name)
+        library.walk(which[name], values.ctypes.data_as(ctypes.c_void_p), kinds,
+                     int(tail[0]), 3, 7)
+
+    saved = dc._launch
+    dc._launch = launch
+    yield names
+    dc._launch = saved
+
+
+def _reference(raw: np.ndarray, qtype: Q, dtype: Any) -> Any:
+    with np.errstate(over="ignore", invalid="ignore"):  # extreme scales: inf, and inf - inf
+        values = gguf.quants.dequantize(raw, qtype)
+    return torch.from_numpy(values.reshape(-1)).to(dtype)
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Bit for bit, every NaN a NaN (its payload aside)."""
+    ints = {2: torch.int16, 4: torch.int32}[a.element_size()]
+    nan = a.isnan()
+    return bool(torch.equal(nan, b.isnan())
+                and torch.equal(a[~nan].view(ints), b[~nan].view(ints)))
+
+
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=list(DTYPES))
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda q: q.name)
+@pytest.mark.parametrize("aligned", [True, False], ids=["aligned", "unaligned"])
+def test_one_kind_bitwise(launches: list[str], qtype: Q, dtype: Any, aligned: bool) -> None:
+    """Three experts' matrices (5 blocks each, the middle one read from an odd address) into
+    rows of a wider output: every value the reference's, nothing written beside them."""
+    blocks = [random_blocks(qtype, 5, seed) for seed in range(3)]
+    flat = np.zeros(sum(b.nbytes for b in blocks) + 1, dtype=np.uint8)
+    at, addresses = 0, []
+    for i, b in enumerate(blocks):
+        at += i == 1  # the middle expert's blocks start at an odd address
+        flat[at : at + b.nbytes] = b.reshape(-1)
+        addresses.append(flat.ctypes.data + at)
+        at += b.nbytes
+    values = 5 * gguf.GGML_QUANT_SIZES[qtype][0]
+    lead = 0 if aligned else 1
+    wide = torch.full((3, values + 16), 7.0, dtype=dtype)
+    out = wide[:, lead : lead + values]
+    dc.gguf_kinds_cuda(int(qtype), [dc.Kind(addresses, None, out)])
+    suffix = next(name for name, d in DTYPES.items() if d == dtype)
+    assert launches[-1] == f"{GGUF_KERNELS[int(qtype)]}_{suffix}"
+    for k, b in enumerate(blocks):
+        assert _same(out[k], _reference(b, qtype, dtype)), (qtype.name, k)
+    rest = torch.cat((wide[:, :lead], wide[:, lead + values :]), dim=1)
+    assert bool((rest == 7.0).all())
+
+
+@pytest.mark.parametrize("types", [(Q.IQ2_XXS, Q.Q2_K), (Q.Q4_K, Q.Q4_K), (Q.Q8_0, Q.Q6_K)],
+                         ids=lambda t: "+".join(q.name for q in t))
+def test_layer_into_the_modules_layout(launches: list[str], types: tuple[Q, Q]) -> None:
+    """A layer's gate, up and down of 3 experts into the stacked ``gate_up`` (gate rows
+    first) and ``down``: one launch for one type, two for two."""
+    gate_up_type, down_type = types
+    ffn = hidden = 256
+    elems, size = gguf.GGML_QUANT_SIZES[gate_up_type]
+    matrices = [[random_blocks(t, rows * cols // gguf.GGML_QUANT_SIZES[t][0], seed * 3 + at,
+                               extreme=False)
+                 for at, (t, rows, cols) in enumerate(
+                     [(gate_up_type, ffn, hidden), (gate_up_type, ffn, hidden),
+                      (down_type, hidden, ffn)])] for seed in range(3)]
+    assert elems and size
+    gate_up = torch.empty((3, 2 * ffn, hidden), dtype=torch.bfloat16)
+    down = torch.empty((3, hidden, ffn), dtype=torch.bfloat16)
+    before = len(launches)
+    addresses = [[m[at].ctypes.data for m in matrices] for at in range(3)]
+    dc.gguf_layer_cuda(GgufExperts(int(gate_up_type), int(down_type)), addresses, gate_up, down)
+    assert len(launches) - before == (1 if gate_up_type == down_type else 2)
+    for k, (gate, up, d) in enumerate(matrices):
+        want_gate_up = torch.cat((_reference(gate, gate_up_type, torch.bfloat16),
+                                  _reference(up, gate_up_type, torch.bfloat16)))
+        assert _same(gate_up[k].reshape(-1), want_gate_up)
+        assert _same(down[k].reshape(-1), _reference(d, down_type, torch.bfloat16))
+
+
+def test_refuses_outputs_it_cannot_address() -> None:
+    with pytest.raises(ValueError, match="groups of 8"):
+        dc.gguf_kinds_cuda(int(Q.Q8_0), [dc.Kind([0], None, torch.empty((1, 32, 2)))])
