@@ -1,14 +1,15 @@
 """Leases: one fetch's experts, pinned on their devices until released.
 
-``Lease`` is the asynchronous face of ``pipeline.streaming.lease.LayerLease`` (its pins and
+``LeaseBase`` is the public face of ``pipeline.streaming.lease.LayerLease`` (its pins and
 arrivals): it hands out ``ExpertHandle``s as experts land and releases the pins after the
-engine's compute on them. ``LeaseFacts`` are the properties it shares with ``SyncLease``.
+engine's compute on them. ``Lease`` is its asynchronous face; ``SyncLease``
+(``moestream._sync``) the synchronous one, the same object driven from other threads.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable, Mapping
-from typing import Any, Protocol
+from collections.abc import AsyncIterator, Mapping
+from typing import Any, Protocol, Self
 
 from moestream._handles import ExpertHandle, LeaseSource
 from moestream.gpu.backend import Event
@@ -17,12 +18,10 @@ from moestream.pipeline.foundation.table import ExpertTable
 from moestream.pipeline.streaming.lease import NOT_YET, Arrival, LayerLease, LeasePart
 from moestream.pipeline.streaming.session import StreamSession
 
-__all__ = ["After", "Lease", "LeaseFacts", "LeaseOwner", "WaitCharge", "pins_held"]
+__all__ = ["After", "Lease", "LeaseBase", "LeaseOwner", "pins_held"]
 
 After = StreamLike | Event | Mapping[int, Any]
 """What a release waits for: a stream (its work so far), an event, or one per device."""
-WaitCharge = Callable[[Any, Any, float, float], None]
-"""A lease's ``on_wait``: (entry, load, start, end), as ``pipeline.streaming.lease.LayerLease``."""
 
 
 class LeaseOwner(Protocol):
@@ -40,11 +39,24 @@ class LeaseOwner(Protocol):
     def _dropped(self, lease: LayerLease) -> None: ...
 
 
-class LeaseFacts:
-    """What a fetch asked for and found (``Lease`` and ``SyncLease`` alike)."""
+class LeaseBase:
+    """One layer's fetched experts, pinned on their devices until released: what both
+    faces of a lease (``Lease``, ``SyncLease``) are, and what they ask for and found.
 
-    __slots__ = ()
-    _layer_lease: LayerLease
+    Made by the session (``Session._fetch``), which owns the layer lease; the handles it
+    hands out share one ``LeaseSource``.
+    """
+
+    __slots__ = ("_handed", "_layer_lease", "_session", "_source")
+
+    def __init__(self, session: LeaseOwner, layer_lease: LayerLease) -> None:
+        self._session = session
+        self._layer_lease = layer_lease
+        self._handed: list[ExpertHandle] = []
+        self._source = LeaseSource(layer_lease, session._streaming.backends,
+                                   session._table.layers[layer_lease.layer], session._dropped)
+        # the session, not the lease: the layer lease must not keep its face alive
+        layer_lease.owner = session
 
     @property
     def layer(self) -> int:
@@ -75,48 +87,10 @@ class LeaseFacts:
         the iteration); 0 once every one was, or failed."""
         return self._layer_lease.pending
 
-
-class Lease(LeaseFacts):
-    """One layer's fetched experts, pinned on their devices until released.
-
-    Iterate it (``async for``) for handles as experts become available, hits first, misses
-    as they land; or ``await gather()`` for all of them in the order asked. Leave the
-    ``with``/``async with`` block, or call ``release``, when the engine's compute on them is
-    queued: their buffers are reused only after that compute has run.
-    """
-
-    __slots__ = ("_handed", "_layer_lease", "_session", "_source")
-
-    def __init__(self, session: LeaseOwner, layer_lease: LayerLease) -> None:
-        self._session = session
-        self._layer_lease = layer_lease
-        self._handed: list[ExpertHandle] = []
-        self._source = LeaseSource(layer_lease, session._streaming.backends,
-                                   session._table.layers[layer_lease.layer], session._dropped)
-        # the session, not the lease: the layer lease must not keep its face alive
-        layer_lease.owner = session
-
     def _handle(self, arrival: Arrival) -> ExpertHandle:
         handle = ExpertHandle(self._source, arrival)
         self._handed.append(handle)
         return handle
-
-    def __aiter__(self) -> AsyncIterator[ExpertHandle]:
-        return self
-
-    async def __anext__(self) -> ExpertHandle:
-        """The next expert available.
-
-        Raises:
-            StageError: this expert's load failed (its bytes never reach the cache);
-                iterating again goes on with the other experts. ``ModelChangedError``:
-                the model file changed under the session.
-            UsageError: the lease was released or the session closed, also while waiting.
-        """
-        arrival = await self._layer_lease.next()
-        if arrival is None:
-            raise StopAsyncIteration
-        return self._handle(arrival)
 
     def _next_nowait(self) -> ExpertHandle | Any | None:
         """The next expert if available now, None when all were handed out, ``NOT_YET``
@@ -125,28 +99,6 @@ class Lease(LeaseFacts):
         if arrival is None or arrival is NOT_YET:
             return arrival
         return self._handle(arrival)
-
-    # -- for the sync face (``moestream._sync``), which waits on the loop for a lease -----
-
-    @property
-    def _on_wait(self) -> WaitCharge:
-        """Where the layer lease charges its waits for loads (the sync face relays them to
-        the blocked caller)."""
-        return self._layer_lease.on_wait
-
-    @_on_wait.setter
-    def _on_wait(self, charge: WaitCharge) -> None:
-        self._layer_lease.on_wait = charge
-
-    def _handed_count(self) -> int:
-        """How many handles were handed out so far."""
-        return len(self._handed)
-
-    def _load_handed(self, i: int) -> tuple[Any, Any] | None:
-        """The cache entry and load of the ``i``-th handle handed out (None: not yet)."""
-        if len(self._handed) <= i:
-            return None
-        return self._handed[i]._load()
 
     def _in_order(self) -> list[ExpertHandle]:
         """Every handle handed out, in the order asked (``gather``'s answer)."""
@@ -173,17 +125,6 @@ class Lease(LeaseFacts):
         handles = [ExpertHandle(source, a) for a in arrivals]
         self._handed.extend(handles)
         return handles
-
-    async def gather(self) -> list[ExpertHandle]:
-        """Every expert, once all have landed, in the order asked (those iterated already
-        included).
-
-        Raises:
-            As ``__anext__``, for the first expert that fails.
-        """
-        async for _ in self:
-            pass
-        return self._in_order()
 
     def release(self, after: After = None, *, ordered: bool = False) -> None:
         """Unpin the experts (again: nothing happens). Idempotent.
@@ -216,21 +157,62 @@ class Lease(LeaseFacts):
 
         streaming.release(self._layer_lease, last_use, ordered=ordered)
 
-    def __enter__(self) -> Lease:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.release()
 
-    async def __aenter__(self) -> Lease:
+    def __repr__(self) -> str:
+        state = "released" if self.released else f"{self.hits} hits, {self.misses} misses"
+        return (f"{type(self).__name__}(layer={self.layer}, experts={list(self.experts)}, "
+                f"{state})")
+
+
+class Lease(LeaseBase):
+    """One layer's fetched experts, pinned on their devices until released.
+
+    Iterate it (``async for``) for handles as experts become available, hits first, misses
+    as they land; or ``await gather()`` for all of them in the order asked. Leave the
+    ``with``/``async with`` block, or call ``release``, when the engine's compute on them is
+    queued: their buffers are reused only after that compute has run.
+    """
+
+    __slots__ = ()
+
+    def __aiter__(self) -> AsyncIterator[ExpertHandle]:
+        return self
+
+    async def __anext__(self) -> ExpertHandle:
+        """The next expert available.
+
+        Raises:
+            StageError: this expert's load failed (its bytes never reach the cache);
+                iterating again goes on with the other experts. ``ModelChangedError``:
+                the model file changed under the session.
+            UsageError: the lease was released or the session closed, also while waiting.
+        """
+        arrival = await self._layer_lease.next()
+        if arrival is None:
+            raise StopAsyncIteration
+        return self._handle(arrival)
+
+    async def gather(self) -> list[ExpertHandle]:
+        """Every expert, once all have landed, in the order asked (those iterated already
+        included).
+
+        Raises:
+            As ``__anext__``, for the first expert that fails.
+        """
+        async for _ in self:
+            pass
+        return self._in_order()
+
+    async def __aenter__(self) -> Self:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
         self.release()
-
-    def __repr__(self) -> str:
-        state = "released" if self.released else f"{self.hits} hits, {self.misses} misses"
-        return f"Lease(layer={self.layer}, experts={list(self.experts)}, {state})"
 
 
 def pins_held(streaming: StreamSession) -> str:

@@ -12,12 +12,12 @@ import asyncio
 import contextlib
 import warnings
 from asyncio.events import _get_running_loop
-from collections.abc import Generator, Mapping, Sequence
+from collections.abc import Callable, Generator, Mapping, Sequence
 from types import TracebackType
-from typing import Any, Self
+from typing import Any, Self, TypeVar
 
 from moestream._args import ExpertIds, Index, engine_ms, expert_ids, index, milliseconds
-from moestream._lease import Lease, pins_held
+from moestream._lease import Lease, LeaseBase, pins_held
 from moestream._model_info import ModelInfo, Router
 from moestream._stats import Counters, TokenStats, counters_of, token_stats
 from moestream.gpu.interop import event_after
@@ -27,6 +27,8 @@ from moestream.pipeline.streaming.lease import LayerLease
 from moestream.pipeline.streaming.session import StreamSession
 
 __all__ = ["Session"]
+
+L = TypeVar("L", bound=LeaseBase)
 
 
 class Session:
@@ -246,10 +248,12 @@ class Session:
             DeviceMemoryError: the device refused memory even after the budget shrank.
         """
         self._here()
-        return self._fetch(layer, experts)
+        return self._fetch(layer, experts, Lease)
 
-    def _fetch(self, layer: Index, experts: ExpertIds) -> Lease:
-        """``fetch`` once the caller's place was checked (the sync face's path)."""
+    def _fetch(self, layer: Index, experts: ExpertIds,
+               face: Callable[[Session, LayerLease], L]) -> L:
+        """``fetch`` once the caller's place was checked, its lease made by ``face``
+        (``Lease``; ``SyncLease`` on the sync face's path)."""
         layer = index(layer, "layer")
         chosen = expert_ids(experts, layer)
         if self._drops:
@@ -258,7 +262,7 @@ class Session:
         try:
             layer_lease = self._streaming.fetch(layer, chosen)
             layer_lease.fetched_at = self._streaming.token
-            return Lease(self, layer_lease)
+            return face(self, layer_lease)
         except BaseException as exc:
             self._abandon(layer_lease)
             if isinstance(exc, UsageError) and "does not fit the cache budget" in str(exc):

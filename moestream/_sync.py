@@ -27,13 +27,13 @@ import functools
 import os
 import time
 from collections.abc import Callable, Coroutine, Iterator, Mapping, Sequence
+from contextvars import ContextVar
 from types import TracebackType
 from typing import Any, TypeVar
 
 from moestream._args import ExpertIds, Index
-from moestream._caller_wait import CALLER_WAIT, CallerWait, WaitRelay
 from moestream._handles import ExpertHandle
-from moestream._lease import After, Lease, LeaseFacts
+from moestream._lease import After, LeaseBase
 from moestream._loop_thread import LoopThread
 from moestream._model_info import ModelInfo, Router
 from moestream._open import Mode
@@ -45,65 +45,87 @@ from moestream._tuning import Tuning
 from moestream.gpu.interop import stream_pointer
 from moestream.pipeline.foundation.config import Budget
 from moestream.pipeline.foundation.errors import UsageError
-from moestream.pipeline.streaming.lease import NOT_YET
+from moestream.pipeline.streaming.lease import NOT_YET, LayerLease
 
 __all__ = ["SyncLease", "SyncSession", "open_sync"]
 
 T = TypeVar("T")
+WaitCharge = Callable[[Any, Any, float, float], None]
+"""A layer lease's ``on_wait``: (entry, load, start, end), as ``LayerLease`` tells it."""
 
 
-def _waiting_for(lease: Lease, wait: CallerWait) -> int:
-    """On the loop, at the start of a blocked call's work: route the lease's waits to
-    ``wait``; returns how many handles the lease had handed out."""
-    if not isinstance(lease._on_wait, WaitRelay):
-        lease._on_wait = WaitRelay(lease._on_wait)
-    CALLER_WAIT.set(wait)  # the task's own context: this call's work only
-    return lease._handed_count()
+class CallerWait:
+    """One call of an engine's thread blocked on the loop for a lease's experts (iterating
+    one still loading, ``gather``).
+
+    The lease measures its waits on the loop, from when the call's work started there to
+    when the expert was delivered there; the caller was blocked longer, by the hop to the
+    loop (while the load went on) and the hop back. The waits seen on the loop are kept
+    here (``saw``, on the loop's thread) and charged once the caller is back (``settle``,
+    on the caller's thread), the first from when the caller blocked, the last to when it
+    was back: the session splits each by what the load was doing, as for an async engine
+    whose wait is its own. Both run under the session's lock.
+    """
+
+    __slots__ = ("settled", "started", "waits")
+
+    def __init__(self) -> None:
+        self.started = time.perf_counter()
+        self.waits: list[tuple[WaitCharge, Any, Any, float, float]] = []
+        self.settled = False
+
+    def saw(self, charge: WaitCharge, entry: Any, load: Any, start: float,
+            end: float) -> None:
+        if self.settled:  # the caller left (interrupted): nothing more to stretch
+            charge(entry, load, start, end)
+        else:
+            self.waits.append((charge, entry, load, start, end))
+
+    def settle(self, ended: float) -> None:
+        self.settled = True
+        last = len(self.waits) - 1
+        for i, (charge, entry, load, start, end) in enumerate(self.waits):
+            charge(entry, load, min(start, self.started) if i == 0 else start,
+                   max(end, ended) if i == last else end)
+        self.waits.clear()
 
 
-def _landed_meanwhile(lease: Lease, wait: CallerWait, handed: int) -> None:
-    """The expert the caller blocked for landed during its hop to the loop (the lease
-    waited for nothing): the caller's wait is still one for that expert's load."""
-    if wait.waits:
-        return
-    landed = lease._load_handed(handed)
-    if landed is None:
-        return
-    relay = lease._on_wait
-    assert isinstance(relay, WaitRelay)
-    now = time.perf_counter()
-    wait.saw(relay.charge, landed[0], landed[1], now, now)
+CALLER_WAIT: ContextVar[CallerWait | None] = ContextVar("moestream_caller_wait", default=None)
+"""The blocked call whose work runs in this task on the loop (None: an async caller)."""
 
 
-async def _next(lease: Lease, wait: CallerWait) -> ExpertHandle | None:
-    handed = _waiting_for(lease, wait)
-    try:
-        return await lease.__anext__()
-    except StopAsyncIteration:
-        return None
-    finally:
-        _landed_meanwhile(lease, wait, handed)
+class WaitRelay:
+    """A layer lease's ``on_wait`` once a sync caller waited on it: a wait seen in the work
+    of a blocked call goes to that call's ``CallerWait``, any other straight on."""
+
+    __slots__ = ("charge",)
+
+    def __init__(self, charge: WaitCharge) -> None:
+        self.charge = charge
+
+    def __call__(self, entry: Any, load: Any, start: float, end: float) -> None:
+        wait = CALLER_WAIT.get()
+        if wait is None:
+            self.charge(entry, load, start, end)
+        else:
+            wait.saw(self.charge, entry, load, start, end)
 
 
-async def _gather(lease: Lease, wait: CallerWait) -> list[ExpertHandle]:
-    handed = _waiting_for(lease, wait)
-    try:
-        return await lease.gather()
-    finally:
-        _landed_meanwhile(lease, wait, handed)
-
-
-class SyncLease(LeaseFacts):
+class SyncLease(LeaseBase):
     """A ``Lease`` for synchronous code: iterate it, or ``gather()``; leave its ``with``
-    block (or ``release``) once the compute on its experts is queued."""
+    block (or ``release``) once the compute on its experts is queued.
 
-    __slots__ = ("_layer_lease", "_lease", "_loop", "_session")
+    Made by ``SyncSession.fetch`` on the caller's thread; what waits runs on the session's
+    loop (``LoopThread``), the rest on the caller's thread under the session's lock.
+    """
 
-    def __init__(self, session: SyncSession, lease: Lease, loop: LoopThread) -> None:
-        self._session = session
-        self._lease = lease
-        self._layer_lease = lease._layer_lease  # ``LeaseFacts``' own: the same facts
+    __slots__ = ("_cupy_devices", "_loop")
+
+    def __init__(self, session: Session, layer_lease: LayerLease, *, loop: LoopThread,
+                 cupy_devices: Sequence[int] | None) -> None:
+        super().__init__(session, layer_lease)
         self._loop = loop
+        self._cupy_devices = cupy_devices  # None: the host backend, no streams to ask
 
     def __iter__(self) -> Iterator[ExpertHandle]:
         return self
@@ -111,9 +133,9 @@ class SyncLease(LeaseFacts):
     def __next__(self) -> ExpertHandle:
         """As ``Lease.__anext__``: on the caller's thread if the expert has landed, else
         waiting on the loop."""
-        handle = self._loop.call(self._lease._next_nowait)
+        handle = self._loop.call(self._next_nowait)
         if handle is NOT_YET:
-            handle = self._blocked(_next)
+            handle = self._blocked(self._next_blocked)
         if handle is None:
             raise StopIteration
         assert isinstance(handle, ExpertHandle)
@@ -122,44 +144,81 @@ class SyncLease(LeaseFacts):
     def gather(self) -> list[ExpertHandle]:
         """As ``Lease.gather``: on the caller's thread if every expert has landed."""
         done = self._loop.call(self._gathered_now)
-        return done if done is not None else self._blocked(_gather)
+        return done if done is not None else self._blocked(self._gather_blocked)
 
-    def _blocked(self, work: Callable[[Lease, CallerWait], Coroutine[Any, Any, T]]) -> T:
+    def _gathered_now(self) -> list[ExpertHandle] | None:
+        LeaseBase.available(self)
+        return self._in_order() if self._layer_lease.pending == 0 else None
+
+    def _blocked(self, work: Callable[[CallerWait], Coroutine[Any, Any, T]]) -> T:
         """Run ``work`` on the loop, the caller blocked: its whole wait is a stall
         (``CallerWait``)."""
         wait = CallerWait()
         try:
-            return self._loop.run(work(self._lease, wait))
+            return self._loop.run(work(wait))
         finally:
             ended = time.perf_counter()
             with contextlib.suppress(UsageError):  # closed meanwhile: nothing to count
-                self._loop.query(wait.settle, ended)
+                self._loop.call(wait.settle, ended)
 
-    def _gathered_now(self) -> list[ExpertHandle] | None:
-        self._lease.available()
-        return self._lease._in_order() if self._layer_lease.pending == 0 else None
+    # -- on the loop, for a blocked caller ------------------------------------------------
+
+    async def _next_blocked(self, wait: CallerWait) -> ExpertHandle | None:
+        """The next expert, waited for on the loop (``__next__``'s); None when all were
+        handed out."""
+        handed = self._relay_waits(wait)
+        try:
+            arrival = await self._layer_lease.next()
+            return None if arrival is None else self._handle(arrival)
+        finally:
+            if not wait.waits:
+                self._landed_meanwhile(wait, handed)
+
+    async def _gather_blocked(self, wait: CallerWait) -> list[ExpertHandle]:
+        """Every expert, waited for on the loop (``gather``'s)."""
+        handed = self._relay_waits(wait)
+        try:
+            while (arrival := await self._layer_lease.next()) is not None:
+                self._handle(arrival)
+            return self._in_order()
+        finally:
+            if not wait.waits:
+                self._landed_meanwhile(wait, handed)
+
+    def _relay_waits(self, wait: CallerWait) -> int:
+        """Route the layer lease's waits seen in this task's work to ``wait``; returns how
+        many handles were handed out before."""
+        layer_lease = self._layer_lease
+        if not isinstance(layer_lease.on_wait, WaitRelay):
+            layer_lease.on_wait = WaitRelay(layer_lease.on_wait)
+        CALLER_WAIT.set(wait)  # the task's own context: this call's work only
+        return len(self._handed)
+
+    def _landed_meanwhile(self, wait: CallerWait, handed: int) -> None:
+        """The expert the caller blocked for landed during its hop to the loop (the layer
+        lease waited for nothing): the caller's wait is still one for that expert's load."""
+        if len(self._handed) <= handed:
+            return
+        entry, load = self._handed[handed]._load()
+        relay = self._layer_lease.on_wait
+        assert isinstance(relay, WaitRelay)
+        now = time.perf_counter()
+        wait.saw(relay.charge, entry, load, now, now)
+
+    # -- on the caller's thread -----------------------------------------------------------
 
     def available(self) -> list[ExpertHandle]:
         """As ``Lease.available``."""
-        return self._loop.call(self._lease.available)
+        return self._loop.call(super().available)
 
     def release(self, after: After = None, *, ordered: bool = False) -> None:
         """As ``Lease.release``; None means each device's current CuPy stream *of the
         calling thread*."""
         if self._layer_lease.released:
             return
-        if after is None and self._session._cupy:
-            after = _current_streams(self._session.devices)
-        self._loop.call(functools.partial(self._lease.release, after, ordered=ordered))
-
-    def __enter__(self) -> SyncLease:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.release()
-
-    def __repr__(self) -> str:
-        return f"Sync{self._lease!r}"
+        if after is None and self._cupy_devices is not None:
+            after = _current_streams(self._cupy_devices)
+        self._loop.call(functools.partial(LeaseBase.release, self, after, ordered=ordered))
 
 
 def _current_streams(devices: Sequence[int]) -> Mapping[int, int]:
@@ -182,7 +241,9 @@ class SyncSession:
     def __init__(self, session: Session, loop: LoopThread) -> None:
         self._session = session
         self._loop = loop
-        self._cupy = session.backend == "cupy"
+        self._new_lease: Callable[[Session, LayerLease], SyncLease] = functools.partial(
+            SyncLease, loop=loop,
+            cupy_devices=session.devices if session.backend == "cupy" else None)
 
     @property
     def model(self) -> ModelInfo:
@@ -210,15 +271,9 @@ class SyncSession:
 
     def fetch(self, layer: Index, experts: ExpertIds) -> SyncLease:
         """As ``Session.fetch`` (on the caller's thread: it never waits)."""
-        return self._loop.call(self._fetch, layer, experts, undo=SyncLease.release)
-
-    def _fetch(self, layer: Index, experts: ExpertIds) -> SyncLease:
-        lease = self._session._fetch(layer, experts)
-        try:
-            return SyncLease(self, lease, self._loop)
-        except BaseException:  # interrupted before the caller got it: it pins nothing
-            lease.release()
-            raise
+        lease: SyncLease = self._loop.call(self._session._fetch, layer, experts,
+                                           self._new_lease, undo=SyncLease.release)
+        return lease
 
     def prefetch(self, layer: Index, experts: ExpertIds) -> int:
         """As ``Session.prefetch`` (on the caller's thread)."""

@@ -328,10 +328,10 @@ class TestConventions:
         with _sync(tiny_model) as ms, ms.fetch(ms.model.moe_layers[0], [0]) as held:
             faces: list[tuple[object, set[str]]] = [
                 (ms, session | {"close"}), (ms._session, session | {"aclose"}),
-                (held, lease), (held._lease, lease)]
+                (held, lease), (moestream.Lease, lease)]
             for face, documented in faces:
                 public = {n for n in dir(face) if not n.startswith("_")}
-                assert public == documented, type(face).__name__
+                assert public == documented, face
 
     def test_read_header_is_the_identified_files(self, tiny_model: Path,
                                                  tmp_path: Path) -> None:
@@ -563,7 +563,7 @@ class TestDroppedLeases:
                 lease.gather()
 
 
-def _interrupt(self: Any, *args: Any) -> None:
+def _interrupt(self: Any, *args: Any, **kwargs: Any) -> None:
     raise KeyboardInterrupt
 
 
