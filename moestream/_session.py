@@ -261,7 +261,6 @@ class Session:
         layer_lease: LayerLease | None = None
         try:
             layer_lease = self._streaming.fetch(layer, chosen)
-            layer_lease.fetched_at = self._streaming.token
             return face(self, layer_lease)
         except BaseException as exc:
             self._abandon(layer_lease)

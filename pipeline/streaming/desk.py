@@ -9,7 +9,6 @@ run on the event loop's thread that opened the session.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -63,7 +62,6 @@ class LeaseDesk(TokenLedger):
         self._background: Any = None  # the digest manifest's builder, while it reads
         self._hinted = False  # a prefetch was asked for: token lines carry ``prefetch``
         self._hinted_now: set[int] = set()  # layers hinted this token (carried over once)
-        self._launchers: set[asyncio.Task[None]] = set()
 
     def _check_open(self) -> ExpertTable:
         if self.closed:
@@ -86,13 +84,6 @@ class LeaseDesk(TokenLedger):
             raise UsageError(f"layer {layer}: experts {chosen} name one expert twice")
         return chosen
 
-    def _track(self, parts: Sequence[LeasePart]) -> None:
-        for part in parts:
-            task = part.load.launcher
-            if task is not None and not task.done():
-                self._launchers.add(task)
-                task.add_done_callback(self._launchers.discard)
-
     def fetch(self, layer: int, experts: Sequence[int]) -> LayerLease:
         """Pin ``experts`` of ``layer`` on their devices and start loading the misses.
 
@@ -114,9 +105,8 @@ class LeaseDesk(TokenLedger):
             streamer.poll_installs()
         parts = plan_parts(layer, chosen, self.streamers, self.caches, self._joiners,
                            self._place)
-        self._track(parts)
         lease = LayerLease(layer, tuple(chosen), parts, on_wait=self._waited,
-                           on_use=self._used)
+                           on_use=self._clock, fetched_at=self._token)
         self._leases.add(lease)
         if self._background is not None and lease.misses:
             self._hold(lease)
@@ -175,7 +165,6 @@ class LeaseDesk(TokenLedger):
         self._clock()
         parts = plan_parts(layer, chosen, self.streamers, self.caches, self._joiners,
                            self._place, prefetch=True)
-        self._track(parts)
         self._hints.setdefault(layer, []).append((chosen, parts))
         self._hinted_now.add(layer)
         self._hinted = True
@@ -266,9 +255,10 @@ class LeaseDesk(TokenLedger):
 
     async def _stop_launchers(self) -> None:
         """Cancel the loads still waiting for staging slots, and wait for them to stop."""
-        for task in list(self._launchers):
+        tasks = [task for streamer in self.streamers for task in streamer.launchers]
+        for task in tasks:
             task.cancel()
-        for task in list(self._launchers):
+        for task in tasks:
             with contextlib.suppress(BaseException):
                 await task
 

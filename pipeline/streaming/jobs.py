@@ -77,6 +77,9 @@ class ExpertJobs:
         self._resident_inflight = 0
         self.host_tier = HostTier(table, self.reader.drop_ranges)
         self._staged_jobs: set[LoadJob] = set()
+        self.launchers: set[asyncio.Task[None]] = set()
+        """The layers' launches under way (a task each, ``ExpertStreamer._launch``): the
+        session cancels them at close."""
         self.warm_gate: WarmGate | None = None
         self._resident_idle = asyncio.Event()
         self.mode: IOMode = "direct"
@@ -94,9 +97,6 @@ class ExpertJobs:
             layout = plan_expert(self._table.slices(key))
             self._layouts[key] = layout
         return layout
-
-    def device_bytes(self, layer: int) -> int:
-        return self.layout((layer, 0)).device_bytes
 
     @property
     def pinned_bytes(self) -> int:
@@ -164,7 +164,8 @@ class ExpertJobs:
             except BaseException as exc:
                 job.error = exc
             job.phases.mark("upload")
-        self._notify(job, event)
+        assert self._loop is not None
+        self._loop.call_soon_threadsafe(self._arrived, job, event)
 
     def _resident_job(self, job: LoadJob) -> None:
         """Worker (host backend): copy an expert straight from the page-cache mapping."""
@@ -179,7 +180,8 @@ class ExpertJobs:
         except BaseException as exc:
             job.error = exc
         job.phases.mark("upload")  # a copy out of the page cache (waiting for a worker too)
-        self._notify(job, event)
+        assert self._loop is not None
+        self._loop.call_soon_threadsafe(self._arrived, job, event)
 
     def _resident_upload(self, job: LoadJob, mapping: ModelMapping) -> Event | None:
         """Queue the copies of an expert straight from the mapping (any thread)."""
@@ -209,10 +211,6 @@ class ExpertJobs:
             event = self.uploader.upload(job.entry, pieces, job.stream, digest)
         self._add_time("upload_ms", t0)
         return event
-
-    def _notify(self, job: LoadJob, event: Event | None) -> None:
-        assert self._loop is not None
-        self._loop.call_soon_threadsafe(self._arrived, job, event)
 
     def _arrived(self, job: LoadJob, event: Event | None, *, counted: bool = True) -> None:
         """Loop: return the slot (busy until the upload is done) and pass the entry on."""

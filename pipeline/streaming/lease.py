@@ -93,8 +93,9 @@ class LayerLease:
     parts: list[LeasePart]
     on_wait: Callable[[Entry | None, LayerLoad | None, float, float], None] = (
         lambda entry, load, start, end: None)
-    on_use: Callable[[LayerLease], None] | None = None
-    """Told once, when the lease is first used: an expert handed out, or the release."""
+    on_use: Callable[[], None] | None = None
+    """Told once, when the lease is first used: an expert handed out, or the release (the
+    token's clock runs from then)."""
     released: bool = False
     closed_reason: str = ""
     _ready: list[Arrival] = field(default_factory=list)
@@ -139,10 +140,10 @@ class LayerLease:
                 # the streamer delivers this load's misses into our queue (it has not yet
                 # run: its launcher is a task that starts after this returns); one part's
                 # lease takes the load's own queue rather than making a second one
-                if self._queue is None and len(self.parts) == 1 and part.load.arrived is not None:
-                    self._queue = part.load.arrived
-                else:
-                    part.load.arrived = self._arrivals()
+                if self._queue is None:
+                    own = part.load.arrived if len(self.parts) == 1 else None
+                    self._queue = own if own is not None else Arrivals()
+                part.load.arrived = self._queue
                 self._pending += len(plan.misses)
 
     def _arrivals(self) -> Arrivals[Any]:
@@ -213,13 +214,10 @@ class LayerLease:
         if self.released:
             raise UsageError(f"layer {self.layer}: its lease was released"
                              + (f" ({self.closed_reason})" if self.closed_reason else ""))
-        if self.on_use is not None:
-            self._used()
-
-    def _used(self) -> None:
-        told, self.on_use = self.on_use, None
+        told = self.on_use
         if told is not None:
-            told(self)
+            self.on_use = None
+            told()
 
     def take_ready(self) -> list[Arrival]:
         """Every expert available now, without waiting: the hits whose loads have landed,
@@ -343,7 +341,10 @@ class LayerLease:
         """
         if self.released:
             return
-        self._used()
+        told = self.on_use
+        if told is not None:
+            self.on_use = None
+            told()
         self.released = True
         self.closed_reason = reason
         for part in self.parts:

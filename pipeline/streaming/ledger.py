@@ -66,16 +66,13 @@ class TokenLedger:
         return self._token
 
     def _clock(self) -> None:
+        """The token's clock runs from the first fetch, hint or lease use in it (a layer
+        fetched ahead, then first used, may be the first thing a token touches)."""
         if self._token_t0 is None:
             self._token_t0 = time.perf_counter()
             self._token_cpu0 = (time.thread_time(), time.process_time())
             if self._first_t0 is None:
                 self._first_t0 = self._token_t0
-
-    def _used(self, lease: LayerLease) -> None:
-        """A lease's first use (an expert handed out, or its release): its token's clock
-        runs (a layer fetched ahead may be the first thing a token touches)."""
-        self._clock()
 
     def _count(self, lease: LayerLease) -> None:
         """A lease's release: its figures go to the token under way."""
@@ -84,11 +81,11 @@ class TokenLedger:
             self._count_again(lease, before)
             return
         totals, devices = self._totals, self._devices
-        totals.hits += lease.hits
-        totals.misses += lease.misses
-        totals.evictions += lease.evicted
         for part in lease.parts:
             plan = part.load.plan
+            totals.hits += len(plan.hits)
+            totals.misses += len(plan.misses)
+            totals.evictions += plan.evicted
             file_bytes = sum(map(_NBYTES, plan.misses)) if plan.misses else 0
             totals.file_bytes += file_bytes
             totals.cache_bytes += sum(map(_NBYTES, plan.hits))

@@ -145,7 +145,8 @@ class ExpertStreamer(RegisteredLayers):
     def start_layer(self, layer: int, experts: Sequence[int]) -> LayerLoad:
         """Plan a layer in the cache and start loading its misses (returns at once)."""
         keys = [(layer, int(e)) for e in experts]
-        plan = self._cache.plan_layer(keys, [self.device_bytes(layer)] * len(keys))
+        # every expert of a layer takes the same device bytes
+        plan = self._cache.plan_layer(keys, [self.layout((layer, 0)).device_bytes] * len(keys))
         if not plan.misses:  # all cached (the common case when warm): nothing to start
             return LayerLoad(plan)
         return self._start(plan)
@@ -153,7 +154,7 @@ class ExpertStreamer(RegisteredLayers):
     def start_prefetch(self, layer: int, experts: Sequence[int]) -> LayerLoad:
         """Start loading guessed experts of a later layer (those absent and fitting)."""
         keys = [(layer, int(e)) for e in experts]
-        size = self.device_bytes(layer)
+        size = self.layout((layer, 0)).device_bytes
         load = self._start(self._cache.prefetch(keys, [size] * len(keys)))
         load.prefetch = True
         return load
@@ -179,7 +180,9 @@ class ExpertStreamer(RegisteredLayers):
         load.gate = self.warm_gate
         if load.gate is not None:
             load.gate.pause()  # decode reads first: background warm-up waits
-        load.launcher = loop.create_task(self._launch(load))
+        load.launcher = task = loop.create_task(self._launch(load))
+        self.launchers.add(task)
+        task.add_done_callback(self.launchers.discard)
         return load
 
     async def _launch(self, load: LayerLoad) -> None:
@@ -211,8 +214,8 @@ class ExpertStreamer(RegisteredLayers):
                        load.phases[entry.key])
             if self.digests is not None:
                 job.digest_results, job.digest_row = self.digests.reserve(entry.key)
-            mapping = self.mapping
-            if mode == "resident" and mapping is not None:
+            mapping = self.mapping if mode == "resident" else None
+            if mapping is not None:
                 if not self._backend.registers_host:
                     # host backend: the mapping is read directly, on a worker
                     self._resident_inflight += 1
