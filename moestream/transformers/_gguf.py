@@ -44,14 +44,15 @@ from typing import Any
 import numpy as np
 import torch  # type: ignore[import-not-found, unused-ignore]
 import transformers  # type: ignore[import-not-found, unused-ignore]
-from gguf import GGMLQuantizationType, GGUFReader
-from gguf.quants import dequantize as gguf_dequantize
+from gguf import GGUFReader
 
 import moestream
 from moestream.pipeline.foundation.errors import ModelFileError, UsageError
 from moestream.transformers._arguments import first_line
-from moestream.transformers._gguf_ds4 import ARCHITECTURE as DS4
-from moestream.transformers._gguf_ds4 import ds4_config, ds4_dense_tensors
+from moestream.transformers._gguf_ds4 import ds4_dense_tensors
+from moestream.transformers._gguf_ds4_config import ARCHITECTURE as DS4
+from moestream.transformers._gguf_ds4_config import ds4_config
+from moestream.transformers._gguf_tensors import dequantized
 
 __all__ = ["GgufSource", "dense_tensors", "gguf_model", "gguf_tokenizer", "is_gguf"]
 
@@ -246,20 +247,9 @@ def dense_tensors(model: Any, session: moestream.SyncSession,
         return
     mapping = source.legacy.get_gguf_hf_weights_map(model, source.processor)
     for spec in session.model.tensors.values():
-        weights = _dequantized(source.path, spec, session.read_tensor(spec.name))
+        weights = dequantized(source.path, spec, session.read_tensor(spec.name))
         result = source.processor.process(weights=weights, name=spec.name,
                                           tensor_key_mapping=mapping,
                                           parsed_parameters={"tensors": {}})
         target = mapping.get(result.name) if result.name is not None else None
         yield spec.name, target, torch.from_numpy(np.array(result.weights, dtype=np.float32))
-
-
-def _dequantized(path: Path, spec: moestream.TensorSpec, data: bytearray) -> Any:
-    """A tensor's bytes as gguf-py's float32 values of its shape."""
-    try:
-        kind = GGMLQuantizationType[spec.dtype]
-        rows = np.frombuffer(data, dtype=np.uint8).reshape(*spec.shape[:-1], -1)
-        return np.asarray(gguf_dequantize(rows, kind), dtype=np.float32).reshape(spec.shape)
-    except (KeyError, ValueError, NotImplementedError) as exc:
-        raise ModelFileError(path, f"{spec.name[:120]}: a {spec.dtype[:20]} tensor gguf cannot "
-                             f"dequantize ({first_line(exc)[:120]})") from exc

@@ -1,4 +1,5 @@
-"""Tests of the DeepSeek V4 mapping of ds4's GGUF layout (moestream.transformers._gguf_ds4).
+"""Tests of the DeepSeek V4 mapping of ds4's GGUF layout (moestream.transformers._gguf_ds4,
+its names and tensors, and _gguf_ds4_config, its config).
 
 The files are make_model's ds4 layout at a tiny shape (4 layers: two sliding-window, one
 compressed with an indexer, one heavily compressed; three hash-routed; IQ2_XXS gate/up and
@@ -29,11 +30,10 @@ import moestream  # noqa: E402
 from moestream.pipeline.foundation.errors import ExpertLayoutError  # noqa: E402
 from moestream.pipeline.makers.modelgen import write_model  # noqa: E402
 from moestream.pipeline.makers.modelspec import Ds4Shape, ModelSpec  # noqa: E402
-from moestream.transformers._gguf_ds4 import (  # noqa: E402
-    Ds4Names,
+from moestream.transformers._gguf_ds4 import Ds4Names, ds4_dense_tensors  # noqa: E402
+from moestream.transformers._gguf_ds4_config import (  # noqa: E402
     config_kwargs,
     ds4_config,
-    ds4_dense_tensors,
     metadata_values,
 )
 from tests.quantized import PROMPTS, assert_streams_like, logits  # noqa: E402
