@@ -44,10 +44,11 @@ import torch
 
 from bench.kit import median_ms
 from bench.transformers import _versions
+from moestream.pipeline.foundation.ggml_blocks import F16_SCALES
 from moestream.pipeline.makers.modelspec import PRESETS
 from moestream.transformers import _dequant_cuda as dc
 from moestream.transformers import _gguf_dequant as gd
-from moestream.transformers._gguf_blocks import F16_SCALES, ROUTINES
+from moestream.transformers._gguf_blocks import ROUTINES
 from moestream.transformers._gguf_experts import GgufExperts
 
 __all__ = ["build_parser", "main", "random_blocks"]

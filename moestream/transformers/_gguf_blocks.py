@@ -23,7 +23,7 @@ import gguf
 import numpy as np
 import torch  # type: ignore[import-not-found, unused-ignore]
 
-__all__ = ["F16_SCALES", "ROUTINES", "Routine"]
+__all__ = ["ROUTINES", "Routine"]
 
 Routine = Callable[[torch.Tensor, torch.Tensor], None]
 """``(n, block_bytes)`` uint8 blocks -> written into ``out``, ``(n, block_elems)`` of any
@@ -266,12 +266,3 @@ ROUTINES: dict[int, Routine] = {
     Q.MXFP4: _mxfp4,
 }
 """ggml type id -> its routine: every quantized type moestream dequantizes."""
-
-F16_SCALES: dict[int, tuple[int, ...]] = {
-    Q.Q4_0: (0,), Q.Q4_1: (0, 2), Q.Q5_0: (0,), Q.Q5_1: (0, 2), Q.Q8_0: (0,),
-    Q.Q2_K: (80, 82), Q.Q3_K: (108,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,),
-    Q.IQ2_XXS: (0,), Q.IQ2_XS: (0,), Q.IQ3_XXS: (0,), Q.IQ4_XS: (0,), Q.MXFP4: (),
-}
-"""Each type's float16 scale fields, as byte offsets in its block (MXFP4's one scale is an
-E8M0 byte at 0): what a maker of valid random blocks sets to finite values (any other byte
-of these types is valid as it comes)."""

@@ -17,8 +17,9 @@ torch = pytest.importorskip("torch")
 gguf = pytest.importorskip("gguf")
 
 from moestream.pipeline.foundation.errors import UsageError, UsageTypeError  # noqa: E402
+from moestream.pipeline.foundation.ggml_blocks import F16_SCALES  # noqa: E402
 from moestream.transformers import _gguf_dequant as gd  # noqa: E402
-from moestream.transformers._gguf_blocks import F16_SCALES, ROUTINES  # noqa: E402
+from moestream.transformers._gguf_blocks import ROUTINES  # noqa: E402
 
 Q = gguf.GGMLQuantizationType
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
