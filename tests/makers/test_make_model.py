@@ -17,7 +17,7 @@ from gguf import GGMLQuantizationType as QType
 from moestream.pipeline.foundation.digest import digest_bytes
 from moestream.pipeline.foundation.errors import ModelFileError, UsageError
 from moestream.pipeline.foundation.table import open_table
-from moestream.pipeline.makers import modelgen as make_model
+from moestream.pipeline.makers import modeldata
 from moestream.pipeline.makers.modelgen import (
     PRESETS,
     ModelSpec,
@@ -292,16 +292,16 @@ class TestAtomicity:
     def test_failure_leaves_nothing(self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                     error: BaseException) -> None:
         calls = 0
-        real = make_model._piece_bytes
+        real = modeldata.piece_bytes
 
-        def failing(piece: make_model._Piece) -> npt.NDArray[np.uint8]:
+        def failing(piece: modeldata.Piece) -> npt.NDArray[np.uint8]:
             nonlocal calls
             calls += 1
             if calls == 20:
                 raise error
             return real(piece)
 
-        monkeypatch.setattr(make_model, "_piece_bytes", failing)
+        monkeypatch.setattr(modeldata, "piece_bytes", failing)
         target = tmp_path / "m.gguf"
         target.write_bytes(b"old")
         with pytest.raises(type(error)):
