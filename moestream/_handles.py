@@ -220,7 +220,8 @@ class LeaseSource:
         self.backends = backends
         self.info = info
         self.on_drop = on_drop
-        self.shapes = _matrix_shapes(info)  # once a lease, not a handle
+        # once a lease, not a handle, and only once a handle's matrices are asked for
+        self.shapes: tuple[tuple[int, int], ...] | None = None
         self.types = (info.gate_up_type, info.gate_up_type, info.down_type)
 
     def __del__(self) -> None:
@@ -259,11 +260,14 @@ class ExpertHandle:
 
     def _make_matrices(self) -> tuple[Matrix, Matrix, Matrix]:
         entry, part, source = self._entry, self._part, self._source
+        shapes = source.shapes
+        if shapes is None:
+            shapes = source.shapes = _matrix_shapes(source.info)
         backend = source.backends[part.device]
         host = backend.name == "host"
         matrices = []
         for name, staged, shape, kind in zip(_NAMES, part.streamer.layout(entry.key).ranges,
-                                             source.shapes, source.types, strict=True):
+                                             shapes, source.types, strict=True):
             raw = backend.device_bytes(entry.buffer, staged.device_offset, staged.nbytes)
             if host:
                 raw.flags.writeable = False  # the cache's bytes: compute reads, never writes

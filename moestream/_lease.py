@@ -149,6 +149,9 @@ class LeaseBase:
             return
         self._session._on_loop()
         streaming = self._session._streaming
+        if after is None:  # each device's current stream: what the session ends leases with
+            streaming.release(self._layer_lease, streaming.default_last_use, ordered=ordered)
+            return
         backends = streaming.backends
 
         def last_use(part: LeasePart) -> Event | None:

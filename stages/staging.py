@@ -19,8 +19,6 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 
-import numpy as np
-import numpy.typing as npt
 import psutil
 import structlog
 
@@ -68,7 +66,7 @@ def check_ring_fits(n_slots: int, slot_bytes: int, available_bytes: int | None =
 
 @dataclass(slots=True, eq=False)
 class StagingSlot:
-    """One staging buffer. ``array`` is valid until the ring closes.
+    """One staging buffer. ``buffer.array`` is valid until the ring closes.
 
     ``busy_until``: the event of the last upload that read this slot; whoever writes into
     the slot next must wait for it first (``wait_reusable``).
@@ -77,10 +75,6 @@ class StagingSlot:
     index: int
     buffer: HostBuffer
     busy_until: Event | None = None
-
-    @property
-    def array(self) -> npt.NDArray[np.uint8]:
-        return self.buffer.array
 
     def wait_reusable(self) -> None:
         """Block until the previous upload out of this slot is done (call off the loop)."""

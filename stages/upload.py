@@ -87,8 +87,20 @@ class Uploader:
             UploadError: a copy failed; the copies queued before it have finished (the
                 stream was synchronized), and ``entry.upload`` is left unset.
         """
-        self._queue(entry, pieces, stream)
         try:
+            # the copies after the buffer's last reader; an injected ``corrupt`` after them
+            if entry.reuse_after is not None:
+                stream.wait(entry.reuse_after)
+            for i, (device_offset, src) in enumerate(pieces):
+                self._backend.copy_h2d(entry.buffer, device_offset, src, stream)
+                if i == 0 and self._faults and self._faults.hit("upload") is not None:
+                    raise UploadError(f"copy of {sum(int(s.size) for _, s in pieces)} bytes "
+                                      "to the device failed (injected)")
+            if self._faults and pieces and self._faults.hit("corrupt") is not None:
+                self._corrupt(entry, pieces[0][0] + pieces[0][1].size // 2, stream)
+            with self._lock:  # counted once queued
+                self.bytes_uploaded += sum(int(src.size) for _, src in pieces)
+                self.copies += len(pieces)
             if then is not None:
                 then(stream)
             event = stream.record()
@@ -99,34 +111,6 @@ class Uploader:
             raise UploadError(f"copy to the device failed: {exc}") from exc
         entry.upload = event
         return event
-
-    def _queue(self, entry: Entry, pieces: Sequence[tuple[int, npt.NDArray[np.uint8]]],
-               stream: Stream, waited: Event | None = None) -> None:
-        """The copies of ``pieces`` into the entry, after its buffer's last reader (unless
-        the stream waited for that event already: ``waited``), and an injected ``corrupt``
-        after them; counted once queued.
-
-        Raises:
-            UploadError: as ``upload`` (the stream synchronized).
-        """
-        try:
-            if entry.reuse_after is not None and entry.reuse_after is not waited:
-                stream.wait(entry.reuse_after)
-            for i, (device_offset, src) in enumerate(pieces):
-                self._backend.copy_h2d(entry.buffer, device_offset, src, stream)
-                if i == 0 and self._faults and self._faults.hit("upload") is not None:
-                    raise UploadError(f"copy of {sum(int(s.size) for _, s in pieces)} bytes "
-                                      "to the device failed (injected)")
-            if self._faults and pieces and self._faults.hit("corrupt") is not None:
-                self._corrupt(entry, pieces[0][0] + pieces[0][1].size // 2, stream)
-        except BaseException as exc:
-            self._settle(stream, entry)
-            if isinstance(exc, MoestreamError) or not isinstance(exc, Exception):
-                raise
-            raise UploadError(f"copy to the device failed: {exc}") from exc
-        with self._lock:
-            self.bytes_uploaded += sum(int(src.size) for _, src in pieces)
-            self.copies += len(pieces)
 
     def upload_layer(
         self, kernels: Kernels,

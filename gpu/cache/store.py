@@ -296,7 +296,8 @@ class DeviceCache:
         if parked is not None:
             return parked
         # live already includes this entry (the index admitted it): parked must fit the rest
-        self.pool.trim(self.budget_bytes - self._index.live_bytes)
+        index = self._index
+        self.pool.trim(index.capacity_bytes - index.live_bytes)
         try:
             buffer = self.pool.allocate(nbytes)
         except DeviceMemoryError:

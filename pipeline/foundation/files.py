@@ -22,7 +22,7 @@ from __future__ import annotations
 import bisect
 import os
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from moestream.pipeline.foundation.errors import ModelChangedError, ModelFileError
@@ -69,25 +69,25 @@ class ModelFile:
         path: the file.
         base: the offset of its byte 0 in the model's address space (page-aligned).
         identity: the file as the table's open saw it.
+        end: the end of its data in the address space.
+        span_end: where the next file's base is: the page-rounded end.
     """
 
     path: Path
     base: int
     identity: FileIdentity
+    end: int = field(init=False)
+    span_end: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        # kept, not worked out again by every read that asks where its file ends
+        size = self.identity.size
+        object.__setattr__(self, "end", self.base + size)
+        object.__setattr__(self, "span_end", self.base + -(-size // PAGE_BYTES) * PAGE_BYTES)
 
     @property
     def nbytes(self) -> int:
         return self.identity.size
-
-    @property
-    def end(self) -> int:
-        """The end of its data in the address space."""
-        return self.base + self.identity.size
-
-    @property
-    def span_end(self) -> int:
-        """Where the next file's base is: the page-rounded end."""
-        return self.base + -(-self.identity.size // PAGE_BYTES) * PAGE_BYTES
 
 
 @dataclass(frozen=True, slots=True)

@@ -167,9 +167,14 @@ class LoadPhases:
                 cursor = end
         yield cursor, math.inf, "host"  # delivered: the hop to the loop and the decoder
 
-    def charge(self, split: TimeSplit, waited_from: float, waited_to: float) -> None:
-        """Charge a wait for this load, ``[waited_from, waited_to)``, by what it was doing."""
+    def charge(self, split: TimeSplit, waited_from: float, waited_to: float) -> float:
+        """Charge a wait for this load, ``[waited_from, waited_to)``, by what it was doing;
+        returns the ms charged to a part other than ``host`` (which ``split`` derives)."""
+        charged_s = 0.0
         for a, b, part in self.segments():
             lo, hi = max(a, waited_from), min(b, waited_to)
             if hi > lo:
                 split.charge(part, hi - lo)
+                if part != "host":
+                    charged_s += hi - lo
+        return charged_s * 1000.0

@@ -216,11 +216,10 @@ class LeaseDesk(TokenLedger):
                 if phases is not None:
                     break
         if phases is not None:
-            charged = totals.time.measured_ms
-            phases.charge(totals.time, start, end)
+            charged_ms = phases.charge(totals.time, start, end)
             # the part of the wait its load's phases leave as ``host`` (its launch not yet
             # begun, its arrival's hop to the engine): a stall all the same, never compute
-            self._unexplained_ms += (end - start) * 1000.0 - (totals.time.measured_ms - charged)
+            self._unexplained_ms += (end - start) * 1000.0 - charged_ms
         else:
             totals.time.charge("read", end - start)
 

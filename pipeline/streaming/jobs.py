@@ -94,7 +94,7 @@ class ExpertJobs:
         """The staging/device layout of an expert (cached: offsets never change)."""
         layout = self._layouts.get(key)
         if layout is None:
-            layout = plan_expert(self._table.slices(key))
+            layout = plan_expert(self._table.layers[key[0]].slices(key[1]))
             self._layouts[key] = layout
         return layout
 
@@ -130,7 +130,7 @@ class ExpertJobs:
                 reuse_wait_s = time.perf_counter() - t0
                 self._add_time("stage_ms", t0)
                 t0 = time.perf_counter()
-                dst = job.slot.array[slot_offset : slot_offset + nbytes]
+                dst = job.slot.buffer.array[slot_offset : slot_offset + nbytes]
                 self.reader.read_into(dst, file_offset, direct=job.mode == "direct")
                 self._add_time("read_ms", t0)
         except BaseException as exc:  # handed to the loop; the expert is never installed
@@ -154,7 +154,7 @@ class ExpertJobs:
         if job.error is None:
             try:
                 assert job.slot is not None
-                slot = job.slot.array
+                slot = job.slot.buffer.array
                 pieces = [
                     (s.device_offset,
                      slot[s.slot_offset + s.skip : s.slot_offset + s.skip + s.nbytes])

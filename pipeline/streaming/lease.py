@@ -146,11 +146,6 @@ class LayerLease:
                 part.load.arrived = self._queue
                 self._pending += len(plan.misses)
 
-    def _arrivals(self) -> Arrivals[Any]:
-        if self._queue is None:
-            self._queue = Arrivals()
-        return self._queue
-
     # -- counts ----------------------------------------------------------------------------
 
     @property
@@ -188,7 +183,9 @@ class LayerLease:
             error = StageError(f"load of {entry.key} was abandoned (its expert was dropped)")
         elif loaded.exception() is not None:
             error = loaded.exception()
-        self._arrivals().put_nowait((entry, error))
+        if self._queue is None:
+            self._queue = Arrivals()
+        self._queue.put_nowait((entry, error))
 
     def _miss_landed(self, part: LeasePart, entry: Entry, loaded: asyncio.Future[None]) -> None:
         """Our own load landed after our release: the pin left in place for it is dropped
@@ -271,7 +268,9 @@ class LayerLease:
         arrival = self.next_nowait()
         if arrival is not NOT_YET:
             return arrival
-        queue = self._arrivals()
+        queue = self._queue
+        if queue is None:  # only hits loading for others are to come: none landed yet
+            queue = self._queue = Arrivals()
         t0 = time.perf_counter()
         item: Any = _ABORT
         try:
