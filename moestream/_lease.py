@@ -14,7 +14,6 @@ from typing import Any, Protocol, Self
 from moestream._handles import ExpertHandle, LeaseSource
 from moestream.gpu.backend import Event
 from moestream.gpu.interop import StreamLike, event_after
-from moestream.pipeline.foundation.table import ExpertTable
 from moestream.pipeline.streaming.lease import NOT_YET, Arrival, LayerLease, LeasePart
 from moestream.pipeline.streaming.session import StreamSession
 
@@ -31,30 +30,25 @@ class LeaseOwner(Protocol):
     @property
     def _streaming(self) -> StreamSession: ...
 
-    @property
-    def _table(self) -> ExpertTable: ...
-
     def _on_loop(self) -> None: ...
-
-    def _dropped(self, lease: LayerLease) -> None: ...
 
 
 class LeaseBase:
     """One layer's fetched experts, pinned on their devices until released: what both
     faces of a lease (``Lease``, ``SyncLease``) are, and what they ask for and found.
 
-    Made by the session (``Session._fetch``), which owns the layer lease; the handles it
-    hands out share one ``LeaseSource``.
+    Made by the session (``Session._fetch``), which owns the layer lease and makes the
+    ``LeaseSource`` the handles this hands out share.
     """
 
     __slots__ = ("_handed", "_layer_lease", "_session", "_source")
 
-    def __init__(self, session: LeaseOwner, layer_lease: LayerLease) -> None:
+    def __init__(self, session: LeaseOwner, layer_lease: LayerLease,
+                 source: LeaseSource) -> None:
         self._session = session
         self._layer_lease = layer_lease
         self._handed: list[ExpertHandle] = []
-        self._source = LeaseSource(layer_lease, session._streaming.backends,
-                                   session._table.layers[layer_lease.layer], session._dropped)
+        self._source = source
         # the session, not the lease: the layer lease must not keep its face alive
         layer_lease.owner = session
 

@@ -17,6 +17,7 @@ from types import TracebackType
 from typing import Any, Self, TypeVar
 
 from moestream._args import ExpertIds, Index, engine_ms, expert_ids, index, milliseconds
+from moestream._handles import LeaseSource
 from moestream._lease import Lease, LeaseBase, pins_held
 from moestream._model_info import ModelInfo, Router
 from moestream._stats import Counters, TokenStats, counters_of, token_stats
@@ -251,7 +252,7 @@ class Session:
         return self._fetch(layer, experts, Lease)
 
     def _fetch(self, layer: Index, experts: ExpertIds,
-               face: Callable[[Session, LayerLease], L]) -> L:
+               face: Callable[[Session, LayerLease, LeaseSource], L]) -> L:
         """``fetch`` once the caller's place was checked, its lease made by ``face``
         (``Lease``; ``SyncLease`` on the sync face's path)."""
         layer = index(layer, "layer")
@@ -261,7 +262,11 @@ class Session:
         layer_lease: LayerLease | None = None
         try:
             layer_lease = self._streaming.fetch(layer, chosen)
-            return face(self, layer_lease)
+            table = self._streaming.table
+            assert table is not None  # open: the fetch checked
+            source = LeaseSource(layer_lease, self._streaming.backends, table.layers[layer],
+                                 self._dropped)
+            return face(self, layer_lease, source)
         except BaseException as exc:
             self._abandon(layer_lease)
             if isinstance(exc, UsageError) and "does not fit the cache budget" in str(exc):

@@ -27,12 +27,11 @@ import functools
 import os
 import time
 from collections.abc import Callable, Coroutine, Iterator, Mapping, Sequence
-from contextvars import ContextVar
 from types import TracebackType
 from typing import Any, TypeVar
 
 from moestream._args import ExpertIds, Index
-from moestream._handles import ExpertHandle
+from moestream._handles import ExpertHandle, LeaseSource
 from moestream._lease import After, LeaseBase
 from moestream._loop_thread import LoopThread
 from moestream._model_info import ModelInfo, Router
@@ -90,27 +89,6 @@ class CallerWait:
         self.waits.clear()
 
 
-CALLER_WAIT: ContextVar[CallerWait | None] = ContextVar("moestream_caller_wait", default=None)
-"""The blocked call whose work runs in this task on the loop (None: an async caller)."""
-
-
-class WaitRelay:
-    """A layer lease's ``on_wait`` once a sync caller waited on it: a wait seen in the work
-    of a blocked call goes to that call's ``CallerWait``, any other straight on."""
-
-    __slots__ = ("charge",)
-
-    def __init__(self, charge: WaitCharge) -> None:
-        self.charge = charge
-
-    def __call__(self, entry: Any, load: Any, start: float, end: float) -> None:
-        wait = CALLER_WAIT.get()
-        if wait is None:
-            self.charge(entry, load, start, end)
-        else:
-            wait.saw(self.charge, entry, load, start, end)
-
-
 class SyncLease(LeaseBase):
     """A ``Lease`` for synchronous code: iterate it, or ``gather()``; leave its ``with``
     block (or ``release``) once the compute on its experts is queued.
@@ -121,9 +99,9 @@ class SyncLease(LeaseBase):
 
     __slots__ = ("_cupy_devices", "_loop")
 
-    def __init__(self, session: Session, layer_lease: LayerLease, *, loop: LoopThread,
-                 cupy_devices: Sequence[int] | None) -> None:
-        super().__init__(session, layer_lease)
+    def __init__(self, session: Session, layer_lease: LayerLease, source: LeaseSource, *,
+                 loop: LoopThread, cupy_devices: Sequence[int] | None) -> None:
+        super().__init__(session, layer_lease, source)
         self._loop = loop
         self._cupy_devices = cupy_devices  # None: the host backend, no streams to ask
 
@@ -164,35 +142,29 @@ class SyncLease(LeaseBase):
     # -- on the loop, for a blocked caller ------------------------------------------------
 
     async def _next_blocked(self, wait: CallerWait) -> ExpertHandle | None:
-        """The next expert, waited for on the loop (``__next__``'s); None when all were
-        handed out."""
-        handed = self._relay_waits(wait)
+        """The next expert, waited for on the loop (``__next__``'s), the wait told to
+        ``wait``; None when all were handed out."""
+        layer_lease = self._layer_lease
+        handed = len(self._handed)
         try:
-            arrival = await self._layer_lease.next()
+            arrival = await layer_lease.next(functools.partial(wait.saw, layer_lease.on_wait))
             return None if arrival is None else self._handle(arrival)
         finally:
             if not wait.waits:
                 self._landed_meanwhile(wait, handed)
 
     async def _gather_blocked(self, wait: CallerWait) -> list[ExpertHandle]:
-        """Every expert, waited for on the loop (``gather``'s)."""
-        handed = self._relay_waits(wait)
+        """Every expert, waited for on the loop (``gather``'s), the waits told to ``wait``."""
+        layer_lease = self._layer_lease
+        handed = len(self._handed)
+        told = functools.partial(wait.saw, layer_lease.on_wait)
         try:
-            while (arrival := await self._layer_lease.next()) is not None:
+            while (arrival := await layer_lease.next(told)) is not None:
                 self._handle(arrival)
             return self._in_order()
         finally:
             if not wait.waits:
                 self._landed_meanwhile(wait, handed)
-
-    def _relay_waits(self, wait: CallerWait) -> int:
-        """Route the layer lease's waits seen in this task's work to ``wait``; returns how
-        many handles were handed out before."""
-        layer_lease = self._layer_lease
-        if not isinstance(layer_lease.on_wait, WaitRelay):
-            layer_lease.on_wait = WaitRelay(layer_lease.on_wait)
-        CALLER_WAIT.set(wait)  # the task's own context: this call's work only
-        return len(self._handed)
 
     def _landed_meanwhile(self, wait: CallerWait, handed: int) -> None:
         """The expert the caller blocked for landed during its hop to the loop (the layer
@@ -200,10 +172,8 @@ class SyncLease(LeaseBase):
         if len(self._handed) <= handed:
             return
         entry, load = self._handed[handed]._load()
-        relay = self._layer_lease.on_wait
-        assert isinstance(relay, WaitRelay)
         now = time.perf_counter()
-        wait.saw(relay.charge, entry, load, now, now)
+        wait.saw(self._layer_lease.on_wait, entry, load, now, now)
 
     # -- on the caller's thread -----------------------------------------------------------
 
@@ -241,9 +211,9 @@ class SyncSession:
     def __init__(self, session: Session, loop: LoopThread) -> None:
         self._session = session
         self._loop = loop
-        self._new_lease: Callable[[Session, LayerLease], SyncLease] = functools.partial(
-            SyncLease, loop=loop,
-            cupy_devices=session.devices if session.backend == "cupy" else None)
+        cupy_devices = session.devices if session.backend == "cupy" else None
+        self._new_lease: Callable[[Session, LayerLease, LeaseSource], SyncLease] = (
+            functools.partial(SyncLease, loop=loop, cupy_devices=cupy_devices))
 
     @property
     def model(self) -> ModelInfo:

@@ -38,8 +38,8 @@ from moestream.pipeline.streaming.lease_parts import (
 )
 from moestream.pipeline.streaming.loads import LayerLoad
 
-__all__ = ["NOT_YET", "Arrival", "EventJoiner", "LayerLease", "LeasePart", "plan_parts",
-           "unpin_when_landed"]
+__all__ = ["NOT_YET", "Arrival", "EventJoiner", "LayerLease", "LeasePart", "WaitTold",
+           "plan_parts", "unpin_when_landed"]
 
 
 @dataclass(slots=True)
@@ -68,6 +68,9 @@ def _load_error(entry: Entry, error: BaseException) -> MoestreamError:
 _ABORT = object()
 """Put in a lease's queue to wake a waiter when the lease is released or aborted."""
 
+WaitTold = Callable[[Entry | None, LayerLoad | None, float, float], None]
+"""What is told of a wait for an arrival (``LayerLease.on_wait``)."""
+
 NOT_YET: Any = object()
 """What ``LayerLease.next_nowait`` returns when the next expert has not landed yet."""
 
@@ -91,8 +94,7 @@ class LayerLease:
     layer: int
     experts: tuple[int, ...]
     parts: list[LeasePart]
-    on_wait: Callable[[Entry | None, LayerLoad | None, float, float], None] = (
-        lambda entry, load, start, end: None)
+    on_wait: WaitTold = lambda entry, load, start, end: None
     on_use: Callable[[], None] | None = None
     """Told once, when the lease is first used: an expert handed out, or the release (the
     token's clock runs from then)."""
@@ -255,9 +257,13 @@ class LayerLease:
         self._pending -= len(out)
         return out
 
-    async def next(self) -> Arrival | None:
+    async def next(self, on_wait: WaitTold | None = None) -> Arrival | None:
         """The next expert available, hits first, then misses as they land; None when all
         were handed out.
+
+        Args:
+            on_wait: told of this call's wait instead of the lease's ``on_wait`` (a caller
+                of the sync face blocked on another thread: ``moestream._sync``).
 
         Raises:
             StageError: this expert's load failed (it is dropped from the cache; iterating
@@ -277,12 +283,13 @@ class LayerLease:
             item = await queue.get()
         finally:
             t1 = time.perf_counter()
+            told = self.on_wait if on_wait is None else on_wait
             if item is _ABORT:
-                self.on_wait(None, None, t0, t1)
+                told(None, None, t0, t1)
             else:
                 part = self._part_of[item[0]]
                 own = item[0] in part.load.plan.misses
-                self.on_wait(item[0], part.load if own else None, t0, t1)
+                told(item[0], part.load if own else None, t0, t1)
         return self._arrival(item)
 
     def next_nowait(self) -> Arrival | Any | None:
