@@ -1,0 +1,75 @@
+"""``python -m bench.experts_profile``: where the host time of a transformers model's token
+goes when moestream holds every expert (the all-cached run of ``bench.transformers``).
+
+That run is bound by the host, not the device: the resident model's launches run ahead of the
+GPU, moestream's per-layer and per-token Python adds to them. This loads the checkpoint as
+``bench.transformers``' ``all`` run does (every expert fetched once before timing), times
+``--tokens`` greedy tokens plain, then again under ``cProfile``, and prints the functions
+with the most time of their own and the most time under them. Profiling slows Python about
+twice: read the shares, not the times.
+
+    python -m bench.experts_profile -m qwen3-30b-a3b-8l --device cuda --out profile.txt
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import pstats
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from bench.transformers import _fill_cache, _generate
+
+__all__ = ["main"]
+
+
+def _profiled(model: Any, prompt: Any, tokens: int, device: Any, top: int) -> str:
+    profile = cProfile.Profile()
+    profile.enable()
+    _generate(model, prompt, tokens, device)
+    profile.disable()
+    text = io.StringIO()
+    for order in ("tottime", "cumulative"):
+        stats = pstats.Stats(profile, stream=text)
+        stats.sort_stats(order).print_stats(top)
+    return text.getvalue()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.experts_profile",
+                                description=__doc__.splitlines()[0])
+    p.add_argument("-m", "--model", type=Path, required=True, help="checkpoint directory")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--tokens", type=int, default=16)
+    p.add_argument("--top", type=int, default=40, help="functions printed per order (40)")
+    p.add_argument("--out", type=Path, help="also write the report here")
+    args = p.parse_args(argv)
+    import torch
+
+    from moestream.transformers import from_pretrained
+
+    device = torch.device(args.device)
+    prompt = torch.tensor([[1, 2, 3, 4]])
+    with from_pretrained(args.model, device=device) as model:
+        _fill_cache(model.moestream)
+        _generate(model, prompt, 4, device)  # warm
+        tokens, seconds = _generate(model, prompt, args.tokens, device)
+        began = time.perf_counter()
+        report = _profiled(model, prompt, args.tokens, device, args.top)
+        profiled = time.perf_counter() - began
+    head = (f"{args.model}: {len(tokens) / seconds:.1f} tok/s plain, "
+            f"{args.tokens / profiled:.1f} tok/s profiled, device {device}\n")
+    text = head + report
+    sys.stdout.write(text)
+    if args.out is not None:
+        args.out.write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
