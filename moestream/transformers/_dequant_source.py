@@ -218,6 +218,7 @@ __device__ void gguf_kind(const i64* table, int kinds, int n, F value, int elems
         i64 i = (t - k * per) * 8;
         const unsigned char* b = (const unsigned char*)addresses[k] + (i / elems) * size;
         int j = (int)(i % elems);
+        __builtin_assume((j & 7) == 0);  // the 8 values share a block's sub-block fields
         __align__(16) OUT vals[8];
         #pragma unroll
         for (int e = 0; e < 8; ++e) vals[e] = S::put(value(b, j + e));

@@ -39,6 +39,7 @@ _BUILTINS = r"""
 #define __device__
 #define __forceinline__ inline
 #define __align__(n) alignas(n)
+#define __builtin_assume(x)
 struct uint4 { unsigned int x, y, z, w; };
 struct dim3 { unsigned int x, y, z; };
 static dim3 blockIdx, blockDim, gridDim, threadIdx;
