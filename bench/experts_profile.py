@@ -1,5 +1,6 @@
 """``python -m bench.experts_profile``: where the host time of a transformers model's token
-goes when moestream holds every expert (the all-cached run of ``bench.transformers``).
+goes when moestream holds every expert (the all-cached run of ``bench.transformers``), or
+at a ``--budget``.
 
 That run is bound by the host, not the device: the resident model's launches run ahead of the
 GPU, moestream's per-layer and per-token Python adds to them. This loads the checkpoint as
@@ -47,6 +48,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--device", default="cuda")
     p.add_argument("--tokens", type=int, default=16)
     p.add_argument("--top", type=int, default=40, help="functions printed per order (40)")
+    p.add_argument("--budget", help="the cache budget (from_pretrained's budget=, e.g. 1.5GiB); "
+                   "default: every expert, each fetched once before timing")
     p.add_argument("--out", type=Path, help="also write the report here")
     args = p.parse_args(argv)
     import torch
@@ -55,8 +58,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     device = torch.device(args.device)
     prompt = torch.tensor([[1, 2, 3, 4]])
-    with from_pretrained(args.model, device=device) as model:
-        _fill_cache(model.moestream)
+    with from_pretrained(args.model, device=device, budget=args.budget) as model:
+        if args.budget is None:
+            _fill_cache(model.moestream)
         _generate(model, prompt, 4, device)  # warm
         tokens, seconds = _generate(model, prompt, args.tokens, device)
         began = time.perf_counter()
