@@ -313,9 +313,15 @@ class CacheIndex:
         refused: list[ExpertKey] = []
         protected = _Either(pinned, set(keys))
         for key, size in zip(misses, miss_sizes, strict=True):
-            # the warm case inline (a full cache, one victim frees room: a miss a layer
-            # cost five calls through ``admit``); anything else goes through it
+            # the two common cases inline, as ``admit`` decides them (a miss a layer cost
+            # five calls through it): room left (a cache still filling), or a full cache
+            # where one victim frees room; anything else goes through ``admit``
             capacity = self.capacity_bytes
+            if self.live_bytes + size <= capacity and key not in held:
+                held[key] = size
+                self.live_bytes += size
+                policy.insert(key)
+                continue
             victim = policy.victim(protected) if self.live_bytes + size > capacity else None
             if (victim is not None and key not in held
                     and self.live_bytes - held[victim] + size <= capacity):

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -145,33 +144,28 @@ class LoadPhases:
         """The phase that ends now (or ``at``) was ``part``; it began where the last ended."""
         self._marks.append((time.perf_counter() if at is None else at, part))
 
-    def segments(self) -> Iterator[tuple[float, float, Part]]:
-        """(start, end, part) from the layer's planning on, covering every later moment."""
+    def charge(self, split: TimeSplit, waited_from: float, waited_to: float) -> float:
+        """Charge a wait for this load, ``[waited_from, waited_to)``, by what it was doing;
+        returns the ms charged to a part other than ``host`` (which ``split`` derives)."""
+        # (start, end, part) from the layer's planning on, covering every later moment
+        segments: list[tuple[float, float, Part]] = []
         cursor = self._launch.planned
         own = math.inf if self.start is None else self.start
         for a, b in self._launch.slot_waits:
             a, b = max(a, cursor), min(b, own)
-            if b <= a:
-                continue
-            yield cursor, a, "host"
-            yield a, b, "slot"
-            cursor = b
-        if self.start is None:
-            yield cursor, math.inf, "host"
-            return
-        yield cursor, own, "host"
-        cursor = own
-        for end, part in self._marks:
-            if end > cursor:
-                yield cursor, end, part
-                cursor = end
-        yield cursor, math.inf, "host"  # delivered: the hop to the loop and the decoder
-
-    def charge(self, split: TimeSplit, waited_from: float, waited_to: float) -> float:
-        """Charge a wait for this load, ``[waited_from, waited_to)``, by what it was doing;
-        returns the ms charged to a part other than ``host`` (which ``split`` derives)."""
+            if b > a:
+                segments += [(cursor, a, "host"), (a, b, "slot")]
+                cursor = b
+        if self.start is not None:
+            segments.append((cursor, own, "host"))
+            cursor = own
+            for end, part in self._marks:
+                if end > cursor:
+                    segments.append((cursor, end, part))
+                    cursor = end
+        segments.append((cursor, math.inf, "host"))  # not started yet, or delivered: the hops
         charged_s = 0.0
-        for a, b, part in self.segments():
+        for a, b, part in segments:
             lo, hi = max(a, waited_from), min(b, waited_to)
             if hi > lo:
                 split.charge(part, hi - lo)

@@ -120,17 +120,19 @@ class ExpertJobs:
             setattr(self.times, name, getattr(self.times, name) + elapsed)
 
     def _read_chunk(self, job: LoadJob, file_offset: int, slot_offset: int, nbytes: int) -> None:
-        """Worker: one chunk into the job's slot; the last chunk of a job uploads it."""
-        assert job.slot is not None
+        """Worker: one chunk into the job's slot; the worker that read a job's last chunk
+        uploads the expert (or hands on its failure) and tells the loop."""
+        slot = job.slot
+        assert slot is not None
         reuse_wait_s = 0.0
         try:
             if job.error is None:
                 t0 = time.perf_counter()
-                job.slot.wait_reusable()
+                slot.wait_reusable()
                 reuse_wait_s = time.perf_counter() - t0
                 self._add_time("stage_ms", t0)
                 t0 = time.perf_counter()
-                dst = job.slot.buffer.array[slot_offset : slot_offset + nbytes]
+                dst = slot.buffer.array[slot_offset : slot_offset + nbytes]
                 self.reader.read_into(dst, file_offset, direct=job.mode == "direct")
                 self._add_time("read_ms", t0)
         except BaseException as exc:  # handed to the loop; the expert is never installed
@@ -138,12 +140,9 @@ class ExpertJobs:
         with job.lock:
             job.reuse_wait_s = max(job.reuse_wait_s, reuse_wait_s)
             job.remaining -= 1
-            last = job.remaining == 0
-        if last:
-            self._finish(job)
-
-    def _finish(self, job: LoadJob) -> None:
-        """Worker: upload a fully read (or failed) expert and tell the loop."""
+            if job.remaining:
+                return
+        # the last chunk: upload the expert and tell the loop
         event: Event | None = None
         # the chunks waited for the slot's last upload, concurrently, then read: the
         # longest wait counts as slot time at the start, the rest as reading
@@ -153,11 +152,10 @@ class ExpertJobs:
         job.phases.mark("read", read_done)
         if job.error is None:
             try:
-                assert job.slot is not None
-                slot = job.slot.buffer.array
+                staged = slot.buffer.array
                 pieces = [
                     (s.device_offset,
-                     slot[s.slot_offset + s.skip : s.slot_offset + s.skip + s.nbytes])
+                     staged[s.slot_offset + s.skip : s.slot_offset + s.skip + s.nbytes])
                     for s in job.layout.ranges
                 ]
                 event = self._upload(job, pieces)
