@@ -80,6 +80,12 @@ struct F16 {
 };
 struct F32 { typedef float T; STORE float put(float x) { return x; } };
 
+__device__ __forceinline__ i64 quot(i64 a, i64 b) {
+    // a / b (both >= 0) by 32-bit division where both fit: a 64-bit division is a long
+    // software routine on the device, and a thread divides once or twice a chunk
+    return ((a | b) >> 31) ? a / b : (i64)((u32)a / (u32)b);
+}
+
 template <typename T, int N>
 __device__ __forceinline__ void store_vec(T* to, const T* from) {
     const uint4* src = (const uint4*)from;
@@ -117,9 +123,9 @@ __device__ void fp8_kind(const i64* table, int kinds, int n, int kind, int bm, i
     i64 per_matrix = (i64)rows * per_row, chunks = per_matrix * n;
     for (i64 t = (i64)blockIdx.x * blockDim.x + threadIdx.x; t < chunks;
          t += (i64)gridDim.x * blockDim.x) {
-        int k = (int)(t / per_matrix);
+        int k = (int)quot(t, per_matrix);
         i64 rem = t - k * per_matrix;
-        int r = (int)(rem / per_row);
+        int r = (int)quot(rem, per_row);
         int c = (int)(rem - (i64)r * per_row) * width;
         const unsigned char* w = (const unsigned char*)addresses[k] + (i64)r * cols + c;
         float scale = scales[((i64)experts[k] * sr + r / bm) * sc + c / bn];
@@ -152,11 +158,11 @@ __device__ void fp4_kind(const i64* table, int kinds, int n, int kind, const OUT
     i64 per_matrix = (i64)rows * groups, chunks = per_matrix * n;
     for (i64 t = (i64)blockIdx.x * blockDim.x + threadIdx.x; t < chunks;
          t += (i64)gridDim.x * blockDim.x) {
-        int k = (int)(t / per_matrix);
+        int k = (int)quot(t, per_matrix);
         i64 rem = t - k * per_matrix;
         int r, g;
-        if (transposed) { g = (int)(rem / rows); r = (int)(rem - (i64)g * rows); }
-        else { r = (int)(rem / groups); g = (int)(rem - (i64)r * groups); }
+        if (transposed) { g = (int)quot(rem, rows); r = (int)(rem - (i64)g * rows); }
+        else { r = (int)quot(rem, groups); g = (int)(rem - (i64)r * groups); }
         const unsigned char* w = (const unsigned char*)addresses[k] + ((i64)r * groups + g) * 16;
         const OUT* row = lut + 16 * (int)scales[experts[k] * ses + r * srs + g];
         u32 words[4];
@@ -214,7 +220,7 @@ __device__ void gguf_kind(const i64* table, int kinds, int n, F value, int elems
     const i64* addresses = table + kinds * 4 + blockIdx.y * n;
     for (i64 t = (i64)blockIdx.x * blockDim.x + threadIdx.x; t < chunks;
          t += (i64)gridDim.x * blockDim.x) {
-        int k = (int)(t / per);
+        int k = (int)quot(t, per);
         i64 i = (t - k * per) * 8;
         const unsigned char* b = (const unsigned char*)addresses[k] + (i / elems) * size;
         int j = (int)(i % elems);
