@@ -110,7 +110,7 @@ class ModelReader:
             raise ValueError(f"need at least one read attempt, got {attempts}")
         self.files = model_files(model)
         self.path = self.files[0].path
-        self._faults = faults or FaultPlan()
+        self._faults = faults if faults else None  # an empty plan injects nothing either
         self.attempts = attempts
         self.backoff_ms = backoff_ms
         self._open: list[_Opened] = []
@@ -207,7 +207,7 @@ class ModelReader:
             use_fd = fd if fd is not None else opened.buffered
             cause: OSError | None = None
             try:
-                if self._faults:
+                if self._faults is not None:
                     n = self._faulty_preadv(use_fd, dst[got:], offset + got, fd is not None)
                 else:
                     n = os.preadv(use_fd, [dst[got:].data], offset + got)
@@ -251,6 +251,7 @@ class ModelReader:
     ) -> int:
         """``os.preadv`` as the fault plan bends it (tests and ``--inject`` only)."""
         plan = self._faults
+        assert plan is not None
         if direct and plan.hit("odirect_einval") is not None:
             raise OSError(errno.EINVAL, "Invalid argument (injected)")
         if plan.hit("read_eio") is not None:

@@ -57,7 +57,7 @@ class Uploader:
         if n_streams < 1:
             raise ValueError(f"need at least one upload stream, got {n_streams}")
         self._backend = backend
-        self._faults = faults or FaultPlan()
+        self._faults = faults if faults else None  # an empty plan injects nothing either
         self.streams: list[Stream] = [backend.new_stream() for _ in range(n_streams)]
         self._turn = itertools.cycle(range(n_streams))
         self._lock = threading.Lock()
@@ -93,10 +93,11 @@ class Uploader:
                 stream.wait(entry.reuse_after)
             for i, (device_offset, src) in enumerate(pieces):
                 self._backend.copy_h2d(entry.buffer, device_offset, src, stream)
-                if i == 0 and self._faults and self._faults.hit("upload") is not None:
+                if i == 0 and self._faults is not None and self._faults.hit("upload") is not None:
                     raise UploadError(f"copy of {sum(int(s.size) for _, s in pieces)} bytes "
                                       "to the device failed (injected)")
-            if self._faults and pieces and self._faults.hit("corrupt") is not None:
+            if (self._faults is not None and pieces
+                    and self._faults.hit("corrupt") is not None):
                 self._corrupt(entry, pieces[0][0] + pieces[0][1].size // 2, stream)
             with self._lock:  # counted once queued
                 self.bytes_uploaded += sum(int(src.size) for _, src in pieces)
@@ -140,7 +141,7 @@ class Uploader:
         The caller makes the device current.
         """
         stream = self.next_stream()
-        faults = self._faults if self._faults else None
+        faults = self._faults
         failed: list[Exception | None] = []
         srcs: list[int] = []  # per copy: host address, device address, bytes
         dsts: list[int] = []
@@ -197,7 +198,7 @@ class Uploader:
         (the stream synchronized first). The caller makes the device current.
         """
         stream = self.next_stream()
-        faults = self._faults if self._faults else None
+        faults = self._faults
         failed: list[Exception | None] = []  # per item: its injected failure, or queued
         rows: list[int] = []  # the launch's copies, ``COPY_FIELDS`` fields each
         queued: list[Entry] = []
@@ -229,7 +230,7 @@ class Uploader:
         skipped; for the others, in order, the stream waits for the buffer's ``reuse_after``
         (once for the event a layer's freed buffers share), None goes in ``failed``, and
         the item is yielded (the copies it names are the caller's to queue)."""
-        faults = self._faults if self._faults else None
+        faults = self._faults
         waited: Event | None = None
         for item in items:
             entry = item[0]

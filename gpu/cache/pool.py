@@ -32,7 +32,7 @@ class BufferPool:
 
     def __init__(self, backend: Backend, faults: FaultPlan | None = None) -> None:
         self._backend = backend
-        self._faults = faults or FaultPlan()
+        self._faults = faults if faults else None  # an empty plan injects nothing either
         self._parked: OrderedDict[int, list[tuple[DeviceBuffer, Event | None]]] = OrderedDict()
         self.parked_bytes = 0
         self.allocations = 0
@@ -44,7 +44,7 @@ class BufferPool:
         Raises:
             DeviceMemoryError: the device refused (nothing was allocated or counted).
         """
-        if self._faults and self._faults.hit("device_oom") is not None:
+        if self._faults is not None and self._faults.hit("device_oom") is not None:
             raise DeviceMemoryError(f"device allocation of {nbytes} bytes failed (injected)")
         buf = self._backend.alloc_device(nbytes)
         self.allocations += 1
