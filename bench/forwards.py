@@ -65,13 +65,12 @@ def _timed(device: Any, call: Callable[[], Any]) -> tuple[Any, float]:
     """``call()``'s answer and seconds, the device synchronized before and after."""
     import torch
 
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda _device: None)
+    sync(device)
     started = time.perf_counter()
     with torch.no_grad():
         out = call()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    sync(device)
     return out, time.perf_counter() - started
 
 
@@ -134,32 +133,47 @@ def _streamed(args: argparse.Namespace, device: Any, warm: Any) -> Iterator[Any]
         model.moestream.close()
 
 
-def _prefill_streamed(args: argparse.Namespace, data: Inputs,
-                      reference: Any) -> dict[str, Any]:
-    """The prefill through moestream, a fresh load (and decode warm-up) each timed one."""
-    seconds: list[float] = []
+def _prefill(args: argparse.Namespace, data: Inputs, resident: Any) -> dict[str, Any]:
+    """The prefill in turns (a drifting, shared host moves both alike): the resident model's,
+    then a fresh moestream load's after its decode warm-up; wall and process CPU seconds
+    (all threads: moestream's loads run beside the compute on a host) of each."""
+    runs: dict[str, list[tuple[float, float]]] = {"resident": [], "moestream": []}
     deltas: list[dict[str, Any]] = []
     split: dict[str, float] = {}
     same = True
     for _ in range(args.repeat):
+        reference, timing = _prefill_once(resident, data.prompt, args.device)
+        runs["resident"].append(timing)
         with _streamed(args, args.device, data.repeating) as model:
             stream = model.moestream
             seen: list[Any] = []
             stream.on_token = seen.append
             before = stream.session.counters()
-            tokens, took = _forward(model, data.prompt, args.device)
+            tokens, timing = _prefill_once(model, data.prompt, args.device)
             after = stream.session.counters()
             group, mode = stream.group_experts, after.mode
-        seconds.append(took)
+        runs["moestream"].append(timing)
         deltas.append(_delta(before, after))
         same = same and bool(tokens.equal(reference))
         for part, ms in seen[-1].time.items():
             split[part] = split.get(part, 0.0) + ms / args.repeat
     unions = [len(layer) for layer in seen[-1].experts if layer]
-    return {**_figures(seconds), "same_tokens": same, "mode": mode, "group_experts": group,
-            "union_experts_per_layer": unions,
-            "groups_per_layer": [math.ceil(u / group) for u in unions],
-            "per_run": deltas, "time_ms": {k: round(v, 3) for k, v in split.items()}}
+    out: dict[str, Any] = {name: {**_figures([w for w, _ in r]), "cpu_seconds": round(
+        statistics.median(c for _, c in r), 5)} for name, r in runs.items()}
+    out["moestream"].update({
+        "same_tokens": same, "mode": mode, "group_experts": group,
+        "union_experts_per_layer": unions,
+        "groups_per_layer": [math.ceil(u / group) for u in unions], "per_run": deltas,
+        "time_ms": {k: round(v, 3) for k, v in split.items()}})
+    out["x_resident_paired"] = [round(m[0] / r[0], 3) for r, m in zip(
+        runs["resident"], runs["moestream"], strict=True)]
+    return out
+
+
+def _prefill_once(model: Any, ids: Any, device: Any) -> tuple[Any, tuple[float, float]]:
+    cpu = time.process_time()
+    tokens, seconds = _forward(model, ids, device)
+    return tokens, (seconds, time.process_time() - cpu)
 
 
 def _verify_pairs(model: Any, data: Inputs, device: Any) -> dict[str, Any]:
@@ -236,8 +250,7 @@ def _acceptance(lengths: Sequence[int], prompt: int, tokens: list[int]) -> dict[
 
 def _draft(args: argparse.Namespace) -> Any:
     """The assistant: the checkpoint's first ``--draft-layers`` layers, resident, drafting K
-    tokens every round (constant schedule, no confidence stop), so that each target forward
-    checks K drafts."""
+    tokens a round (constant schedule, no confidence stop): each target forward checks K."""
     import transformers
 
     draft = transformers.AutoModelForCausalLM.from_pretrained(
@@ -263,23 +276,6 @@ def _page_cache_rate(args: argparse.Namespace) -> dict[str, Any]:
             "bytes_per_s": round(total / seconds) if seconds else None}
 
 
-def _resident_phase(args: argparse.Namespace, data: Inputs) -> dict[str, Any]:
-    """The resident model: warmed (a decode and a prefill untimed), then its prefills, its
-    verification pairs and its plain generate (every check's reference)."""
-    import transformers
-
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        args.model, experts_implementation="grouped_mm").to(args.device)
-    _generate(model, data.repeating, max(args.warmup, 1), args.device)
-    _forward(model, data.prompt, args.device)
-    runs = [_forward(model, data.prompt, args.device) for _ in range(args.repeat)]
-    verify = _verify_pairs(model, data, args.device)
-    plain, _ = _generate(model, data.repeating, args.tokens, args.device)
-    del model
-    return {"prefill": {**_figures([s for _, s in runs]), "tokens": runs[0][0]},
-            "verify": verify, "plain": plain}
-
-
 def _bench(args: argparse.Namespace) -> dict[str, Any]:
     from moestream.transformers import is_available
 
@@ -292,13 +288,19 @@ def _bench(args: argparse.Namespace) -> dict[str, Any]:
     args.cache_bytes = bt._cache_bytes(args, dense, experts)
     data = _inputs(args, transformers.AutoConfig.from_pretrained(args.model).vocab_size)
     load = os.getloadavg()[0]
-    resident = _resident_phase(args, data)
-    prefill = _prefill_streamed(args, data, resident["prefill"].pop("tokens"))
+    resident = transformers.AutoModelForCausalLM.from_pretrained(
+        args.model, experts_implementation="grouped_mm").to(args.device)
+    _generate(resident, data.repeating, max(args.warmup, 1), args.device)  # warm-ups, untimed
+    _forward(resident, data.prompt, args.device)
+    verify_resident = _verify_pairs(resident, data, args.device)
+    plain, _ = _generate(resident, data.repeating, args.tokens, args.device)
+    prefill = _prefill(args, data, resident)
+    del resident
     rate = _page_cache_rate(args)
     with _streamed(args, args.device, data.repeating) as model:
         verify = _verify_pairs(model, data, args.device)
-    verify["same_tokens"] = bool(verify.pop("tokens").equal(resident["verify"].pop("tokens")))
-    speculative = _speculative(args, data, _draft(args), resident["plain"])
+    verify["same_tokens"] = bool(verify.pop("tokens").equal(verify_resident.pop("tokens")))
+    speculative = _speculative(args, data, _draft(args), plain)
     return {
         **provenance("bench.forwards", args.argv, device=str(args.device)),
         "versions": bt._versions(),
@@ -307,22 +309,22 @@ def _bench(args: argparse.Namespace) -> dict[str, Any]:
         "verify_tokens": args.verify_tokens, "tokens": args.tokens, "repeat": args.repeat,
         "torch_threads": torch.get_num_threads(), "load_before": load,
         "load_after": os.getloadavg()[0], "targets": TARGETS, "page_cache": rate,
-        "prefill": _prefill_report(resident["prefill"], prefill, rate),
-        "verify": {"resident": resident["verify"], "moestream": verify},
+        "prefill": _prefill_report(prefill, rate),
+        "verify": {"resident": verify_resident, "moestream": verify},
         "speculative": speculative,
-        "identical_tokens": prefill["same_tokens"] and verify["same_tokens"]
+        "identical_tokens": prefill["moestream"]["same_tokens"] and verify["same_tokens"]
         and all(r["same_tokens"] for r in speculative.values()),
     }
 
 
-def _prefill_report(resident: dict[str, Any], streamed: dict[str, Any],
-                    rate: dict[str, Any]) -> dict[str, Any]:
-    """The prefill's two figures, their ratio, and the streamed run's missed bytes with
-    the time they take at the page cache's rate (a median run's)."""
+def _prefill_report(out: dict[str, Any], rate: dict[str, Any]) -> dict[str, Any]:
+    """The prefill's figures with their ratios (of the medians, wall and CPU), and the
+    streamed run's missed bytes with the time they take at the page cache's rate."""
+    resident, streamed = out["resident"], out["moestream"]
     missed = statistics.median(d["file_bytes"] for d in streamed["per_run"])
-    out = {"resident": resident, "moestream": streamed,
-           "x_resident": round(streamed["seconds"] / resident["seconds"], 3),
-           "missed_bytes": missed}
+    out.update({"x_resident": round(streamed["seconds"] / resident["seconds"], 3),
+                "x_resident_cpu": round(streamed["cpu_seconds"] / resident["cpu_seconds"], 3),
+                "missed_bytes": missed})
     if rate["bytes_per_s"]:
         out["missed_seconds_at_page_cache_rate"] = round(missed / rate["bytes_per_s"], 5)
     return out
@@ -348,19 +350,16 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m bench.forwards",
                                 description=__doc__.splitlines()[0])
     p.add_argument("-m", "--model", type=Path, help="checkpoint directory")
-    p.add_argument("--make", type=Path, help="write a random-init checkpoint here first "
-                   "(unless one is there) and use it")
+    p.add_argument("--make", type=Path, help="write a random checkpoint here (unless one is)")
     p.add_argument("--shape", default="tiny", choices=list(bt.SHAPES))
-    p.add_argument("--prompt-tokens", type=int, help="the prefill's ids (2048 on cuda, 512 "
-                   "on cpu)")
+    p.add_argument("--prompt-tokens", type=int, help="the prefill's ids (cuda 2048, cpu 512)")
     for flag, default, text in (
             ("--layers", 2, "layers of --make's model"), ("--tokens", 32, "a generate's tokens"),
             ("--verify-tokens", 4, "K: a verification forward's ids, prompt lookup's and the "
              "draft's tokens a round"), ("--warmup", 4, "decode warm-up tokens"),
             ("--repeat", 3, "timed runs a figure"), ("--draft-layers", 1, "the draft's layers")):
         p.add_argument(flag, type=int, default=default, help=f"{text} ({default})")
-    p.add_argument("--cache-share", type=float, help="moestream's cache: this share of the "
-                   "experts' bytes, instead of --total less the dense weights")
+    p.add_argument("--cache-share", type=float, help="cache: this share of the experts' bytes")
     p.add_argument("--total", default="3GiB", help="moestream's dense weights + cache (3GiB)")
     p.add_argument("--device", help="cpu or cuda (default: cuda if torch sees one)")
     p.add_argument("--mode", default="auto", choices=["auto", "direct", "resident"])

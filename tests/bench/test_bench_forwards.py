@@ -44,11 +44,13 @@ class TestReport:
         assert report["cache_budget_bytes"] == report["expert_bytes"] // 4
 
     def test_prefill(self, report: dict[str, Any]) -> None:
-        """Both prefills timed --repeat times; the streamed one misses (a quarter of the
+        """Both prefills timed --repeat times in turns; the streamed one misses (a quarter of the
         experts cached), fetches its union in several groups and gives the same tokens."""
         prefill = report["prefill"]
         for run in ("resident", "moestream"):
             assert len(prefill[run]["seconds_runs"]) == REPEAT and prefill[run]["spread"] >= 0
+            assert prefill[run]["cpu_seconds"] > 0
+        assert len(prefill["x_resident_paired"]) == REPEAT and prefill["x_resident_cpu"] > 0
         streamed = prefill["moestream"]
         assert streamed["same_tokens"] and prefill["x_resident"] > 0
         assert prefill["missed_bytes"] > 0 and prefill["missed_seconds_at_page_cache_rate"] > 0
