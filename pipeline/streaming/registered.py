@@ -67,8 +67,9 @@ class RegisteredLayers(ExpertJobs):
 
     def _registered_sources(self, misses: Sequence[Entry]) -> list[MappedCopies] | None:
         """Every miss's copies from the registered mapping, or None unless all of them can
-        copy from it now (resident mode, a GPU, every range in registered windows)."""
-        if self.mode != "resident" or not self._backend.registers_host:
+        copy from it now (resident mode, every range in registered windows). Asked only of
+        a backend that registers host memory (a GPU's)."""
+        if self.mode != "resident":
             return None
         mapping = self.mapping
         if mapping is None:

@@ -169,7 +169,9 @@ class ExpertStreamer(RegisteredLayers):
         load.arrived = Arrivals()
         for entry in plan.misses:
             entry.loaded = loop.create_future()
-        sources = self._registered_sources(plan.misses)
+        # a GPU in resident mode may copy the whole layer from registered windows
+        sources = (self._registered_sources(plan.misses) if self._backend.registers_host
+                   else None)
         if sources is not None:  # nothing to read: no gate, task or worker
             # queued together, in one pass: the layer's misses share one timeline
             shared = LoadPhases(load.launch)
