@@ -311,7 +311,7 @@ class CacheIndex:
                 miss_sizes.append(size)
         evicted: list[ExpertKey] = []
         refused: list[ExpertKey] = []
-        protected = _Either(pinned, set(keys))
+        protected: _Either | None = None  # made once an eviction is asked for
         for key, size in zip(misses, miss_sizes, strict=True):
             # the two common cases inline, as ``admit`` decides them (a miss a layer cost
             # five calls through it): room left (a cache still filling), or a full cache
@@ -322,6 +322,8 @@ class CacheIndex:
                 self.live_bytes += size
                 policy.insert(key)
                 continue
+            if protected is None:
+                protected = _Either(pinned, set(keys))
             victim = policy.victim(protected) if self.live_bytes + size > capacity else None
             if (victim is not None and key not in held
                     and self.live_bytes - held[victim] + size <= capacity):
