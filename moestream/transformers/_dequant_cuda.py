@@ -34,6 +34,7 @@ from moestream.transformers._dequant import (
 from moestream.transformers._dequant_source import (
     FP4_PARAMS,
     FP8_PARAMS,
+    GGUF_GROUP,
     GGUF_KERNELS,
     GGUF_PARAMS,
     SOURCE,
@@ -326,14 +327,14 @@ def gguf_kinds_cuda(ggml_type: int, kinds: Sequence[Kind]) -> None:
     for kind in kinds:
         o = kind.out
         values = o.shape[-1]
-        if (o.dim() != 2 or o.stride(1) != 1 or o.dtype != out.dtype or values % 8
-                or len(kind.addresses) != n):
-            raise ValueError("GGUF outputs are (experts, values) of whole groups of 8 "
-                             "contiguous values, one type a batch")
+        if (o.dim() != 2 or o.stride(1) != 1 or o.dtype != out.dtype
+                or values % GGUF_GROUP or len(kind.addresses) != n):
+            raise ValueError(f"GGUF outputs are (experts, values) of whole groups of "
+                             f"{GGUF_GROUP} contiguous values, one type a batch")
         size = o.element_size()
         vec = _aligned(o.data_ptr(), o.stride(0) * size)
         params += [o.data_ptr(), o.stride(0), values, int(vec)]
-        chunks = max(chunks, n * values // 8)
+        chunks = max(chunks, n * values // GGUF_GROUP)
     if n == 0 or chunks == 0:
         return
     addresses = [int(a) for kind in kinds for a in kind.addresses]

@@ -19,8 +19,8 @@ its one E8M0 scale). Index arithmetic is 64-bit once a chunk, never per value.
   kernel writes the transpose, consecutive threads taking consecutive rows so that each
   store of a warp is contiguous.
 - GGUF (``gguf_<type>_<out>``, :func:`gguf_source`, a module of its own): a table of
-  ``GGUF_PARAMS`` a kind, then the kinds' matrix addresses; a thread turns 8 consecutive
-  values of one block into the output type (a 16-byte store where the output allows), each
+  ``GGUF_PARAMS`` a kind, then the kinds' matrix addresses; a thread turns the 32 values of
+  one sub-block into the output type (a 16-byte store where the output allows), each
   value by the foundation's routine for its type (``ggml_values``: gguf-py's float32 bits)
   rounded once as above. One launch a type: a layer of ds4's mix is two.
 """
@@ -35,7 +35,8 @@ from gguf import GGMLQuantizationType as Q
 from moestream.pipeline.foundation.compute import DEQUANTIZED
 from moestream.pipeline.foundation.ggml_values import value_source
 
-__all__ = ["FP4_PARAMS", "FP8_PARAMS", "GGUF_KERNELS", "GGUF_PARAMS", "SOURCE", "gguf_source"]
+__all__ = ["FP4_PARAMS", "FP8_PARAMS", "GGUF_GROUP", "GGUF_KERNELS", "GGUF_PARAMS", "SOURCE",
+           "gguf_source"]
 
 FP8_PARAMS = 8
 """int64 parameters of a kind in an FP8 table: out, out_stride, rows, cols, scales,
@@ -47,7 +48,7 @@ bit 1: the output rows 16-aligned)."""
 
 GGUF_PARAMS = 4
 """int64 parameters of a kind in a GGUF table: out, out_stride (values between experts),
-values (a matrix's: whole groups of 8), vec (bit 0: 16-byte stores)."""
+values (a matrix's: whole groups of ``GGUF_GROUP``), vec (bit 0: 16-byte stores)."""
 
 _PRELUDE = r"""
 #include <cuda_fp16.h>
@@ -206,31 +207,34 @@ extern "C" __global__ void fp4_experts_4(const i64* table, int kinds, int n, con
 SOURCE = _PRELUDE + _QUANTIZED
 """The FP8, FP4 and MXFP4 kernels."""
 
+GGUF_GROUP = 32
+"""Values a thread of a GGUF kernel computes: a 32-value sub-block (every type's block is
+whole sub-blocks of 32)."""
 GGUF_KERNELS: dict[int, str] = {int(q): f"gguf_{q.name.lower()}" for q in sorted(DEQUANTIZED)}
 """Each GGUF type's kernel name, less the output's suffix (``_bf16``, ``_f16``, ``_f32``)."""
 
 _GGUF_KIND = r"""
-template <class S, typename F>
+template <class S, int G, typename F>
 __device__ void gguf_kind(const i64* table, int kinds, int n, F value, int elems, int size) {
     typedef typename S::T OUT;
     const i64* p = table + blockIdx.y * 4;
     OUT* out = (OUT*)p[0];
-    i64 ostride = p[1], per = p[2] / 8, chunks = per * n;
+    i64 ostride = p[1], per = p[2] / G, chunks = per * n;
     int vec = (int)p[3] & 1;
     const i64* addresses = table + kinds * 4 + blockIdx.y * n;
     for (i64 t = (i64)blockIdx.x * blockDim.x + threadIdx.x; t < chunks;
          t += (i64)gridDim.x * blockDim.x) {
         int k = (int)quot(t, per);
-        i64 i = (t - k * per) * 8;
+        i64 i = (t - k * per) * G;
         const unsigned char* b = (const unsigned char*)addresses[k] + (i / elems) * size;
         int j = (int)(i % elems);
-        __builtin_assume((j & 7) == 0);  // the 8 values share a block's sub-block fields
-        __align__(16) OUT vals[8];
+        __builtin_assume((j & (G - 1)) == 0);  // the G values share sub-block fields
+        __align__(16) OUT vals[G];
         #pragma unroll
-        for (int e = 0; e < 8; ++e) vals[e] = S::put(value(b, j + e));
+        for (int e = 0; e < G; ++e) vals[e] = S::put(value(b, j + e));
         OUT* o = out + k * ostride + i;
-        if (vec) store_vec<OUT, 8>(o, vals);
-        else for (int e = 0; e < 8; ++e) o[e] = vals[e];
+        if (vec) store_vec<OUT, G>(o, vals);
+        else for (int e = 0; e < G; ++e) o[e] = vals[e];
     }
 }
 """
@@ -242,25 +246,26 @@ struct V_{name} {{
     }}
 }};
 extern "C" __global__ void gguf_{name}_bf16(const i64* table, int kinds, int n) {{
-    gguf_kind<BF16>(table, kinds, n, V_{name}(), {elems}, {size});
+    gguf_kind<BF16, {group}>(table, kinds, n, V_{name}(), {elems}, {size});
 }}
 extern "C" __global__ void gguf_{name}_f16(const i64* table, int kinds, int n) {{
-    gguf_kind<F16>(table, kinds, n, V_{name}(), {elems}, {size});
+    gguf_kind<F16, {group}>(table, kinds, n, V_{name}(), {elems}, {size});
 }}
 extern "C" __global__ void gguf_{name}_f32(const i64* table, int kinds, int n) {{
-    gguf_kind<F32>(table, kinds, n, V_{name}(), {elems}, {size});
+    gguf_kind<F32, {group}>(table, kinds, n, V_{name}(), {elems}, {size});
 }}
 """
 
 
 @functools.cache
 def gguf_source() -> str:
-    """The GGUF kernels: a thread turns 8 consecutive values of a block (every type's block
-    is whole groups of 8) into the output type, from the foundation's value routines
+    """The GGUF kernels: a thread turns ``GGUF_GROUP`` consecutive values of a block (every
+    type's block is whole groups of them: one sub-block, whose fields the compiler then reads
+    once) into the output type, from the foundation's value routines
     (gguf-py's float32 values, bit for bit) rounded once on the store, as torch's cast of
     gguf-py's float32 rounds them."""
     kernels = "".join(
         _GGUF_KERNEL.format(name=name.removeprefix("gguf_"), elems=GGML_QUANT_SIZES[Q(q)][0],
-                            size=GGML_QUANT_SIZES[Q(q)][1])
+                            size=GGML_QUANT_SIZES[Q(q)][1], group=GGUF_GROUP)
         for q, name in GGUF_KERNELS.items())
     return _PRELUDE + value_source() + _GGUF_KIND + kernels

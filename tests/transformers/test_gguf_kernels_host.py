@@ -172,5 +172,5 @@ def test_layer_into_the_modules_layout(launches: list[str], types: tuple[Q, Q]) 
 
 
 def test_refuses_outputs_it_cannot_address() -> None:
-    with pytest.raises(ValueError, match="groups of 8"):
+    with pytest.raises(ValueError, match="groups of 32"):
         dc.gguf_kinds_cuda(int(Q.Q8_0), [dc.Kind([0], None, torch.empty((1, 32, 2)))])
