@@ -8,49 +8,43 @@ engine's compute on them. ``Lease`` is its asynchronous face; ``SyncLease``
 
 from __future__ import annotations
 
+import asyncio
+from asyncio.events import _get_running_loop
 from collections.abc import AsyncIterator, Mapping
-from typing import Any, Protocol, Self
+from typing import Any, Self
 
 from moestream._handles import ExpertHandle, LeaseSource
 from moestream.gpu.backend import Event
 from moestream.gpu.interop import StreamLike, event_after
+from moestream.pipeline.foundation.errors import UsageError
 from moestream.pipeline.streaming.lease import NOT_YET, Arrival, LayerLease, LeasePart
 from moestream.pipeline.streaming.session import StreamSession
 
-__all__ = ["After", "Lease", "LeaseBase", "LeaseOwner", "pins_held"]
+__all__ = ["After", "Lease", "LeaseBase", "pins_held"]
 
 After = StreamLike | Event | Mapping[int, Any]
 """What a release waits for: a stream (its work so far), an event, or one per device."""
-
-
-class LeaseOwner(Protocol):
-    """What a lease needs of the session that made it (``Session``): named here, so that
-    this module need not import the session's."""
-
-    @property
-    def _streaming(self) -> StreamSession: ...
-
-    def _on_loop(self) -> None: ...
 
 
 class LeaseBase:
     """One layer's fetched experts, pinned on their devices until released: what both
     faces of a lease (``Lease``, ``SyncLease``) are, and what they ask for and found.
 
-    Made by the session (``Session._fetch``), which owns the layer lease and makes the
-    ``LeaseSource`` the handles this hands out share.
+    Made by the session (``Session._fetch``), which hands it what it works with: the
+    layer lease, the ``LeaseSource`` the handles this hands out share, the streaming
+    session that releases it, and the session's event loop, the only one it is used on
+    (the sync face's calls run with it set as their thread's running loop).
     """
 
-    __slots__ = ("_handed", "_layer_lease", "_session", "_source")
+    __slots__ = ("_handed", "_layer_lease", "_loop", "_source", "_streaming")
 
-    def __init__(self, session: LeaseOwner, layer_lease: LayerLease,
-                 source: LeaseSource) -> None:
-        self._session = session
+    def __init__(self, layer_lease: LayerLease, source: LeaseSource,
+                 streaming: StreamSession, loop: asyncio.AbstractEventLoop) -> None:
         self._layer_lease = layer_lease
-        self._handed: list[ExpertHandle] = []
         self._source = source
-        # the session, not the lease: the layer lease must not keep its face alive
-        layer_lease.owner = session
+        self._streaming = streaming
+        self._loop = loop
+        self._handed: list[ExpertHandle] = []
 
     @property
     def layer(self) -> int:
@@ -109,7 +103,7 @@ class LeaseBase:
             UsageError: the lease was released or the session closed; called from another
                 thread than the session's loop.
         """
-        self._session._on_loop()
+        self._check_loop()
         layer_lease = self._layer_lease
         arrivals = layer_lease.take_ready()
         arrivals.extend(layer_lease.take_landed())
@@ -141,8 +135,8 @@ class LeaseBase:
         """
         if self._layer_lease.released:
             return
-        self._session._on_loop()
-        streaming = self._session._streaming
+        self._check_loop()
+        streaming = self._streaming
         if after is None:  # each device's current stream: what the session ends leases with
             streaming.release(self._layer_lease, streaming.default_last_use, ordered=ordered)
             return
@@ -153,6 +147,12 @@ class LeaseBase:
             return event_after(backends[part.device], target)
 
         streaming.release(self._layer_lease, last_use, ordered=ordered)
+
+    def _check_loop(self) -> None:
+        """Refuse a call from another thread than the session's loop."""
+        if _get_running_loop() is not self._loop:
+            raise UsageError("a Lease is used from the event loop that opened its session; "
+                             "from other threads use moestream.open_sync")
 
     def __enter__(self) -> Self:
         return self

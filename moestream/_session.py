@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import warnings
-from asyncio.events import _get_running_loop
 from collections.abc import Callable, Generator, Mapping, Sequence
 from types import TracebackType
 from typing import Any, Self, TypeVar
@@ -90,13 +89,6 @@ class Session:
     @property
     def closed(self) -> bool:
         return self._streaming.closed
-
-    def _on_loop(self) -> None:
-        """Refuse a lease's call from another thread than the session's loop (the sync
-        face's calls run with that loop set as their thread's running loop)."""
-        if _get_running_loop() is not self._loop:
-            raise UsageError("a Lease is used from the event loop that opened its session; "
-                             "from other threads use moestream.open_sync")
 
     def _here(self) -> None:
         """Refuse calls from anywhere but the session's own event loop."""
@@ -252,7 +244,8 @@ class Session:
         return self._fetch(layer, experts, Lease)
 
     def _fetch(self, layer: Index, experts: ExpertIds,
-               face: Callable[[Session, LayerLease, LeaseSource], L]) -> L:
+               face: Callable[[LayerLease, LeaseSource, StreamSession,
+                               asyncio.AbstractEventLoop], L]) -> L:
         """``fetch`` once the caller's place was checked, its lease made by ``face``
         (``Lease``; ``SyncLease`` on the sync face's path)."""
         layer = index(layer, "layer")
@@ -262,11 +255,14 @@ class Session:
         layer_lease: LayerLease | None = None
         try:
             layer_lease = self._streaming.fetch(layer, chosen)
-            table = self._streaming.table
-            assert table is not None  # open: the fetch checked
+            table, loop = self._streaming.table, self._loop
+            assert table is not None and loop is not None  # open: the fetch checked
             source = LeaseSource(layer_lease, self._streaming.backends, table.layers[layer],
                                  self._dropped)
-            return face(self, layer_lease, source)
+            lease = face(layer_lease, source, self._streaming, loop)
+            # the session, not the lease: the layer lease must not keep its face alive
+            layer_lease.owner = self
+            return lease
         except BaseException as exc:
             self._abandon(layer_lease)
             if isinstance(exc, UsageError) and "does not fit the cache budget" in str(exc):

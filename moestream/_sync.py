@@ -22,6 +22,7 @@ a lease's experts is charged, from the moment the caller blocked to the moment i
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import functools
 import os
@@ -45,6 +46,7 @@ from moestream.gpu.interop import stream_pointer
 from moestream.pipeline.foundation.config import Budget
 from moestream.pipeline.foundation.errors import UsageError
 from moestream.pipeline.streaming.lease import NOT_YET, LayerLease
+from moestream.pipeline.streaming.session import StreamSession
 
 __all__ = ["SyncLease", "SyncSession", "open_sync"]
 
@@ -97,12 +99,13 @@ class SyncLease(LeaseBase):
     loop (``LoopThread``), the rest on the caller's thread under the session's lock.
     """
 
-    __slots__ = ("_cupy_devices", "_loop")
+    __slots__ = ("_cupy_devices", "_thread")
 
-    def __init__(self, session: Session, layer_lease: LayerLease, source: LeaseSource, *,
-                 loop: LoopThread, cupy_devices: Sequence[int] | None) -> None:
-        super().__init__(session, layer_lease, source)
-        self._loop = loop
+    def __init__(self, layer_lease: LayerLease, source: LeaseSource, streaming: StreamSession,
+                 loop: asyncio.AbstractEventLoop, *, thread: LoopThread,
+                 cupy_devices: Sequence[int] | None) -> None:
+        super().__init__(layer_lease, source, streaming, loop)
+        self._thread = thread
         self._cupy_devices = cupy_devices  # None: the host backend, no streams to ask
 
     def __iter__(self) -> Iterator[ExpertHandle]:
@@ -111,7 +114,7 @@ class SyncLease(LeaseBase):
     def __next__(self) -> ExpertHandle:
         """As ``Lease.__anext__``: on the caller's thread if the expert has landed, else
         waiting on the loop."""
-        handle = self._loop.call(self._next_nowait)
+        handle = self._thread.call(self._next_nowait)
         if handle is NOT_YET:
             handle = self._blocked(self._next_blocked)
         if handle is None:
@@ -121,7 +124,7 @@ class SyncLease(LeaseBase):
 
     def gather(self) -> list[ExpertHandle]:
         """As ``Lease.gather``: on the caller's thread if every expert has landed."""
-        done = self._loop.call(self._gathered_now)
+        done = self._thread.call(self._gathered_now)
         return done if done is not None else self._blocked(self._gather_blocked)
 
     def _gathered_now(self) -> list[ExpertHandle] | None:
@@ -133,11 +136,11 @@ class SyncLease(LeaseBase):
         (``CallerWait``)."""
         wait = CallerWait()
         try:
-            return self._loop.run(work(wait))
+            return self._thread.run(work(wait))
         finally:
             ended = time.perf_counter()
             with contextlib.suppress(UsageError):  # closed meanwhile: nothing to count
-                self._loop.call(wait.settle, ended)
+                self._thread.call(wait.settle, ended)
 
     # -- on the loop, for a blocked caller ------------------------------------------------
 
@@ -179,7 +182,7 @@ class SyncLease(LeaseBase):
 
     def available(self) -> list[ExpertHandle]:
         """As ``Lease.available``."""
-        return self._loop.call(super().available)
+        return self._thread.call(super().available)
 
     def release(self, after: After = None, *, ordered: bool = False) -> None:
         """As ``Lease.release``; None means each device's current CuPy stream *of the
@@ -188,7 +191,7 @@ class SyncLease(LeaseBase):
             return
         if after is None and self._cupy_devices is not None:
             after = _current_streams(self._cupy_devices)
-        self._loop.call(functools.partial(LeaseBase.release, self, after, ordered=ordered))
+        self._thread.call(functools.partial(LeaseBase.release, self, after, ordered=ordered))
 
 
 def _current_streams(devices: Sequence[int]) -> Mapping[int, int]:
@@ -212,8 +215,9 @@ class SyncSession:
         self._session = session
         self._loop = loop
         cupy_devices = session.devices if session.backend == "cupy" else None
-        self._new_lease: Callable[[Session, LayerLease, LeaseSource], SyncLease] = (
-            functools.partial(SyncLease, loop=loop, cupy_devices=cupy_devices))
+        self._new_lease: Callable[[LayerLease, LeaseSource, StreamSession,
+                                   asyncio.AbstractEventLoop], SyncLease] = (
+            functools.partial(SyncLease, thread=loop, cupy_devices=cupy_devices))
 
     @property
     def model(self) -> ModelInfo:
