@@ -120,7 +120,7 @@ __device__ __forceinline__ float iq2_xxs(const unsigned char* b, int j) {
                         | ((unsigned int)sub[6] << 16) | ((unsigned int)sub[7] << 24);
     float db = __fmul_rn(__fmul_rn(h2f(b), __fadd_rn(0.5f, (float)(meta >> 28))), 0.25f);
     int k = (j >> 3) & 3, e = j & 7;
-    float v = __fmul_rn(db, (float)IQ2_XXS_GRID[sub[k] * 8 + e]);
+    float v = __fmul_rn(db, (float)((IQ2_XXS_GRID[sub[k]] >> (8 * e)) & 255u));
     // a sign flips the sign bit only: (db * grid) * -1 is -(db * grid), bit for bit
     return (KSIGNS[(meta >> (7 * k)) & 127u] >> e) & 1u ? -v : v;
 }
@@ -130,7 +130,7 @@ __device__ __forceinline__ float iq2_xs(const unsigned char* b, int j) {
     unsigned int scale = (b[66 + (j >> 5)] >> (4 * ((j >> 4) & 1))) & 15u;
     float db = __fmul_rn(__fmul_rn(h2f(b), __fadd_rn(0.5f, (float)scale)), 0.25f);
     int e = j & 7;
-    float v = __fmul_rn(db, (float)IQ2_XS_GRID[(word & 511u) * 8 + e]);
+    float v = __fmul_rn(db, (float)((IQ2_XS_GRID[word & 511u] >> (8 * e)) & 255u));
     return (KSIGNS[word >> 9] >> e) & 1u ? -v : v;
 }
 __device__ __forceinline__ float iq3_xxs(const unsigned char* b, int j) {
@@ -139,7 +139,7 @@ __device__ __forceinline__ float iq3_xxs(const unsigned char* b, int j) {
                         | ((unsigned int)w[2] << 16) | ((unsigned int)w[3] << 24);
     float db = __fmul_rn(__fmul_rn(h2f(b), __fadd_rn(0.5f, (float)(meta >> 28))), 0.5f);
     int k = (j >> 3) & 3, e = j & 7;
-    float v = __fmul_rn(db, (float)IQ3_XXS_GRID[b[2 + (j >> 2)] * 4 + (j & 3)]);
+    float v = __fmul_rn(db, (float)((IQ3_XXS_GRID[b[2 + (j >> 2)]] >> (8 * (j & 3))) & 255u));
     return (KSIGNS[(meta >> (7 * k)) & 127u] >> e) & 1u ? -v : v;
 }
 __device__ __forceinline__ float iq4_xs(const unsigned char* b, int j) {
@@ -165,7 +165,8 @@ __device__ __forceinline__ float mxfp4(const unsigned char* b, int j) {
 
 
 def _table(name: str, values: np.ndarray, ctype: str = "unsigned char") -> str:
-    body = ",".join(str(int(v)) for v in values.reshape(-1))
+    suffix = "ull" if ctype == "unsigned long long" else "u" if ctype == "unsigned int" else ""
+    body = ",".join(f"{int(v)}{suffix}" for v in values.reshape(-1))
     return f"__device__ const {ctype} {name}[{values.size}] = {{{body}}};\n"
 
 
@@ -176,12 +177,20 @@ def _grid(kind: type) -> np.ndarray:
     return grid.reshape(-1).astype(np.uint8)
 
 
+def _packed(grid: np.ndarray, width: int) -> np.ndarray:
+    """A grid's rows of ``width`` bytes as one little-endian word each: a row is then one
+    load, not ``width`` (the values of a row come from one index, so the compiler loads the
+    word once for all of them), its byte ``e`` the row's value ``e``."""
+    rows = grid.reshape(-1, width).astype(np.uint64)
+    return (rows << (8 * np.arange(width, dtype=np.uint64))).sum(axis=1, dtype=np.uint64)
+
+
 @functools.cache
 def value_source() -> str:
     """The tables and the value routines, as CUDA C (no kernel: the callers write theirs)."""
-    return (_table("IQ2_XXS_GRID", _grid(quants.IQ2_XXS))
-            + _table("IQ2_XS_GRID", _grid(quants.IQ2_XS))
-            + _table("IQ3_XXS_GRID", _grid(quants.IQ3_XXS))
+    return (_table("IQ2_XXS_GRID", _packed(_grid(quants.IQ2_XXS), 8), "unsigned long long")
+            + _table("IQ2_XS_GRID", _packed(_grid(quants.IQ2_XS), 8), "unsigned long long")
+            + _table("IQ3_XXS_GRID", _packed(_grid(quants.IQ3_XXS), 4), "unsigned int")
             + _table("KSIGNS", np.frombuffer(quants.IQ2_XXS.ksigns, dtype=np.uint8))
             + _table("IQ4_LEVELS", np.array(quants.IQ4_NL.kvalues), "signed char")
             + _table("MXFP4_LEVELS", np.array(quants.MXFP4.kvalues), "signed char")
