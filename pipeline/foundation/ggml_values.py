@@ -182,7 +182,9 @@ def _packed(grid: np.ndarray, width: int) -> np.ndarray:
     load, not ``width`` (the values of a row come from one index, so the compiler loads the
     word once for all of them), its byte ``e`` the row's value ``e``."""
     rows = grid.reshape(-1, width).astype(np.uint64)
-    return (rows << (8 * np.arange(width, dtype=np.uint64))).sum(axis=1, dtype=np.uint64)
+    words: np.ndarray = (rows << (8 * np.arange(width, dtype=np.uint64))).sum(
+        axis=1, dtype=np.uint64)
+    return words
 
 
 @functools.cache
