@@ -2,10 +2,10 @@
 MoE model whose routed experts moestream streams, against the same model resident.
 
 One process, the resident model (``grouped_mm``) first: its greedy tokens are every check's
-reference. ``prefill``: one forward over ``--prompt-tokens`` ids, moestream's after a fresh
-load and decode warm-up each. ``verify``: with the prompt's KV cache, K-token and 1-token
-forwards in turns. ``speculative``: plain greedy ``generate`` against prompt lookup and a draft
-model, through moestream. docs/TRANSFORMERS.md ("Measuring") says what each figure is.
+reference. ``prefill``: one forward over ``--prompt-tokens`` ids, resident and streamed in
+turns, each streamed one after a fresh load and decode warm-up. ``verify``: with the prompt's
+KV cache, K-token and 1-token forwards in turns. ``speculative``: plain greedy ``generate``
+against prompt lookup and a draft model, through moestream (docs/TRANSFORMERS.md, Measuring).
 
     python -m bench.forwards --make /tmp/fw --shape cpu --layers 8 --cache-share 0.25
 """
