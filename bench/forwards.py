@@ -296,6 +296,7 @@ def _bench(args: argparse.Namespace) -> dict[str, Any]:
     plain, _ = _generate(resident, data.repeating, args.tokens, args.device)
     prefill = _prefill(args, data, resident)
     del resident
+    bt._peak_reset(args.device)  # the resident weights freed (a GPU's memory too) before more loads
     rate = _page_cache_rate(args)
     with _streamed(args, args.device, data.repeating) as model:
         verify = _verify_pairs(model, data, args.device)
