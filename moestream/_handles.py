@@ -254,10 +254,6 @@ class ExpertHandle:
     def device(self) -> int:
         return self._part.device
 
-    def _load(self) -> tuple[Any, Any]:
-        """Its cache entry and the load that brought it (a wait for it is charged to them)."""
-        return self._entry, self._part.load
-
     def _make_matrices(self) -> tuple[Matrix, Matrix, Matrix]:
         entry, part, source = self._entry, self._part, self._source
         shapes = source.shapes

@@ -45,7 +45,7 @@ from moestream._tuning import Tuning
 from moestream.gpu.interop import stream_pointer
 from moestream.pipeline.foundation.config import Budget
 from moestream.pipeline.foundation.errors import UsageError
-from moestream.pipeline.streaming.lease import NOT_YET, LayerLease
+from moestream.pipeline.streaming.lease import NOT_YET, Arrival, LayerLease
 from moestream.pipeline.streaming.session import StreamSession
 
 __all__ = ["SyncLease", "SyncSession", "open_sync"]
@@ -148,35 +148,35 @@ class SyncLease(LeaseBase):
         """The next expert, waited for on the loop (``__next__``'s), the wait told to
         ``wait``; None when all were handed out."""
         layer_lease = self._layer_lease
-        handed = len(self._handed)
+        arrival = None
         try:
             arrival = await layer_lease.next(functools.partial(wait.saw, layer_lease.on_wait))
             return None if arrival is None else self._handle(arrival)
         finally:
-            if not wait.waits:
-                self._landed_meanwhile(wait, handed)
+            if not wait.waits and arrival is not None:
+                self._landed_meanwhile(wait, arrival)
 
     async def _gather_blocked(self, wait: CallerWait) -> list[ExpertHandle]:
         """Every expert, waited for on the loop (``gather``'s), the waits told to ``wait``."""
         layer_lease = self._layer_lease
-        handed = len(self._handed)
         told = functools.partial(wait.saw, layer_lease.on_wait)
+        first = None
         try:
             while (arrival := await layer_lease.next(told)) is not None:
+                if first is None:
+                    first = arrival
                 self._handle(arrival)
             return self._in_order()
         finally:
-            if not wait.waits:
-                self._landed_meanwhile(wait, handed)
+            if not wait.waits and first is not None:
+                self._landed_meanwhile(wait, first)
 
-    def _landed_meanwhile(self, wait: CallerWait, handed: int) -> None:
-        """The expert the caller blocked for landed during its hop to the loop (the layer
-        lease waited for nothing): the caller's wait is still one for that expert's load."""
-        if len(self._handed) <= handed:
-            return
-        entry, load = self._handed[handed]._load()
+    def _landed_meanwhile(self, wait: CallerWait, arrival: Arrival) -> None:
+        """The expert the caller blocked for (``arrival``, the first this call got) landed
+        during its hop to the loop (the layer lease waited for nothing): the caller's wait
+        is still one for that expert's load."""
         now = time.perf_counter()
-        wait.saw(self._layer_lease.on_wait, entry, load, now, now)
+        wait.saw(self._layer_lease.on_wait, arrival.entry, arrival.part.load, now, now)
 
     # -- on the caller's thread -----------------------------------------------------------
 

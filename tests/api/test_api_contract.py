@@ -123,7 +123,7 @@ class TestTokenAccounting:
         real = _LoopThread.run
 
         def slow_hop(loop: Any, work: Any) -> Any:
-            if getattr(work, "__name__", "") not in ("_next", "_gather", "gather"):
+            if getattr(work, "__name__", "") not in ("_next_blocked", "_gather_blocked"):
                 return real(loop, work)
             time.sleep(0.020)
             try:
