@@ -87,23 +87,38 @@ def _stream(pointer: int, device: int) -> Any:
         return cupy.cuda.ExternalStream(pointer, device)
 
 
+_UNMADE: Any = object()
+"""A layer's table not asked for yet (None: asked, and the layer takes the lease path)."""
+
+
 class _Table:
     """One whole layer's addresses on the device, ``(experts, 3)`` int64, and its matrices'
-    bytes (every expert of a layer has the same)."""
+    bytes (every expert of a layer has the same); with what each call of the layer would
+    otherwise work out again: the module's projection shapes (set once :meth:`fits`
+    accepted them) and the kernel's grid width."""
 
-    __slots__ = ("addresses", "down_bytes", "gate_bytes", "up_bytes")
+    __slots__ = ("addresses", "blocks", "down_bytes", "down_shape", "experts", "first_shape",
+                 "gate_bytes", "up_bytes")
 
     def __init__(self, addresses: Any, sizes: tuple[int, int, int]) -> None:
         self.addresses = addresses
+        self.experts = int(addresses.shape[0])
         self.gate_bytes, self.up_bytes, self.down_bytes = sizes
+        largest = max(sizes)
+        self.blocks = max(1, min(-(-largest // (16 * _THREADS)), 128))
+        self.first_shape: tuple[int, ...] = ()
+        self.down_shape: tuple[int, ...] = ()
 
     def fits(self, first_shape: tuple[int, ...], down_shape: tuple[int, ...], dtype: Any
              ) -> bool:
         """Whether an expert's gate and up fill one of the module's first projections and
         its down one down projection, in ``dtype`` (what the copies assume)."""
         size = int(dtype.itemsize)
-        return (size * math.prod(first_shape) == self.gate_bytes + self.up_bytes
-                and size * math.prod(down_shape) == self.down_bytes)
+        if (size * math.prod(first_shape) != self.gate_bytes + self.up_bytes
+                or size * math.prod(down_shape) != self.down_bytes):
+            return False
+        self.first_shape, self.down_shape = first_shape, down_shape
+        return True
 
 
 class WholeLayers:
@@ -122,6 +137,9 @@ class WholeLayers:
         info = session.model
         self._total = sum(info.layers[layer].n_experts * info.layers[layer].expert_bytes
                           for layer in info.moe_layers)
+        self._one_device = len(session.devices) == 1  # a session's devices are fixed
+        self._layers = [(layer, range(info.layers[layer].n_experts))
+                        for layer in info.moe_layers]
         self._tables: dict[tuple[int, Any], _Table | None] = {}
         self._whole: bool | None = None
         self._pending: list[tuple[int, Any, Any]] = []
@@ -137,13 +155,14 @@ class WholeLayers:
         if pairs == 0 or min(pairs, module.num_experts) > MAX_SLOTS:
             return None
         dtype = module.down_proj.dtype
-        first_shape = tuple(first_projection(module).shape[1:])
-        down_shape = tuple(module.down_proj.shape[1:])
-        table = self._table(layer, dtype, first_shape, down_shape)
+        table = self._tables.get((layer, dtype), _UNMADE)
+        if table is _UNMADE:  # the layer's first call in this dtype (and shapes): once
+            table = self._table(layer, dtype, tuple(first_projection(module).shape[1:]),
+                                tuple(module.down_proj.shape[1:]))
         if table is None:
             return None
         return self.grouped(layer, table, module, hidden, top_k_index, top_k_weights,
-                            first_shape, down_shape)
+                            table.first_shape, table.down_shape)
 
     def _table(self, layer: int, dtype: Any, first_shape: tuple[int, ...],
                down_shape: tuple[int, ...]) -> _Table | None:
@@ -162,13 +181,19 @@ class WholeLayers:
 
     def _holds_every_expert(self) -> bool:
         """Whether the budget holds every expert of the model and all are cached, on one
-        device (a table holds one device's addresses); host queries: no device work."""
+        device (a table holds one device's addresses); host queries: no device work.
+
+        The layers are asked from the one that was not yet ready last time: while the
+        cache fills, a token's answer is most often its first query, not one a layer."""
         session = self.session
-        if len(session.devices) != 1 or session.counters().budget_bytes < self._total:
+        if not self._one_device or session.counters().budget_bytes < self._total:
             return False
-        layers = session.model.layers
-        return all(session.ready(layer, range(layers[layer].n_experts))
-                   for layer in session.model.moe_layers)
+        layers = self._layers
+        for i, (layer, experts) in enumerate(layers):
+            if not session.ready(layer, experts):
+                self._layers = layers[i:] + layers[:i]  # the same layers, this one first
+                return False
+        return True
 
     def _make(self, layer: int, n: int, dtype: Any) -> _Table | None:
         stream = self._stream()
@@ -206,8 +231,8 @@ class WholeLayers:
         def gather(slots: Any, first: Any, down: Any) -> None:
             self._gather(table, slots, first, down)
 
-        out = slotted_grouped(module, hidden, top_k_index, top_k_weights,
-                              int(table.addresses.shape[0]), gather, first_shape, down_shape)
+        out = slotted_grouped(module, hidden, top_k_index, top_k_weights, table.experts,
+                              gather, first_shape, down_shape)
         self._remember(layer, top_k_index)
         return out
 
@@ -217,10 +242,8 @@ class WholeLayers:
 
         index = self.device.index or 0
         stream = torch.cuda.current_stream(self.device)
-        largest = max(table.gate_bytes, table.up_bytes, table.down_bytes)
-        blocks = max(1, min(-(-largest // (16 * _THREADS)), 128))
         with cupy.cuda.Device(index), _stream(stream.cuda_stream, index):
-            _kernel(index)((blocks, slots.shape[0]), (_THREADS,), (
+            _kernel(index)((table.blocks, slots.shape[0]), (_THREADS,), (
                 np.uint64(table.addresses.data_ptr()), np.uint64(slots.data_ptr()),
                 np.uint64(first.data_ptr()), np.uint64(down.data_ptr()),
                 np.int64(table.gate_bytes), np.int64(table.up_bytes),

@@ -1,0 +1,192 @@
+"""What the transformers experts path works out once and keeps, and when it works it out again.
+
+``WholeLayers`` (the CUDA path of a model held whole) asks the session whether every
+expert is cached: never past a budget below every expert, and while the cache fills it
+asks the layer that was not ready last time first; a layer's table is made once and
+carries the shapes its calls need. ``NextRouter``'s float32 copy of a DeepSeek-style
+router's weight is made once and made again when the weight is replaced, cast, moved or
+written in place. All on the host, with a stand-in session where only the questions asked
+matter.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers.integrations.moe")
+
+from moestream.transformers import _routing  # noqa: E402
+from moestream.transformers._prefetch import NextRouter  # noqa: E402
+
+EXPERT_BYTES = 100
+
+
+class _Session:
+    """What ``WholeLayers`` asks of a session: its devices, model, budget and readiness;
+    each ``ready`` question recorded."""
+
+    def __init__(self, layers: list[int], budget_bytes: int, devices: tuple[int, ...] = (0,)
+                 ) -> None:
+        self.devices = devices
+        self.model = SimpleNamespace(
+            moe_layers=layers,
+            layers={layer: SimpleNamespace(n_experts=4, expert_bytes=EXPERT_BYTES)
+                    for layer in layers})
+        self.budget_bytes = budget_bytes
+        self.not_ready: set[int] = set()
+        self.asked: list[int] = []
+
+    def counters(self) -> Any:
+        return SimpleNamespace(budget_bytes=self.budget_bytes)
+
+    def ready(self, layer: int, experts: range) -> bool:
+        assert list(experts) == [0, 1, 2, 3]
+        self.asked.append(layer)
+        return layer not in self.not_ready
+
+
+def _whole(session: _Session) -> Any:
+    return _routing.WholeLayers(session, "cpu")
+
+
+class TestHoldsEveryExpert:
+    """The session is asked as little as gives the same answer."""
+
+    def test_a_budget_below_every_expert_asks_no_layer(self) -> None:
+        session = _Session([1, 2, 3], budget_bytes=3 * 4 * EXPERT_BYTES - 1)
+        assert not _whole(session)._holds_every_expert()
+        assert session.asked == []
+
+    def test_several_devices_ask_nothing(self) -> None:
+        session = _Session([1, 2, 3], budget_bytes=1 << 30, devices=(0, 1))
+        assert not _whole(session)._holds_every_expert()
+        assert session.asked == []
+
+    def test_the_layer_not_ready_last_time_is_asked_first(self) -> None:
+        session = _Session([1, 2, 3, 4], budget_bytes=1 << 30)
+        whole = _whole(session)
+        session.not_ready = {3}
+        assert not whole._holds_every_expert()
+        assert session.asked == [1, 2, 3]
+        session.asked.clear()
+        assert not whole._holds_every_expert()  # still filling: one question
+        assert session.asked == [3]
+        session.asked.clear()
+        session.not_ready = {1}  # 3 landed, 1 was evicted meanwhile
+        assert not whole._holds_every_expert()
+        assert session.asked == [3, 4, 1]
+        session.asked.clear()
+        session.not_ready = set()
+        assert whole._holds_every_expert()  # every layer asked before a yes
+        assert sorted(session.asked) == [1, 2, 3, 4]
+
+
+class TestTables:
+    """A layer's table is made once a dtype; its calls take their shapes from it."""
+
+    def test_made_once_with_its_shapes(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        session = _Session([0], budget_bytes=1 << 30)
+        whole = _whole(session)
+        made: list[int] = []
+        served: list[tuple[Any, Any]] = []
+
+        def make(self: Any, layer: int, n: int, dtype: Any) -> Any:
+            made.append(layer)
+            # 4 experts, gate and up (8, 16) and down (16, 8) in bfloat16
+            return _routing._Table(torch.zeros(n, 3, dtype=torch.int64), (256, 256, 256))
+
+        def grouped(self: Any, layer: int, table: Any, module: Any, hidden: Any,
+                    index: Any, weights: Any, first_shape: Any, down_shape: Any) -> Any:
+            served.append((first_shape, down_shape))
+            return hidden
+
+        monkeypatch.setattr(_routing.WholeLayers, "_make", make)
+        monkeypatch.setattr(_routing.WholeLayers, "grouped", grouped)
+        module = SimpleNamespace(num_experts=4, has_gate=True,
+                                 gate_up_proj=torch.zeros(4, 16, 16, dtype=torch.bfloat16),
+                                 down_proj=torch.zeros(4, 16, 8, dtype=torch.bfloat16))
+        hidden = torch.zeros(1, 16, dtype=torch.bfloat16)
+        index = torch.tensor([[0, 2]])
+        for _ in range(3):
+            assert whole.forward(0, module, hidden, index, index.float()) is hidden
+        assert made == [0]
+        assert served == [((16, 16), (16, 8))] * 3
+        assert session.asked == [0]  # asked once, for the table
+
+    def test_a_layout_the_copies_do_not_serve_is_refused_once(
+            self, monkeypatch: pytest.MonkeyPatch) -> None:
+        session = _Session([0], budget_bytes=1 << 30)
+        whole = _whole(session)
+        made: list[int] = []
+
+        def make(self: Any, layer: int, n: int, dtype: Any) -> Any:
+            made.append(layer)
+            return _routing._Table(torch.zeros(n, 3, dtype=torch.int64), (10, 10, 10))
+
+        monkeypatch.setattr(_routing.WholeLayers, "_make", make)
+        module = SimpleNamespace(num_experts=4, has_gate=True,
+                                 gate_up_proj=torch.zeros(4, 16, 16, dtype=torch.bfloat16),
+                                 down_proj=torch.zeros(4, 16, 8, dtype=torch.bfloat16))
+        hidden = torch.zeros(1, 16, dtype=torch.bfloat16)
+        index = torch.tensor([[0, 2]])
+        for _ in range(2):
+            assert whole.forward(0, module, hidden, index, index.float()) is None
+        assert made == [0]
+
+    def test_grid_from_the_largest_matrix(self) -> None:
+        table = _routing._Table(torch.zeros(2, 3, dtype=torch.int64), (4096, 4096, 8192))
+        assert table.experts == 2
+        assert table.blocks == 2  # 8192 bytes in 16-byte words over 256 threads
+        big = _routing._Table(torch.zeros(2, 3, dtype=torch.int64), (1 << 30, 1, 1))
+        assert big.blocks == 128
+
+
+class _Router(torch.nn.Module):
+    """A DeepSeek-V3-style router: a bias-free linear map scored as sigmoid plus a
+    correction bias."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.weight = torch.nn.Parameter(torch.randn(8, 16, generator=g, dtype=torch.bfloat16))
+        self.register_buffer("e_score_correction_bias", torch.zeros(8))
+
+
+def _expected(router: Any, hidden: Any, top_k: int) -> Any:
+    scores = torch.nn.functional.linear(hidden.float(), router.weight.float()).sigmoid()
+    return torch.topk(scores + router.e_score_correction_bias, top_k, dim=-1).indices
+
+
+class TestRouterCast:
+    """The float32 weight is held while the weight is unchanged, made again when not."""
+
+    def test_held_while_unchanged(self) -> None:
+        router = _Router()
+        following = NextRouter(3, router)
+        hidden = torch.randn(5, 16, dtype=torch.bfloat16)
+        with torch.no_grad():
+            first = following._float32.of(router.weight)
+            assert torch.equal(following.guess(hidden, 2), _expected(router, hidden, 2))
+            assert following._float32.of(router.weight) is first
+            assert first.dtype == torch.float32
+
+    @pytest.mark.parametrize("change", ["written", "replaced", "cast"])
+    def test_made_again_when_changed(self, change: str) -> None:
+        router = _Router()
+        following = NextRouter(3, router)
+        hidden = torch.randn(5, 16, dtype=torch.bfloat16)
+        with torch.no_grad():
+            before = following._float32.of(router.weight)
+            following.guess(hidden, 2)
+            if change == "written":  # a load into the same parameter
+                router.weight.copy_(torch.flip(router.weight, dims=[0]))
+            elif change == "replaced":  # the loader puts another parameter
+                router.weight = torch.nn.Parameter(-router.weight.detach())
+            else:  # the model cast: the same parameter object, other storage and dtype
+                router.to(torch.float16)
+            assert following._float32.of(router.weight) is not before
+            assert torch.equal(following.guess(hidden, 2), _expected(router, hidden, 2))
