@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch  # type: ignore[import-not-found, unused-ignore]
@@ -47,13 +47,40 @@ def check_prefetch(prefetch: object) -> Prefetch:
     raise UsageError(f"prefetch must be one of {', '.join(PREFETCHES)}, got {prefetch!r}")
 
 
+class _Float32Weight:
+    """A router's weight as float32, cast again only when the weight is another tensor or
+    its storage, type, device or contents changed (the loader replaced it, the model moved
+    or was cast, a load wrote it in place): DeepSeek's router scores in float32, and a cast
+    each call would copy its ``[experts, hidden]`` weight a layer a token."""
+
+    __slots__ = ("_cast", "_source", "_stamp")
+
+    def __init__(self) -> None:
+        self._source: Any = None  # held, so that its id is never another tensor's
+        self._stamp: tuple[Any, ...] = ()
+        self._cast: Any = None
+
+    def of(self, weight: Any) -> Any:
+        """``weight.float()``, the one made before while ``weight`` is unchanged."""
+        # an inference tensor keeps no version counter (it cannot be written in place)
+        version = -1 if weight.is_inference() else weight._version
+        stamp = (weight.data_ptr(), weight.dtype, weight.device, version)
+        if weight is not self._source or stamp != self._stamp:
+            self._cast = weight.detach().float()
+            self._source, self._stamp = weight, stamp
+        return self._cast
+
+
 @dataclass(frozen=True)
 class NextRouter:
     """The MoE layer after one, and its router module (its weights are read per call:
-    the loader may have replaced the parameters since)."""
+    the loader may have replaced the parameters since; a float32 copy of the weight is
+    kept while the weight is unchanged)."""
 
     layer: int
     router: Any
+    _float32: _Float32Weight = field(default_factory=_Float32Weight, init=False,
+                                     repr=False, compare=False)
 
     def guess(self, hidden: Any, top_k: int) -> Any:
         """``(tokens, top_k)`` expert ids this router would pick for ``hidden``, on its
@@ -66,7 +93,8 @@ class NextRouter:
             offset = offset if isinstance(offset, torch.Tensor) else None
             scores = torch.nn.functional.linear(hidden.to(weight.dtype), weight, offset)
         else:  # as DeepSeek-V3's router: float32 sigmoid scores plus the bias
-            scores = torch.nn.functional.linear(hidden.float(), weight.float()).sigmoid() + bias
+            scores = torch.nn.functional.linear(hidden.float(), self._float32.of(weight))
+            scores = scores.sigmoid() + bias
         return torch.topk(scores, min(top_k, scores.shape[-1]), dim=-1).indices
 
 
