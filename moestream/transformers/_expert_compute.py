@@ -111,9 +111,8 @@ def _grouped_rows(weights: ExpertWeights, module: Any, hidden: Any, expert_ids: 
     proj = module._apply_gate(proj) if getattr(module, "has_gate", True) else module.act_fn(proj)
     proj = grouped_linear(proj, down, offsets, down_bias, transposed)
     rows = proj * sample_weights[perm].unsqueeze(-1)
-    inverse = torch.empty_like(perm)
-    inverse[perm] = torch.arange(perm.size(0), device=device)
-    rows = rows[inverse]
+    # back to the pairs' own places in one copy (no inverse permutation built first)
+    rows = torch.empty_like(rows).index_copy_(0, perm, rows)
     if weighted is None:
         return rows  # the pairs of other experts are overwritten by their own batches
     mine = (local < n).unsqueeze(-1)
