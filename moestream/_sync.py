@@ -211,13 +211,13 @@ class SyncSession:
     Close it (``close()`` or a ``with`` block): that also stops its loop's thread.
     """
 
-    def __init__(self, session: Session, loop: LoopThread) -> None:
+    def __init__(self, session: Session, thread: LoopThread) -> None:
         self._session = session
-        self._loop = loop
+        self._thread = thread
         cupy_devices = session.devices if session.backend == "cupy" else None
         self._new_lease: Callable[[LayerLease, LeaseSource, StreamSession,
                                    asyncio.AbstractEventLoop], SyncLease] = (
-            functools.partial(SyncLease, thread=loop, cupy_devices=cupy_devices))
+            functools.partial(SyncLease, thread=thread, cupy_devices=cupy_devices))
 
     @property
     def model(self) -> ModelInfo:
@@ -241,17 +241,17 @@ class SyncSession:
 
     def router(self, seed: int = 0) -> Router:
         """As ``Session.router``; the router itself may be called from any thread."""
-        return self._loop.call(self._session.router, seed)
+        return self._thread.call(self._session.router, seed)
 
     def fetch(self, layer: Index, experts: ExpertIds) -> SyncLease:
         """As ``Session.fetch`` (on the caller's thread: it never waits)."""
-        lease: SyncLease = self._loop.call(self._session._fetch, layer, experts,
+        lease: SyncLease = self._thread.call(self._session._fetch, layer, experts,
                                            self._new_lease, undo=SyncLease.release)
         return lease
 
     def prefetch(self, layer: Index, experts: ExpertIds) -> int:
         """As ``Session.prefetch`` (on the caller's thread)."""
-        return self._loop.call(self._session._prefetch, layer, experts)
+        return self._thread.call(self._session._prefetch, layer, experts)
 
     def read_tensor(self, name: str) -> bytearray:
         """As ``Session.read_tensor`` (on the caller's thread: a blocking read that needs
@@ -264,18 +264,18 @@ class SyncSession:
 
     def ready(self, layer: Index, experts: ExpertIds) -> bool:
         """As ``Session.ready`` (on the caller's thread)."""
-        return self._loop.query(self._session._ready, layer, experts)
+        return self._thread.query(self._session._ready, layer, experts)
 
     def end_token(self, *, compute_ms: float | Sequence[float] | None = None,
                   upload_ms: float = 0.0) -> TokenStats:
         """As ``Session.end_token`` (on the loop: it may wait for the controller)."""
-        return self._loop.run(self._session.end_token(compute_ms=compute_ms,
+        return self._thread.run(self._session.end_token(compute_ms=compute_ms,
                                                       upload_ms=upload_ms))
 
     def counters(self) -> Counters:
         """As ``Session.counters`` (on the caller's thread; it releases leases dropped
         meanwhile, as every call does)."""
-        return self._loop.call(self._session._counters)
+        return self._thread.call(self._session._counters)
 
     def close(self) -> None:
         """As ``Session.aclose``, then stop the loop's thread. Idempotent."""
@@ -286,12 +286,12 @@ class SyncSession:
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
-        if self._loop.closed:  # closed already
+        if self._thread.closed:  # closed already
             return
         try:  # as ``Session.__aexit__``: a failed with block closes without raising over it
-            self._loop.run(self._session.__aexit__(exc_type, exc, tb))
+            self._thread.run(self._session.__aexit__(exc_type, exc, tb))
         finally:
-            self._loop.stop()
+            self._thread.stop()
 
     def __repr__(self) -> str:
         return f"Sync{self._session!r}"
@@ -317,10 +317,10 @@ def open_sync(
     session = open_session(model, devices=devices, budget=budget, mode=mode, policy=policy,
                            verify=verify, backend=backend, log=log, tuning=tuning)
     DEFERRAL.install()
-    loop = LoopThread()
+    thread = LoopThread()
     try:
-        loop.run(session._open())
+        thread.run(session._open())
     except BaseException:
-        loop.stop()
+        thread.stop()
         raise
-    return SyncSession(session, loop)
+    return SyncSession(session, thread)

@@ -657,7 +657,7 @@ class TestThreads:
 
     def test_the_sync_face_refuses_its_own_loop_thread(self, tiny_model: Path) -> None:
         with _sync(tiny_model) as ms:
-            loop = ms._loop.loop
+            loop = ms._thread.loop
             done = asyncio.run_coroutine_threadsafe(_call_on_loop(ms), loop)
             with pytest.raises(moestream.UsageError, match="own loop"):
                 done.result(timeout=10)
