@@ -6,11 +6,11 @@ dtype on the device: on a GPU by ``_dequant_cuda.gguf_layer_cuda`` (one CuPy ker
 a type, reading the cache in place), elsewhere (and for a float type among them) by
 :meth:`GgufExperts.fill`, ``_gguf_dequant.dequantize``'s torch ops. Both give gguf-py's
 float32 rounded once to the dtype, bit for bit: what transformers' own GGUF loading gives,
-since it dequantizes with gguf-py and casts. A layer's gate and up share one ggml type (the table checks it) and are
-dequantized in one call straight into the stacked ``gate_up`` (gate rows first, as
-transformers stacks ``ffn_gate_exps`` and ``ffn_up_exps``); down in a second. Types may
-differ from layer to layer and between gate/up and down; float types (F16, BF16, F32)
-among them are cast by the same call.
+since it dequantizes with gguf-py and casts. A layer's gate and up share one ggml type (the
+table checks it) and are dequantized together straight into the stacked ``gate_up`` (gate
+rows first, as transformers stacks ``ffn_gate_exps`` and ``ffn_up_exps``); down apart where
+its type differs. Types may differ from layer to layer and between gate/up and down; float
+types (F16, BF16, F32) among them are cast by the torch path.
 """
 
 from __future__ import annotations
