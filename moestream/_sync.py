@@ -27,7 +27,7 @@ import contextlib
 import functools
 import os
 import time
-from collections.abc import Callable, Coroutine, Iterator, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Iterable, Iterator, Mapping, Sequence
 from types import TracebackType
 from typing import Any, TypeVar
 
@@ -215,6 +215,7 @@ class SyncSession:
         self._session = session
         self._thread = thread
         cupy_devices = session.devices if session.backend == "cupy" else None
+        self._cupy_devices = cupy_devices  # None: the host backend, no streams to ask
         self._new_lease: Callable[[LayerLease, LeaseSource, StreamSession,
                                    asyncio.AbstractEventLoop], SyncLease] = (
             functools.partial(SyncLease, thread=thread, cupy_devices=cupy_devices))
@@ -248,6 +249,32 @@ class SyncSession:
         lease: SyncLease = self._thread.call(self._session._fetch, layer, experts,
                                            self._new_lease, undo=SyncLease.release)
         return lease
+
+    def used(self, uses: Iterable[tuple[Index, ExpertIds]], after: After = None) -> None:
+        """Count experts an engine computed on without a lease of its own, as ``fetch``,
+        ``available`` and ``release(after)`` of each ``(layer, experts)`` would, all in one
+        hop to the loop (those three are one hop each).
+
+        Why: an engine that keeps the addresses of experts it knows stay cached (a budget
+        holding every expert: nothing can evict them) computes a token's layers with no
+        lease at all, then tells the session what it used, once a token: the hits, the LRU
+        order and the token's counts are then as if each layer had been fetched. An expert
+        not cached is loaded as a fetch would load it, and its pin kept until it lands.
+
+        Args:
+            uses: each layer's experts, in the order they were used.
+            after: as ``SyncLease.release``: what the compute on them was queued on.
+        """
+        calls = [(layer, experts) for layer, experts in uses]
+        if after is None and self._cupy_devices is not None:
+            after = _current_streams(self._cupy_devices)
+        self._thread.call(self._used, calls, after)
+
+    def _used(self, calls: list[tuple[Index, ExpertIds]], after: After) -> None:
+        for layer, experts in calls:
+            lease = self._session._fetch(layer, experts, self._new_lease)
+            LeaseBase.available(lease)
+            LeaseBase.release(lease, after)
 
     def prefetch(self, layer: Index, experts: ExpertIds) -> int:
         """As ``Session.prefetch`` (on the caller's thread)."""
