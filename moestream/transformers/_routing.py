@@ -272,8 +272,8 @@ class WholeLayers:
         pending = self._pending
         done = 0
         while done < len(pending) and (pending[done][2] is None or pending[done][2].query()):
-            self._count(pending[done][0], pending[done][1], stream)
             done += 1
+        self._count(pending[:done], stream)
         del pending[:done]
 
     def account(self, stream: Any) -> None:
@@ -283,20 +283,21 @@ class WholeLayers:
         whole is asked again in the next token; one whose budget shrank below every expert
         goes back to the lease path."""
         pending, self._pending = self._pending, []
-        for layer, ids, landed in pending:
+        for _, _, landed in pending:
             if landed is not None:  # done already: the token's end synchronized the device
                 landed.synchronize()
-            self._count(layer, ids, stream)
+        self._count(pending, stream)
         if not self._whole:
             self._whole = None
         elif self.session.counters().budget_bytes < self._total:
             self.forget()
 
-    def _count(self, layer: int, ids: Any, stream: Any) -> None:
-        """One call's experts as hits: a lease of them, released at once."""
-        with self.session.fetch(layer, np.unique(ids.numpy()).tolist()) as lease:
-            lease.available()
-            lease.release(after=stream)
+    def _count(self, calls: list[tuple[int, Any, Any]], stream: Any) -> None:
+        """The calls' experts as hits, as a lease of each call's would count them, told to
+        the session in one hop (``SyncSession.used``)."""
+        if calls:
+            self.session.used([(layer, np.unique(ids.numpy()).tolist())
+                               for layer, ids, _ in calls], after=stream)
 
 Gather = Callable[[Any, Any, Any], None]
 """Fills ``first`` ``(slots, ...)`` and ``down`` with the weights of each slot's expert (the
