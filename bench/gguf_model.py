@@ -1,32 +1,27 @@
 """``python -m bench.gguf_model``: a Q4_K GGUF model against its BF16 checkpoint, streamed.
 
-One figure: greedy tokens/s through ``moestream.transformers.from_pretrained`` of a
-Qwen3-MoE model written as a GGUF file whose routed experts are Q4_K (4.5 bits a value),
-against the BF16 ``save_pretrained`` checkpoint of the same shape, both at the same device
-budget (``--total``: the dense weights, bfloat16 in both, plus the expert cache; or a cache
-of ``--cache-share`` of the BF16 experts' bytes) and the same dtype (bfloat16). The same
-cache bytes hold 16 / 4.5 = 3.6 times the experts of the GGUF file, whose misses also read
-a quarter of the bytes; each GGUF arrival is dequantized on the compute device.
+Greedy tokens/s through ``moestream.transformers.from_pretrained`` of a Qwen3-MoE GGUF file
+whose routed experts are Q4_K (4.5 bits a value) against the BF16 ``save_pretrained``
+checkpoint of the same shape, both in bfloat16 at the same device budget (``--total``: the
+dense weights plus the expert cache; or a cache of ``--cache-share`` of the BF16 experts'
+bytes). The same cache holds 16 / 4.5 = 3.6x the GGUF's experts, whose misses read 0.28x
+the bytes; the GGUF's experts are dequantized on the compute device at each use.
 
 ``--make DIR`` writes (or reuses) ``bench.transformers``' random-init checkpoint of
-``--shape`` and ``--layers`` and ``DIR/model-q4_k.gguf`` from it, as llama.cpp's converter
-lays a file out (gguf's tensor names and metadata, 1-D tensors and the routers F32, other
-dense tensors F16, the experts stacked as ``blk.N.ffn_{gate,up,down}_exps``), tensor by
-tensor (a qwen3-30b-a3b layer's experts are 340 MB of Q4_K). gguf-py cannot quantize to
-Q4_K, so the experts are random valid blocks (random bytes, small finite float16 scales):
-the GGUF's expert values are not the checkpoint's, and its tokens differ from the BF16
-model's. This is a speed figure only. Where the experts' widths are no whole number of
-Q4_K's 256-value blocks (the ``tiny`` shape) they are Q4_0, also 4.5 bits a value.
+``--shape`` and ``--layers`` and ``DIR/model-q4_k.gguf`` from it, laid out as llama.cpp's
+converter does (gguf's names and metadata, 1-D tensors and routers F32, other dense
+tensors F16, experts stacked as ``blk.N.ffn_{gate,up,down}_exps``), a tensor at a time.
+gguf-py cannot quantize Q4_K, so the experts are random valid blocks (small finite float16
+scales): their values are not the checkpoint's and the tokens differ; a speed figure only.
+Where the expert widths are no whole 256-value block (``tiny``) they are Q4_0 (4.5 bits).
 
 The process first loads the BF16 model resident and generates the timed tokens (the first
-model a process loads runs slower; its tokens are the BF16 runs' reference, its speed the
-resident reference), then one untimed round (a load and a generate of each), then
-``--repeat`` rounds alternating the two: each a fresh load (a generate warms the cache),
-``--warmup`` untimed tokens, ``--tokens`` timed, with the session's hits, misses and
-bytes read over the timed tokens. Prints one JSON object; ``gguf_over_bf16`` is the ratio
-of the median tokens/s.
+model loaded runs slower; its tokens are the BF16 runs' reference, its speed the resident
+reference), then one untimed round (a load and a generate of each), then ``--repeat``
+rounds alternating the two: a fresh load each (a generate warms the cache), ``--warmup``
+untimed tokens, ``--tokens`` timed, with the session's counts and time split over them.
 
-    python -m bench.gguf_model --make /tmp/gm --shape cpu --layers 8 --cache-share 0.25
+    python -m bench.gguf_model --make /tmp/gm --shape cpu --layers 8 --total 122MiB
 """
 
 from __future__ import annotations
@@ -47,6 +42,8 @@ from bench.transformers import (
     SHAPES,
     _cache_bytes,
     _generate,
+    _peak,
+    _peak_reset,
     _shards,
     _versions,
     checkpoint_bytes,
@@ -62,7 +59,6 @@ from moestream.pipeline.foundation.safetensors_table import is_routed
 __all__ = ["main", "write_gguf"]
 
 GGUF_NAME = "model-q4_k.gguf"
-ARCH = "qwen3moe"
 _SCALES: dict[str, tuple[tuple[int, ...], float, float]] = {
     "Q4_K": ((0, 2), 2.0**-14, 2.0**-13),  # d and dmin; a value is d*sc*q - dmin*m
     "Q4_0": ((0,), 2.0**-9, 2.0**-8),  # d; a value is d*(q - 8)
@@ -210,7 +206,7 @@ def write_gguf(checkpoint: Path, path: Path, seed: int = 0) -> dict[str, Any]:
     kind = expert_type(config)
     dense = _dense_plan(checkpoint, config["num_hidden_layers"])
     part = path.with_name(path.name + ".part")
-    writer = gguf.GGUFWriter(part, ARCH)
+    writer = gguf.GGUFWriter(part, "qwen3moe")
     try:
         _metadata(writer, config)
         _plan_tensors(writer, config, dense, kind)
@@ -247,12 +243,16 @@ def _load_and_time(path: Path, args: argparse.Namespace, prompt: Any, device: An
 
     for file in [path] if path.is_file() else _shards(path):
         make_resident(file)
+    _peak_reset(device)
     model = from_pretrained(path, budget=Budget(nbytes=cache), device=device,
                             dtype=torch.bfloat16, mode=args.mode)
     stream = model.moestream
     try:
         if args.warmup:
             _generate(model, prompt, args.warmup, device)
+        parts: dict[str, float] = {}  # the timed tokens' wall time by what it went to
+        stream.on_token = lambda stats: parts.update(
+            {part: parts.get(part, 0.0) + ms for part, ms in stats.time.items()})
         before = stream.session.counters()
         tokens, seconds = _generate(model, prompt, args.tokens, device)
         after = stream.session.counters()
@@ -263,7 +263,8 @@ def _load_and_time(path: Path, args: argparse.Namespace, prompt: Any, device: An
             "misses": after.misses - before.misses,
             "file_bytes": after.file_bytes - before.file_bytes,
             "storage_bytes": after.storage_bytes - before.storage_bytes,
-            "budget_bytes": after.budget_bytes}
+            "budget_bytes": after.budget_bytes, "device_peak_bytes": _peak(device),
+            "time_ms": parts}
 
 
 def _rounds(paths: dict[str, Path], args: argparse.Namespace, prompt: Any, device: Any,
@@ -280,7 +281,8 @@ def _rounds(paths: dict[str, Path], args: argparse.Namespace, prompt: Any, devic
 
 
 def _run_summary(loads: Sequence[dict[str, Any]], reference: str | None) -> dict[str, Any]:
-    """A model's timed loads: ``summary``'s speed figures, and each load's counts."""
+    """A model's timed loads: ``summary``'s speed figures, each load's counts, and the
+    time split summed over them (what bounds the run)."""
     out = summary([(d["tokens"], d["seconds"]) for d in loads], reference)
     hits, misses = sum(d["hits"] for d in loads), sum(d["misses"] for d in loads)
     out.update({
@@ -293,7 +295,11 @@ def _run_summary(loads: Sequence[dict[str, Any]], reference: str | None) -> dict
         "misses_median": statistics.median(d["misses"] for d in loads),
         "file_bytes_median": statistics.median(d["file_bytes"] for d in loads),
         "budget_bytes": loads[-1]["budget_bytes"],
+        "device_peak_bytes": max(d["device_peak_bytes"] for d in loads),
+        "time_ms": {part: round(sum(d["time_ms"].get(part, 0.0) for d in loads), 1)
+                    for part in loads[0]["time_ms"]},
     })
+    out["bound"] = max(out["time_ms"], key=out["time_ms"].__getitem__, default=None)
     return out
 
 

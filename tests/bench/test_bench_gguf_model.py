@@ -85,6 +85,7 @@ class TestReport:
         for name in ("bf16", "gguf"):
             assert len(runs[name]["tokens_per_s_runs"]) == 2 and runs[name]["spread"] >= 0
             assert runs[name]["budget_bytes"] == data["cache_budget_bytes"]
+            assert runs[name]["bound"] in runs[name]["time_ms"]  # the split was collected
         assert data["cache_budget_bytes"] == data["bf16_expert_bytes"] // 4
         assert data["gguf_over_bf16"] == round(
             runs["gguf"]["tokens_per_s"] / runs["bf16"]["tokens_per_s"], 3)
