@@ -3,8 +3,8 @@
 ``open_sync`` starts an event loop on a daemon thread and opens a ``Session`` there. The
 loop's thread holds the session's lock whenever it runs (every callback and task step),
 and lets go of it only while it waits for events. A call that never waits (``fetch``,
-``prefetch``, ``ready``, ``available``, ``release``, ``counters``, and iterating a lease
-whose next expert has landed) takes the lock and runs on the caller's own thread, with
+``prefetch``, ``ready``, ``used``, ``available``, ``release``, ``counters``, and iterating
+a lease whose next expert has landed) takes the lock and runs on the caller's own thread, with
 the session's loop set as that thread's running loop meanwhile: no hop to the loop, so it
 costs about what the same call costs on the asynchronous face. A call that waits
 (iterating a lease whose next expert is loading, ``gather`` of one not yet landed,
@@ -31,6 +31,8 @@ from collections.abc import Callable, Coroutine, Iterable, Iterator, Mapping, Se
 from types import TracebackType
 from typing import Any, TypeVar
 
+import structlog
+
 from moestream._args import ExpertIds, Index
 from moestream._handles import ExpertHandle, LeaseSource
 from moestream._lease import After, LeaseBase
@@ -45,14 +47,13 @@ from moestream._tuning import Tuning
 from moestream.gpu.interop import stream_pointer
 from moestream.pipeline.foundation.config import Budget
 from moestream.pipeline.foundation.errors import UsageError
-from moestream.pipeline.streaming.lease import NOT_YET, Arrival, LayerLease
+from moestream.pipeline.streaming.lease import NOT_YET, Arrival, LayerLease, WaitTold
 from moestream.pipeline.streaming.session import StreamSession
 
 __all__ = ["SyncLease", "SyncSession", "open_sync"]
 
 T = TypeVar("T")
-WaitCharge = Callable[[Any, Any, float, float], None]
-"""A layer lease's ``on_wait``: (entry, load, start, end), as ``LayerLease`` tells it."""
+_log = structlog.get_logger("moestream.session")
 
 
 class CallerWait:
@@ -72,10 +73,10 @@ class CallerWait:
 
     def __init__(self) -> None:
         self.started = time.perf_counter()
-        self.waits: list[tuple[WaitCharge, Any, Any, float, float]] = []
+        self.waits: list[tuple[WaitTold, Any, Any, float, float]] = []
         self.settled = False
 
-    def saw(self, charge: WaitCharge, entry: Any, load: Any, start: float,
+    def saw(self, charge: WaitTold, entry: Any, load: Any, start: float,
             end: float) -> None:
         if self.settled:  # the caller left (interrupted): nothing more to stretch
             charge(entry, load, start, end)
@@ -272,9 +273,13 @@ class SyncSession:
 
     def _used(self, calls: list[tuple[Index, ExpertIds]], after: After) -> None:
         for layer, experts in calls:
-            lease = self._session._fetch(layer, experts, self._new_lease)
-            LeaseBase.available(lease)
-            LeaseBase.release(lease, after)
+            lease = self._session._fetch(layer, experts, LeaseBase)
+            try:
+                lease.available()
+            finally:
+                lease.release(after)
+            if lease.misses:  # the engine computed on experts it took for cached
+                _log.warning("used.missed", layer=lease.layer, misses=lease.misses)
 
     def prefetch(self, layer: Index, experts: ExpertIds) -> int:
         """As ``Session.prefetch`` (on the caller's thread)."""

@@ -45,8 +45,7 @@ from moestream.transformers._quantized import LayerScales
 
 __all__ = ["CUDA_DTYPES", "GGUF_TYPES", "Kind", "available", "fp4_experts_cuda",
            "fp8_experts_cuda", "fp8_kinds_cuda", "gguf_kinds_cuda", "gguf_layer_cuda",
-           "layer_experts_cuda",
-           "lookup_table"]
+           "layer_experts_cuda", "lookup_table"]
 
 _FP8_KERNELS = {torch.bfloat16: "fp8_experts_bf16", torch.float16: "fp8_experts_f16",
                 torch.float32: "fp8_experts_f32"}
@@ -328,9 +327,11 @@ def gguf_kinds_cuda(ggml_type: int, kinds: Sequence[Kind]) -> None:
         o = kind.out
         values = o.shape[-1]
         if (o.dim() != 2 or o.stride(1) != 1 or o.dtype != out.dtype
-                or values % GGUF_GROUP or len(kind.addresses) != n):
+                or out.dtype not in _SUFFIXES or values % GGUF_GROUP
+                or len(kind.addresses) != n):
             raise ValueError(f"GGUF outputs are (experts, values) of whole groups of "
-                             f"{GGUF_GROUP} contiguous values, one type a batch")
+                             f"{GGUF_GROUP} contiguous values, one of the kernels' types "
+                             "a batch")
         size = o.element_size()
         vec = _aligned(o.data_ptr(), o.stride(0) * size)
         params += [o.data_ptr(), o.stride(0), values, int(vec)]

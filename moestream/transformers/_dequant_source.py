@@ -217,11 +217,11 @@ _GGUF_KIND = r"""
 template <class S, int G, typename F>
 __device__ void gguf_kind(const i64* table, int kinds, int n, F value, int elems, int size) {
     typedef typename S::T OUT;
-    const i64* p = table + blockIdx.y * 4;
+    const i64* p = table + blockIdx.y * GGUF_PARAMS;
     OUT* out = (OUT*)p[0];
     i64 ostride = p[1], per = p[2] / G, chunks = per * n;
     int vec = (int)p[3] & 1;
-    const i64* addresses = table + kinds * 4 + blockIdx.y * n;
+    const i64* addresses = table + kinds * GGUF_PARAMS + blockIdx.y * n;
     for (i64 t = (i64)blockIdx.x * blockDim.x + threadIdx.x; t < chunks;
          t += (i64)gridDim.x * blockDim.x) {
         int k = (int)quot(t, per);
@@ -264,8 +264,10 @@ def gguf_source() -> str:
     once) into the output type, from the foundation's value routines
     (gguf-py's float32 values, bit for bit) rounded once on the store, as torch's cast of
     gguf-py's float32 rounds them."""
+    assert all(GGML_QUANT_SIZES[Q(q)][0] % GGUF_GROUP == 0 for q in GGUF_KERNELS)
     kernels = "".join(
         _GGUF_KERNEL.format(name=name.removeprefix("gguf_"), elems=GGML_QUANT_SIZES[Q(q)][0],
                             size=GGML_QUANT_SIZES[Q(q)][1], group=GGUF_GROUP)
         for q, name in GGUF_KERNELS.items())
-    return _PRELUDE + value_source() + _GGUF_KIND + kernels
+    return (_PRELUDE + value_source() + f"#define GGUF_PARAMS {GGUF_PARAMS}\n" + _GGUF_KIND
+            + kernels)
