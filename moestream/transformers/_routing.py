@@ -94,8 +94,8 @@ _UNMADE: Any = object()
 class _Table:
     """One whole layer's addresses on the device, ``(experts, 3)`` int64, and its matrices'
     bytes (every expert of a layer has the same); with what each call of the layer would
-    otherwise work out again: the module's projection shapes (set once :meth:`fits`
-    accepted them) and the kernel's grid width."""
+    otherwise work out again: the module's projection shapes (set once :meth:`accept`
+    took them) and the kernel's grid width."""
 
     __slots__ = ("addresses", "blocks", "down_bytes", "down_shape", "experts", "first_shape",
                  "gate_bytes", "up_bytes")
@@ -109,10 +109,11 @@ class _Table:
         self.first_shape: tuple[int, ...] = ()
         self.down_shape: tuple[int, ...] = ()
 
-    def fits(self, first_shape: tuple[int, ...], down_shape: tuple[int, ...], dtype: Any
-             ) -> bool:
-        """Whether an expert's gate and up fill one of the module's first projections and
-        its down one down projection, in ``dtype`` (what the copies assume)."""
+    def accept(self, first_shape: tuple[int, ...], down_shape: tuple[int, ...], dtype: Any
+               ) -> bool:
+        """Take the module's projection shapes if an expert's gate and up fill one first
+        projection and its down one down projection, in ``dtype`` (what the copies assume);
+        False, taking nothing, where they do not."""
         size = int(dtype.itemsize)
         if (size * math.prod(first_shape) != self.gate_bytes + self.up_bytes
                 or size * math.prod(down_shape) != self.down_bytes):
@@ -161,22 +162,19 @@ class WholeLayers:
                                 tuple(module.down_proj.shape[1:]))
         if table is None:
             return None
-        return self.grouped(layer, table, module, hidden, top_k_index, top_k_weights,
-                            table.first_shape, table.down_shape)
+        return self.grouped(layer, table, module, hidden, top_k_index, top_k_weights)
 
     def _table(self, layer: int, dtype: Any, first_shape: tuple[int, ...],
                down_shape: tuple[int, ...]) -> _Table | None:
-        key = (layer, dtype)
-        if key in self._tables:
-            return self._tables[key]
+        """The layer's table for ``dtype``, made now (``forward`` asks once a dtype)."""
         if self._whole is None:  # asked once a token until it holds
             self._whole = self._holds_every_expert()
         if not self._whole:
             return None
         made = self._make(layer, self.session.model.layers[layer].n_experts, dtype)
-        if made is not None and not made.fits(first_shape, down_shape, dtype):
+        if made is not None and not made.accept(first_shape, down_shape, dtype):
             made = None  # a layout the copies do not serve: the lease path
-        self._tables[key] = made
+        self._tables[(layer, dtype)] = made
         return made
 
     def _holds_every_expert(self) -> bool:
@@ -223,8 +221,7 @@ class WholeLayers:
         self._pending.clear()
 
     def grouped(self, layer: int, table: _Table, module: Any, hidden: Any, top_k_index: Any,
-                top_k_weights: Any, first_shape: tuple[int, int],
-                down_shape: tuple[int, int]) -> Any:
+                top_k_weights: Any) -> Any:
         """``grouped_mm_experts_forward``'s output for a whole layer, queued on torch's
         stream with no host read of the routing."""
 
@@ -232,7 +229,7 @@ class WholeLayers:
             self._gather(table, slots, first, down)
 
         out = slotted_grouped(module, hidden, top_k_index, top_k_weights, table.experts,
-                              gather, first_shape, down_shape)
+                              gather, table.first_shape, table.down_shape)
         self._remember(layer, top_k_index)
         return out
 

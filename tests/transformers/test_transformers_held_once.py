@@ -100,8 +100,8 @@ class TestTables:
             return _routing._Table(torch.zeros(n, 3, dtype=torch.int64), (256, 256, 256))
 
         def grouped(self: Any, layer: int, table: Any, module: Any, hidden: Any,
-                    index: Any, weights: Any, first_shape: Any, down_shape: Any) -> Any:
-            served.append((first_shape, down_shape))
+                    index: Any, weights: Any) -> Any:
+            served.append((table.first_shape, table.down_shape))
             return hidden
 
         monkeypatch.setattr(_routing.WholeLayers, "_make", make)
