@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from structlog.testing import capture_logs
+
 import moestream
 
 
@@ -44,3 +46,16 @@ def test_used_counts_as_leases_would(tiny_model: Path) -> None:
     assert stats[True] == stats[False]
     got, cached, _, _ = stats[True]
     assert got == [(3, 0), (3, 1), (0, 1)] and all(cached)
+
+
+def test_a_miss_told_as_used_is_loaded_and_warned(tiny_model: Path) -> None:
+    """An expert the engine took for cached but was not: loaded as a fetch would load it,
+    counted as a miss, and said in a warning (the engine's compute on it may be wrong)."""
+    with moestream.open_sync(tiny_model, backend="host", mode="direct") as ms:
+        layer = ms.model.moe_layers[0]
+        with capture_logs() as logs:
+            ms.used([(layer, [2])])
+        stats = ms.end_token(compute_ms=0.0)
+        assert (stats.hits, stats.misses) == (0, 1)
+        warned = [e for e in logs if e["event"] == "used.missed"]
+        assert warned and warned[0]["layer"] == layer and warned[0]["misses"] == 1
