@@ -190,3 +190,14 @@ class TestRouterCast:
                 router.to(torch.float16)
             assert following._float32.of(router.weight) is not before
             assert torch.equal(following.guess(hidden, 2), _expected(router, hidden, 2))
+
+    def test_inference_tensors_cast_each_call(self) -> None:
+        """A weight made under ``inference_mode`` keeps no version counter, so an in-place
+        write could not be seen: it is cast each call, never held."""
+        following = NextRouter(3, _Router())
+        with torch.inference_mode():
+            weight = torch.randn(8, 16, dtype=torch.bfloat16)
+            first = following._float32.of(weight)
+            weight.mul_(2)
+            second = following._float32.of(weight)
+        assert second is not first and torch.equal(second, weight.float())
