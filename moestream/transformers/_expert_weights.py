@@ -50,10 +50,16 @@ class ExpertWeights:
         the module's gate_up of the expert either way."""
         dtype = module.down_proj.dtype
         scales = self.scales.get(h.layer)
-        if scales is not None:
-            gate, up, down = h.matrices
-            return scales.expert(h.expert, (raw(gate), raw(up), raw(down)), dtype)
-        return view(h.gate, dtype), view(h.up, dtype), view(h.down, dtype)
+        if scales is None:
+            return view(h.gate, dtype), view(h.up, dtype), view(h.down, dtype)
+        if not scales.transposed and self._on_kernels(scales, dtype):
+            # one launch for the expert's three matrices (the batch path's), not torch's
+            # several ops a matrix: the same values, the halves of its first projection
+            gate_up, down = self.stacked(module, [h])
+            half = gate_up.shape[1] // 2
+            return gate_up[0, :half], gate_up[0, half:], down[0]
+        gate, up, down = h.matrices
+        return scales.expert(h.expert, (raw(gate), raw(up), raw(down)), dtype)
 
     def stacked(self, module: Any, handles: Sequence[ExpertHandle]) -> tuple[Any, Any]:
         """The experts' weights stacked for one grouped product, as the module keeps its
@@ -84,6 +90,16 @@ class ExpertWeights:
         torch._foreach_copy_(targets, sources)
         return gate_up, down
 
+    def _on_kernels(self, scales: LayerScales | GgufExperts, dtype: Any) -> bool:
+        """Whether the layer's experts are dequantized by the CUDA kernels into ``dtype``:
+        on a GPU with CuPy, every type the layer has one for (FP8 in the module's own
+        layout only)."""
+        if not (self._cuda and dtype in CUDA_DTYPES and cuda_kernel()):
+            return False
+        if isinstance(scales, GgufExperts):
+            return {scales.gate_up_type, scales.down_type} <= GGUF_TYPES
+        return scales.method != "fp8" or not scales.transposed
+
     def _copied(self, handles: Sequence[ExpertHandle], gate_up: Any, down: Any) -> None:
         """The experts' bytes copied into ``gate_up`` and ``down`` on torch's stream by
         address (``cudaMemcpyAsync``, gate and up in one when they are adjacent): no tensor
@@ -110,16 +126,14 @@ class ExpertWeights:
         one product per matrix kind for the whole batch."""
         scales = self.scales[handles[0].layer]
         experts = [h.expert for h in handles]
-        if self._cuda and down.dtype in CUDA_DTYPES and cuda_kernel():
+        if self._on_kernels(scales, down.dtype):
             # one kernel a batch (two for a GGUF layer of two types), reading the cache
             # where it is: no stacked copy
             addresses = [[h.matrices[at].ptr for h in handles] for at in range(3)]
             if isinstance(scales, GgufExperts):
-                if {scales.gate_up_type, scales.down_type} <= GGUF_TYPES:
-                    gguf_layer_cuda(scales, addresses, gate_up, down)
-                    return
-            elif scales.method != "fp8" or not scales.transposed:
+                gguf_layer_cuda(scales, addresses, gate_up, down)
+            else:
                 layer_experts_cuda(scales, addresses, experts, gate_up, down)
-                return
+            return
         raws = [torch.stack([raw(h.matrices[at]) for h in handles]) for at in range(3)]
         scales.fill(experts, (raws[0], raws[1], raws[2]), gate_up, down)

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 from typing import Any
 
+import gguf
 import numpy as np
 import pytest
+from gguf import GGMLQuantizationType as Q
 
 torch = pytest.importorskip("torch")
-gguf = pytest.importorskip("gguf")
 pytest.importorskip("cupy")
 
 from moestream.transformers import _dequant_cuda as dc  # noqa: E402
@@ -25,7 +26,6 @@ from tests.gguf_blocks import random_blocks  # noqa: E402
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="torch sees no CUDA device")]
 
-Q = gguf.GGMLQuantizationType
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 TYPES = sorted(Q(t) for t in GGUF_KERNELS)
 

@@ -15,18 +15,18 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
+import gguf
 import numpy as np
 import pytest
+from gguf import GGMLQuantizationType as Q
 
 torch = pytest.importorskip("torch")
-gguf = pytest.importorskip("gguf")
 
 from moestream.transformers import _dequant_cuda as dc  # noqa: E402
 from moestream.transformers._dequant_source import GGUF_KERNELS, gguf_source  # noqa: E402
 from moestream.transformers._gguf_experts import GgufExperts  # noqa: E402
 from tests.gguf_blocks import random_blocks  # noqa: E402
 
-Q = gguf.GGMLQuantizationType
 DTYPES = {"bf16": torch.bfloat16, "f16": torch.float16, "f32": torch.float32}
 TYPES = sorted(Q(t) for t in GGUF_KERNELS)
 
@@ -174,3 +174,34 @@ def test_layer_into_the_modules_layout(launches: list[str], types: tuple[Q, Q]) 
 def test_refuses_outputs_it_cannot_address() -> None:
     with pytest.raises(ValueError, match="groups of 32"):
         dc.gguf_kinds_cuda(int(Q.Q8_0), [dc.Kind([0], None, torch.empty((1, 32, 2)))])
+
+
+def test_one_expert_through_the_batch_kernel(launches: list[str],
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """The eager arithmetic's one expert on a GPU goes through the batch kernel (one launch
+    for its three matrices), its gate, up and down the halves of the stacked result: the
+    torch path's values (here the source walked on the host as the device would run it)."""
+    from types import SimpleNamespace
+
+    from moestream.transformers import _expert_weights as ew
+
+    ffn = hidden = 256
+    types = (Q.IQ2_XXS, Q.Q2_K)
+    blocks = [random_blocks(t, rows * cols // 256, seed, extreme=False)
+              for seed, (t, rows, cols) in enumerate(
+                  [(types[0], ffn, hidden), (types[0], ffn, hidden), (types[1], hidden, ffn)])]
+    matrices = [SimpleNamespace(ptr=b.ctypes.data) for b in blocks]
+    handle = SimpleNamespace(layer=3, expert=5, matrices=matrices)
+    module = SimpleNamespace(gate_up_proj=torch.empty(8, 2 * ffn, hidden, dtype=torch.bfloat16),
+                             down_proj=torch.empty(8, hidden, ffn, dtype=torch.bfloat16))
+    weights = ew.ExpertWeights(torch.device("cpu"), {3: GgufExperts(int(types[0]),
+                                                                     int(types[1]))})
+    monkeypatch.setattr(weights, "_cuda", True)
+    monkeypatch.setattr(ew, "cuda_kernel", lambda: True)
+    before = len(launches)
+    gate, up, down = weights.expert(module, handle)  # type: ignore[arg-type]
+    assert len(launches) - before == 2  # ds4's mix: gate and up in one, down in another
+    for got, raw, qtype in zip((gate, up, down), blocks, (types[0], types[0], types[1]),
+                               strict=True):
+        assert _same(got.reshape(-1), _reference(raw, qtype, torch.bfloat16))
+    assert gate.shape == up.shape == (ffn, hidden) and down.shape == (hidden, ffn)
