@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import inspect
-import json
 import math
 import os
 import statistics
@@ -27,9 +26,9 @@ from pathlib import Path
 from typing import Any
 
 from bench import transformers as bt
-from bench.record import provenance, write_result
+from bench.record import provenance, report_main
 from moestream.pipeline.foundation.config import Budget, parse_size
-from moestream.pipeline.foundation.errors import MoestreamError, UsageError
+from moestream.pipeline.foundation.errors import UsageError
 
 __all__ = ["main"]
 
@@ -371,16 +370,12 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     args.argv = argv
-    try:
-        report = _bench(args)
-    except MoestreamError as exc:
-        print(f"bench.forwards: error: {exc}", file=sys.stderr)
-        return exc.exit_code
-    print(json.dumps(report, indent=2))
-    if args.out is not None:
-        write_result(args.out, report)
-    _summary(report)
-    return 0 if report["identical_tokens"] else 1
+
+    def held(report: dict[str, Any]) -> bool:
+        _summary(report)
+        return bool(report["identical_tokens"])
+
+    return report_main("bench.forwards", lambda: _bench(args), args.out, held)
 
 
 def _summary(report: dict[str, Any]) -> None:

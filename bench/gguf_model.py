@@ -38,6 +38,7 @@ from typing import Any
 
 import numpy as np
 
+from bench.record import report_main
 from bench.transformers import (
     SHAPES,
     _cache_bytes,
@@ -53,7 +54,7 @@ from bench.transformers import (
     summary,
 )
 from moestream.pipeline.foundation.config import Budget, parse_size
-from moestream.pipeline.foundation.errors import MoestreamError, UsageError
+from moestream.pipeline.foundation.errors import UsageError
 from moestream.pipeline.foundation.safetensors_table import is_routed
 
 __all__ = ["main", "write_gguf"]
@@ -326,16 +327,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    try:
-        report = _bench(args)
-    except MoestreamError as exc:
-        print(f"bench.gguf_model: error: {exc}", file=sys.stderr)
-        return exc.exit_code
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.out is not None:
-        args.out.write_text(text + "\n")
-    return 0 if report["runs"]["bf16"]["same_tokens"] else 1
+    return report_main("bench.gguf_model", lambda: _bench(args), args.out,
+                       lambda report: bool(report["runs"]["bf16"]["same_tokens"]))
 
 
 def _prepare(args: argparse.Namespace, device: Any) -> dict[str, Any]:

@@ -8,12 +8,13 @@ import platform
 import socket
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import psutil
 
+from moestream.pipeline.foundation.errors import MoestreamError
 from moestream.pipeline.foundation.outputs import write_atomic
 
 __all__ = ["git_commit", "machine", "provenance", "report", "write_result"]
@@ -71,3 +72,19 @@ def report(path: Path, result: dict[str, Any]) -> None:
 def write_result(path: Path, result: dict[str, Any]) -> None:
     """Write a benchmark result as indented JSON, atomically."""
     write_atomic(path, json.dumps(result, indent=2, default=float) + "\n", make_parents=True)
+
+
+def report_main(prog: str, bench: Callable[[], dict[str, Any]], out: Path | None,
+                held: Callable[[dict[str, Any]], bool]) -> int:
+    """A JSON-report bench's command: run ``bench``, print its report (and write it to
+    ``out``); exit 0 when ``held`` says its tokens held, else 1; bad input (a
+    ``MoestreamError``) is one line on stderr and its exit code, not a traceback."""
+    try:
+        report = bench()
+    except MoestreamError as exc:
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    print(json.dumps(report, indent=2, default=float))
+    if out is not None:
+        write_result(out, report)
+    return 0 if held(report) else 1

@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import platform
 import statistics
@@ -49,8 +48,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from bench.record import report_main
 from moestream.pipeline.foundation.config import Budget, parse_size
-from moestream.pipeline.foundation.errors import MoestreamError, UsageError
+from moestream.pipeline.foundation.errors import UsageError
 from moestream.pipeline.foundation.safetensors_table import is_routed
 
 __all__ = ["main"]
@@ -351,16 +351,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    try:
-        report = _bench(args)
-    except MoestreamError as exc:
-        print(f"bench.transformers: error: {exc}", file=sys.stderr)
-        return exc.exit_code
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.out is not None:
-        args.out.write_text(text + "\n")
-    return 0 if report["identical_tokens"] else 1
+    return report_main("bench.transformers", lambda: _bench(args), args.out,
+                       lambda report: bool(report["identical_tokens"]))
 
 
 def _bench(args: argparse.Namespace) -> dict[str, Any]:
