@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import ctypes
 import shutil
-import subprocess
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -26,6 +25,7 @@ from moestream.gpu.dequantsource import KERNELS, dequant_source
 from moestream.gpu.host import HostStream
 from moestream.pipeline.foundation.compute import DEQUANTIZED
 from moestream.pipeline.foundation.errors import UsageError
+from tests.cuda_on_host import WALK, build
 from tests.gguf_blocks import every_pattern, random_blocks, reference, same_bits
 
 TYPES = sorted(DEQUANTIZED, key=lambda q: q.name)
@@ -68,42 +68,10 @@ class TestHost:
         assert np.isnan(out[total:]).all()  # nothing past the values
 
 
-_BUILTINS = r"""
-#include <cstring>
-#define __global__
-#define __device__
-#define __forceinline__ inline
-struct dim3 { unsigned int x, y, z; };
-static dim3 blockIdx, blockDim, gridDim, threadIdx;
-static inline float __uint_as_float(unsigned i) { float f; memcpy(&f, &i, 4); return f; }
-static inline unsigned __float_as_uint(float f) { unsigned i; memcpy(&i, &f, 4); return i; }
-#if defined(__SSE__)
-#include <xmmintrin.h>
-static inline unsigned flush_begin() {
-    unsigned c = _mm_getcsr(); _mm_setcsr(c | 0x8040u); return c;
-}
-static inline void flush_end(unsigned c) { _mm_setcsr(c); }
-#else
-static inline unsigned flush_begin() { return 0; }
-static inline void flush_end(unsigned) {}
-#endif
-static inline float __fmul_rn(float a, float b) { return a * b; }
-static inline float __fadd_rn(float a, float b) { return a + b; }
-static inline float __fsub_rn(float a, float b) { return a - b; }
-"""
-
-
 def _walk_source() -> str:
-    cases = "".join(f"    if (which == {i}) {{ WALK({name}(rows)) }}\n"
+    cases = "".join(f"    if (which == {i}) {{ WALK(n, {name}(rows)) }}\n"
                     for i, name in enumerate(KERNELS.values()))
-    return r"""
-#define WALK(CALL)                                                                        \
-    gridDim.x = blocks; gridDim.y = n; blockDim.x = threads;                              \
-    for (unsigned y = 0; y < (unsigned)n; ++y)                                            \
-        for (unsigned x = 0; x < (unsigned)blocks; ++x)                                   \
-            for (unsigned t = 0; t < (unsigned)threads; ++t) {                            \
-                blockIdx.x = x; blockIdx.y = y; threadIdx.x = t; CALL;                    \
-            }
+    return WALK + r"""
 extern "C" void walk(int which, const Row* rows, int n, int blocks, int threads) {
     unsigned csr = flush_begin();  // subnormals flushed in and out, as a device build may do
 """ + cases + "    flush_end(csr);\n}\n"
@@ -114,15 +82,9 @@ def walk(tmp_path_factory: pytest.TempPathFactory) -> Callable[[Q, list[np.ndarr
     """The kernels built for the host: ``walk(qtype, sources)`` -> their values, one launch."""
     if shutil.which("g++") is None:
         pytest.skip("no g++ to build the kernels' source for the host")
-    where = Path(tmp_path_factory.mktemp("dequant"))
-    source = where / "dequant.cpp"
-    source.write_text(_BUILTINS + dequant_source() + _walk_source())
-    built = subprocess.run(["g++", "-std=c++17", "-O1", "-ffp-contract=off", "-w", "-shared",
-                            "-fPIC", str(source), "-o", str(where / "d.so")],
-                           capture_output=True, text=True)
-    if built.returncode:
-        pytest.fail(f"g++ cannot build the kernels' source: {built.stderr.strip()[:2000]}")
-    library = ctypes.CDLL(str(where / "d.so"))
+    library = build(dequant_source() + _walk_source(), Path(tmp_path_factory.mktemp("dequant")))
+    if isinstance(library, str):
+        pytest.fail(f"g++ cannot build the kernels' source: {library}")
     which = {q: i for i, q in enumerate(KERNELS)}
 
     def run(qtype: Q, sources: list[np.ndarray]) -> list[np.ndarray]:

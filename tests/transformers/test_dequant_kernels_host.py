@@ -12,7 +12,6 @@ from __future__ import annotations
 import ctypes
 import itertools
 import shutil
-import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -30,46 +29,22 @@ from moestream.transformers._dequant import (  # noqa: E402
     mxfp4_exponents,
 )
 from moestream.transformers._dequant_source import SOURCE  # noqa: E402
+from tests.cuda_on_host import WALK, build  # noqa: E402
 
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="no g++ to build the "
                                 "kernels' source for the host")
 
-_BUILTINS = r"""
-#include <cstring>
-#define __global__
-#define __device__
-#define __forceinline__ inline
-#define __align__(n) alignas(n)
-struct uint4 { unsigned int x, y, z, w; };
-struct dim3 { unsigned int x, y, z; };
-static dim3 blockIdx, blockDim, gridDim, threadIdx;
-static inline float __int_as_float(int i) { float f; memcpy(&f, &i, 4); return f; }
-static inline float __uint_as_float(unsigned i) { float f; memcpy(&f, &i, 4); return f; }
-static inline unsigned __float_as_uint(float f) { unsigned i; memcpy(&i, &f, 4); return i; }
-typedef _Float16 __half;
-static inline __half __float2half_rn(float x) { return (_Float16)x; }
-static inline unsigned short __half_as_ushort(__half h) {
-    unsigned short u; memcpy(&u, &h, 2); return u;
-}
-"""
-_WALK = r"""
-#define WALK(CALL)                                                                        \
-    gridDim.x = blocks; gridDim.y = kinds; blockDim.x = threads;                          \
-    for (unsigned y = 0; y < (unsigned)kinds; ++y)                                        \
-        for (unsigned x = 0; x < (unsigned)blocks; ++x)                                   \
-            for (unsigned t = 0; t < (unsigned)threads; ++t) {                            \
-                blockIdx.x = x; blockIdx.y = y; threadIdx.x = t; CALL;                    \
-            }
+_WALK = WALK + r"""
 extern "C" void walk_fp8(int which, const i64* table, int kinds, int n, int bm, int bn,
                          int blocks, int threads) {
-    if (which == 0) { WALK(fp8_experts_bf16(table, kinds, n, bm, bn)) }
-    if (which == 1) { WALK(fp8_experts_f16(table, kinds, n, bm, bn)) }
-    if (which == 2) { WALK(fp8_experts_f32(table, kinds, n, bm, bn)) }
+    if (which == 0) { WALK(kinds, fp8_experts_bf16(table, kinds, n, bm, bn)) }
+    if (which == 1) { WALK(kinds, fp8_experts_f16(table, kinds, n, bm, bn)) }
+    if (which == 2) { WALK(kinds, fp8_experts_f32(table, kinds, n, bm, bn)) }
 }
 extern "C" void walk_fp4(int size, const i64* table, int kinds, int n, const void* lut,
                          int blocks, int threads) {
-    if (size == 2) { WALK(fp4_experts_2(table, kinds, n, (const u16*)lut)) }
-    else { WALK(fp4_experts_4(table, kinds, n, (const u32*)lut)) }
+    if (size == 2) { WALK(kinds, fp4_experts_2(table, kinds, n, (const u16*)lut)) }
+    else { WALK(kinds, fp4_experts_4(table, kinds, n, (const u32*)lut)) }
 }
 """
 _FP8 = {"fp8_experts_bf16": 0, "fp8_experts_f16": 1, "fp8_experts_f32": 2}
@@ -79,15 +54,9 @@ DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 @pytest.fixture(scope="module")
 def host_kernels(tmp_path_factory: pytest.TempPathFactory) -> Any:
     """The kernels built for the host; ``_dequant_cuda``'s launch walks them instead."""
-    where = Path(tmp_path_factory.mktemp("kernels"))
-    source = where / "kernels.cpp"
-    source.write_text(_BUILTINS + SOURCE.replace("#include <cuda_fp16.h>", "") + _WALK)
-    built = subprocess.run(["g++", "-std=c++17", "-O1", "-fno-strict-aliasing", "-w",
-                            "-shared", "-fPIC", str(source), "-o", str(where / "k.so")],
-                           capture_output=True, text=True)
-    if built.returncode:
-        pytest.skip(f"g++ cannot build the source here: {built.stderr.strip()[:200]}")
-    library = ctypes.CDLL(str(where / "k.so"))
+    library = build(SOURCE + _WALK, Path(tmp_path_factory.mktemp("kernels")))
+    if isinstance(library, str):
+        pytest.skip(f"g++ cannot build the source here: {library[:200]}")
 
     def launch(name: str, out: Any, table: Any, kinds: int, chunks: int, *tail: Any) -> None:
         values = np.array(table, dtype=np.int64)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import ctypes
 import shutil
-import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +24,7 @@ torch = pytest.importorskip("torch")
 from moestream.transformers import _dequant_cuda as dc  # noqa: E402
 from moestream.transformers._dequant_source import GGUF_KERNELS, gguf_source  # noqa: E402
 from moestream.transformers._gguf_experts import GgufExperts  # noqa: E402
+from tests.cuda_on_host import WALK, build  # noqa: E402
 from tests.gguf_blocks import random_blocks  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "f16": torch.float16, "f32": torch.float32}
@@ -33,42 +33,11 @@ TYPES = sorted(Q(t) for t in GGUF_KERNELS)
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="no g++ to build the "
                                 "kernels' source for the host")
 
-_BUILTINS = r"""
-#include <cstring>
-#define __global__
-#define __device__
-#define __forceinline__ inline
-#define __align__(n) alignas(n)
-#define __builtin_assume(x)
-struct uint4 { unsigned int x, y, z, w; };
-struct dim3 { unsigned int x, y, z; };
-static dim3 blockIdx, blockDim, gridDim, threadIdx;
-static inline float __int_as_float(int i) { float f; memcpy(&f, &i, 4); return f; }
-static inline float __uint_as_float(unsigned i) { float f; memcpy(&f, &i, 4); return f; }
-static inline unsigned __float_as_uint(float f) { unsigned i; memcpy(&i, &f, 4); return i; }
-static inline float __fmul_rn(float a, float b) { return a * b; }
-static inline float __fadd_rn(float a, float b) { return a + b; }
-static inline float __fsub_rn(float a, float b) { return a - b; }
-typedef _Float16 __half;
-static inline __half __float2half_rn(float x) { return (_Float16)x; }
-static inline unsigned short __half_as_ushort(__half h) {
-    unsigned short u; memcpy(&u, &h, 2); return u;
-}
-"""
-
-
 def _walk_source() -> str:
     names = [f"{name}_{suffix}" for name in GGUF_KERNELS.values() for suffix in DTYPES]
-    cases = "".join(f"    if (which == {i}) {{ WALK({name}(table, kinds, n)) }}\n"
+    cases = "".join(f"    if (which == {i}) {{ WALK(kinds, {name}(table, kinds, n)) }}\n"
                     for i, name in enumerate(names))
-    return r"""
-#define WALK(CALL)                                                                        \
-    gridDim.x = blocks; gridDim.y = kinds; blockDim.x = threads;                          \
-    for (unsigned y = 0; y < (unsigned)kinds; ++y)                                        \
-        for (unsigned x = 0; x < (unsigned)blocks; ++x)                                   \
-            for (unsigned t = 0; t < (unsigned)threads; ++t) {                            \
-                blockIdx.x = x; blockIdx.y = y; threadIdx.x = t; CALL;                    \
-            }
+    return WALK + r"""
 extern "C" void walk(int which, const i64* table, int kinds, int n, int blocks, int threads) {
 """ + cases + "}\n"
 
@@ -77,16 +46,9 @@ extern "C" void walk(int which, const i64* table, int kinds, int n, int blocks, 
 def launches(tmp_path_factory: pytest.TempPathFactory) -> Any:
     """The kernels built for the host; ``_dequant_cuda``'s launch walks them instead. Yields
     the names launched, in order."""
-    where = Path(tmp_path_factory.mktemp("gguf_kernels"))
-    source = where / "gguf.cpp"
-    source.write_text(_BUILTINS + gguf_source().replace("#include <cuda_fp16.h>", "")
-                      + _walk_source())
-    built = subprocess.run(["g++", "-std=c++17", "-O1", "-ffp-contract=off",
-                            "-fno-strict-aliasing", "-w", "-shared", "-fPIC", str(source),
-                            "-o", str(where / "g.so")], capture_output=True, text=True)
-    if built.returncode:
-        pytest.fail(f"g++ cannot build the kernels' source: {built.stderr.strip()[:2000]}")
-    library = ctypes.CDLL(str(where / "g.so"))
+    library = build(gguf_source() + _walk_source(), Path(tmp_path_factory.mktemp("gguf")))
+    if isinstance(library, str):
+        pytest.fail(f"g++ cannot build the kernels' source: {library}")
     which = {f"{name}_{suffix}": i for i, (name, suffix) in enumerate(
         (name, suffix) for name in GGUF_KERNELS.values() for suffix in DTYPES)}
     names: list[str] = []
