@@ -76,8 +76,9 @@ class ExpertWeights:
         if handles[0].layer in self.scales:
             self._dequantized(handles, gate_up, down)
             return gate_up, down
-        same = all(TORCH_DTYPES.get(m.ggml_type.name) == dtype for h in handles
-                   for m in h.matrices)
+        # a layer's experts share their matrices' types (the table checks it): the first
+        # expert's say, not a look at every expert's
+        same = all(TORCH_DTYPES.get(m.ggml_type.name) == dtype for m in handles[0].matrices)
         if self._cuda and same:
             self._copied(handles, gate_up, down)
             return gate_up, down
