@@ -335,7 +335,7 @@ def slotted_grouped(module: Any, hidden: Any, top_k_index: Any, top_k_weights: A
     proj = module._apply_gate(proj) if getattr(module, "has_gate", True) else module.act_fn(proj)
     proj = grouped_linear(proj, down, offsets, down_bias, transposed)
     weighted = proj * sample_weights[perm].unsqueeze(-1)
-    inverse = torch.empty_like(perm)
-    inverse.scatter_(0, perm, torch.arange(perm.size(0), device=device))
-    final = weighted[inverse].view(tokens, top_k, hidden.size(-1)).sum(dim=1)
+    # back to the pairs' own places in one copy, as the other grouped paths do
+    unsorted = torch.empty_like(weighted).index_copy_(0, perm, weighted)
+    final = unsorted.view(tokens, top_k, hidden.size(-1)).sum(dim=1)
     return final.to(hidden.dtype)
