@@ -47,6 +47,7 @@ from bench.transformers import (
     _peak_reset,
     _shards,
     _versions,
+    add_sample_argument,
     checkpoint_bytes,
     make_checkpoint,
     reference_tokens,
@@ -250,12 +251,12 @@ def _load_and_time(path: Path, args: argparse.Namespace, prompt: Any, device: An
     stream = model.moestream
     try:
         if args.warmup:
-            _generate(model, prompt, args.warmup, device)
+            _generate(model, prompt, args.warmup, device, args.sample)
         parts: dict[str, float] = {}  # the timed tokens' wall time by what it went to
         stream.on_token = lambda stats: parts.update(
             {part: parts.get(part, 0.0) + ms for part, ms in stats.time.items()})
         before = stream.session.counters()
-        tokens, seconds = _generate(model, prompt, args.tokens, device)
+        tokens, seconds = _generate(model, prompt, args.tokens, device, args.sample)
         after = stream.session.counters()
     finally:
         stream.close()
@@ -319,6 +320,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cache-share", type=float, help="a cache of this share of the BF16 "
                    "experts' bytes instead (0.25, say)")
     p.add_argument("--prompt-ids", default="1,2,3,4", help="prompt token ids (1,2,3,4)")
+    add_sample_argument(p)
     p.add_argument("--device", help="cpu or cuda (default: cuda if torch sees one)")
     p.add_argument("--mode", default="auto", choices=["auto", "direct", "resident"])
     p.add_argument("--out", type=Path, help="also write the JSON here")

@@ -52,6 +52,7 @@ from bench.transformers import (
     SHAPES,
     _timed,
     _versions,
+    add_sample_argument,
     make_checkpoint,
     run_moestream,
     summary,
@@ -233,6 +234,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeat", type=int, default=3, help="timed generates a run (the median "
                    "is its tokens/s)")
     p.add_argument("--prompt-ids", default="1,2,3,4")
+    add_sample_argument(p)
     p.add_argument("--total", default="3GiB", help="device memory of the streamed runs: "
                    "dense weights + expert cache + the experts' scales (3GiB)")
     p.add_argument("--runs", help="default: reference,<format>,bf16 (fp8),<format>_all,"

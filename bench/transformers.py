@@ -122,16 +122,23 @@ def _peak(device: Any) -> int:
     return int(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else 0
 
 
-def _generate(model: Any, prompt: Any, tokens: int, device: Any) -> tuple[list[int], float]:
+def _generate(model: Any, prompt: Any, tokens: int, device: Any,
+              sample: int | None = None) -> tuple[list[int], float]:
+    """``tokens`` new tokens: greedy, or sampled from the whole distribution under the seed
+    ``sample`` (the same seed, the same logits: the same tokens)."""
     import torch
 
     ids = prompt.to(device)
+    choice: dict[str, Any] = {"do_sample": False}
+    if sample is not None:
+        torch.manual_seed(sample)
+        choice = {"do_sample": True, "top_k": 0, "top_p": 1.0, "temperature": 1.0}
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     started = time.perf_counter()
     with torch.no_grad():
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=tokens,
-                             min_new_tokens=tokens, do_sample=False)
+                             min_new_tokens=tokens, **choice)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return out[0, ids.shape[1]:].tolist(), time.perf_counter() - started
@@ -142,8 +149,8 @@ def _timed(model: Any, prompt: Any, args: argparse.Namespace, device: Any, *, wa
     """``repeat`` timed generates of ``args.tokens`` after ``args.warmup`` untimed tokens
     (when ``warm_up``): each one's tokens and seconds."""
     if warm_up and args.warmup:
-        _generate(model, prompt, args.warmup, device)
-    return [_generate(model, prompt, args.tokens, device) for _ in range(repeat)]
+        _generate(model, prompt, args.warmup, device, args.sample)
+    return [_generate(model, prompt, args.tokens, device, args.sample) for _ in range(repeat)]
 
 
 def summary(timings: Sequence[tuple[list[int], float]], reference: str | None) -> dict[str, Any]:
@@ -172,8 +179,8 @@ def reference_tokens(args: argparse.Namespace, prompt: Any, device: Any) -> str:
     model = transformers.AutoModelForCausalLM.from_pretrained(
         args.model, experts_implementation="grouped_mm").to(device)
     if args.warmup:
-        _generate(model, prompt, args.warmup, device)
-    tokens, _ = _generate(model, prompt, args.tokens, device)
+        _generate(model, prompt, args.warmup, device, args.sample)
+    tokens, _ = _generate(model, prompt, args.tokens, device, args.sample)
     del model
     return ",".join(map(str, tokens))
 
@@ -278,7 +285,7 @@ def _moestream_load(args: argparse.Namespace, prompt: Any, device: Any, *,
                 parts[part] = parts.get(part, 0.0) + ms
 
         if not cold and args.warmup:
-            _generate(model, prompt, args.warmup, device)
+            _generate(model, prompt, args.warmup, device, args.sample)
         before = stream.session.counters()
         stream.on_token = add
         timings = _timed(model, prompt, args, device, warm_up=False, repeat=repeat)
@@ -324,6 +331,13 @@ def _versions() -> dict[str, str]:
     return out
 
 
+def add_sample_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--sample", type=int, metavar="SEED", help="sample the tokens under this "
+                   "seed instead of greedy: a random model's greedy output soon repeats one "
+                   "token, so each layer routes to the same few experts and nearly every "
+                   "fetch hits; sampled tokens spread the routing and the misses show")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m bench.transformers",
                                 description=__doc__.splitlines()[0])
@@ -340,6 +354,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "share of the experts' bytes (0.25, say), instead of --total less the "
                    "dense weights")
     p.add_argument("--prompt-ids", default="1,2,3,4", help="prompt token ids (1,2,3,4)")
+    add_sample_argument(p)
     p.add_argument("--total", default="3GiB", help="device memory of the offloaded runs: "
                    "accelerate's max_memory, moestream's dense weights + cache (3GiB)")
     p.add_argument("--runs", default=",".join(RUNS), help=f"some of {','.join(RUNS)}")

@@ -39,3 +39,18 @@ def test_tiny_run_repeats_and_checks_tokens(tmp_path: Path) -> None:
 def test_a_share_out_of_range_is_refused(tmp_path: Path) -> None:
     assert main(["--make", str(tmp_path / "m"), "--cache-share", "1.5", "--device", "cpu",
                  "--runs", "all"]) != 0
+
+
+def test_sampled_tokens_are_the_reference_in_every_run(tmp_path: Path) -> None:
+    """``--sample SEED``: every generate sampled under one seed, so the streamed runs still
+    give the resident model's tokens; they are not the greedy ones."""
+    model = tmp_path / "m"
+    common = ["--make", str(model), "--shape", "tiny", "--tokens", "6", "--warmup", "1",
+              "--repeat", "1", "--cache-share", "0.25", "--device", "cpu",
+              "--runs", "resident,warm"]
+    sampled, greedy = tmp_path / "sampled.json", tmp_path / "greedy.json"
+    assert main([*common, "--sample", "7", "--out", str(sampled)]) == 0
+    assert main([*common, "--out", str(greedy)]) == 0
+    report = json.loads(sampled.read_text())
+    assert report["identical_tokens"] and report["runs"]["warm"]["misses"] > 0
+    assert report["reference_tokens"] != json.loads(greedy.read_text())["reference_tokens"]
