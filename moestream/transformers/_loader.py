@@ -275,12 +275,45 @@ def _meta_model(root: Path, files: Path, config: Any, dtype: Any) -> Any:
     except (ValueError, KeyError, TypeError) as exc:
         raise ModelFileError(root, f"model type {config.model_type!r} cannot be served by "
                              f"moestream: {first_line(exc)}") from exc
+    _keep_in_float32(model, dtype)
     if (files / "generation_config.json").is_file():
         try:
             model.generation_config = transformers.GenerationConfig.from_pretrained(files)
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise ModelFileError(root / "generation_config.json", first_line(exc)) from exc
     return model
+
+
+def _keep_in_float32(model: Any, dtype: Any) -> None:
+    """The tensors transformers' ``from_pretrained`` keeps in float32 whatever the dtype:
+    its load's dtype plan (a model class's ``_keep_in_fp32_modules_strict`` at bf16 or fp16,
+    ``_keep_in_fp32_modules`` at fp16), which ``from_config`` does not apply. The dense
+    tensors are cast to the meta model's dtypes, so the plan is applied to it here, by
+    transformers' own ``_get_dtype_plan`` where the installed version has one. (5.17's
+    DeepSeek-V4 makes its hyper-connections and sinks in the default dtype and relies on
+    the plan: without it they were bf16 and its tokens left the reference's.)"""
+    own = getattr(model, "_get_dtype_plan", None)
+    if own is not None:
+        names = list(own(dtype))
+    else:
+        strict = dtype in (torch.float16, torch.bfloat16)
+        names = [*(getattr(model, "_keep_in_fp32_modules_strict", None) or [] if strict else []),
+                 *(getattr(model, "_keep_in_fp32_modules", None) or []
+                   if dtype == torch.float16 else [])]
+    if not names:
+        return
+    kept = re.compile("|".join(f"(?:{name.replace('*', '.*')})" for name in names))
+    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        if not (kept.search(name) and tensor.is_floating_point()
+                and tensor.dtype != torch.float32):
+            continue
+        owner, _, leaf = name.rpartition(".")
+        module = model.get_submodule(owner)
+        if leaf in module._parameters:
+            module._parameters[leaf] = torch.nn.Parameter(tensor.to(torch.float32),
+                                                          requires_grad=tensor.requires_grad)
+        else:
+            module._buffers[leaf] = tensor.to(torch.float32)
 
 
 def _experts_modules(root: Path, model: Any, config: Any) -> dict[int, Any]:

@@ -264,6 +264,26 @@ class TestExactness:
         finally:
             model.moestream.close()
 
+    def test_kept_in_float32_as_from_pretrained_keeps_it(
+            self, checkpoints: dict[str, Path], monkeypatch: pytest.MonkeyPatch,
+            loops: None) -> None:
+        """A class's ``_keep_in_fp32_modules_strict`` (transformers 5.17's DeepSeek-V4 names
+        its hyper-connections and sinks, made in the default dtype): from_pretrained's dtype
+        plan keeps those tensors in float32 at bf16, from_config alone does not; moestream's
+        model holds them as from_pretrained does, dtype and values."""
+        lm = type(_whole(checkpoints["qwen3_moe"], "grouped_mm"))
+        monkeypatch.setattr(lm, "_keep_in_fp32_modules_strict", ["input_layernorm"])
+        whole = dict(_whole(checkpoints["qwen3_moe"], "grouped_mm").named_parameters())
+        kept = {n for n, p in whole.items() if p.dtype == torch.float32}
+        assert kept and all(n.endswith("input_layernorm.weight") for n in kept)
+        model = mt.from_pretrained(checkpoints["qwen3_moe"], device="cpu")
+        try:
+            ours = dict(model.named_parameters())
+            assert {n for n, p in ours.items() if p.dtype == torch.float32} == kept
+            assert all(torch.equal(whole[n], ours[n]) for n in kept)
+        finally:
+            model.moestream.close()
+
     def test_float32_checkpoint(self, tmp_path: Path, loops: None) -> None:
         """F32 experts compute as F32, equal to the whole model."""
         path = _save("qwen3_moe", tmp_path / "f32", dtype=torch.float32)
