@@ -15,6 +15,7 @@ from typing import Any
 
 import structlog
 import torch  # type: ignore[import-not-found, unused-ignore]
+from transformers.quantizers.base import HfQuantizer  # type: ignore[import-not-found, unused-ignore]
 
 import moestream
 from moestream.pipeline.foundation.errors import ExpertLayoutError, ModelFileError
@@ -38,6 +39,15 @@ _FILE_DTYPES: dict[str, Any] = {
 }
 """safetensors' type names, as torch loads them (as safetensors' own torch loader maps
 them)."""
+
+_FLOATS = frozenset({"F16", "BF16", "F32", "F64"})
+
+_RENAMED_IN_FILE_DTYPE = not hasattr(HfQuantizer, "get_new_dtype")
+"""Whether this transformers loads a pre-quantized checkpoint's renamed float tensors in the
+file's dtype, not the model's: versions before ``HfQuantizer.get_new_dtype`` (5.17 among
+them) take a renamed key as one being deserialized and skip the cast, the dtype plan
+included (DeepSeek-V4's norms stay bf16 while its float32 plan names them). Matched here,
+so that a quantized checkpoint's model is the reference's under either."""
 
 
 def load_dense(model: Any, session: moestream.SyncSession, device: Any,
@@ -104,14 +114,16 @@ class _Loaded:
         self.tensors: dict[str, Any] = {}
         self.unexpected: list[str] = []
 
-    def assign(self, name: str, target: str, tensor: Any) -> None:
+    def assign(self, name: str, target: str, tensor: Any, *, cast: bool = True) -> None:
+        """Check ``tensor`` against ``target``'s shape and keep it, cast to the model's
+        dtype of it unless ``cast`` is False."""
         like = self.params.get(target)
         if like is None:
             like = self.model.get_buffer(target)
         if tuple(tensor.shape) != tuple(like.shape):
             raise ExpertLayoutError(self.root, f"{name} has shape {list(tensor.shape)[:8]}, "
                                     f"the config makes {target} {list(like.shape)}")
-        self.tensors[target] = tensor.to(like.dtype)
+        self.tensors[target] = tensor.to(like.dtype) if cast else tensor
 
 
 def _read_dense(model: Any, session: moestream.SyncSession, device: Any,
@@ -122,6 +134,7 @@ def _read_dense(model: Any, session: moestream.SyncSession, device: Any,
     dense = list(session.model.tensors.values())
     read = tensor_reader(session)
     quantized = DenseScales(session, session.model.path)
+    in_file_dtype = _RENAMED_IN_FILE_DTYPE and "quantization_config" in session.model.config
     merged: dict[str, Any] = {}  # model name -> its converter, collecting its sources
     if progress is None:
         progress = sys.stderr.isatty()
@@ -144,7 +157,8 @@ def _read_dense(model: Any, session: moestream.SyncSession, device: Any,
                 into = merged.setdefault(target, copy.deepcopy(converter[0]))
                 into.add_tensor(target, spec.name, converter[1], tensor)
             else:
-                loaded.assign(spec.name, target, tensor)
+                loaded.assign(spec.name, target, tensor, cast=not (
+                    in_file_dtype and target != spec.name and spec.dtype in _FLOATS))
     return merged
 
 

@@ -105,6 +105,31 @@ class TestFp4Experts:
         finally:
             model.moestream.close()
 
+    @pytest.mark.parametrize("in_file_dtype", [True, False])
+    def test_renamed_float_tensors_as_transformers_loads_them(
+            self, fp4: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+            in_file_dtype: bool) -> None:
+        """A layer norm stored BF16 as DeepSeek ships it (``attn_norm``, renamed
+        ``input_layernorm``; named by V4's float32 plan): transformers before
+        ``HfQuantizer.get_new_dtype`` (5.17) loads a pre-quantized checkpoint's renamed
+        float tensors in the file's dtype, later ones by the plan; moestream as the
+        installed one does."""
+        from moestream.transformers import _dense
+
+        path = Path(shutil.copytree(fp4["fp4"], tmp_path / "m"))
+        tensors = load_file(path / "model.safetensors")
+        name = "model.layers.0.attn_norm.weight"
+        tensors[name] = tensors[name].to(torch.bfloat16)
+        save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+        monkeypatch.setattr(_dense, "_RENAMED_IN_FILE_DTYPE", in_file_dtype)
+        model = mt.from_pretrained(path, device="cpu")
+        try:
+            norm = model.model.layers[0].input_layernorm.weight
+            assert norm.dtype == (torch.bfloat16 if in_file_dtype else torch.float32)
+            assert torch.equal(norm.float(), tensors[name].float())
+        finally:
+            model.moestream.close()
+
     def test_streamed_as_packed_bytes(self, fp4: dict[str, Path]) -> None:
         """A miss reads and the budget counts half a byte a weight; each matrix's E8M0
         scales are named beside it."""
