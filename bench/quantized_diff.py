@@ -41,10 +41,10 @@ def _difference(a: Any, b: Any) -> dict[str, Any]:
     if a.shape != b.shape or a.dtype != b.dtype:
         return {"equal": False, "why": f"{tuple(a.shape)} {a.dtype} vs {tuple(b.shape)} {b.dtype}"}
     if a.dtype.is_floating_point:
-        delta = (a.float() - b.float()).abs()
+        delta = (a.detach().float() - b.detach().float()).abs()
         return {"equal": bool(delta.max() == 0), "max_abs": float(delta.max()),
                 "unequal_share": round(float((delta != 0).float().mean()), 6)}
-    return {"equal": bool((a == b).all())}
+    return {"equal": bool((a.detach() == b.detach()).all())}
 
 
 def dense(reference: Any, ours: Any) -> dict[str, Any]:

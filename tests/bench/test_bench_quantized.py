@@ -65,3 +65,20 @@ def test_tiny_run_fp4_formats(tmp_path: Path, fmt: str, total: str) -> None:
 def test_a_shape_of_another_format_is_refused(tmp_path: Path) -> None:
     with pytest.raises(SystemExit):
         main(["--make", str(tmp_path), "--format", "mxfp4", "--shape", "qwen3-30b-a3b"])
+
+
+def test_diff_of_a_tiny_fp4_model_finds_nothing_apart(tmp_path: Path) -> None:
+    """bench.quantized_diff on a tiny DeepSeek-V4 FP4 checkpoint (bench.quantized's maker):
+    every dense tensor and expert compared and equal, logits and tokens equal."""
+    from bench.quantized import make_quantized
+    from bench.quantized_diff import main as diff
+
+    make_quantized(tmp_path / "fp4", "fp4", "tiny", 2)
+    out = tmp_path / "diff.json"
+    assert diff(["-m", str(tmp_path / "fp4"), "--format", "fp4", "--device", "cpu",
+                 "--tokens", "4", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["dense"]["compared"] > 10 and not report["dense"]["unequal"]
+    assert report["experts"] and all(layer["counts"] == {"gate_up": 0, "down": 0}
+                                     for layer in report["experts"].values())
+    assert report["forwards"]["logits"]["equal"] and report["forwards"]["reference_repeats"]
