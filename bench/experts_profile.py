@@ -6,7 +6,8 @@ That run is bound by the host, not the device: the resident model's launches run
 GPU, moestream's per-layer and per-token Python adds to them. This loads the checkpoint as
 ``bench.transformers``' ``all`` run does (every expert fetched once before timing), times
 ``--tokens`` greedy tokens plain, then again under ``cProfile``, and prints the functions
-with the most time of their own and the most time under them. Profiling slows Python about
+with the most time of their own and the most time under them; ``--resident`` does the same
+for transformers' resident model first, in the same process. Profiling slows Python about
 twice: read the shares, not the times.
 
     python -m bench.experts_profile -m qwen3-30b-a3b-8l --device cuda --out profile.txt
@@ -41,6 +42,19 @@ def _profiled(model: Any, prompt: Any, tokens: int, device: Any, top: int) -> st
     return text.getvalue()
 
 
+def _measured(name: str, model: Any, prompt: Any, device: Any, args: argparse.Namespace
+              ) -> str:
+    """Warm, time ``args.tokens`` tokens plain twice (the second quoted), then profiled."""
+    _generate(model, prompt, 4, device)  # warm
+    _generate(model, prompt, args.tokens, device)
+    tokens, seconds = _generate(model, prompt, args.tokens, device)
+    began = time.perf_counter()
+    report = _profiled(model, prompt, args.tokens, device, args.top)
+    profiled = time.perf_counter() - began
+    return (f"== {name} ({args.model}): {len(tokens) / seconds:.1f} tok/s plain, "
+            f"{args.tokens / profiled:.1f} tok/s profiled, device {device}\n{report}")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.experts_profile",
                                 description=__doc__.splitlines()[0])
@@ -50,25 +64,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--top", type=int, default=40, help="functions printed per order (40)")
     p.add_argument("--budget", help="the cache budget (from_pretrained's budget=, e.g. 1.5GiB); "
                    "default: every expert, each fetched once before timing")
+    p.add_argument("--resident", action="store_true", help="profile transformers' resident "
+                   "model (grouped_mm) first, in the same process: the reference's host time")
     p.add_argument("--out", type=Path, help="also write the report here")
     args = p.parse_args(argv)
     import torch
+    import transformers
 
     from moestream.transformers import from_pretrained
 
     device = torch.device(args.device)
     prompt = torch.tensor([[1, 2, 3, 4]])
+    text = ""
+    if args.resident:
+        resident: Any = transformers.AutoModelForCausalLM.from_pretrained(
+            args.model, experts_implementation="grouped_mm")
+        resident.to(device)
+        text += _measured("resident", resident, prompt, device, args)
+        del resident
     with from_pretrained(args.model, device=device, budget=args.budget) as model:
         if args.budget is None:
             _fill_cache(model.moestream)
-        _generate(model, prompt, 4, device)  # warm
-        tokens, seconds = _generate(model, prompt, args.tokens, device)
-        began = time.perf_counter()
-        report = _profiled(model, prompt, args.tokens, device, args.top)
-        profiled = time.perf_counter() - began
-    head = (f"{args.model}: {len(tokens) / seconds:.1f} tok/s plain, "
-            f"{args.tokens / profiled:.1f} tok/s profiled, device {device}\n")
-    text = head + report
+        text += _measured("moestream", model, prompt, device, args)
     sys.stdout.write(text)
     if args.out is not None:
         args.out.write_text(text)
