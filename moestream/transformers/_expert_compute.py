@@ -5,7 +5,10 @@ they land (the module docstring of ``_experts.py`` says what each matches):
   transformers' own ``grouped_mm`` path (``_grouped_linear``) over their stacked weights,
   the router-weighted rows summed per token at the end, as ``grouped_mm_experts_forward``;
 - :func:`eager`: one product per expert, the rows added into the output in ascending
-  expert order whatever order the experts landed in, as transformers' ``eager``.
+  expert order whatever order the experts landed in, as transformers' ``eager``;
+- :func:`batched`: every (token, slot) pair's expert weights stacked in the pairs' order,
+  then transformers' own ``batched_mm_experts_forward``: what ``generate``'s decode steps
+  on a GPU compute where the experts use ``grouped_mm``.
 """
 
 from __future__ import annotations
@@ -17,9 +20,9 @@ import torch  # type: ignore[import-not-found, unused-ignore]
 
 from moestream import ExpertHandle
 from moestream.transformers._expert_weights import ExpertWeights
-from moestream.transformers._layout import biases, grouped_linear
+from moestream.transformers._layout import batched_mm, biases, grouped_linear
 
-__all__ = ["eager", "grouped"]
+__all__ = ["batched", "eager", "grouped"]
 
 
 def eager(arrivals: Iterable[list[ExpertHandle]], weights: ExpertWeights, module: Any,
@@ -57,6 +60,16 @@ def eager(arrivals: Iterable[list[ExpertHandle]], weights: ExpertWeights, module
         token_idx, out = rows[expert]
         final.index_add_(0, token_idx, out)
     return final
+
+
+def batched(arrivals: Iterable[list[ExpertHandle]], weights: ExpertWeights, module: Any,
+            hidden: Any, top_k_index: Any, top_k_weights: Any, pairs: Sequence[int]) -> Any:
+    """The experts' output for ``hidden`` in transformers' ``batched_mm`` arithmetic, once
+    every expert of the call landed: ``pairs`` are ``top_k_index``'s ids in order (read on
+    the host already), each pair's weights stacked from its expert's handle."""
+    handles = {h.expert: h for batch in arrivals for h in batch}
+    first, down = weights.stacked(module, [handles[e] for e in pairs])
+    return batched_mm(module, first, down, hidden, top_k_index, top_k_weights)
 
 
 def grouped(arrivals: Iterable[list[ExpertHandle]], weights: ExpertWeights, module: Any,

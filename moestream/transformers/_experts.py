@@ -16,7 +16,11 @@ Two arithmetics, chosen per model (``compute=``):
   transformers' own ``grouped_mm`` path (its ``_grouped_linear``) over the leased weights
   stacked in arrival groups; the router-weighted rows are summed per token at the end, as
   ``grouped_mm_experts_forward`` does. Tokens match a whole model run with
-  ``experts_implementation="grouped_mm"`` (transformers' default).
+  ``experts_implementation="grouped_mm"`` (transformers' default). On a GPU, ``generate``
+  computes such a model's decode steps in ``batched_mm`` instead (its
+  ``_optimize_model_for_decode``); a grouped moestream model follows the same switch
+  (:func:`follow_decode_switch`): each step's pairs' weights stacked in order, then
+  transformers' own ``batched_mm_experts_forward``.
 - ``"eager"``: one product per expert, in transformers' ``eager`` order (each expert's rows
   added into the output with ``index_add_`` in ascending expert order, whatever order the
   experts landed in), so that logits are ``torch.equal`` to a whole model run with
@@ -34,6 +38,7 @@ experts modules (``_swap.py``) reach the same through :meth:`ExpertStream.arriva
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import sys
 import threading
@@ -47,18 +52,19 @@ from transformers.integrations import moe as hf_moe  # type: ignore[import-not-f
 
 from moestream import ExpertHandle, SyncSession, TokenStats
 from moestream.pipeline.foundation.errors import UsageError
-from moestream.transformers._expert_compute import eager, grouped
+from moestream.transformers._expert_compute import batched, eager, grouped
 from moestream.transformers._expert_weights import ExpertWeights
 from moestream.transformers._generate import GenerateStats
 from moestream.transformers._gguf_experts import GgufExperts
 from moestream.transformers._host_grouped import HostWeights, host_grouped
+from moestream.transformers._layout import BATCHED_MM
 from moestream.transformers._leases import groups, leased
 from moestream.transformers._prefetch import NextRouter
 from moestream.transformers._quantized import LayerScales
 from moestream.transformers._routing import WholeLayers
 
-__all__ = ["COMPUTES", "IMPLEMENTATION", "Compute", "ExpertStream", "experts_forward", "register",
-           "stream_of"]
+__all__ = ["COMPUTES", "IMPLEMENTATION", "Compute", "ExpertStream", "experts_forward",
+           "follow_decode_switch", "register", "stream_of"]
 
 IMPLEMENTATION = "moestream"
 """The name the experts implementation is registered under."""
@@ -146,6 +152,11 @@ class ExpertStream:
         ``session.counters()`` holds the totals since loading."""
         self.on_token: Callable[[TokenStats], None] | None = None
         """Called with each token's stats (a live progress line, say)."""
+        self.batched = False
+        """Whether a grouped model's calls compute in transformers' ``batched_mm``
+        arithmetic: set while ``generate`` decodes on a GPU, where transformers switches
+        ``grouped_mm`` to it (``follow_decode_switch``), so that the tokens stay the
+        reference's bits."""
         self._cuda = self.device.type == "cuda"
         self._started: Any = None
         self._weights = ExpertWeights(self.device, self.scales)
@@ -224,13 +235,20 @@ class ExpertStream:
                 top_k_weights: Any) -> Any:
         """The routed experts' output for ``hidden``, as the module's experts would give."""
         if self._whole is not None and self.compute == "grouped" and layer not in self.scales:
-            out = self._whole.forward(layer, module, hidden, top_k_index, top_k_weights)
+            out = self._whole.forward(layer, module, hidden, top_k_index, top_k_weights,
+                                      batched=self.batched)
             if out is not None:
                 return out
-        wanted, hint = self._wanted(layer, hidden, top_k_index)
+        wanted, pairs, hint = self._wanted(layer, hidden, top_k_index)
         if self.compute == "eager":
             return eager(self.arrivals(layer, wanted, hint), self._weights, module, hidden,
                          top_k_index, top_k_weights)
+        if self.batched and len(wanted) <= self.group_experts:
+            # a decode step's experts in one lease; a call of more groups (a long
+            # verification) stays grouped: batched_mm needs every pair's weights at once
+            with leased(self.session, self.device, layer, wanted, hint) as batches:
+                return batched(batches, self._weights, module, hidden, top_k_index,
+                               top_k_weights, pairs)
         if not self._cuda and layer not in self.scales and len(wanted) <= self.group_experts:
             # the host: each expert's products on the cache's own matrices, no stacked copy
             with leased(self.session, self.device, layer, wanted, hint) as batches:
@@ -239,21 +257,23 @@ class ExpertStream:
         return grouped(self.arrivals(layer, wanted, hint), self._weights, module, hidden,
                        top_k_index, top_k_weights)
 
-    def _wanted(self, layer: int, hidden: Any,
-                top_k_index: Any) -> tuple[list[int], Callable[[], object] | None]:
-        """The experts the call routes to, and the next layer's prefetch hint (None: no
-        guess here): the one host read of a layer, which experts to ask for, copies the
-        ids and the next router's guess together (not a device unique, which would
-        synchronize once more)."""
+    def _wanted(self, layer: int, hidden: Any, top_k_index: Any
+                ) -> tuple[list[int], list[int], Callable[[], object] | None]:
+        """The experts the call routes to (ascending), each (token, slot) pair's expert in
+        order, and the next layer's prefetch hint (None: no guess here): the one host read
+        of a layer, which experts to ask for, copies the ids and the next router's guess
+        together (not a device unique, which would synchronize once more)."""
         ids = top_k_index.flatten()
         following = self.next_routers.get(layer)
         if following is None:
-            return sorted({int(e) for e in ids.tolist()}), None
+            pairs = ids.tolist()
+            return sorted(set(pairs)), pairs, None
         with torch.no_grad():
             guess = following.guess(hidden, top_k_index.shape[-1]).flatten()
         read = torch.cat((ids, guess.to(ids.dtype))).tolist()
-        guessed = sorted({int(e) for e in read[ids.numel():]})
-        return sorted({int(e) for e in read[:ids.numel()]}), functools.partial(
+        pairs = read[:ids.numel()]
+        guessed = sorted(set(read[ids.numel():]))
+        return sorted(set(pairs)), pairs, functools.partial(
             self.session.prefetch, following.layer, guessed)
 
     def arrivals(self, layer: int, wanted: Sequence[int],
@@ -278,6 +298,29 @@ class ExpertStream:
         """The leased experts' ``gate_up`` and ``down`` stacked as ``module`` keeps its own,
         for one grouped product: ``ExpertWeights.stacked``."""
         return self._weights.stacked(module, handles)
+
+
+def follow_decode_switch(model: Any, experts_stream: ExpertStream) -> None:
+    """``generate`` computes its decode steps on a GPU in ``batched_mm`` where a model's
+    experts use ``grouped_mm`` (transformers' ``_optimize_model_for_decode``, which switches
+    the registry's names only, not moestream's): a grouped moestream model follows that
+    context, so that every step is the resident model's arithmetic, bit for bit."""
+    original = getattr(model, "_optimize_model_for_decode", None)
+    if original is None or BATCHED_MM is None or experts_stream.compute != "grouped":
+        return
+
+    @contextlib.contextmanager
+    def optimized() -> Iterator[None]:
+        with original():
+            before = experts_stream.batched
+            # transformers keeps grouped_mm on a CPU and switches elsewhere
+            experts_stream.batched = experts_stream.device.type != "cpu"
+            try:
+                yield
+            finally:
+                experts_stream.batched = before
+
+    model._optimize_model_for_decode = optimized
 
 
 def _held_experts(session: SyncSession) -> int:

@@ -8,7 +8,8 @@ from typing import Any
 import torch  # type: ignore[import-not-found, unused-ignore]
 from transformers.integrations import moe as hf_moe  # type: ignore[import-not-found, unused-ignore]
 
-__all__ = ["TORCH_DTYPES", "biases", "first_projection", "grouped_linear", "raw", "view"]
+__all__ = ["TORCH_DTYPES", "batched_mm", "biases", "first_projection", "grouped_linear", "raw",
+           "view"]
 
 TORCH_DTYPES: dict[str, Any] = {
     "BF16": torch.bfloat16,
@@ -56,3 +57,45 @@ def grouped_linear(x: Any, weight: Any, offsets: Any, bias: Any, transposed: boo
     if bias is None and not transposed:
         return hf_moe._grouped_linear(x, weight, offsets)
     return hf_moe._grouped_linear(x, weight, offsets, bias=bias, is_transposed=transposed)
+
+
+BATCHED_MM = getattr(hf_moe, "batched_mm_experts_forward", None)
+"""transformers' ``batched_mm`` arithmetic (None before it had one)."""
+
+
+class _Gathered:
+    """A stacked parameter's stand-in in :data:`BATCHED_MM`: indexed by the call's expert
+    ids, it gives the weights already gathered in the pairs' order."""
+
+    __slots__ = ("weights",)
+
+    def __init__(self, weights: Any) -> None:
+        self.weights = weights
+
+    def __getitem__(self, expert_ids: Any) -> Any:
+        return self.weights
+
+
+class _PairsModule:
+    """An experts module as :data:`BATCHED_MM` reads it, its stacked projections replaced
+    by the call's gathered weights; everything else (gate, activation, biases, flags) the
+    module's own."""
+
+    def __init__(self, module: Any, first: Any, down: Any) -> None:
+        self._module = module
+        self.gate_up_proj = self.up_proj = _Gathered(first)
+        self.down_proj = _Gathered(down)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._module, name)
+
+
+def batched_mm(module: Any, first: Any, down: Any, hidden: Any, top_k_index: Any,
+               top_k_weights: Any) -> Any:
+    """transformers' own ``batched_mm_experts_forward`` over weights gathered per (token,
+    slot) pair: ``first`` ``(pairs, ...)`` as the module's first projection a row, ``down``
+    as its down projection, pair ``i`` the expert ``top_k_index.reshape(-1)[i]``. What
+    ``generate`` computes a decode step with on a GPU where the model's experts use
+    ``grouped_mm`` (its ``_optimize_model_for_decode``)."""
+    assert BATCHED_MM is not None  # callers ask only where it exists
+    return BATCHED_MM(_PairsModule(module, first, down), hidden, top_k_index, top_k_weights)

@@ -54,6 +54,7 @@ from moestream.transformers._experts import (
     IMPLEMENTATION,
     Compute,
     ExpertStream,
+    follow_decode_switch,
     register,
 )
 from moestream.transformers._files import CONFIG, GENERATION_FILES, snapshot
@@ -185,6 +186,7 @@ def _served(session: moestream.SyncSession, root: Path, device: Any, dtype: Any,
     model.moestream = experts_stream
     model.register_forward_pre_hook(_begin_hook(experts_stream))
     model.register_forward_hook(_end_hook(experts_stream))
+    follow_decode_switch(model, experts_stream)
     model.eval()
     return serve(model)
 

@@ -27,7 +27,13 @@ import numpy as np
 import torch  # type: ignore[import-not-found, unused-ignore]
 
 from moestream import SyncSession
-from moestream.transformers._layout import TORCH_DTYPES, biases, first_projection, grouped_linear
+from moestream.transformers._layout import (
+    TORCH_DTYPES,
+    batched_mm,
+    biases,
+    first_projection,
+    grouped_linear,
+)
 
 __all__ = ["MAX_SLOTS", "Gather", "WholeLayers", "slotted_grouped"]
 
@@ -146,14 +152,16 @@ class WholeLayers:
         self._pending: list[tuple[int, Any, Any]] = []
 
     def forward(self, layer: int, module: Any, hidden: Any, top_k_index: Any,
-                top_k_weights: Any) -> Any | None:
-        """The experts call served on the device alone, or None where this path does not
-        apply (the model not held whole yet, a call of more than ``MAX_SLOTS`` experts, no
-        tokens, a cast needed)."""
+                top_k_weights: Any, *, batched: bool = False) -> Any | None:
+        """The experts call served on the device alone (in transformers' ``batched_mm``
+        arithmetic if ``batched``, else its ``grouped_mm``), or None where this path does
+        not apply (the model not held whole yet, a call of more than ``MAX_SLOTS`` experts
+        or pairs, no tokens, a cast needed)."""
         if self._whole is False:  # not held whole this token: the lease path, at once
             return None
         pairs = top_k_index.numel()
-        if pairs == 0 or min(pairs, module.num_experts) > MAX_SLOTS:
+        if pairs == 0 or min(pairs, module.num_experts) > MAX_SLOTS or (
+                batched and pairs > MAX_SLOTS):
             return None
         dtype = module.down_proj.dtype
         table = self._tables.get((layer, dtype), _UNMADE)
@@ -162,6 +170,8 @@ class WholeLayers:
                                 tuple(module.down_proj.shape[1:]))
         if table is None:
             return None
+        if batched:
+            return self.batched(layer, table, module, hidden, top_k_index, top_k_weights)
         return self.grouped(layer, table, module, hidden, top_k_index, top_k_weights)
 
     def _table(self, layer: int, dtype: Any, first_shape: tuple[int, ...],
@@ -230,6 +240,20 @@ class WholeLayers:
 
         out = slotted_grouped(module, hidden, top_k_index, top_k_weights, table.experts,
                               gather, table.first_shape, table.down_shape)
+        self._remember(layer, top_k_index)
+        return out
+
+    def batched(self, layer: int, table: _Table, module: Any, hidden: Any, top_k_index: Any,
+                top_k_weights: Any) -> Any:
+        """``batched_mm_experts_forward``'s output for a whole layer: each (token, slot)
+        pair's expert weights copied from the cache by the table in one launch, then
+        transformers' own arithmetic; queued on torch's stream with no host read."""
+        slots = top_k_index.reshape(-1).to(torch.int64)
+        dtype = module.down_proj.dtype
+        first = torch.empty((slots.numel(), *table.first_shape), dtype=dtype, device=self.device)
+        down = torch.empty((slots.numel(), *table.down_shape), dtype=dtype, device=self.device)
+        self._gather(table, slots, first, down)
+        out = batched_mm(module, first, down, hidden, top_k_index, top_k_weights)
         self._remember(layer, top_k_index)
         return out
 

@@ -264,6 +264,53 @@ class TestExactness:
         finally:
             model.moestream.close()
 
+    @pytest.mark.parametrize("kind", ["qwen3_moe", "gpt_oss", "deepseek_v3"])
+    def test_batched_arithmetic_equals_batched_mm(self, checkpoints: dict[str, Path],
+                                                  kind: str, monkeypatch: pytest.MonkeyPatch,
+                                                  loops: None) -> None:
+        """``batched`` (set while generate decodes on a GPU, where transformers computes
+        grouped_mm experts in batched_mm): every MoE layer's call goes through
+        transformers' own batched_mm_experts_forward, logits torch.equal to the whole
+        model with ``experts_implementation="batched_mm"`` (gpt-oss: transposed, biased).
+        (On a CPU the two arithmetics' bits agree here: the spy tells them apart.)"""
+        from moestream.transformers import _layout
+
+        calls = []
+
+        def spy(*args: Any) -> Any:
+            calls.append(args[0])
+            return batched_mm(*args)
+
+        batched_mm = _layout.BATCHED_MM
+        monkeypatch.setattr(_layout, "BATCHED_MM", spy)
+        whole = _whole(checkpoints[kind], "batched_mm")
+        expected = _reference(whole, torch.tensor(PROMPTS), kind)
+        model = mt.from_pretrained(checkpoints[kind], device="cpu")
+        try:
+            model.moestream.batched = True
+            with torch.no_grad():
+                assert torch.equal(expected, model(torch.tensor(PROMPTS)).logits)
+            assert len(calls) == len(model.moestream.session.model.moe_layers)
+        finally:
+            model.moestream.close()
+
+    def test_decode_switch_followed(self, checkpoints: dict[str, Path],
+                                    monkeypatch: pytest.MonkeyPatch, loops: None) -> None:
+        """generate's decode context (``_optimize_model_for_decode``) sets ``batched`` where
+        transformers would switch grouped_mm (not on a CPU), and puts it back after."""
+        model = mt.from_pretrained(checkpoints["qwen3_moe"], device="cpu")
+        stream = model.moestream
+        try:
+            seen = []
+            with model._optimize_model_for_decode():
+                seen.append(stream.batched)
+            monkeypatch.setattr(stream, "device", torch.device("cuda"))
+            with model._optimize_model_for_decode():
+                seen.append(stream.batched)
+            assert seen == [False, True] and stream.batched is False
+        finally:
+            model.moestream.close()
+
     def test_kept_in_float32_as_from_pretrained_keeps_it(
             self, checkpoints: dict[str, Path], monkeypatch: pytest.MonkeyPatch,
             loops: None) -> None:

@@ -83,6 +83,18 @@ class TestFp8Experts:
         assert_streams_like(dequantized(fp8[kind], FP8, implementation), fp8[kind],
                             compute)
 
+    def test_batched_arithmetic(self, fp8: dict[str, Path]) -> None:
+        """``batched`` (generate's decode on a GPU): each pair's expert dequantized into
+        its own row, an expert two pairs route to twice; logits torch.equal to
+        transformers' dequantized model in batched_mm."""
+        whole = dequantized(fp8["qwen3_moe"], FP8, "batched_mm")
+        model = mt.from_pretrained(fp8["qwen3_moe"], device="cpu")
+        try:
+            model.moestream.batched = True
+            assert torch.equal(logits(whole), logits(model))
+        finally:
+            model.moestream.close()
+
     @pytest.mark.parametrize("mode", ["direct", "resident"])
     def test_each_io_mode(self, fp8: dict[str, Path], mode: str) -> None:
         """The same equality whether the FP8 bytes and their scales come by O_DIRECT

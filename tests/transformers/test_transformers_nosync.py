@@ -112,10 +112,16 @@ class TestWholeLayersOnTheHost:
     """The whole-layer path over a host session, the kernel's copies done on the host from
     the same table: the table's addresses and layout, the arithmetic, the hits counted."""
 
+    @pytest.mark.parametrize("batched", [False, True])
     @pytest.mark.parametrize("kind", list(ARCHS))
     def test_equals_grouped_mm_and_counts_hits(self, checkpoints: dict[str, Path], kind: str,
+                                                batched: bool,
                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+        """In grouped_mm's arithmetic, or batched_mm's (each pair's expert gathered, an
+        expert two pairs route to twice)."""
         monkeypatch.setattr(_routing.WholeLayers, "_gather", _host_gather)
+        reference = (hf_moe.batched_mm_experts_forward if batched
+                     else hf_moe.grouped_mm_experts_forward)
         resident = transformers.AutoModelForCausalLM.from_pretrained(
             checkpoints[kind], experts_implementation="grouped_mm")
         model = _held_whole(checkpoints[kind], "cpu")
@@ -131,9 +137,9 @@ class TestWholeLayersOnTheHost:
                     hidden = torch.randn(5, ARCHS[kind]["hidden_size"], dtype=torch.bfloat16,
                                          generator=torch.Generator().manual_seed(i))
                     with torch.no_grad():
-                        got = whole.forward(ours.moestream_layer, ours, hidden, index, weights)
-                        expected = hf_moe.grouped_mm_experts_forward(theirs, hidden, index,
-                                                                     weights)
+                        got = whole.forward(ours.moestream_layer, ours, hidden, index, weights,
+                                            batched=batched)
+                        expected = reference(theirs, hidden, index, weights)
                     assert got is not None and torch.equal(got, expected)
                     distinct += len(set(index.flatten().tolist()))
                 if rounds:  # what has landed counted first (on a GPU: while the device ends)
@@ -168,6 +174,21 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return out
 
 
+def _spied(monkeypatch: pytest.MonkeyPatch) -> dict[str, list[int]]:
+    """The layers the whole-layer path served, by arithmetic (``grouped``, ``batched``)."""
+    served: dict[str, list[int]] = {"grouped": [], "batched": []}
+    for name in served:
+        method = getattr(_routing.WholeLayers, name)
+
+        def counted(self: Any, layer: int, *args: Any, _name: str = name,
+                    _method: Any = method) -> Any:
+            served[_name].append(layer)
+            return _method(self, layer, *args)
+
+        monkeypatch.setattr(_routing.WholeLayers, name, counted)
+    return served
+
+
 def _held_whole(path: Path, device: str = "cuda") -> Any:
     """The model through moestream with every expert fetched once: held whole."""
     model = mt.from_pretrained(path, device=device, budget=None)
@@ -189,16 +210,11 @@ class TestGpuWholeLayers:
     @pytest.mark.parametrize("kind", list(ARCHS))
     def test_logits_tokens_and_hits(self, checkpoints: dict[str, Path], kind: str,
                                     monkeypatch: pytest.MonkeyPatch) -> None:
+        """The prompt in grouped_mm's arithmetic, the decode steps in batched_mm's (as
+        generate switches the resident model on a GPU): logits and tokens equal."""
         whole = transformers.AutoModelForCausalLM.from_pretrained(
             checkpoints[kind], experts_implementation="grouped_mm").to("cuda")
-        served = []
-        grouped = _routing.WholeLayers.grouped
-
-        def counted(self: Any, layer: int, *args: Any) -> Any:
-            served.append(layer)
-            return grouped(self, layer, *args)
-
-        monkeypatch.setattr(_routing.WholeLayers, "grouped", counted)
+        served = _spied(monkeypatch)
         model = _held_whole(checkpoints[kind])
         try:
             ids = torch.tensor(PROMPT, device="cuda")
@@ -211,21 +227,16 @@ class TestGpuWholeLayers:
                                    model.generate(ids, **args).cpu())
             after = model.moestream.session.counters()
             layers = len(model.moestream.session.model.moe_layers)
-            assert len(served) >= 9 * layers  # the prompt's forward and 8 decode steps
-            assert after.misses == before.misses and after.hits - before.hits >= len(served)
+            assert len(served["grouped"]) >= 2 * layers  # the forward and the prompt's
+            assert len(served["batched"]) >= 7 * layers  # the decode steps
+            calls = len(served["grouped"]) + len(served["batched"])
+            assert after.misses == before.misses and after.hits - before.hits >= calls
         finally:
             model.moestream.close()
 
     def test_experts_call_synchronizes_nothing(self, checkpoints: dict[str, Path],
                                                monkeypatch: pytest.MonkeyPatch) -> None:
-        served = []
-        grouped = _routing.WholeLayers.grouped
-
-        def counted(self: Any, layer: int, *args: Any) -> Any:
-            served.append(layer)
-            return grouped(self, layer, *args)
-
-        monkeypatch.setattr(_routing.WholeLayers, "grouped", counted)
+        served = _spied(monkeypatch)
         model = _held_whole(checkpoints["qwen3_moe"])
         try:
             experts = _experts(model)
@@ -239,9 +250,13 @@ class TestGpuWholeLayers:
                 torch.cuda.set_sync_debug_mode("error")
                 try:
                     outs = [module(hidden, index, weights) for module in experts]
+                    model.moestream.batched = True  # a decode step's arithmetic
+                    outs += [module(hidden, index, weights) for module in experts]
                 finally:
                     torch.cuda.set_sync_debug_mode(0)
-            assert len(served) == 2 * len(experts)  # every call through the whole-layer path
+            # every call through the whole-layer path, in either arithmetic
+            assert len(served["grouped"]) == 2 * len(experts)
+            assert len(served["batched"]) == len(experts)
             assert all(o.shape == hidden.shape and torch.isfinite(o).all() for o in outs)
         finally:
             model.moestream.close()
