@@ -16,11 +16,14 @@ twice: read the shares, not the times.
 from __future__ import annotations
 
 import argparse
+import collections
 import cProfile
 import io
 import pstats
 import sys
+import threading
 import time
+import traceback
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -42,17 +45,51 @@ def _profiled(model: Any, prompt: Any, tokens: int, device: Any, top: int) -> st
     return text.getvalue()
 
 
+def _other_threads(model: Any, prompt: Any, tokens: int, device: Any, top: int) -> str:
+    """What the process's other threads run while ``tokens`` are generated: their stacks
+    sampled every half millisecond, the commonest first. A thread that holds the GIL often
+    slows every torch call of the model's thread: cProfile, which sees one thread, shows
+    only that slowing."""
+    seen: collections.Counter[str] = collections.Counter()
+    me, done = threading.get_ident(), threading.Event()
+
+    def sample() -> None:
+        sampler = threading.get_ident()
+        while not done.is_set():
+            for ident, frame in sys._current_frames().items():
+                if ident in (me, sampler):
+                    continue
+                stack = traceback.extract_stack(frame, limit=4)
+                seen[" <- ".join(f"{Path(f.filename).name}:{f.name}:{f.lineno}"
+                                 for f in reversed(stack))] += 1
+            time.sleep(0.0005)
+
+    thread = threading.Thread(target=sample, name="stack-sampler")
+    thread.start()
+    try:
+        _generate(model, prompt, tokens, device)
+    finally:
+        done.set()
+        thread.join()
+    return "".join(f"{n:6d}  {stack}\n" for stack, n in seen.most_common(top))
+
+
 def _measured(name: str, model: Any, prompt: Any, device: Any, args: argparse.Namespace
               ) -> str:
-    """Warm, time ``args.tokens`` tokens plain twice (the second quoted), then profiled."""
+    """Warm, time ``args.tokens`` tokens plain twice (the second quoted), then profiled;
+    with ``--threads``, the other threads' stacks sampled over another run."""
     _generate(model, prompt, 4, device)  # warm
     _generate(model, prompt, args.tokens, device)
     tokens, seconds = _generate(model, prompt, args.tokens, device)
+    threads = ""
+    if args.threads:
+        threads = "-- other threads' stacks (samples)\n" + _other_threads(
+            model, prompt, args.tokens, device, args.top)
     began = time.perf_counter()
     report = _profiled(model, prompt, args.tokens, device, args.top)
     profiled = time.perf_counter() - began
     return (f"== {name} ({args.model}): {len(tokens) / seconds:.1f} tok/s plain, "
-            f"{args.tokens / profiled:.1f} tok/s profiled, device {device}\n{report}")
+            f"{args.tokens / profiled:.1f} tok/s profiled, device {device}\n{threads}{report}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -66,6 +103,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                    "default: every expert, each fetched once before timing")
     p.add_argument("--resident", action="store_true", help="profile transformers' resident "
                    "model (grouped_mm) first, in the same process: the reference's host time")
+    p.add_argument("--threads", action="store_true", help="also sample the other threads' "
+                   "stacks over a run (what may hold the GIL while the model computes)")
+    p.add_argument("--mode", choices=["auto", "direct", "resident"], default="auto",
+                   help="moestream's I/O mode (auto)")
     p.add_argument("--out", type=Path, help="also write the report here")
     args = p.parse_args(argv)
     import torch
@@ -82,7 +123,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         resident.to(device)
         text += _measured("resident", resident, prompt, device, args)
         del resident
-    with from_pretrained(args.model, device=device, budget=args.budget) as model:
+    with from_pretrained(args.model, device=device, budget=args.budget,
+                         mode=args.mode) as model:
         if args.budget is None:
             _fill_cache(model.moestream)
         text += _measured("moestream", model, prompt, device, args)
