@@ -3,8 +3,10 @@
 The warm-up engine (``moestream.stages.warm``) and the digest manifest's builder
 (``moestream.stages.manifest_build``) read the model beside decode. Decode's own reads must
 go first, so both yield through ``Pausable`` (``pause()``/``resume()`` that nest, held while
-a layer's misses load); the warm-up can also be held to a byte rate (``TokenBucket``), so it
-leaves the disk some room when it runs during a run.
+a layer's misses load, and for a quiet time after: the warm-up a run starts waits until
+decode has loaded nothing for that long, so it does not start pieces between a token's
+layers); the warm-up can also be held to a byte rate (``TokenBucket``), so it leaves the
+disk some room when it runs during a run.
 """
 
 from __future__ import annotations
@@ -29,8 +31,10 @@ class Pausable:
     pieces waits on ``_running`` (both are set whenever no pause is held).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, quiet_s: float = 0.0) -> None:
         self._pause_depth = 0
+        self._quiet_s = quiet_s
+        self._quiet: asyncio.TimerHandle | None = None
         self._resumed = asyncio.Event()
         self._resumed.set()
         self._running = threading.Event()
@@ -39,22 +43,41 @@ class Pausable:
     def pause(self) -> None:
         """Stop reading until the matching ``resume()`` (calls nest)."""
         self._pause_depth += 1
+        if self._quiet is not None:  # decode read again within the quiet time
+            self._quiet.cancel()
+            self._quiet = None
         self._resumed.clear()
         self._running.clear()
 
     def resume(self) -> None:
-        """Undo one ``pause()``."""
+        """Undo one ``pause()``; the last one lets reads go on after ``quiet_s`` with no
+        new pause (at once for 0, or off the event loop): decode's loads come a layer
+        apart, a few milliseconds, and a background read started in such a gap holds
+        the disk when the next layer's misses come."""
         if self._pause_depth == 0:
             raise UsageError("resume() without a matching pause()")
         self._pause_depth -= 1
+        if self._pause_depth:
+            return
+        try:
+            loop = asyncio.get_running_loop() if self._quiet_s > 0 else None
+        except RuntimeError:
+            loop = None
+        if loop is None:
+            self._go_on()
+        else:
+            self._quiet = loop.call_later(self._quiet_s, self._go_on)
+
+    def _go_on(self) -> None:
+        self._quiet = None
         if self._pause_depth == 0:
             self._resumed.set()
             self._running.set()
 
     @property
     def paused_now(self) -> bool:
-        """A pause is held."""
-        return self._pause_depth > 0
+        """A pause is held, or its quiet time runs."""
+        return self._pause_depth > 0 or self._quiet is not None
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
@@ -66,8 +89,8 @@ class Pausable:
             self.resume()
 
     async def _wait_resumed(self) -> None:
-        """Loop side: return once no pause is held."""
-        if self._pause_depth:
+        """Loop side: return once no pause is held and its quiet time is over."""
+        if not self._resumed.is_set():
             await self._resumed.wait()
 
 

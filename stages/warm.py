@@ -173,6 +173,8 @@ class WarmEngine(Pausable):
             (on the dev VM: 0.6x the CPU of ``preadv`` and 1.7x its speed on pages already
             resident). ``"preadv"`` reads through a per-thread buffer. Where the filesystem
             cannot splice, the engine falls back to ``preadv`` once, with a warning.
+        quiet_s: after decode's last pause ends, how long no new one must come before
+            pieces go on (``Pausable``); 0 (default): at once.
     """
 
     def __init__(
@@ -187,8 +189,9 @@ class WarmEngine(Pausable):
         stream_piece_bytes: int = STREAM_PIECE_BYTES,
         buffer_bytes: int = 1 << 20,
         loader: Loader = "sendfile",
+        quiet_s: float = 0.0,
     ) -> None:
-        super().__init__()
+        super().__init__(quiet_s)
         self.files = model_files(model)
         self.path = self.files[0].path
         self.threads = threads or default_threads()

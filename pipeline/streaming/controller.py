@@ -59,6 +59,10 @@ _FULL_SAMPLE_S = 2.0
 """How often the background task also counts the model's resident pages (mincore)."""
 _REGISTER_EVERY = 2 << 30
 """Warm-up bytes between two passes registering the windows that became resident."""
+WARM_QUIET_S = 0.05
+"""How long decode must load nothing before the run's warm-up reads on: a token's layers
+load a few milliseconds apart, and the pieces the warm-up starts in such a gap (up to 16 x
+8 MiB) would hold the disk when the next layer's misses come."""
 
 
 class ModeController:
@@ -231,7 +235,7 @@ class ModeController:
             None, lambda: Residency.of_files(files).missing(file_ranges(files)))
         if not missing:
             return
-        engine = WarmEngine(files, threads=8)
+        engine = WarmEngine(files, threads=8, quiet_s=WARM_QUIET_S)
         self._warm_engine = engine
         setattr(self._streamer, "warm_gate", engine)  # noqa: B010  (streamer-like object)
         self._warm_task = loop.create_task(self._warm(engine, missing))

@@ -409,6 +409,25 @@ class TestWarmEngine:
         with pytest.raises(UsageError):
             engine.resume()
 
+    async def test_quiet_time_after_the_last_pause(self, cold: Path) -> None:
+        """With ``quiet_s``, reads go on only once no pause came for that long: pauses a
+        short gap apart (a token's layers) keep the pieces from starting between them."""
+        done: list[int] = []
+        async with WarmEngine(cold, threads=2, piece_bytes=MIB, quiet_s=0.4) as engine:
+            engine.pause()
+            task = asyncio.create_task(
+                engine.warm([ByteRange(0, 4 * MIB)], progress=lambda d, t: done.append(d)))
+            for _ in range(3):  # layers a short gap apart
+                engine.resume()
+                await asyncio.sleep(0.05)
+                assert engine.paused_now and not done
+                engine.pause()
+            engine.resume()
+            assert engine.paused_now and not done  # the quiet time runs
+            await asyncio.wait_for(task, 10)
+            assert not engine.paused_now and done[-1] == 4 * MIB
+        assert Residency.of_file(cold).resident_bytes([ByteRange(0, 4 * MIB)]) == 4 * MIB
+
     async def test_cancel_stops_promptly(self, cold: Path) -> None:
         loop = asyncio.get_running_loop()
         async with WarmEngine(cold, threads=2, piece_bytes=MIB) as engine:
