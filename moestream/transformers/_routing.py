@@ -10,9 +10,12 @@ matrix addresses (its slot table, built once from one lease of the whole layer),
 expert, the distinct experts numbered there, one kernel copying their weights from the
 cache into the grouped product's stacked weights by the table, then transformers' own
 grouped product (``grouped_mm_experts_forward``'s arithmetic, the same groups of the same
-rows: the same bits). The routing is copied to pinned host memory behind an event, read
-at the token's end, after the device synchronization that ends it anyway, to count the
-layer's hits in the session (:meth:`WholeLayers.account`).
+rows: the same bits). A decode step, which ``generate`` computes in ``batched_mm`` on a GPU,
+has each (token, slot) pair's weights copied by the same table, then transformers' own
+``batched_mm_experts_forward`` (:meth:`WholeLayers.batched`). The routing is copied to
+pinned host memory behind an event, read at the token's end, after the device
+synchronization that ends it anyway, to count the layer's hits in the session
+(:meth:`WholeLayers.account`).
 """
 
 from __future__ import annotations
