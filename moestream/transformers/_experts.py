@@ -157,8 +157,17 @@ class ExpertStream:
         arithmetic: set while ``generate`` decodes on a GPU, where transformers switches
         ``grouped_mm`` to it (``follow_decode_switch``), so that the tokens stay the
         reference's bits."""
+        self.defer = False
+        """Whether a token whose every experts call the whole-layer path served ends at the
+        next token's end, its device work not waited for meanwhile. Set with ``batched``:
+        ``generate``'s loop reads a decode step's result one step late (transformers'
+        ``DeferredStopCheck``), so the host queues a step while the GPU computes the one
+        before; a wait at each token's end here undid that. ``last`` is then one token
+        behind until the decode ends (``flush``)."""
         self._cuda = self.device.type == "cuda"
         self._started: Any = None
+        self._leased = False  # this token took a lease (the whole-layer path did not serve)
+        self._held: tuple[Any, Any, list[Any]] | None = None  # started, done, whole calls
         self._weights = ExpertWeights(self.device, self.scales)
         self._host_weights = HostWeights(_held_experts(session) + group_experts)
         # a GPU model held whole computes its layers with no host read of the routing
@@ -168,31 +177,59 @@ class ExpertStream:
 
     def begin_step(self) -> None:
         """The model's forward starts (a forward pre-hook): time its compute."""
+        self._leased = False
         if self._cuda:
             self._started = torch.cuda.Event(enable_timing=True)
             self._started.record(torch.cuda.current_stream(self.device))
         else:
             self._started = time.perf_counter()
 
-    def end_step(self) -> TokenStats:
+    def end_step(self) -> TokenStats | None:
         """The model's forward is done (a forward hook): one token for moestream
         (verification, the controller, the log's token line).
 
         On a GPU the forward's time on torch's stream, measured by CUDA events, is the
         engine's compute (``end_token(compute_ms=...)``); on the host moestream charges to
-        compute what its own waits do not explain.
+        compute what its own waits do not explain. Under ``defer`` a token the whole-layer
+        path served is held, the one held before ended: returns the last ended token's
+        stats (None before any).
         """
         compute_ms: float | None = None
         if self._cuda and self._started is not None:
+            stream = torch.cuda.current_stream(self.device)
             done = torch.cuda.Event(enable_timing=True)
-            done.record(torch.cuda.current_stream(self.device))
+            done.record(stream)
+            started, self._started = self._started, None
+            if self.defer and self._whole is not None and not self._leased:
+                calls = self._whole.take()  # this token's, before the held one's end
+                self.flush()
+                self._held = (started, done, calls)  # ends at the next token's end
+                return self.last
+            self.flush()
             if self._whole is not None:  # the hits of calls done, while the device ends
-                self._whole.count_landed(torch.cuda.current_stream(self.device))
-            done.synchronize()  # the logits are read next anyway (sampling)
-            compute_ms = float(self._started.elapsed_time(done))
+                self._whole.count_landed(stream)
+            done.synchronize()
+            compute_ms = float(started.elapsed_time(done))
+        else:
+            self.flush()
         if self._whole is not None:  # its calls' hits, counted now the device is done
             self._whole.account(torch.cuda.current_stream(self.device))
         self._started = None
+        return self._ended(compute_ms)
+
+    def flush(self) -> None:
+        """End the held token (``defer``) now, waiting for its device work (done by now,
+        or nearly: the host runs at most a token ahead); nothing held, nothing done."""
+        held, self._held = self._held, None
+        if held is None:
+            return
+        started, done, calls = held
+        done.synchronize()
+        assert self._whole is not None  # a token is held only where it served
+        self._whole.account(torch.cuda.current_stream(self.device), calls)
+        self._ended(float(started.elapsed_time(done)))
+
+    def _ended(self, compute_ms: float | None) -> TokenStats:
         self.last = self.session.end_token(compute_ms=compute_ms)
         self.tokens += 1
         if self.on_token is not None:
@@ -201,6 +238,7 @@ class ExpertStream:
 
     def close(self) -> None:
         """Close the session (idempotent); the model cannot compute its experts after."""
+        self._held = None  # a token held by a decode cut short: its end is not counted
         self._host_weights.clear()
         if self._whole is not None:
             self._whole.forget()
@@ -239,6 +277,9 @@ class ExpertStream:
                                       batched=self.batched)
             if out is not None:
                 return out
+        self._leased = True
+        if self._held is not None:  # the held token ends before this one leases
+            self.flush()
         wanted, pairs, hint = self._wanted(layer, hidden, top_k_index)
         if self.compute == "eager":
             return eager(self.arrivals(layer, wanted, hint), self._weights, module, hidden,
@@ -304,7 +345,9 @@ def follow_decode_switch(model: Any, experts_stream: ExpertStream) -> None:
     """``generate`` computes its decode steps on a GPU in ``batched_mm`` where a model's
     experts use ``grouped_mm`` (transformers' ``_optimize_model_for_decode``, which switches
     the registry's names only, not moestream's): a grouped moestream model follows that
-    context, so that every step is the resident model's arithmetic, bit for bit."""
+    context, so that every step is the resident model's arithmetic, bit for bit; and its
+    tokens' ends wait for the device one token late (``ExpertStream.defer``), as
+    transformers' loop reads each step's result, ended when the context ends."""
     original = getattr(model, "_optimize_model_for_decode", None)
     if original is None or BATCHED_MM is None or experts_stream.compute != "grouped":
         return
@@ -312,13 +355,16 @@ def follow_decode_switch(model: Any, experts_stream: ExpertStream) -> None:
     @contextlib.contextmanager
     def optimized() -> Iterator[None]:
         with original():
-            before = experts_stream.batched
+            before = experts_stream.batched, experts_stream.defer
             # transformers keeps grouped_mm on a CPU and switches elsewhere
-            experts_stream.batched = experts_stream.device.type != "cpu"
+            switch = experts_stream.device.type != "cpu"
+            experts_stream.batched = experts_stream.defer = switch or before[0]
             try:
                 yield
             finally:
-                experts_stream.batched = before
+                experts_stream.batched, experts_stream.defer = before
+                if not experts_stream.defer:
+                    experts_stream.flush()
 
     model._optimize_model_for_decode = optimized
 

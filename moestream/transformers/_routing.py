@@ -300,13 +300,19 @@ class WholeLayers:
         self._count(pending[:done], stream)
         del pending[:done]
 
-    def account(self, stream: Any) -> None:
-        """Count the token's calls served here in the session (a lease of each call's
-        experts, all hits, released after ``stream``'s work): called once the token's
-        device work is done, so reading the routing waits for nothing. A model not yet held
-        whole is asked again in the next token; one whose budget shrank below every expert
-        goes back to the lease path."""
+    def take(self) -> list[tuple[int, Any, Any]]:
+        """The calls served since the last ``take`` or ``account`` (a token's), for an
+        ``account`` later."""
         pending, self._pending = self._pending, []
+        return pending
+
+    def account(self, stream: Any, calls: list[tuple[int, Any, Any]] | None = None) -> None:
+        """Count a token's calls served here (``calls``, else those since the last
+        ``take``) in the session (a lease of each call's experts, all hits, released after
+        ``stream``'s work): called once the token's device work is done, so reading the
+        routing waits for nothing. A model not yet held whole is asked again in the next
+        token; one whose budget shrank below every expert goes back to the lease path."""
+        pending = self.take() if calls is None else calls
         for _, _, landed in pending:
             if landed is not None:  # done already: the token's end synchronized the device
                 landed.synchronize()

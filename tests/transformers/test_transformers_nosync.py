@@ -234,6 +234,42 @@ class TestGpuWholeLayers:
         finally:
             model.moestream.close()
 
+    def test_decode_tokens_end_one_late_and_all_are_counted(
+            self, checkpoints: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+        """Under generate's decode context a whole-layer token ends at the next one's end
+        (``defer``: no wait for the device a token); when generate returns every forward
+        has ended, once, with every call's hits counted and the tokens the resident's."""
+        whole = transformers.AutoModelForCausalLM.from_pretrained(
+            checkpoints["qwen3_moe"], experts_implementation="grouped_mm").to("cuda")
+        served = _spied(monkeypatch)
+        model = _held_whole(checkpoints["qwen3_moe"])
+        stream = model.moestream
+        held = []
+        flush = type(stream).flush
+
+        def seen(self: Any) -> None:
+            held.append(self._held is not None)
+            flush(self)
+
+        monkeypatch.setattr(type(stream), "flush", seen)
+        forwards = []
+        model.register_forward_hook(lambda *_: forwards.append(1))
+        try:
+            ids = torch.tensor(PROMPT, device="cuda")
+            args = dict(attention_mask=torch.ones_like(ids), max_new_tokens=8,
+                        min_new_tokens=8, do_sample=False)
+            tokens, hits = stream.tokens, stream.session.counters().hits
+            with torch.no_grad():
+                assert torch.equal(whole.generate(ids, **args).cpu(),
+                                   model.generate(ids, **args).cpu())
+            assert stream._held is None and stream.defer is False
+            assert stream.tokens - tokens == len(forwards)
+            assert sum(held) >= 6  # decode tokens held, each ended by the next or the exit
+            calls = len(served["grouped"]) + len(served["batched"])
+            assert stream.session.counters().hits - hits >= calls
+        finally:
+            model.moestream.close()
+
     def test_experts_call_synchronizes_nothing(self, checkpoints: dict[str, Path],
                                                monkeypatch: pytest.MonkeyPatch) -> None:
         served = _spied(monkeypatch)
