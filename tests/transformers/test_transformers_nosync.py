@@ -164,6 +164,87 @@ class TestWholeLayersOnTheHost:
             model.moestream.close()
 
 
+class _Event:
+    """A CUDA event's stand-in on the host: its waits counted."""
+
+    waits = 0
+
+    def __init__(self, enable_timing: bool = False) -> None:
+        pass
+
+    def record(self, stream: Any = None) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        type(self).waits += 1
+
+    def elapsed_time(self, other: Any) -> float:
+        return 1.0
+
+
+class _Whole:
+    """WholeLayers' stand-in: the calls a token served, and which were accounted when."""
+
+    def __init__(self) -> None:
+        self.pending: list[Any] = []
+        self.accounted: list[list[Any]] = []
+
+    def take(self) -> list[Any]:
+        pending, self.pending = self.pending, []
+        return pending
+
+    def count_landed(self, stream: Any) -> None:
+        pass
+
+    def account(self, stream: Any, calls: list[Any] | None = None) -> None:
+        self.accounted.append(self.take() if calls is None else calls)
+
+    def forget(self) -> None:
+        pass
+
+
+class TestDeferredTokenEnds:
+    """``ExpertStream.defer``'s order on the host, its CUDA events stood in for: a token the
+    whole-layer path served ends at the next token's end, with its own calls; a token that
+    leases ends the held one first; ``flush`` ends the last."""
+
+    def test_order(self, checkpoints: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+                   ) -> None:
+        monkeypatch.setattr(torch.cuda, "Event", _Event)
+        monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: None)
+        model = mt.from_pretrained(checkpoints["qwen3_moe"], device="cpu")
+        stream = model.moestream
+        try:
+            whole = _Whole()
+            stream._cuda, stream._whole, stream.defer = True, whole, True
+            ended = []
+            stream.on_token = lambda stats: ended.append(len(whole.accounted))
+            tokens, waits = stream.tokens, _Event.waits
+            for call in ("a", "b", "c"):  # three whole tokens: each ends at the next one's end
+                stream.begin_step()
+                whole.pending.append(call)
+                stream.end_step()
+            assert stream.tokens - tokens == 2 and whole.accounted == [["a"], ["b"]]
+            assert _Event.waits - waits == 2  # the held tokens' ends: no wait at their own
+            stream.begin_step()  # a token that leases: the held one ends first
+            whole.pending.append("d")
+            stream._leased = True
+            stream.flush()  # as forward does before the lease
+            stream.end_step()
+            assert whole.accounted == [["a"], ["b"], ["c"], ["d"]]
+            assert stream.tokens - tokens == 4 and ended == [1, 2, 3, 4]
+            stream.begin_step()
+            whole.pending.append("e")
+            stream.end_step()  # held again
+            stream.flush()  # the decode context's end
+            stream.flush()  # nothing held: nothing done
+            assert whole.accounted[-1] == ["e"] and stream.tokens - tokens == 5
+            assert stream._held is None
+        finally:
+            stream._whole = None
+            model.moestream.close()
+
+
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("nosync")
