@@ -48,6 +48,7 @@ from bench.transformers import (
     _shards,
     _versions,
     add_sample_argument,
+    add_spread_argument,
     checkpoint_bytes,
     make_checkpoint,
     reference_tokens,
@@ -321,6 +322,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "experts' bytes instead (0.25, say)")
     p.add_argument("--prompt-ids", default="1,2,3,4", help="prompt token ids (1,2,3,4)")
     add_sample_argument(p)
+    add_spread_argument(p)
     p.add_argument("--device", help="cpu or cuda (default: cuda if torch sees one)")
     p.add_argument("--mode", default="auto", choices=["auto", "direct", "resident"])
     p.add_argument("--out", type=Path, help="also write the JSON here")
@@ -338,7 +340,7 @@ def _prepare(args: argparse.Namespace, device: Any) -> dict[str, Any]:
     if args.repeat < 1:
         raise UsageError(f"--repeat must be >= 1, got {args.repeat}")
     if not (args.make / "config.json").is_file():
-        make_checkpoint(args.make, args.shape, args.layers, str(device))
+        make_checkpoint(args.make, args.shape, args.layers, str(device), args.spread)
     gguf_path = args.make / GGUF_NAME
     if gguf_path.is_file():
         import gguf

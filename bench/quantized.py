@@ -53,6 +53,7 @@ from bench.transformers import (
     _timed,
     _versions,
     add_sample_argument,
+    add_spread_argument,
     make_checkpoint,
     run_moestream,
     summary,
@@ -235,6 +236,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "is its tokens/s)")
     p.add_argument("--prompt-ids", default="1,2,3,4")
     add_sample_argument(p)
+    add_spread_argument(p)
     p.add_argument("--total", default="3GiB", help="device memory of the streamed runs: "
                    "dense weights + expert cache + the experts' scales (3GiB)")
     p.add_argument("--runs", help="default: reference,<format>,bf16 (fp8),<format>_all,"
@@ -249,10 +251,11 @@ def _models(args: argparse.Namespace, device: Any) -> Path | None:
     """Make the checkpoints unless there; the quantized one in ``args.quantized``, the BF16
     original (``fp8`` only) returned."""
     if args.format == "fp8":
-        bf16 = args.make / f"bf16-{args.shape}-{args.layers}"
-        args.quantized = args.make / f"fp8-{args.shape}-{args.layers}"
+        made = f"{args.shape}-{args.layers}{'-spread' if args.spread else ''}"
+        bf16 = args.make / f"bf16-{made}"
+        args.quantized = args.make / f"fp8-{made}"
         if not (bf16 / "config.json").is_file():
-            make_checkpoint(bf16, args.shape, args.layers, str(device))
+            make_checkpoint(bf16, args.shape, args.layers, str(device), args.spread)
         if not (args.quantized / "config.json").is_file():
             make_fp8(bf16, args.quantized, str(device))
         return Path(bf16)
@@ -336,6 +339,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.shape not in allowed:
         build_parser().error(f"--shape {args.shape} is not a {args.format} shape "
                              f"({', '.join(allowed)})")
+    if args.spread and args.format != "fp8":
+        build_parser().error("--spread: --format fp8 only (its BF16 original is the model "
+                             "scaled; MXFP4 and FP4 checkpoints come from another maker)")
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     bf16 = _models(args, device)
     table = open_table(args.quantized)

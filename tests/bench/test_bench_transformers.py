@@ -54,3 +54,20 @@ def test_sampled_tokens_are_the_reference_in_every_run(tmp_path: Path) -> None:
     report = json.loads(sampled.read_text())
     assert report["identical_tokens"] and report["runs"]["warm"]["misses"] > 0
     assert report["reference_tokens"] != json.loads(greedy.read_text())["reference_tokens"]
+
+
+def test_spread_scales_the_token_embeddings_only(tmp_path: Path) -> None:
+    """``--spread``'s model is the plain one with its token embeddings scaled (the same
+    seed: every other tensor equal)."""
+    import torch
+    from safetensors.torch import load_file
+
+    from bench.transformers import SPREAD_EMBEDDINGS, make_checkpoint
+
+    make_checkpoint(tmp_path / "plain", "tiny", 2, "cpu")
+    make_checkpoint(tmp_path / "spread", "tiny", 2, "cpu", spread=True)
+    plain = load_file(tmp_path / "plain" / "model.safetensors")
+    spread = load_file(tmp_path / "spread" / "model.safetensors")
+    name = "model.embed_tokens.weight"
+    assert torch.equal(spread[name], (plain[name] * SPREAD_EMBEDDINGS).to(plain[name].dtype))
+    assert all(torch.equal(spread[k], v) for k, v in plain.items() if k != name)
