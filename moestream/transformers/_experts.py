@@ -358,7 +358,8 @@ def follow_decode_switch(model: Any, experts_stream: ExpertStream) -> None:
             before = experts_stream.batched, experts_stream.defer
             # transformers keeps grouped_mm on a CPU and switches elsewhere
             switch = experts_stream.device.type != "cpu"
-            experts_stream.batched = experts_stream.defer = switch or before[0]
+            experts_stream.batched = switch or before[0]
+            experts_stream.defer = switch or before[1]
             try:
                 yield
             finally:
