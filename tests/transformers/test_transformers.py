@@ -296,18 +296,20 @@ class TestExactness:
 
     def test_decode_switch_followed(self, checkpoints: dict[str, Path],
                                     monkeypatch: pytest.MonkeyPatch, loops: None) -> None:
-        """generate's decode context (``_optimize_model_for_decode``) sets ``batched`` where
-        transformers would switch grouped_mm (not on a CPU), and puts it back after."""
+        """generate's decode context (``_optimize_model_for_decode``) sets ``batched`` and
+        ``defer`` where transformers would switch grouped_mm (not on a CPU), and puts them
+        back after."""
         model = mt.from_pretrained(checkpoints["qwen3_moe"], device="cpu")
         stream = model.moestream
         try:
             seen = []
             with model._optimize_model_for_decode():
-                seen.append(stream.batched)
+                seen.append((stream.batched, stream.defer))
             monkeypatch.setattr(stream, "device", torch.device("cuda"))
             with model._optimize_model_for_decode():
-                seen.append(stream.batched)
-            assert seen == [False, True] and stream.batched is False
+                seen.append((stream.batched, stream.defer))
+            assert seen == [(False, False), (True, True)]
+            assert stream.batched is False and stream.defer is False
         finally:
             model.moestream.close()
 
