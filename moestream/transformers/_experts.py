@@ -277,9 +277,7 @@ class ExpertStream:
                                       batched=self.batched)
             if out is not None:
                 return out
-        self._leased = True
-        if self._held is not None:  # the held token ends before this one leases
-            self.flush()
+        self._leasing()
         wanted, pairs, hint = self._wanted(layer, hidden, top_k_index)
         if self.compute == "eager":
             return eager(self.arrivals(layer, wanted, hint), self._weights, module, hidden,
@@ -297,6 +295,13 @@ class ExpertStream:
                                     top_k_weights)
         return grouped(self.arrivals(layer, wanted, hint), self._weights, module, hidden,
                        top_k_index, top_k_weights)
+
+    def _leasing(self) -> None:
+        """This token takes a lease: it will not be held, and a held token ends first (the
+        session sees tokens in order)."""
+        self._leased = True
+        if self._held is not None:
+            self.flush()
 
     def _wanted(self, layer: int, hidden: Any, top_k_index: Any
                 ) -> tuple[list[int], list[int], Callable[[], object] | None]:
@@ -324,6 +329,7 @@ class ExpertStream:
         released after the work queued on torch's stream, before the next is fetched.
         ``hint`` (the next layer's prefetch) runs once the call's experts are pinned, when
         one group holds them all (else the hint would evict the later groups' experts)."""
+        self._leasing()  # the swapped modules lease here, not through forward
         several = len(wanted) > self.group_experts
         for group in groups(wanted, self.group_experts):
             with leased(self.session, self.device, layer, group,

@@ -228,8 +228,8 @@ class TestDeferredTokenEnds:
             assert _Event.waits - waits == 2  # the held tokens' ends: no wait at their own
             stream.begin_step()  # a token that leases: the held one ends first
             whole.pending.append("d")
-            stream._leased = True
-            stream.flush()  # as forward does before the lease
+            for _ in stream.arrivals(stream.session.model.moe_layers[0], [0]):
+                assert stream._held is None and len(whole.accounted) == 3
             stream.end_step()
             assert whole.accounted == [["a"], ["b"], ["c"], ["d"]]
             assert stream.tokens - tokens == 4 and ended == [1, 2, 3, 4]
