@@ -11,7 +11,9 @@ in these runs (``--runs`` picks some):
 - ``warm``: moestream at the same ``--total`` in all (dense weights + expert cache), or with
   a cache of ``--cache-share`` of the experts' bytes, the checkpoint's pages resident in the
   page cache first (as accelerate's experts sit in RAM);
-- ``cold``: the same from storage (page cache dropped, no warm-up generate);
+- ``cold``: the same from storage (page cache dropped, no warm-up generate), against the
+  time its missed bytes take at the disk's rate, measured in the run after it
+  (``x_disk_floor``: O_DIRECT reads of the checkpoint's first GiB on 8 threads);
 - ``predict``: ``warm`` with ``prefetch="predict"`` (each MoE layer hints the experts the
   next layer's router picks for its input), with the guesses' counts;
 - ``all``: moestream with a budget that holds every expert, every expert fetched once and
@@ -435,6 +437,8 @@ def _bench(args: argparse.Namespace) -> dict[str, Any]:
     }
     results = {name: plan[name]() for name in runs}
     _compare(results)
+    if "seconds" in results.get("cold", {}):
+        results["cold"].update(disk_floor(args.model, results["cold"]))
     return {
         "command": "python -m bench.transformers " + " ".join(sys.argv[1:]),
         "model": str(args.model), "device": str(device), "dense_bytes": dense,
@@ -446,6 +450,24 @@ def _bench(args: argparse.Namespace) -> dict[str, Any]:
         "identical_tokens": all(r.get("same_tokens", True) for r in results.values()),
         "runs": results,
     }
+
+
+def disk_floor(model: Path, cold: dict[str, Any]) -> dict[str, Any]:
+    """The cold run against its storage floor: the disk's rate measured now (O_DIRECT, 8
+    threads of 8 MiB reads over the first GiB of the checkpoint's first shard, its pages
+    dropped first), the time the run's missed bytes take at that rate, and the run's timed
+    seconds over it (the issue's figure: within 1.2x)."""
+    from bench.kit import drop_caches
+    from bench.references import raw_read_gbps
+    from moestream.pipeline.foundation.files import model_files
+
+    files = model_files(_shards(model)[0])
+    drop_caches(files)
+    gbps = raw_read_gbps(files, [(0, min(1 << 30, files[0].end - files[0].base))], threads=8,
+                         chunk_bytes=8 << 20, direct=True)
+    floor_s = cold["file_bytes"] / (gbps * 1e9)
+    return {"disk_gbps": round(gbps, 3), "disk_floor_s": round(floor_s, 3),
+            "x_disk_floor": round(sum(cold["seconds"]) / floor_s, 3) if floor_s else None}
 
 
 def _cache_bytes(args: argparse.Namespace, dense: int, experts: int) -> int:

@@ -71,3 +71,16 @@ def test_spread_scales_the_token_embeddings_only(tmp_path: Path) -> None:
     name = "model.embed_tokens.weight"
     assert torch.equal(spread[name], (plain[name] * SPREAD_EMBEDDINGS).to(plain[name].dtype))
     assert all(torch.equal(spread[k], v) for k, v in plain.items() if k != name)
+
+
+def test_disk_floor_is_the_missed_bytes_at_the_measured_rate(tmp_path: Path) -> None:
+    """The cold run's storage floor: the disk's O_DIRECT rate measured on the checkpoint,
+    the missed bytes' time at it, the run's seconds over that."""
+    from bench.transformers import disk_floor, make_checkpoint
+
+    make_checkpoint(tmp_path / "m", "tiny", 2, "cpu")
+    missed = 10**10  # the figures are rounded to 3 places: large enough to compare
+    floor = disk_floor(tmp_path / "m", {"file_bytes": missed, "seconds": [10.0, 20.0]})
+    assert floor["disk_gbps"] > 0
+    assert floor["disk_floor_s"] == pytest.approx(missed / (floor["disk_gbps"] * 1e9), rel=0.01)
+    assert floor["x_disk_floor"] == pytest.approx(30.0 / floor["disk_floor_s"], rel=0.01)
