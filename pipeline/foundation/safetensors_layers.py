@@ -79,10 +79,14 @@ def per_expert_layer(path: Path, index: int, experts: Experts, router: TensorInf
     first = experts[0]
     gated = any("gate" in parts for parts in experts.values())
     parts = _PARTS if gated else ("up", "down")
-    for e in range(n):
-        absent = [p for p in parts if p not in experts[e]]
-        if absent:
-            raise ExpertLayoutError(path, f"layer {index}: expert {e} has no {absent[0]} matrix")
+    lacking = [e for e in range(n) if any(p not in experts[e] for p in parts)]
+    if lacking:
+        e = lacking[0]
+        absent = next(p for p in parts if p not in experts[e])
+        tail = (f" (experts {e}-{n - 1} all lack one: experts past the routed ones, as "
+                "zero or identity experts are, are not streamed)"
+                if len(lacking) > 1 and lacking == list(range(e, n)) else "")
+        raise ExpertLayoutError(path, f"layer {index}: expert {e} has no {absent} matrix{tail}")
     lead = first[parts[0]]  # gate, or up when there is none
     if len(lead.shape) != 2:
         raise ExpertLayoutError(path, f"layer {index}: {short(lead.name, 120)} is "

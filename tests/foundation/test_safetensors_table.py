@@ -526,6 +526,9 @@ HOSTILE: dict[str, tuple[Callable[[Path], Path], str]] = {
                      "num_experts_per_tok 9"),
     "a missing expert": (lambda d: _with(d, _drop(*_names(0, 1))), "expert 1 is missing"),
     "a missing down matrix": (lambda d: _with(d, _drop(_names(1, 2)[2])), "no down matrix"),
+    "the last experts without a down matrix (zero experts)": (
+        lambda d: _with(d, _drop(_names(0, 1)[2], _names(0, 2)[2])),
+        "expert 1 has no down matrix (experts 1-2 all lack one"),
     "no experts at all": (lambda d: _with(d, lambda ts: [t for t in ts if "experts" not in
                                                          t.name]), "no routed expert"),
     "F8_E4M3 experts": (lambda d: write_dir(d, [model(expert_dtype="F8_E4M3")]), "F8_E4M3"),
