@@ -30,7 +30,7 @@ if [ "${PART:-1}" = 1 ]; then
     --resident --out $OUT/profile.txt
   grep "==" $OUT/profile.txt
   step transformers 200 python3 -m bench.transformers -m $M --total 3GiB --tokens 32 \
-    --runs resident,all,warm --out $OUT/transformers.json
+    --runs resident,all,warm,alternate --out $OUT/transformers.json
   step cold 150 sh -c "python3 -m bench.transformers -m $M --total 3GiB --tokens 32 --runs cold --repeat 2 --out $OUT/cold-auto.json && python3 -m bench.transformers -m $M --total 3GiB --tokens 32 --runs cold --repeat 2 --mode direct --out $OUT/cold-direct.json"
   dd if=$M/model.safetensors of=/dev/null iflag=direct bs=16M count=128 2> $OUT/disk-rate.txt
 else

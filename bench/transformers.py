@@ -17,7 +17,11 @@ in these runs (``--runs`` picks some):
 - ``predict``: ``warm`` with ``prefetch="predict"`` (each MoE layer hints the experts the
   next layer's router picks for its input), with the guesses' counts;
 - ``all``: moestream with a budget that holds every expert, every expert fetched once and
-  a warm-up generate before timing.
+  a warm-up generate before timing;
+- ``alternate``: the resident model and ``all``'s moestream model loaded together, their
+  timed generates alternated ``--repeat`` times: each round's ratio, their median
+  (``x_resident``), so that a drift of the host's speed during the process (tens of percent
+  on the GPU machine) falls on both sides alike.
 
 The reference holds: the process first loads the resident model and generates the timed
 tokens untimed (the first model a process loads runs slower, whatever its implementation);
@@ -57,7 +61,7 @@ from moestream.pipeline.foundation.safetensors_table import is_routed
 
 __all__ = ["main"]
 
-RUNS = ("resident", "eager", "accelerate", "warm", "cold", "predict", "all")
+RUNS = ("resident", "eager", "accelerate", "warm", "cold", "predict", "all", "alternate")
 SHAPES: dict[str, dict[str, Any]] = {
     "tiny": dict(hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
                  num_experts=8, num_experts_per_tok=2, num_attention_heads=4,
@@ -283,6 +287,36 @@ def run_moestream(args: argparse.Namespace, prompt: Any, device: Any, reference:
     return result
 
 
+def run_alternate(args: argparse.Namespace, prompt: Any, device: Any, reference: str
+                  ) -> dict[str, Any]:
+    """The resident model and moestream's holding every expert, both loaded and warmed,
+    their timed generates alternated ``--repeat`` times; the per-round ratios' median is
+    the run's ``x_resident``."""
+    import transformers
+
+    from moestream.transformers import from_pretrained
+
+    resident = transformers.AutoModelForCausalLM.from_pretrained(
+        args.model, experts_implementation="grouped_mm").to(device)
+    with from_pretrained(args.model, device=device, mode=args.mode) as model:
+        _fill_cache(model.moestream)
+        for warm in (resident, model):
+            _generate(warm, prompt, max(args.warmup, 1), device, args.sample)
+        rounds = [(_generate(resident, prompt, args.tokens, device, args.sample),
+                   _generate(model, prompt, args.tokens, device, args.sample))
+                  for _ in range(args.repeat)]
+    del resident
+    theirs = summary([r for r, _ in rounds], reference)
+    result = summary([m for _, m in rounds], reference)
+    ratios = [theirs_s / ours_s for (_, theirs_s), (_, ours_s) in rounds]
+    result.update({"resident_tokens_per_s": theirs["tokens_per_s"],
+                   "resident_tokens_per_s_runs": theirs["tokens_per_s_runs"],
+                   "x_resident_rounds": [round(r, 3) for r in ratios],
+                   "x_resident": round(statistics.median(ratios), 3)})
+    result["same_tokens"] = bool(result.get("same_tokens") and theirs.get("same_tokens"))
+    return result
+
+
 def _moestream_load(args: argparse.Namespace, prompt: Any, device: Any, *,
                     budget: Budget | None, cold: bool, repeat: int,
                     parts: dict[str, float], log: Path | None = None,
@@ -434,6 +468,7 @@ def _bench(args: argparse.Namespace) -> dict[str, Any]:
         "predict": lambda: run_moestream(args, prompt, device, reference, budget=fits,
                                          cold=False, prefetch="predict"),
         "all": lambda: run_moestream(args, prompt, device, reference, budget=None, cold=False),
+        "alternate": lambda: run_alternate(args, prompt, device, reference),
     }
     results = {name: plan[name]() for name in runs}
     _compare(results)
@@ -488,8 +523,8 @@ def _compare(results: dict[str, dict[str, Any]]) -> None:
     """Each run's median speed against the resident run's (``x_resident``), and the
     moestream runs' against accelerate's offload (``x_accelerate``), added in place."""
     resident = results.get("resident", {}).get("tokens_per_s")
-    for result in results.values():
-        if resident and "tokens_per_s" in result:
+    for name, result in results.items():
+        if resident and "tokens_per_s" in result and name != "alternate":  # its own rounds'
             result["x_resident"] = round(result["tokens_per_s"] / resident, 3)
     offload = results.get("accelerate", {}).get("tokens_per_s")
     for name in ("warm", "cold"):

@@ -84,3 +84,16 @@ def test_disk_floor_is_the_missed_bytes_at_the_measured_rate(tmp_path: Path) -> 
     assert floor["disk_gbps"] > 0
     assert floor["disk_floor_s"] == pytest.approx(missed / (floor["disk_gbps"] * 1e9), rel=0.01)
     assert floor["x_disk_floor"] == pytest.approx(30.0 / floor["disk_floor_s"], rel=0.01)
+
+
+def test_alternate_rounds(tmp_path: Path) -> None:
+    """``alternate``: resident and moestream generates alternated, a ratio a round, their
+    median the run's x_resident, tokens checked on both sides."""
+    out = tmp_path / "report.json"
+    assert main(["--make", str(tmp_path / "m"), "--shape", "tiny", "--tokens", "3",
+                 "--warmup", "1", "--repeat", "3", "--device", "cpu", "--runs", "alternate",
+                 "--out", str(out)]) == 0
+    run = json.loads(out.read_text())["runs"]["alternate"]
+    assert run["same_tokens"] and len(run["x_resident_rounds"]) == 3
+    assert run["x_resident"] == sorted(run["x_resident_rounds"])[1]
+    assert run["tokens_per_s"] > 0 and run["resident_tokens_per_s"] > 0
