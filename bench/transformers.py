@@ -89,7 +89,7 @@ def make_checkpoint(where: Path, shape: str, layers: int, device: str,
     0 but 58, 47 and 35 in layers 1-3, the 22 commonest taking 92-96% of the picks; a cache
     of 17% of the experts then hits 95% and no run is bound by its misses. ``spread``
     scales the token embeddings by :data:`SPREAD_EMBEDDINGS`, which keeps the token in
-    the stream: 110-128 distinct experts in each of 8 layers, the 22 commonest 26-30% of
+    the stream: 127-128 distinct experts in each of 8 layers, the 22 commonest 26-30% of
     the picks, as a trained router's balanced load spreads them."""
     import torch
     import transformers
