@@ -361,9 +361,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument(flag, type=int, default=default, help=f"{text} ({default})")
     p.add_argument("--cache-share", type=float, help="cache: this share of the experts' bytes")
     p.add_argument("--total", default="3GiB", help="moestream's dense weights + cache (3GiB)")
-    p.add_argument("--device", help="cpu or cuda (default: cuda if torch sees one)")
-    p.add_argument("--mode", default="auto", choices=["auto", "direct", "resident"])
-    p.add_argument("--out", type=Path, help="also write the JSON here")
+    bt.add_run_arguments(p)
     return p
 
 

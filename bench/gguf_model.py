@@ -47,6 +47,7 @@ from bench.transformers import (
     _peak_reset,
     _shards,
     _versions,
+    add_run_arguments,
     add_sample_argument,
     add_spread_argument,
     checkpoint_bytes,
@@ -323,9 +324,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-ids", default="1,2,3,4", help="prompt token ids (1,2,3,4)")
     add_sample_argument(p)
     add_spread_argument(p)
-    p.add_argument("--device", help="cpu or cuda (default: cuda if torch sees one)")
-    p.add_argument("--mode", default="auto", choices=["auto", "direct", "resident"])
-    p.add_argument("--out", type=Path, help="also write the JSON here")
+    add_run_arguments(p)
     return p
 
 

@@ -52,6 +52,7 @@ from bench.transformers import (
     SHAPES,
     _timed,
     _versions,
+    add_run_arguments,
     add_sample_argument,
     add_spread_argument,
     make_checkpoint,
@@ -241,9 +242,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "dense weights + expert cache + the experts' scales (3GiB)")
     p.add_argument("--runs", help="default: reference,<format>,bf16 (fp8),<format>_all,"
                    "dequant")
-    p.add_argument("--device", help="cpu or cuda (default: cuda if torch sees one)")
-    p.add_argument("--mode", default="auto", choices=["auto", "direct", "resident"])
-    p.add_argument("--out", type=Path)
+    add_run_arguments(p)
     return p
 
 

@@ -391,6 +391,13 @@ def _versions() -> dict[str, str]:
     return out
 
 
+def add_run_arguments(p: argparse.ArgumentParser) -> None:
+    """The device, moestream's I/O mode and the report's file: every transformers bench's."""
+    p.add_argument("--device", help="cpu or cuda (default: cuda if torch sees one)")
+    p.add_argument("--mode", default="auto", choices=["auto", "direct", "resident"])
+    p.add_argument("--out", type=Path, help="also write the JSON here")
+
+
 def add_sample_argument(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sample", type=int, metavar="SEED", help="sample the tokens under this "
                    "seed instead of greedy: a random model's greedy output soon repeats one "
@@ -419,9 +426,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--total", default="3GiB", help="device memory of the offloaded runs: "
                    "accelerate's max_memory, moestream's dense weights + cache (3GiB)")
     p.add_argument("--runs", default=",".join(RUNS), help=f"some of {','.join(RUNS)}")
-    p.add_argument("--device", help="cpu or cuda (default: cuda if torch sees one)")
-    p.add_argument("--mode", default="auto", choices=["auto", "direct", "resident"])
-    p.add_argument("--out", type=Path, help="also write the JSON here")
+    add_run_arguments(p)
     return p
 
 

@@ -53,6 +53,15 @@ def _whole(session: _Session) -> Any:
     return _routing.WholeLayers(session, "cpu")
 
 
+def _call() -> tuple[Any, Any, Any]:
+    """An experts module of 4 experts (gate_up 16 x 16, down 16 x 8, bf16), one token's
+    hidden state and its routing to experts 0 and 2."""
+    module = SimpleNamespace(num_experts=4, has_gate=True,
+                             gate_up_proj=torch.zeros(4, 16, 16, dtype=torch.bfloat16),
+                             down_proj=torch.zeros(4, 16, 8, dtype=torch.bfloat16))
+    return module, torch.zeros(1, 16, dtype=torch.bfloat16), torch.tensor([[0, 2]])
+
+
 class TestHoldsEveryExpert:
     """The session is asked as little as gives the same answer."""
 
@@ -106,11 +115,7 @@ class TestTables:
 
         monkeypatch.setattr(_routing.WholeLayers, "_make", make)
         monkeypatch.setattr(_routing.WholeLayers, "grouped", grouped)
-        module = SimpleNamespace(num_experts=4, has_gate=True,
-                                 gate_up_proj=torch.zeros(4, 16, 16, dtype=torch.bfloat16),
-                                 down_proj=torch.zeros(4, 16, 8, dtype=torch.bfloat16))
-        hidden = torch.zeros(1, 16, dtype=torch.bfloat16)
-        index = torch.tensor([[0, 2]])
+        module, hidden, index = _call()
         for _ in range(3):
             assert whole.forward(0, module, hidden, index, index.float()) is hidden
         assert made == [0]
@@ -128,11 +133,7 @@ class TestTables:
             return _routing._Table(torch.zeros(n, 3, dtype=torch.int64), (10, 10, 10))
 
         monkeypatch.setattr(_routing.WholeLayers, "_make", make)
-        module = SimpleNamespace(num_experts=4, has_gate=True,
-                                 gate_up_proj=torch.zeros(4, 16, 16, dtype=torch.bfloat16),
-                                 down_proj=torch.zeros(4, 16, 8, dtype=torch.bfloat16))
-        hidden = torch.zeros(1, 16, dtype=torch.bfloat16)
-        index = torch.tensor([[0, 2]])
+        module, hidden, index = _call()
         for _ in range(2):
             assert whole.forward(0, module, hidden, index, index.float()) is None
         assert made == [0]
