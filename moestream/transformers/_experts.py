@@ -194,12 +194,12 @@ class ExpertStream:
         path served is held, the one held before ended: returns the last ended token's
         stats (None before any).
         """
+        started, self._started = self._started, None
         compute_ms: float | None = None
-        if self._cuda and self._started is not None:
+        if self._cuda and started is not None:
             stream = torch.cuda.current_stream(self.device)
             done = torch.cuda.Event(enable_timing=True)
             done.record(stream)
-            started, self._started = self._started, None
             if self.defer and self._whole is not None and not self._leased:
                 calls = self._whole.take()  # this token's, before the held one's end
                 self.flush()
@@ -214,7 +214,6 @@ class ExpertStream:
             self.flush()
         if self._whole is not None:  # its calls' hits, counted now the device is done
             self._whole.account(torch.cuda.current_stream(self.device))
-        self._started = None
         return self._ended(compute_ms)
 
     def flush(self) -> None:
