@@ -20,12 +20,7 @@ from moestream.gpu.cache.store import DeviceCache, Entry
 from moestream.pipeline.foundation.errors import UsageError
 from moestream.pipeline.foundation.table import ExpertTable
 from moestream.pipeline.streaming.lease import LayerLease
-from moestream.pipeline.streaming.lease_parts import (
-    EventJoiner,
-    LeasePart,
-    plan_parts,
-    unpin_when_landed,
-)
+from moestream.pipeline.streaming.lease_parts import EventJoiner, LeasePart, unpin_when_landed
 from moestream.pipeline.streaming.ledger import TokenLedger
 from moestream.pipeline.streaming.loads import LayerLoad
 from moestream.pipeline.streaming.streamer import ExpertStreamer
@@ -103,8 +98,7 @@ class LeaseDesk(TokenLedger):
         self._clock()
         for streamer in self.streamers:
             streamer.poll_installs()
-        parts = plan_parts(layer, chosen, self.streamers, self.caches, self._joiners,
-                           self._place)
+        parts = self._start_parts(layer, chosen)
         lease = LayerLease(layer, tuple(chosen), parts, on_wait=self._waited,
                            on_use=self._clock, fetched_at=self._token)
         self._leases.add(lease)
@@ -118,6 +112,33 @@ class LeaseDesk(TokenLedger):
                 self._totals.correct += len(set(guess) & set(chosen))
                 loads.extend(hint.load for hint in hint_parts)
         return lease
+
+    def _start_parts(self, layer: int, experts: Sequence[int], *,
+                     prefetch: bool = False) -> list[LeasePart]:
+        """Start a layer's loads (``prefetch``: a hint's) on each device that holds some of
+        ``experts``: a part each."""
+        streamers, caches, joiners = self.streamers, self.caches, self._joiners
+        if len(streamers) == 1:  # one device holds them all: no placement to ask
+            streamer = streamers[0]
+            start = streamer.start_prefetch if prefetch else streamer.start_layer
+            return [LeasePart(0, caches[0], streamer, joiners[0], start(layer, experts))]
+        split: dict[int, list[int]] = {}
+        for e in experts:
+            split.setdefault(self._place((layer, e)), []).append(e)
+        parts: list[LeasePart] = []
+        try:
+            for device in sorted(split):
+                streamer = streamers[device]
+                start = streamer.start_prefetch if prefetch else streamer.start_layer
+                parts.append(LeasePart(device, caches[device], streamer, joiners[device],
+                                       start(layer, split[device])))
+        except BaseException:
+            # a later device refused (budget, memory): the earlier ones keep no pins
+            for part in parts:
+                for entry in (*part.load.plan.hits, *part.load.plan.misses):
+                    unpin_when_landed(part, entry)
+            raise
+        return parts
 
     def _hold(self, owner: object) -> None:
         """``owner``'s loads are decode's: background reads (the digest manifest's builder)
@@ -163,8 +184,7 @@ class LeaseDesk(TokenLedger):
         """
         chosen = self._check_layer(layer, experts)
         self._clock()
-        parts = plan_parts(layer, chosen, self.streamers, self.caches, self._joiners,
-                           self._place, prefetch=True)
+        parts = self._start_parts(layer, chosen, prefetch=True)
         self._hints.setdefault(layer, []).append((chosen, parts))
         self._hinted_now.add(layer)
         self._hinted = True

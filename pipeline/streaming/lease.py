@@ -32,14 +32,13 @@ from moestream.pipeline.streaming.arrivals import Arrivals
 from moestream.pipeline.streaming.lease_parts import (
     EventJoiner,
     LeasePart,
-    plan_parts,
     unpin,
     unpin_when_landed,
 )
 from moestream.pipeline.streaming.loads import LayerLoad
 
 __all__ = ["NOT_YET", "Arrival", "EventJoiner", "LayerLease", "LeasePart", "WaitTold",
-           "plan_parts", "unpin_when_landed"]
+           "unpin_when_landed"]
 
 
 @dataclass(slots=True)

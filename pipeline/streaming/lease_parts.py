@@ -1,14 +1,13 @@
-"""A layer lease's parts: one device's share of a fetch (``LeasePart``), the loads started
-for it on each device that holds some of the experts (``plan_parts``), the pins dropped
-once a load has landed, and the event joiner that lets a buffer be reused only after
-every user of it.
+"""A layer lease's parts: one device's share of a fetch (``LeasePart``, started by
+``LeaseDesk.start_parts``), the pins dropped once a load has landed, and the event joiner
+that lets a buffer be reused only after every user of it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
@@ -18,7 +17,7 @@ from moestream.gpu.cache.store import DeviceCache, Entry
 from moestream.pipeline.streaming.loads import LayerLoad
 from moestream.pipeline.streaming.streamer import ExpertStreamer
 
-__all__ = ["EventJoiner", "LeasePart", "plan_parts", "unpin", "unpin_when_landed"]
+__all__ = ["EventJoiner", "LeasePart", "unpin", "unpin_when_landed"]
 
 
 class EventJoiner:
@@ -79,37 +78,3 @@ def unpin_when_landed(part: LeasePart, entry: Entry) -> None:
         unpin(part, entry, None)
     else:
         loaded.add_done_callback(functools.partial(_landed_then_unpin, part, entry))
-
-
-def plan_parts(
-    layer: int,
-    experts: Sequence[int],
-    streamers: Sequence[ExpertStreamer],
-    caches: Sequence[DeviceCache],
-    joiners: Sequence[EventJoiner],
-    place: Callable[[tuple[int, int]], int],
-    *,
-    prefetch: bool = False,
-) -> list[LeasePart]:
-    """Start a layer's loads on each device that holds some of ``experts``."""
-    if len(streamers) == 1:  # one device holds them all: no placement to ask
-        streamer = streamers[0]
-        start = streamer.start_prefetch if prefetch else streamer.start_layer
-        return [LeasePart(0, caches[0], streamer, joiners[0], start(layer, experts))]
-    split: dict[int, list[int]] = {}
-    for e in experts:
-        split.setdefault(place((layer, int(e))), []).append(int(e))
-    parts: list[LeasePart] = []
-    try:
-        for device in sorted(split):
-            streamer = streamers[device]
-            start = streamer.start_prefetch if prefetch else streamer.start_layer
-            parts.append(LeasePart(device, caches[device], streamer, joiners[device],
-                                   start(layer, split[device])))
-    except BaseException:
-        # a later device refused (budget, memory): the earlier ones keep no pins
-        for part in parts:
-            for entry in (*part.load.plan.hits, *part.load.plan.misses):
-                unpin_when_landed(part, entry)
-        raise
-    return parts

@@ -3,8 +3,8 @@ one streamer and one cache.
 
 Each device has its own backend, cache (its part of the budget) and streamer (reader pool,
 staging ring, upload streams). A placement (``gpu.cache.placement``) names the device of every
-(layer, expert); a fetch loads each expert where it lives (``moestream.pipeline.streaming.lease``'s
-``plan_parts``), and its handles name their device: an engine computes each expert there
+(layer, expert); a fetch loads each expert where it lives (``moestream.pipeline.streaming.desk``'s
+``LeaseDesk._start_parts``), and its handles name their device: an engine computes each expert there
 (``moestream.pipeline.proxy.decode`` combines the devices' outputs on the first, the home).
 
 The group classes offer what the controller and the session's token accounting use of a
@@ -33,8 +33,8 @@ __all__ = ["CacheGroup", "StreamerGroup", "open_backends"]
 
 class StreamerGroup:
     """Every device's streamer behind one, for the controller and the token's accounting:
-    modes switched in order, counters summed. Loads start per device (``pipeline.streaming.lease``'s
-    ``plan_parts``, by placement).
+    modes switched in order, counters summed. Loads start per device (``LeaseDesk._start_parts``, by
+    placement).
 
     Args:
         streamers: one per device, the home (mapping owner) first.
