@@ -61,7 +61,7 @@ from moestream.transformers._layout import BATCHED_MM
 from moestream.transformers._leases import groups, leased
 from moestream.transformers._prefetch import NextRouter
 from moestream.transformers._quantized import LayerScales
-from moestream.transformers._routing import WholeLayers
+from moestream.transformers._routing import Routing, WholeLayers
 
 __all__ = ["COMPUTES", "IMPLEMENTATION", "Compute", "ExpertStream", "experts_forward",
            "follow_decode_switch", "register", "stream_of"]
@@ -165,9 +165,12 @@ class ExpertStream:
         before; a wait at each token's end here undid that. ``last`` is then one token
         behind until the decode ends (``flush``)."""
         self._cuda = self.device.type == "cuda"
+        # torch's streams asked by index: a device object costs ~25 us a call to resolve
+        self._index = (self.device.index if self.device.index is not None
+                       else torch.cuda.current_device()) if self._cuda else -1
         self._started: Any = None
         self._leased = False  # this token took a lease (the whole-layer path did not serve)
-        self._held: tuple[Any, Any, list[Any]] | None = None  # started, done, whole calls
+        self._held: tuple[Any, Any, Routing] | None = None  # started, done, its calls
         self._weights = ExpertWeights(self.device, self.scales)
         self._host_weights = HostWeights(_held_experts(session) + group_experts)
         # a GPU model held whole computes its layers with no host read of the routing
@@ -180,7 +183,7 @@ class ExpertStream:
         self._leased = False
         if self._cuda:
             self._started = torch.cuda.Event(enable_timing=True)
-            self._started.record(torch.cuda.current_stream(self.device))
+            self._started.record(torch.cuda.current_stream(self._index))
         else:
             self._started = time.perf_counter()
 
@@ -196,24 +199,24 @@ class ExpertStream:
         """
         started, self._started = self._started, None
         compute_ms: float | None = None
+        whole = self._whole
         if self._cuda and started is not None:
-            stream = torch.cuda.current_stream(self.device)
+            stream = torch.cuda.current_stream(self._index)
             done = torch.cuda.Event(enable_timing=True)
             done.record(stream)
-            if self.defer and self._whole is not None and not self._leased:
-                calls = self._whole.take()  # this token's, before the held one's end
+            # this token's calls, their routing's copy to the host queued behind its work
+            routing = whole.take() if whole is not None else None
+            if self.defer and routing is not None and not self._leased:
                 self.flush()
-                self._held = (started, done, calls)  # ends at the next token's end
+                self._held = (started, done, routing)  # ends at the next token's end
                 return self.last
             self.flush()
-            if self._whole is not None:  # the hits of calls done, while the device ends
-                self._whole.count_landed(stream)
             done.synchronize()
             compute_ms = float(started.elapsed_time(done))
+            if whole is not None and routing is not None:  # counted now the device is done
+                whole.account(routing)
         else:
             self.flush()
-        if self._whole is not None:  # its calls' hits, counted now the device is done
-            self._whole.account(torch.cuda.current_stream(self.device))
         return self._ended(compute_ms)
 
     def flush(self) -> None:
@@ -222,10 +225,10 @@ class ExpertStream:
         held, self._held = self._held, None
         if held is None:
             return
-        started, done, calls = held
+        started, done, routing = held
         done.synchronize()
         assert self._whole is not None  # a token is held only where it served
-        self._whole.account(torch.cuda.current_stream(self.device), calls)
+        self._whole.account(routing)
         self._ended(float(started.elapsed_time(done)))
 
     def _ended(self, compute_ms: float | None) -> TokenStats:

@@ -12,10 +12,11 @@ cache into the grouped product's stacked weights by the table, then transformers
 grouped product (``grouped_mm_experts_forward``'s arithmetic, the same groups of the same
 rows: the same bits). A decode step, which ``generate`` computes in ``batched_mm`` on a GPU,
 has each (token, slot) pair's weights copied by the same table, then transformers' own
-``batched_mm_experts_forward`` (:meth:`WholeLayers.batched`). The routing is copied to
-pinned host memory behind an event, read at the token's end, after the device
-synchronization that ends it anyway, to count the layer's hits in the session
-(:meth:`WholeLayers.account`).
+``batched_mm_experts_forward`` (:meth:`WholeLayers.batched`). A token's routing is copied
+to pinned host memory in one transfer behind an event (:meth:`WholeLayers.take`), read once
+the token's device work is done, to count its layers' hits in the session
+(:meth:`WholeLayers.account`). The per-token host cost is what limits a model held whole
+(its device work queued ahead): launches and accounting are kept few a token, not a layer.
 """
 
 from __future__ import annotations
@@ -96,6 +97,22 @@ def _stream(pointer: int, device: int) -> Any:
         return cupy.cuda.ExternalStream(pointer, device)
 
 
+def _launch(device: int, grid: tuple[int, int], stream: int, table: int, slots: int,
+            first: int, down: int, sizes: tuple[Any, ...]) -> None:
+    """The gather kernel on ``stream`` (torch's, a raw pointer), given to the launch rather
+    than made CuPy's current stream: no context entered and left a call, which cost more
+    than the launch. The device is made current only where it is not."""
+    import cupy
+
+    args = (np.uint64(table), np.uint64(slots), np.uint64(first), np.uint64(down), *sizes)
+    kernel, on = _kernel(device), _stream(stream, device)
+    if cupy.cuda.runtime.getDevice() == device:
+        kernel(grid, (_THREADS,), args, stream=on)
+    else:
+        with cupy.cuda.Device(device):
+            kernel(grid, (_THREADS,), args, stream=on)
+
+
 _UNMADE: Any = object()
 """A layer's table not asked for yet (None: asked, and the layer takes the lease path)."""
 
@@ -107,12 +124,13 @@ class _Table:
     took them) and the kernel's grid width."""
 
     __slots__ = ("addresses", "blocks", "down_bytes", "down_shape", "experts", "first_shape",
-                 "gate_bytes", "up_bytes")
+                 "gate_bytes", "sizes", "up_bytes")
 
     def __init__(self, addresses: Any, sizes: tuple[int, int, int]) -> None:
         self.addresses = addresses
         self.experts = int(addresses.shape[0])
         self.gate_bytes, self.up_bytes, self.down_bytes = sizes
+        self.sizes = tuple(np.int64(n) for n in sizes)  # the kernel's arguments, made once
         largest = max(sizes)
         self.blocks = max(1, min(-(-largest // (16 * _THREADS)), 128))
         self.first_shape: tuple[int, ...] = ()
@@ -152,7 +170,10 @@ class WholeLayers:
                         for layer in info.moe_layers]
         self._tables: dict[tuple[int, Any], _Table | None] = {}
         self._whole: bool | None = None
-        self._pending: list[tuple[int, Any, Any]] = []
+        self._index = self.device.index if self.device.index is not None else (
+            torch.cuda.current_device() if self.device.type == "cuda" else -1)
+        self._pending: list[tuple[int, Any]] = []  # each call's layer and routing
+        self._complete: Any = None
 
     def forward(self, layer: int, module: Any, hidden: Any, top_k_index: Any,
                 top_k_weights: Any, *, batched: bool = False) -> Any | None:
@@ -262,72 +283,89 @@ class WholeLayers:
 
     def _gather(self, table: _Table, slots: Any, first: Any, down: Any) -> None:
         """One launch on torch's stream: each slot's weights copied from the cache."""
-        import cupy
-
-        index = self.device.index or 0
-        stream = torch.cuda.current_stream(self.device)
-        with cupy.cuda.Device(index), _stream(stream.cuda_stream, index):
-            _kernel(index)((table.blocks, slots.shape[0]), (_THREADS,), (
-                np.uint64(table.addresses.data_ptr()), np.uint64(slots.data_ptr()),
-                np.uint64(first.data_ptr()), np.uint64(down.data_ptr()),
-                np.int64(table.gate_bytes), np.int64(table.up_bytes),
-                np.int64(table.down_bytes)))
+        stream = torch.cuda.current_stream(self._index)
+        _launch(self._index, (table.blocks, slots.shape[0]), stream.cuda_stream,
+                table.addresses.data_ptr(), slots.data_ptr(), first.data_ptr(),
+                down.data_ptr(), table.sizes)
 
     def _stream(self) -> Any:
         """torch's current stream on the device (None on the host, where the session's
         backend needs none)."""
-        return torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
+        return torch.cuda.current_stream(self._index) if self.device.type == "cuda" else None
 
     def _remember(self, layer: int, top_k_index: Any) -> None:
-        """The routing copied to pinned host memory behind an event, for :meth:`account`."""
-        if self.device.type != "cuda":
-            self._pending.append((layer, top_k_index.clone(), None))
-            return
-        ids = torch.empty(top_k_index.shape, dtype=top_k_index.dtype, pin_memory=True)
-        ids.copy_(top_k_index, non_blocking=True)
-        landed = torch.cuda.Event()
-        landed.record(self._stream())
-        self._pending.append((layer, ids, landed))
+        """The call's routing, kept on the device until the token's :meth:`take` (a router
+        makes a new tensor each call: nothing writes it meanwhile)."""
+        self._pending.append((layer, top_k_index))
 
-    def count_landed(self, stream: Any) -> None:
-        """Count the calls whose routing has landed already (an event query: no wait), in
-        call order: run while the device still computes the token's last layers, so that
-        their leases cost the host nothing it would not spend waiting."""
-        pending = self._pending
-        done = 0
-        while done < len(pending) and (pending[done][2] is None or pending[done][2].query()):
-            done += 1
-        self._count(pending[:done], stream)
-        del pending[:done]
-
-    def take(self) -> list[tuple[int, Any, Any]]:
-        """The calls served since the last ``take`` or ``account`` (a token's), for an
-        ``account`` later."""
+    def take(self) -> Routing:
+        """The calls served since the last ``take`` (a token's), their routing's copy to
+        the host queued on torch's stream (one transfer a token), for :meth:`account` once
+        the token's device work is done."""
         pending, self._pending = self._pending, []
-        return pending
+        return Routing([layer for layer, _ in pending],
+                       [int(ids.numel()) for _, ids in pending],
+                       *_to_host([ids for _, ids in pending], self._stream()))
 
-    def account(self, stream: Any, calls: list[tuple[int, Any, Any]] | None = None) -> None:
-        """Count a token's calls served here (``calls``, else those since the last
-        ``take``) in the session (a lease of each call's experts, all hits, released after
-        ``stream``'s work): called once the token's device work is done, so reading the
-        routing waits for nothing. A model not yet held whole is asked again in the next
-        token; one whose budget shrank below every expert goes back to the lease path."""
-        pending = self.take() if calls is None else calls
-        for _, _, landed in pending:
-            if landed is not None:  # done already: the token's end synchronized the device
-                landed.synchronize()
-        self._count(pending, stream)
+    def account(self, routing: Routing) -> None:
+        """Count a token's calls served here in the session (a lease of each call's
+        experts, all hits): called once the token's device work is done, so reading the
+        routing waits for nothing and the experts' compute is over (the session is told so
+        by an event never recorded, which is complete). A model not yet held whole is asked
+        again in the next token; one whose budget shrank below every expert goes back to
+        the lease path."""
+        if routing.layers:
+            if routing.landed is not None:
+                routing.landed.synchronize()  # done already: the token's end was waited for
+            ids = routing.ids.numpy()
+            ends = np.cumsum(routing.sizes).tolist()
+            self.session.used([(layer, np.unique(ids[end - n:end]).tolist())
+                               for layer, n, end in zip(routing.layers, routing.sizes, ends,
+                                                        strict=True)], after=self._done())
         if not self._whole:
             self._whole = None
         elif self.session.counters().budget_bytes < self._total:
             self.forget()
 
-    def _count(self, calls: list[tuple[int, Any, Any]], stream: Any) -> None:
-        """The calls' experts as hits, as a lease of each call's would count them, told to
-        the session in one hop (``SyncSession.used``)."""
-        if calls:
-            self.session.used([(layer, np.unique(ids.numpy()).tolist())
-                               for layer, ids, _ in calls], after=stream)
+    def _done(self) -> Any:
+        """A CuPy event never recorded (complete, as the CUDA runtime defines it): the
+        ``after`` of work the host has seen end, with no event made a token; None on the
+        host."""
+        if self.device.type != "cuda":
+            return None
+        if self._complete is None:
+            import cupy
+
+            with cupy.cuda.Device(self._index):
+                self._complete = cupy.cuda.Event(block=False, disable_timing=True)
+        return self._complete
+
+
+class Routing:
+    """A token's calls served by :class:`WholeLayers`: each call's layer and number of
+    routing ids, the ids end to end in ``ids`` (pinned host memory on a GPU, filled once
+    ``landed`` completes)."""
+
+    __slots__ = ("ids", "landed", "layers", "sizes")
+
+    def __init__(self, layers: list[int], sizes: list[int], ids: Any, landed: Any) -> None:
+        self.layers, self.sizes, self.ids, self.landed = layers, sizes, ids, landed
+
+
+def _to_host(routings: list[Any], stream: Any) -> tuple[Any, Any]:
+    """The routing tensors end to end on the host, and the event their copy completes at
+    (None on the host, where there is no copy to wait for)."""
+    if not routings:
+        return None, None
+    flat = torch.cat([ids.reshape(-1) for ids in routings])
+    if stream is None:
+        return flat, None
+    host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
+    host.copy_(flat, non_blocking=True)
+    landed = torch.cuda.Event()
+    landed.record(stream)
+    return host, landed
+
 
 Gather = Callable[[Any, Any, Any], None]
 """Fills ``first`` ``(slots, ...)`` and ``down`` with the weights of each slot's expert (the

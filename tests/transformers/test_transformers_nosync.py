@@ -142,9 +142,7 @@ class TestWholeLayersOnTheHost:
                         expected = reference(theirs, hidden, index, weights)
                     assert got is not None and torch.equal(got, expected)
                     distinct += len(set(index.flatten().tolist()))
-                if rounds:  # what has landed counted first (on a GPU: while the device ends)
-                    whole.count_landed(None)
-                whole.account(None)
+                whole.account(whole.take())
                 session.end_token()
             # the next token's hits: each call's distinct experts, counted once a layer
             assert session.counters().hits - before == distinct
@@ -193,11 +191,8 @@ class _Whole:
         pending, self.pending = self.pending, []
         return pending
 
-    def count_landed(self, stream: Any) -> None:
-        pass
-
-    def account(self, stream: Any, calls: list[Any] | None = None) -> None:
-        self.accounted.append(self.take() if calls is None else calls)
+    def account(self, routing: list[Any]) -> None:
+        self.accounted.append(routing)
 
     def forget(self) -> None:
         pass
