@@ -1,29 +1,124 @@
-"""The sync face's private event loop: a daemon thread, and the lock that serializes it.
+"""The sync face's private event loop: a daemon thread, the lock that serializes it, and
+the signals deferred while a caller holds that lock.
 
 The loop's thread holds the lock whenever it runs (every callback and task step) and lets
 go of it only while it waits for events in ``select``. A call that never waits runs on the
 caller's own thread under that lock (``LoopThread.call``, ``LoopThread.query``); a call that
 waits runs on the loop while the caller blocks without it (``LoopThread.run``).
 ``moestream._sync``'s docstring says which calls take which path.
+
+Signals (``Deferral``): Python runs signal handlers on the main thread, between any two
+bytecodes, so a ``KeyboardInterrupt`` (Ctrl-C, or a timer's handler that raises) could land
+half way through a fetch's bookkeeping: pins taken and never recorded, a cache index half
+updated. So while a call holds the session's lock on the main thread, the Python handlers
+present when the session opened (``default_int_handler`` for SIGINT, and any the
+application had installed) only note the signal; the call finishes, and the handlers then
+run, in order, before the call returns (a fetch whose caller is interrupted that way
+releases its lease). A handler installed after the session opened is not deferred.
+Deferring costs two integer updates per call; the handlers are wrapped once per process
+(when the first loop thread starts on the main thread) and restored when the last one
+stops there.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import selectors
+import signal
 import threading
 from _thread import allocate_lock
 from asyncio.events import _get_running_loop, _set_running_loop
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Iterator
 from threading import get_ident
+from types import FrameType
 from typing import Any, TypeVar
 
-from moestream._signals import DEFERRAL
 from moestream.pipeline.foundation.errors import UsageError
 
-__all__ = ["LoopThread"]
+__all__ = ["DEFERRAL", "Deferral", "LoopThread"]
 
 T = TypeVar("T")
+
+Handler = Callable[[int, FrameType | None], Any]
+
+
+class Deferral:
+    """The process's deferral of Python signal handlers on the main thread."""
+
+    __slots__ = ("_originals", "_users", "busy", "main", "pending")
+
+    def __init__(self) -> None:
+        self.main = threading.main_thread().ident
+        self.busy = 0
+        self.pending: list[tuple[Handler, int, FrameType | None]] = []
+        self._originals: dict[int, Handler] = {}
+        self._users = 0
+
+    def install(self) -> None:
+        """Wrap the Python handlers now installed (main thread only; elsewhere a no-op:
+        the session's calls there are never interrupted by a handler)."""
+        if threading.get_ident() != self.main:
+            return
+        self._users += 1
+        if self._users > 1:
+            return
+        for signum in signal.valid_signals():
+            try:
+                handler = signal.getsignal(signum)
+            except (ValueError, OSError):
+                continue
+            if callable(handler) and not getattr(handler, "_moestream_deferred", False):
+                self._originals[signum] = handler
+                signal.signal(signum, self._wrap(handler))
+
+    def uninstall(self) -> None:
+        """Restore the handlers wrapped (when the last user leaves, on the main thread)."""
+        if threading.get_ident() != self.main or self._users == 0:
+            return
+        self._users -= 1
+        if self._users:
+            return
+        for signum, handler in self._originals.items():
+            current = signal.getsignal(signum)
+            if getattr(current, "_moestream_deferred", False):
+                signal.signal(signum, handler)
+        self._originals.clear()
+
+    def _wrap(self, handler: Handler) -> Handler:
+        def deferred(signum: int, frame: FrameType | None) -> Any:
+            if self.busy:
+                self.pending.append((handler, signum, frame))
+                return None
+            return handler(signum, frame)
+
+        deferred._moestream_deferred = True  # type: ignore[attr-defined]
+        return deferred
+
+    @contextlib.contextmanager
+    def holding(self, main: bool) -> Iterator[None]:
+        """Defer the handlers meanwhile (when ``main``: on the main thread), then run
+        those of signals that arrived."""
+        if not main:
+            yield
+            return
+        self.busy += 1
+        try:
+            yield
+        finally:
+            self.busy -= 1
+            if self.pending and not self.busy:
+                self.run_pending()
+
+    def run_pending(self) -> None:
+        """Run the handlers of the signals that arrived meanwhile (each may raise)."""
+        pending, self.pending = self.pending, []
+        for handler, signum, frame in pending:
+            handler(signum, frame)
+
+
+DEFERRAL = Deferral()
+
 
 
 class _LockedSelector(selectors.DefaultSelector):
@@ -47,6 +142,7 @@ class LoopThread:
     touch from other threads (see the module's docstring)."""
 
     def __init__(self) -> None:
+        DEFERRAL.install()  # undone by ``stop``
         self.lock = threading.Lock()
         self.loop = asyncio.SelectorEventLoop(_LockedSelector(self.lock))
         self.closed = False

@@ -41,7 +41,6 @@ from moestream._model_info import ModelInfo, Router
 from moestream._open import Mode
 from moestream._open import open as open_session
 from moestream._session import Session
-from moestream._signals import DEFERRAL
 from moestream._stats import Counters, TokenStats
 from moestream._tuning import Tuning
 from moestream.gpu.interop import stream_pointer
@@ -348,7 +347,6 @@ def open_sync(
     """
     session = open_session(model, devices=devices, budget=budget, mode=mode, policy=policy,
                            verify=verify, backend=backend, log=log, tuning=tuning)
-    DEFERRAL.install()
     thread = LoopThread()
     try:
         thread.run(session._open())
