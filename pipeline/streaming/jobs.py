@@ -163,7 +163,7 @@ class ExpertJobs:
                 job.error = exc
             job.phases.mark("upload")
         assert self._loop is not None
-        self._loop.call_soon_threadsafe(self._arrived, job, event)
+        self._loop.call_soon_threadsafe(self._job_done, job, event)
 
     def _resident_job(self, job: LoadJob) -> None:
         """Worker (host backend): copy an expert straight from the page-cache mapping."""
@@ -179,7 +179,7 @@ class ExpertJobs:
             job.error = exc
         job.phases.mark("upload")  # a copy out of the page cache (waiting for a worker too)
         assert self._loop is not None
-        self._loop.call_soon_threadsafe(self._arrived, job, event)
+        self._loop.call_soon_threadsafe(self._job_done, job, event)
 
     def _resident_upload(self, job: LoadJob, mapping: ModelMapping) -> Event | None:
         """Queue the copies of an expert straight from the mapping (any thread)."""
@@ -210,7 +210,7 @@ class ExpertJobs:
         self._add_time("upload_ms", t0)
         return event
 
-    def _arrived(self, job: LoadJob, event: Event | None, *, counted: bool = True) -> None:
+    def _job_done(self, job: LoadJob, event: Event | None, *, counted: bool = True) -> None:
         """Loop: return the slot (busy until the upload is done) and pass the entry on."""
         if self.digests is not None and job.digest_row >= 0:
             if job.error is None:

@@ -245,7 +245,7 @@ class LayerLease:
             return out
         items = queue.take_all()
         part_of, handed = self._part_of, self._handed
-        for i, item in enumerate(items):  # ``_arrival``'s work for the landed ones, inline
+        for i, item in enumerate(items):  # ``_hand_out``'s work for the landed ones, inline
             if item is _ABORT or item[1] is not None:
                 self._stashed = item
                 queue.put_back(items[i + 1 :])
@@ -289,7 +289,7 @@ class LayerLease:
                 part = self._part_of[item[0]]
                 own = item[0] in part.load.plan.misses
                 told(item[0], part.load if own else None, t0, t1)
-        return self._arrival(item)
+        return self._hand_out(item)
 
     def next_nowait(self) -> Arrival | Any | None:
         """As ``next`` without waiting: the next expert if it is available now, None when
@@ -305,15 +305,15 @@ class LayerLease:
             return arrival
         if self._stashed is not None:
             stashed, self._stashed = self._stashed, None
-            return self._arrival(stashed)
+            return self._hand_out(stashed)
         if self._pending == 0:
             return None
         queue = self._queue
         if queue is not None and not queue.empty():  # landed already: no wait to charge
-            return self._arrival(queue.get_nowait())
+            return self._hand_out(queue.get_nowait())
         return NOT_YET
 
-    def _arrival(self, item: Any) -> Arrival:
+    def _hand_out(self, item: Any) -> Arrival:
         """Hand out one queued arrival (raising its load's error)."""
         if item is _ABORT:
             self._check()  # raises: only ``release`` queues it

@@ -121,7 +121,7 @@ class RegisteredLayers(ExpertJobs):
         """
         digests = self.digests
         misses = load.plan.misses
-        arrived: list[tuple[Entry, BaseException | None]] = []
+        outcomes: list[tuple[Entry, BaseException | None]] = []
         landed: list[Entry] = []  # installed once their (shared) event completes
         t0 = time.perf_counter()
         try:
@@ -139,23 +139,23 @@ class RegisteredLayers(ExpertJobs):
                 if isinstance(event, Exception):
                     if digests is not None:
                         digests.drop(*rows[i])
-                    arrived.append((entry, event))
+                    outcomes.append((entry, event))
                     continue
                 if digests is not None:
                     digests.complete(*rows[i], event)
                 landed.append(entry)
-                arrived.append((entry, None))
+                outcomes.append((entry, None))
         except BaseException as exc:  # interrupted: every miss not delivered fails with it
             if digests is not None:
-                for row in rows[len(arrived) :]:
+                for row in rows[len(outcomes) :]:
                     digests.drop(*row)
-            arrived.extend((entry, exc) for entry in misses[len(arrived) :])
+            outcomes.extend((entry, exc) for entry in misses[len(outcomes) :])
             raise
         finally:
             self.installer.submit(landed)
             self._add_time("upload_ms", t0)
             assert self._loop is not None
-            self._loop.call_soon(self._deliver_layer, load, arrived)
+            self._loop.call_soon(self._deliver_layer, load, outcomes)
 
     def _gather(self, misses: Sequence[Entry], sources: Sequence[MappedCopies],
                 rows: Sequence[tuple[Any, int]]) -> list[Event | Exception]:
@@ -183,17 +183,17 @@ class RegisteredLayers(ExpertJobs):
         return self.uploader.upload_layer(self._kernels, items)
 
     def _deliver_layer(self, load: LayerLoad,
-                       arrived: Sequence[tuple[Entry, BaseException | None]]) -> None:
+                       outcomes: Sequence[tuple[Entry, BaseException | None]]) -> None:
         """Loop: hand a queued layer's misses (or their failures) to the decoder at once."""
-        if any(error is not None for _, error in arrived):
-            for entry, error in arrived:
+        if any(error is not None for _, error in outcomes):
+            for entry, error in outcomes:
                 self._deliver(load, entry, error)
             return
         # all queued (the common case): ``_deliver``'s work without a call a miss
         assert load.arrived is not None
-        load.arrived.put_many(arrived)
-        for entry, _ in arrived:
+        load.arrived.put_many(outcomes)
+        for entry, _ in outcomes:
             loaded = entry.loaded
             if loaded is not None and not loaded.done():
                 loaded.set_result(None)  # a later layer's lookup may wait on it
-        self._delivered(load, len(arrived))
+        self._delivered(load, len(outcomes))

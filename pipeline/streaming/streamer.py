@@ -231,7 +231,7 @@ class ExpertStreamer(RegisteredLayers):
                     job.phases.begin()
                     event = self._resident_upload(job, mapping)
                     job.phases.mark("upload")  # queued; the device copy shows where decode waits
-                    self._arrived(job, event, counted=False)
+                    self._job_done(job, event, counted=False)
                     continue
                 # not registered yet (cold or still being registered): a buffered read
                 # through the page cache into staging; it never waits on a whole window
