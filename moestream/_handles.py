@@ -21,6 +21,7 @@ from moestream.gpu.interop import StreamLike, wait_on
 from moestream.pipeline.foundation.errors import UsageError
 from moestream.pipeline.foundation.table import MoeLayer
 from moestream.pipeline.streaming.lease import Arrival, LayerLease
+from moestream.stages.layout import plan_expert
 
 __all__ = ["ExpertHandle", "Matrix", "wait_uploads"]
 
@@ -188,31 +189,41 @@ class Matrix:
                 f"nbytes={self.nbytes})")
 
 
-def _matrix_shapes(info: MoeLayer) -> tuple[tuple[int, int], ...]:
-    """(gate, up, down) shapes of the layer's experts, as ``Matrix.shape`` says; for
-    quantized experts whose bytes are not elements (FP4, MXFP4: two values a byte), the
-    shapes of their bytes as stored (``ExpertQuant.shapes``)."""
-    if info.quant is not None and info.quant.shapes is not None:
-        return info.quant.shapes
+_Spans = tuple[tuple[str, GGMLQuantizationType, int, int, tuple[int, int]], ...]
+
+
+def _matrix_spans(info: MoeLayer) -> _Spans:
+    """(name, type, device offset, bytes, shape) of the layer's experts' gate, up and down:
+    where ``plan_expert`` lays them in a cache buffer (by their sizes: the same for every
+    expert of a layer), and ``Matrix.shape``; for quantized experts whose bytes are not
+    elements (FP4, MXFP4: two values a byte), the shapes of their bytes as stored."""
     hidden, ffn = info.shape
-    if info.transposed and not info.gated:  # Ergo: up [D, F] in two row halves
-        return (hidden // 2, ffn), (hidden // 2, ffn), (ffn, hidden)
-    if info.transposed:
-        return (hidden // 2, 2 * ffn), (hidden // 2, 2 * ffn), (ffn, hidden)
-    if not info.gated:
-        return (ffn // 2, hidden), (ffn // 2, hidden), (hidden, ffn)
-    return (ffn, hidden), (ffn, hidden), (hidden, ffn)
+    shapes: tuple[tuple[int, int], ...]
+    if info.quant is not None and info.quant.shapes is not None:
+        shapes = info.quant.shapes
+    elif info.transposed and not info.gated:  # Ergo: up [D, F] in two row halves
+        shapes = (hidden // 2, ffn), (hidden // 2, ffn), (ffn, hidden)
+    elif info.transposed:
+        shapes = (hidden // 2, 2 * ffn), (hidden // 2, 2 * ffn), (ffn, hidden)
+    elif not info.gated:
+        shapes = (ffn // 2, hidden), (ffn // 2, hidden), (hidden, ffn)
+    else:
+        shapes = (ffn, hidden), (ffn, hidden), (hidden, ffn)
+    types = (info.gate_up_type, info.gate_up_type, info.down_type)
+    ranges = plan_expert(info.slices(0)).ranges
+    return tuple((name, kind, r.device_offset, r.nbytes, shape) for name, kind, r, shape
+                 in zip(_NAMES, types, ranges, shapes, strict=True))
 
 
 class LeaseSource:
     """What the handles of one lease share: the lease (whose release ends them), the
-    devices' backends and the layer's shapes and types.
+    devices' backends and the layer's matrices: where they lie, their shapes and types.
 
     The public lease and its handles hold it, nothing else: when the last of them is
     dropped with the lease still held, ``on_drop`` is told (the session releases it).
     """
 
-    __slots__ = ("backends", "info", "lease", "on_drop", "shapes", "types")
+    __slots__ = ("backends", "info", "lease", "on_drop", "spans")
 
     def __init__(self, lease: LayerLease, backends: Sequence[Backend], info: MoeLayer,
                  on_drop: Callable[[LayerLease], None] | None = None) -> None:
@@ -221,8 +232,7 @@ class LeaseSource:
         self.info = info
         self.on_drop = on_drop
         # once a lease, not a handle, and only once a handle's matrices are asked for
-        self.shapes: tuple[tuple[int, int], ...] | None = None
-        self.types = (info.gate_up_type, info.gate_up_type, info.down_type)
+        self.spans: _Spans | None = None
 
     def __del__(self) -> None:
         if not self.lease.released and self.on_drop is not None:
@@ -240,31 +250,26 @@ class ExpertHandle:
     """
 
     # made per expert between two layers' kernels: what every handle needs, nothing more
-    __slots__ = ("_entry", "_matrices", "_part", "_source", "expert", "layer")
+    __slots__ = ("_entry", "_matrices", "_source", "device", "expert", "layer")
 
     def __init__(self, source: LeaseSource, arrival: Arrival) -> None:
         entry = arrival.entry
         self._source = source
         self._entry = entry
-        self._part = arrival.part
+        self.device = arrival.part.device
         self.layer, self.expert = entry.key
         self._matrices: tuple[Matrix, Matrix, Matrix] | None = None
 
-    @property
-    def device(self) -> int:
-        return self._part.device
-
     def _make_matrices(self) -> tuple[Matrix, Matrix, Matrix]:
-        entry, part, source = self._entry, self._part, self._source
-        shapes = source.shapes
-        if shapes is None:
-            shapes = source.shapes = _matrix_shapes(source.info)
-        backend = source.backends[part.device]
+        entry, source = self._entry, self._source
+        spans = source.spans
+        if spans is None:
+            spans = source.spans = _matrix_spans(source.info)
+        backend = source.backends[self.device]
         host = backend.name == "host"
         matrices = []
-        for name, staged, shape, kind in zip(_NAMES, part.streamer.layout(entry.key).ranges,
-                                             shapes, source.types, strict=True):
-            raw = backend.device_bytes(entry.buffer, staged.device_offset, staged.nbytes)
+        for name, kind, offset, nbytes, shape in spans:
+            raw = backend.device_bytes(entry.buffer, offset, nbytes)
             if host:
                 raw.flags.writeable = False  # the cache's bytes: compute reads, never writes
             matrices.append(Matrix(self, name, kind, shape, raw))

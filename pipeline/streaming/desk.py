@@ -121,7 +121,7 @@ class LeaseDesk(TokenLedger):
         if len(streamers) == 1:  # one device holds them all: no placement to ask
             streamer = streamers[0]
             start = streamer.start_prefetch if prefetch else streamer.start_layer
-            return [LeasePart(0, caches[0], streamer, joiners[0], start(layer, experts))]
+            return [LeasePart(0, caches[0], joiners[0], start(layer, experts))]
         split: dict[int, list[int]] = {}
         for e in experts:
             split.setdefault(self._place((layer, e)), []).append(e)
@@ -130,7 +130,7 @@ class LeaseDesk(TokenLedger):
             for device in sorted(split):
                 streamer = streamers[device]
                 start = streamer.start_prefetch if prefetch else streamer.start_layer
-                parts.append(LeasePart(device, caches[device], streamer, joiners[device],
+                parts.append(LeasePart(device, caches[device], joiners[device],
                                        start(layer, split[device])))
         except BaseException:
             # a later device refused (budget, memory): the earlier ones keep no pins

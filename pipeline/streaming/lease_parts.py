@@ -15,7 +15,6 @@ from typing import Any
 from moestream.gpu.backend import Event, Stream
 from moestream.gpu.cache.store import DeviceCache, Entry
 from moestream.pipeline.streaming.loads import LayerLoad
-from moestream.pipeline.streaming.streamer import ExpertStreamer
 
 __all__ = ["EventJoiner", "LeasePart", "unpin", "unpin_when_landed"]
 
@@ -49,11 +48,10 @@ class EventJoiner:
 
 @dataclass(slots=True)
 class LeasePart:
-    """One device's share of a lease: its cache, streamer (layouts) and load."""
+    """One device's share of a lease: its cache, event joiner and load."""
 
     device: int
     cache: DeviceCache
-    streamer: ExpertStreamer
     joiner: EventJoiner
     load: LayerLoad
 

@@ -381,7 +381,7 @@ class TestTakeLanded:
                      ) -> tuple[LayerLease, ExpertStreamer, DeviceCache]:
         backend, cache, streamer = await _resident(table, faults)
         layer = table.moe_layers[0]
-        part = LeasePart(0, cache, streamer, EventJoiner(backend.new_stream(), backend.activate),
+        part = LeasePart(0, cache, EventJoiner(backend.new_stream(), backend.activate),
                          streamer.start_layer(layer, experts))
         assert part.load.launcher is None, "the registered (gathered) path"
         return LayerLease(layer, tuple(experts), [part]), streamer, cache
