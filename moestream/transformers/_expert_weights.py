@@ -4,7 +4,7 @@ the cache, or a batch's stacked as the experts module keeps its own.
 A quantized layer's experts (``LayerScales``: FP8, FP4, MXFP4; ``GgufExperts``: a GGUF
 layer's types) are dequantized per use, on a GPU by one CuPy kernel a batch where it
 applies; the others are views of the cache, cast (copied) only when the model computes in
-another dtype, and stacked on a GPU by device-to-device copies queued on torch's stream.
+another dtype, and stacked on a GPU by one gather kernel a batch on torch's stream.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import numpy as np
 import torch  # type: ignore[import-not-found, unused-ignore]
 
 from moestream import ExpertHandle
@@ -22,6 +23,7 @@ from moestream.transformers._dequant_cuda import (
     layer_experts_cuda,
 )
 from moestream.transformers._dequant_cuda import available as cuda_kernel
+from moestream.transformers._gather import blocks, launch
 from moestream.transformers._gguf_experts import GgufExperts
 from moestream.transformers._layout import TORCH_DTYPES, first_projection, raw, view
 from moestream.transformers._quantized import LayerScales
@@ -42,6 +44,9 @@ class ExpertWeights:
         self.device = device
         self.scales = scales
         self._cuda = device.type == "cuda"
+        self._index = (device.index if device.index is not None
+                       else torch.cuda.current_device()) if self._cuda else -1
+        self._slots: dict[int, Any] = {}  # 0..n-1 on the device: the gather's slots
 
     def expert(self, module: Any, h: ExpertHandle) -> tuple[Any, Any, Any]:
         """The expert's gate ``(F, D)``, up ``(F, D)`` and down ``(D, F)`` (transposed: the
@@ -66,7 +71,7 @@ class ExpertWeights:
         own: ``gate_up`` ``(n, 2F, D)`` (gate the first F rows) and ``down`` ``(n, D, F)``,
         or transposed ``(n, D, 2F)`` and ``(n, F, D)``, copied from the cache on the device
         (an expert's gate_up is its gate and up bytes in order, in either layout). On a GPU
-        the copies are queued on torch's stream by address (:meth:`_copied`); elsewhere,
+        the copies are one kernel on torch's stream, by address (:meth:`_copied`); elsewhere,
         and when a cast is needed, one multi-tensor copy of the views."""
         n = len(handles)
         dtype = module.down_proj.dtype
@@ -102,25 +107,21 @@ class ExpertWeights:
         return scales.method != "fp8" or not scales.transposed
 
     def _copied(self, handles: Sequence[ExpertHandle], gate_up: Any, down: Any) -> None:
-        """The experts' bytes copied into ``gate_up`` and ``down`` on torch's stream by
-        address (``cudaMemcpyAsync``, gate and up in one when they are adjacent): no tensor
-        is made per matrix, whose DLPack import costs more host time than the copy."""
-        import cupy  # the session's backend on a GPU: present whenever this runs
-
-        copy = cupy.cuda.runtime.memcpyAsync
-        kind = cupy.cuda.runtime.memcpyDeviceToDevice
-        cuda_stream = torch.cuda.current_stream(self.device).cuda_stream
-        row = gate_up.stride(0) * gate_up.element_size()
-        base, down_base = gate_up.data_ptr(), down.data_ptr()
-        for i, h in enumerate(handles):
-            gate, up, d = h.gate, h.up, h.down
-            g = gate.ptr
-            if up.ptr == g + gate.nbytes:
-                copy(base + i * row, g, 2 * gate.nbytes, kind, cuda_stream)
-            else:
-                copy(base + i * row, g, gate.nbytes, kind, cuda_stream)
-                copy(base + i * row + gate.nbytes, up.ptr, up.nbytes, kind, cuda_stream)
-            copy(down_base + i * d.nbytes, d.ptr, d.nbytes, kind, cuda_stream)
+        """The experts' bytes copied into ``gate_up`` and ``down`` on torch's stream by one
+        launch of the gather kernel, their addresses sent with it (a table in pinned
+        memory, copied without a wait): no call a matrix, and no tensor made per matrix,
+        whose DLPack import costs more host time than the copy."""
+        n = len(handles)
+        table = torch.tensor([[m.ptr for m in h.matrices] for h in handles],
+                             dtype=torch.int64, pin_memory=True)
+        sizes = tuple(m.nbytes for m in handles[0].matrices)  # a layer's experts: alike
+        slots = self._slots.get(n)
+        if slots is None:
+            slots = self._slots[n] = torch.arange(n, dtype=torch.int64, device=self.device)
+        launch(self._index, (blocks(max(sizes)), n),
+               torch.cuda.current_stream(self._index).cuda_stream,
+               table.to(self.device, non_blocking=True).data_ptr(), slots.data_ptr(),
+               gate_up.data_ptr(), down.data_ptr(), tuple(np.int64(size) for size in sizes))
 
     def _dequantized(self, handles: Sequence[ExpertHandle], gate_up: Any, down: Any) -> None:
         """The quantized experts of ``handles`` dequantized into ``gate_up`` and ``down``:

@@ -21,9 +21,7 @@ the token's device work is done, to count its layers' hits in the session
 
 from __future__ import annotations
 
-import functools
 import math
-import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -31,6 +29,7 @@ import numpy as np
 import torch  # type: ignore[import-not-found, unused-ignore]
 
 from moestream import SyncSession
+from moestream.transformers._gather import blocks, launch
 from moestream.transformers._layout import (
     TORCH_DTYPES,
     batched_mm,
@@ -44,74 +43,6 @@ __all__ = ["MAX_SLOTS", "Gather", "WholeLayers", "slotted_grouped"]
 MAX_SLOTS = 64
 """The most distinct experts one call stacks on this path (a decode step's top-k, a short
 verification forward's); a call that may route to more (a prompt) takes the lease path."""
-
-_THREADS = 256
-_SOURCE = r"""
-// slot j of the call gets expert slots[j]'s gate and up (in order, its first projection)
-// and its down, copied from the cache by the layer's table of addresses (gate, up, down a
-// row); a slot of -1 (fewer distinct experts than slots) is an empty group, left unwritten
-__device__ void copy_bytes(unsigned char* dst, const unsigned char* src, long long n,
-                           long long start, long long step) {
-  if ((((unsigned long long)dst | (unsigned long long)src | (unsigned long long)n) & 15) == 0) {
-    const uint4* s = (const uint4*)src;
-    uint4* d = (uint4*)dst;
-    for (long long i = start; i < n / 16; i += step) d[i] = s[i];
-  } else {
-    for (long long i = start; i < n; i += step) dst[i] = src[i];
-  }
-}
-
-extern "C" __global__ void gather_experts(const long long* table, const long long* slots,
-                                          unsigned char* first, unsigned char* down,
-                                          long long gate_bytes, long long up_bytes,
-                                          long long down_bytes) {
-  long long expert = slots[blockIdx.y];
-  if (expert < 0) return;
-  const long long* row = table + 3 * expert;
-  long long start = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-  long long step = (long long)gridDim.x * blockDim.x;
-  unsigned char* to = first + blockIdx.y * (gate_bytes + up_bytes);
-  copy_bytes(to, (const unsigned char*)row[0], gate_bytes, start, step);
-  copy_bytes(to + gate_bytes, (const unsigned char*)row[1], up_bytes, start, step);
-  copy_bytes(down + blockIdx.y * down_bytes, (const unsigned char*)row[2], down_bytes, start,
-             step);
-}
-"""
-
-
-@functools.cache
-def _kernel(device: int) -> Any:
-    import cupy
-
-    with cupy.cuda.Device(device):
-        return cupy.RawModule(code=_SOURCE).get_function("gather_experts")
-
-
-@functools.lru_cache(maxsize=64)
-def _stream(pointer: int, device: int) -> Any:
-    """torch's stream as CuPy's (made once a stream)."""
-    import cupy
-
-    with warnings.catch_warnings():  # its successor needs a protocol older torch lacks
-        warnings.simplefilter("ignore", DeprecationWarning)
-        return cupy.cuda.ExternalStream(pointer, device)
-
-
-def _launch(device: int, grid: tuple[int, int], stream: int, table: int, slots: int,
-            first: int, down: int, sizes: tuple[Any, ...]) -> None:
-    """The gather kernel on ``stream`` (torch's, a raw pointer), given to the launch rather
-    than made CuPy's current stream: no context entered and left a call, which cost more
-    than the launch. The device is made current only where it is not."""
-    import cupy
-
-    args = (np.uint64(table), np.uint64(slots), np.uint64(first), np.uint64(down), *sizes)
-    kernel, on = _kernel(device), _stream(stream, device)
-    if cupy.cuda.runtime.getDevice() == device:
-        kernel(grid, (_THREADS,), args, stream=on)
-    else:
-        with cupy.cuda.Device(device):
-            kernel(grid, (_THREADS,), args, stream=on)
-
 
 _UNMADE: Any = object()
 """A layer's table not asked for yet (None: asked, and the layer takes the lease path)."""
@@ -132,7 +63,7 @@ class _Table:
         self.gate_bytes, self.up_bytes, self.down_bytes = sizes
         self.sizes = tuple(np.int64(n) for n in sizes)  # the kernel's arguments, made once
         largest = max(sizes)
-        self.blocks = max(1, min(-(-largest // (16 * _THREADS)), 128))
+        self.blocks = blocks(largest)
         self.first_shape: tuple[int, ...] = ()
         self.down_shape: tuple[int, ...] = ()
 
@@ -284,9 +215,9 @@ class WholeLayers:
     def _gather(self, table: _Table, slots: Any, first: Any, down: Any) -> None:
         """One launch on torch's stream: each slot's weights copied from the cache."""
         stream = torch.cuda.current_stream(self._index)
-        _launch(self._index, (table.blocks, slots.shape[0]), stream.cuda_stream,
-                table.addresses.data_ptr(), slots.data_ptr(), first.data_ptr(),
-                down.data_ptr(), table.sizes)
+        launch(self._index, (table.blocks, slots.shape[0]), stream.cuda_stream,
+               table.addresses.data_ptr(), slots.data_ptr(), first.data_ptr(),
+               down.data_ptr(), table.sizes)
 
     def _stream(self) -> Any:
         """torch's current stream on the device (None on the host, where the session's
