@@ -68,24 +68,24 @@ class CallerWait:
     whose wait is its own. Both run under the session's lock.
     """
 
-    __slots__ = ("settled", "started", "waits")
+    __slots__ = ("charge", "settled", "started", "waits")
 
-    def __init__(self) -> None:
+    def __init__(self, charge: WaitTold) -> None:
+        self.charge = charge  # the layer lease's ``on_wait``
         self.started = time.perf_counter()
-        self.waits: list[tuple[WaitTold, Any, Any, float, float]] = []
+        self.waits: list[tuple[Any, Any, float, float]] = []
         self.settled = False
 
-    def saw(self, charge: WaitTold, entry: Any, load: Any, start: float,
-            end: float) -> None:
+    def saw(self, entry: Any, load: Any, start: float, end: float) -> None:
         if self.settled:  # the caller left (interrupted): nothing more to stretch
-            charge(entry, load, start, end)
+            self.charge(entry, load, start, end)
         else:
-            self.waits.append((charge, entry, load, start, end))
+            self.waits.append((entry, load, start, end))
 
     def settle(self, ended: float) -> None:
         self.settled = True
-        last = len(self.waits) - 1
-        for i, (charge, entry, load, start, end) in enumerate(self.waits):
+        charge, last = self.charge, len(self.waits) - 1
+        for i, (entry, load, start, end) in enumerate(self.waits):
             charge(entry, load, min(start, self.started) if i == 0 else start,
                    max(end, ended) if i == last else end)
         self.waits.clear()
@@ -134,7 +134,7 @@ class SyncLease(LeaseBase):
     def _blocked(self, work: Callable[[CallerWait], Coroutine[Any, Any, T]]) -> T:
         """Run ``work`` on the loop, the caller blocked: its whole wait is a stall
         (``CallerWait``)."""
-        wait = CallerWait()
+        wait = CallerWait(self._layer_lease.on_wait)
         try:
             return self._thread.run(work(wait))
         finally:
@@ -150,7 +150,7 @@ class SyncLease(LeaseBase):
         layer_lease = self._layer_lease
         arrival = None
         try:
-            arrival = await layer_lease.next(functools.partial(wait.saw, layer_lease.on_wait))
+            arrival = await layer_lease.next(wait.saw)
             return None if arrival is None else self._handle(arrival)
         finally:
             if not wait.waits and arrival is not None:
@@ -159,10 +159,9 @@ class SyncLease(LeaseBase):
     async def _gather_blocked(self, wait: CallerWait) -> list[ExpertHandle]:
         """Every expert, waited for on the loop (``gather``'s), the waits told to ``wait``."""
         layer_lease = self._layer_lease
-        told = functools.partial(wait.saw, layer_lease.on_wait)
         first = None
         try:
-            while (arrival := await layer_lease.next(told)) is not None:
+            while (arrival := await layer_lease.next(wait.saw)) is not None:
                 if first is None:
                     first = arrival
                 self._handle(arrival)
@@ -176,7 +175,7 @@ class SyncLease(LeaseBase):
         during its hop to the loop (the layer lease waited for nothing): the caller's wait
         is still one for that expert's load."""
         now = time.perf_counter()
-        wait.saw(self._layer_lease.on_wait, arrival.entry, arrival.part.load, now, now)
+        wait.saw(arrival.entry, arrival.part.load, now, now)
 
     # -- on the caller's thread -----------------------------------------------------------
 
