@@ -1,12 +1,14 @@
-"""The streamer's parts and one expert's job from its read to its delivery.
+"""The streamer's parts and one expert's job from its launch to its delivery.
 
 ``ExpertJobs`` is the base of ``ExpertStreamer``: it opens the parts a device's loads go
 through (reader, staging ring, upload streams, installer, the reader pool, the mapping's
-registrar, the host tier, install digests), and carries a miss's job on the worker
-threads (chunks read into a staging slot, or copies out of the page-cache mapping, then
-the upload) and back on the loop (the slot returned, the entry handed to decode). The
-streamer (``streaming.streamer``) decides what to load and starts it; the registered
-path (``streaming.registered``) queues whole layers without jobs.
+registrar, the host tier, install digests), and carries a miss's job from its launch on
+the loop (``_launch``: a staging slot, the chunks handed to the readers) through the
+worker threads (chunks read into the slot, or copies out of the page-cache mapping, then
+the upload) and back on the loop (``_job_done``: the slot returned, the entry handed to
+decode). The streamer (``streaming.streamer``) plans a layer and chooses between these
+jobs and the registered path (``streaming.registered``), which queues whole layers
+without jobs.
 """
 
 from __future__ import annotations
@@ -24,11 +26,18 @@ from moestream.pipeline.foundation.config import StreamConfig
 from moestream.pipeline.foundation.errors import StageError
 from moestream.pipeline.foundation.faults import FaultPlan
 from moestream.pipeline.foundation.table import ExpertTable
-from moestream.pipeline.streaming.loads import IOMode, LayerLoad, LoadJob, StageTimes, WarmGate
+from moestream.pipeline.streaming.loads import (
+    IOMode,
+    JobMode,
+    LayerLoad,
+    LoadJob,
+    StageTimes,
+    WarmGate,
+)
 from moestream.pipeline.streaming.verify import DigestRows, Digests
 from moestream.stages.host_tier import HostTier
 from moestream.stages.install import Installer
-from moestream.stages.layout import ExpertLayout, largest_slot_bytes, plan_expert
+from moestream.stages.layout import ExpertLayout, iter_chunks, largest_slot_bytes, plan_expert
 from moestream.stages.mapping import ModelMapping
 from moestream.stages.reader import ModelReader
 from moestream.stages.registration import MappingRegistrar
@@ -78,7 +87,7 @@ class ExpertJobs:
         self.host_tier = HostTier(table, self.reader.drop_ranges)
         self._staged_jobs: set[LoadJob] = set()
         self.launchers: set[asyncio.Task[None]] = set()
-        """The layers' launches under way (a task each, ``ExpertStreamer._launch``): the
+        """The layers' launches under way (a task each, ``_launch``): the
         session cancels them at close."""
         self.warm_gate: WarmGate | None = None
         self._resident_idle = asyncio.Event()
@@ -118,6 +127,78 @@ class ExpertJobs:
         elapsed = (time.perf_counter() - since) * 1000.0
         with self._times_lock:
             setattr(self.times, name, getattr(self.times, name) + elapsed)
+
+    async def _launch(self, load: LayerLoad) -> None:
+        """Start every miss of a layer: take slots (direct) and hand work to the pool.
+
+        Whatever stops the launch (a refused allocation, cancellation) is reported for each
+        miss not yet started, so the decoder waiting on the layer never waits forever.
+        """
+        try:
+            await self._launch_misses(load)
+        except BaseException as exc:
+            for entry in load.plan.misses[load.launched :]:
+                self._deliver(load, entry, exc)
+            if not isinstance(exc, Exception):
+                raise
+
+    async def _launch_misses(self, load: LayerLoad) -> None:
+        for entry in load.plan.misses:
+            # read per miss: a switch to direct during this launch (it awaits slots) must
+            # not send later misses to a mapping that is being released
+            mode = self.mode
+            layout = self.layout(entry.key)
+            self.host_tier.missed((entry.key,))
+            # host tier (partial residency): a hot expert is read through the page cache and
+            # its pages kept, the rest stays O_DIRECT
+            job_mode: JobMode = ("tier" if mode == "direct" and entry.key in self.host_tier.keys
+                                 else mode)
+            job = LoadJob(entry, layout, self.uploader.next_stream(), load, job_mode,
+                       load.phases[entry.key])
+            if self.digests is not None:
+                job.digest_results, job.digest_row = self.digests.reserve(entry.key)
+            mapping = self.mapping if mode == "resident" else None
+            if mapping is not None:
+                if not self._backend.registers_host:
+                    # host backend: the mapping is read directly, on a worker
+                    self._resident_inflight += 1
+                    load.launched += 1
+                    job.phases.begin()
+                    self._pool.submit(self._resident_job, job)
+                    continue
+                if all(mapping.is_registered(s.file_offset, s.nbytes) for s in layout.ranges):
+                    # registered: queuing the copies costs microseconds, no thread hop
+                    load.launched += 1
+                    job.phases.begin()
+                    event = self._resident_upload(job, mapping)
+                    job.phases.mark("upload")  # queued; the device copy shows where decode waits
+                    self._job_done(job, event, counted=False)
+                    continue
+                # not registered yet (cold or still being registered): a buffered read
+                # through the page cache into staging; it never waits on a whole window
+            if layout.slot_bytes > self.ring.slot_bytes:  # never cut a copy short
+                raise StageError(f"layer {entry.key[0]} expert {entry.key[1]}: its cover needs "
+                                 f"{layout.slot_bytes} bytes, staging slots hold "
+                                 f"{self.ring.slot_bytes}")
+            t0 = time.perf_counter()
+            job.slot = await self.ring.acquire()
+            t1 = time.perf_counter()
+            assert load.launch is not None
+            load.launch.slot_waits.append((t0, t1))  # later misses of the layer wait too
+            job.phases.begin(t1)
+            self._staged_jobs.add(job)
+            self._add_time("stage_ms", t0)
+            chunks = [
+                (staged, off, n)
+                for staged in layout.ranges
+                for off, n in iter_chunks(staged.cover_start, staged.cover_bytes,
+                                          self._cfg.chunk_bytes)
+            ]
+            job.remaining = len(chunks)
+            load.launched += 1
+            for staged, off, n in chunks:
+                dst_at = staged.slot_offset + (off - staged.cover_start)
+                self._pool.submit(self._read_chunk, job, off, dst_at, n)
 
     def _read_chunk(self, job: LoadJob, file_offset: int, slot_offset: int, nbytes: int) -> None:
         """Worker: one chunk into the job's slot; the worker that read a job's last chunk

@@ -22,9 +22,9 @@ path and start nothing: ``start_layer`` returns the plan in a bare ``LayerLoad``
 Scheduling cost stays per layer: one task launches a layer's misses; chunks are executor
 jobs, not asyncio tasks. Decode waits on each expert's upload event on the device.
 
-The streamer's parts and a miss's job on the workers are ``streaming.jobs``; the registered
-path and the gather's choice ``streaming.registered``; what a load is made of
-``streaming.loads``.
+The streamer's parts and a miss's job from its launch (``_launch``) to its delivery are
+``streaming.jobs``; the registered path and the gather's choice ``streaming.registered``;
+what a load is made of ``streaming.loads``.
 """
 
 from __future__ import annotations
@@ -35,19 +35,10 @@ import time
 from collections.abc import Sequence
 
 from moestream.gpu.cache.store import LayerPlan
-from moestream.pipeline.foundation.errors import StageError
 from moestream.pipeline.foundation.timesplit import LaunchTimes, LoadPhases
 from moestream.pipeline.streaming.arrivals import Arrivals
-from moestream.pipeline.streaming.loads import (
-    IOMode,
-    JobMode,
-    LayerLoad,
-    LoadJob,
-    StageTimes,
-    WarmGate,
-)
+from moestream.pipeline.streaming.loads import IOMode, LayerLoad, StageTimes, WarmGate
 from moestream.pipeline.streaming.registered import GATHER_BELOW_BYTES, RegisteredLayers
-from moestream.stages.layout import iter_chunks
 
 __all__ = ["GATHER_BELOW_BYTES", "ExpertStreamer", "IOMode", "LayerLoad", "StageTimes",
            "WarmGate"]
@@ -186,78 +177,6 @@ class ExpertStreamer(RegisteredLayers):
         self.launchers.add(task)
         task.add_done_callback(self.launchers.discard)
         return load
-
-    async def _launch(self, load: LayerLoad) -> None:
-        """Start every miss of a layer: take slots (direct) and hand work to the pool.
-
-        Whatever stops the launch (a refused allocation, cancellation) is reported for each
-        miss not yet started, so the decoder waiting on the layer never waits forever.
-        """
-        try:
-            await self._launch_misses(load)
-        except BaseException as exc:
-            for entry in load.plan.misses[load.launched :]:
-                self._deliver(load, entry, exc)
-            if not isinstance(exc, Exception):
-                raise
-
-    async def _launch_misses(self, load: LayerLoad) -> None:
-        for entry in load.plan.misses:
-            # read per miss: a switch to direct during this launch (it awaits slots) must
-            # not send later misses to a mapping that is being released
-            mode = self.mode
-            layout = self.layout(entry.key)
-            self.host_tier.missed((entry.key,))
-            # host tier (partial residency): a hot expert is read through the page cache and
-            # its pages kept, the rest stays O_DIRECT
-            job_mode: JobMode = ("tier" if mode == "direct" and entry.key in self.host_tier.keys
-                                 else mode)
-            job = LoadJob(entry, layout, self.uploader.next_stream(), load, job_mode,
-                       load.phases[entry.key])
-            if self.digests is not None:
-                job.digest_results, job.digest_row = self.digests.reserve(entry.key)
-            mapping = self.mapping if mode == "resident" else None
-            if mapping is not None:
-                if not self._backend.registers_host:
-                    # host backend: the mapping is read directly, on a worker
-                    self._resident_inflight += 1
-                    load.launched += 1
-                    job.phases.begin()
-                    self._pool.submit(self._resident_job, job)
-                    continue
-                if all(mapping.is_registered(s.file_offset, s.nbytes) for s in layout.ranges):
-                    # registered: queuing the copies costs microseconds, no thread hop
-                    load.launched += 1
-                    job.phases.begin()
-                    event = self._resident_upload(job, mapping)
-                    job.phases.mark("upload")  # queued; the device copy shows where decode waits
-                    self._job_done(job, event, counted=False)
-                    continue
-                # not registered yet (cold or still being registered): a buffered read
-                # through the page cache into staging; it never waits on a whole window
-            if layout.slot_bytes > self.ring.slot_bytes:  # never cut a copy short
-                raise StageError(f"layer {entry.key[0]} expert {entry.key[1]}: its cover needs "
-                                 f"{layout.slot_bytes} bytes, staging slots hold "
-                                 f"{self.ring.slot_bytes}")
-            t0 = time.perf_counter()
-            job.slot = await self.ring.acquire()
-            t1 = time.perf_counter()
-            assert load.launch is not None
-            load.launch.slot_waits.append((t0, t1))  # later misses of the layer wait too
-            job.phases.begin(t1)
-            self._staged_jobs.add(job)
-            self._add_time("stage_ms", t0)
-            chunks = [
-                (staged, off, n)
-                for staged in layout.ranges
-                for off, n in iter_chunks(staged.cover_start, staged.cover_bytes,
-                                          self._cfg.chunk_bytes)
-            ]
-            job.remaining = len(chunks)
-            load.launched += 1
-            for staged, off, n in chunks:
-                dst_at = staged.slot_offset + (off - staged.cover_start)
-                self._pool.submit(self._read_chunk, job, off, dst_at, n)
 
     # -- lifetime --------------------------------------------------------------------------
 
