@@ -17,7 +17,6 @@ stream. Launched on torch's current stream: ordered with the model's kernels.
 from __future__ import annotations
 
 import functools
-import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -41,6 +40,7 @@ from moestream.transformers._dequant_source import (
     gguf_source,
 )
 from moestream.transformers._gguf_experts import GgufExperts
+from moestream.transformers._launch import on_stream
 from moestream.transformers._quantized import LayerScales
 
 __all__ = ["CUDA_DTYPES", "GGUF_TYPES", "Kind", "available", "fp4_experts_cuda",
@@ -90,16 +90,6 @@ def available() -> bool:
     except ImportError:
         return False
     return bool(torch.cuda.is_available())
-
-
-@functools.lru_cache(maxsize=64)
-def _stream(pointer: int, device: int) -> Any:
-    """torch's stream as CuPy's (made once a stream)."""
-    import cupy
-
-    with warnings.catch_warnings():  # its successor needs a protocol older torch lacks
-        warnings.simplefilter("ignore", DeprecationWarning)
-        return cupy.cuda.ExternalStream(pointer, device)
 
 
 @functools.cache
@@ -170,15 +160,13 @@ def _ring(device: int) -> _TableRing:
 def _launch(name: str, out: Any, table: Sequence[int], kinds: int, chunks: int,
             *tail: Any) -> None:
     """One kernel over ``kinds`` kinds of ``chunks`` chunks at most, its table ``table``."""
-    import cupy
 
     device = out.device.index or 0
-    stream = torch.cuda.current_stream(out.device)
+    stream = torch.cuda.current_stream(device)
     address = _ring(device).put(table, stream)
     grid = (max(1, min(-(-chunks // _THREADS), _MAX_BLOCKS)), kinds)
-    with cupy.cuda.Device(device), _stream(stream.cuda_stream, device):
-        _function(name, device)(grid, (_THREADS,), (np.uint64(address), np.int32(kinds),
-                                                     *tail))
+    on_stream(_function(name, device), device, stream.cuda_stream, grid, (_THREADS,),
+              (np.uint64(address), np.int32(kinds), *tail))
 
 
 def _aligned(*values: int) -> bool:

@@ -10,10 +10,11 @@ whatever the number of experts (``WholeLayers``' slot tables, the lease path's s
 from __future__ import annotations
 
 import functools
-import warnings
 from typing import Any
 
 import numpy as np
+
+from moestream.transformers._launch import on_stream
 
 __all__ = ["THREADS", "blocks", "launch"]
 
@@ -59,30 +60,13 @@ def _kernel(device: int) -> Any:
         return cupy.RawModule(code=_SOURCE).get_function("gather_experts")
 
 
-@functools.lru_cache(maxsize=64)
-def _stream(pointer: int, device: int) -> Any:
-    """torch's stream as CuPy's (made once a stream)."""
-    import cupy
-
-    with warnings.catch_warnings():  # its successor needs a protocol older torch lacks
-        warnings.simplefilter("ignore", DeprecationWarning)
-        return cupy.cuda.ExternalStream(pointer, device)
-
-
 def launch(device: int, grid: tuple[int, int], stream: int, table: int, slots: int,
-            first: int, down: int, sizes: tuple[Any, ...]) -> None:
-    """The gather kernel on ``stream`` (torch's, a raw pointer), given to the launch rather
-    than made CuPy's current stream: no context entered and left a call, which cost more
-    than the launch. The device is made current only where it is not."""
-    import cupy
-
+           first: int, down: int, sizes: tuple[Any, ...]) -> None:
+    """The gather kernel on ``stream`` (torch's, a raw pointer): slot ``j`` of ``first``
+    and ``down`` gets the matrices of row ``slots[j]`` of ``table`` (``sizes``: the gate,
+    up and down bytes, as numpy int64)."""
     args = (np.uint64(table), np.uint64(slots), np.uint64(first), np.uint64(down), *sizes)
-    kernel, on = _kernel(device), _stream(stream, device)
-    if cupy.cuda.runtime.getDevice() == device:
-        kernel(grid, (THREADS,), args, stream=on)
-    else:
-        with cupy.cuda.Device(device):
-            kernel(grid, (THREADS,), args, stream=on)
+    on_stream(_kernel(device), device, stream, grid, (THREADS,), args)
 
 
 def blocks(largest: int) -> int:
