@@ -19,6 +19,7 @@ from moestream.gpu.backend import Event
 from moestream.gpu.cache.store import DeviceCache, Entry
 from moestream.pipeline.foundation.errors import UsageError
 from moestream.pipeline.foundation.table import ExpertTable
+from moestream.pipeline.streaming.arrivals import Arrivals
 from moestream.pipeline.streaming.lease import LayerLease
 from moestream.pipeline.streaming.lease_parts import EventJoiner, LeasePart, unpin_when_landed
 from moestream.pipeline.streaming.ledger import TokenLedger
@@ -126,12 +127,13 @@ class LeaseDesk(TokenLedger):
         for e in experts:
             split.setdefault(self._place((layer, e)), []).append(e)
         parts: list[LeasePart] = []
+        arrived: Arrivals[tuple[Entry, BaseException | None]] = Arrivals()  # the lease's
         try:
             for device in sorted(split):
                 streamer = streamers[device]
-                start = streamer.start_prefetch if prefetch else streamer.start_layer
-                parts.append(LeasePart(device, caches[device], joiners[device],
-                                       start(layer, split[device])))
+                load = (streamer.start_prefetch(layer, split[device]) if prefetch
+                        else streamer.start_layer(layer, split[device], arrived))
+                parts.append(LeasePart(device, caches[device], joiners[device], load))
         except BaseException:
             # a later device refused (budget, memory): the earlier ones keep no pins
             for part in parts:

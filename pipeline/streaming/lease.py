@@ -118,6 +118,14 @@ class LayerLease:
 
     def __post_init__(self) -> None:
         for part in self.parts:
+            if part.load.plan.misses:
+                # the loads deliver their misses into one queue, this lease's (the
+                # streamer's own on one device, the one ``LeaseDesk._start_parts`` gave
+                # every device's load on several); they have not yet run: a launch is a
+                # task, a registered layer a callback, both after this returns
+                self._queue = part.load.arrived
+                break
+        for part in self.parts:
             plan = part.load.plan
             self._held.update(plan.hits)
             self._held.update(plan.misses)
@@ -137,15 +145,7 @@ class LayerLease:
                     loaded.add_done_callback(functools.partial(self._hit_landed, entry))
             for entry in plan.misses:  # a failed one is dropped by its streamer as it lands
                 self._part_of[entry] = part
-            if plan.misses:
-                # the streamer delivers this load's misses into our queue (it has not yet
-                # run: its launcher is a task that starts after this returns); one part's
-                # lease takes the load's own queue rather than making a second one
-                if self._queue is None:
-                    own = part.load.arrived if len(self.parts) == 1 else None
-                    self._queue = own if own is not None else Arrivals()
-                part.load.arrived = self._queue
-                self._pending += len(plan.misses)
+            self._pending += len(plan.misses)
 
     # -- counts ----------------------------------------------------------------------------
 

@@ -116,7 +116,7 @@ class RegisteredLayers(ExpertJobs):
         buffer's last reader first, a failed upload fails that expert only, there is no
         job, worker or ``call_soon_threadsafe`` per expert, and a single callback delivers
         the layer's misses to whoever waits on ``load.arrived`` (it runs after this
-        returns, so a caller may still swap that queue, as ``pipeline.streaming.lease`` does). An
+        returns, so a lease made meanwhile finds them in the queue it reads). An
         entry is visible only after its upload event.
         """
         digests = self.digests

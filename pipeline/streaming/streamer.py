@@ -34,7 +34,7 @@ import functools
 import time
 from collections.abc import Sequence
 
-from moestream.gpu.cache.store import LayerPlan
+from moestream.gpu.cache.store import Entry, LayerPlan
 from moestream.pipeline.foundation.timesplit import LaunchTimes, LoadPhases
 from moestream.pipeline.streaming.arrivals import Arrivals
 from moestream.pipeline.streaming.loads import IOMode, LayerLoad, StageTimes, WarmGate
@@ -133,14 +133,18 @@ class ExpertStreamer(RegisteredLayers):
 
     # -- loading ---------------------------------------------------------------------------
 
-    def start_layer(self, layer: int, experts: Sequence[int]) -> LayerLoad:
-        """Plan a layer in the cache and start loading its misses (returns at once)."""
+    def start_layer(self, layer: int, experts: Sequence[int],
+                    arrived: Arrivals[tuple[Entry, BaseException | None]] | None = None
+                    ) -> LayerLoad:
+        """Plan a layer in the cache and start loading its misses (returns at once); they
+        are delivered into ``arrived`` (None: a queue of the load's own), once this has
+        returned."""
         keys = [(layer, int(e)) for e in experts]
         # every expert of a layer takes the same device bytes
         plan = self._cache.plan_layer(keys, [self.layout((layer, 0)).device_bytes] * len(keys))
         if not plan.misses:  # all cached (the common case when warm): nothing to start
             return LayerLoad(plan)
-        return self._start(plan)
+        return self._start(plan, arrived)
 
     def start_prefetch(self, layer: int, experts: Sequence[int]) -> LayerLoad:
         """Start loading guessed experts of a later layer (those absent and fitting)."""
@@ -150,14 +154,16 @@ class ExpertStreamer(RegisteredLayers):
         load.prefetch = True
         return load
 
-    def _start(self, plan: LayerPlan) -> LayerLoad:
+    def _start(self, plan: LayerPlan,
+               arrived: Arrivals[tuple[Entry, BaseException | None]] | None = None
+               ) -> LayerLoad:
         loop = asyncio.get_running_loop()
         self._loop = loop
         load = LayerLoad(plan, pending=len(plan.misses))
         if not plan.misses:  # all-hit layers (the common case when warm) create nothing more
             return load
         load.launch = LaunchTimes(time.perf_counter())
-        load.arrived = Arrivals()
+        load.arrived = arrived if arrived is not None else Arrivals()
         for entry in plan.misses:
             entry.loaded = loop.create_future()
         # a GPU in resident mode may copy the whole layer from registered windows

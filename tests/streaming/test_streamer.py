@@ -217,19 +217,19 @@ class TestRegisteredLayerBatch:
 
     def test_delivery_after_start_returns(self, tiny_table: ExpertTable) -> None:
         """The layer's misses are handed over after ``start_layer`` returns (one callback),
-        so a lease can still put its own queue in place, and each miss's ``loaded`` future
-        resolves for lookups that find it in flight."""
+        into the queue it was given (a lease made meanwhile reads it), and each miss's
+        ``loaded`` future resolves for lookups that find it in flight."""
 
         async def go() -> None:
             _, cache, streamer = await _resident(tiny_table)
             try:
-                load = streamer.start_layer(tiny_table.moe_layers[0], [0, 1, 2])
-                assert load.launcher is None and load.pending == 3
+                mine: Arrivals[Any] = Arrivals()
+                load = streamer.start_layer(tiny_table.moe_layers[0], [0, 1, 2], mine)
+                assert load.launcher is None and load.pending == 3 and load.arrived is mine
                 assert all(e.upload is not None for e in load.plan.misses)  # queued
                 futures = [e.loaded for e in load.plan.misses]
                 assert all(f is not None and not f.done() for f in futures)
-                mine: Arrivals[Any] = Arrivals()
-                load.arrived = mine  # what ``LayerLease`` does right after the start
+                assert mine.empty()  # not yet: one callback, after the start returned
                 got = [await mine.get() for _ in range(3)]
                 assert [e.key for e, _ in got] == [e.key for e in load.plan.misses]
                 assert all(error is None for _, error in got)
