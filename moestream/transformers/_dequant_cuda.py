@@ -40,7 +40,7 @@ from moestream.transformers._dequant_source import (
     gguf_source,
 )
 from moestream.transformers._gguf_experts import GgufExperts
-from moestream.transformers._launch import on_stream
+from moestream.transformers._launch import current_stream, on_stream
 from moestream.transformers._quantized import LayerScales
 
 __all__ = ["CUDA_DTYPES", "GGUF_TYPES", "Kind", "available", "fp4_experts_cuda",
@@ -161,8 +161,8 @@ def _launch(name: str, out: Any, table: Sequence[int], kinds: int, chunks: int,
             *tail: Any) -> None:
     """One kernel over ``kinds`` kinds of ``chunks`` chunks at most, its table ``table``."""
 
-    device = out.device.index or 0
-    stream = torch.cuda.current_stream(device)
+    stream = current_stream(out.device)
+    device = stream.device_index
     address = _ring(device).put(table, stream)
     grid = (max(1, min(-(-chunks // _THREADS), _MAX_BLOCKS)), kinds)
     on_stream(_function(name, device), device, stream.cuda_stream, grid, (_THREADS,),

@@ -25,6 +25,7 @@ from moestream.transformers._dequant_cuda import (
 from moestream.transformers._dequant_cuda import available as cuda_kernel
 from moestream.transformers._gather import blocks, launch
 from moestream.transformers._gguf_experts import GgufExperts
+from moestream.transformers._launch import current_stream
 from moestream.transformers._layout import TORCH_DTYPES, first_projection, raw, view
 from moestream.transformers._quantized import LayerScales
 
@@ -44,8 +45,6 @@ class ExpertWeights:
         self.device = device
         self.scales = scales
         self._cuda = device.type == "cuda"
-        self._index = (device.index if device.index is not None
-                       else torch.cuda.current_device()) if self._cuda else -1
         self._slots: dict[int, Any] = {}  # 0..n-1 on the device: the gather's slots
 
     def expert(self, module: Any, h: ExpertHandle) -> tuple[Any, Any, Any]:
@@ -118,8 +117,8 @@ class ExpertWeights:
         slots = self._slots.get(n)
         if slots is None:
             slots = self._slots[n] = torch.arange(n, dtype=torch.int64, device=self.device)
-        launch(self._index, (blocks(max(sizes)), n),
-               torch.cuda.current_stream(self._index).cuda_stream,
+        stream = current_stream(self.device)
+        launch(stream.device_index, (blocks(max(sizes)), n), stream.cuda_stream,
                table.to(self.device, non_blocking=True).data_ptr(), slots.data_ptr(),
                gate_up.data_ptr(), down.data_ptr(), tuple(np.int64(size) for size in sizes))
 

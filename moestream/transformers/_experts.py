@@ -57,6 +57,7 @@ from moestream.transformers._expert_weights import ExpertWeights
 from moestream.transformers._generate import GenerateStats
 from moestream.transformers._gguf_experts import GgufExperts
 from moestream.transformers._host_grouped import HostWeights, host_grouped
+from moestream.transformers._launch import current_stream
 from moestream.transformers._layout import BATCHED_MM
 from moestream.transformers._leases import groups, leased
 from moestream.transformers._prefetch import NextRouter
@@ -165,9 +166,6 @@ class ExpertStream:
         before; a wait at each token's end here undid that. ``last`` is then one token
         behind until the decode ends (``flush``)."""
         self._cuda = self.device.type == "cuda"
-        # torch's streams asked by index: a device object costs ~25 us a call to resolve
-        self._index = (self.device.index if self.device.index is not None
-                       else torch.cuda.current_device()) if self._cuda else -1
         self._started: Any = None
         self._leased = False  # this token took a lease (the whole-layer path did not serve)
         self._held: tuple[Any, Any, Routing] | None = None  # started, done, its calls
@@ -183,7 +181,7 @@ class ExpertStream:
         self._leased = False
         if self._cuda:
             self._started = torch.cuda.Event(enable_timing=True)
-            self._started.record(torch.cuda.current_stream(self._index))
+            self._started.record(current_stream(self.device))
         else:
             self._started = time.perf_counter()
 
@@ -201,7 +199,7 @@ class ExpertStream:
         compute_ms: float | None = None
         whole = self._whole
         if self._cuda and started is not None:
-            stream = torch.cuda.current_stream(self._index)
+            stream = current_stream(self.device)
             done = torch.cuda.Event(enable_timing=True)
             done.record(stream)
             # this token's calls, their routing's copy to the host queued behind its work

@@ -13,9 +13,8 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
-import torch  # type: ignore[import-not-found, unused-ignore]
-
 from moestream import ExpertHandle, SyncSession
+from moestream.transformers._launch import current_stream
 
 __all__ = ["groups", "leased"]
 
@@ -38,7 +37,7 @@ def leased(session: SyncSession, device: Any, layer: int, experts: Sequence[int]
     prefetch hint: it can evict nothing this lease holds, and its loads overlap the
     compute)."""
     lease = session.fetch(layer, experts)
-    cuda_stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
+    cuda_stream = current_stream(device) if device.type == "cuda" else None
 
     def batches() -> Iterator[list[ExpertHandle]]:
         waited = None  # torch's stream waits once per upload event: a layer's misses share one

@@ -30,6 +30,7 @@ import torch  # type: ignore[import-not-found, unused-ignore]
 
 from moestream import SyncSession
 from moestream.transformers._gather import blocks, launch
+from moestream.transformers._launch import current_stream
 from moestream.transformers._layout import (
     TORCH_DTYPES,
     batched_mm,
@@ -101,8 +102,6 @@ class WholeLayers:
                         for layer in info.moe_layers]
         self._tables: dict[tuple[int, Any], _Table | None] = {}
         self._whole: bool | None = None
-        self._index = self.device.index if self.device.index is not None else (
-            torch.cuda.current_device() if self.device.type == "cuda" else -1)
         self._pending: list[tuple[int, Any]] = []  # each call's layer and routing
         self._complete: Any = None
 
@@ -214,15 +213,15 @@ class WholeLayers:
 
     def _gather(self, table: _Table, slots: Any, first: Any, down: Any) -> None:
         """One launch on torch's stream: each slot's weights copied from the cache."""
-        stream = torch.cuda.current_stream(self._index)
-        launch(self._index, (table.blocks, slots.shape[0]), stream.cuda_stream,
+        stream = current_stream(self.device)
+        launch(stream.device_index, (table.blocks, slots.shape[0]), stream.cuda_stream,
                table.addresses.data_ptr(), slots.data_ptr(), first.data_ptr(),
                down.data_ptr(), table.sizes)
 
     def _stream(self) -> Any:
         """torch's current stream on the device (None on the host, where the session's
         backend needs none)."""
-        return torch.cuda.current_stream(self._index) if self.device.type == "cuda" else None
+        return current_stream(self.device) if self.device.type == "cuda" else None
 
     def _remember(self, layer: int, top_k_index: Any) -> None:
         """The call's routing, kept on the device until the token's :meth:`take` (a router
@@ -267,7 +266,7 @@ class WholeLayers:
         if self._complete is None:
             import cupy
 
-            with cupy.cuda.Device(self._index):
+            with cupy.cuda.Device(current_stream(self.device).device_index):
                 self._complete = cupy.cuda.Event(block=False, disable_timing=True)
         return self._complete
 

@@ -24,6 +24,7 @@ transformers = pytest.importorskip("transformers")
 hf_moe = pytest.importorskip("transformers.integrations.moe")
 
 from moestream import transformers as mt  # noqa: E402
+from moestream.transformers import _experts as experts_module  # noqa: E402
 from moestream.transformers import _routing  # noqa: E402
 from moestream.transformers._layout import first_projection  # noqa: E402
 
@@ -206,7 +207,7 @@ class TestDeferredTokenEnds:
     def test_order(self, checkpoints: dict[str, Path], monkeypatch: pytest.MonkeyPatch
                    ) -> None:
         monkeypatch.setattr(torch.cuda, "Event", _Event)
-        monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: None)
+        monkeypatch.setattr(experts_module, "current_stream", lambda device: None)
         model = mt.from_pretrained(checkpoints["qwen3_moe"], device="cpu")
         stream = model.moestream
         try:
