@@ -50,17 +50,27 @@ class Matrix:
         nbytes: its bytes (the quantized blocks as the file stores them).
     """
 
-    __slots__ = ("_array", "_bytes", "_handle", "ggml_type", "name", "nbytes", "shape")
+    # the array over the cache's bytes is made on first use: an engine that takes only
+    # addresses (``ptr``: a kernel's table) makes none, and a CuPy array costs ~3 us
+    __slots__ = ("_array", "_bytes", "_handle", "_offset", "ggml_type", "name", "nbytes",
+                 "shape")
 
     def __init__(self, handle: ExpertHandle, name: str, ggml_type: GGMLQuantizationType,
-                 shape: tuple[int, int], raw: Any) -> None:
+                 shape: tuple[int, int], offset: int, nbytes: int) -> None:
         self._handle = handle
         self.name = name
         self.ggml_type = ggml_type
         self.shape = shape
-        self.nbytes = int(raw.nbytes)
-        self._bytes = raw
+        self.nbytes = nbytes
+        self._offset = offset  # in the expert's cache buffer
+        self._bytes: Any = None
         self._array: Any = None
+
+    def _raw(self) -> Any:
+        raw = self._bytes
+        if raw is None:
+            raw = self._bytes = self._handle._matrix_bytes(self._offset, self.nbytes)
+        return raw
 
     @property
     def bytes(self) -> Any:
@@ -70,7 +80,7 @@ class Matrix:
             UsageError: the lease was released.
         """
         self._handle.check()
-        return self._bytes
+        return self._raw()
 
     @property
     def array(self) -> Any:
@@ -83,7 +93,7 @@ class Matrix:
         self._handle.check()
         if self._array is None:
             dtype = _TYPED.get(self.ggml_type)
-            raw = self._bytes
+            raw = self._raw()
             self._array = raw if dtype is None else raw.view(dtype).reshape(self.shape)
         return self._array
 
@@ -95,8 +105,7 @@ class Matrix:
             UsageError: the lease was released.
         """
         self._handle.check()
-        raw = self._bytes
-        return int(raw.ctypes.data) if isinstance(raw, np.ndarray) else int(raw.data.ptr)
+        return self._handle._buffer_ptr() + self._offset
 
     @property
     def device(self) -> int:
@@ -181,7 +190,7 @@ class Matrix:
     def __dlpack_device__(self) -> tuple[int, int]:
         """(device type, index): (1, 0) for host memory, (2, N) for CUDA device N."""
         self._handle.check()
-        device: tuple[int, int] = self._bytes.__dlpack_device__()
+        device: tuple[int, int] = self._raw().__dlpack_device__()
         return device
 
     def __repr__(self) -> str:
@@ -261,20 +270,26 @@ class ExpertHandle:
         self._matrices: tuple[Matrix, Matrix, Matrix] | None = None
 
     def _make_matrices(self) -> tuple[Matrix, Matrix, Matrix]:
-        entry, source = self._entry, self._source
+        source = self._source
         spans = source.spans
         if spans is None:
             spans = source.spans = _matrix_spans(source.info)
-        backend = source.backends[self.device]
-        host = backend.name == "host"
-        matrices = []
-        for name, kind, offset, nbytes, shape in spans:
-            raw = backend.device_bytes(entry.buffer, offset, nbytes)
-            if host:
-                raw.flags.writeable = False  # the cache's bytes: compute reads, never writes
-            matrices.append(Matrix(self, name, kind, shape, raw))
+        matrices = [Matrix(self, name, kind, shape, offset, nbytes)
+                    for name, kind, offset, nbytes, shape in spans]
         self._matrices = (matrices[0], matrices[1], matrices[2])
         return self._matrices
+
+    def _matrix_bytes(self, offset: int, nbytes: int) -> Any:
+        """A matrix's bytes as an array over the cache buffer (read-only on the host)."""
+        raw = self._source.backends[self.device].device_bytes(self._entry.buffer, offset,
+                                                              nbytes)
+        if isinstance(raw, np.ndarray):
+            raw.flags.writeable = False  # the cache's bytes: compute reads, never writes
+        return raw
+
+    def _buffer_ptr(self) -> int:
+        ptr: int = self._entry.buffer.ptr
+        return ptr
 
     @property
     def matrices(self) -> tuple[Matrix, Matrix, Matrix]:
