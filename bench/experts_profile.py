@@ -11,6 +11,7 @@ for transformers' resident model first, in the same process. Profiling slows Pyt
 twice: read the shares, not the times.
 
     python -m bench.experts_profile -m qwen3-30b-a3b-8l --device cuda --out profile.txt
+    python -m bench.experts_profile -m spread-8l --budget 1.5GiB --fresh   # the miss path
 """
 
 from __future__ import annotations
@@ -19,12 +20,13 @@ import argparse
 import collections
 import cProfile
 import io
+import itertools
 import pstats
 import sys
 import threading
 import time
 import traceback
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -74,19 +76,30 @@ def _other_threads(model: Any, prompt: Any, tokens: int, device: Any, top: int) 
     return "".join(f"{n:6d}  {stack}\n" for stack, n in seen.most_common(top))
 
 
-def _measured(name: str, model: Any, prompt: Any, device: Any, args: argparse.Namespace
-              ) -> str:
+def _prompts(fresh: bool) -> Iterator[Any]:
+    """Each generate's prompt: ``[1, 2, 3, 4]`` every time, or (``fresh``) one of its own,
+    so that a model whose routing follows the token (``--spread``) misses at a budget as a
+    new text would, rather than finding the experts the last generate left."""
+    import torch
+
+    for i in itertools.count():
+        yield torch.tensor([[1 + 4 * i, 2 + 4 * i, 3 + 4 * i, 4 + 4 * i]] if fresh
+                           else [[1, 2, 3, 4]])
+
+
+def _measured(name: str, model: Any, device: Any, args: argparse.Namespace) -> str:
     """Warm, time ``args.tokens`` tokens plain twice (the second quoted), then profiled;
     with ``--threads``, the other threads' stacks sampled over another run."""
-    _generate(model, prompt, 4, device)  # warm
-    _generate(model, prompt, args.tokens, device)
-    tokens, seconds = _generate(model, prompt, args.tokens, device)
+    prompts = _prompts(args.fresh)
+    _generate(model, next(prompts), 4, device)  # warm
+    _generate(model, next(prompts), args.tokens, device)
+    tokens, seconds = _generate(model, next(prompts), args.tokens, device)
     threads = ""
     if args.threads:
         threads = "-- other threads' stacks (samples)\n" + _other_threads(
-            model, prompt, args.tokens, device, args.top)
+            model, next(prompts), args.tokens, device, args.top)
     began = time.perf_counter()
-    report = _profiled(model, prompt, args.tokens, device, args.top)
+    report = _profiled(model, next(prompts), args.tokens, device, args.top)
     profiled = time.perf_counter() - began
     return (f"== {name} ({args.model}): {len(tokens) / seconds:.1f} tok/s plain, "
             f"{args.tokens / profiled:.1f} tok/s profiled, device {device}\n{threads}{report}")
@@ -107,6 +120,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                    "stacks over a run (what may hold the GIL while the model computes)")
     p.add_argument("--mode", choices=["auto", "direct", "resident"], default="auto",
                    help="moestream's I/O mode (auto)")
+    p.add_argument("--fresh", action="store_true", help="a prompt of its own for each generate "
+                   "(default: the same one): with --budget on a --spread model, the timed "
+                   "and profiled tokens miss as a new text's would")
     p.add_argument("--out", type=Path, help="also write the report here")
     args = p.parse_args(argv)
     import torch
@@ -115,19 +131,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     from moestream.transformers import from_pretrained
 
     device = torch.device(args.device)
-    prompt = torch.tensor([[1, 2, 3, 4]])
     text = ""
     if args.resident:
         resident: Any = transformers.AutoModelForCausalLM.from_pretrained(
             args.model, experts_implementation="grouped_mm")
         resident.to(device)
-        text += _measured("resident", resident, prompt, device, args)
+        text += _measured("resident", resident, device, args)
         del resident
     with from_pretrained(args.model, device=device, budget=args.budget,
                          mode=args.mode) as model:
         if args.budget is None:
             _fill_cache(model.moestream)
-        text += _measured("moestream", model, prompt, device, args)
+        text += _measured("moestream", model, device, args)
     sys.stdout.write(text)
     if args.out is not None:
         args.out.write_text(text)

@@ -97,3 +97,20 @@ def test_alternate_rounds(tmp_path: Path) -> None:
     assert run["same_tokens"] and len(run["x_resident_rounds"]) == 3
     assert run["x_resident"] == sorted(run["x_resident_rounds"])[1]
     assert run["tokens_per_s"] > 0 and run["resident_tokens_per_s"] > 0
+
+
+def test_experts_profile_fresh_prompts_miss_at_a_budget(tmp_path: Path) -> None:
+    """``bench.experts_profile --fresh``: each generate a prompt of its own (a budgeted run
+    on a token-following model then misses); the profile names moestream's experts call."""
+    from bench.experts_profile import _prompts, main
+    from bench.transformers import make_checkpoint
+
+    fresh, same = _prompts(True), _prompts(False)
+    assert next(fresh).tolist() != next(fresh).tolist()
+    assert next(same).tolist() == next(same).tolist()
+    make_checkpoint(tmp_path / "m", "tiny", 2, "cpu", spread=True)
+    out = tmp_path / "profile.txt"
+    assert main(["-m", str(tmp_path / "m"), "--device", "cpu", "--tokens", "4", "--top", "80",
+                 "--budget", "16", "--fresh", "--mode", "resident", "--out", str(out)]) == 0
+    report = out.read_text()
+    assert report.startswith("== moestream") and "experts_forward" in report
