@@ -233,8 +233,8 @@ class LeaseDesk(TokenLedger):
             if self._devices:
                 self._devices[self._place(entry.key)].stall_ms += (end - start) * 1000.0
             # the lease's own load, or the hint that loads it
-            for source in (load, *self._guess_loads.get(entry.key[0], ())):
-                phases = source.phases.get(entry.key) if source is not None else None
+            for loading in (load, *self._guess_loads.get(entry.key[0], ())):
+                phases = loading.phases.get(entry.key) if loading is not None else None
                 if phases is not None:
                     break
         if phases is not None:

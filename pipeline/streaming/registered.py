@@ -61,11 +61,11 @@ class RegisteredLayers(ExpertJobs):
                          layers_ahead=layers_ahead)
         # registered copies by key, valid for the mapping they were cut from: its windows
         # are only ever added while it lives, and a released mapping is never current again
-        self._sources: dict[tuple[int, int], MappedCopies] = {}
-        self._sources_of: ModelMapping | None = None
+        self._copies: dict[tuple[int, int], MappedCopies] = {}
+        self._copies_of: ModelMapping | None = None
         self._gathers = config.gather and backend.maps_host and _small_ranges(table)
 
-    def _registered_sources(self, misses: Sequence[Entry]) -> list[MappedCopies] | None:
+    def _registered_copies(self, misses: Sequence[Entry]) -> list[MappedCopies] | None:
         """Every miss's copies from the registered mapping, or None unless all of them can
         copy from it now (resident mode, every range in registered windows). Asked only of
         a backend that registers host memory (a GPU's)."""
@@ -74,37 +74,37 @@ class RegisteredLayers(ExpertJobs):
         mapping = self.mapping
         if mapping is None:
             return None
-        if self._sources_of is not mapping:
-            self._sources.clear()
-            self._sources_of = mapping
+        if self._copies_of is not mapping:
+            self._copies.clear()
+            self._copies_of = mapping
         out: list[MappedCopies] = []
         for entry in misses:
-            source = self._sources.get(entry.key)
-            if source is None:
+            copies = self._copies.get(entry.key)
+            if copies is None:
                 ranges = self.layout(entry.key).ranges
                 if not all(mapping.is_registered(s.file_offset, s.nbytes) for s in ranges):
                     return None
                 # only what this streamer's path reads: the gather's copies, or the copy
                 # engines' pieces and their digest's ranges
                 if self._gathers:
-                    source = MappedCopies(gather_rows(
+                    copies = MappedCopies(gather_rows(
                         [(s.device_offset, mapping.address(s.file_offset), s.nbytes)
                          for s in ranges]), [], [])
                 else:
-                    source = MappedCopies(
+                    copies = MappedCopies(
                         [], [(s.device_offset + at, mapping.address(s.file_offset + at), n)
                          for s in ranges for at, n in mapping.spans(s.file_offset, s.nbytes)],
                         [(s.device_offset, s.nbytes) for s in ranges])
-                self._sources[entry.key] = source
-            out.append(source)
+                self._copies[entry.key] = copies
+            out.append(copies)
         return out
 
-    def _forget_sources(self) -> None:
+    def _forget_copies(self) -> None:
         """The mapping is being released: no copy may be cut from it any more."""
-        self._sources.clear()
-        self._sources_of = None
+        self._copies.clear()
+        self._copies_of = None
 
-    def _queue_registered(self, load: LayerLoad, sources: Sequence[MappedCopies],
+    def _queue_registered(self, load: LayerLoad, mapped: Sequence[MappedCopies],
                           phases: LoadPhases) -> None:
         """Loop: queue a whole layer's misses from the registered mapping, in one pass.
 
@@ -131,8 +131,8 @@ class RegisteredLayers(ExpertJobs):
             if digests is not None:
                 rows = [digests.reserve(entry.key) for entry in misses]
             with self._backend.activate():  # CUDA's current device, once for the layer
-                events = (self._gather(misses, sources, rows) if self._gathers
-                          else self._copy(misses, sources, rows))
+                events = (self._gather(misses, mapped, rows) if self._gathers
+                          else self._copy(misses, mapped, rows))
             phases.mark("upload", time.perf_counter())  # queued: the device copy shows
             load.launched += len(misses)                 # where decode waits
             for i, (entry, event) in enumerate(zip(misses, events, strict=True)):
@@ -157,29 +157,29 @@ class RegisteredLayers(ExpertJobs):
             assert self._loop is not None
             self._loop.call_soon(self._deliver_layer, load, outcomes)
 
-    def _gather(self, misses: Sequence[Entry], sources: Sequence[MappedCopies],
+    def _gather(self, misses: Sequence[Entry], mapped: Sequence[MappedCopies],
                 rows: Sequence[tuple[Any, int]]) -> list[Event | Exception]:
         """One launch: each range's digest goes straight into its results row."""
         digests = self.digests
         ats = ([digests.address(*row) for row in rows] if rows and digests is not None
                else [0] * len(misses))
         return self.uploader.gather(self._kernels, [
-            (entry, source.rows, at)
-            for entry, source, at in zip(misses, sources, ats, strict=True)])
+            (entry, copies.rows, at)
+            for entry, copies, at in zip(misses, mapped, ats, strict=True)])
 
-    def _copy(self, misses: Sequence[Entry], sources: Sequence[MappedCopies],
+    def _copy(self, misses: Sequence[Entry], mapped: Sequence[MappedCopies],
               rows: Sequence[tuple[Any, int]]) -> list[Event | Exception]:
         """On the copy engines: the layer's copies as one batched copy on one stream, and
         (verified) their install digests in one launch after them."""
         items = []
-        for i, (entry, source) in enumerate(zip(misses, sources, strict=True)):
+        for i, (entry, copies) in enumerate(zip(misses, mapped, strict=True)):
             digests: list[tuple[int, int, int]] = []
             if rows:
                 assert self.digests is not None
                 at = self.digests.address(*rows[i])
                 digests = [(offset, nbytes, at + 16 * m)
-                           for m, (offset, nbytes) in enumerate(source.ranges)]
-            items.append((entry, source.copies, digests))
+                           for m, (offset, nbytes) in enumerate(copies.ranges)]
+            items.append((entry, copies.copies, digests))
         return self.uploader.upload_layer(self._kernels, items)
 
     def _deliver_layer(self, load: LayerLoad,

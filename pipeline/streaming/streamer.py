@@ -82,7 +82,7 @@ class ExpertStreamer(RegisteredLayers):
         if self._primary is not None:  # the mapping is the primary's: switched around us
             self.mode = mode
             if mode == "direct":
-                self._forget_sources()  # nothing of ours may read the mapping once it is released
+                self._forget_copies()  # nothing of ours may read the mapping once it is released
                 await self._resident_drained()
                 loop = asyncio.get_running_loop()
                 await loop.run_in_executor(None, self.uploader.synchronize)
@@ -94,7 +94,7 @@ class ExpertStreamer(RegisteredLayers):
             await self.registered()
             return
         self.mode = "direct"
-        self._forget_sources()
+        self._forget_copies()
         await self._registrar.stop()
         await self._resident_drained()  # no worker may read the mapping once it is released
         await self._registrar.release(self.uploader.synchronize, self.reader.drop_pages)
@@ -167,13 +167,13 @@ class ExpertStreamer(RegisteredLayers):
         for entry in plan.misses:
             entry.loaded = loop.create_future()
         # a GPU in resident mode may copy the whole layer from registered windows
-        sources = (self._registered_sources(plan.misses) if self._backend.registers_host
+        mapped = (self._registered_copies(plan.misses) if self._backend.registers_host
                    else None)
-        if sources is not None:  # nothing to read: no gate, task or worker
+        if mapped is not None:  # nothing to read: no gate, task or worker
             # queued together, in one pass: the layer's misses share one timeline
             shared = LoadPhases(load.launch)
             load.phases = {entry.key: shared for entry in plan.misses}
-            self._queue_registered(load, sources, shared)
+            self._queue_registered(load, mapped, shared)
             return load
         load.phases = {entry.key: LoadPhases(load.launch) for entry in plan.misses}
         load.gate = self.warm_gate
@@ -200,7 +200,7 @@ class ExpertStreamer(RegisteredLayers):
             assert job.slot is not None
             self.ring.release(job.slot, None)
         self._staged_jobs.clear()
-        self._forget_sources()
+        self._forget_copies()
         self.uploader.close()
         self.installer.drain()
         self.ring.close()

@@ -174,7 +174,7 @@ class TestRegisteredLayerBatch:
                                               monkeypatch: pytest.MonkeyPatch) -> None:
         routes = _routes(tiny_table, 6, seed=11)
         batched = asyncio.run(_stream(tiny_table, routes, budget_experts=12))
-        monkeypatch.setattr(ExpertStreamer, "_registered_sources", lambda self, misses: None)
+        monkeypatch.setattr(ExpertStreamer, "_registered_copies", lambda self, misses: None)
         per_expert = asyncio.run(_stream(tiny_table, routes, budget_experts=12))
         for out in (batched, per_expert):
             assert out["verifier"].mismatches == 0
@@ -312,9 +312,9 @@ def test_mapping_views_dropped_with_the_mapping(tiny_model: Path,
                 assert load.arrived is not None
                 await load.arrived.get()
             cache.release(load.plan.misses, None)
-            assert streamer._sources
+            assert streamer._copies
             await streamer.set_mode("direct")
-            assert not streamer._sources and streamer._sources_of is None
+            assert not streamer._copies and streamer._copies_of is None
         finally:
             await streamer.aclose()
             cache.close()
