@@ -2,7 +2,7 @@
 # One device call (under 10 minutes on an H100): the GPU tests of the transformers path and
 # the API, then the transformers path's figures on a model whose routing depends on the
 # token (--spread), BF16 and FP8, held whole, warm, predicted, and profiled on the miss
-# path. Writes under $OUT: a few summary files and results.tgz (the device tool returns
+# path (QUANTIZED=1: also FP8 against BF16 in bench.quantized, ~60 s more). Writes under $OUT: a few summary files and results.tgz (the device tool returns
 # at most 8 files). The session of 2026-12-06 (#4) ran it last.
 # Usage (GPU machine, repo root): MOESTREAM_COMMIT=<sha> bash bench/gpu_owed.sh
 set -u
@@ -29,8 +29,9 @@ for m in bf16:$B fp8:$F; do
   step profile-${m%%:*} 80 python3 -m bench.experts_profile -m ${m#*:} --device cuda --tokens 32 --top 120 \
     --budget 1.55GiB --mode resident --fresh --out $R/profile-${m%%:*}.txt
 done
-step quantized-fp8 150 python3 -m bench.quantized --make /tmp/q --format fp8 --shape qwen3-30b-a3b \
-  --layers 8 --total 3GiB --tokens 32 --spread --runs reference,fp8,bf16 --out $R/quantized-fp8.json
+[ "${QUANTIZED:-0}" = 1 ] && step quantized-fp8 150 python3 -m bench.quantized --make /tmp/q \
+  --format fp8 --shape qwen3-30b-a3b --layers 8 --total 3GiB --tokens 32 --spread \
+  --runs reference,fp8,bf16 --out $R/quantized-fp8.json
 for f in $R/transformers.json $R/quantized-fp8.json; do
   python3 - "$f" <<'PY' 2>/dev/null | tee -a $R/steps.txt
 import json, sys
