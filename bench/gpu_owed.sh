@@ -2,8 +2,9 @@
 # One device call (under 10 minutes on an H100): the GPU tests of the transformers path and
 # the API, then the transformers path's figures on a model whose routing depends on the
 # token (--spread), BF16 and FP8, held whole, warm, predicted, and profiled on the miss
-# path (QUANTIZED=1: also FP8 against BF16 in bench.quantized, ~60 s more). Writes under $OUT: a few summary files and results.tgz (the device tool returns
-# at most 8 files). The session of 2026-12-06 (#4) ran it last.
+# path (QUANTIZED=1: also FP8 against BF16 in bench.quantized, ~60 s more). Writes under
+# $OUT: a few summary files and results.tgz (the device tool returns at most 8 files).
+# The session of 2026-12-06 (#4) ran it last.
 # Usage (GPU machine, repo root): MOESTREAM_COMMIT=<sha> bash bench/gpu_owed.sh
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>/dev/null
