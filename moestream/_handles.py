@@ -224,7 +224,7 @@ def _matrix_spans(info: MoeLayer) -> _Spans:
                  in zip(_NAMES, types, ranges, shapes, strict=True))
 
 
-class LeaseSource:
+class LeaseShared:
     """What the handles of one lease share: the lease (whose release ends them), the
     devices' backends and the layer's matrices: where they lie, their shapes and types.
 
@@ -259,21 +259,21 @@ class ExpertHandle:
     """
 
     # made per expert between two layers' kernels: what every handle needs, nothing more
-    __slots__ = ("_entry", "_matrices", "_source", "device", "expert", "layer")
+    __slots__ = ("_entry", "_matrices", "_shared", "device", "expert", "layer")
 
-    def __init__(self, source: LeaseSource, arrival: Arrival) -> None:
+    def __init__(self, shared: LeaseShared, arrival: Arrival) -> None:
         entry = arrival.entry
-        self._source = source
+        self._shared = shared
         self._entry = entry
         self.device = arrival.part.device
         self.layer, self.expert = entry.key
         self._matrices: tuple[Matrix, Matrix, Matrix] | None = None
 
     def _make_matrices(self) -> tuple[Matrix, Matrix, Matrix]:
-        source = self._source
-        spans = source.spans
+        shared = self._shared
+        spans = shared.spans
         if spans is None:
-            spans = source.spans = _matrix_spans(source.info)
+            spans = shared.spans = _matrix_spans(shared.info)
         matrices = [Matrix(self, name, kind, shape, offset, nbytes)
                     for name, kind, offset, nbytes, shape in spans]
         self._matrices = (matrices[0], matrices[1], matrices[2])
@@ -281,7 +281,7 @@ class ExpertHandle:
 
     def _matrix_bytes(self, offset: int, nbytes: int) -> Any:
         """A matrix's bytes as an array over the cache buffer (read-only on the host)."""
-        raw = self._source.backends[self.device].device_bytes(self._entry.buffer, offset,
+        raw = self._shared.backends[self.device].device_bytes(self._entry.buffer, offset,
                                                               nbytes)
         if isinstance(raw, np.ndarray):
             raw.flags.writeable = False  # the cache's bytes: compute reads, never writes
@@ -315,7 +315,7 @@ class ExpertHandle:
 
     def check(self) -> None:
         """Raise ``UsageError`` if the lease was released (or its session closed)."""
-        lease = self._source.lease
+        lease = self._shared.lease
         if lease.released:
             why = f" ({lease.closed_reason})" if lease.closed_reason else ""
             raise UsageError(f"layer {self.layer} expert {self.expert}: used after its lease "
@@ -327,7 +327,7 @@ class ExpertHandle:
 
     @property
     def released(self) -> bool:
-        return self._source.lease.released
+        return self._shared.lease.released
 
     @property
     def event(self) -> Event:
@@ -355,7 +355,7 @@ class ExpertHandle:
     def ready(self) -> bool:
         """Whether the upload has completed (a query, never a wait; none at all for an
         expert installed before it was handed out)."""
-        if self._source.lease.released:
+        if self._shared.lease.released:
             self.check()  # raises
         entry = self._entry
         return entry.ready or entry.upload is None or entry.upload.done()

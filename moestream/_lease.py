@@ -13,11 +13,11 @@ from asyncio.events import _get_running_loop
 from collections.abc import AsyncIterator, Mapping
 from typing import Any, Self
 
-from moestream._handles import ExpertHandle, LeaseSource
+from moestream._handles import ExpertHandle, LeaseShared
 from moestream.gpu.backend import Event
 from moestream.gpu.interop import StreamLike, event_after
 from moestream.pipeline.foundation.errors import UsageError
-from moestream.pipeline.streaming.lease import NOT_YET, Arrival, LayerLease, LeasePart
+from moestream.pipeline.streaming.lease import Arrival, LayerLease, LeasePart
 from moestream.pipeline.streaming.session import StreamSession
 
 __all__ = ["After", "Lease", "LeaseBase", "pins_held"]
@@ -31,17 +31,17 @@ class LeaseBase:
     faces of a lease (``Lease``, ``SyncLease``) are, and what they ask for and found.
 
     Made by the session (``Session._fetch``), which hands it what it works with: the
-    layer lease, the ``LeaseSource`` the handles this hands out share, the streaming
+    layer lease, the ``LeaseShared`` the handles this hands out share, the streaming
     session that releases it, and the session's event loop, the only one it is used on
     (the sync face's calls run with it set as their thread's running loop).
     """
 
-    __slots__ = ("_handed", "_layer_lease", "_loop", "_source", "_streaming")
+    __slots__ = ("_handed", "_layer_lease", "_loop", "_shared", "_streaming")
 
-    def __init__(self, layer_lease: LayerLease, source: LeaseSource,
+    def __init__(self, layer_lease: LayerLease, shared: LeaseShared,
                  streaming: StreamSession, loop: asyncio.AbstractEventLoop) -> None:
         self._layer_lease = layer_lease
-        self._source = source
+        self._shared = shared
         self._streaming = streaming
         self._loop = loop
         self._handed: list[ExpertHandle] = []
@@ -76,17 +76,9 @@ class LeaseBase:
         return self._layer_lease.pending
 
     def _handle(self, arrival: Arrival) -> ExpertHandle:
-        handle = ExpertHandle(self._source, arrival)
+        handle = ExpertHandle(self._shared, arrival)
         self._handed.append(handle)
         return handle
-
-    def _next_nowait(self) -> ExpertHandle | Any | None:
-        """The next expert if available now, None when all were handed out, ``NOT_YET``
-        when iterating would wait (the sync face's path without a hop)."""
-        arrival = self._layer_lease.next_nowait()
-        if arrival is None or arrival is NOT_YET:
-            return arrival
-        return self._handle(arrival)
 
     def _in_order(self) -> list[ExpertHandle]:
         """Every handle handed out, in the order asked (``gather``'s answer)."""
@@ -109,8 +101,8 @@ class LeaseBase:
         arrivals.extend(layer_lease.take_landed())
         # made here, not per arrival through ``_handle``: a warm layer's experts are handed
         # out between two layers' kernels, where every microsecond shows
-        source = self._source
-        handles = [ExpertHandle(source, a) for a in arrivals]
+        shared = self._shared
+        handles = [ExpertHandle(shared, a) for a in arrivals]
         self._handed.extend(handles)
         return handles
 

@@ -16,7 +16,7 @@ from types import TracebackType
 from typing import Any, Self, TypeVar
 
 from moestream._args import ExpertIds, Index, engine_ms, expert_ids, index, milliseconds
-from moestream._handles import LeaseSource
+from moestream._handles import LeaseShared
 from moestream._lease import Lease, LeaseBase, pins_held
 from moestream._model_info import ModelInfo, Router
 from moestream._stats import Counters, TokenStats, counters_of, token_stats
@@ -244,7 +244,7 @@ class Session:
         return self._fetch(layer, experts, Lease)
 
     def _fetch(self, layer: Index, experts: ExpertIds,
-               face: Callable[[LayerLease, LeaseSource, StreamSession,
+               face: Callable[[LayerLease, LeaseShared, StreamSession,
                                asyncio.AbstractEventLoop], L]) -> L:
         """``fetch`` once the caller's place was checked, its lease made by ``face``
         (``Lease``; ``SyncLease`` on the sync face's path)."""
@@ -257,9 +257,9 @@ class Session:
             layer_lease = self._streaming.fetch(layer, chosen)
             table, loop = self._streaming.table, self._loop
             assert table is not None and loop is not None  # open: the fetch checked
-            source = LeaseSource(layer_lease, self._streaming.backends, table.layers[layer],
+            shared = LeaseShared(layer_lease, self._streaming.backends, table.layers[layer],
                                  self._dropped)
-            lease = face(layer_lease, source, self._streaming, loop)
+            lease = face(layer_lease, shared, self._streaming, loop)
             # the session, not the lease: the layer lease must not keep its face alive
             layer_lease.owner = self
             return lease

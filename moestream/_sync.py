@@ -34,7 +34,7 @@ from typing import Any, TypeVar
 import structlog
 
 from moestream._args import ExpertIds, Index
-from moestream._handles import ExpertHandle, LeaseSource
+from moestream._handles import ExpertHandle, LeaseShared
 from moestream._lease import After, LeaseBase
 from moestream._loop_thread import LoopThread
 from moestream._model_info import ModelInfo, Router
@@ -101,10 +101,10 @@ class SyncLease(LeaseBase):
 
     __slots__ = ("_cupy_devices", "_thread")
 
-    def __init__(self, layer_lease: LayerLease, source: LeaseSource, streaming: StreamSession,
+    def __init__(self, layer_lease: LayerLease, shared: LeaseShared, streaming: StreamSession,
                  loop: asyncio.AbstractEventLoop, *, thread: LoopThread,
                  cupy_devices: Sequence[int] | None) -> None:
-        super().__init__(layer_lease, source, streaming, loop)
+        super().__init__(layer_lease, shared, streaming, loop)
         self._thread = thread
         self._cupy_devices = cupy_devices  # None: the host backend, no streams to ask
 
@@ -121,6 +121,14 @@ class SyncLease(LeaseBase):
             raise StopIteration
         assert isinstance(handle, ExpertHandle)
         return handle
+
+    def _next_nowait(self) -> ExpertHandle | Any | None:
+        """The next expert if available now, None when all were handed out, ``NOT_YET``
+        when iterating would wait (``__next__``'s path without a hop)."""
+        arrival = self._layer_lease.next_nowait()
+        if arrival is None or arrival is NOT_YET:
+            return arrival
+        return self._handle(arrival)
 
     def gather(self) -> list[ExpertHandle]:
         """As ``Lease.gather``: on the caller's thread if every expert has landed."""
@@ -215,7 +223,7 @@ class SyncSession:
         self._thread = thread
         cupy_devices = session.devices if session.backend == "cupy" else None
         self._cupy_devices = cupy_devices  # None: the host backend, no streams to ask
-        self._new_lease: Callable[[LayerLease, LeaseSource, StreamSession,
+        self._new_lease: Callable[[LayerLease, LeaseShared, StreamSession,
                                    asyncio.AbstractEventLoop], SyncLease] = (
             functools.partial(SyncLease, thread=thread, cupy_devices=cupy_devices))
 
