@@ -17,7 +17,8 @@ from moestream._handles import ExpertHandle, LeaseShared
 from moestream.gpu.backend import Event
 from moestream.gpu.interop import StreamLike, event_after
 from moestream.pipeline.foundation.errors import UsageError
-from moestream.pipeline.streaming.lease import Arrival, LayerLease, LeasePart
+from moestream.pipeline.streaming.lease import Arrival, LayerLease
+from moestream.pipeline.streaming.lease_parts import LeasePart
 from moestream.pipeline.streaming.session import StreamSession
 
 __all__ = ["After", "Lease", "LeaseBase", "pins_held"]

@@ -29,16 +29,10 @@ from moestream.gpu.backend import Event
 from moestream.gpu.cache.store import Entry
 from moestream.pipeline.foundation.errors import MoestreamError, StageError, UsageError
 from moestream.pipeline.streaming.arrivals import Arrivals
-from moestream.pipeline.streaming.lease_parts import (
-    EventJoiner,
-    LeasePart,
-    unpin,
-    unpin_when_landed,
-)
+from moestream.pipeline.streaming.lease_parts import LeasePart, unpin
 from moestream.pipeline.streaming.loads import LayerLoad
 
-__all__ = ["NOT_YET", "Arrival", "EventJoiner", "LayerLease", "LeasePart", "WaitTold",
-           "unpin_when_landed"]
+__all__ = ["NOT_YET", "Arrival", "LayerLease", "WaitTold"]
 
 
 @dataclass(slots=True)
