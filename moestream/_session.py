@@ -17,7 +17,7 @@ from typing import Any, Self, TypeVar
 
 from moestream._args import ExpertIds, Index, engine_ms, expert_ids, index, milliseconds
 from moestream._handles import LeaseShared
-from moestream._lease import Lease, LeaseBase, pins_held
+from moestream._lease import After, Lease, LeaseBase, pins_held
 from moestream._model_info import ModelInfo, Router
 from moestream._stats import Counters, TokenStats, counters_of, token_stats
 from moestream.gpu.interop import event_after
@@ -242,6 +242,30 @@ class Session:
         """
         self._here()
         return self._fetch(layer, experts, Lease)
+
+    def _ran(self, after: After) -> bool:
+        """Whether the engine's compute that ``after`` names (as ``Lease.release`` takes it)
+        has run, on a session of one device: its event complete, or the host backend's."""
+        backends = self._streaming.backends
+        if len(backends) != 1:
+            return False
+        if backends[0].name == "host":
+            return True
+        target = after.get(0) if isinstance(after, Mapping) else after
+        if target is None:
+            return False
+        event = event_after(backends[0], target)
+        return event is None or event.done()
+
+    def _use_cached(self, layer: Index, experts: ExpertIds) -> bool:
+        """``SyncSession.used`` of one layer with no lease, where it can
+        (``StreamSession.use_cached``: every expert cached and landed), once the engine's
+        compute on them has run (``_ran``): nothing to pin, no last use to record."""
+        layer = index(layer, "layer")
+        chosen = expert_ids(experts, layer)
+        if self._drops:
+            self._release_drops()
+        return self._streaming.use_cached(layer, chosen)
 
     def _fetch(self, layer: Index, experts: ExpertIds,
                face: Callable[[LayerLease, LeaseShared, StreamSession,

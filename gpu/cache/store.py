@@ -145,6 +145,29 @@ class DeviceCache:
         """The all-hit layer (the common case once warm), planned without the miss
         machinery; None when a key is not held. The same decisions, pins and counters as
         ``_plan_layer`` makes for such a layer: each key a use for the policy, in order."""
+        hits = self._held(keys)
+        if hits is None:
+            return None
+        self._hit(keys, hits)
+        pinned = self._pinned
+        for entry in hits:
+            entry.pins += 1
+            pinned.add(entry.key)
+        return LayerPlan(hits)
+
+    def use_hits(self, keys: Sequence[ExpertKey]) -> list[Entry] | None:
+        """A layer's experts an engine computed on with no lease, every one held and
+        landed, and its compute on them over: the same uses for the policy and counters as
+        a plan of them (``plan_layer``) and their release would make, with no pin taken
+        and given back, and no last use to record. None, nothing done, when one is not
+        held or not landed."""
+        hits = self._held(keys)
+        if hits is None or not all(entry.ready for entry in hits):
+            return None
+        self._hit(keys, hits)
+        return hits
+
+    def _held(self, keys: Sequence[ExpertKey]) -> list[Entry] | None:
         entries = self._entries
         hits: list[Entry] = []
         for key in keys:
@@ -152,19 +175,16 @@ class DeviceCache:
             if entry is None:
                 return None
             hits.append(entry)
+        return hits
+
+    def _hit(self, keys: Sequence[ExpertKey], hits: Sequence[Entry]) -> None:
+        """``keys``, all held (``hits``): each a use for the policy, in order, counted."""
         self._index.used(keys)
-        pinned = self._pinned
-        cache_bytes = 0
-        for entry in hits:
-            entry.pins += 1
-            pinned.add(entry.key)
-            cache_bytes += entry.nbytes
         c = self.counters
         c.lookups += len(hits)
         c.hits += len(hits)
-        c.bytes_from_cache += cache_bytes
+        c.bytes_from_cache += sum(entry.nbytes for entry in hits)
         c.peak_device_bytes = max(c.peak_device_bytes, self.device_bytes)
-        return LayerPlan(hits)
 
     def _plan_layer(self, keys: Sequence[ExpertKey], sizes: Sequence[int]) -> LayerPlan:
         outcome = self._index.access_layer(keys, sizes, self._pinned)

@@ -154,6 +154,26 @@ class LeaseDesk(TokenLedger):
             self._holds.discard(id(owner))
             self._background.resume()
 
+    def use_cached(self, layer: int, experts: Sequence[int]) -> bool:
+        """Count ``experts`` of ``layer``, an engine's compute on them over, as a lease of
+        them would be counted from its fetch to its release, with no lease: when the
+        session has one device, no hint of the layer is pending and every one is cached
+        and landed (``SyncSession.used``'s common case: a budget that holds every expert).
+        False, nothing done, where a lease is needed.
+
+        Raises:
+            UsageError: as ``fetch``.
+        """
+        chosen = self._check_layer(layer, experts)
+        if len(self.caches) != 1 or layer in self._hints:
+            return False
+        hits = self.caches[0].use_hits([(layer, e) for e in chosen])
+        if hits is None:
+            return False
+        self._clock()
+        self._count_hits(layer, chosen, hits)
+        return True
+
     def all_ready(self, layer: int, experts: Sequence[int]) -> bool:
         """Every one of ``experts`` is cached on its device and its upload has landed: a
         lease of them now would load nothing and wait for nothing."""

@@ -17,6 +17,7 @@ from typing import Any
 import structlog
 
 from moestream.gpu.backend import Backend
+from moestream.gpu.cache.entries import Entry
 from moestream.gpu.cache.store import DeviceCache
 from moestream.pipeline.foundation.machine import process_read_bytes
 from moestream.pipeline.streaming.lease import LayerLease
@@ -103,16 +104,7 @@ class TokenLedger:
         lease of the token loaded it; a second read of one (evicted meanwhile) counts its
         bytes only. ``before``: the token's first lease of the layer, or what the leases
         so far counted (expert: was a miss)."""
-        if isinstance(before, dict):
-            was_miss = before
-        else:
-            was_miss = {}
-            for part in before.parts:
-                for entry in part.load.plan.hits:
-                    was_miss[entry.key[1]] = False
-                for entry in part.load.plan.misses:
-                    was_miss[entry.key[1]] = True
-            self._counted[lease.layer] = was_miss
+        was_miss = self._was_miss(lease.layer, before)
         totals, devices = self._totals, self._devices
         totals.evictions += lease.evicted
         for part in lease.parts:
@@ -137,6 +129,35 @@ class TokenLedger:
                 was_miss[entry.key[1]] = True
         seen = self._experts[self._position[lease.layer]]
         seen.extend(e for e in lease.experts if e not in seen)
+
+    def _was_miss(self, layer: int, before: LayerLease | dict[int, bool]) -> dict[int, bool]:
+        """What the token's uses of ``layer`` so far counted (expert: was a miss), kept
+        from now on in that form."""
+        if isinstance(before, dict):
+            return before
+        was_miss: dict[int, bool] = {}
+        for part in before.parts:
+            for entry in part.load.plan.hits:
+                was_miss[entry.key[1]] = False
+            for entry in part.load.plan.misses:
+                was_miss[entry.key[1]] = True
+        self._counted[layer] = was_miss
+        return was_miss
+
+    def _count_hits(self, layer: int, experts: Sequence[int], hits: Sequence[Entry]) -> None:
+        """A layer's experts, all hits on the one device, used with no lease
+        (``LeaseDesk.use_cached``): counted as their lease's release would count them, each
+        expert once in the token."""
+        before = self._counted.get(layer)
+        was_miss = self._counted[layer] = {} if before is None else self._was_miss(layer, before)
+        totals = self._totals
+        for entry in hits:
+            if entry.key[1] not in was_miss:
+                was_miss[entry.key[1]] = False
+                totals.hits += 1
+                totals.cache_bytes += entry.nbytes
+        seen = self._experts[self._position[layer]]
+        seen.extend(e for e in experts if e not in seen)
 
     def _charge_engine(self, room: float, compute_ms: float | Sequence[float] | None,
                        upload_ms: float) -> None:

@@ -4,8 +4,10 @@ misses, LRU order and token stats, in one hop to the loop."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
+import pytest
 from structlog.testing import capture_logs
 
 import moestream
@@ -59,3 +61,55 @@ def test_a_miss_told_as_used_is_loaded_and_warned(tiny_model: Path) -> None:
         assert (stats.hits, stats.misses) == (0, 1)
         warned = [e for e in logs if e["event"] == "used.missed"]
         assert warned and warned[0]["layer"] == layer and warned[0]["misses"] == 1
+
+
+def test_used_keeps_lru_order_and_token_lines_as_leases_would(tiny_model: Path,
+                                                              tmp_path: Path) -> None:
+    """A budget that evicts: the experts ``used`` touched (with no lease, every one cached:
+    ``LeaseDesk.use_cached``) stay as leases of them would keep them, a layer used twice in
+    a token counts each expert once, and the log's token lines are the same."""
+    outcome: dict[bool, tuple[object, ...]] = {}
+    for batched in (False, True):
+        log = tmp_path / f"{batched}.jsonl"
+        with moestream.open_sync(tiny_model, backend="host", mode="direct", budget="12",
+                                 log=log) as ms:
+            a, b = ms.model.moe_layers[:2]
+            for layer in (a, b):  # six experts of each layer cached, 0 the oldest
+                for expert in range(6):
+                    with ms.fetch(layer, [expert]) as lease:
+                        lease.gather()
+            ms.end_token()
+            # expert 0 and 1 of each layer touched (told twice for layer a), then misses
+            # that evict the least recently used
+            s1 = _token(ms, [(a, [0, 1]), (b, [1, 0]), (a, [1])], batched)
+            s2 = _token(ms, [(a, [6, 7]), (b, [6, 7])], batched)
+            # the warm ones (whether the misses have landed yet is timing)
+            kept = [(layer, e) for layer in (a, b) for e in range(6) if ms.ready(layer, [e])]
+        lines = [json.loads(line) for line in log.read_text().splitlines()]
+        outcome[batched] = ((s1.hits, s1.misses), (s2.hits, s2.misses), kept,
+                            [(t["hits"], t["misses"], t["experts"]) for t in lines
+                             if t.get("event") == "token"])
+    assert outcome[True] == outcome[False]
+    assert outcome[True][0] == (4, 0)
+
+
+def test_used_of_cached_layers_takes_no_lease(tiny_model: Path,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every expert cached and the engine's compute done (the host backend's always is):
+    ``used`` counts them with no lease made; a layer with a miss takes one."""
+    leases = []
+    made = moestream.Session._fetch
+
+    def fetch(self: moestream.Session, *args: object) -> object:
+        leases.append(args[0])
+        return made(self, *args)  # type: ignore[arg-type]
+
+    with moestream.open_sync(tiny_model, backend="host", mode="direct") as ms:
+        a, b = ms.model.moe_layers[:2]
+        with ms.fetch(a, [0, 1]) as lease:
+            lease.gather()
+        ms.end_token()
+        monkeypatch.setattr(moestream.Session, "_fetch", fetch)
+        ms.used([(a, [1, 0]), (b, [2])])
+        stats = ms.end_token(compute_ms=0.0)
+    assert leases == [b] and (stats.hits, stats.misses) == (2, 1)
