@@ -30,7 +30,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from bench.transformers import _fill_cache, _generate
+from bench.transformers import _fill_cache, _generate, add_gather_argument, tuning_of
 
 __all__ = ["main"]
 
@@ -120,6 +120,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                    "stacks over a run (what may hold the GIL while the model computes)")
     p.add_argument("--mode", choices=["auto", "direct", "resident"], default="auto",
                    help="moestream's I/O mode (auto)")
+    add_gather_argument(p)
     p.add_argument("--fresh", action="store_true", help="a prompt of its own for each generate "
                    "(default: the same one): with --budget on a --spread model, the timed "
                    "and profiled tokens miss as a new text's would")
@@ -139,7 +140,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         text += _measured("resident", resident, device, args)
         del resident
     with from_pretrained(args.model, device=device, budget=args.budget,
-                         mode=args.mode) as model:
+                         mode=args.mode, tuning=tuning_of(args)) as model:
         if args.budget is None:
             _fill_cache(model.moestream)
         text += _measured("moestream", model, device, args)

@@ -123,7 +123,7 @@ def _streamed(args: argparse.Namespace, device: Any, warm: Any) -> Iterator[Any]
     for shard in bt._shards(args.model):
         make_resident(shard)
     model = from_pretrained(args.model, budget=Budget(nbytes=args.cache_bytes), device=device,
-                            mode=args.mode)
+                            mode=args.mode, tuning=bt.tuning_of(args))
     try:
         if args.warmup:
             _generate(model, warm, args.warmup, device)

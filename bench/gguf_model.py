@@ -55,6 +55,7 @@ from bench.transformers import (
     reference_tokens,
     run_resident,
     summary,
+    tuning_of,
 )
 from moestream.pipeline.foundation.config import Budget, parse_size
 from moestream.pipeline.foundation.errors import UsageError
@@ -249,7 +250,7 @@ def _load_and_time(path: Path, args: argparse.Namespace, prompt: Any, device: An
         make_resident(file)
     _peak_reset(device)
     model = from_pretrained(path, budget=Budget(nbytes=cache), device=device,
-                            dtype=torch.bfloat16, mode=args.mode)
+                            dtype=torch.bfloat16, mode=args.mode, tuning=tuning_of(args))
     stream = model.moestream
     try:
         if args.warmup:

@@ -298,7 +298,8 @@ def run_alternate(args: argparse.Namespace, prompt: Any, device: Any, reference:
 
     resident = transformers.AutoModelForCausalLM.from_pretrained(
         args.model, experts_implementation="grouped_mm").to(device)
-    with from_pretrained(args.model, device=device, mode=args.mode) as model:
+    with from_pretrained(args.model, device=device, mode=args.mode,
+                         tuning=tuning_of(args)) as model:
         _fill_cache(model.moestream)
         for warm in (resident, model):
             _generate(warm, prompt, max(args.warmup, 1), device, args.sample)
@@ -334,7 +335,7 @@ def _moestream_load(args: argparse.Namespace, prompt: Any, device: Any, *,
             make_resident(shard)
     _peak_reset(device)
     model = from_pretrained(args.model, budget=budget, device=device, mode=args.mode, log=log,
-                            prefetch=prefetch)
+                            prefetch=prefetch, tuning=tuning_of(args))
     stream = model.moestream
     try:
         if budget is None:  # every expert on the device before timing
@@ -395,7 +396,22 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     """The device, moestream's I/O mode and the report's file: every transformers bench's."""
     p.add_argument("--device", help="cpu or cuda (default: cuda if torch sees one)")
     p.add_argument("--mode", default="auto", choices=["auto", "direct", "resident"])
+    add_gather_argument(p)
     p.add_argument("--out", type=Path, help="also write the JSON here")
+
+
+def add_gather_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--no-gather", action="store_true", help="resident misses always on the "
+                   "copy engines (Tuning(gather=False)), never the gather kernel on the SMs "
+                   "that small expert matrices (under 2 MiB: FP8 at Qwen3-30B-A3B's shape) "
+                   "take by default")
+
+
+def tuning_of(args: argparse.Namespace) -> Any:
+    """The benches' ``tuning=`` for moestream (None: the defaults)."""
+    import moestream
+
+    return moestream.Tuning(gather=False) if args.no_gather else None
 
 
 def add_sample_argument(p: argparse.ArgumentParser) -> None:

@@ -114,3 +114,12 @@ def test_experts_profile_fresh_prompts_miss_at_a_budget(tmp_path: Path) -> None:
                  "--budget", "16", "--fresh", "--mode", "resident", "--out", str(out)]) == 0
     report = out.read_text()
     assert report.startswith("== moestream") and "experts_forward" in report
+
+
+def test_no_gather_gives_the_copy_engines_tuning() -> None:
+    """``--no-gather`` (every transformers bench): moestream's ``Tuning(gather=False)``."""
+    import moestream
+    from bench.transformers import build_parser, tuning_of
+
+    assert tuning_of(build_parser().parse_args(["--no-gather"])) == moestream.Tuning(gather=False)
+    assert tuning_of(build_parser().parse_args([])) is None
