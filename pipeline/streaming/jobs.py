@@ -154,7 +154,7 @@ class ExpertJobs:
             job_mode: JobMode = ("tier" if mode == "direct" and entry.key in self.host_tier.keys
                                  else mode)
             job = LoadJob(entry, layout, self.uploader.next_stream(), load, job_mode,
-                       load.phases[entry.key])
+                          load.phases[entry.key])
             if self.digests is not None:
                 job.digest_results, job.digest_row = self.digests.reserve(entry.key)
             mapping = self.mapping if mode == "resident" else None
