@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -271,15 +272,16 @@ class WholeLayers:
         return self._complete
 
 
+@dataclass(frozen=True, slots=True)
 class Routing:
     """A token's calls served by :class:`WholeLayers`: each call's layer and number of
     routing ids, the ids end to end in ``ids`` (pinned host memory on a GPU, filled once
-    ``landed`` completes)."""
+    ``landed`` completes; None: no call)."""
 
-    __slots__ = ("ids", "landed", "layers", "sizes")
-
-    def __init__(self, layers: list[int], sizes: list[int], ids: Any, landed: Any) -> None:
-        self.layers, self.sizes, self.ids, self.landed = layers, sizes, ids, landed
+    layers: list[int]
+    sizes: list[int]
+    ids: Any
+    landed: Any
 
 
 def _to_host(routings: list[Any], stream: Any) -> tuple[Any, Any]:
