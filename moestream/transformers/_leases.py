@@ -33,9 +33,11 @@ def leased(session: SyncSession, device: Any, layer: int, experts: Sequence[int]
     yet installed, once per event (``ExpertHandle.pending_event``: no query an expert).
     The lease is released on leaving, after the work queued on torch's stream.
 
-    ``then`` runs once the experts are pinned, before any is computed (a next layer's
-    prefetch hint: it can evict nothing this lease holds, and its loads overlap the
-    compute)."""
+    ``then`` (a next layer's prefetch hint) runs while the experts are pinned, so that it
+    can evict nothing this lease holds: on the host before any is computed (its reads run
+    on reader threads meanwhile); on a GPU once the block has queued the compute, so that
+    the device starts it while the host queues the hint's copies (in resident mode the
+    caller's thread queues them itself), not after. An error in the block skips it."""
     lease = session.fetch(layer, experts)
     cuda_stream = current_stream(device) if device.type == "cuda" else None
 
@@ -52,8 +54,10 @@ def leased(session: SyncSession, device: Any, layer: int, experts: Sequence[int]
             yield batch
 
     try:
-        if then is not None:
+        if then is not None and cuda_stream is None:
             then()
         yield batches()
+        if then is not None and cuda_stream is not None:
+            then()
     finally:
         lease.release(after=cuda_stream)

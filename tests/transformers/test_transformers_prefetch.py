@@ -188,3 +188,48 @@ def test_gpu_same_tokens_no_extra_sync(checkpoints: dict[str, Path], tmp_path: P
     assert torch.equal(plain_tokens, tokens)
     assert counters.prefetched > 0
     assert _syncs(checkpoints[kind], "predict") == _syncs(checkpoints[kind], "none") > 0
+
+
+class _Lease:
+    remaining = 0
+
+    def __init__(self, order: list[str]) -> None:
+        self.order = order
+
+    def release(self, after: object = None) -> None:
+        self.order.append("release")
+
+
+class _Session:
+    def __init__(self, order: list[str]) -> None:
+        self.order = order
+
+    def fetch(self, layer: int, experts: object) -> _Lease:
+        self.order.append("fetch")
+        return _Lease(self.order)
+
+
+@pytest.mark.parametrize("device, expected", [
+    ("cpu", ["fetch", "hint", "compute", "release"]),
+    ("cuda", ["fetch", "compute", "hint", "release"]),
+])
+def test_hint_runs_while_pinned_and_after_the_compute_is_queued_on_a_gpu(
+        device: str, expected: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The next layer's hint: on the host before the layer computes (reads run meanwhile);
+    on a GPU after its compute is queued (the device starts it while the host queues the
+    hint's copies); always before the lease's release, and not when the block fails."""
+    from moestream.transformers import _leases
+
+    monkeypatch.setattr(_leases, "current_stream", lambda device: "stream")
+    order: list[str] = []
+    session: Any = _Session(order)
+    with _leases.leased(session, torch.device(device), 0, [1],
+                        lambda: order.append("hint")) as batches:
+        assert list(batches) == []
+        order.append("compute")
+    assert order == expected
+    order.clear()
+    with pytest.raises(RuntimeError), _leases.leased(session, torch.device(device), 0, [1],
+                                                      lambda: order.append("hint")):
+        raise RuntimeError("the compute failed")
+    assert order[-1] == "release" and ("hint" in order) == (device == "cpu")
