@@ -2,9 +2,10 @@
 # One device call (under 10 minutes on an H100): the GPU tests of the transformers path and
 # the API, then the transformers path's figures on a model whose routing depends on the
 # token (--spread), BF16 and FP8, held whole, warm, predicted, and profiled on the miss
-# path (QUANTIZED=1: also FP8 against BF16 in bench.quantized, ~60 s more). Writes under
+# path, then FP8 against BF16 in bench.quantized with the gather kernel and with the copy
+# engines (--no-gather), ~110 s (QUANTIZED=0 leaves it out). Writes under
 # $OUT: a few summary files and results.tgz (the device tool returns at most 8 files).
-# The session of 2026-12-06 (#4) ran it last.
+# The session of 2026-12-06 (#4) ran it last (QUANTIZED=0, before --no-gather existed).
 # Usage (GPU machine, repo root): MOESTREAM_COMMIT=<sha> bash bench/gpu_owed.sh
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>/dev/null
@@ -30,10 +31,14 @@ for m in bf16:$B fp8:$F; do
   step profile-${m%%:*} 80 python3 -m bench.experts_profile -m ${m#*:} --device cuda --tokens 32 --top 120 \
     --budget 1.55GiB --mode resident --fresh --out $R/profile-${m%%:*}.txt
 done
-[ "${QUANTIZED:-0}" = 1 ] && step quantized-fp8 150 python3 -m bench.quantized --make /tmp/q \
-  --format fp8 --shape qwen3-30b-a3b --layers 8 --total 3GiB --tokens 32 --spread \
-  --runs reference,fp8,bf16 --out $R/quantized-fp8.json
-for f in $R/transformers.json $R/quantized-fp8.json; do
+if [ "${QUANTIZED:-1}" = 1 ]; then  # FP8 against BF16, misses by the gather kernel and without
+  step quantized-fp8 150 python3 -m bench.quantized --make /tmp/q --format fp8 --shape qwen3-30b-a3b \
+    --layers 8 --total 3GiB --tokens 32 --spread --runs reference,fp8,bf16 --out $R/quantized-fp8.json
+  step quantized-fp8-copies 150 python3 -m bench.quantized --make /tmp/q --format fp8 \
+    --shape qwen3-30b-a3b --layers 8 --total 3GiB --tokens 32 --spread --runs fp8,bf16 --no-gather \
+    --out $R/quantized-fp8-copies.json
+fi
+for f in $R/transformers.json $R/quantized-fp8.json $R/quantized-fp8-copies.json; do
   python3 - "$f" <<'PY' 2>/dev/null | tee -a $R/steps.txt
 import json, sys
 d = json.load(open(sys.argv[1]))
