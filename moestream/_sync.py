@@ -8,7 +8,9 @@ a lease whose next expert has landed) takes the lock and runs on the caller's ow
 the session's loop set as that thread's running loop meanwhile: no hop to the loop, so it
 costs about what the same call costs on the asynchronous face. A call that waits
 (iterating a lease whose next expert is loading, ``gather`` of one not yet landed,
-``end_token``, ``close``) runs on the loop and the caller blocks without the lock.
+``close``) runs on the loop and the caller blocks without the lock. ``end_token`` runs on
+the caller's thread up to its first wait, which most tokens never reach, and goes on on
+the loop from there (``LoopThread.run_eager``).
 
 Calls may come from any of the engine's threads, one at a time or concurrently: they are
 serialized by the lock. A call interrupted while it waits (``KeyboardInterrupt``) cancels
@@ -313,9 +315,11 @@ class SyncSession:
 
     def end_token(self, *, compute_ms: float | Sequence[float] | None = None,
                   upload_ms: float = 0.0) -> TokenStats:
-        """As ``Session.end_token`` (on the loop: it may wait for the controller)."""
-        return self._thread.run(self._session.end_token(compute_ms=compute_ms,
-                                                      upload_ms=upload_ms))
+        """As ``Session.end_token``: on the caller's thread up to its first wait, which
+        most tokens never reach; a wait (the controller's reading or switch) goes on on
+        the loop (``LoopThread.run_eager``)."""
+        return self._thread.run_eager(self._session.end_token(compute_ms=compute_ms,
+                                                            upload_ms=upload_ms))
 
     def counters(self) -> Counters:
         """As ``Session.counters`` (on the caller's thread; it releases leases dropped
