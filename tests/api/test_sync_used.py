@@ -63,16 +63,18 @@ def test_a_miss_told_as_used_is_loaded_and_warned(tiny_model: Path) -> None:
         assert warned and warned[0]["layer"] == layer and warned[0]["misses"] == 1
 
 
+@pytest.mark.parametrize("mode", ["direct", "resident"])
 def test_used_keeps_lru_order_and_token_lines_as_leases_would(tiny_model: Path,
-                                                              tmp_path: Path) -> None:
+                                                              tmp_path: Path,
+                                                              mode: str) -> None:
     """A budget that evicts: the experts ``used`` touched (with no lease, every one cached:
     ``LeaseDesk.use_cached``) stay as leases of them would keep them, a layer used twice in
     a token counts each expert once, and the log's token lines are the same."""
     outcome: dict[bool, tuple[object, ...]] = {}
     for batched in (False, True):
         log = tmp_path / f"{batched}.jsonl"
-        with moestream.open_sync(tiny_model, backend="host", mode="direct", budget="12",
-                                 log=log) as ms:
+        with moestream.open_sync(tiny_model, backend="host", mode=mode,  # type: ignore[arg-type]
+                                 budget="12", log=log) as ms:
             a, b = ms.model.moe_layers[:2]
             for layer in (a, b):  # six experts of each layer cached, 0 the oldest
                 for expert in range(6):
