@@ -109,12 +109,7 @@ class TokenLedger:
         totals.evictions += lease.evicted
         for part in lease.parts:
             device = devices[part.device] if devices else DeviceTotals()
-            for entry in part.load.plan.hits:
-                if entry.key[1] not in was_miss:
-                    was_miss[entry.key[1]] = False
-                    totals.hits += 1
-                    device.hits += 1
-                    totals.cache_bytes += entry.nbytes
+            self._first_hits(part.load.plan.hits, was_miss, device)
             for entry in part.load.plan.misses:
                 before_miss = was_miss.get(entry.key[1])
                 totals.file_bytes += entry.nbytes
@@ -150,14 +145,21 @@ class TokenLedger:
         expert once in the token."""
         before = self._counted.get(layer)
         was_miss = self._counted[layer] = {} if before is None else self._was_miss(layer, before)
+        self._first_hits(hits, was_miss, DeviceTotals())
+        seen = self._experts[self._position[layer]]
+        seen.extend(e for e in experts if e not in seen)
+
+    def _first_hits(self, hits: Sequence[Entry], was_miss: dict[int, bool],
+                    device: DeviceTotals) -> None:
+        """Count the hits whose experts the token has not counted yet (in ``was_miss``,
+        marked now), in the totals and ``device``'s."""
         totals = self._totals
         for entry in hits:
             if entry.key[1] not in was_miss:
                 was_miss[entry.key[1]] = False
                 totals.hits += 1
+                device.hits += 1
                 totals.cache_bytes += entry.nbytes
-        seen = self._experts[self._position[layer]]
-        seen.extend(e for e in experts if e not in seen)
 
     def _charge_engine(self, room: float, compute_ms: float | Sequence[float] | None,
                        upload_ms: float) -> None:
