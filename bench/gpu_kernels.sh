@@ -13,7 +13,7 @@ PYTHONPATH=/tmp/site:$PWD timeout 240 python3 -m pytest -p no:cacheprovider -m g
   tests/transformers/test_dequant_batch_cuda.py tests/transformers/test_dequant_cuda.py \
   > $OUT/tests.log 2>&1
 tail -1 $OUT/tests.log
-for round in 0 1 2; do
+for round in $(seq 0 $(( ${ROUNDS:-3} - 1 ))); do
   for tree in base:$BASE head:$PWD; do
     (cd ${tree#*:} && PYTHONPATH=/tmp/site:$PWD timeout 120 python3 - ${tree%%:*} $round <<'PY'
 import json, sys
