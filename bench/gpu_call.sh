@@ -4,8 +4,8 @@
 # left of DEADLINE seconds (default 560):
 #   1. the dequantization kernels: GPU tests and bench.dequant against a base tree
 #      (bench/gpu_kernels.sh, two rounds) -> $OUT/kernels.tgz
-#   2. FP8 against BF16 on the --spread models, 3 GiB: misses by the gather kernel, then
-#      by the copy engines (--no-gather); no reference run (tokens were checked before) -> $OUT/gather.tgz, copies.tgz
+#   2. FP8 against BF16 on the --spread models, 3 GiB: misses by the copy engines
+#      (--no-gather), then by the gather kernel; no reference run (tokens were checked before) -> $OUT/gather.tgz, copies.tgz
 #   3. bench.transformers on the BF16 --spread model: resident, all, warm, predict,
 #      alternate -> $OUT/transformers.tgz
 # (each step's files tarred as it ends: the device tool returns at most 8 files)
@@ -27,6 +27,6 @@ step() {  # name, seconds, command...: run it if its limit fits before the deadl
 }
 step kernels 130 env OUT=$R/kernels ROUNDS=2 bash bench/gpu_kernels.sh
 Q="python3 -m bench.quantized --make /tmp/q --format fp8 --shape qwen3-30b-a3b --layers 8 --total 3GiB --tokens 32 --spread"
-step gather 170 sh -c "$Q --runs fp8,bf16 --out $R/gather/quantized.json > $R/gather/log 2>&1"
-step copies 100 sh -c "$Q --runs fp8,bf16 --no-gather --out $R/copies/quantized.json > $R/copies/log 2>&1"
+step copies 170 sh -c "$Q --runs fp8,bf16 --no-gather --out $R/copies/quantized.json > $R/copies/log 2>&1"
+step gather 100 sh -c "$Q --runs fp8,bf16 --out $R/gather/quantized.json > $R/gather/log 2>&1"
 step transformers 150 sh -c "python3 -m bench.transformers -m /tmp/q/bf16-qwen3-30b-a3b-8-spread --total 3GiB --tokens 32 --runs resident,all,warm,predict,alternate --out $R/transformers/transformers.json > $R/transformers/log 2>&1"
