@@ -16,7 +16,6 @@ BUILTINS = r"""
 #define __forceinline__ inline
 #define __align__(n) alignas(n)
 #define __builtin_assume(x)
-struct uint2 { unsigned int x, y; };
 struct uint4 { unsigned int x, y, z, w; };
 struct dim3 { unsigned int x, y, z; };
 static dim3 blockIdx, blockDim, gridDim, threadIdx;

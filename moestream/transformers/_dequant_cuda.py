@@ -25,7 +25,6 @@ import numpy as np
 import torch  # type: ignore[import-not-found, unused-ignore]
 
 from moestream.transformers._dequant import (
-    E2M1_VALUES,
     e2m1_pairs,
     fp4_blocks,
     mxfp4_blocks,
@@ -44,9 +43,9 @@ from moestream.transformers._gguf_experts import GgufExperts
 from moestream.transformers._launch import current_stream, on_stream
 from moestream.transformers._quantized import LayerScales
 
-__all__ = ["CUDA_DTYPES", "GGUF_TYPES", "Kind", "available", "exact_scales",
-           "fp4_experts_cuda", "fp8_experts_cuda", "fp8_kinds_cuda", "gguf_kinds_cuda",
-           "gguf_layer_cuda", "layer_experts_cuda", "lookup_table"]
+__all__ = ["CUDA_DTYPES", "GGUF_TYPES", "Kind", "available", "fp4_experts_cuda",
+           "fp8_experts_cuda", "fp8_kinds_cuda", "gguf_kinds_cuda", "gguf_layer_cuda",
+           "layer_experts_cuda", "lookup_table"]
 
 _FP8_KERNELS = {torch.bfloat16: "fp8_experts_bf16", torch.float16: "fp8_experts_f16",
                 torch.float32: "fp8_experts_f32"}
@@ -202,11 +201,11 @@ def fp8_kinds_cuda(kinds: Sequence[Kind], experts: Sequence[int], block: tuple[i
         if scales.dtype != torch.float32 or not scales.is_contiguous():
             raise ValueError("FP8 scales are contiguous float32 on the device")
         size = o.element_size()
-        vec = (cols % 8 == 0 and bn % 8 == 0 and all(a % 8 == 0 for a in kind.addresses)
+        vec = (cols % 16 == 0 and bn % 16 == 0 and _aligned(*kind.addresses)
                and _aligned(o.data_ptr(), o.stride(0) * size))
         _, sr, sc = scales.shape
         params += [o.data_ptr(), o.stride(0), rows, cols, scales.data_ptr(), sr, sc, int(vec)]
-        chunks = max(chunks, n * rows * (cols // 8 if vec else cols))
+        chunks = max(chunks, n * rows * (cols // 16 if vec else cols))
     if n == 0 or chunks == 0:
         return
     addresses = [int(a) for kind in kinds for a in kind.addresses]
@@ -250,27 +249,6 @@ def lookup_table(method: str, dtype: Any, device: Any) -> Any:
     return values[:, :16].contiguous().reshape(-1)
 
 
-@functools.lru_cache(maxsize=32)
-def exact_scales(method: str, dtype: Any, device: Any) -> Any:
-    """``(8,)`` int32 on ``device``, a bit a scale byte (bit ``s % 32`` of word ``s //
-    32``): set where :func:`lookup_table`'s row for ``s`` is the exact products ``e2m1 * 2
-    ** (s - 127)`` and each is zero or a normal number in float32 and in ``dtype``; there
-    the kernels compute a value (the exact product, which any rounding leaves as it is)
-    instead of looking it up."""
-    table = lookup_table(method, dtype, device).cpu().view(256, 16)
-    scale = torch.exp2(torch.arange(256, dtype=torch.float64) - 127)
-    products = torch.tensor(E2M1_VALUES, dtype=torch.float64)[None, :] * scale[:, None]
-    size = products.abs()
-    tiny = max(torch.finfo(dtype).tiny, torch.finfo(torch.float32).tiny)
-    huge = min(torch.finfo(dtype).max, torch.finfo(torch.float32).max)
-    normal = ((size == 0) | ((size >= tiny) & (size <= huge))).all(dim=1)
-    bits = {2: torch.int16, 4: torch.int32}[table.element_size()]
-    same = (products.to(dtype).view(bits) == table.view(bits)).all(dim=1)
-    flags = (normal & same).to(torch.int64).view(8, 32)
-    words = (flags << torch.arange(32, dtype=torch.int64)).sum(dim=1)
-    return words.to(torch.uint32).view(torch.int32).to(device)
-
-
 def fp4_experts_cuda(kinds: Sequence[Kind], experts: Sequence[int], method: str,
                      transposed: bool) -> None:
     """Dequantize FP4 (``fp4``) or MXFP4 (``mxfp4``) matrices of each kind into its
@@ -299,24 +277,20 @@ def fp4_experts_cuda(kinds: Sequence[Kind], experts: Sequence[int], method: str,
             raise ValueError("FP4 outputs of the scales' shape with contiguous last axes, one "
                              "type a batch; scales their E8M0 bytes")
         size = o.element_size()
-        load = 16 if transposed else 4  # bytes a thread loads at once
-        vec = int(all(a % load == 0 for a in kind.addresses)) | (
+        vec = int(_aligned(*kind.addresses)) | (
             int(not transposed and _aligned(o.data_ptr(), o.stride(0) * size,
                                             o.stride(1) * size)) << 1)
         params += [o.data_ptr(), o.stride(0), o.stride(1), int(transposed), rows, groups,
                    scales.data_ptr(), scales.stride(0), scales.stride(1), vec]
-        chunks = max(chunks, n * rows * groups * (1 if transposed else 4))
+        chunks = max(chunks, n * rows * groups)
     if n == 0 or chunks == 0:
         return
-    if out.dtype not in _SUFFIXES:
-        raise ValueError(f"FP4 outputs are one of {sorted(map(str, _SUFFIXES))}")
     lut = lookup_table(method, out.dtype, out.device)
-    exact = exact_scales(method, out.dtype, out.device)
     addresses = [int(a) for kind in kinds for a in kind.addresses]
     assert len(params) == FP4_PARAMS * len(kinds)
-    _launch(f"fp4_experts_{_SUFFIXES[out.dtype]}", out,
+    _launch(f"fp4_experts_{out.element_size()}", out,
             params + addresses + [int(e) for e in experts], len(kinds), chunks, np.int32(n),
-            np.uint64(lut.data_ptr()), np.uint64(exact.data_ptr()))
+            np.uint64(lut.data_ptr()))
 
 
 def gguf_kinds_cuda(ggml_type: int, kinds: Sequence[Kind]) -> None:

@@ -4,29 +4,20 @@ and launches them; kept apart so the source reads as one piece).
 Every kernel reads one batch's *table* (int64, device memory): per matrix kind (gate, up,
 down: ``blockIdx.y``) a block of parameters, then each kind's matrix addresses (where the
 cache holds the expert's bytes), then the experts' ids (their rows of the scales). A thread
-turns one chunk into output values: 8 FP8 bytes of a row (or one, where the row, its block
-width or an address does not allow 8), 4 FP4 bytes of a row (8 values), or, for gpt-oss's
-transposed layout, one 32-value group. Consecutive threads take consecutive chunks, so a
-warp's loads and stores are contiguous: a thread's 16-byte store beside its neighbours',
-not 32 or 64 bytes apart (partial sectors for the L2 to merge). Index arithmetic is 64-bit
-once a chunk, never per value.
+turns one chunk into output values: 16 FP8 bytes of a row (or one, where the row, its block
+width or an address does not allow 16), or one 32-value group of an FP4 row (16 bytes and
+its one E8M0 scale). Index arithmetic is 64-bit once a chunk, never per value.
 
 - FP8 (``fp8_experts_*``): E4M3 decoded exactly by its bits (every E4M3 value is a float32),
   times the block's float32 scale (one IEEE product), rounded to the output type: BF16 by
   c10's round-to-nearest-even (NaN 0x7fc0), F16 by ``__float2half_rn``.
-- FP4 (``fp4_experts_*``): a byte is two E2M1 codes, the low nibble first, one E8M0 scale
-  byte ``s`` a 32-value group. Where the host found (once a format, type and device) that
-  the torch path's value of every code under ``s`` is the exact product ``e2m1 * 2 ** (s -
-  127)``, a normal number in float32 and in the output type, the kernel computes that
-  product (exact, so its rounding is no rounding); under any other scale byte (the range's
-  ends, 255's NaN or ``2 ** 128``) it looks the value up in a table of the output type's
-  bits, 16 codes for each of the 256 scale bytes, made by the torch path itself (so it is
-  that path's value whatever its arithmetic: DeepSeek-V4's ``e2m1 * e8m0``, gpt-oss's
-  ``ldexp``). A table in global memory looked up per value was the FP4 kernels' limit: a
-  warp's 32 lookups touch as many cache lines as it has scales. MXFP4's bytes are rows of
-  the untransposed matrices while gpt-oss keeps them transposed: the kernel writes the
-  transpose, consecutive threads taking consecutive rows so that each store of a warp is
-  contiguous.
+- FP4 (``fp4_experts_*``): a byte is two E2M1 codes, the low nibble first; each value is
+  looked up in a table of the output type's bits, 16 codes for each of the 256 scale bytes,
+  made once by the torch path itself (so it is that path's value for that code and scale,
+  whatever its arithmetic: DeepSeek-V4's ``e2m1 * e8m0``, gpt-oss's ``ldexp``). MXFP4's
+  bytes are rows of the untransposed matrices while gpt-oss keeps them transposed: the
+  kernel writes the transpose, consecutive threads taking consecutive rows so that each
+  store of a warp is contiguous.
 - GGUF (``gguf_<type>_<out>``, :func:`gguf_source`, a module of its own): a table of
   ``GGUF_PARAMS`` a kind, then the kinds' matrix addresses; a thread turns the 32 values of
   one sub-block into the output type (a 16-byte store where the output allows), each
@@ -49,11 +40,11 @@ __all__ = ["FP4_PARAMS", "FP8_PARAMS", "GGUF_GROUP", "GGUF_KERNELS", "GGUF_PARAM
 
 FP8_PARAMS = 8
 """int64 parameters of a kind in an FP8 table: out, out_stride, rows, cols, scales,
-scale_rows, scale_cols, vec (bit 0: 8 bytes at once)."""
+scale_rows, scale_cols, vec (bit 0: 16 bytes at once)."""
 FP4_PARAMS = 10
 """int64 parameters of a kind in an FP4 table: out, out_stride, ld, transposed, rows,
-groups, scales, scale_expert_stride, scale_row_stride, vec (bit 0: the bytes aligned for a
-thread's load, 4 bytes or, transposed, 16; bit 1: the output rows 16-aligned)."""
+groups, scales, scale_expert_stride, scale_row_stride, vec (bit 0: the bytes 16-aligned,
+bit 1: the output rows 16-aligned)."""
 
 GGUF_PARAMS = 4
 """int64 parameters of a kind in a GGUF table: out, out_stride (values between experts),
@@ -129,7 +120,7 @@ __device__ void fp8_kind(const i64* table, int kinds, int n, int kind, int bm, i
     int sr = (int)p[5], sc = (int)p[6], vec = (int)p[7] & 1;
     const i64* addresses = table + kinds * 8 + kind * n;
     const i64* experts = table + kinds * 8 + kinds * n;
-    int width = vec ? 8 : 1, per_row = cols / width;
+    int width = vec ? 16 : 1, per_row = cols / width;
     i64 per_matrix = (i64)rows * per_row, chunks = per_matrix * n;
     for (i64 t = (i64)blockIdx.x * blockDim.x + threadIdx.x; t < chunks;
          t += (i64)gridDim.x * blockDim.x) {
@@ -140,54 +131,22 @@ __device__ void fp8_kind(const i64* table, int kinds, int n, int kind, int bm, i
         const unsigned char* w = (const unsigned char*)addresses[k] + (i64)r * cols + c;
         float scale = scales[((i64)experts[k] * sr + r / bm) * sc + c / bn];
         OUT* o = out + k * ostride + (i64)r * cols + c;
-        if (vec) {  // 8 bytes a thread: a warp loads 256 and stores 512 (bf16) contiguous
-            uint2 b = *(const uint2*)w;
-            __align__(16) OUT vals[8];
+        if (vec) {
+            u32 words[4];
+            load16(w, 1, words);
+            __align__(16) OUT vals[16];
             #pragma unroll
-            for (int i = 0; i < 8; ++i)
-                vals[i] = S::put(e4m3(((i < 4 ? b.x : b.y) >> (8 * (i & 3))) & 255u) * scale);
-            store_vec<OUT, 8>(o, vals);
+            for (int i = 0; i < 16; ++i)
+                vals[i] = S::put(e4m3((words[i >> 2] >> (8 * (i & 3))) & 255u) * scale);
+            store_vec<OUT, 16>(o, vals);
         } else {
             o[0] = S::put(e4m3(w[0]) * scale);
         }
     }
 }
 
-__device__ __forceinline__ float e2m1(u32 c) {
-    u32 m = c & 7u;
-    float v = m < 2u ? 0.5f * (float)m
-                     : __uint_as_float((((m >> 1) + 126u) << 23) | ((m & 1u) << 22));
-    return (c & 8u) ? -v : v;
-}
-
-template <class S>
-__device__ __forceinline__ void fp4_word(u32 word, u32 s, const u32* exact,
-                                         const typename S::T* lut, typename S::T* vals) {
-    // four bytes' eight values under scale byte s: computed where the host found the
-    // table's row to be the exact products (normal numbers), else looked up
-    if ((exact[s >> 5] >> (s & 31u)) & 1u) {
-        float p = __uint_as_float(s << 23);
-        #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            u32 b = (word >> (8 * i)) & 255u;
-            vals[2 * i] = S::put(e2m1(b & 15u) * p);
-            vals[2 * i + 1] = S::put(e2m1(b >> 4) * p);
-        }
-    } else {
-        const typename S::T* row = lut + 16 * s;
-        #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            u32 b = (word >> (8 * i)) & 255u;
-            vals[2 * i] = row[b & 15u];
-            vals[2 * i + 1] = row[b >> 4];
-        }
-    }
-}
-
-template <class S>
-__device__ void fp4_kind(const i64* table, int kinds, int n, int kind,
-                         const typename S::T* lut, const u32* exact) {
-    typedef typename S::T OUT;
+template <typename OUT>
+__device__ void fp4_kind(const i64* table, int kinds, int n, int kind, const OUT* lut) {
     const i64* p = table + kind * 10;
     OUT* out = (OUT*)p[0];
     i64 ostride = p[1], ld = p[2];
@@ -197,48 +156,36 @@ __device__ void fp4_kind(const i64* table, int kinds, int n, int kind,
     int aligned = (int)p[9] & 1, out_aligned = ((int)p[9] >> 1) & 1;
     const i64* addresses = table + kinds * 10 + kind * n;
     const i64* experts = table + kinds * 10 + kinds * n;
-    if (!transposed) {
-        // a thread turns 4 bytes (8 values) at a time, consecutive threads consecutive
-        // words of a row: a warp's loads and stores are contiguous, four threads a scale
-        int per_row = groups * 4;
-        i64 per_matrix = (i64)rows * per_row, chunks = per_matrix * n;
-        for (i64 t = (i64)blockIdx.x * blockDim.x + threadIdx.x; t < chunks;
-             t += (i64)gridDim.x * blockDim.x) {
-            int k = (int)quot(t, per_matrix);
-            i64 rem = t - k * per_matrix;
-            int r = (int)quot(rem, per_row), q = (int)(rem - (i64)r * per_row);
-            const unsigned char* w = (const unsigned char*)addresses[k] + rem * 4;
-            u32 word = aligned ? *(const u32*)w
-                               : (u32)w[0] | ((u32)w[1] << 8) | ((u32)w[2] << 16)
-                                 | ((u32)w[3] << 24);
-            u32 s = scales[experts[k] * ses + r * srs + (q >> 2)];
-            __align__(16) OUT vals[8];
-            fp4_word<S>(word, s, exact, lut, vals);
-            OUT* o = out + k * ostride + (i64)r * ld + q * 8;
-            if (out_aligned) store_vec<OUT, 8>(o, vals);
-            else for (int i = 0; i < 8; ++i) o[i] = vals[i];
-        }
-        return;
-    }
-    // gpt-oss's transpose: a thread turns one group (16 bytes, 32 values) of a row into a
-    // column piece, consecutive threads consecutive rows, so that each store of a warp is
-    // contiguous
     i64 per_matrix = (i64)rows * groups, chunks = per_matrix * n;
     for (i64 t = (i64)blockIdx.x * blockDim.x + threadIdx.x; t < chunks;
          t += (i64)gridDim.x * blockDim.x) {
         int k = (int)quot(t, per_matrix);
         i64 rem = t - k * per_matrix;
-        int g = (int)quot(rem, rows), r = (int)(rem - (i64)g * rows);
+        int r, g;
+        if (transposed) { g = (int)quot(rem, rows); r = (int)(rem - (i64)g * rows); }
+        else { r = (int)quot(rem, groups); g = (int)(rem - (i64)r * groups); }
         const unsigned char* w = (const unsigned char*)addresses[k] + ((i64)r * groups + g) * 16;
-        u32 s = scales[experts[k] * ses + r * srs + g];
+        const OUT* row = lut + 16 * (int)scales[experts[k] * ses + r * srs + g];
         u32 words[4];
         load16(w, aligned, words);
         __align__(16) OUT vals[32];
         #pragma unroll
-        for (int i = 0; i < 4; ++i) fp4_word<S>(words[i], s, exact, lut, vals + 8 * i);
-        OUT* o = out + k * ostride + (i64)g * 32 * ld + r;
-        #pragma unroll
-        for (int i = 0; i < 32; ++i) o[i * ld] = vals[i];
+        for (int i = 0; i < 16; ++i) {
+            u32 b = (words[i >> 2] >> (8 * (i & 3))) & 255u;
+            vals[2 * i] = row[b & 15u];
+            vals[2 * i + 1] = row[b >> 4];
+        }
+        OUT* o = out + k * ostride;
+        if (transposed) {
+            o += (i64)g * 32 * ld + r;
+            #pragma unroll
+            for (int i = 0; i < 32; ++i) o[i * ld] = vals[i];
+        } else if (out_aligned) {
+            store_vec<OUT, 32>(o + (i64)r * ld + g * 32, vals);
+        } else {
+            o += (i64)r * ld + g * 32;
+            for (int i = 0; i < 32; ++i) o[i] = vals[i];
+        }
     }
 }
 
@@ -250,14 +197,12 @@ FP8_KERNEL(fp8_experts_bf16, BF16)
 FP8_KERNEL(fp8_experts_f16, F16)
 FP8_KERNEL(fp8_experts_f32, F32)
 
-#define FP4_KERNEL(NAME, S)                                                               \
-extern "C" __global__ void NAME(const i64* table, int kinds, int n, const S::T* lut,      \
-                                const u32* exact) {                                       \
-    fp4_kind<S>(table, kinds, n, blockIdx.y, lut, exact);                                 \
+extern "C" __global__ void fp4_experts_2(const i64* table, int kinds, int n, const u16* lut) {
+    fp4_kind<u16>(table, kinds, n, blockIdx.y, lut);
 }
-FP4_KERNEL(fp4_experts_bf16, BF16)
-FP4_KERNEL(fp4_experts_f16, F16)
-FP4_KERNEL(fp4_experts_f32, F32)
+extern "C" __global__ void fp4_experts_4(const i64* table, int kinds, int n, const u32* lut) {
+    fp4_kind<u32>(table, kinds, n, blockIdx.y, lut);
+}
 """
 SOURCE = _PRELUDE + _QUANTIZED
 """The FP8, FP4 and MXFP4 kernels."""
