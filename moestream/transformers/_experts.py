@@ -171,8 +171,9 @@ class ExpertStream:
         self._held: tuple[Any, Any, Routing] | None = None  # started, done, its calls
         self._weights = ExpertWeights(self.device, self.scales)
         self._host_weights = HostWeights(_held_experts(session) + group_experts)
-        # a GPU model held whole computes its layers with no host read of the routing
-        self._whole = WholeLayers(session, self.device) if self._cuda else None
+        # a model held whole computes its layers with no lease: on a GPU with no host read
+        # of the routing, on the host from views of the cache (``HostWeights.trusted``)
+        self._whole = WholeLayers(session, self.device)
 
     # -- the token boundary ----------------------------------------------------------------
 
@@ -203,18 +204,18 @@ class ExpertStream:
             done = torch.cuda.Event(enable_timing=True)
             done.record(stream)
             # this token's calls, their routing's copy to the host queued behind its work
-            routing = whole.take() if whole is not None else None
-            if self.defer and routing is not None and not self._leased:
+            routing = whole.take()
+            if self.defer and not self._leased:
                 self.flush()
                 self._held = (started, done, routing)  # ends at the next token's end
                 return self.last
             self.flush()
             done.synchronize()
             compute_ms = float(started.elapsed_time(done))
-            if whole is not None and routing is not None:  # counted now the device is done
-                whole.account(routing)
+            whole.account(routing)  # counted now the device is done
         else:
             self.flush()
+            whole.account(whole.take())
         return self._ended(compute_ms)
 
     def flush(self) -> None:
@@ -225,7 +226,6 @@ class ExpertStream:
             return
         started, done, routing = held
         done.synchronize()
-        assert self._whole is not None  # a token is held only where it served
         self._whole.account(routing)
         self._ended(float(started.elapsed_time(done)))
 
@@ -240,8 +240,7 @@ class ExpertStream:
         """Close the session (idempotent); the model cannot compute its experts after."""
         self._held = None  # a token held by a decode cut short: its end is not counted
         self._host_weights.clear()
-        if self._whole is not None:
-            self._whole.forget()
+        self._whole.forget()
         self.session.close()
 
     def __enter__(self) -> ExpertStream:
@@ -272,7 +271,7 @@ class ExpertStream:
     def forward(self, layer: int, module: Any, hidden: Any, top_k_index: Any,
                 top_k_weights: Any) -> Any:
         """The routed experts' output for ``hidden``, as the module's experts would give."""
-        if self._whole is not None and self.compute == "grouped" and layer not in self.scales:
+        if self._cuda and self.compute == "grouped" and layer not in self.scales:
             out = self._whole.forward(layer, module, hidden, top_k_index, top_k_weights,
                                       batched=self.batched)
             if out is not None:
@@ -290,9 +289,15 @@ class ExpertStream:
                                top_k_weights, pairs)
         if not self._cuda and layer not in self.scales and len(wanted) <= self.group_experts:
             # the host: each expert's products on the cache's own matrices, no stacked copy
+            period = self._whole.holding()
+            kept = period and self._host_weights.trusted(layer, wanted, module, period)
+            if kept:  # held whole: no lease, the hits counted at the token's end
+                out = host_grouped([kept], module, hidden, top_k_index, top_k_weights)
+                self._whole.remember(layer, top_k_index)
+                return out
             with leased(self.session, self.device, layer, wanted, hint) as batches:
-                return host_grouped(batches, self._host_weights, module, hidden, top_k_index,
-                                    top_k_weights)
+                return host_grouped(self._host_weights.leased(batches, module, period), module,
+                                    hidden, top_k_index, top_k_weights)
         return grouped(self.arrivals(layer, wanted, hint), self._weights, module, hidden,
                        top_k_index, top_k_weights)
 

@@ -8,12 +8,18 @@ costs each layer are the host backend's largest part of an experts call holding 
 expert. :class:`HostWeights` keeps each cached expert's torch views while the cache keeps it
 in place; :func:`host_grouped` is ``grouped_mm_experts_forward`` with the grouped products
 taken one expert at a time as its weights arrive.
+
+A model held whole (``WholeLayers.holding``: the budget holds every expert and all are
+cached) needs no lease a call: nothing can evict or move an expert, so the views made while
+that lasts stay true, and :meth:`HostWeights.trusted` gives a call's views with no lease
+(the session is told of the hits at the token's end, ``SyncSession.used``). A lease made
+and released a call was most of what holding every expert cost over the resident model.
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -44,18 +50,22 @@ class HostWeights:
 
     def __init__(self, capacity: int) -> None:
         self.capacity = max(1, capacity)
-        self._views: dict[tuple[int, int], tuple[int, Views, Any]] = {}
+        # (layer, expert): where, views, dtype, the held-whole period they were made in
+        self._views: dict[tuple[int, int], tuple[int, Views, Any, int]] = {}
 
-    def of(self, handle: ExpertHandle, dtype: Any, transposed: bool) -> Views:
+    def of(self, handle: ExpertHandle, dtype: Any, transposed: bool, period: int = 0) -> Views:
         """``handle``'s first projection and down as the products' right operands (see
         ``Views``), in ``dtype``: views of the cache, cast (copied, and not kept) only when
         the cache holds another dtype. An expert's three matrices lie in one buffer at
-        fixed offsets, so its gate's address says where all three are."""
+        fixed offsets, so its gate's address says where all three are. ``period``: the
+        held-whole period the lease is in (0: none), which a kept view remembers."""
         gate, up, down = handle.matrices
         where = gate.ptr
         key = (handle.layer, handle.expert)
         known = self._views.get(key)
         if known is not None and known[0] == where and known[2] is dtype:
+            if known[3] != period:
+                self._views[key] = (where, known[1], dtype, period)
             return known[1]
         first, second = _joined(gate, up, dtype), view(down, dtype)
         views = (first, second) if transposed else (first.t(), second.t())
@@ -64,8 +74,30 @@ class HostWeights:
         self._views.pop(key, None)
         if len(self._views) >= self.capacity:
             self._views.pop(next(iter(self._views)))
-        self._views[key] = (where, views, dtype)
+        self._views[key] = (where, views, dtype, period)
         return views
+
+    def leased(self, batches: Iterable[Sequence[ExpertHandle]], module: Any, period: int = 0
+               ) -> Iterator[list[tuple[int, Views]]]:
+        """Each batch of leased handles as (expert, views) for ``module``'s products."""
+        dtype, transposed = _operands(module)
+        for batch in batches:
+            yield [(h.expert, self.of(h, dtype, transposed, period)) for h in batch]
+
+    def trusted(self, layer: int, experts: Sequence[int], module: Any, period: int
+                ) -> list[tuple[int, Views]] | None:
+        """The experts' kept views for ``module`` if every one was made (or seen again
+        under a lease) in the held-whole ``period`` now running, which no eviction or move
+        can have outdated; else None (the call takes a lease)."""
+        dtype, _ = _operands(module)
+        views = self._views
+        out = []
+        for expert in experts:
+            known = views.get((layer, expert))
+            if known is None or known[3] != period or known[2] is not dtype:
+                return None
+            out.append((expert, known[1]))
+        return out
 
     def clear(self) -> None:
         """Drop every view (the session is closing)."""
@@ -86,11 +118,16 @@ def _joined(gate: Any, up: Any, dtype: Any) -> Any:
     return torch.cat((first, second))
 
 
-def host_grouped(batches: Iterable[Sequence[ExpertHandle]], weights: HostWeights,
-                 module: Any, hidden: Any, top_k_index: Any, top_k_weights: Any) -> Any:
+def _operands(module: Any) -> tuple[Any, bool]:
+    """The dtype the module computes in and whether its experts are stored transposed."""
+    return module.down_proj.dtype, bool(getattr(module, "is_transposed", False))
+
+
+def host_grouped(batches: Iterable[Sequence[tuple[int, Views]]], module: Any, hidden: Any,
+                 top_k_index: Any, top_k_weights: Any) -> Any:
     """The experts' output for ``hidden`` as transformers' ``grouped_mm_experts_forward``
-    gives it, each expert's group of rows computed as its handle arrives in ``batches``
-    (all of the call's experts, in one lease).
+    gives it, each expert's group of rows computed as its views arrive in ``batches``
+    (every expert of the call: ``HostWeights.leased`` or ``HostWeights.trusted``).
 
     A decode step's call is a few dozen microseconds of torch dispatch around its products,
     so each step is the cheapest op that moves the same values: one read of the sorted ids
@@ -102,16 +139,14 @@ def host_grouped(batches: Iterable[Sequence[ExpertHandle]], weights: HostWeights
     expert_ids_g, perm = torch.sort(top_k_index.reshape(-1))
     group, sizes = _groups(expert_ids_g.tolist())
     dtype = module.down_proj.dtype
-    transposed = bool(getattr(module, "is_transposed", False))
     selected = hidden.index_select(0, perm.div(top_k, rounding_mode="floor")).to(dtype)
     rows = selected.split_with_sizes(sizes)
     held: list[tuple[int, Any]] = []
     proj: Any = None
     parts: Any = None
     for batch in batches:
-        for h in batch:
-            first, down = weights.of(h, dtype, transposed)
-            i = group[h.expert]
+        for expert, (first, down) in batch:
+            i = group[expert]
             if proj is None:
                 proj = selected.new_empty((selected.size(0), first.shape[1]))
                 parts = proj.split_with_sizes(sizes)

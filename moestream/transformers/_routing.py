@@ -103,6 +103,9 @@ class WholeLayers:
                         for layer in info.moe_layers]
         self._tables: dict[tuple[int, Any], _Table | None] = {}
         self._whole: bool | None = None
+        self.period = 0
+        """How many times the model came to be held whole: views of the cache made while
+        one period lasts stay true through it (nothing can move an expert meanwhile)."""
         self._pending: list[tuple[int, Any]] = []  # each call's layer and routing
         self._complete: Any = None
 
@@ -129,12 +132,20 @@ class WholeLayers:
             return self.batched(layer, table, module, hidden, top_k_index, top_k_weights)
         return self.grouped(layer, table, module, hidden, top_k_index, top_k_weights)
 
+    def holding(self) -> int:
+        """The held-whole period now (``period``), or 0 while the model is not held whole:
+        asked of the session once a token until it holds. On the host backend a call is
+        served with no lease from views of the cache made in this period
+        (``HostWeights.trusted``), and counted at the token's end as here."""
+        if self._whole is None:  # asked once a token until it holds
+            self._whole = self._holds_every_expert()
+            self.period += self._whole
+        return self.period if self._whole else 0
+
     def _table(self, layer: int, dtype: Any, first_shape: tuple[int, ...],
                down_shape: tuple[int, ...]) -> _Table | None:
         """The layer's table for ``dtype``, made now (``forward`` asks once a dtype)."""
-        if self._whole is None:  # asked once a token until it holds
-            self._whole = self._holds_every_expert()
-        if not self._whole:
+        if not self.holding():
             return None
         made = self._make(layer, self.session.model.layers[layer].n_experts, dtype)
         if made is not None and not made.accept(first_shape, down_shape, dtype):
@@ -195,7 +206,7 @@ class WholeLayers:
 
         out = slotted_grouped(module, hidden, top_k_index, top_k_weights, table.experts,
                               gather, table.first_shape, table.down_shape)
-        self._remember(layer, top_k_index)
+        self.remember(layer, top_k_index)
         return out
 
     def batched(self, layer: int, table: _Table, module: Any, hidden: Any, top_k_index: Any,
@@ -209,7 +220,7 @@ class WholeLayers:
         down = torch.empty((slots.numel(), *table.down_shape), dtype=dtype, device=self.device)
         self._gather(table, slots, first, down)
         out = batched_mm(module, first, down, hidden, top_k_index, top_k_weights)
-        self._remember(layer, top_k_index)
+        self.remember(layer, top_k_index)
         return out
 
     def _gather(self, table: _Table, slots: Any, first: Any, down: Any) -> None:
@@ -224,9 +235,9 @@ class WholeLayers:
         backend needs none)."""
         return current_stream(self.device) if self.device.type == "cuda" else None
 
-    def _remember(self, layer: int, top_k_index: Any) -> None:
-        """The call's routing, kept on the device until the token's :meth:`take` (a router
-        makes a new tensor each call: nothing writes it meanwhile)."""
+    def remember(self, layer: int, top_k_index: Any) -> None:
+        """A call served with no lease: its routing, kept (on the device) until the token's
+        :meth:`take` (a router makes a new tensor each call: nothing writes it meanwhile)."""
         self._pending.append((layer, top_k_index))
 
     def take(self) -> Routing:

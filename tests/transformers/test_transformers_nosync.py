@@ -163,6 +163,87 @@ class TestWholeLayersOnTheHost:
             model.moestream.close()
 
 
+def _fetches(model: Any, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The layers the model's session leased (each ``fetch``), as they are asked."""
+    session = model.moestream.session
+    asked: list[int] = []
+    fetch = session.fetch
+
+    def counted(layer: int, *args: Any, **kwargs: Any) -> Any:
+        asked.append(layer)
+        return fetch(layer, *args, **kwargs)
+
+    monkeypatch.setattr(session, "fetch", counted)
+    return asked
+
+
+def _greedy(model: Any, tokens: int = 6) -> tuple[list[int], list[Any]]:
+    """Greedy tokens and the per-token stats moestream counted for them."""
+    stats: list[Any] = []
+    model.moestream.on_token = stats.append
+    with torch.no_grad():
+        out = model.generate(torch.tensor(PROMPT), max_new_tokens=tokens, do_sample=False)
+    return out[0].tolist(), stats
+
+
+class TestHostHeldWhole:
+    """On the host backend a model held whole computes its calls from views of the cache
+    with no lease (``HostWeights.trusted``), its hits told at the token's end: the same
+    tokens as the resident model, the same counts as leasing every call."""
+
+    @pytest.mark.parametrize("kind", list(ARCHS))
+    def test_no_lease_same_tokens_and_counts(self, checkpoints: dict[str, Path], kind: str,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+        resident = transformers.AutoModelForCausalLM.from_pretrained(
+            checkpoints[kind], experts_implementation="grouped_mm")
+        with torch.no_grad():
+            want = resident.generate(torch.tensor(PROMPT), max_new_tokens=6,
+                                     do_sample=False)[0].tolist()
+        counted = []
+        for lease_free in (True, False):
+            model = _held_whole(checkpoints[kind], "cpu")
+            try:
+                if not lease_free:
+                    monkeypatch.setattr(model.moestream._whole, "holding", lambda: 0)
+                _greedy(model)  # each expert the run routes to seen under a lease, once
+                asked = _fetches(model, monkeypatch)
+                tokens, stats = _greedy(model)
+                assert tokens == want
+                assert (asked == []) is lease_free
+                counted.append([(s.hits, s.misses, s.experts) for s in stats])
+            finally:
+                model.moestream.close()
+        assert counted[0] == counted[1]
+
+    def test_a_new_period_trusts_only_views_seen_in_it(
+            self, checkpoints: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+        """A period ended (``forget``, as when the budget shrinks below every expert): the
+        views kept from it are not trusted in the next; the calls lease until each expert
+        was seen again where the cache holds it now, then none does."""
+        resident = transformers.AutoModelForCausalLM.from_pretrained(
+            checkpoints["qwen3_moe"], experts_implementation="grouped_mm")
+        with torch.no_grad():
+            want = resident.generate(torch.tensor(PROMPT), max_new_tokens=6,
+                                     do_sample=False)[0].tolist()
+        model = _held_whole(checkpoints["qwen3_moe"], "cpu")
+        try:
+            whole = model.moestream._whole
+            _greedy(model)
+            period = whole.holding()
+            assert period
+            whole.forget()
+            asked = _fetches(model, monkeypatch)
+            tokens, _ = _greedy(model)  # the views seen again under leases, in a new period
+            assert tokens == want
+            assert set(asked) == set(model.moestream.session.model.moe_layers)
+            assert whole.holding() == period + 1
+            asked.clear()
+            tokens, _ = _greedy(model)
+            assert tokens == want and asked == []
+        finally:
+            model.moestream.close()
+
+
 class _Event:
     """A CUDA event's stand-in on the host: its waits counted."""
 
@@ -210,6 +291,7 @@ class TestDeferredTokenEnds:
         monkeypatch.setattr(experts_module, "current_stream", lambda device: None)
         model = mt.from_pretrained(checkpoints["qwen3_moe"], device="cpu")
         stream = model.moestream
+        real = stream._whole
         try:
             whole = _Whole()
             stream._cuda, stream._whole, stream.defer = True, whole, True
@@ -237,7 +319,7 @@ class TestDeferredTokenEnds:
             assert whole.accounted[-1] == ["e"] and stream.tokens - tokens == 5
             assert stream._held is None
         finally:
-            stream._whole = None
+            stream._whole = real
             model.moestream.close()
 
 
