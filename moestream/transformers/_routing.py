@@ -17,6 +17,12 @@ to pinned host memory in one transfer behind an event (:meth:`WholeLayers.take`)
 the token's device work is done, to count its layers' hits in the session
 (:meth:`WholeLayers.account`). The per-token host cost is what limits a model held whole
 (its device work queued ahead): launches and accounting are kept few a token, not a layer.
+
+On the host backend there is no routing to keep on a device, but the same holds: a model
+held whole needs no lease a call. :meth:`WholeLayers.holding` says when (and which held-whole
+period it is, so that views of the cache made before an eviction could move an expert are
+not trusted), the experts call computes from views of the cache, and its routing is counted
+at the token's end as here.
 """
 
 from __future__ import annotations
@@ -85,7 +91,8 @@ class _Table:
 class WholeLayers:
     """The slot tables of one CUDA model's layers, once the cache holds every expert of the
     model within a budget that holds them all: no miss can come, so nothing is evicted and
-    the tables stay true.
+    the tables stay true (on the host: whether the model is held whole, and the calls
+    served without a lease).
 
     Args:
         session: the model's session (CuPy backend).
