@@ -5,7 +5,8 @@
 #   1. the dequantization kernels: GPU tests and bench.dequant against a base tree
 #      (bench/gpu_kernels.sh, two rounds) -> $OUT/kernels.tgz
 #   2. FP8 against BF16 on the --spread models, 3 GiB: misses by the copy engines
-#      (--no-gather), then by the gather kernel; no reference run (tokens were checked before) -> $OUT/gather.tgz, copies.tgz
+#      (--no-gather), then by the gather kernel; no reference run (tokens were checked
+#      before) -> $OUT/copies.tgz, gather.tgz
 #   3. bench.transformers on the BF16 --spread model: resident, all, warm, predict,
 #      alternate -> $OUT/transformers.tgz
 # (each step's files tarred as it ends: the device tool returns at most 8 files)
