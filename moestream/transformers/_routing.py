@@ -105,7 +105,9 @@ class WholeLayers:
         info = session.model
         self._total = sum(info.layers[layer].n_experts * info.layers[layer].expert_bytes
                           for layer in info.moe_layers)
-        self._one_device = len(session.devices) == 1  # a session's devices are fixed
+        # a session's devices are fixed and its budget only shrinks (on a device's out of
+        # memory): once either rules the model out, it is never held whole
+        self._never = len(session.devices) != 1
         self._layers = [(layer, range(info.layers[layer].n_experts))
                         for layer in info.moe_layers]
         self._tables: dict[tuple[int, Any], _Table | None] = {}
@@ -167,7 +169,8 @@ class WholeLayers:
         The layers are asked from the one that was not yet ready last time: while the
         cache fills, a token's answer is most often its first query, not one a layer."""
         session = self.session
-        if not self._one_device or session.counters().budget_bytes < self._total:
+        if self._never or session.counters().budget_bytes < self._total:
+            self._never = True
             return False
         layers = self._layers
         for i, (layer, experts) in enumerate(layers):
@@ -272,7 +275,7 @@ class WholeLayers:
                                for layer, n, end in zip(routing.layers, routing.sizes, ends,
                                                         strict=True)], after=self._done())
         if not self._whole:
-            self._whole = None
+            self._whole = False if self._never else None  # asked again unless it never can
         elif self.session.counters().budget_bytes < self._total:
             self.forget()
 

@@ -41,6 +41,7 @@ class _Session:
         self.asked: list[int] = []
 
     def counters(self) -> Any:
+        self.counted = getattr(self, "counted", 0) + 1
         return SimpleNamespace(budget_bytes=self.budget_bytes)
 
     def ready(self, layer: int, experts: range) -> bool:
@@ -69,6 +70,16 @@ class TestHoldsEveryExpert:
         session = _Session([1, 2, 3], budget_bytes=3 * 4 * EXPERT_BYTES - 1)
         assert not _whole(session)._holds_every_expert()
         assert session.asked == []
+
+    def test_a_budget_below_every_expert_is_asked_once_a_session(self) -> None:
+        """A budget only shrinks (a device's out of memory): once below every expert, the
+        tokens after ask nothing (the host path's every token ends in ``account``)."""
+        session = _Session([1, 2, 3], budget_bytes=3 * 4 * EXPERT_BYTES - 1)
+        whole = _whole(session)
+        for _ in range(3):
+            assert whole.holding() == 0
+            whole.account(whole.take())
+        assert session.counted == 1 and session.asked == []
 
     def test_several_devices_ask_nothing(self) -> None:
         session = _Session([1, 2, 3], budget_bytes=1 << 30, devices=(0, 1))
