@@ -8,10 +8,14 @@ GPU, moestream's per-layer and per-token Python adds to them. This loads the che
 ``--tokens`` greedy tokens plain, then again under ``cProfile``, and prints the functions
 with the most time of their own and the most time under them; ``--resident`` does the same
 for transformers' resident model first, in the same process. Profiling slows Python about
-twice: read the shares, not the times.
+twice: read the shares, not the times. ``--timeline`` adds one more generate under the torch
+profiler, reduced to the device's busy times a token (``bench.timeline``): whether the
+uploads overlap the kernels; ``--prefetch predict`` loads as ``from_pretrained``'s does.
 
     python -m bench.experts_profile -m qwen3-30b-a3b-8l --device cuda --out profile.txt
     python -m bench.experts_profile -m spread-8l --budget 1.5GiB --fresh   # the miss path
+    python -m bench.experts_profile -m spread-8l --budget 1.5GiB --fresh --timeline \
+        --prefetch predict --out predict.txt        # and predict.trace.json.gz
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from bench.timeline import profiled_timeline
 from bench.transformers import _fill_cache, _generate, add_gather_argument, tuning_of
 
 __all__ = ["main"]
@@ -101,8 +106,19 @@ def _measured(name: str, model: Any, device: Any, args: argparse.Namespace) -> s
     began = time.perf_counter()
     report = _profiled(model, next(prompts), args.tokens, device, args.top)
     profiled = time.perf_counter() - began
+    timeline = ""
+    if args.timeline:
+        prompt = next(prompts)
+        keep = args.out.with_suffix(".trace.json.gz") if args.out is not None else None
+        began = time.perf_counter()
+        found = profiled_timeline(lambda: _generate(model, prompt, args.tokens, device),
+                                  args.tokens, keep)
+        wall = 1000 * (time.perf_counter() - began) / args.tokens
+        timeline = (f"-- timeline (ms a token; {wall:.2f} wall under the profiler): "
+                    + ", ".join(f"{k} {v:.2f}" for k, v in found.items()) + "\n")
     return (f"== {name} ({args.model}): {len(tokens) / seconds:.1f} tok/s plain, "
-            f"{args.tokens / profiled:.1f} tok/s profiled, device {device}\n{threads}{report}")
+            f"{args.tokens / profiled:.1f} tok/s profiled, device {device}\n{timeline}"
+            f"{threads}{report}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -121,6 +137,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--mode", choices=["auto", "direct", "resident"], default="auto",
                    help="moestream's I/O mode (auto)")
     add_gather_argument(p)
+    p.add_argument("--prefetch", choices=["none", "predict"], default="none",
+                   help="from_pretrained's prefetch= (none)")
+    p.add_argument("--timeline", action="store_true", help="one more generate under the torch "
+                   "profiler, summarized as the device's busy times a token (bench.timeline); "
+                   "with --out, its trace kept beside it (.trace.json.gz)")
     p.add_argument("--fresh", action="store_true", help="a prompt of its own for each generate "
                    "(default: the same one): with --budget on a --spread model, the timed "
                    "and profiled tokens miss as a new text's would")
@@ -140,7 +161,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         text += _measured("resident", resident, device, args)
         del resident
     with from_pretrained(args.model, device=device, budget=args.budget,
-                         mode=args.mode, tuning=tuning_of(args)) as model:
+                         mode=args.mode, tuning=tuning_of(args),
+                         prefetch=args.prefetch) as model:
         if args.budget is None:
             _fill_cache(model.moestream)
         text += _measured("moestream", model, device, args)
