@@ -55,9 +55,11 @@ from bench.transformers import (
     add_run_arguments,
     add_sample_argument,
     add_spread_argument,
+    add_warmup_argument,
     make_checkpoint,
     run_moestream,
     summary,
+    warmed,
 )
 from moestream.pipeline.foundation.config import Budget, parse_size
 from moestream.pipeline.foundation.table import ExpertTable, open_table
@@ -232,7 +234,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "deepseek-v4-flash")
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--tokens", type=int, default=16)
-    p.add_argument("--warmup", type=int, default=4)
+    add_warmup_argument(p)
     p.add_argument("--repeat", type=int, default=3, help="timed generates a run (the median "
                    "is its tokens/s)")
     p.add_argument("--prompt-ids", default="1,2,3,4")
@@ -333,7 +335,7 @@ def _ratios(results: dict[str, dict[str, Any]], fmt: str, moe_layers: int
 def main(argv: list[str] | None = None) -> int:
     import torch
 
-    args = build_parser().parse_args(argv)
+    args = warmed(build_parser().parse_args(argv))
     allowed = SHAPES if args.format == "fp8" else MADE_SHAPES
     if args.shape not in allowed:
         build_parser().error(f"--shape {args.shape} is not a {args.format} shape "

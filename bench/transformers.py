@@ -400,6 +400,19 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", type=Path, help="also write the JSON here")
 
 
+def add_warmup_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--warmup", type=int, help="tokens of the untimed generate before a run's "
+                   "timed ones (default: as many as --tokens; a shorter one left the first "
+                   "timed generate of a run at a fraction of the next ones' speed on a GPU)")
+
+
+def warmed(args: argparse.Namespace) -> argparse.Namespace:
+    """``args`` with ``--warmup`` defaulted to ``--tokens``."""
+    if args.warmup is None:
+        args.warmup = args.tokens
+    return args
+
+
 def add_gather_argument(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-gather", action="store_true", help="resident misses always on the "
                    "copy engines (Tuning(gather=False)), never the gather kernel on the SMs "
@@ -430,7 +443,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shape", default="tiny", choices=list(SHAPES))
     p.add_argument("--layers", type=int, default=2, help="layers of --make's model (2)")
     p.add_argument("--tokens", type=int, default=16, help="tokens timed (16)")
-    p.add_argument("--warmup", type=int, default=4, help="tokens generated first (4)")
+    add_warmup_argument(p)
     p.add_argument("--repeat", type=int, default=3, help="timed generates a run (3): their "
                    "median, each and the spread are reported")
     p.add_argument("--cache-share", type=float, help="the warm and cold runs' cache: this "
@@ -447,7 +460,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = warmed(build_parser().parse_args(argv))
     return report_main("bench.transformers", lambda: _bench(args), args.out,
                        lambda report: bool(report["identical_tokens"]))
 
