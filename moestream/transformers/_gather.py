@@ -25,10 +25,16 @@ _SOURCE = r"""
 // row); a slot of -1 (fewer distinct experts than slots) is an empty group, left unwritten
 __device__ void copy_bytes(unsigned char* dst, const unsigned char* src, long long n,
                            long long start, long long step) {
-  if ((((unsigned long long)dst | (unsigned long long)src | (unsigned long long)n) & 15) == 0) {
+  unsigned long long bits = (unsigned long long)dst | (unsigned long long)src
+                           | (unsigned long long)n;
+  if ((bits & 15) == 0) {
     const uint4* s = (const uint4*)src;
     uint4* d = (uint4*)dst;
     for (long long i = start; i < n / 16; i += step) d[i] = s[i];
+  } else if ((bits & 7) == 0) {  // a file mapping's tensors: safetensors pads to 8 bytes
+    const uint2* s = (const uint2*)src;
+    uint2* d = (uint2*)dst;
+    for (long long i = start; i < n / 8; i += step) d[i] = s[i];
   } else {
     for (long long i = start; i < n; i += step) dst[i] = src[i];
   }
