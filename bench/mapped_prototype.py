@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     fresh = _prompts(True)
     warm = [next(fresh) for _ in range(2)]  # fill the cache by the lease path
     timed = [next(fresh) for _ in range(args.repeat)]  # texts of their own: misses
-    resident = transformers.AutoModelForCausalLM.from_pretrained(
+    resident: Any = transformers.AutoModelForCausalLM.from_pretrained(
         args.model, experts_implementation="grouped_mm").to(device)
     _generate(resident, warm[0], args.tokens, device)  # the process's warm-up
     runs = [_generate(resident, prompt, args.tokens, device) for prompt in timed]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 from hypothesis import given
@@ -17,7 +18,7 @@ _spans = st.lists(st.tuples(st.integers(0, 1000), st.integers(0, 100)).map(
 def test_busy_is_the_union(spans: list[tuple[float, float]]) -> None:
     """Disjoint, sorted, and covering exactly the integer points the spans cover."""
     merged = busy(spans)
-    assert all(a[1] < b[0] for a, b in zip(merged, merged[1:], strict=False))
+    assert all(a[1] < b[0] for a, b in itertools.pairwise(merged))
     covered = {x for s, e in spans for x in range(int(s), int(e))}
     assert covered == {x for s, e in merged for x in range(int(s), int(e))}
 
