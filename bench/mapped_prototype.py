@@ -122,7 +122,8 @@ def main(argv: list[str] | None = None) -> int:
     warm = [next(fresh) for _ in range(2)]  # fill the cache by the lease path
     timed = [next(fresh) for _ in range(args.repeat)]  # texts of their own: misses
     resident: Any = transformers.AutoModelForCausalLM.from_pretrained(
-        args.model, experts_implementation="grouped_mm").to(device)
+        args.model, experts_implementation="grouped_mm")
+    resident.to(device)
     _generate(resident, warm[0], args.tokens, device)  # the process's warm-up
     runs = [_generate(resident, prompt, args.tokens, device) for prompt in timed]
     references = [",".join(map(str, tokens)) for tokens, _ in runs]
