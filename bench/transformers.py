@@ -16,6 +16,9 @@ in these runs (``--runs`` picks some):
   (``x_disk_floor``: O_DIRECT reads of the checkpoint's first GiB on 8 threads);
 - ``predict``: ``warm`` with ``prefetch="predict"`` (each MoE layer hints the experts the
   next layer's router picks for its input), with the guesses' counts;
+- ``in_place``: ``warm`` with ``in_place=True`` (once the cache is full, each decode step
+  reads the experts it lacks in place from the registered page-cache mapping, no host read
+  of the routing: resident mode);
 - ``all``: moestream with a budget that holds every expert, every expert fetched once and
   a warm-up generate before timing;
 - ``alternate``: the resident model and ``all``'s moestream model loaded together, their
@@ -61,7 +64,8 @@ from moestream.pipeline.foundation.safetensors_table import is_routed
 
 __all__ = ["main"]
 
-RUNS = ("resident", "eager", "accelerate", "warm", "cold", "predict", "all", "alternate")
+RUNS = ("resident", "eager", "accelerate", "warm", "cold", "predict", "in_place", "all",
+        "alternate")
 SHAPES: dict[str, dict[str, Any]] = {
     "tiny": dict(hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
                  num_experts=8, num_experts_per_tok=2, num_attention_heads=4,
@@ -252,7 +256,7 @@ def run_accelerate(args: argparse.Namespace, prompt: Any, device: Any,
 
 def run_moestream(args: argparse.Namespace, prompt: Any, device: Any, reference: str | None,
                   *, budget: Budget | None, cold: bool, log: Path | None = None,
-                  prefetch: str = "none") -> dict[str, Any]:
+                  prefetch: str = "none", in_place: bool = False) -> dict[str, Any]:
     """moestream's run: one load timed ``--repeat`` times holding every expert (``budget``
     None), else a fresh load a timed generate (the previous one would have warmed the
     cache)."""
@@ -263,7 +267,8 @@ def run_moestream(args: argparse.Namespace, prompt: Any, device: Any, reference:
     last: Any = None
     for _ in range(loads):
         done, last = _moestream_load(args, prompt, device, budget=budget, cold=cold,
-                                     repeat=per_load, parts=parts, log=log, prefetch=prefetch)
+                                     repeat=per_load, parts=parts, log=log, prefetch=prefetch,
+                                     in_place=in_place)
         timings += done["timings"]
         hits, misses = hits + done["hits"], misses + done["misses"]
         file_bytes += done["file_bytes"]
@@ -321,7 +326,8 @@ def run_alternate(args: argparse.Namespace, prompt: Any, device: Any, reference:
 def _moestream_load(args: argparse.Namespace, prompt: Any, device: Any, *,
                     budget: Budget | None, cold: bool, repeat: int,
                     parts: dict[str, float], log: Path | None = None,
-                    prefetch: str = "none") -> tuple[dict[str, Any], Any]:
+                    prefetch: str = "none", in_place: bool = False
+                    ) -> tuple[dict[str, Any], Any]:
     """One moestream model loaded, warmed (unless ``cold``) and timed ``repeat`` times; its
     token time split added into ``parts``. Returns the timings and counts, and the
     session's last counters."""
@@ -335,7 +341,7 @@ def _moestream_load(args: argparse.Namespace, prompt: Any, device: Any, *,
             make_resident(shard)
     _peak_reset(device)
     model = from_pretrained(args.model, budget=budget, device=device, mode=args.mode, log=log,
-                            prefetch=prefetch, tuning=tuning_of(args))
+                            prefetch=prefetch, in_place=in_place, tuning=tuning_of(args))
     stream = model.moestream
     try:
         if budget is None:  # every expert on the device before timing
@@ -501,6 +507,8 @@ def _bench(args: argparse.Namespace) -> dict[str, Any]:
         "cold": lambda: run_moestream(args, prompt, device, reference, budget=fits, cold=True),
         "predict": lambda: run_moestream(args, prompt, device, reference, budget=fits,
                                          cold=False, prefetch="predict"),
+        "in_place": lambda: run_moestream(args, prompt, device, reference, budget=fits,
+                                          cold=False, in_place=True),
         "all": lambda: run_moestream(args, prompt, device, reference, budget=None, cold=False),
         "alternate": lambda: run_alternate(args, prompt, device, reference),
     }

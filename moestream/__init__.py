@@ -60,6 +60,7 @@ if TYPE_CHECKING:
 # first) or ``moestream.pipeline.foundation.errors`` does not pull in the whole library
 _EXPORTS = {
     "ExpertHandle": "moestream._handles",
+    "InPlace": "moestream._handles",
     "Matrix": "moestream._handles",
     "wait_uploads": "moestream._handles",
     "Counters": "moestream._stats",
@@ -112,6 +113,7 @@ __all__ = [
     "ExpertHandle",
     "ExpertLayoutError",
     "ExpertQuant",
+    "InPlace",
     "LayerInfo",
     "Lease",
     "Matrix",

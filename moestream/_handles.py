@@ -10,6 +10,7 @@ must not be read after the release, as with any borrowed buffer.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -23,7 +24,7 @@ from moestream.pipeline.foundation.table import MoeLayer
 from moestream.pipeline.streaming.lease import Arrival, LayerLease
 from moestream.stages.layout import plan_expert
 
-__all__ = ["ExpertHandle", "Matrix", "wait_uploads"]
+__all__ = ["ExpertHandle", "InPlace", "Matrix", "wait_uploads"]
 
 _LANDED = HostEvent()
 """The event of an expert whose bytes were on the device before it was handed out."""
@@ -417,3 +418,23 @@ def wait_uploads(handles: Iterable[ExpertHandle], stream: StreamLike = None) -> 
             pending.add(id(event))
             wait_on(event, stream)
     return len(pending)
+
+
+@dataclass(frozen=True, slots=True)
+class InPlace:
+    """Where experts of one layer lie in the model file's page-cache mapping, for the
+    session's device to read them in place (``SyncSession.in_place``).
+
+    Why: an engine that computes from a device table of addresses (a kernel that copies
+    each routed expert's weights by it) can read an expert the cache does not hold straight
+    from the registered mapping, so its experts call needs no host read of the routing and
+    no load. ``addresses`` holds each asked expert's ranges' addresses in the mapping, in
+    their order (gate, up, down, as the cache's matrices), ``sizes`` their bytes; they stay
+    readable while ``SyncSession.in_place_current`` says so (the session leaves resident
+    mode only after the whole device has synchronized).
+    """
+
+    layer: int
+    addresses: tuple[tuple[int, ...], ...]
+    sizes: tuple[tuple[int, ...], ...]
+    mapping: Any

@@ -16,7 +16,7 @@ from types import TracebackType
 from typing import Any, Self, TypeVar
 
 from moestream._args import ExpertIds, Index, engine_ms, expert_ids, index, milliseconds
-from moestream._handles import LeaseShared
+from moestream._handles import InPlace, LeaseShared
 from moestream._lease import After, Lease, LeaseBase, pins_held
 from moestream._model_info import ModelInfo, Router
 from moestream._stats import Counters, TokenStats, counters_of, token_stats
@@ -308,6 +308,24 @@ class Session:
     def _ready(self, layer: Index, experts: ExpertIds) -> bool:
         layer = index(layer, "layer")
         return self._streaming.all_ready(layer, expert_ids(experts, layer))
+
+    def _in_place(self, layer: Index, experts: ExpertIds) -> InPlace | None:
+        layer = index(layer, "layer")
+        found = self._streaming.in_place(layer, expert_ids(experts, layer))
+        if found is None:
+            return None
+        mapping, rows, sizes = found
+        return InPlace(layer, tuple(rows), tuple(sizes), mapping)
+
+    def _in_place_current(self, view: InPlace) -> bool:
+        return self._streaming.in_place_current(view.mapping)
+
+    def _used_in_place(self, calls: list[tuple[Index, ExpertIds]]) -> None:
+        if self._drops:
+            self._release_drops()
+        for layer, experts in calls:
+            at = index(layer, "layer")
+            self._streaming.use_in_place(at, expert_ids(experts, at))
 
     def prefetch(self, layer: Index, experts: ExpertIds) -> int:
         """Hint: start loading experts a later layer will likely fetch (those not cached,

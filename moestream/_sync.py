@@ -36,7 +36,7 @@ from typing import Any, TypeVar
 import structlog
 
 from moestream._args import ExpertIds, Index
-from moestream._handles import ExpertHandle, LeaseShared
+from moestream._handles import ExpertHandle, InPlace, LeaseShared
 from moestream._lease import After, LeaseBase
 from moestream._loop_thread import LoopThread
 from moestream._model_info import ModelInfo, Router
@@ -312,6 +312,35 @@ class SyncSession:
     def ready(self, layer: Index, experts: ExpertIds) -> bool:
         """As ``Session.ready`` (on the caller's thread)."""
         return self._thread.query(self._session._ready, layer, experts)
+
+    def in_place(self, layer: Index, experts: ExpertIds) -> InPlace | None:
+        """Where ``experts`` of ``layer`` lie for the session's device to read in place
+        (``InPlace``): a query, no pin, no count. None unless each can be read so now: one
+        device, resident mode, a backend that maps registered host memory (a GPU's where
+        the driver allows it; the host backend), every range in a registered window.
+
+        Raises:
+            UsageError: a bad layer or expert, as ``fetch``.
+        """
+        return self._thread.query(self._session._in_place, layer, experts)
+
+    def in_place_current(self, view: InPlace) -> bool:
+        """Whether ``view``'s addresses may still be read: the session is in resident mode
+        over the mapping they were taken from. A switch to direct mode (the controller,
+        at a token's end) synchronizes the whole device before it releases the mapping, so
+        work queued before the switch reads it safely; nothing queued after may."""
+        return self._thread.query(self._session._in_place_current, view)
+
+    def used_in_place(self, uses: Iterable[tuple[Index, ExpertIds]]) -> None:
+        """Count experts an engine read in place (``in_place``) for its compute, a token's
+        in one hop: misses whose bytes came from the file's pages (``file_bytes``), each
+        once in the token; nothing is loaded, pinned or evicted (``used`` would load them).
+
+        Raises:
+            UsageError: a bad layer or expert, as ``fetch``.
+        """
+        self._thread.call(self._session._used_in_place,
+                          [(layer, experts) for layer, experts in uses])
 
     def end_token(self, *, compute_ms: float | Sequence[float] | None = None,
                   upload_ms: float = 0.0) -> TokenStats:

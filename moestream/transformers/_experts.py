@@ -129,12 +129,16 @@ class ExpertStream:
         next_routers: per MoE layer, the next one's router: its calls hint the experts
             that router picks for their hidden state (``prefetch="predict"``,
             ``_prefetch.py``); None or empty: no hints.
+        in_place: on a GPU, once the cache is full, serve grouped calls with no lease: the
+            cached experts by their cache addresses, the others read in place from the
+            registered page-cache mapping (``WholeLayers``, ``SyncSession.in_place``).
     """
 
     def __init__(self, session: SyncSession, device: Any, *, compute: Compute,
                  group_experts: int,
                  scales: Mapping[int, LayerScales | GgufExperts] | None = None,
-                 next_routers: Mapping[int, NextRouter] | None = None) -> None:
+                 next_routers: Mapping[int, NextRouter] | None = None,
+                 in_place: bool = False) -> None:
         if compute not in COMPUTES:
             raise UsageError(f"compute must be one of {', '.join(COMPUTES)}, got {compute!r}")
         if group_experts < 1:
@@ -173,13 +177,14 @@ class ExpertStream:
         self._host_weights = HostWeights(_held_experts(session) + group_experts)
         # a model held whole computes its layers with no lease: on a GPU with no host read
         # of the routing, on the host from views of the cache (``HostWeights.trusted``)
-        self._whole = WholeLayers(session, self.device)
+        self._whole = WholeLayers(session, self.device, in_place=in_place and self._cuda)
 
     # -- the token boundary ----------------------------------------------------------------
 
     def begin_step(self) -> None:
         """The model's forward starts (a forward pre-hook): time its compute."""
         self._leased = False
+        self._whole.begin()
         if self._cuda:
             self._started = torch.cuda.Event(enable_timing=True)
             self._started.record(current_stream(self.device))
@@ -305,6 +310,7 @@ class ExpertStream:
         """This token takes a lease: it will not be held, and a held token ends first (the
         session sees tokens in order)."""
         self._leased = True
+        self._whole.leasing()
         if self._held is not None:
             self.flush()
 

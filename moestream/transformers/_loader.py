@@ -80,7 +80,7 @@ def from_pretrained(path: str | os.PathLike[str], *, budget: str | moestream.Bud
                     compute: Compute = "grouped", policy: str = "lru", verify: bool = True,
                     log: str | os.PathLike[str] | None = None,
                     tuning: moestream.Tuning | None = None, progress: bool | None = None,
-                    prefetch: str = "none", **words: Any) -> Any:
+                    prefetch: str = "none", in_place: bool = False, **words: Any) -> Any:
     """Load a transformers MoE causal LM whose routed experts moestream serves.
 
     Args:
@@ -100,6 +100,11 @@ def from_pretrained(path: str | os.PathLike[str], *, budget: str | moestream.Bud
             ``"eager"`` (logits ``torch.equal`` to ``experts_implementation="eager"``).
         policy, verify, log, tuning: as ``moestream.open``.
         prefetch: ``"none"`` or ``"predict"`` (prefetch the next MoE layer's router's guess).
+        in_place: on a GPU at a budget below the model's experts, once the cache is full,
+            compute each decode step's experts with no host read of the routing: the cached
+            ones from the cache, the others read in place from the page-cache mapping
+            (resident mode; the cache then stays as it was until a prompt takes the lease
+            path). docs/TRANSFORMERS.md, "Misses read in place".
         progress: a progress bar while the dense weights load (default: stderr is a terminal).
         **words: transformers' loading words where they mean something here (``torch_dtype``,
             ``attn_implementation``, ``device_map`` of one device, ``max_memory``: the
@@ -120,6 +125,8 @@ def from_pretrained(path: str | os.PathLike[str], *, budget: str | moestream.Bud
             stays open or loaded.
     """
     is_available(raise_error=True)
+    if not isinstance(in_place, bool):
+        raise UsageError(f"in_place must be True or False, got {in_place!r}")
     said = loading_words(words, device, dtype)
     given, root = _checkpoint(local_checkpoint(path, said.revision, said.cache_dir), compute,
                               said.gguf_file, prefetch)
@@ -131,7 +138,7 @@ def from_pretrained(path: str | os.PathLike[str], *, budget: str | moestream.Bud
     try:
         warn_if_clamped(session, budget)
         return _served(session, root, torch_device, wanted, said.attention, compute, progress,
-                       prefetch)
+                       prefetch, in_place)
     except BaseException:
         session.close()
         raise
@@ -164,7 +171,7 @@ def _open(given: Path, device: Any, **session_words: Any) -> moestream.SyncSessi
 
 def _served(session: moestream.SyncSession, root: Path, device: Any, dtype: Any,
             attention: str | None, compute: Compute, progress: bool | None,
-            prefetch: str = "none") -> Any:
+            prefetch: str = "none", in_place: bool = False) -> Any:
     """The model over ``session``: built on the meta device, its dense weights loaded, its
     experts served by an ``ExpertStream`` that runs a token each forward (the caller closes
     the session on a failure)."""
@@ -179,7 +186,7 @@ def _served(session: moestream.SyncSession, root: Path, device: Any, dtype: Any,
     scales = _weights(model, session, device, progress, sorted(experts), gguf)
     routers = next_routers(model, experts) if prefetch == "predict" else None
     experts_stream = ExpertStream(session, device, compute=compute, group_experts=group,
-                                  scales=scales, next_routers=routers)
+                                  scales=scales, next_routers=routers, in_place=in_place)
     for layer, module in experts.items():
         module.moestream_stream = experts_stream
         module.moestream_layer = layer

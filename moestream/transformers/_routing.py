@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 import torch  # type: ignore[import-not-found, unused-ignore]
 
-from moestream import SyncSession
+from moestream import InPlace, SyncSession
 from moestream.transformers._gather import blocks, launch
 from moestream.transformers._launch import current_stream
 from moestream.transformers._layout import (
@@ -99,12 +99,18 @@ class WholeLayers:
         device: the torch CUDA device the model computes on.
     """
 
-    def __init__(self, session: SyncSession, device: Any) -> None:
+    def __init__(self, session: SyncSession, device: Any, *, in_place: bool = False) -> None:
         self.session = session
         self.device = torch.device(device)
+        self.in_place = in_place
         info = session.model
         self._total = sum(info.layers[layer].n_experts * info.layers[layer].expert_bytes
                           for layer in info.moe_layers)
+        self._largest = max((info.layers[layer].expert_bytes for layer in info.moe_layers),
+                            default=0)
+        self._views: list[InPlace] = []  # the in-place tables' views (one mapping)
+        self._cached: dict[int, frozenset[int]] = {}  # by layer: the experts the cache held
+        self._budget = 0  # the budget the in-place tables were made under
         # a session's devices are fixed and its budget only shrinks (on a device's out of
         # memory): once either rules the model out, it is never held whole
         self._never = len(session.devices) != 1
@@ -164,12 +170,19 @@ class WholeLayers:
 
     def _holds_every_expert(self) -> bool:
         """Whether the budget holds every expert of the model and all are cached, on one
-        device (a table holds one device's addresses); host queries: no device work.
+        device (a table holds one device's addresses); host queries: no device work. With
+        ``in_place``, a budget below the model's experts also serves, once the cache is
+        full and the device can read the others in place (``_fills_in_place``).
 
         The layers are asked from the one that was not yet ready last time: while the
         cache fills, a token's answer is most often its first query, not one a layer."""
         session = self.session
-        if self._never or session.counters().budget_bytes < self._total:
+        if self._never:
+            return False
+        counters = session.counters()
+        if counters.budget_bytes < self._total:
+            if self.in_place:
+                return self._fills_in_place(counters.budget_bytes, counters.live_bytes)
             self._never = True
             return False
         layers = self._layers
@@ -179,11 +192,49 @@ class WholeLayers:
                 return False
         return True
 
+    def _fills_in_place(self, budget: int, live: int) -> bool:
+        """In-place mode: the cache is full (no expert more fits) and the device reads the
+        model's mapping in place now; the tables are then made under this budget."""
+        first = self.session.model.moe_layers[0]
+        if live + self._largest <= budget or self.session.in_place(first, [0]) is None:
+            return False
+        self._budget = budget
+        return True
+
     def _make(self, layer: int, n: int, dtype: Any) -> _Table | None:
+        if self._budget:
+            return self._make_in_place(layer, n, dtype)
+        return self._from_cache(layer, list(range(n)), dtype, {})
+
+    def _make_in_place(self, layer: int, n: int, dtype: Any) -> _Table | None:
+        """A layer's table from the experts the cache holds and, for the others, their
+        addresses in the mapping (``SyncSession.in_place``); None where the layer is not
+        plain float experts in ``dtype`` or the mapping cannot serve it."""
+        info = self.session.model.layers[layer]
+        if info.transposed or not info.gated or info.quant is not None or any(
+                TORCH_DTYPES.get(t.name) != dtype for t in (info.gate_up_type, info.down_type)):
+            return None
+        session = self.session
+        cached = [e for e in range(n) if session.ready(layer, [e])]
+        others = sorted(set(range(n)) - set(cached))
+        rows: dict[int, tuple[list[int], tuple[int, ...]]] = {}
+        if others:
+            view = session.in_place(layer, others)
+            if view is None:
+                return None
+            self._views.append(view)
+            rows.update((e, (list(row), size)) for e, row, size in zip(
+                others, view.addresses, view.sizes, strict=True))
+        self._cached[layer] = frozenset(cached)
+        return self._from_cache(layer, cached, dtype, rows)
+
+    def _from_cache(self, layer: int, experts: list[int], dtype: Any,
+                    rows: dict[int, tuple[list[int], tuple[int, ...]]]) -> _Table | None:
+        """The table of ``experts`` (cached: their matrices' addresses, by one lease) and
+        the ``rows`` given (addresses and sizes), or None if their dtypes or sizes differ."""
         stream = self._stream()
-        with self.session.fetch(layer, list(range(n))) as lease:
-            handles = lease.gather()  # all cached: nothing to wait for
-            rows, sizes = [], set()
+        with self.session.fetch(layer, experts) as lease:
+            handles = lease.gather() if experts else []  # all cached: nothing to wait for
             for h in handles:
                 if stream is not None and h.pending_event() is not None:
                     h.wait(stream)  # landed this token: the stream waits for its upload once
@@ -191,20 +242,46 @@ class WholeLayers:
                 if any(TORCH_DTYPES.get(m.ggml_type.name) != dtype for m in matrices):
                     lease.release(after=stream)
                     return None  # the model computes in another dtype: the lease path casts
-                rows.append([m.ptr for m in matrices])
-                sizes.add(tuple(m.nbytes for m in matrices))
+                rows[h.expert] = ([m.ptr for m in matrices], tuple(m.nbytes for m in matrices))
             lease.release(after=stream)
-        if len(sizes) != 1:
+        sizes = {size for _, size in rows.values()}
+        if len(sizes) != 1 or any(len(size) != 3 for size in sizes):
             return None
-        addresses = torch.tensor(rows, dtype=torch.int64).to(self.device)
+        addresses = torch.tensor([rows[e][0] for e in sorted(rows)], dtype=torch.int64
+                                 ).to(self.device)
         gate, up, down = sizes.pop()
         return _Table(addresses, (gate, up, down))
 
     def forget(self) -> None:
         """Drop every table (the session closes): the lease path serves every layer."""
-        self._tables.clear()
+        self._drop_tables()
         self._whole = None
         self._pending.clear()
+
+    def _drop_tables(self) -> None:
+        self._tables.clear()
+        self._views.clear()
+        self._budget = 0
+
+    def begin(self) -> None:
+        """A token starts: in-place tables over a mapping the session has since released
+        (a switch to direct mode) are dropped before any call reads by them."""
+        if self._views and not self.session.in_place_current(self._views[0]):
+            self.forget()
+
+    def leasing(self) -> None:
+        """A call of this token takes the lease path (a prompt of more experts than the
+        tables serve, a layer they do not): in-place tables are dropped for the token,
+        once the device has run the work queued by them (the lease's loads may evict an
+        expert their rows name, and reuse its buffer, which the cache does not know they
+        read). The token's calls served so far are still counted at its end."""
+        if not (self._budget and self._tables):
+            return
+        stream = self._stream()
+        if stream is not None:
+            stream.synchronize()
+        self._drop_tables()
+        self._whole = False  # asked again at the token's end
 
     def grouped(self, layer: int, table: _Table, module: Any, hidden: Any, top_k_index: Any,
                 top_k_weights: Any) -> Any:
@@ -271,12 +348,19 @@ class WholeLayers:
                 routing.landed.synchronize()  # done already: the token's end was waited for
             ids = routing.ids.numpy()
             ends = np.cumsum(routing.sizes).tolist()
-            self.session.used([(layer, np.unique(ids[end - n:end]).tolist())
-                               for layer, n, end in zip(routing.layers, routing.sizes, ends,
-                                                        strict=True)], after=self._done())
+            uses = [(layer, np.unique(ids[end - n:end]).tolist())
+                    for layer, n, end in zip(routing.layers, routing.sizes, ends, strict=True)]
+            if self._cached:  # in place: hits where the tables had the cache's rows
+                held = self._cached
+                read = [(layer, [e for e in experts if e not in held[layer]])
+                        for layer, experts in uses]
+                self.session.used_in_place([use for use in read if use[1]])
+                uses = [(layer, [e for e in experts if e in held[layer]])
+                        for layer, experts in uses]
+            self.session.used([use for use in uses if use[1]], after=self._done())
         if not self._whole:
             self._whole = False if self._never else None  # asked again unless it never can
-        elif self.session.counters().budget_bytes < self._total:
+        elif self.session.counters().budget_bytes < (self._budget or self._total):
             self.forget()
 
     def _done(self) -> Any:

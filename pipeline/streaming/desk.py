@@ -174,6 +174,39 @@ class LeaseDesk(TokenLedger):
         self._count_hits(layer, chosen, hits)
         return True
 
+    def in_place(self, layer: int, experts: Sequence[int]
+                 ) -> tuple[Any, list[tuple[int, ...]], list[tuple[int, ...]]] | None:
+        """Where ``experts`` of ``layer`` lie for the device to read in place, and the
+        mapping that holds them (``RegisteredLayers.in_place``); None with several devices
+        or where they cannot be read so now.
+
+        Raises:
+            UsageError: as ``fetch``.
+        """
+        chosen = self._check_layer(layer, experts)
+        if len(self.streamers) != 1:
+            return None
+        return self.streamers[0].in_place([(layer, e) for e in chosen])
+
+    def in_place_current(self, mapping: Any) -> bool:
+        """Whether addresses ``in_place`` gave within ``mapping`` may still be read."""
+        return (len(self.streamers) == 1 and self.streamers[0].mode == "resident"
+                and self.streamers[0].mapping is mapping)
+
+    def use_in_place(self, layer: int, experts: Sequence[int]) -> None:
+        """Count ``experts`` of ``layer``, read in place by an engine's compute (addresses
+        from ``in_place``): misses whose bytes were read from the file's pages, each once in
+        the token; nothing loaded, pinned or evicted.
+
+        Raises:
+            UsageError: as ``fetch``.
+        """
+        chosen = self._check_layer(layer, experts)
+        self._clock()
+        streamer = self.streamers[0]
+        self._count_in_place(layer, chosen, [
+            sum(r.nbytes for r in streamer.layout((layer, e)).ranges) for e in chosen])
+
     def all_ready(self, layer: int, experts: Sequence[int]) -> bool:
         """Every one of ``experts`` is cached on its device and its upload has landed: a
         lease of them now would load nothing and wait for nothing."""

@@ -149,6 +149,21 @@ class TokenLedger:
         seen = self._experts[self._position[layer]]
         seen.extend(e for e in experts if e not in seen)
 
+    def _count_in_place(self, layer: int, experts: Sequence[int], nbytes: Sequence[int]
+                        ) -> None:
+        """A layer's experts read in place by the engine (``LeaseDesk.use_in_place``):
+        each a miss of its bytes, once in the token, unless a lease counted it already."""
+        before = self._counted.get(layer)
+        was_miss = self._counted[layer] = {} if before is None else self._was_miss(layer, before)
+        totals = self._totals
+        for expert, size in zip(experts, nbytes, strict=True):
+            if expert not in was_miss:
+                was_miss[expert] = True
+                totals.misses += 1
+                totals.file_bytes += size
+        seen = self._experts[self._position[layer]]
+        seen.extend(e for e in experts if e not in seen)
+
     def _first_hits(self, hits: Sequence[Entry], was_miss: dict[int, bool],
                     device: DeviceTotals) -> None:
         """Count the hits whose experts the token has not counted yet (in ``was_miss``,

@@ -99,6 +99,26 @@ class RegisteredLayers(ExpertJobs):
             out.append(copies)
         return out
 
+    def in_place(self, keys: Sequence[tuple[int, int]]
+                 ) -> tuple[ModelMapping, list[tuple[int, ...]], list[tuple[int, ...]]] | None:
+        """Where each expert's ranges (gate, up, down) lie in the registered mapping, for a
+        kernel of the device to read them in place, their sizes, and the mapping they are
+        valid in (released only after the whole device has synchronized); None unless every
+        range can be read so now (resident mode, a device that maps registered memory,
+        every range in registered windows)."""
+        mapping = self.mapping
+        if self.mode != "resident" or mapping is None or not self._backend.maps_host:
+            return None
+        rows: list[tuple[int, ...]] = []
+        sizes: list[tuple[int, ...]] = []
+        for key in keys:
+            ranges = self.layout(key).ranges
+            if not all(mapping.is_registered(r.file_offset, r.nbytes) for r in ranges):
+                return None
+            rows.append(tuple(mapping.address(r.file_offset) for r in ranges))
+            sizes.append(tuple(r.nbytes for r in ranges))
+        return mapping, rows, sizes
+
     def _forget_copies(self) -> None:
         """The mapping is being released: no copy may be cut from it any more."""
         self._copies.clear()

@@ -97,7 +97,13 @@ class ExpertStreamer(RegisteredLayers):
         self._forget_copies()
         await self._registrar.stop()
         await self._resident_drained()  # no worker may read the mapping once it is released
-        await self._registrar.release(self.uploader.synchronize, self.reader.drop_pages)
+        await self._registrar.release(self._idle, self.reader.drop_pages)
+
+    def _idle(self) -> None:
+        """No copy and no kernel reads the mapping any more: an engine may have queued
+        kernels that read experts in place from it (``in_place``), so the whole device."""
+        self.uploader.synchronize()
+        self._backend.synchronize()
 
     async def _resident_drained(self) -> None:
         """Wait until no load reads from the mapping on a worker (host backend)."""
@@ -205,4 +211,6 @@ class ExpertStreamer(RegisteredLayers):
         self.installer.drain()
         self.ring.close()
         self.reader.close()
+        if self._registrar.mapping is not None:
+            self._backend.synchronize()  # an engine's kernel may read the mapping in place
         self._registrar.close()

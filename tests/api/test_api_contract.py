@@ -327,7 +327,8 @@ class TestConventions:
                  "gather", "release"}
         with _sync(tiny_model) as ms, ms.fetch(ms.model.moe_layers[0], [0]) as held:
             faces: list[tuple[object, set[str]]] = [
-                (ms, session | {"close", "used"}), (ms._session, session | {"aclose"}),
+                (ms, session | {"close", "used", "in_place", "in_place_current", "used_in_place"}),
+                (ms._session, session | {"aclose"}),
                 (held, lease), (moestream.Lease, lease)]
             for face, documented in faces:
                 public = {n for n in dir(face) if not n.startswith("_")}

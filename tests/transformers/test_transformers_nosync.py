@@ -279,6 +279,12 @@ class _Whole:
     def forget(self) -> None:
         pass
 
+    def begin(self) -> None:
+        pass
+
+    def leasing(self) -> None:
+        pass
+
 
 class TestDeferredTokenEnds:
     """``ExpertStream.defer``'s order on the host, its CUDA events stood in for: a token the
