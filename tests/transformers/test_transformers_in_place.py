@@ -25,7 +25,6 @@ hf_moe = pytest.importorskip("transformers.integrations.moe")
 from moestream import UsageError  # noqa: E402
 from moestream import transformers as mt  # noqa: E402
 from moestream.transformers import _routing  # noqa: E402
-
 from tests.transformers.test_transformers_nosync import (  # noqa: E402
     _CUDA,
     _experts,
