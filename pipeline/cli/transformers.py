@@ -42,6 +42,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--experts", default="grouped", choices=["grouped", "eager"],
                        help="expert arithmetic: grouped (as transformers' grouped_mm) or "
                        "eager (logits equal to experts_implementation=eager) (grouped)")
+    group.add_argument("--in-place", action="store_true",
+                       help="on a GPU below the model's experts, once the cache is full: each "
+                       "decode step reads the experts the cache lacks in place from the "
+                       "registered page-cache mapping, no host read of the routing (resident "
+                       "mode)")
 
 
 def _prompt_ids(args: argparse.Namespace, model_dir: Path) -> tuple[list[int] | None, Any]:
@@ -132,7 +137,7 @@ def _generate(args: argparse.Namespace) -> int:
         model = from_pretrained(checkpoint, budget=args.cache_budget, mode=args.mode,
                                 device=device, compute=args.experts, policy=args.policy,
                                 verify=not args.no_verify, log=args.log,
-                                prefetch=args.prefetch)
+                                prefetch=args.prefetch, in_place=args.in_place)
     stream = model.moestream
     summary = RunSummary(model=str(args.model), backend=stream.session.backend,
                          device=str(stream.device),

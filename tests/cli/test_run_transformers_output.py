@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -147,3 +148,26 @@ class TestPrefetch:
         code, out, err = _run(capsys, checkpoint, "--prefetch", "oracle")
         assert code == 2 and out == ""
         assert len(err.strip().splitlines()) == 1 and "none or predict" in err
+
+
+def test_in_place_reaches_from_pretrained(capsys: pytest.CaptureFixture[str], checkpoint: Path,
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--in-place`` is ``from_pretrained(in_place=True)`` (on the host backend it changes
+    nothing: the same tokens)."""
+    import moestream.transformers as mt
+
+    seen: list[bool] = []
+    original = mt.from_pretrained
+
+    def spied(*args: Any, **kwargs: Any) -> Any:
+        seen.append(kwargs["in_place"])
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(mt, "from_pretrained", spied)
+    runs = []
+    for extra in ((), ("--in-place",)):
+        code, out, _ = _run(capsys, checkpoint, "--cache-budget", str(LEAST), "--json",
+                            "--mode", "resident", *extra)
+        assert code == 0
+        runs.append(json.loads(out)["token_ids"])
+    assert seen == [False, True] and runs[0] == runs[1]
