@@ -4,8 +4,8 @@
 #   1. where a transformers token's time goes at the warm 3 GiB budget (1.55 GiB of cache),
 #      BF16, plain and with next-layer prediction: bench.experts_profile --timeline (torch
 #      profiler: the device's kernels, uploads, their overlap and idle time a token)
-#   2. bench.mapped_prototype: misses read in place from the registered mapping by the
-#      whole-layer path's gather, no host read of the routing, against the lease path
+#   2. bench.transformers' warm and in_place runs (misses read in place from the registered
+#      mapping by the whole-layer gather, no host read of the routing) against the resident
 #   3. the same timelines for FP8, then every expert held beside the resident model
 #   4. bench.transformers' resident, all, warm and predict runs (BF16)
 # Writes $OUT/timeline.tgz (reports, traces, JSON) and $OUT/summary.txt.
@@ -31,7 +31,8 @@ P="python3 -m bench.experts_profile --device cuda --tokens 32 --top 60 --fresh -
 for prefetch in none predict; do
   step bf16-$prefetch 90 $P -m $B --budget 1.55GiB --mode resident --prefetch $prefetch --out $R/bf16-$prefetch.txt
 done
-step mapped 150 python3 -m bench.mapped_prototype -m $B --budget 1.55GiB --out $R/mapped.json
+step in-place 150 python3 -m bench.transformers -m $B --total 3GiB --tokens 32 \
+  --runs resident,warm,in_place --out $R/in_place.json
 for prefetch in none predict; do
   step fp8-$prefetch 90 $P -m $F --budget 1.55GiB --mode resident --prefetch $prefetch --out $R/fp8-$prefetch.txt
 done
@@ -39,7 +40,7 @@ step bf16-all 120 $P -m $B --resident --out $R/bf16-all.txt
 step transformers 200 python3 -m bench.transformers -m $B --total 3GiB --tokens 32 \
   --runs resident,all,warm,predict --out $R/transformers.json
 { cat $R/steps.txt; grep -h -A1 "^==" $R/*.txt
-  python3 - $R/mapped.json $R/transformers.json <<'PY'
+  python3 - $R/in_place.json $R/transformers.json <<'PY'
 import json, sys
 for path in sys.argv[1:]:
     try:
@@ -50,8 +51,7 @@ for path in sys.argv[1:]:
     for name, run in runs.items():
         if isinstance(run, dict):
             print(name, {k: run.get(k) for k in ("tokens_per_s_runs", "x_resident", "hit_rate",
-                                                  "same_tokens", "cached_experts", "counts",
-                                                  "addresses_16_aligned") if k in run})
+                                                  "same_tokens") if k in run})
 PY
 } 2>&1 | tee $OUT/summary.txt
 cp $R/machine.txt $OUT/ && tar czf $OUT/timeline.tgz -C $R .
