@@ -94,17 +94,12 @@ def from_pretrained(path: str | os.PathLike[str], *, budget: str | moestream.Bud
         mode: moestream's I/O mode, ``auto``, ``direct`` or ``resident``.
         device: where the model computes: ``"cpu"`` (moestream's host backend) or
             ``"cuda"``/``"cuda:N"`` (CuPy); None: the first GPU if torch sees one.
-        dtype: the model's dtype (default: the checkpoint's, as transformers' "auto").
-            Experts stored in another dtype are cast per use.
+        dtype: the model's dtype (default the checkpoint's); experts in others cast per use.
         compute: ``"grouped"`` (transformers' ``grouped_mm`` arithmetic, the default) or
             ``"eager"`` (logits ``torch.equal`` to ``experts_implementation="eager"``).
         policy, verify, log, tuning: as ``moestream.open``.
         prefetch: ``"none"`` or ``"predict"`` (prefetch the next MoE layer's router's guess).
-        in_place: on a GPU at a budget below the model's experts, once the cache is full,
-            compute each decode step's experts with no host read of the routing: the cached
-            ones from the cache, the others read in place from the page-cache mapping
-            (resident mode; the cache then stays as it was until a prompt takes the lease
-            path). docs/TRANSFORMERS.md, "Misses read in place".
+        in_place: a GPU's full cache: read the experts it lacks in place (TRANSFORMERS.md).
         progress: a progress bar while the dense weights load (default: stderr is a terminal).
         **words: transformers' loading words where they mean something here (``torch_dtype``,
             ``attn_implementation``, ``device_map`` of one device, ``max_memory``: the
@@ -113,9 +108,9 @@ def from_pretrained(path: str | os.PathLike[str], *, budget: str | moestream.Bud
             ``trust_remote_code=False``); others refused in one line (docs/TRANSFORMERS.md).
 
     Returns:
-        The model, in eval mode, on ``device``; ``model.moestream`` is its ``ExpertStream``
-        (``.session``, ``.close()``, ``.last_generate``); each forward is one moestream token.
-        Close it (a ``with`` block; collected unclosed, it warns and closes); no save_pretrained.
+        The model, in eval mode, on ``device``; ``model.moestream`` its ``ExpertStream``
+        (``.session``, ``.close()``, ``.last_generate``); a forward is a moestream token.
+        Close it (``with``; collected unclosed it warns, closes); no save_pretrained.
 
     Raises:
         UsageError: torch or transformers missing, a bad or unknown argument, a
@@ -125,11 +120,9 @@ def from_pretrained(path: str | os.PathLike[str], *, budget: str | moestream.Bud
             stays open or loaded.
     """
     is_available(raise_error=True)
-    if not isinstance(in_place, bool):
-        raise UsageError(f"in_place must be True or False, got {in_place!r}")
     said = loading_words(words, device, dtype)
     given, root = _checkpoint(local_checkpoint(path, said.revision, said.cache_dir), compute,
-                              said.gguf_file, prefetch)
+                              said.gguf_file, prefetch, in_place)
     torch_device, wanted = device_of(said.device), wanted_dtype(said.dtype)
     budget = budget_for(given, budget, said.max_memory, torch_device, wanted, tuning)
     budget = budget_less_scales(given, budget, tuning, said.max_memory)
@@ -145,13 +138,17 @@ def from_pretrained(path: str | os.PathLike[str], *, budget: str | moestream.Bud
 
 
 def _checkpoint(path: str | os.PathLike[str], compute: Compute,
-                gguf_file: str | None = None, prefetch: str = "none") -> tuple[Path, Path]:
-    """The checkpoint as given and its directory, once ``compute`` and ``prefetch`` are
-    checked and the experts implementation registered: a directory, one .safetensors file
-    with the config.json beside it, or a GGUF file (``gguf_file`` in the directory given)."""
+                gguf_file: str | None = None, prefetch: str = "none",
+                in_place: object = False) -> tuple[Path, Path]:
+    """The checkpoint as given and its directory, once ``compute``, ``prefetch`` and
+    ``in_place`` are checked and the experts implementation registered: a directory, one
+    .safetensors file with the config.json beside it, or a GGUF file (``gguf_file`` in the
+    directory given)."""
     if compute not in COMPUTES:
         raise UsageError(f"compute must be one of {', '.join(COMPUTES)}, got {compute!r}")
     check_prefetch(prefetch)
+    if not isinstance(in_place, bool):
+        raise UsageError(f"in_place must be True or False, got {in_place!r}")
     register()
     given = Path(path) if gguf_file is None else Path(path) / gguf_file
     if is_gguf(given):  # its metadata is its config, its tokenizer too
