@@ -22,7 +22,7 @@ __all__ = ["LoadingWords", "build_with", "device_of", "dtype_of", "first_line", 
 _ARGUMENTS = ("path", "budget", "mode", "device", "dtype", "compute", "policy", "verify", "log",
               "tuning", "progress", "torch_dtype", "attn_implementation", "device_map",
               "max_memory", "revision", "cache_dir", "local_files_only", "low_cpu_mem_usage",
-              "trust_remote_code", "gguf_file", "prefetch")
+              "trust_remote_code", "gguf_file", "prefetch", "in_place")
 """What ``from_pretrained`` takes, as an unknown keyword's refusal lists it."""
 
 

@@ -351,7 +351,7 @@ class WholeLayers:
             uses = [(layer, np.unique(ids[end - n:end]).tolist())
                     for layer, n, end in zip(routing.layers, routing.sizes, ends, strict=True)]
             if self._cached:  # in place: hits where the tables had the cache's rows
-                held = self._cached
+                held = {layer: self._cached.get(layer, frozenset()) for layer, _ in uses}
                 read = [(layer, [e for e in experts if e not in held[layer]])
                         for layer, experts in uses]
                 self.session.used_in_place([use for use in read if use[1]])
