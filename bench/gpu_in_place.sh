@@ -7,19 +7,8 @@
 # Writes $OUT/in_place.tgz and $OUT/summary.txt.
 # Usage (GPU machine, repo root, .whl here): bash bench/gpu_in_place.sh
 set -u
-START=$(date +%s); DEADLINE=${DEADLINE:-200}
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>/dev/null
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
-R=/tmp/in_place; mkdir -p $R
-{ nvidia-smi -L; python3 -c 'import torch, transformers, cupy; print("torch", torch.__version__, "transformers", transformers.__version__, "cupy", cupy.__version__)'; } > $R/machine.txt
-step() {  # name, seconds, command...
-  local name=$1 limit=$2; shift 2
-  local left=$(( DEADLINE - ($(date +%s) - START) ))
-  if [ $left -lt $limit ]; then echo "$name skipped: $left s left" >> $R/steps.txt; return; fi
-  local t0=$(date +%s)
-  timeout $limit "$@" > $R/$name.log 2>&1
-  echo "$name rc=$? in $(( $(date +%s) - t0 )) s" >> $R/steps.txt
-}
+DEADLINE=${DEADLINE:-200} R=/tmp/in_place
+source bench/gpu_steps.sh
 step transformers 170 python3 -m bench.transformers --make /tmp/q/bf16-qwen3-30b-a3b-8-spread \
   --shape qwen3-30b-a3b --layers 8 --spread --total 3GiB --tokens 32 \
   --runs resident,warm,in_place --out $R/transformers.json

@@ -11,19 +11,8 @@
 # Writes $OUT/timeline.tgz (reports, traces, JSON) and $OUT/summary.txt.
 # Usage (GPU machine, repo root, .whl here): bash bench/gpu_timeline.sh
 set -u
-START=$(date +%s); DEADLINE=${DEADLINE:-480}
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>/dev/null
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
-R=/tmp/timeline; mkdir -p $R
-{ nvidia-smi -L; python3 -c 'import torch, transformers, cupy; print("torch", torch.__version__, "transformers", transformers.__version__, "cupy", cupy.__version__)'; } > $R/machine.txt
-step() {  # name, seconds, command...
-  local name=$1 limit=$2; shift 2
-  local left=$(( DEADLINE - ($(date +%s) - START) ))
-  if [ $left -lt $limit ]; then echo "$name skipped: $left s left" >> $R/steps.txt; return; fi
-  local t0=$(date +%s)
-  timeout $limit "$@" > $R/$name.log 2>&1
-  echo "$name rc=$? in $(( $(date +%s) - t0 )) s" >> $R/steps.txt
-}
+DEADLINE=${DEADLINE:-480} R=/tmp/timeline
+source bench/gpu_steps.sh
 B=/tmp/q/bf16-qwen3-30b-a3b-8-spread F=/tmp/q/fp8-qwen3-30b-a3b-8-spread
 [ -d $F ] || step make 150 python3 -m bench.quantized --make /tmp/q --format fp8 \
   --shape qwen3-30b-a3b --layers 8 --tokens 4 --repeat 1 --spread --runs fp8 --out $R/make.json

@@ -60,6 +60,16 @@ def _cached(session: Any) -> dict[int, list[int]]:
                     if session.ready(layer, [e])] for layer in session.model.moe_layers}
 
 
+def _one_call(model: Any, whole: Any) -> Any:
+    """Whether ``whole`` serves one token's call of the model's first MoE layer."""
+    module = _experts(model)[0]
+    index, weights = _routing_of(1, 8, 2, seed=0)
+    with torch.no_grad():
+        return whole.forward(module.moestream_layer, module,
+                             torch.zeros(1, 64, dtype=torch.bfloat16), index,
+                             weights) is not None
+
+
 class TestInPlaceOnTheHost:
 
     @pytest.mark.parametrize("batched", [False, True])
@@ -114,24 +124,18 @@ class TestInPlaceOnTheHost:
         try:
             session = model.moestream.session
             whole = _routing.WholeLayers(session, "cpu", in_place=True)
-            module = _experts(model)[0]
-            index, weights = _routing_of(1, 8, 2, seed=0)
-            hidden = torch.zeros(1, 64, dtype=torch.bfloat16)
-            with torch.no_grad():
-                assert whole.forward(module.moestream_layer, module, hidden, index,
-                                     weights) is not None
-            view = session.in_place(module.moestream_layer, [7])
+            layer = session.model.moe_layers[0]
+            assert _one_call(model, whole)
+            view = session.in_place(layer, [7])
             assert view is not None and session.in_place_current(view)
             whole.account(whole.take())
             session.end_token()
             streamer = session._session._streaming.streamers[0]
             session._thread.run(streamer.set_mode("direct"))  # as the controller would
             assert not session.in_place_current(view)
-            assert session.in_place(module.moestream_layer, [7]) is None
+            assert session.in_place(layer, [7]) is None
             whole.begin()
-            with torch.no_grad():
-                assert whole.forward(module.moestream_layer, module, hidden, index,
-                                     weights) is None
+            assert not _one_call(model, whole)
         finally:
             model.moestream.close()
 
@@ -144,21 +148,12 @@ class TestInPlaceOnTheHost:
         try:
             session = model.moestream.session
             whole = _routing.WholeLayers(session, "cpu", in_place=True)
-            module = _experts(model)[0]
-            index, weights = _routing_of(1, 8, 2, seed=0)
-            hidden = torch.zeros(1, 64, dtype=torch.bfloat16)
-
-            def served() -> bool:
-                with torch.no_grad():
-                    return whole.forward(module.moestream_layer, module, hidden, index,
-                                         weights) is not None
-
-            assert served()
+            assert _one_call(model, whole)
             whole.leasing()
-            assert not served()
+            assert not _one_call(model, whole)
             whole.account(whole.take())
             session.end_token()
-            assert served()
+            assert _one_call(model, whole)
         finally:
             model.moestream.close()
 
@@ -168,12 +163,7 @@ class TestInPlaceOnTheHost:
                                          mode="resident"), _filled(checkpoint, "direct")):
             try:
                 whole = _routing.WholeLayers(model.moestream.session, "cpu", in_place=True)
-                module = _experts(model)[0]
-                index, weights = _routing_of(1, 8, 2, seed=0)
-                with torch.no_grad():
-                    assert whole.forward(module.moestream_layer, module,
-                                         torch.zeros(1, 64, dtype=torch.bfloat16), index,
-                                         weights) is None
+                assert not _one_call(model, whole)
             finally:
                 model.moestream.close()
 
