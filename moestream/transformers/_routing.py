@@ -52,6 +52,9 @@ MAX_SLOTS = 64
 """The most distinct experts one call stacks on this path (a decode step's top-k, a short
 verification forward's); a call that may route to more (a prompt) takes the lease path."""
 
+_RETRY_TOKENS = 32
+"""In-place mode: tokens between two asks whether the mapping serves every layer."""
+
 _UNMADE: Any = object()
 """A layer's table not asked for yet (None: asked, and the layer takes the lease path)."""
 
@@ -108,7 +111,8 @@ class WholeLayers:
                           for layer in info.moe_layers)
         self._largest = max((info.layers[layer].expert_bytes for layer in info.moe_layers),
                             default=0)
-        self._views: list[InPlace] = []  # the in-place tables' views (one mapping)
+        self._views: dict[int, InPlace] = {}  # by layer: every expert in the mapping
+        self._wait = 0  # tokens before the mapping is asked again for every layer
         self._cached: dict[int, frozenset[int]] = {}  # by layer: the experts the cache held
         self._budget = 0  # the budget the in-place tables were made under
         # a session's devices are fixed and its budget only shrinks (on a device's out of
@@ -193,12 +197,25 @@ class WholeLayers:
         return True
 
     def _fills_in_place(self, budget: int, live: int) -> bool:
-        """In-place mode: the cache is full (no expert more fits) and the device reads the
-        model's mapping in place now; the tables are then made under this budget."""
-        first = self.session.model.moe_layers[0]
-        if live + self._largest <= budget or self.session.in_place(first, [0]) is None:
+        """In-place mode: the cache is full (no expert more fits) and the device can read
+        every expert of every layer in place now (``SyncSession.in_place``); the tables are
+        then made under this budget. A mapping not yet registered whole (a switch to
+        resident mode registers the rest in the background) is asked again only after
+        ``_RETRY_TOKENS`` tokens, so that a token does not pay the query a layer."""
+        if live + self._largest <= budget:
             return False
-        self._budget = budget
+        if self._wait:
+            self._wait -= 1
+            return False
+        info = self.session.model
+        views = {}
+        for layer in info.moe_layers:
+            view = self.session.in_place(layer, range(info.layers[layer].n_experts))
+            if view is None:
+                self._wait = _RETRY_TOKENS
+                return False
+            views[layer] = view
+        self._views, self._budget = views, budget
         return True
 
     def _make(self, layer: int, n: int, dtype: Any) -> _Table | None:
@@ -214,17 +231,10 @@ class WholeLayers:
         if info.transposed or not info.gated or info.quant is not None or any(
                 TORCH_DTYPES.get(t.name) != dtype for t in (info.gate_up_type, info.down_type)):
             return None
-        session = self.session
-        cached = [e for e in range(n) if session.ready(layer, [e])]
-        others = sorted(set(range(n)) - set(cached))
-        rows: dict[int, tuple[list[int], tuple[int, ...]]] = {}
-        if others:
-            view = session.in_place(layer, others)
-            if view is None:
-                return None
-            self._views.append(view)
-            rows.update((e, (list(row), size)) for e, row, size in zip(
-                others, view.addresses, view.sizes, strict=True))
+        cached = [e for e in range(n) if self.session.ready(layer, [e])]
+        view = self._views[layer]  # every expert of the layer, in order
+        rows = {e: (list(view.addresses[e]), view.sizes[e])
+                for e in sorted(set(range(n)) - set(cached))}
         self._cached[layer] = frozenset(cached)
         return self._from_cache(layer, cached, dtype, rows)
 
@@ -266,7 +276,8 @@ class WholeLayers:
     def begin(self) -> None:
         """A token starts: in-place tables over a mapping the session has since released
         (a switch to direct mode) are dropped before any call reads by them."""
-        if self._views and not self.session.in_place_current(self._views[0]):
+        view = next(iter(self._views.values()), None)
+        if view is not None and not self.session.in_place_current(view):
             self.forget()
 
     def leasing(self) -> None:
