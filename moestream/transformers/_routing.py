@@ -226,10 +226,12 @@ class WholeLayers:
     def _make_in_place(self, layer: int, n: int, dtype: Any) -> _Table | None:
         """A layer's table from the experts the cache holds and, for the others, their
         addresses in the mapping (``SyncSession.in_place``); None where the layer is not
-        plain float experts in ``dtype`` or the mapping cannot serve it."""
+        plain float experts in ``dtype``, and then in-place mode is off for the session (a
+        layer's layout does not change: asking again each token would cost a stream sync)."""
         info = self.session.model.layers[layer]
         if info.transposed or not info.gated or info.quant is not None or any(
                 TORCH_DTYPES.get(t.name) != dtype for t in (info.gate_up_type, info.down_type)):
+            self.in_place = False
             return None
         cached = [e for e in range(n) if self.session.ready(layer, [e])]
         view = self._views[layer]  # every expert of the layer, in order

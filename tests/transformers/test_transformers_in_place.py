@@ -167,6 +167,19 @@ class TestInPlaceOnTheHost:
             finally:
                 model.moestream.close()
 
+    def test_a_layout_the_tables_do_not_serve_turns_it_off(
+            self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        """gpt-oss's transposed, biased experts: no in-place table, and in-place mode off
+        for the session (not asked again each token)."""
+        monkeypatch.setattr(_routing.WholeLayers, "_gather", _host_gather)
+        _model("gpt_oss").save_pretrained(tmp_path / "gpt_oss")
+        model = _filled(tmp_path / "gpt_oss")
+        try:
+            whole = _routing.WholeLayers(model.moestream.session, "cpu", in_place=True)
+            assert not _one_call(model, whole) and not whole.in_place
+        finally:
+            model.moestream.close()
+
     def test_in_place_is_a_bool(self, checkpoint: Path) -> None:
         with pytest.raises(UsageError, match="in_place must be True or False"):
             mt.from_pretrained(checkpoint, device="cpu", in_place="yes")
