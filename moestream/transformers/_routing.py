@@ -23,6 +23,14 @@ held whole needs no lease a call. :meth:`WholeLayers.holding` says when (and whi
 period it is, so that views of the cache made before an eviction could move an expert are
 not trusted), the experts call computes from views of the cache, and its routing is counted
 at the token's end as here.
+
+In place (``in_place``, a budget below the model's experts): once the cache is full, the
+tables name the experts it lacks by their addresses in the registered page-cache mapping
+(``SyncSession.in_place``), which the gather kernel reads over PCIe. The lease path read
+each layer's routing on the host before naming its misses, so their copies never ran under
+a kernel; read in place, they go inside the layer's launch while the host runs ahead. No
+expert is then loaded or evicted, which keeps the tables true, until a call leases
+(:meth:`WholeLayers.leasing`) or the mapping is released (:meth:`WholeLayers.begin`).
 """
 
 from __future__ import annotations
@@ -100,6 +108,9 @@ class WholeLayers:
     Args:
         session: the model's session (CuPy backend).
         device: the torch CUDA device the model computes on.
+        in_place: below the model's experts, serve a full cache's model with the experts it
+            lacks read in place (the module docstring); turned off for the session when a
+            layer's layout is not one the tables serve.
     """
 
     def __init__(self, session: SyncSession, device: Any, *, in_place: bool = False) -> None:
