@@ -60,6 +60,11 @@ MAX_SLOTS = 64
 """The most distinct experts one call stacks on this path (a decode step's top-k, a short
 verification forward's); a call that may route to more (a prompt) takes the lease path."""
 
+_ALIGN_SLACK = 3 * 256
+"""What the cache may add to an expert's file bytes: each of its three matrices placed at a
+256-byte boundary (``stages.layout.DEVICE_ALIGN``). Room of an expert's bytes plus this is
+room for one more; less, and the cache is full."""
+
 _RETRY_TOKENS = 32
 """In-place mode: tokens between two asks whether the mapping serves every layer."""
 
@@ -213,7 +218,7 @@ class WholeLayers:
         then made under this budget. A mapping not yet registered whole (a switch to
         resident mode registers the rest in the background) is asked again only after
         ``_RETRY_TOKENS`` tokens, so that a token does not pay the query a layer."""
-        if live + self._largest <= budget:
+        if budget - live >= self._largest + _ALIGN_SLACK:
             return False
         if self._wait:
             self._wait -= 1
