@@ -21,7 +21,7 @@ def test_tiny_run_repeats_and_checks_tokens(tmp_path: Path) -> None:
     out = tmp_path / "report.json"
     code = main(["--make", str(tmp_path / "m"), "--shape", "tiny", "--tokens", "3",
                  "--warmup", "1", "--repeat", "2", "--cache-share", "0.25", "--device", "cpu",
-                 "--runs", "resident,warm,predict,all", "--out", str(out)])
+                 "--runs", "resident,warm,predict,in_place,all", "--out", str(out)])
     report = json.loads(out.read_text())
     runs = report["runs"]
     assert code == 0 and report["identical_tokens"]
@@ -34,6 +34,8 @@ def test_tiny_run_repeats_and_checks_tokens(tmp_path: Path) -> None:
     assert runs["warm"]["misses"] > 0 and runs["all"]["hit_rate"] == 1.0
     # the predict run hints the next layer's guesses (loaded), the warm run none
     assert runs["predict"]["prefetched"] > 0 and runs["warm"]["prefetched"] == 0
+    # misses read in place are a GPU path: said, not timed as another warm run
+    assert runs["in_place"] == {"skipped": "a GPU path: the host backend has no tables"}
 
 
 def test_a_share_out_of_range_is_refused(tmp_path: Path) -> None:
