@@ -1,6 +1,6 @@
-# Sourced by the one-call device scripts (gpu_timeline.sh, gpu_in_place.sh) after they set
-# R (their results folder) and DEADLINE (seconds): installs the carried wheels, sets
-# PYTHONPATH, writes $R/machine.txt, and defines
+# Sourced by the one-call device scripts (gpu_call.sh, gpu_timeline.sh, gpu_in_place.sh)
+# after they set R (their results folder) and DEADLINE (seconds): installs the carried
+# wheels, sets PYTHONPATH, writes $R/machine.txt, and defines
 #   step NAME SECONDS COMMAND...: COMMAND under `timeout SECONDS`, its output in $R/NAME.log,
 #   its status in $R/steps.txt; left out when less than SECONDS are left of DEADLINE.
 START=$(date +%s)

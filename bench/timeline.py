@@ -23,7 +23,7 @@ from typing import Any
 __all__ = ["busy", "overlap", "profiled_timeline", "summarize"]
 
 _SYNCS = ("cudaStreamSynchronize", "cudaEventSynchronize", "cudaDeviceSynchronize",
-          "cudaMemcpy", "cudaMemcpyAsync", "cudaStreamWaitEvent")
+          "cudaMemcpy", "cudaMemcpyAsync")
 """Host calls that may wait for the device (``cudaMemcpyAsync`` does for a device-to-host
 copy into pageable memory: ``.tolist()``/``.item()``)."""
 
