@@ -17,6 +17,7 @@ BUILTINS = r"""
 #define __align__(n) alignas(n)
 #define __builtin_assume(x)
 struct uint4 { unsigned int x, y, z, w; };
+struct uint2 { unsigned int x, y; };
 struct dim3 { unsigned int x, y, z; };
 static dim3 blockIdx, blockDim, gridDim, threadIdx;
 static inline float __int_as_float(int i) { float f; memcpy(&f, &i, 4); return f; }

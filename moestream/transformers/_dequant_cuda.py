@@ -45,7 +45,7 @@ from moestream.transformers._quantized import LayerScales
 
 __all__ = ["CUDA_DTYPES", "GGUF_TYPES", "Kind", "available", "fp4_experts_cuda",
            "fp8_experts_cuda", "fp8_kinds_cuda", "gguf_kinds_cuda", "gguf_layer_cuda",
-           "layer_experts_cuda", "lookup_table"]
+           "layer_experts_cuda", "layer_slots_cuda", "lookup_table", "slots_serve"]
 
 _FP8_KERNELS = {torch.bfloat16: "fp8_experts_bf16", torch.float16: "fp8_experts_f16",
                 torch.float32: "fp8_experts_f32"}
@@ -62,6 +62,8 @@ _SLOT = 4096
 _SLOTS = 64
 _PART = 1000
 """Experts one launch takes (its table within a slot)."""
+_NO_SLOTS = np.uint64(0)
+"""The slots and layer table of a launch whose batch table names its experts."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,6 +175,59 @@ def _aligned(*values: int) -> bool:
     return all(v % 16 == 0 for v in values)
 
 
+def _fp8_params(kinds: Sequence[Kind], n: int, bn: int) -> tuple[list[int], int]:
+    """The FP8 kernel's parameters of each kind (16 bytes a thread where a row's columns,
+    a scale's block and the output allow), and the most chunks a kind has.
+
+    Raises:
+        ValueError: an output or scales the kernel cannot address.
+    """
+    out = kinds[0].out
+    params: list[int] = []
+    chunks = 0
+    for kind in kinds:
+        o = kind.out
+        _, rows, cols = o.shape
+        if o.stride(2) != 1 or o.stride(1) != cols or o.dtype != out.dtype:
+            raise ValueError("the kernel writes rows of contiguous columns, one type a batch")
+        scales = kind.scales
+        if scales.dtype != torch.float32 or not scales.is_contiguous():
+            raise ValueError("FP8 scales are contiguous float32 on the device")
+        _, sr, sc = scales.shape
+        vec = cols % 16 == 0 and bn % 16 == 0 and _aligned(o.data_ptr(),
+                                                           o.stride(0) * o.element_size())
+        params += [o.data_ptr(), o.stride(0), rows, cols, scales.data_ptr(), sr, sc, int(vec)]
+        chunks = max(chunks, n * rows * (cols // 16 if vec else cols))
+    assert len(params) == FP8_PARAMS * len(kinds)
+    return params, chunks
+
+
+def _fp4_params(kinds: Sequence[Kind], n: int, transposed: bool) -> tuple[list[int], int]:
+    """The FP4 kernel's parameters of each kind, and the most chunks a kind has.
+
+    Raises:
+        ValueError: an output or scales the kernel cannot address.
+    """
+    out = kinds[0].out
+    params: list[int] = []
+    chunks = 0
+    for kind in kinds:
+        o, scales = kind.out, kind.scales
+        _, rows, groups = scales.shape
+        want = (groups * 32, rows) if transposed else (rows, groups * 32)
+        if (tuple(o.shape[1:]) != want or o.stride(2) != 1 or o.dtype != out.dtype
+                or scales.dtype != torch.uint8 or scales.stride(2) != 1):
+            raise ValueError("FP4 outputs of the scales' shape with contiguous last axes, one "
+                             "type a batch; scales their E8M0 bytes")
+        size = o.element_size()
+        vec = not transposed and _aligned(o.data_ptr(), o.stride(0) * size, o.stride(1) * size)
+        params += [o.data_ptr(), o.stride(0), o.stride(1), int(transposed), rows, groups,
+                   scales.data_ptr(), scales.stride(0), scales.stride(1), int(vec)]
+        chunks = max(chunks, n * rows * groups)
+    assert len(params) == FP4_PARAMS * len(kinds)
+    return params, chunks
+
+
 def fp8_kinds_cuda(kinds: Sequence[Kind], experts: Sequence[int], block: tuple[int, int]
                    ) -> None:
     """Dequantize FP8 matrices of each kind into its ``out``, one launch (a part of
@@ -188,30 +243,14 @@ def fp8_kinds_cuda(kinds: Sequence[Kind], experts: Sequence[int], block: tuple[i
                     for k in kinds]
             fp8_kinds_cuda(part, experts[at:at + _PART], block)
         return
-    out = kinds[0].out
     bm, bn = block
-    params: list[int] = []
-    chunks = 0
-    for kind in kinds:
-        o = kind.out
-        _, rows, cols = o.shape
-        if o.stride(2) != 1 or o.stride(1) != cols or o.dtype != out.dtype:
-            raise ValueError("the kernel writes rows of contiguous columns, one type a batch")
-        scales = kind.scales
-        if scales.dtype != torch.float32 or not scales.is_contiguous():
-            raise ValueError("FP8 scales are contiguous float32 on the device")
-        size = o.element_size()
-        vec = (cols % 16 == 0 and bn % 16 == 0 and _aligned(*kind.addresses)
-               and _aligned(o.data_ptr(), o.stride(0) * size))
-        _, sr, sc = scales.shape
-        params += [o.data_ptr(), o.stride(0), rows, cols, scales.data_ptr(), sr, sc, int(vec)]
-        chunks = max(chunks, n * rows * (cols // 16 if vec else cols))
+    params, chunks = _fp8_params(kinds, n, bn)
     if n == 0 or chunks == 0:
         return
     addresses = [int(a) for kind in kinds for a in kind.addresses]
-    assert len(params) == FP8_PARAMS * len(kinds)
-    _launch(_FP8_KERNELS[out.dtype], out, params + addresses + [int(e) for e in experts],
-            len(kinds), chunks, np.int32(n), np.int32(bm), np.int32(bn))
+    _launch(_FP8_KERNELS[kinds[0].out.dtype], kinds[0].out,
+            params + addresses + [int(e) for e in experts], len(kinds), chunks, np.int32(n),
+            _NO_SLOTS, _NO_SLOTS, np.int32(bm), np.int32(bn))
 
 
 def fp8_experts_cuda(addresses: Sequence[int], experts: Sequence[int], scales: Any,
@@ -265,32 +304,15 @@ def fp4_experts_cuda(kinds: Sequence[Kind], experts: Sequence[int], method: str,
                     for k in kinds]
             fp4_experts_cuda(part, experts[at:at + _PART], method, transposed)
         return
-    out = kinds[0].out
-    params: list[int] = []
-    chunks = 0
-    for kind in kinds:
-        o, scales = kind.out, kind.scales
-        _, rows, groups = scales.shape
-        want = (groups * 32, rows) if transposed else (rows, groups * 32)
-        if (tuple(o.shape[1:]) != want or o.stride(2) != 1 or o.dtype != out.dtype
-                or scales.dtype != torch.uint8 or scales.stride(2) != 1):
-            raise ValueError("FP4 outputs of the scales' shape with contiguous last axes, one "
-                             "type a batch; scales their E8M0 bytes")
-        size = o.element_size()
-        vec = int(_aligned(*kind.addresses)) | (
-            int(not transposed and _aligned(o.data_ptr(), o.stride(0) * size,
-                                            o.stride(1) * size)) << 1)
-        params += [o.data_ptr(), o.stride(0), o.stride(1), int(transposed), rows, groups,
-                   scales.data_ptr(), scales.stride(0), scales.stride(1), vec]
-        chunks = max(chunks, n * rows * groups)
+    params, chunks = _fp4_params(kinds, n, transposed)
     if n == 0 or chunks == 0:
         return
+    out = kinds[0].out
     lut = lookup_table(method, out.dtype, out.device)
     addresses = [int(a) for kind in kinds for a in kind.addresses]
-    assert len(params) == FP4_PARAMS * len(kinds)
     _launch(f"fp4_experts_{out.element_size()}", out,
             params + addresses + [int(e) for e in experts], len(kinds), chunks, np.int32(n),
-            np.uint64(lut.data_ptr()))
+            _NO_SLOTS, _NO_SLOTS, np.uint64(lut.data_ptr()))
 
 
 def gguf_kinds_cuda(ggml_type: int, kinds: Sequence[Kind]) -> None:
@@ -361,3 +383,37 @@ def layer_experts_cuda(scales: LayerScales, addresses: Sequence[Sequence[int]],
         fp8_kinds_cuda(kinds, experts, scales.block)
     else:
         fp4_experts_cuda(kinds, experts, scales.method, scales.transposed)
+
+
+def layer_slots_cuda(scales: LayerScales, table: int, slots: Any, gate_up: Any, down: Any
+                     ) -> None:
+    """A call's experts, named on the device, dequantized into the stacked ``gate_up`` and
+    ``down`` in the module's layout, one launch: slot ``j`` gets expert ``slots[j]``
+    (int64 on the device; -1: an empty slot, left unwritten), its matrices found in
+    ``table``, a layer's ``(experts, 3)`` int64 device addresses of each expert's gate, up
+    and down (the cache's, or a mapping's the device reads in place). No host read: the
+    kernel's parameters go from pinned memory on torch's stream."""
+    n = int(slots.shape[0])
+    targets = scales.targets(gate_up, down)
+    kinds = [Kind((), stack, t) for stack, t in
+             zip((scales.gate, scales.up, scales.down), targets, strict=True)]
+    out = gate_up
+    if scales.method == "fp8" and not scales.transposed:
+        bm, bn = scales.block
+        params, chunks = _fp8_params(kinds, n, bn)
+        name, tail = _FP8_KERNELS[out.dtype], (np.int32(bm), np.int32(bn))
+    else:
+        params, chunks = _fp4_params(kinds, n, scales.transposed)
+        lut = lookup_table(scales.method, out.dtype, out.device)
+        name, tail = f"fp4_experts_{out.element_size()}", (np.uint64(lut.data_ptr()),)
+    if n and chunks:
+        _launch(name, out, params, len(kinds), chunks, np.int32(n),
+                np.uint64(slots.data_ptr()), np.uint64(table), *tail)
+
+
+def slots_serve(scales: object, dtype: Any) -> bool:
+    """Whether :func:`layer_slots_cuda` dequantizes a layer of ``scales`` (a layer's
+    ``ExpertWeights`` entry) into ``dtype``: FP8 in the module's own layout, FP4 or MXFP4,
+    into a type the kernels write, on a GPU with CuPy."""
+    return (isinstance(scales, LayerScales) and dtype in CUDA_DTYPES and available()
+            and (scales.method != "fp8" or not scales.transposed))

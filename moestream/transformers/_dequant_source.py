@@ -3,7 +3,12 @@ and launches them; kept apart so the source reads as one piece).
 
 Every kernel reads one batch's *table* (int64, device memory): per matrix kind (gate, up,
 down: ``blockIdx.y``) a block of parameters, then each kind's matrix addresses (where the
-cache holds the expert's bytes), then the experts' ids (their rows of the scales). A thread
+cache holds the expert's bytes), then the experts' ids (their rows of the scales). The FP8
+and FP4 kernels also take a call's *slots* instead (a device tensor of expert ids, -1 for an
+empty slot) and a layer's table of each expert's (gate, up, down) addresses: the experts a
+call routes to are then named on the device, never read on the host (``WholeLayers``).
+Their loads take the widest word the address allows (a matrix read in place from a file's
+mapping may be 8-aligned only, and each load is then a PCIe read). A thread
 turns one chunk into output values: 16 FP8 bytes of a row (or one, where the row, its block
 width or an address does not allow 16), or one 32-value group of an FP4 row (16 bytes and
 its one E8M0 scale). Index arithmetic is 64-bit once a chunk, never per value.
@@ -43,8 +48,8 @@ FP8_PARAMS = 8
 scale_rows, scale_cols, vec (bit 0: 16 bytes at once)."""
 FP4_PARAMS = 10
 """int64 parameters of a kind in an FP4 table: out, out_stride, ld, transposed, rows,
-groups, scales, scale_expert_stride, scale_row_stride, vec (bit 0: the bytes 16-aligned,
-bit 1: the output rows 16-aligned)."""
+groups, scales, scale_expert_stride, scale_row_stride, vec (bit 0: the output rows
+16-aligned)."""
 
 GGUF_PARAMS = 4
 """int64 parameters of a kind in a GGUF table: out, out_stride (values between experts),
@@ -95,10 +100,16 @@ __device__ __forceinline__ void store_vec(T* to, const T* from) {
     for (int i = 0; i < (int)(N * sizeof(T) / 16); ++i) dst[i] = src[i];
 }
 
-__device__ __forceinline__ void load16(const unsigned char* w, int aligned, u32* words) {
-    if (aligned) {
+__device__ __forceinline__ void load16(const unsigned char* w, u32* words) {
+    // the widest loads the address allows: a matrix read in place from a file's mapping
+    // may be 8-aligned only (safetensors), and there every load is a PCIe read
+    unsigned long long at = (unsigned long long)w;
+    if ((at & 15u) == 0) {
         uint4 b = *(const uint4*)w;
         words[0] = b.x; words[1] = b.y; words[2] = b.z; words[3] = b.w;
+    } else if ((at & 7u) == 0) {
+        uint2 a = *(const uint2*)w, b = *(const uint2*)(w + 8);
+        words[0] = a.x; words[1] = a.y; words[2] = b.x; words[3] = b.y;
     } else {
         for (int i = 0; i < 4; ++i)
             words[i] = (u32)w[4 * i] | ((u32)w[4 * i + 1] << 8) | ((u32)w[4 * i + 2] << 16)
@@ -106,11 +117,31 @@ __device__ __forceinline__ void load16(const unsigned char* w, int aligned, u32*
     }
 }
 
+__device__ __forceinline__ bool matrix(const i64* table, int params, int kinds, int n, int kind,
+                                       int k, const i64* slots, const i64* rows,
+                                       const unsigned char** w, i64* expert) {
+    // slot k's matrix of this kind and its expert (its row of the scales): from a batch's
+    // table (after the kinds' parameters, each kind's addresses, then the experts), or by
+    // ``slots`` from a layer's table of (gate, up, down) addresses, row slots[k] (-1: an
+    // empty slot, nothing to write)
+    if (slots) {
+        i64 e = slots[k];
+        if (e < 0) return false;
+        *w = (const unsigned char*)rows[3 * e + kind];
+        *expert = e;
+    } else {
+        *w = (const unsigned char*)table[kinds * params + kind * n + k];
+        *expert = table[kinds * params + kinds * n + k];
+    }
+    return true;
+}
+
 """
 
 _QUANTIZED = r"""
 template <class S>
-__device__ void fp8_kind(const i64* table, int kinds, int n, int kind, int bm, int bn) {
+__device__ void fp8_kind(const i64* table, int kinds, int n, const i64* slots, const i64* at,
+                         int kind, int bm, int bn) {
     typedef typename S::T OUT;
     const i64* p = table + kind * 8;
     OUT* out = (OUT*)p[0];
@@ -118,8 +149,6 @@ __device__ void fp8_kind(const i64* table, int kinds, int n, int kind, int bm, i
     int rows = (int)p[2], cols = (int)p[3];
     const float* scales = (const float*)p[4];
     int sr = (int)p[5], sc = (int)p[6], vec = (int)p[7] & 1;
-    const i64* addresses = table + kinds * 8 + kind * n;
-    const i64* experts = table + kinds * 8 + kinds * n;
     int width = vec ? 16 : 1, per_row = cols / width;
     i64 per_matrix = (i64)rows * per_row, chunks = per_matrix * n;
     for (i64 t = (i64)blockIdx.x * blockDim.x + threadIdx.x; t < chunks;
@@ -128,12 +157,15 @@ __device__ void fp8_kind(const i64* table, int kinds, int n, int kind, int bm, i
         i64 rem = t - k * per_matrix;
         int r = (int)quot(rem, per_row);
         int c = (int)(rem - (i64)r * per_row) * width;
-        const unsigned char* w = (const unsigned char*)addresses[k] + (i64)r * cols + c;
-        float scale = scales[((i64)experts[k] * sr + r / bm) * sc + c / bn];
+        const unsigned char* w;
+        i64 expert;
+        if (!matrix(table, 8, kinds, n, kind, k, slots, at, &w, &expert)) continue;
+        w += (i64)r * cols + c;
+        float scale = scales[(expert * sr + r / bm) * sc + c / bn];
         OUT* o = out + k * ostride + (i64)r * cols + c;
         if (vec) {
             u32 words[4];
-            load16(w, 1, words);
+            load16(w, words);
             __align__(16) OUT vals[16];
             #pragma unroll
             for (int i = 0; i < 16; ++i)
@@ -146,16 +178,15 @@ __device__ void fp8_kind(const i64* table, int kinds, int n, int kind, int bm, i
 }
 
 template <typename OUT>
-__device__ void fp4_kind(const i64* table, int kinds, int n, int kind, const OUT* lut) {
+__device__ void fp4_kind(const i64* table, int kinds, int n, const i64* slots, const i64* at,
+                         int kind, const OUT* lut) {
     const i64* p = table + kind * 10;
     OUT* out = (OUT*)p[0];
     i64 ostride = p[1], ld = p[2];
     int transposed = (int)p[3], rows = (int)p[4], groups = (int)p[5];
     const unsigned char* scales = (const unsigned char*)p[6];
     i64 ses = p[7], srs = p[8];
-    int aligned = (int)p[9] & 1, out_aligned = ((int)p[9] >> 1) & 1;
-    const i64* addresses = table + kinds * 10 + kind * n;
-    const i64* experts = table + kinds * 10 + kinds * n;
+    int out_aligned = (int)p[9] & 1;
     i64 per_matrix = (i64)rows * groups, chunks = per_matrix * n;
     for (i64 t = (i64)blockIdx.x * blockDim.x + threadIdx.x; t < chunks;
          t += (i64)gridDim.x * blockDim.x) {
@@ -164,10 +195,13 @@ __device__ void fp4_kind(const i64* table, int kinds, int n, int kind, const OUT
         int r, g;
         if (transposed) { g = (int)quot(rem, rows); r = (int)(rem - (i64)g * rows); }
         else { r = (int)quot(rem, groups); g = (int)(rem - (i64)r * groups); }
-        const unsigned char* w = (const unsigned char*)addresses[k] + ((i64)r * groups + g) * 16;
-        const OUT* row = lut + 16 * (int)scales[experts[k] * ses + r * srs + g];
+        const unsigned char* w;
+        i64 expert;
+        if (!matrix(table, 10, kinds, n, kind, k, slots, at, &w, &expert)) continue;
+        w += ((i64)r * groups + g) * 16;
+        const OUT* row = lut + 16 * (int)scales[expert * ses + r * srs + g];
         u32 words[4];
-        load16(w, aligned, words);
+        load16(w, words);
         __align__(16) OUT vals[32];
         #pragma unroll
         for (int i = 0; i < 16; ++i) {
@@ -190,18 +224,21 @@ __device__ void fp4_kind(const i64* table, int kinds, int n, int kind, const OUT
 }
 
 #define FP8_KERNEL(NAME, S)                                                               \
-extern "C" __global__ void NAME(const i64* table, int kinds, int n, int bm, int bn) {  \
-    fp8_kind<S>(table, kinds, n, blockIdx.y, bm, bn);                                   \
+extern "C" __global__ void NAME(const i64* table, int kinds, int n, const i64* slots,      \
+                                const i64* at, int bm, int bn) {                          \
+    fp8_kind<S>(table, kinds, n, slots, at, blockIdx.y, bm, bn);                          \
 }
 FP8_KERNEL(fp8_experts_bf16, BF16)
 FP8_KERNEL(fp8_experts_f16, F16)
 FP8_KERNEL(fp8_experts_f32, F32)
 
-extern "C" __global__ void fp4_experts_2(const i64* table, int kinds, int n, const u16* lut) {
-    fp4_kind<u16>(table, kinds, n, blockIdx.y, lut);
+extern "C" __global__ void fp4_experts_2(const i64* table, int kinds, int n, const i64* slots,
+                                         const i64* at, const u16* lut) {
+    fp4_kind<u16>(table, kinds, n, slots, at, blockIdx.y, lut);
 }
-extern "C" __global__ void fp4_experts_4(const i64* table, int kinds, int n, const u32* lut) {
-    fp4_kind<u32>(table, kinds, n, blockIdx.y, lut);
+extern "C" __global__ void fp4_experts_4(const i64* table, int kinds, int n, const i64* slots,
+                                         const i64* at, const u32* lut) {
+    fp4_kind<u32>(table, kinds, n, slots, at, blockIdx.y, lut);
 }
 """
 SOURCE = _PRELUDE + _QUANTIZED

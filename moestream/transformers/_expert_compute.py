@@ -13,7 +13,7 @@ they land (the module docstring of ``_experts.py`` says what each matches):
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch  # type: ignore[import-not-found, unused-ignore]
@@ -22,7 +22,7 @@ from moestream import ExpertHandle
 from moestream.transformers._expert_weights import ExpertWeights
 from moestream.transformers._layout import batched_mm, biases, grouped_linear
 
-__all__ = ["batched", "eager", "grouped"]
+__all__ = ["Gather", "batched", "eager", "grouped", "slotted_grouped"]
 
 
 def eager(arrivals: Iterable[list[ExpertHandle]], weights: ExpertWeights, module: Any,
@@ -130,3 +130,48 @@ def _grouped_rows(weights: ExpertWeights, module: Any, hidden: Any, expert_ids: 
         return rows  # the pairs of other experts are overwritten by their own batches
     mine = (local < n).unsqueeze(-1)
     return torch.where(mine, rows, weighted)
+
+
+Gather = Callable[[Any, Any, Any], None]
+"""Fills ``first`` ``(slots, ...)`` and ``down`` with the weights of each slot's expert (the
+``slots`` tensor's ids; -1 for none)."""
+
+
+def slotted_grouped(module: Any, hidden: Any, top_k_index: Any, top_k_weights: Any,
+                    n_experts: int, gather: Gather, first_shape: tuple[int, ...],
+                    down_shape: tuple[int, ...]) -> Any:
+    """``grouped_mm_experts_forward``'s arithmetic over the call's distinct experts only,
+    numbered on the device: the pairs sorted by expert, slot ``j`` the ``j``-th distinct
+    expert (its weights put there by ``gather``), the slots past the last distinct expert
+    empty groups. Each group is the same rows times the same weights as in transformers'
+    product over every expert: the same bits, with no host read."""
+    tokens, top_k = top_k_index.shape
+    device = hidden.device
+    expert_ids = top_k_index.reshape(-1)
+    sample_weights = top_k_weights.reshape(-1)
+    expert_ids_g, perm = torch.sort(expert_ids)
+    n = min(expert_ids_g.numel(), n_experts)
+    new = torch.ones_like(expert_ids_g, dtype=torch.bool)
+    new[1:] = expert_ids_g[1:] != expert_ids_g[:-1]
+    local = torch.cumsum(new, 0) - 1  # each pair's slot
+    slots = torch.full((n,), -1, dtype=torch.int64, device=device)
+    slots.scatter_(0, local, expert_ids_g.to(torch.int64))
+    offsets = torch.searchsorted(
+        local, torch.arange(1, n + 1, dtype=local.dtype, device=device)).to(torch.int32)
+    dtype = module.down_proj.dtype
+    first = torch.empty((n, *first_shape), dtype=dtype, device=device)
+    down = torch.empty((n, *down_shape), dtype=dtype, device=device)
+    gather(slots, first, down)
+    transposed = bool(getattr(module, "is_transposed", False))
+    up_bias, down_bias = biases(module)
+    if up_bias is not None:
+        up_bias, down_bias = up_bias[expert_ids_g], down_bias[expert_ids_g]
+    selected = hidden[perm // top_k]
+    proj = grouped_linear(selected, first, offsets, up_bias, transposed)
+    proj = module._apply_gate(proj) if getattr(module, "has_gate", True) else module.act_fn(proj)
+    proj = grouped_linear(proj, down, offsets, down_bias, transposed)
+    weighted = proj * sample_weights[perm].unsqueeze(-1)
+    # back to the pairs' own places in one copy, as the other grouped paths do
+    unsorted = torch.empty_like(weighted).index_copy_(0, perm, weighted)
+    final = unsorted.view(tokens, top_k, hidden.size(-1)).sum(dim=1)
+    return final.to(hidden.dtype)

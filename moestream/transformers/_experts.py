@@ -177,7 +177,8 @@ class ExpertStream:
         self._host_weights = HostWeights(_held_experts(session) + group_experts)
         # a model held whole computes its layers with no lease: on a GPU with no host read
         # of the routing, on the host from views of the cache (``HostWeights.trusted``)
-        self._whole = WholeLayers(session, self.device, in_place=in_place and self._cuda)
+        self._whole = WholeLayers(session, self.device, scales=self.scales,
+                                  in_place=in_place and self._cuda)
 
     # -- the token boundary ----------------------------------------------------------------
 
@@ -276,7 +277,7 @@ class ExpertStream:
     def forward(self, layer: int, module: Any, hidden: Any, top_k_index: Any,
                 top_k_weights: Any) -> Any:
         """The routed experts' output for ``hidden``, as the module's experts would give."""
-        if self._cuda and self.compute == "grouped" and layer not in self.scales:
+        if self._cuda and self.compute == "grouped":
             out = self._whole.forward(layer, module, hidden, top_k_index, top_k_weights,
                                       batched=self.batched)
             if out is not None:

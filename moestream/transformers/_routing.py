@@ -36,7 +36,7 @@ expert is then loaded or evicted, which keeps the tables true, until a call leas
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,17 +44,18 @@ import numpy as np
 import torch  # type: ignore[import-not-found, unused-ignore]
 
 from moestream import InPlace, SyncSession
+from moestream.transformers._dequant_cuda import layer_slots_cuda, slots_serve
+from moestream.transformers._expert_compute import slotted_grouped
 from moestream.transformers._gather import blocks, launch
 from moestream.transformers._launch import current_stream
 from moestream.transformers._layout import (
     TORCH_DTYPES,
     batched_mm,
-    biases,
     first_projection,
-    grouped_linear,
 )
+from moestream.transformers._quantized import LayerScales
 
-__all__ = ["MAX_SLOTS", "Gather", "WholeLayers", "slotted_grouped"]
+__all__ = ["MAX_SLOTS", "Routing", "WholeLayers"]
 
 MAX_SLOTS = 64
 """The most distinct experts one call stacks on this path (a decode step's top-k, a short
@@ -71,18 +72,24 @@ _RETRY_TOKENS = 32
 _UNMADE: Any = object()
 """A layer's table not asked for yet (None: asked, and the layer takes the lease path)."""
 
+_BITS = {"fp8": 8, "fp4": 4, "mxfp4": 4}
+"""A quantized expert's bits a weight, by ``LayerScales.method``."""
+
 
 class _Table:
     """One whole layer's addresses on the device, ``(experts, 3)`` int64, and its matrices'
     bytes (every expert of a layer has the same); with what each call of the layer would
     otherwise work out again: the module's projection shapes (set once :meth:`accept`
-    took them) and the kernel's grid width."""
+    took them) and the kernel's grid width. A quantized layer's ``scales`` (None: plain
+    float experts, copied as they are) say how its slots are dequantized instead."""
 
     __slots__ = ("addresses", "blocks", "down_bytes", "down_shape", "experts", "first_shape",
-                 "gate_bytes", "sizes", "up_bytes")
+                 "gate_bytes", "scales", "sizes", "up_bytes")
 
-    def __init__(self, addresses: Any, sizes: tuple[int, int, int]) -> None:
+    def __init__(self, addresses: Any, sizes: tuple[int, int, int],
+                 scales: LayerScales | None = None) -> None:
         self.addresses = addresses
+        self.scales = scales
         self.experts = int(addresses.shape[0])
         self.gate_bytes, self.up_bytes, self.down_bytes = sizes
         self.sizes = tuple(np.int64(n) for n in sizes)  # the kernel's arguments, made once
@@ -94,11 +101,12 @@ class _Table:
     def accept(self, first_shape: tuple[int, ...], down_shape: tuple[int, ...], dtype: Any
                ) -> bool:
         """Take the module's projection shapes if an expert's gate and up fill one first
-        projection and its down one down projection, in ``dtype`` (what the copies assume);
-        False, taking nothing, where they do not."""
-        size = int(dtype.itemsize)
-        if (size * math.prod(first_shape) != self.gate_bytes + self.up_bytes
-                or size * math.prod(down_shape) != self.down_bytes):
+        projection and its down one down projection, in ``dtype`` or, quantized, in its
+        format's bits a weight (what the copies and kernels assume); False, taking nothing,
+        where they do not."""
+        bits = 8 * int(dtype.itemsize) if self.scales is None else _BITS[self.scales.method]
+        if (bits * math.prod(first_shape) != 8 * (self.gate_bytes + self.up_bytes)
+                or bits * math.prod(down_shape) != 8 * self.down_bytes):
             return False
         self.first_shape, self.down_shape = first_shape, down_shape
         return True
@@ -118,9 +126,11 @@ class WholeLayers:
             layer's layout is not one the tables serve.
     """
 
-    def __init__(self, session: SyncSession, device: Any, *, in_place: bool = False) -> None:
+    def __init__(self, session: SyncSession, device: Any, *,
+                 scales: Mapping[int, object] | None = None, in_place: bool = False) -> None:
         self.session = session
         self.device = torch.device(device)
+        self.scales = scales or {}
         self.in_place = in_place
         info = session.model
         self._total = sum(info.layers[layer].n_experts * info.layers[layer].expert_bytes
@@ -235,31 +245,43 @@ class WholeLayers:
         return True
 
     def _make(self, layer: int, n: int, dtype: Any) -> _Table | None:
-        if self._budget:
-            return self._make_in_place(layer, n, dtype)
-        return self._from_cache(layer, list(range(n)), dtype, {})
-
-    def _make_in_place(self, layer: int, n: int, dtype: Any) -> _Table | None:
-        """A layer's table from the experts the cache holds and, for the others, their
-        addresses in the mapping (``SyncSession.in_place``); None where the layer is not
-        plain float experts in ``dtype``, and then in-place mode is off for the session (a
-        layer's layout does not change: asking again each token would cost a stream sync)."""
+        """A layer's table: plain float experts in ``dtype``, or quantized ones the slot
+        kernels dequantize into it (``slots_serve``); None for any other layer, and then
+        in-place mode is off for the session (a layer's layout does not change: asking
+        again each token would cost a stream sync)."""
         info = self.session.model.layers[layer]
-        if info.transposed or not info.gated or info.quant is not None or any(
-                TORCH_DTYPES.get(t.name) != dtype for t in (info.gate_up_type, info.down_type)):
-            self.in_place = False
+        scales = self.scales.get(layer)
+        if scales is None:
+            served = not (info.transposed or not info.gated or info.quant is not None or any(
+                TORCH_DTYPES.get(t.name) != dtype for t in (info.gate_up_type, info.down_type)))
+        else:
+            served = slots_serve(scales, dtype)
+        if not served:
+            if self._budget:  # in place, every layer's calls must be served
+                self.in_place = False
             return None
+        quantized = scales if isinstance(scales, LayerScales) else None
+        if self._budget:
+            return self._make_in_place(layer, n, dtype, quantized)
+        return self._from_cache(layer, list(range(n)), dtype, {}, quantized)
+
+    def _make_in_place(self, layer: int, n: int, dtype: Any, scales: LayerScales | None
+                       ) -> _Table | None:
+        """A layer's table from the experts the cache holds and, for the others, their
+        addresses in the mapping (``SyncSession.in_place``)."""
         cached = [e for e in range(n) if self.session.ready(layer, [e])]
         view = self._views[layer]  # every expert of the layer, in order
         rows = {e: (list(view.addresses[e]), view.sizes[e])
                 for e in sorted(set(range(n)) - set(cached))}
         self._cached[layer] = frozenset(cached)
-        return self._from_cache(layer, cached, dtype, rows)
+        return self._from_cache(layer, cached, dtype, rows, scales)
 
     def _from_cache(self, layer: int, experts: list[int], dtype: Any,
-                    rows: dict[int, tuple[list[int], tuple[int, ...]]]) -> _Table | None:
+                    rows: dict[int, tuple[list[int], tuple[int, ...]]],
+                    scales: LayerScales | None) -> _Table | None:
         """The table of ``experts`` (cached: their matrices' addresses, by one lease) and
-        the ``rows`` given (addresses and sizes), or None if their dtypes or sizes differ."""
+        the ``rows`` given (addresses and sizes), or None if their dtypes (plain experts:
+        ``dtype``) or sizes differ."""
         stream = self._stream()
         with self.session.fetch(layer, experts) as lease:
             handles = lease.gather() if experts else []  # all cached: nothing to wait for
@@ -267,7 +289,8 @@ class WholeLayers:
                 if stream is not None and h.pending_event() is not None:
                     h.wait(stream)  # landed this token: the stream waits for its upload once
                 matrices = h.matrices
-                if any(TORCH_DTYPES.get(m.ggml_type.name) != dtype for m in matrices):
+                if scales is None and any(TORCH_DTYPES.get(m.ggml_type.name) != dtype
+                                          for m in matrices):
                     lease.release(after=stream)
                     return None  # the model computes in another dtype: the lease path casts
                 rows[h.expert] = ([m.ptr for m in matrices], tuple(m.nbytes for m in matrices))
@@ -278,7 +301,7 @@ class WholeLayers:
         addresses = torch.tensor([rows[e][0] for e in sorted(rows)], dtype=torch.int64
                                  ).to(self.device)
         gate, up, down = sizes.pop()
-        return _Table(addresses, (gate, up, down))
+        return _Table(addresses, (gate, up, down), scales)
 
     def forget(self) -> None:
         """Drop every table (the session closes): the lease path serves every layer."""
@@ -340,7 +363,11 @@ class WholeLayers:
         return out
 
     def _gather(self, table: _Table, slots: Any, first: Any, down: Any) -> None:
-        """One launch on torch's stream: each slot's weights copied from the cache."""
+        """One launch on torch's stream: each slot's weights copied from the cache (or the
+        mapping), or, quantized, dequantized from there."""
+        if table.scales is not None:
+            layer_slots_cuda(table.scales, table.addresses.data_ptr(), slots, first, down)
+            return
         stream = current_stream(self.device)
         launch(stream.device_index, (table.blocks, slots.shape[0]), stream.cuda_stream,
                table.addresses.data_ptr(), slots.data_ptr(), first.data_ptr(),
@@ -431,48 +458,3 @@ def _to_host(routings: list[Any], stream: Any) -> tuple[Any, Any]:
     landed = torch.cuda.Event()
     landed.record(stream)
     return host, landed
-
-
-Gather = Callable[[Any, Any, Any], None]
-"""Fills ``first`` ``(slots, ...)`` and ``down`` with the weights of each slot's expert (the
-``slots`` tensor's ids; -1 for none)."""
-
-
-def slotted_grouped(module: Any, hidden: Any, top_k_index: Any, top_k_weights: Any,
-                    n_experts: int, gather: Gather, first_shape: tuple[int, ...],
-                    down_shape: tuple[int, ...]) -> Any:
-    """``grouped_mm_experts_forward``'s arithmetic over the call's distinct experts only,
-    numbered on the device: the pairs sorted by expert, slot ``j`` the ``j``-th distinct
-    expert (its weights put there by ``gather``), the slots past the last distinct expert
-    empty groups. Each group is the same rows times the same weights as in transformers'
-    product over every expert: the same bits, with no host read."""
-    tokens, top_k = top_k_index.shape
-    device = hidden.device
-    expert_ids = top_k_index.reshape(-1)
-    sample_weights = top_k_weights.reshape(-1)
-    expert_ids_g, perm = torch.sort(expert_ids)
-    n = min(expert_ids_g.numel(), n_experts)
-    new = torch.ones_like(expert_ids_g, dtype=torch.bool)
-    new[1:] = expert_ids_g[1:] != expert_ids_g[:-1]
-    local = torch.cumsum(new, 0) - 1  # each pair's slot
-    slots = torch.full((n,), -1, dtype=torch.int64, device=device)
-    slots.scatter_(0, local, expert_ids_g.to(torch.int64))
-    offsets = torch.searchsorted(
-        local, torch.arange(1, n + 1, dtype=local.dtype, device=device)).to(torch.int32)
-    dtype = module.down_proj.dtype
-    first = torch.empty((n, *first_shape), dtype=dtype, device=device)
-    down = torch.empty((n, *down_shape), dtype=dtype, device=device)
-    gather(slots, first, down)
-    transposed = bool(getattr(module, "is_transposed", False))
-    up_bias, down_bias = biases(module)
-    if up_bias is not None:
-        up_bias, down_bias = up_bias[expert_ids_g], down_bias[expert_ids_g]
-    selected = hidden[perm // top_k]
-    proj = grouped_linear(selected, first, offsets, up_bias, transposed)
-    proj = module._apply_gate(proj) if getattr(module, "has_gate", True) else module.act_fn(proj)
-    proj = grouped_linear(proj, down, offsets, down_bias, transposed)
-    weighted = proj * sample_weights[perm].unsqueeze(-1)
-    # back to the pairs' own places in one copy, as the other grouped paths do
-    unsorted = torch.empty_like(weighted).index_copy_(0, perm, weighted)
-    final = unsorted.view(tokens, top_k, hidden.size(-1)).sum(dim=1)
-    return final.to(hidden.dtype)

@@ -29,22 +29,23 @@ from moestream.transformers._dequant import (  # noqa: E402
     mxfp4_exponents,
 )
 from moestream.transformers._dequant_source import SOURCE  # noqa: E402
+from moestream.transformers._quantized import LayerScales  # noqa: E402
 from tests.cuda_on_host import WALK, build  # noqa: E402
 
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="no g++ to build the "
                                 "kernels' source for the host")
 
 _WALK = WALK + r"""
-extern "C" void walk_fp8(int which, const i64* table, int kinds, int n, int bm, int bn,
-                         int blocks, int threads) {
-    if (which == 0) { WALK(kinds, fp8_experts_bf16(table, kinds, n, bm, bn)) }
-    if (which == 1) { WALK(kinds, fp8_experts_f16(table, kinds, n, bm, bn)) }
-    if (which == 2) { WALK(kinds, fp8_experts_f32(table, kinds, n, bm, bn)) }
+extern "C" void walk_fp8(int which, const i64* table, int kinds, int n, const i64* slots,
+                         const i64* at, int bm, int bn, int blocks, int threads) {
+    if (which == 0) { WALK(kinds, fp8_experts_bf16(table, kinds, n, slots, at, bm, bn)) }
+    if (which == 1) { WALK(kinds, fp8_experts_f16(table, kinds, n, slots, at, bm, bn)) }
+    if (which == 2) { WALK(kinds, fp8_experts_f32(table, kinds, n, slots, at, bm, bn)) }
 }
-extern "C" void walk_fp4(int size, const i64* table, int kinds, int n, const void* lut,
-                         int blocks, int threads) {
-    if (size == 2) { WALK(kinds, fp4_experts_2(table, kinds, n, (const u16*)lut)) }
-    else { WALK(kinds, fp4_experts_4(table, kinds, n, (const u32*)lut)) }
+extern "C" void walk_fp4(int size, const i64* table, int kinds, int n, const i64* slots,
+                         const i64* at, const void* lut, int blocks, int threads) {
+    if (size == 2) { WALK(kinds, fp4_experts_2(table, kinds, n, slots, at, (const u16*)lut)) }
+    else { WALK(kinds, fp4_experts_4(table, kinds, n, slots, at, (const u32*)lut)) }
 }
 """
 _FP8 = {"fp8_experts_bf16": 0, "fp8_experts_f16": 1, "fp8_experts_f32": 2}
@@ -61,12 +62,13 @@ def host_kernels(tmp_path_factory: pytest.TempPathFactory) -> Any:
     def launch(name: str, out: Any, table: Any, kinds: int, chunks: int, *tail: Any) -> None:
         values = np.array(table, dtype=np.int64)
         pointer = values.ctypes.data_as(ctypes.c_void_p)
+        n, slots, rows = int(tail[0]), ctypes.c_void_p(int(tail[1])), ctypes.c_void_p(int(tail[2]))
         if name in _FP8:
-            n, bm, bn = (int(v) for v in tail)
-            library.walk_fp8(_FP8[name], pointer, kinds, n, bm, bn, 3, 7)
+            bm, bn = (int(v) for v in tail[3:])
+            library.walk_fp8(_FP8[name], pointer, kinds, n, slots, rows, bm, bn, 3, 7)
         else:
-            library.walk_fp4(int(name[-1]), pointer, kinds, int(tail[0]),
-                             ctypes.c_void_p(int(tail[1])), 3, 7)
+            library.walk_fp4(int(name[-1]), pointer, kinds, n, slots, rows,
+                             ctypes.c_void_p(int(tail[3])), 3, 7)
 
     saved = dc._launch
     dc._launch = launch
@@ -152,3 +154,53 @@ class TestOnTheHost:
         got = target.transpose(-1, -2) if transposed else target
         assert _same(got, _torch_path(method, raw[order], scales[order], dtype))
         assert not rest.any()
+
+
+def _raw(gen: Any, shape: tuple[int, ...], offset: int) -> Any:
+    """Random bytes of ``shape`` starting ``offset`` bytes past an aligned buffer's start:
+    the kernels take the widest load the address allows (a mapping's 8-aligned tensors)."""
+    n = int(np.prod(shape))
+    flat = torch.randint(0, 256, (n + 32,), dtype=torch.uint8, generator=gen)
+    return flat[offset:offset + n].view(shape)
+
+
+@pytest.mark.usefixtures("host_kernels")
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("method, transposed, offset", [
+    ("fp8", False, 0), ("fp8", False, 8), ("fp8", False, 3), ("fp4", False, 8),
+    ("mxfp4", True, 0), ("mxfp4", True, 5)])
+def test_slots_by_a_layer_table(method: str, transposed: bool, offset: int,
+                                dtype: Any) -> None:
+    """``layer_slots_cuda``: each slot dequantized from the layer table's row its expert id
+    names (repeats, any order), an empty slot (-1) left as it was; equal to the torch
+    path's expert (``LayerScales.expert``)."""
+    gen = torch.Generator().manual_seed(len(method) * 31 + offset)
+    experts, ffn, hidden = 5, 64, 96
+    if method == "fp8":
+        block = (16, 32)
+        shapes = [(ffn, hidden), (ffn, hidden), (hidden, ffn)]
+        stacks = [torch.rand((experts, -(-r // 16), -(-c // 32)), generator=gen)
+                  * torch.exp2(torch.randint(-30, 30, (experts, -(-r // 16), -(-c // 32)),
+                                             generator=gen).float()) for r, c in shapes]
+    else:
+        block = (1, 32)
+        shapes = [(ffn, hidden // 2), (ffn, hidden // 2), (hidden, ffn // 2)]
+        stacks = [torch.randint(0, 256, (experts, r, 2 * c // 32), dtype=torch.uint8,
+                                generator=gen) for r, c in shapes]
+    scales = LayerScales(method, block, *stacks, pairs=None if method == "fp8"
+                         else e2m1_pairs("cpu"), transposed=transposed)
+    raws = [[_raw(gen, shape, offset) for shape in shapes] for _ in range(experts)]
+    table = torch.tensor([[m.data_ptr() for m in row] for row in raws], dtype=torch.int64)
+    slots = torch.tensor([3, 0, -1, 3, 4], dtype=torch.int64)
+    n = slots.numel()
+    first = (n, hidden, 2 * ffn) if transposed else (n, 2 * ffn, hidden)
+    gate_up = torch.zeros(first, dtype=dtype)
+    down = torch.zeros((n, ffn, hidden) if transposed else (n, hidden, ffn), dtype=dtype)
+    dc.layer_slots_cuda(scales, table.data_ptr(), slots, gate_up, down)
+    for j, expert in enumerate(slots.tolist()):
+        if expert < 0:
+            assert not gate_up[j].any() and not down[j].any()
+            continue
+        gate, up, want_down = scales.expert(expert, tuple(raws[expert]), dtype)
+        assert _same(gate_up[j], torch.cat((gate, up)))
+        assert _same(down[j], want_down)

@@ -26,6 +26,7 @@ hf_moe = pytest.importorskip("transformers.integrations.moe")
 from moestream import transformers as mt  # noqa: E402
 from moestream.transformers import _experts as experts_module  # noqa: E402
 from moestream.transformers import _routing  # noqa: E402
+from moestream.transformers._expert_compute import slotted_grouped  # noqa: E402
 from moestream.transformers._layout import first_projection  # noqa: E402
 
 ATTENTION = dict(num_attention_heads=4, num_key_value_heads=2, vocab_size=96,
@@ -86,9 +87,8 @@ class TestSlottedArithmetic:
         index, weights = _routing_of(tokens, module.num_experts, 2, seed=tokens)
         with torch.no_grad():
             expected = hf_moe.grouped_mm_experts_forward(module, hidden, index, weights)
-            got = _routing.slotted_grouped(module, hidden, index, weights, module.num_experts,
-                                           gather, tuple(first.shape[1:]),
-                                           tuple(down.shape[1:]))
+            got = slotted_grouped(module, hidden, index, weights, module.num_experts, gather,
+                                  tuple(first.shape[1:]), tuple(down.shape[1:]))
         assert torch.equal(expected, got)
 
 

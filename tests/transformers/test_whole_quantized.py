@@ -1,0 +1,164 @@
+"""Quantized layers on the whole-layer path: a call's experts named on the device (its
+slots) and dequantized by the slot kernels from a layer table of their addresses, the
+cache's or, in place, the page-cache mapping's (``WholeLayers``, ``layer_slots_cuda``).
+
+On the host the kernels' source runs compiled for the host (``host_kernels``), the tables
+over a host session: logits of each call equal transformers' own grouped and batched
+products on its dequantized model (FP8 blocks, gpt-oss's transposed MXFP4), held whole and
+in place, the hits and in-place misses counted. On a GPU (``gpu`` marker): a generate held
+whole and one in place give the dequantized model's tokens, the decode steps served here.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+hf_moe = pytest.importorskip("transformers.integrations.moe")
+pytest.importorskip("accelerate")  # transformers' quantized loading asks for it
+
+from moestream import transformers as mt  # noqa: E402
+from moestream.transformers import _routing  # noqa: E402
+from moestream.transformers._quantized import LayerScales  # noqa: E402
+from tests.quantized import dequantized, fp8_checkpoint, mxfp4_checkpoint  # noqa: E402
+from tests.transformers.test_dequant_kernels_host import host_kernels  # noqa: E402, F401
+from tests.transformers.test_transformers_fp8 import FP8  # noqa: E402
+from tests.transformers.test_transformers_fp8 import _float as fp8_float  # noqa: E402
+from tests.transformers.test_transformers_mxfp4 import MXFP4  # noqa: E402
+from tests.transformers.test_transformers_mxfp4 import _float as gpt_oss_float  # noqa: E402
+from tests.transformers.test_transformers_nosync import (  # noqa: E402
+    _CUDA,
+    _experts,
+    _routing_of,
+)
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+
+KINDS = {"fp8": (FP8, 6), "mxfp4": (MXFP4, 12)}
+"""Each format's reference config and a budget (experts) of 3 a MoE layer."""
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("whole-quantized")
+    return {"fp8": fp8_checkpoint(fp8_float("qwen3_moe", root / "qwen3-bf16"), root / "fp8"),
+            "mxfp4": mxfp4_checkpoint(gpt_oss_float(root / "gpt-oss-bf16"), root / "mxfp4")}
+
+
+def _loaded(path: Path, budget: int | None, device: str = "cpu") -> Any:
+    """The model in resident mode with its cache full: held whole (no budget) or, below
+    the experts, 3 experts of each layer cached."""
+    model = mt.from_pretrained(path, device=device, budget=None if budget is None
+                               else str(budget), mode="resident")
+    session = model.moestream.session
+    for layer in session.model.moe_layers:
+        n = session.model.layers[layer].n_experts
+        with session.fetch(layer, list(range(n if budget is None else 3))) as lease:
+            lease.gather()
+    session.end_token()
+    return model
+
+
+@pytest.mark.usefixtures("host_kernels")
+class TestOnTheHost:
+
+    @pytest.mark.parametrize("in_place", [False, True])
+    @pytest.mark.parametrize("batched", [False, True])
+    @pytest.mark.parametrize("kind", list(KINDS))
+    def test_equals_transformers_dequantized(self, checkpoints: dict[str, Path], kind: str,
+                                             batched: bool, in_place: bool,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+        """Each call of two tokens through the slot kernels: transformers' product on its
+        dequantized weights, bit for bit; held whole every expert a hit, in place the
+        uncached ones misses of their file bytes, nothing loaded or evicted."""
+        monkeypatch.setattr(_routing, "slots_serve",
+                            lambda scales, dtype: isinstance(scales, LayerScales))
+        config, budget = KINDS[kind]
+        reference = (hf_moe.batched_mm_experts_forward if batched
+                     else hf_moe.grouped_mm_experts_forward)
+        theirs = dequantized(checkpoints[kind], config, "grouped_mm")
+        model = _loaded(checkpoints[kind], budget if in_place else None)
+        try:
+            session = model.moestream.session
+            whole = _routing.WholeLayers(session, "cpu", scales=model.moestream.scales,
+                                         in_place=in_place)
+            cached = {layer: {e for e in range(session.model.layers[layer].n_experts)
+                              if session.ready(layer, [e])} for layer in session.model.moe_layers}
+            pairs = list(zip(_experts(model), _experts(theirs), strict=True))
+            for rounds in range(2):  # the first token makes the tables
+                before = session.counters()
+                hits = misses = 0
+                for i, (ours, ref) in enumerate(pairs):
+                    layer = ours.moestream_layer
+                    index, weights = _routing_of(3, ours.num_experts, 2, seed=i + rounds)
+                    hidden = torch.randn(3, 64, dtype=torch.bfloat16,
+                                         generator=torch.Generator().manual_seed(i))
+                    with torch.no_grad():
+                        got = whole.forward(layer, ours, hidden, index, weights,
+                                            batched=batched)
+                        expected = reference(ref, hidden, index, weights)
+                    assert got is not None and torch.equal(got, expected)
+                    distinct = set(index.flatten().tolist())
+                    hits += len(distinct & cached[layer])
+                    misses += len(distinct - cached[layer])
+                whole.account(whole.take())
+                session.end_token()
+            after = session.counters()
+            assert (after.hits - before.hits, after.misses - before.misses) == (hits, misses)
+            assert after.evictions == before.evictions
+            assert bool(misses) == in_place
+        finally:
+            model.moestream.close()
+
+    def test_a_gguf_layer_takes_the_lease_path(self, checkpoints: dict[str, Path],
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+        """Where the slot kernels do not serve a layer's format (``slots_serve``), no table:
+        the lease path, and in-place mode off for the session."""
+        monkeypatch.setattr(_routing, "slots_serve", lambda scales, dtype: False)
+        model = _loaded(checkpoints["fp8"], 6)
+        try:
+            whole = _routing.WholeLayers(model.moestream.session, "cpu",
+                                         scales=model.moestream.scales, in_place=True)
+            module = _experts(model)[0]
+            index, weights = _routing_of(1, 8, 2, seed=0)
+            hidden = torch.zeros(1, 64, dtype=torch.bfloat16)
+            assert whole.forward(module.moestream_layer, module, hidden, index, weights) is None
+            assert not whole.in_place
+        finally:
+            model.moestream.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _CUDA, reason="torch sees no CUDA device")
+@pytest.mark.parametrize("in_place", [False, True])
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_gpu_generate_gives_the_dequantized_tokens(checkpoints: dict[str, Path], kind: str,
+                                                   in_place: bool) -> None:
+    """Decode steps served by the slot kernels, held whole or in place: transformers'
+    dequantized model's greedy tokens."""
+    config, budget = KINDS[kind]
+    theirs = dequantized(checkpoints[kind], config, "grouped_mm").to("cuda")
+    prompt = torch.tensor([[3, 17, 42, 5, 9, 11]], device="cuda")
+    expected = theirs.generate(prompt, max_new_tokens=12, do_sample=False)
+    with mt.from_pretrained(checkpoints[kind], device="cuda", mode="resident",
+                            budget=str(budget) if in_place else None,
+                            in_place=in_place) as model:
+        model.generate(prompt, max_new_tokens=12, do_sample=False)  # fills the cache
+        served: list[int] = []
+        batched = _routing.WholeLayers.batched
+
+        def counted(self: Any, layer: int, *args: Any) -> Any:
+            served.append(layer)
+            return batched(self, layer, *args)
+
+        _routing.WholeLayers.batched = counted  # type: ignore[method-assign]
+        try:
+            got = model.generate(prompt, max_new_tokens=12, do_sample=False)
+        finally:
+            _routing.WholeLayers.batched = batched  # type: ignore[method-assign]
+        assert torch.equal(got, expected)
+        assert served  # the decode steps took the slot kernels
