@@ -398,6 +398,7 @@ def layer_slots_cuda(scales: LayerScales, table: int, slots: Any, gate_up: Any, 
     kinds = [Kind((), stack, t) for stack, t in
              zip((scales.gate, scales.up, scales.down), targets, strict=True)]
     out = gate_up
+    tail: tuple[Any, ...]
     if scales.method == "fp8" and not scales.transposed:
         bm, bn = scales.block
         params, chunks = _fp8_params(kinds, n, bn)
