@@ -24,6 +24,9 @@ Runs, greedy, ``--tokens`` tokens:
   through the cache's own index: ``hit_rate_replayed``, ``bf16_hit_rate_same_bytes``,
   ``scales_streamed_hit_rate_same_bytes``);
 - ``bf16`` (``fp8`` only): moestream on the BF16 original at the same cache bytes;
+- ``<format>_in_place``, ``bf16_in_place``: those two with ``in_place=True`` (once the
+  cache is full, a decode step's experts are named on the device and the uncached ones
+  read in place from the page cache by the dequantization or gather kernel; GPU only);
 - ``<format>_all``: moestream holding every expert;
 - ``dequant``: one layer's top-k experts dequantized on the device against the upload of
   their bytes (``bench.dequant``).
@@ -287,17 +290,21 @@ def _run(name: str, args: argparse.Namespace, prompt: Any, device: Any,
         shape = _expert_shape(args)
         return dequant_vs_upload(fmt, shape["top_k"], shape["hidden"], shape["expert_ffn"],
                                  device)
-    if name == "bf16":
+    in_place = name.endswith("_in_place")
+    if in_place and device.type != "cuda":
+        return {"skipped": "a GPU path: the host backend has no tables"}
+    if name in ("bf16", "bf16_in_place"):
         if bf16 is None:
             return {"skipped": "a BF16 original is made for fp8 only (see the replay)"}
         args.model = bf16
-        return run_moestream(args, prompt, device, None, budget=budget, cold=False)
-    if name not in (fmt, f"{fmt}_all"):
+        return run_moestream(args, prompt, device, None, budget=budget, cold=False,
+                             in_place=in_place)
+    if name not in (fmt, f"{fmt}_all", f"{fmt}_in_place"):
         return {"skipped": f"no run {name!r} for --format {fmt}"}
     args.model = args.quantized
     log = shared.logs / f"{name}.jsonl"
     result = run_moestream(args, prompt, device, None, budget=None if name.endswith("_all")
-                           else budget, cold=False, log=log)
+                           else budget, cold=False, log=log, in_place=in_place)
     if name == fmt:
         result.update(hit_rates_replayed(log, shared.table, result["budget_bytes"]))
     return result
@@ -318,10 +325,12 @@ def _ratios(results: dict[str, dict[str, Any]], fmt: str, moe_layers: int
         return float(value) if value is not None else None
 
     ratios: dict[str, float] = {}
-    ours, bf16, resident = rate(fmt), rate("bf16"), rate("reference")
-    if ours is not None and bf16 is not None:
-        ratios[f"{fmt}_over_bf16"] = round(ours / bf16, 3)
-    for name in (fmt, f"{fmt}_all"):
+    for suffix in ("", "_in_place"):
+        ours, bf16 = rate(fmt + suffix), rate("bf16" + suffix)
+        if ours is not None and bf16 is not None:
+            ratios[f"{fmt}{suffix}_over_bf16{suffix}"] = round(ours / bf16, 3)
+    resident = rate("reference")
+    for name in (fmt, f"{fmt}_in_place", f"{fmt}_all"):
         value = rate(name)
         if value is not None and resident is not None:
             ratios[f"{name}_over_resident"] = round(value / resident, 3)
@@ -375,7 +384,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _check_tokens(results: dict[str, dict[str, Any]], fmt: str) -> None:
     reference = results.get("reference", {}).get("tokens")
-    for name in (fmt, f"{fmt}_all"):
+    for name in (fmt, f"{fmt}_in_place", f"{fmt}_all"):
         if reference is not None and "tokens" in results.get(name, {}):
             results[name]["same_tokens"] = results[name]["tokens"] == reference
 
