@@ -251,11 +251,13 @@ class WholeLayers:
         again each token would cost a stream sync)."""
         info = self.session.model.layers[layer]
         scales = self.scales.get(layer)
-        if scales is None:
-            served = not (info.transposed or not info.gated or info.quant is not None or any(
-                TORCH_DTYPES.get(t.name) != dtype for t in (info.gate_up_type, info.down_type)))
-        else:
+        if scales is not None:
             served = slots_serve(scales, dtype)
+        else:  # held whole the lease's matrices tell (``_from_cache``); in place, the file's
+            served = not self._budget or not (
+                info.transposed or not info.gated or info.quant is not None or any(
+                    TORCH_DTYPES.get(t.name) != dtype for t in (info.gate_up_type,
+                                                                 info.down_type)))
         if not served:
             if self._budget:  # in place, every layer's calls must be served
                 self.in_place = False
