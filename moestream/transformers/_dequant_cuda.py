@@ -315,17 +315,20 @@ def fp4_experts_cuda(kinds: Sequence[Kind], experts: Sequence[int], method: str,
             _NO_SLOTS, _NO_SLOTS, np.uint64(lut.data_ptr()))
 
 
-def gguf_kinds_cuda(ggml_type: int, kinds: Sequence[Kind]) -> None:
+def gguf_kinds_cuda(ggml_type: int, kinds: Sequence[Kind], slots: Any = None,
+                    table: int = 0) -> None:
     """Dequantize GGUF matrices of one ``ggml_type`` (one of ``GGUF_TYPES``) of each kind
     into its ``out``, one launch (a part of ``_PART`` experts): a matrix's blocks in order
     are its values in order, so a kind's ``out`` is ``(n, values)`` at any stride between
-    experts (``scales`` unused: a block holds its own).
+    experts (``scales`` unused: a block holds its own). With ``slots`` (int64 on the
+    device), slot ``j`` is expert ``slots[j]`` of ``table`` (a layer's ``(experts, 3)``
+    addresses, from the column of the first kind), the kinds' addresses unused.
 
     Raises:
         ValueError: an output the kernel cannot address.
     """
-    n = len(kinds[0].addresses)
-    if n > _PART:
+    n = len(kinds[0].addresses) if slots is None else int(slots.shape[0])
+    if slots is None and n > _PART:
         for at in range(0, n, _PART):
             gguf_kinds_cuda(ggml_type, [Kind(k.addresses[at:at + _PART], None,
                                              k.out[at:at + _PART]) for k in kinds])
@@ -338,7 +341,7 @@ def gguf_kinds_cuda(ggml_type: int, kinds: Sequence[Kind]) -> None:
         values = o.shape[-1]
         if (o.dim() != 2 or o.stride(1) != 1 or o.dtype != out.dtype
                 or out.dtype not in _SUFFIXES or values % GGUF_GROUP
-                or len(kind.addresses) != n):
+                or (slots is None and len(kind.addresses) != n)):
             raise ValueError(f"GGUF outputs are (experts, values) of whole groups of "
                              f"{GGUF_GROUP} contiguous values, one of the kernels' types "
                              "a batch")
@@ -351,24 +354,26 @@ def gguf_kinds_cuda(ggml_type: int, kinds: Sequence[Kind]) -> None:
     addresses = [int(a) for kind in kinds for a in kind.addresses]
     assert len(params) == GGUF_PARAMS * len(kinds)
     _launch(f"{GGUF_KERNELS[ggml_type]}_{_SUFFIXES[out.dtype]}", out, params + addresses,
-            len(kinds), chunks, np.int32(n))
+            len(kinds), chunks, np.int32(n),
+            _NO_SLOTS if slots is None else np.uint64(slots.data_ptr()), np.uint64(table))
 
 
 def gguf_layer_cuda(types: GgufExperts, addresses: Sequence[Sequence[int]], gate_up: Any,
-                    down: Any) -> None:
+                    down: Any, slots: Any = None, table: int = 0) -> None:
     """A batch of one GGUF layer's experts (``addresses``: per kind, gate, up and down, each
-    expert's blocks) dequantized into the stacked ``gate_up`` (gate rows first) and
-    ``down``: one launch, or two where down's type is not gate and up's."""
-    n = len(addresses[0])
+    expert's blocks; or, with ``slots``, each slot's expert's row of ``table``, as
+    :func:`layer_slots_cuda`) dequantized into the stacked ``gate_up`` (gate rows first)
+    and ``down``: one launch, or two where down's type is not gate and up's."""
+    n = gate_up.shape[0]
     flat = gate_up.view(n, -1)
     half = flat.shape[1] // 2
     gate, up = Kind(addresses[0], None, flat[:, :half]), Kind(addresses[1], None, flat[:, half:])
     rest = Kind(addresses[2], None, down.view(n, -1))
     if types.down_type == types.gate_up_type:
-        gguf_kinds_cuda(types.gate_up_type, [gate, up, rest])
+        gguf_kinds_cuda(types.gate_up_type, [gate, up, rest], slots, table)
     else:
-        gguf_kinds_cuda(types.gate_up_type, [gate, up])
-        gguf_kinds_cuda(types.down_type, [rest])
+        gguf_kinds_cuda(types.gate_up_type, [gate, up], slots, table)
+        gguf_kinds_cuda(types.down_type, [rest], slots, table + 2 * 8 if table else 0)
 
 
 def layer_experts_cuda(scales: LayerScales, addresses: Sequence[Sequence[int]],
@@ -385,15 +390,19 @@ def layer_experts_cuda(scales: LayerScales, addresses: Sequence[Sequence[int]],
         fp4_experts_cuda(kinds, experts, scales.method, scales.transposed)
 
 
-def layer_slots_cuda(scales: LayerScales, table: int, slots: Any, gate_up: Any, down: Any
-                     ) -> None:
+def layer_slots_cuda(scales: LayerScales | GgufExperts, table: int, slots: Any, gate_up: Any,
+                     down: Any) -> None:
     """A call's experts, named on the device, dequantized into the stacked ``gate_up`` and
-    ``down`` in the module's layout, one launch: slot ``j`` gets expert ``slots[j]``
-    (int64 on the device; -1: an empty slot, left unwritten), its matrices found in
-    ``table``, a layer's ``(experts, 3)`` int64 device addresses of each expert's gate, up
-    and down (the cache's, or a mapping's the device reads in place). No host read: the
-    kernel's parameters go from pinned memory on torch's stream."""
+    ``down`` in the module's layout, one launch (a GGUF layer of two types: two): slot
+    ``j`` gets expert ``slots[j]`` (int64 on the device; -1: an empty slot, left
+    unwritten), its matrices found in ``table``, a layer's ``(experts, 3)`` int64 device
+    addresses of each expert's gate, up and down (the cache's, or a mapping's the device
+    reads in place). No host read: the kernel's parameters go from pinned memory on
+    torch's stream."""
     n = int(slots.shape[0])
+    if isinstance(scales, GgufExperts):
+        gguf_layer_cuda(scales, ((), (), ()), gate_up, down, slots, table)
+        return
     targets = scales.targets(gate_up, down)
     kinds = [Kind((), stack, t) for stack, t in
              zip((scales.gate, scales.up, scales.down), targets, strict=True)]
@@ -414,7 +423,10 @@ def layer_slots_cuda(scales: LayerScales, table: int, slots: Any, gate_up: Any, 
 
 def slots_serve(scales: object, dtype: Any) -> bool:
     """Whether :func:`layer_slots_cuda` dequantizes a layer of ``scales`` (a layer's
-    ``ExpertWeights`` entry) into ``dtype``: FP8 in the module's own layout, FP4 or MXFP4,
-    into a type the kernels write, on a GPU with CuPy."""
-    return (isinstance(scales, LayerScales) and dtype in CUDA_DTYPES and available()
-            and (scales.method != "fp8" or not scales.transposed))
+    ``ExpertWeights`` entry) into ``dtype``: FP8 in the module's own layout, FP4, MXFP4,
+    or GGUF types the kernels have, into a type they write, on a GPU with CuPy."""
+    if dtype not in CUDA_DTYPES or not available():
+        return False
+    if isinstance(scales, GgufExperts):
+        return {scales.gate_up_type, scales.down_type} <= GGUF_TYPES
+    return isinstance(scales, LayerScales) and (scales.method != "fp8" or not scales.transposed)

@@ -3,10 +3,10 @@ and launches them; kept apart so the source reads as one piece).
 
 Every kernel reads one batch's *table* (int64, device memory): per matrix kind (gate, up,
 down: ``blockIdx.y``) a block of parameters, then each kind's matrix addresses (where the
-cache holds the expert's bytes), then the experts' ids (their rows of the scales). The FP8
-and FP4 kernels also take a call's *slots* instead (a device tensor of expert ids, -1 for an
-empty slot) and a layer's table of each expert's (gate, up, down) addresses: the experts a
-call routes to are then named on the device, never read on the host (``WholeLayers``).
+cache holds the expert's bytes), then the experts' ids (their rows of the scales). Every
+kernel also takes a call's *slots* instead (a device tensor of expert ids, -1 for an empty
+slot) and a layer's table of each expert's (gate, up, down) addresses: the experts a call
+routes to are then named on the device, never read on the host (``WholeLayers``).
 Their loads take the widest word the address allows (a matrix read in place from a file's
 mapping may be 8-aligned only, and each load is then a PCIe read). A thread
 turns one chunk into output values: 16 FP8 bytes of a row (or one, where the row, its block
@@ -252,7 +252,8 @@ GGUF_KERNELS: dict[int, str] = {int(q): f"gguf_{q.name.lower()}" for q in sorted
 
 _GGUF_KIND = r"""
 template <class S, int G, typename F>
-__device__ void gguf_kind(const i64* table, int kinds, int n, F value, int elems, int size) {
+__device__ void gguf_kind(const i64* table, int kinds, int n, const i64* slots, const i64* at,
+                          F value, int elems, int size) {
     typedef typename S::T OUT;
     const i64* p = table + blockIdx.y * GGUF_PARAMS;
     OUT* out = (OUT*)p[0];
@@ -263,7 +264,15 @@ __device__ void gguf_kind(const i64* table, int kinds, int n, F value, int elems
          t += (i64)gridDim.x * blockDim.x) {
         int k = (int)quot(t, per);
         i64 i = (t - k * per) * G;
-        const unsigned char* b = (const unsigned char*)addresses[k] + (i / elems) * size;
+        const unsigned char* b;
+        if (slots) {  // by a layer's table (``at``: its first column this launch's first kind)
+            i64 e = slots[k];
+            if (e < 0) continue;
+            b = (const unsigned char*)at[3 * e + blockIdx.y];
+        } else {
+            b = (const unsigned char*)addresses[k];
+        }
+        b += (i / elems) * size;
         int j = (int)(i % elems);
         __builtin_assume((j & (G - 1)) == 0);  // the G values share sub-block fields
         __align__(16) OUT vals[G];
@@ -282,15 +291,14 @@ struct V_{name} {{
         return {name}(b, j);
     }}
 }};
-extern "C" __global__ void gguf_{name}_bf16(const i64* table, int kinds, int n) {{
-    gguf_kind<BF16, {group}>(table, kinds, n, V_{name}(), {elems}, {size});
+#define GGUF_{name}(OUT, S) \
+extern "C" __global__ void gguf_{name}_##OUT(const i64* table, int kinds, int n, \
+                                            const i64* slots, const i64* at) {{ \
+    gguf_kind<S, {group}>(table, kinds, n, slots, at, V_{name}(), {elems}, {size}); \
 }}
-extern "C" __global__ void gguf_{name}_f16(const i64* table, int kinds, int n) {{
-    gguf_kind<F16, {group}>(table, kinds, n, V_{name}(), {elems}, {size});
-}}
-extern "C" __global__ void gguf_{name}_f32(const i64* table, int kinds, int n) {{
-    gguf_kind<F32, {group}>(table, kinds, n, V_{name}(), {elems}, {size});
-}}
+GGUF_{name}(bf16, BF16)
+GGUF_{name}(f16, F16)
+GGUF_{name}(f32, F32)
 """
 
 

@@ -42,11 +42,13 @@ from typing import Any
 
 import numpy as np
 import torch  # type: ignore[import-not-found, unused-ignore]
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from moestream import InPlace, SyncSession
 from moestream.transformers._dequant_cuda import layer_slots_cuda, slots_serve
 from moestream.transformers._expert_compute import slotted_grouped
 from moestream.transformers._gather import blocks, launch
+from moestream.transformers._gguf_experts import GgufExperts
 from moestream.transformers._launch import current_stream
 from moestream.transformers._layout import (
     TORCH_DTYPES,
@@ -76,18 +78,32 @@ _BITS = {"fp8": 8, "fp4": 4, "mxfp4": 4}
 """A quantized expert's bits a weight, by ``LayerScales.method``."""
 
 
+def _matrix_bytes(scales: LayerScales | GgufExperts | None, dtype: Any, values: int,
+                  down: bool) -> int:
+    """The bytes of a matrix of ``values`` weights as the cache holds it: plain in
+    ``dtype``, FP8/FP4 at their bits a weight, a GGUF type in its blocks."""
+    if scales is None:
+        return values * int(dtype.itemsize)
+    if isinstance(scales, GgufExperts):
+        elems, size = GGML_QUANT_SIZES[GGMLQuantizationType(
+            scales.down_type if down else scales.gate_up_type)]
+        return values // elems * size
+    return values * _BITS[scales.method] // 8
+
+
 class _Table:
     """One whole layer's addresses on the device, ``(experts, 3)`` int64, and its matrices'
     bytes (every expert of a layer has the same); with what each call of the layer would
     otherwise work out again: the module's projection shapes (set once :meth:`accept`
     took them) and the kernel's grid width. A quantized layer's ``scales`` (None: plain
-    float experts, copied as they are) say how its slots are dequantized instead."""
+    float experts, copied as they are) say how its slots are dequantized instead
+    (``layer_slots_cuda``)."""
 
     __slots__ = ("addresses", "blocks", "down_bytes", "down_shape", "experts", "first_shape",
                  "gate_bytes", "scales", "sizes", "up_bytes")
 
     def __init__(self, addresses: Any, sizes: tuple[int, int, int],
-                 scales: LayerScales | None = None) -> None:
+                 scales: LayerScales | GgufExperts | None = None) -> None:
         self.addresses = addresses
         self.scales = scales
         self.experts = int(addresses.shape[0])
@@ -102,11 +118,12 @@ class _Table:
                ) -> bool:
         """Take the module's projection shapes if an expert's gate and up fill one first
         projection and its down one down projection, in ``dtype`` or, quantized, in its
-        format's bits a weight (what the copies and kernels assume); False, taking nothing,
-        where they do not."""
-        bits = 8 * int(dtype.itemsize) if self.scales is None else _BITS[self.scales.method]
-        if (bits * math.prod(first_shape) != 8 * (self.gate_bytes + self.up_bytes)
-                or bits * math.prod(down_shape) != 8 * self.down_bytes):
+        format's bytes (what the copies and kernels assume); False, taking nothing, where
+        they do not."""
+        if (_matrix_bytes(self.scales, dtype, math.prod(first_shape), False)
+                != self.gate_bytes + self.up_bytes
+                or _matrix_bytes(self.scales, dtype, math.prod(down_shape), True)
+                != self.down_bytes):
             return False
         self.first_shape, self.down_shape = first_shape, down_shape
         return True
@@ -262,13 +279,13 @@ class WholeLayers:
             if self._budget:  # in place, every layer's calls must be served
                 self.in_place = False
             return None
-        quantized = scales if isinstance(scales, LayerScales) else None
+        quantized = scales if isinstance(scales, (LayerScales, GgufExperts)) else None
         if self._budget:
             return self._make_in_place(layer, n, dtype, quantized)
         return self._from_cache(layer, list(range(n)), dtype, {}, quantized)
 
-    def _make_in_place(self, layer: int, n: int, dtype: Any, scales: LayerScales | None
-                       ) -> _Table | None:
+    def _make_in_place(self, layer: int, n: int, dtype: Any,
+                       scales: LayerScales | GgufExperts | None) -> _Table | None:
         """A layer's table from the experts the cache holds and, for the others, their
         addresses in the mapping (``SyncSession.in_place``)."""
         cached = [e for e in range(n) if self.session.ready(layer, [e])]
@@ -280,7 +297,7 @@ class WholeLayers:
 
     def _from_cache(self, layer: int, experts: list[int], dtype: Any,
                     rows: dict[int, tuple[list[int], tuple[int, ...]]],
-                    scales: LayerScales | None) -> _Table | None:
+                    scales: LayerScales | GgufExperts | None) -> _Table | None:
         """The table of ``experts`` (cached: their matrices' addresses, by one lease) and
         the ``rows`` given (addresses and sizes), or None if their dtypes (plain experts:
         ``dtype``) or sizes differ."""

@@ -52,10 +52,10 @@ _FP8 = {"fp8_experts_bf16": 0, "fp8_experts_f16": 1, "fp8_experts_f32": 2}
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 
 
-@pytest.fixture(scope="module")
-def host_kernels(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    """The kernels built for the host; ``_dequant_cuda``'s launch walks them instead."""
-    library = build(SOURCE + _WALK, Path(tmp_path_factory.mktemp("kernels")))
+def walker(where: Path) -> Any:
+    """The kernels built for the host under ``where``, and a stand-in for
+    ``_dequant_cuda._launch`` that walks them."""
+    library = build(SOURCE + _WALK, where)
     if isinstance(library, str):
         pytest.skip(f"g++ cannot build the source here: {library[:200]}")
 
@@ -70,9 +70,15 @@ def host_kernels(tmp_path_factory: pytest.TempPathFactory) -> Any:
             library.walk_fp4(int(name[-1]), pointer, kinds, n, slots, rows,
                              ctypes.c_void_p(int(tail[3])), 3, 7)
 
+    return launch
+
+
+@pytest.fixture(scope="module")
+def host_kernels(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """``_dequant_cuda``'s launch walks the kernels built for the host."""
     saved = dc._launch
-    dc._launch = launch
-    yield library
+    dc._launch = walker(Path(tmp_path_factory.mktemp("kernels")))
+    yield
     dc._launch = saved
 
 

@@ -35,32 +35,40 @@ pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="no g++ to b
 
 def _walk_source() -> str:
     names = [f"{name}_{suffix}" for name in GGUF_KERNELS.values() for suffix in DTYPES]
-    cases = "".join(f"    if (which == {i}) {{ WALK(kinds, {name}(table, kinds, n)) }}\n"
+    cases = "".join(f"    if (which == {i}) {{ WALK(kinds, {name}(table, kinds, n, slots, at)) }}\n"
                     for i, name in enumerate(names))
     return WALK + r"""
-extern "C" void walk(int which, const i64* table, int kinds, int n, int blocks, int threads) {
+extern "C" void walk(int which, const i64* table, int kinds, int n, const i64* slots,
+                     const i64* at, int blocks, int threads) {
 """ + cases + "}\n"
 
 
-@pytest.fixture(scope="module")
-def launches(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    """The kernels built for the host; ``_dequant_cuda``'s launch walks them instead. Yields
-    the names launched, in order."""
-    library = build(gguf_source() + _walk_source(), Path(tmp_path_factory.mktemp("gguf")))
+def walker(where: Path, names: list[str]) -> Any:
+    """The kernels built for the host under ``where``, and a stand-in for
+    ``_dequant_cuda._launch`` that walks them (each name launched appended to ``names``)."""
+    library = build(gguf_source() + _walk_source(), where)
     if isinstance(library, str):
         pytest.fail(f"g++ cannot build the kernels' source: {library}")
     which = {f"{name}_{suffix}": i for i, (name, suffix) in enumerate(
         (name, suffix) for name in GGUF_KERNELS.values() for suffix in DTYPES)}
-    names: list[str] = []
 
     def launch(name: str, out: Any, table: Any, kinds: int, chunks: int, *tail: Any) -> None:
         values = np.array(table, dtype=np.int64)
         names.append(name)
         library.walk(which[name], values.ctypes.data_as(ctypes.c_void_p), kinds,
-                     int(tail[0]), 3, 7)
+                     int(tail[0]), ctypes.c_void_p(int(tail[1])), ctypes.c_void_p(int(tail[2])),
+                     3, 7)
 
+    return launch
+
+
+@pytest.fixture(scope="module")
+def launches(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """``_dequant_cuda``'s launch walks the kernels built for the host. Yields the names
+    launched, in order."""
+    names: list[str] = []
     saved = dc._launch
-    dc._launch = launch
+    dc._launch = walker(Path(tmp_path_factory.mktemp("gguf")), names)
     yield names
     dc._launch = saved
 
@@ -131,6 +139,38 @@ def test_layer_into_the_modules_layout(launches: list[str], types: tuple[Q, Q]) 
                                   _reference(up, gate_up_type, torch.bfloat16)))
         assert _same(gate_up[k].reshape(-1), want_gate_up)
         assert _same(down[k].reshape(-1), _reference(d, down_type, torch.bfloat16))
+
+
+@pytest.mark.parametrize("types", [(Q.IQ2_XXS, Q.Q2_K), (Q.Q4_K, Q.Q4_K)],
+                         ids=lambda t: "+".join(q.name for q in t))
+def test_slots_by_a_layer_table(launches: list[str], types: tuple[Q, Q]) -> None:
+    """``layer_slots_cuda`` on a GGUF layer: slot ``j`` dequantized from the row of a
+    layer table its expert id names (repeats, an empty slot of -1 left as it was), down
+    from the table's third column in a launch of its own where its type differs."""
+    gate_up_type, down_type = types
+    ffn = hidden = 256
+    matrices = [[random_blocks(t, rows * cols // gguf.GGML_QUANT_SIZES[t][0], seed * 3 + at,
+                               extreme=False)
+                 for at, (t, rows, cols) in enumerate(
+                     [(gate_up_type, ffn, hidden), (gate_up_type, ffn, hidden),
+                      (down_type, hidden, ffn)])] for seed in range(4)]
+    table = torch.tensor([[m.ctypes.data for m in row] for row in matrices], dtype=torch.int64)
+    slots = torch.tensor([2, -1, 0, 2], dtype=torch.int64)
+    gate_up = torch.zeros((4, 2 * ffn, hidden), dtype=torch.bfloat16)
+    down = torch.zeros((4, hidden, ffn), dtype=torch.bfloat16)
+    before = len(launches)
+    dc.layer_slots_cuda(GgufExperts(int(gate_up_type), int(down_type)), table.data_ptr(),
+                        slots, gate_up, down)
+    assert len(launches) - before == (1 if gate_up_type == down_type else 2)
+    for j, expert in enumerate(slots.tolist()):
+        if expert < 0:
+            assert not gate_up[j].any() and not down[j].any()
+            continue
+        gate, up, d = matrices[expert]
+        want_gate_up = torch.cat((_reference(gate, gate_up_type, torch.bfloat16),
+                                  _reference(up, gate_up_type, torch.bfloat16)))
+        assert _same(gate_up[j].reshape(-1), want_gate_up)
+        assert _same(down[j].reshape(-1), _reference(d, down_type, torch.bfloat16))
 
 
 def test_refuses_outputs_it_cannot_address() -> None:

@@ -2,10 +2,11 @@
 slots) and dequantized by the slot kernels from a layer table of their addresses, the
 cache's or, in place, the page-cache mapping's (``WholeLayers``, ``layer_slots_cuda``).
 
-On the host the kernels' source runs compiled for the host (``host_kernels``), the tables
-over a host session: logits of each call equal transformers' own grouped and batched
-products on its dequantized model (FP8 blocks, gpt-oss's transposed MXFP4), held whole and
-in place, the hits and in-place misses counted. On a GPU (``gpu`` marker): a generate held
+On the host the kernels' source runs compiled for the host (``walked``), the tables over a
+host session: logits of each call equal transformers' own grouped and batched products on
+its dequantized model (FP8 blocks, gpt-oss's transposed MXFP4, a GGUF file of three type
+pairs, ds4's IQ2_XXS/Q2_K among them), held whole and in place, the hits and in-place
+misses counted. On a GPU (``gpu`` marker): a generate held
 whole and one in place give the dequantized model's tokens, the decode steps served here.
 """
 
@@ -21,13 +22,19 @@ transformers = pytest.importorskip("transformers")
 hf_moe = pytest.importorskip("transformers.integrations.moe")
 pytest.importorskip("accelerate")  # transformers' quantized loading asks for it
 
+from gguf import GGMLQuantizationType as Q  # noqa: E402
+
 from moestream import transformers as mt  # noqa: E402
+from moestream.transformers import _dequant_cuda as dc  # noqa: E402
 from moestream.transformers import _routing  # noqa: E402
+from moestream.transformers._gguf_experts import GgufExperts  # noqa: E402
 from moestream.transformers._quantized import LayerScales  # noqa: E402
 from tests.quantized import dequantized, fp8_checkpoint, mxfp4_checkpoint  # noqa: E402
-from tests.transformers.test_dequant_kernels_host import host_kernels  # noqa: E402, F401
+from tests.transformers import test_dequant_kernels_host as quantized_walk  # noqa: E402
+from tests.transformers import test_gguf_kernels_host as gguf_walk  # noqa: E402
 from tests.transformers.test_transformers_fp8 import FP8  # noqa: E402
 from tests.transformers.test_transformers_fp8 import _float as fp8_float  # noqa: E402
+from tests.transformers.test_transformers_gguf import _gguf  # noqa: E402
 from tests.transformers.test_transformers_mxfp4 import MXFP4  # noqa: E402
 from tests.transformers.test_transformers_mxfp4 import _float as gpt_oss_float  # noqa: E402
 from tests.transformers.test_transformers_nosync import (  # noqa: E402
@@ -38,32 +45,67 @@ from tests.transformers.test_transformers_nosync import (  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
-KINDS = {"fp8": (FP8, 6), "mxfp4": (MXFP4, 12)}
-"""Each format's reference config and a budget (experts) of 3 a MoE layer."""
+KINDS = {"fp8": 6, "mxfp4": 12, "gguf": 9}
+"""Each format's budget (experts): 3 a MoE layer."""
+GGUF_TYPES = [(Q.Q8_0, Q.Q4_0), (Q.Q4_K, Q.Q6_K), (Q.IQ2_XXS, Q.Q2_K)]
 
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("whole-quantized")
     return {"fp8": fp8_checkpoint(fp8_float("qwen3_moe", root / "qwen3-bf16"), root / "fp8"),
-            "mxfp4": mxfp4_checkpoint(gpt_oss_float(root / "gpt-oss-bf16"), root / "mxfp4")}
+            "mxfp4": mxfp4_checkpoint(gpt_oss_float(root / "gpt-oss-bf16"), root / "mxfp4"),
+            "gguf": _gguf(root, "qwen3_moe", GGUF_TYPES,
+                          num_hidden_layers=len(GGUF_TYPES)).path}
+
+
+def _reference(path: Path, kind: str, device: str = "cpu") -> Any:
+    """transformers' own model of the checkpoint, dequantized at load (a GGUF file's
+    rounded once to bfloat16, as moestream's model of it computes)."""
+    if kind == "gguf":
+        return transformers.AutoModelForCausalLM.from_pretrained(
+            path.parent, gguf_file=path.name, experts_implementation="grouped_mm",
+            dtype=torch.bfloat16).to(device)
+    return dequantized(path, FP8 if kind == "fp8" else MXFP4, "grouped_mm").to(device)
+
+
+@pytest.fixture(scope="module")
+def walked(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """``_dequant_cuda``'s launch walks the kernels built for the host: the FP8/FP4 ones
+    and the GGUF ones, by the kernel's name."""
+    quantized = quantized_walk.walker(tmp_path_factory.mktemp("quantized"))
+    gguf = gguf_walk.walker(tmp_path_factory.mktemp("gguf"), [])
+
+    def launch(name: str, *args: Any) -> None:
+        (gguf if name.startswith("gguf_") else quantized)(name, *args)
+
+    saved = dc._launch
+    dc._launch = launch
+    yield
+    dc._launch = saved
 
 
 def _loaded(path: Path, budget: int | None, device: str = "cpu") -> Any:
     """The model in resident mode with its cache full: held whole (no budget) or, below
-    the experts, 3 experts of each layer cached."""
+    the experts, experts fetched a layer at a time (the first of each, then the second...)
+    until no other fits (a GGUF file's layers differ in bytes an expert)."""
     model = mt.from_pretrained(path, device=device, budget=None if budget is None
-                               else str(budget), mode="resident")
+                               else str(budget), mode="resident", dtype=torch.bfloat16)
     session = model.moestream.session
-    for layer in session.model.moe_layers:
-        n = session.model.layers[layer].n_experts
-        with session.fetch(layer, list(range(n if budget is None else 3))) as lease:
-            lease.gather()
-    session.end_token()
+    info = session.model
+    largest = max(info.layers[layer].expert_bytes for layer in info.moe_layers)
+    for expert in range(max(info.layers[layer].n_experts for layer in info.moe_layers)):
+        for layer in info.moe_layers:
+            counters = session.counters()
+            if budget is not None and counters.budget_bytes - counters.live_bytes < largest + 768:
+                break
+            with session.fetch(layer, [expert]) as lease:
+                lease.gather()
+        session.end_token()
     return model
 
 
-@pytest.mark.usefixtures("host_kernels")
+@pytest.mark.usefixtures("walked")
 class TestOnTheHost:
 
     @pytest.mark.parametrize("in_place", [False, True])
@@ -75,13 +117,12 @@ class TestOnTheHost:
         """Each call of two tokens through the slot kernels: transformers' product on its
         dequantized weights, bit for bit; held whole every expert a hit, in place the
         uncached ones misses of their file bytes, nothing loaded or evicted."""
-        monkeypatch.setattr(_routing, "slots_serve",
-                            lambda scales, dtype: isinstance(scales, LayerScales))
-        config, budget = KINDS[kind]
+        monkeypatch.setattr(_routing, "slots_serve", lambda scales, dtype: isinstance(
+            scales, (LayerScales, GgufExperts)))
         reference = (hf_moe.batched_mm_experts_forward if batched
                      else hf_moe.grouped_mm_experts_forward)
-        theirs = dequantized(checkpoints[kind], config, "grouped_mm")
-        model = _loaded(checkpoints[kind], budget if in_place else None)
+        theirs = _reference(checkpoints[kind], kind)
+        model = _loaded(checkpoints[kind], KINDS[kind] if in_place else None)
         try:
             session = model.moestream.session
             whole = _routing.WholeLayers(session, "cpu", scales=model.moestream.scales,
@@ -89,13 +130,14 @@ class TestOnTheHost:
             cached = {layer: {e for e in range(session.model.layers[layer].n_experts)
                               if session.ready(layer, [e])} for layer in session.model.moe_layers}
             pairs = list(zip(_experts(model), _experts(theirs), strict=True))
+            width = model.config.hidden_size
             for rounds in range(2):  # the first token makes the tables
                 before = session.counters()
                 hits = misses = 0
                 for i, (ours, ref) in enumerate(pairs):
                     layer = ours.moestream_layer
                     index, weights = _routing_of(3, ours.num_experts, 2, seed=i + rounds)
-                    hidden = torch.randn(3, 64, dtype=torch.bfloat16,
+                    hidden = torch.randn(3, width, dtype=torch.bfloat16,
                                          generator=torch.Generator().manual_seed(i))
                     with torch.no_grad():
                         got = whole.forward(layer, ours, hidden, index, weights,
@@ -140,13 +182,12 @@ def test_gpu_generate_gives_the_dequantized_tokens(checkpoints: dict[str, Path],
                                                    in_place: bool) -> None:
     """Decode steps served by the slot kernels, held whole or in place: transformers'
     dequantized model's greedy tokens."""
-    config, budget = KINDS[kind]
-    theirs = dequantized(checkpoints[kind], config, "grouped_mm").to("cuda")
+    theirs = _reference(checkpoints[kind], kind, "cuda")
     prompt = torch.tensor([[3, 17, 42, 5, 9, 11]], device="cuda")
     expected = theirs.generate(prompt, max_new_tokens=12, do_sample=False)
     with mt.from_pretrained(checkpoints[kind], device="cuda", mode="resident",
-                            budget=str(budget) if in_place else None,
-                            in_place=in_place) as model:
+                            budget=str(KINDS[kind]) if in_place else None,
+                            dtype=torch.bfloat16, in_place=in_place) as model:
         model.generate(prompt, max_new_tokens=12, do_sample=False)  # fills the cache
         served: list[int] = []
         batched = _routing.WholeLayers.batched
