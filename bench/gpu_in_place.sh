@@ -13,7 +13,8 @@ DEADLINE=${DEADLINE:-580} R=/tmp/in_place
 source bench/gpu_steps.sh
 step gpu-test 120 python3 -m pytest -p no:cacheprovider -q -m gpu \
   tests/transformers/test_transformers_in_place.py tests/transformers/test_whole_quantized.py \
-  tests/transformers/test_dequant_batch_cuda.py tests/transformers/test_dequant_cuda.py
+  tests/transformers/test_dequant_batch_cuda.py tests/transformers/test_dequant_cuda.py \
+  tests/transformers/test_gguf_cuda.py
 step quantized 330 python3 -m bench.quantized --make /tmp/q --format fp8 --shape qwen3-30b-a3b \
   --layers 8 --spread --total 3GiB --tokens 32 \
   --runs reference,fp8,fp8_in_place,bf16,bf16_in_place,fp8_all --out $R/quantized.json
