@@ -138,13 +138,16 @@ class WholeLayers:
     Args:
         session: the model's session (CuPy backend).
         device: the torch CUDA device the model computes on.
+        scales: each quantized layer's scales or GGUF types (``ExpertWeights.scales``):
+            its slots are dequantized by the slot kernels where they serve it.
         in_place: below the model's experts, serve a full cache's model with the experts it
             lacks read in place (the module docstring); turned off for the session when a
             layer's layout is not one the tables serve.
     """
 
     def __init__(self, session: SyncSession, device: Any, *,
-                 scales: Mapping[int, object] | None = None, in_place: bool = False) -> None:
+                 scales: Mapping[int, LayerScales | GgufExperts] | None = None,
+                 in_place: bool = False) -> None:
         self.session = session
         self.device = torch.device(device)
         self.scales = scales or {}
@@ -279,10 +282,9 @@ class WholeLayers:
             if self._budget:  # in place, every layer's calls must be served
                 self.in_place = False
             return None
-        quantized = scales if isinstance(scales, (LayerScales, GgufExperts)) else None
         if self._budget:
-            return self._make_in_place(layer, n, dtype, quantized)
-        return self._from_cache(layer, list(range(n)), dtype, {}, quantized)
+            return self._make_in_place(layer, n, dtype, scales)
+        return self._from_cache(layer, list(range(n)), dtype, {}, scales)
 
     def _make_in_place(self, layer: int, n: int, dtype: Any,
                        scales: LayerScales | GgufExperts | None) -> _Table | None:
