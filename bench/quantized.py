@@ -245,8 +245,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_spread_argument(p)
     p.add_argument("--total", default="3GiB", help="device memory of the streamed runs: "
                    "dense weights + expert cache + the experts' scales (3GiB)")
-    p.add_argument("--runs", help="default: reference,<format>,bf16 (fp8),<format>_all,"
-                   "dequant")
+    p.add_argument("--runs", help="default: reference,<format>,<format>_in_place,bf16,"
+                   "bf16_in_place (fp8),<format>_all,dequant")
     add_run_arguments(p)
     return p
 
@@ -359,8 +359,9 @@ def main(argv: list[str] | None = None) -> int:
     budget = Budget(nbytes=parse_size(args.total) - dense)
     prompt = torch.tensor([[int(t) for t in args.prompt_ids.split(",")]])
     fmt = args.format
-    runs = [r for r in (args.runs or f"reference,{fmt},{'bf16,' if fmt == 'fp8' else ''}"
-                        f"{fmt}_all,dequant").split(",") if r]
+    originals = "bf16,bf16_in_place," if fmt == "fp8" else ""
+    runs = [r for r in (args.runs or f"reference,{fmt},{fmt}_in_place,{originals}{fmt}_all,dequant"
+                        ).split(",") if r]
     results: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory(prefix="bench-quantized-") as logs:
         shared = _Shared(table, bf16, budget, Path(logs))
