@@ -71,6 +71,12 @@ room for one more; less, and the cache is full."""
 _RETRY_TOKENS = 32
 """In-place mode: tokens between two asks whether the mapping serves every layer."""
 
+_REFRESH_TOKENS = 32
+"""In-place mode: tokens the cache stays as the tables found it. Then one token takes the
+lease path (its misses loaded over the least recently used experts) and the next token's
+tables name what the cache holds then: the cached experts follow the routing, a token's
+worth at a time, instead of staying those of the tokens that filled the cache."""
+
 _UNMADE: Any = object()
 """A layer's table not asked for yet (None: asked, and the layer takes the lease path)."""
 
@@ -161,6 +167,7 @@ class WholeLayers:
         self._wait = 0  # tokens before the mapping is asked again for every layer
         self._cached: dict[int, frozenset[int]] = {}  # by layer: the experts the cache held
         self._budget = 0  # the budget the in-place tables were made under
+        self._served = 0  # tokens begun since the in-place tables were made
         # a session's devices are fixed and its budget only shrinks (on a device's out of
         # memory): once either rules the model out, it is never held whole
         self._never = len(session.devices) != 1
@@ -262,6 +269,7 @@ class WholeLayers:
                 return False
             views[layer] = view
         self._views, self._budget = views, budget
+        self._served = 0
         return True
 
     def _make(self, layer: int, n: int, dtype: Any) -> _Table | None:
@@ -337,10 +345,16 @@ class WholeLayers:
 
     def begin(self) -> None:
         """A token starts: in-place tables over a mapping the session has since released
-        (a switch to direct mode) are dropped before any call reads by them."""
+        (a switch to direct mode) are dropped before any call reads by them; every
+        ``_REFRESH_TOKENS`` tokens they are dropped for the token (:meth:`leasing`), which
+        then takes the lease path."""
         view = next(iter(self._views.values()), None)
         if view is not None and not self.session.in_place_current(view):
             self.forget()
+        elif self._budget:
+            self._served += 1
+            if self._served > _REFRESH_TOKENS:
+                self.leasing()
 
     def leasing(self) -> None:
         """A call of this token takes the lease path (a prompt of more experts than the

@@ -157,6 +157,35 @@ class TestInPlaceOnTheHost:
         finally:
             model.moestream.close()
 
+    def test_the_cache_follows_the_routing(self, checkpoint: Path,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+        """Every ``_REFRESH_TOKENS`` tokens one token takes the lease path: its misses are
+        loaded over the least recently used experts, and the next token's tables name the
+        cache as it is then."""
+        monkeypatch.setattr(_routing.WholeLayers, "_gather", _host_gather)
+        monkeypatch.setattr(_routing, "_REFRESH_TOKENS", 1)
+        model = _filled(checkpoint)
+        try:
+            session = model.moestream.session
+            layer = session.model.moe_layers[0]
+            assert 7 not in _cached(session)[layer]
+            whole = _routing.WholeLayers(session, "cpu", in_place=True)
+            served = []
+            for _ in range(3):
+                whole.begin()
+                served.append(_one_call(model, whole))
+                if not served[-1]:  # the lease path, as the experts call takes it
+                    with session.fetch(layer, [7]) as lease:
+                        lease.gather()
+                whole.account(whole.take())
+                session.end_token()
+            assert served == [True, True, False]
+            assert 7 in _cached(session)[layer]
+            whole.begin()
+            assert _one_call(model, whole) and 7 in whole._cached[layer]
+        finally:
+            model.moestream.close()
+
     def test_not_before_the_cache_is_full_nor_in_direct_mode(
             self, checkpoint: Path) -> None:
         for model in (mt.from_pretrained(checkpoint, device="cpu", budget=BUDGET,
