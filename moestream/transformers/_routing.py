@@ -26,11 +26,13 @@ at the token's end as here.
 
 In place (``in_place``, a budget below the model's experts): once the cache is full, the
 tables name the experts it lacks by their addresses in the registered page-cache mapping
-(``SyncSession.in_place``), which the gather kernel reads over PCIe. The lease path read
-each layer's routing on the host before naming its misses, so their copies never ran under
-a kernel; read in place, they go inside the layer's launch while the host runs ahead. No
-expert is then loaded or evicted, which keeps the tables true, until a call leases
-(:meth:`WholeLayers.leasing`) or the mapping is released (:meth:`WholeLayers.begin`).
+(``SyncSession.in_place``), which the gather kernel (a quantized layer's: its slot
+kernel) reads over PCIe. The lease path read each layer's routing on the host before
+naming its misses, so their copies never ran under a kernel; read in place, they go inside
+the layer's launch while the host runs ahead. No expert is then loaded or evicted, which
+keeps the tables true, until a call leases (:meth:`WholeLayers.leasing`; every
+``_REFRESH_TOKENS`` tokens one token does, so that the cache follows the routing) or the
+mapping is released (:meth:`WholeLayers.begin`).
 """
 
 from __future__ import annotations
