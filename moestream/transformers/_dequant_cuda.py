@@ -17,7 +17,7 @@ stream. Launched on torch's current stream: ordered with the model's kernels.
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -228,6 +228,23 @@ def _fp4_params(kinds: Sequence[Kind], n: int, transposed: bool) -> tuple[list[i
     return params, chunks
 
 
+def _batches(kinds: Sequence[Kind], experts: Sequence[int],
+             params: Callable[[Sequence[Kind], int], tuple[list[int], int]], name: str,
+             *tail: Any) -> None:
+    """One launch of kernel ``name`` a part of ``_PART`` experts (a table within a ring
+    slot): ``params``' parameters of the part's kinds, then each kind's addresses and the
+    experts' ids, the kernel's ``tail`` arguments after its slots (none here)."""
+    for at in range(0, len(experts), _PART):
+        part = [Kind(k.addresses[at:at + _PART], k.scales, k.out[at:at + _PART])
+                for k in kinds]
+        ids = experts[at:at + _PART]
+        values, chunks = params(part, len(ids))
+        if chunks:
+            addresses = [int(a) for kind in part for a in kind.addresses]
+            _launch(name, part[0].out, values + addresses + [int(e) for e in ids], len(part),
+                    chunks, np.int32(len(ids)), _NO_SLOTS, _NO_SLOTS, *tail)
+
+
 def fp8_kinds_cuda(kinds: Sequence[Kind], experts: Sequence[int], block: tuple[int, int]
                    ) -> None:
     """Dequantize FP8 matrices of each kind into its ``out``, one launch (a part of
@@ -236,21 +253,9 @@ def fp8_kinds_cuda(kinds: Sequence[Kind], experts: Sequence[int], block: tuple[i
     Raises:
         ValueError: an output or scales the kernel cannot address.
     """
-    n = len(experts)
-    if n > _PART:
-        for at in range(0, n, _PART):
-            part = [Kind(k.addresses[at:at + _PART], k.scales, k.out[at:at + _PART])
-                    for k in kinds]
-            fp8_kinds_cuda(part, experts[at:at + _PART], block)
-        return
     bm, bn = block
-    params, chunks = _fp8_params(kinds, n, bn)
-    if n == 0 or chunks == 0:
-        return
-    addresses = [int(a) for kind in kinds for a in kind.addresses]
-    _launch(_FP8_KERNELS[kinds[0].out.dtype], kinds[0].out,
-            params + addresses + [int(e) for e in experts], len(kinds), chunks, np.int32(n),
-            _NO_SLOTS, _NO_SLOTS, np.int32(bm), np.int32(bn))
+    _batches(kinds, experts, lambda part, n: _fp8_params(part, n, bn),
+             _FP8_KERNELS[kinds[0].out.dtype], np.int32(bm), np.int32(bn))
 
 
 def fp8_experts_cuda(addresses: Sequence[int], experts: Sequence[int], scales: Any,
@@ -297,22 +302,10 @@ def fp4_experts_cuda(kinds: Sequence[Kind], experts: Sequence[int], method: str,
     Raises:
         ValueError: an output or scales the kernel cannot address.
     """
-    n = len(experts)
-    if n > _PART:
-        for at in range(0, n, _PART):
-            part = [Kind(k.addresses[at:at + _PART], k.scales, k.out[at:at + _PART])
-                    for k in kinds]
-            fp4_experts_cuda(part, experts[at:at + _PART], method, transposed)
-        return
-    params, chunks = _fp4_params(kinds, n, transposed)
-    if n == 0 or chunks == 0:
-        return
     out = kinds[0].out
     lut = lookup_table(method, out.dtype, out.device)
-    addresses = [int(a) for kind in kinds for a in kind.addresses]
-    _launch(f"fp4_experts_{out.element_size()}", out,
-            params + addresses + [int(e) for e in experts], len(kinds), chunks, np.int32(n),
-            _NO_SLOTS, _NO_SLOTS, np.uint64(lut.data_ptr()))
+    _batches(kinds, experts, lambda part, n: _fp4_params(part, n, transposed),
+             f"fp4_experts_{out.element_size()}", np.uint64(lut.data_ptr()))
 
 
 def gguf_kinds_cuda(ggml_type: int, kinds: Sequence[Kind], slots: Any = None,

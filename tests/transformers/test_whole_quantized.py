@@ -35,6 +35,7 @@ from tests.transformers import test_gguf_kernels_host as gguf_walk  # noqa: E402
 from tests.transformers.test_transformers_fp8 import FP8  # noqa: E402
 from tests.transformers.test_transformers_fp8 import _float as fp8_float  # noqa: E402
 from tests.transformers.test_transformers_gguf import _gguf  # noqa: E402
+from tests.transformers.test_transformers_in_place import batched_calls  # noqa: E402
 from tests.transformers.test_transformers_mxfp4 import MXFP4  # noqa: E402
 from tests.transformers.test_transformers_mxfp4 import _float as gpt_oss_float  # noqa: E402
 from tests.transformers.test_transformers_nosync import (  # noqa: E402
@@ -189,17 +190,7 @@ def test_gpu_generate_gives_the_dequantized_tokens(checkpoints: dict[str, Path],
                             budget=str(KINDS[kind]) if in_place else None,
                             dtype=torch.bfloat16, in_place=in_place) as model:
         model.generate(prompt, max_new_tokens=12, do_sample=False)  # fills the cache
-        served: list[int] = []
-        batched = _routing.WholeLayers.batched
-
-        def counted(self: Any, layer: int, *args: Any) -> Any:
-            served.append(layer)
-            return batched(self, layer, *args)
-
-        _routing.WholeLayers.batched = counted  # type: ignore[method-assign]
-        try:
+        with batched_calls() as served:
             got = model.generate(prompt, max_new_tokens=12, do_sample=False)
-        finally:
-            _routing.WholeLayers.batched = batched  # type: ignore[method-assign]
         assert torch.equal(got, expected)
         assert served  # the decode steps took the slot kernels
