@@ -86,12 +86,14 @@ def walked(tmp_path_factory: pytest.TempPathFactory) -> Any:
     dc._launch = saved
 
 
-def _loaded(path: Path, budget: int | None, device: str = "cpu") -> Any:
+def _loaded(path: Path, budget: int | None, device: str = "cpu", in_place: bool = False
+            ) -> Any:
     """The model in resident mode with its cache full: held whole (no budget) or, below
     the experts, experts fetched a layer at a time (the first of each, then the second...)
     until no other fits (a GGUF file's layers differ in bytes an expert)."""
     model = mt.from_pretrained(path, device=device, budget=None if budget is None
-                               else str(budget), mode="resident", dtype=torch.bfloat16)
+                               else str(budget), mode="resident", dtype=torch.bfloat16,
+                               in_place=in_place)
     session = model.moestream.session
     info = session.model
     largest = max(info.layers[layer].expert_bytes for layer in info.moe_layers)
@@ -186,11 +188,13 @@ def test_gpu_generate_gives_the_dequantized_tokens(checkpoints: dict[str, Path],
     theirs = _reference(checkpoints[kind], kind, "cuda")
     prompt = torch.tensor([[3, 17, 42, 5, 9, 11]], device="cuda")
     expected = theirs.generate(prompt, max_new_tokens=12, do_sample=False)
-    with mt.from_pretrained(checkpoints[kind], device="cuda", mode="resident",
-                            budget=str(KINDS[kind]) if in_place else None,
-                            dtype=torch.bfloat16, in_place=in_place) as model:
-        model.generate(prompt, max_new_tokens=12, do_sample=False)  # fills the cache
+    model = _loaded(checkpoints[kind], KINDS[kind] if in_place else None, "cuda",
+                    in_place=in_place)
+    try:
+        torch.cuda.synchronize()  # every upload done: the next token finds the cache full
         with batched_calls() as served:
             got = model.generate(prompt, max_new_tokens=12, do_sample=False)
         assert torch.equal(got, expected)
         assert served  # the decode steps took the slot kernels
+    finally:
+        model.moestream.close()
