@@ -24,6 +24,7 @@ Runs, greedy, ``--tokens`` tokens:
   through the cache's own index: ``hit_rate_replayed``, ``bf16_hit_rate_same_bytes``,
   ``scales_streamed_hit_rate_same_bytes``);
 - ``bf16`` (``fp8`` only): moestream on the BF16 original at the same cache bytes;
+- ``bf16_all`` (``fp8`` only): the BF16 original holding every expert;
 - ``<format>_in_place``, ``bf16_in_place``: those two with ``in_place=True`` (once the
   cache is full, a decode step's experts are named on the device and the uncached ones
   read in place from the page cache by the dequantization or gather kernel; GPU only);
@@ -293,12 +294,12 @@ def _run(name: str, args: argparse.Namespace, prompt: Any, device: Any,
     in_place = name.endswith("_in_place")
     if in_place and device.type != "cuda":
         return {"skipped": "a GPU path: the host backend has no tables"}
-    if name in ("bf16", "bf16_in_place"):
+    if name in ("bf16", "bf16_in_place", "bf16_all"):
         if bf16 is None:
             return {"skipped": "a BF16 original is made for fp8 only (see the replay)"}
         args.model = bf16
-        return run_moestream(args, prompt, device, None, budget=budget, cold=False,
-                             in_place=in_place)
+        return run_moestream(args, prompt, device, None, cold=False, in_place=in_place,
+                             budget=None if name == "bf16_all" else budget)
     if name not in (fmt, f"{fmt}_all", f"{fmt}_in_place"):
         return {"skipped": f"no run {name!r} for --format {fmt}"}
     args.model = args.quantized
@@ -325,7 +326,7 @@ def _ratios(results: dict[str, dict[str, Any]], fmt: str, moe_layers: int
         return float(value) if value is not None else None
 
     ratios: dict[str, float] = {}
-    for suffix in ("", "_in_place"):
+    for suffix in ("", "_in_place", "_all"):
         ours, bf16 = rate(fmt + suffix), rate("bf16" + suffix)
         if ours is not None and bf16 is not None:
             ratios[f"{fmt}{suffix}_over_bf16{suffix}"] = round(ours / bf16, 3)
