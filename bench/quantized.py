@@ -44,6 +44,7 @@ import argparse
 import dataclasses
 import json
 import shutil
+import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -248,6 +249,11 @@ def build_parser() -> argparse.ArgumentParser:
                    "dense weights + expert cache + the experts' scales (3GiB)")
     p.add_argument("--runs", help="default: reference,<format>,<format>_in_place,bf16,"
                    "bf16_in_place (fp8),<format>_all,dequant")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="measure the runs in turns this many times, each ratio taken within "
+                   "a round and the median reported: a machine whose speed drifts over a "
+                   "process (a third within a minute, seen on an H100) drifts under every "
+                   "run alike")
     add_run_arguments(p)
     return p
 
@@ -363,25 +369,49 @@ def main(argv: list[str] | None = None) -> int:
     originals = "bf16,bf16_in_place," if fmt == "fp8" else ""
     runs = [r for r in (args.runs or f"reference,{fmt},{fmt}_in_place,{originals}{fmt}_all,dequant"
                         ).split(",") if r]
-    results: dict[str, dict[str, Any]] = {}
+    rounds: list[dict[str, dict[str, Any]]] = []
     with tempfile.TemporaryDirectory(prefix="bench-quantized-") as logs:
         shared = _Shared(table, bf16, budget, Path(logs))
-        for name in runs:  # a run named twice is measured twice (the later one kept)
-            if name in results:
-                results[f"{name}_first"] = results.pop(name)
-            results[name] = _run(name, args, prompt, device, shared)
-    _check_tokens(results, fmt)
+        for _ in range(args.rounds):
+            results: dict[str, dict[str, Any]] = {}
+            for name in runs:  # a run named twice is measured twice (the later one kept)
+                if name in results:
+                    results[f"{name}_first"] = results.pop(name)
+                results[name] = _run(name, args, prompt, device, shared)
+            _check_tokens(results, fmt)
+            rounds.append(results)
     moe_layers = len(table.layers)
     report = {"command": "python -m bench.quantized " + " ".join(sys.argv[1:] if argv is None
                                                                   else argv),
               "format": fmt, "shape": args.shape, "layers": args.layers,
               "device": str(device), "dense_bytes": dense, "experts_budget_bytes": budget.nbytes,
-              **_versions(), "ratios": _ratios(results, fmt, moe_layers), "runs": results}
+              **_versions(), **_rounds_report(rounds, fmt, moe_layers)}
     text = json.dumps(report, indent=2)
     print(text)
     if args.out is not None:
         args.out.write_text(text + "\n")
-    return 0 if all(r.get("same_tokens", True) for r in results.values()) else 1
+    return 0 if all(r.get("same_tokens", True) for results in rounds
+                    for r in results.values()) else 1
+
+
+def _rounds_report(rounds: list[dict[str, dict[str, Any]]], fmt: str, moe_layers: int
+                   ) -> dict[str, Any]:
+    """The report's ``ratios`` and ``runs``: one round's as they are; of several rounds,
+    each ratio's median over the rounds (a ratio taken within a round, its runs minutes
+    apart, not across the process) with every round's in ``ratios_rounds``, and each run's
+    rounds under ``runs``, its ``tokens_per_s`` the median of theirs."""
+    per_round = [_ratios(results, fmt, moe_layers) for results in rounds]
+    if len(rounds) == 1:
+        return {"ratios": per_round[0], "runs": rounds[0]}
+    ratios = {key: round(statistics.median(r[key] for r in per_round if key in r), 3)
+              for key in per_round[0]}
+    runs: dict[str, dict[str, Any]] = {}
+    for name in rounds[0]:
+        each = [results[name] for results in rounds if name in results]
+        rates = [r["tokens_per_s"] for r in each if "tokens_per_s" in r]
+        runs[name] = {"tokens_per_s": round(statistics.median(rates), 3) if rates else None,
+                      "rounds": each}
+    return {"ratios": ratios, "ratios_rounds": per_round, "runs": runs}
 
 
 def _check_tokens(results: dict[str, dict[str, Any]], fmt: str) -> None:

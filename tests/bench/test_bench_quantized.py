@@ -39,6 +39,22 @@ def test_tiny_run(tmp_path: Path) -> None:
     assert report["runs"]["fp8"]["hit_rate"] >= report["runs"]["bf16"]["hit_rate"]
 
 
+def test_rounds_take_each_ratio_within_a_round(tmp_path: Path) -> None:
+    """``--rounds 2``: every run measured twice in turns, each ratio the median of the
+    rounds' own, every round's kept; the in-place runs say they need a GPU."""
+    out = tmp_path / "report.json"
+    code = main(["--make", str(tmp_path / "m"), "--shape", "tiny", "--tokens", "3",
+                 "--warmup", "1", "--repeat", "1", "--total", "200KiB", "--device", "cpu",
+                 "--runs", "fp8,bf16,fp8_in_place", "--rounds", "2", "--out", str(out)])
+    report = json.loads(out.read_text())
+    assert code == 0 and len(report["ratios_rounds"]) == 2
+    each = [r["fp8_over_bf16"] for r in report["ratios_rounds"]]
+    assert report["ratios"]["fp8_over_bf16"] == pytest.approx(sum(each) / 2, abs=1e-3)
+    fp8 = report["runs"]["fp8"]
+    assert len(fp8["rounds"]) == 2 and fp8["tokens_per_s"] > 0
+    assert all(r["skipped"] for r in report["runs"]["fp8_in_place"]["rounds"])
+
+
 @pytest.mark.parametrize("fmt, total", [("mxfp4", "512KiB"), ("fp4", "1060KiB")])
 def test_tiny_run_fp4_formats(tmp_path: Path, fmt: str, total: str) -> None:
     """The maker's checkpoints: dense ~0.5 (MXFP4) and ~1 MB (FP4), experts 6 KiB, their
