@@ -18,7 +18,7 @@ checkpoint loaded whole by transformers with ``experts_implementation`` ``groupe
   it (a vision-language model's text part, an encoder-decoder, a classifier), or
   transformers' own model failed (why).
 
-The kinds, sizes and per-kind fixes are ``bench.arch_configs``'s.
+The kinds, sizes and per-kind fixes are ``pipeline.makers.arch_configs``'s.
 
 A kind's outcome is its worst compute's. A model type AutoModelForCausalLM does not map is
 built by its own ``<Name>ForCausalLM`` class where transformers has one (Mistral-4), as the
@@ -52,11 +52,18 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
-from bench.arch_configs import FIXES, KINDS, MODEL_TYPES, SIZES, ZERO_INIT, overrides
 from bench.kit import run_command
 from bench.record import provenance, write_result
 from moestream.pipeline.foundation.errors import UsageError
 from moestream.pipeline.foundation.outputs import check_output
+from moestream.pipeline.makers.arch_configs import (
+    FIXES,
+    KINDS,
+    MODEL_TYPES,
+    SIZES,
+    ZERO_INIT,
+    overrides,
+)
 
 __all__ = ["FIXES", "KINDS", "MODEL_TYPES", "SIZES", "ZERO_INIT", "main", "one", "overrides"]
 

@@ -33,6 +33,16 @@ class TestTheTree:
     def test_no_function_over_60_lines(self) -> None:
         assert REPORT.long_functions == []
 
+    def test_only_benchs_own_tests_import_bench(self) -> None:
+        """A test of the product imports the product (and the tests' own helpers); what a
+        benchmark and a test both need lives in the product (a model maker, say)."""
+        tests = house.ROOT / "tests"
+        found = [str(path.relative_to(tests)) for path in sorted(tests.rglob("*.py"))
+                 if not path.is_relative_to(tests / "bench")
+                 and any(name == "bench" or name.startswith("bench.") for name in
+                         house.imports_of(path.read_text(), "tests"))]
+        assert found == []
+
     def test_the_wheel_ships_one_package(self) -> None:
         config = tomllib.loads((house.ROOT / "pyproject.toml").read_text())
         assert config["tool"]["setuptools"]["packages"]["find"]["include"] == ["moestream*"]

@@ -1,11 +1,11 @@
 """moestream.transformers: the models whose experts it reaches by a module swap (Llama 4's
 text model, JetMoE) or by their own namings (Gemma 4's MoE block, Aria's fc1/fc2).
 
-Tiny random-init checkpoints of ``bench.arch_configs``' sizes, written by transformers'
-``save_pretrained``, run on the host backend and CPU torch (and, marked ``gpu``, on CuPy)
-against the same checkpoint loaded whole by transformers: logits ``torch.equal`` and greedy
-tokens identical, with every expert loaded and at a budget of two layers' top-k (the cache
-evicts), in both of moestream's arithmetics.
+Tiny random-init checkpoints of ``pipeline.makers.arch_configs``' sizes, written by
+transformers' ``save_pretrained``, run on the host backend and CPU torch (and, marked
+``gpu``, on CuPy) against the same checkpoint loaded whole by transformers: logits
+``torch.equal`` and greedy tokens identical, with every expert loaded and at a budget of two
+layers' top-k (the cache evicts), in both of moestream's arithmetics.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("transformers.integrations.moe")
 
 import moestream  # noqa: E402
-from bench.arch_configs import MODEL_TYPES, overrides  # noqa: E402
 from moestream import transformers as mt  # noqa: E402
+from moestream.pipeline.makers.arch_configs import MODEL_TYPES, overrides  # noqa: E402
 from moestream.transformers._swap import JetMoeExperts, Llama4Experts  # noqa: E402
 
 SWAPPED = {"llama4": Llama4Experts, "jetmoe": JetMoeExperts}

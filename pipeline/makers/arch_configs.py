@@ -1,5 +1,6 @@
-"""The tiny configs ``python -m bench.archs`` builds: which MoE model types it sweeps and
-the sizes that make each a small random model of 4 layers, hidden 64, 8 experts, top-2.
+"""Tiny configs of the MoE model types (``python -m bench.archs`` sweeps them, the swap
+tests build a few): which model types, and the sizes that make each a small random model
+of 4 layers, hidden 64, 8 experts, top-2.
 
 ``SIZES`` names every attribute a config may use for a size; ``_rules`` follows from a
 kind's default config (per-layer lists, MLA's heads, expert groups, token ids);
