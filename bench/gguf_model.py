@@ -250,7 +250,8 @@ def _load_and_time(path: Path, args: argparse.Namespace, prompt: Any, device: An
         make_resident(file)
     _peak_reset(device)
     model = from_pretrained(path, budget=Budget(nbytes=cache), device=device,
-                            dtype=torch.bfloat16, mode=args.mode, tuning=tuning_of(args))
+                            dtype=torch.bfloat16, mode=args.mode, tuning=tuning_of(args),
+                            in_place=args.in_place)
     stream = model.moestream
     try:
         if args.warmup:
@@ -323,6 +324,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cache-share", type=float, help="a cache of this share of the BF16 "
                    "experts' bytes instead (0.25, say)")
     p.add_argument("--prompt-ids", default="1,2,3,4", help="prompt token ids (1,2,3,4)")
+    p.add_argument("--in-place", action="store_true", help="both models with in_place=True "
+                   "(on a GPU, once the cache is full, the experts it lacks read in place "
+                   "from the page cache by the dequantization or gather kernel)")
     add_sample_argument(p)
     add_spread_argument(p)
     add_run_arguments(p)
@@ -377,6 +381,7 @@ def _bench(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "command": "python -m bench.gguf_model " + " ".join(sys.argv[1:]),
         "checkpoint": str(args.make), **made, "device": str(device), "dtype": "bfloat16",
+        "in_place": args.in_place,
         "shape": args.shape, "layers": json.loads((args.make / "config.json").read_text())
         ["num_hidden_layers"], "dense_bytes": dense, "bf16_expert_bytes": experts,
         "total_bytes": args.total_bytes, "cache_budget_bytes": cache,
