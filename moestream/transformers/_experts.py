@@ -178,7 +178,7 @@ class ExpertStream:
         # a model held whole computes its layers with no lease: on a GPU with no host read
         # of the routing, on the host from views of the cache (``HostWeights.trusted``)
         self._whole = WholeLayers(session, self.device, scales=self.scales,
-                                  in_place=in_place and self._cuda)
+                                  fill=group_experts, in_place=in_place and self._cuda)
 
     # -- the token boundary ----------------------------------------------------------------
 

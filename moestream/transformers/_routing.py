@@ -148,6 +148,8 @@ class WholeLayers:
         device: the torch CUDA device the model computes on.
         scales: each quantized layer's scales or GGUF types (``ExpertWeights.scales``):
             its slots are dequantized by the slot kernels where they serve it.
+        fill: while a budget that holds every expert is not full yet, how many experts a
+            token to load unasked (``SyncSession.prefetch``); 0: only what the routing asks.
         in_place: below the model's experts, serve a full cache's model with the experts it
             lacks read in place (the module docstring); turned off for the session when a
             layer's layout is not one the tables serve.
@@ -155,10 +157,11 @@ class WholeLayers:
 
     def __init__(self, session: SyncSession, device: Any, *,
                  scales: Mapping[int, LayerScales | GgufExperts] | None = None,
-                 in_place: bool = False) -> None:
+                 fill: int = 0, in_place: bool = False) -> None:
         self.session = session
         self.device = torch.device(device)
         self.scales = scales or {}
+        self.fill = fill
         self.in_place = in_place
         info = session.model
         self._total = sum(info.layers[layer].n_experts * info.layers[layer].expert_bytes
@@ -234,7 +237,10 @@ class WholeLayers:
         full and the device can read the others in place (``_fills_in_place``).
 
         The layers are asked from the one that was not yet ready last time: while the
-        cache fills, a token's answer is most often its first query, not one a layer."""
+        cache fills, a token's answer is most often its first query, not one a layer. The
+        experts of that layer not cached yet are hinted (``fill`` of them, a token): an
+        expert the routing never picks would otherwise keep the model from ever being
+        held whole."""
         session = self.session
         if self._never:
             return False
@@ -248,6 +254,9 @@ class WholeLayers:
         for i, (layer, experts) in enumerate(layers):
             if not session.ready(layer, experts):
                 self._layers = layers[i:] + layers[:i]  # the same layers, this one first
+                if self.fill:
+                    lacking = [e for e in experts if not session.ready(layer, [e])]
+                    session.prefetch(layer, lacking[:self.fill])
                 return False
         return True
 

@@ -13,6 +13,7 @@ nothing (``torch.cuda.set_sync_debug_mode("error")``), and its hits are still co
 from __future__ import annotations
 
 import ctypes
+import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -150,6 +151,29 @@ class TestWholeLayersOnTheHost:
         finally:
             model.moestream.close()
 
+    def test_experts_the_routing_never_picks_are_filled(
+            self, checkpoints: dict[str, Path]) -> None:
+        """A budget holding every expert is filled ``fill`` experts a token beyond what the
+        routing asks (an expert never routed to would keep the model from being held whole),
+        then held whole; the fill's loads counted as prefetched."""
+        model = mt.from_pretrained(checkpoints["qwen3_moe"], device="cpu", budget=None)
+        try:
+            session = model.moestream.session
+            info = session.model
+            total = sum(info.layers[layer].n_experts for layer in info.moe_layers)
+            whole = _routing.WholeLayers(session, "cpu", fill=3)
+            tokens = 0
+            while not whole.holding():
+                assert tokens < 2 * total  # 3 a token, and loads may still be landing
+                whole.account(whole.take())
+                session.end_token()
+                tokens += 1
+                _landed(session)
+            assert tokens >= -(-total // 3) and session.counters().prefetched == total
+            assert session.counters().misses == 0  # nothing was asked for
+        finally:
+            model.moestream.close()
+
     def test_a_budget_below_every_expert_takes_the_lease_path(
             self, checkpoints: dict[str, Path]) -> None:
         model = mt.from_pretrained(checkpoints["qwen3_moe"], device="cpu", budget="4")
@@ -161,6 +185,19 @@ class TestWholeLayersOnTheHost:
             assert whole.forward(module.moestream_layer, module, hidden, index, weights) is None
         finally:
             model.moestream.close()
+
+
+def _landed(session: Any, seconds: float = 10.0) -> None:
+    """Until every expert the hints loaded has landed (this test asks for nothing else, so
+    the ready experts are the hints' once they all have), or ``seconds`` passed."""
+    info = session.model
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        ready = sum(session.ready(layer, [e]) for layer in info.moe_layers
+                    for e in range(info.layers[layer].n_experts))
+        if ready >= session.counters().prefetched:
+            return
+        time.sleep(0.001)
 
 
 def _fetches(model: Any, monkeypatch: pytest.MonkeyPatch) -> list[int]:
