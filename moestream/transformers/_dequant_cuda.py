@@ -232,8 +232,8 @@ def _batches(kinds: Sequence[Kind], experts: Sequence[int],
              params: Callable[[Sequence[Kind], int], tuple[list[int], int]], name: str,
              *tail: Any) -> None:
     """One launch of kernel ``name`` a part of ``_PART`` experts (a table within a ring
-    slot): ``params``' parameters of the part's kinds, then each kind's addresses and the
-    experts' ids, the kernel's ``tail`` arguments after its slots (none here)."""
+    slot): its table ``params``' parameters of the part's kinds, then each kind's addresses
+    and the experts' ids; no slots (the table names the experts), then ``tail``."""
     for at in range(0, len(experts), _PART):
         part = [Kind(k.addresses[at:at + _PART], k.scales, k.out[at:at + _PART])
                 for k in kinds]
@@ -366,6 +366,7 @@ def gguf_layer_cuda(types: GgufExperts, addresses: Sequence[Sequence[int]], gate
         gguf_kinds_cuda(types.gate_up_type, [gate, up, rest], slots, table)
     else:
         gguf_kinds_cuda(types.gate_up_type, [gate, up], slots, table)
+        # down alone: its column of the layer's table, the third (8 bytes an address)
         gguf_kinds_cuda(types.down_type, [rest], slots, table + 2 * 8 if table else 0)
 
 

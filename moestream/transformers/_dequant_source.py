@@ -10,7 +10,7 @@ routes to are then named on the device, never read on the host (``WholeLayers``)
 Their loads take the widest word the address allows (a matrix read in place from a file's
 mapping may be 8-aligned only, and each load is then a PCIe read). A thread
 turns one chunk into output values: 16 FP8 bytes of a row (or one, where the row, its block
-width or an address does not allow 16), or one 32-value group of an FP4 row (16 bytes and
+width or the output does not allow 16), or one 32-value group of an FP4 row (16 bytes and
 its one E8M0 scale). Index arithmetic is 64-bit once a chunk, never per value.
 
 - FP8 (``fp8_experts_*``): E4M3 decoded exactly by its bits (every E4M3 value is a float32),
