@@ -21,6 +21,9 @@ in these runs (``--runs`` picks some):
   of the routing: resident mode);
 - ``all``: moestream with a budget that holds every expert, every expert fetched once and
   a warm-up generate before timing;
+- ``held``: the same budget as a user loads it, nothing fetched beforehand: the model is
+  held whole once the routing and the fill (a lease's group of experts a token, unasked)
+  have loaded every expert;
 - ``alternate``: the resident model and ``all``'s moestream model loaded together, their
   timed generates alternated ``--repeat`` times: each round's ratio, their median
   (``x_resident``), so that a drift of the host's speed during the process (tens of percent
@@ -64,7 +67,7 @@ from moestream.pipeline.foundation.safetensors_table import is_routed
 
 __all__ = ["main"]
 
-RUNS = ("resident", "eager", "accelerate", "warm", "cold", "predict", "in_place", "all",
+RUNS = ("resident", "eager", "accelerate", "warm", "cold", "predict", "in_place", "all", "held",
         "alternate")
 SHAPES: dict[str, dict[str, Any]] = {
     "tiny": dict(hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
@@ -256,10 +259,11 @@ def run_accelerate(args: argparse.Namespace, prompt: Any, device: Any,
 
 def run_moestream(args: argparse.Namespace, prompt: Any, device: Any, reference: str | None,
                   *, budget: Budget | None, cold: bool, log: Path | None = None,
-                  prefetch: str = "none", in_place: bool = False) -> dict[str, Any]:
+                  prefetch: str = "none", in_place: bool = False, prefill: bool = True
+                  ) -> dict[str, Any]:
     """moestream's run: one load timed ``--repeat`` times holding every expert (``budget``
-    None), else a fresh load a timed generate (the previous one would have warmed the
-    cache)."""
+    None; every expert fetched first unless not ``prefill``), else a fresh load a timed
+    generate (the previous one would have warmed the cache)."""
     loads, per_load = (1, args.repeat) if budget is None else (args.repeat, 1)
     timings: list[tuple[list[int], float]] = []
     parts: dict[str, float] = {}
@@ -268,7 +272,7 @@ def run_moestream(args: argparse.Namespace, prompt: Any, device: Any, reference:
     for _ in range(loads):
         done, last = _moestream_load(args, prompt, device, budget=budget, cold=cold,
                                      repeat=per_load, parts=parts, log=log, prefetch=prefetch,
-                                     in_place=in_place)
+                                     in_place=in_place, prefill=prefill)
         timings += done["timings"]
         hits, misses = hits + done["hits"], misses + done["misses"]
         file_bytes += done["file_bytes"]
@@ -326,7 +330,7 @@ def run_alternate(args: argparse.Namespace, prompt: Any, device: Any, reference:
 def _moestream_load(args: argparse.Namespace, prompt: Any, device: Any, *,
                     budget: Budget | None, cold: bool, repeat: int,
                     parts: dict[str, float], log: Path | None = None,
-                    prefetch: str = "none", in_place: bool = False
+                    prefetch: str = "none", in_place: bool = False, prefill: bool = True
                     ) -> tuple[dict[str, Any], Any]:
     """One moestream model loaded, warmed (unless ``cold``) and timed ``repeat`` times; its
     token time split added into ``parts``. Returns the timings and counts, and the
@@ -344,7 +348,7 @@ def _moestream_load(args: argparse.Namespace, prompt: Any, device: Any, *,
                             prefetch=prefetch, in_place=in_place, tuning=tuning_of(args))
     stream = model.moestream
     try:
-        if budget is None:  # every expert on the device before timing
+        if budget is None and prefill:  # every expert on the device before timing
             _fill_cache(stream)
 
         def add(stats: Any) -> None:
@@ -512,6 +516,8 @@ def _bench(args: argparse.Namespace) -> dict[str, Any]:
                              if device.type == "cuda" else
                              {"skipped": "a GPU path: the host backend has no tables"}),
         "all": lambda: run_moestream(args, prompt, device, reference, budget=None, cold=False),
+        "held": lambda: run_moestream(args, prompt, device, reference, budget=None, cold=False,
+                                      prefill=False),
         "alternate": lambda: run_alternate(args, prompt, device, reference),
     }
     results = {name: plan[name]() for name in runs}
