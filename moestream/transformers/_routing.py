@@ -37,27 +37,21 @@ mapping is released (:meth:`WholeLayers.begin`).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch  # type: ignore[import-not-found, unused-ignore]
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from moestream import InPlace, SyncSession
-from moestream.transformers._dequant_cuda import layer_slots_cuda, slots_serve
+from moestream.transformers._dequant_cuda import slots_serve
 from moestream.transformers._expert_compute import slotted_grouped
-from moestream.transformers._gather import blocks, launch
 from moestream.transformers._gguf_experts import GgufExperts
 from moestream.transformers._launch import current_stream
-from moestream.transformers._layout import (
-    TORCH_DTYPES,
-    batched_mm,
-    first_projection,
-)
+from moestream.transformers._layout import TORCH_DTYPES, batched_mm, first_projection
 from moestream.transformers._quantized import LayerScales
+from moestream.transformers._table import LayerTable
 
 __all__ = ["MAX_SLOTS", "Routing", "WholeLayers"]
 
@@ -81,61 +75,6 @@ worth at a time, instead of staying those of the tokens that filled the cache.""
 
 _UNMADE: Any = object()
 """A layer's table not asked for yet (None: asked, and the layer takes the lease path)."""
-
-_BITS = {"fp8": 8, "fp4": 4, "mxfp4": 4}
-"""A quantized expert's bits a weight, by ``LayerScales.method``."""
-
-
-def _matrix_bytes(scales: LayerScales | GgufExperts | None, dtype: Any, values: int,
-                  down: bool) -> int:
-    """The bytes of a matrix of ``values`` weights as the cache holds it: plain in
-    ``dtype``, FP8/FP4 at their bits a weight, a GGUF type in its blocks."""
-    if scales is None:
-        return values * int(dtype.itemsize)
-    if isinstance(scales, GgufExperts):
-        elems, size = GGML_QUANT_SIZES[GGMLQuantizationType(
-            scales.down_type if down else scales.gate_up_type)]
-        return values // elems * size
-    return values * _BITS[scales.method] // 8
-
-
-class _Table:
-    """One whole layer's addresses on the device, ``(experts, 3)`` int64, and its matrices'
-    bytes (every expert of a layer has the same); with what each call of the layer would
-    otherwise work out again: the module's projection shapes (set once :meth:`accept`
-    took them) and the kernel's grid width. A quantized layer's ``scales`` (None: plain
-    float experts, copied as they are) say how its slots are dequantized instead
-    (``layer_slots_cuda``)."""
-
-    __slots__ = ("addresses", "blocks", "down_bytes", "down_shape", "experts", "first_shape",
-                 "gate_bytes", "scales", "sizes", "up_bytes")
-
-    def __init__(self, addresses: Any, sizes: tuple[int, int, int],
-                 scales: LayerScales | GgufExperts | None = None) -> None:
-        self.addresses = addresses
-        self.scales = scales
-        self.experts = int(addresses.shape[0])
-        self.gate_bytes, self.up_bytes, self.down_bytes = sizes
-        self.sizes = tuple(np.int64(n) for n in sizes)  # the kernel's arguments, made once
-        largest = max(sizes)
-        self.blocks = blocks(largest)
-        self.first_shape: tuple[int, ...] = ()
-        self.down_shape: tuple[int, ...] = ()
-
-    def accept(self, first_shape: tuple[int, ...], down_shape: tuple[int, ...], dtype: Any
-               ) -> bool:
-        """Take the module's projection shapes if an expert's gate and up fill one first
-        projection and its down one down projection, in ``dtype`` or, quantized, in its
-        format's bytes (what the copies and kernels assume); False, taking nothing, where
-        they do not."""
-        if (_matrix_bytes(self.scales, dtype, math.prod(first_shape), False)
-                != self.gate_bytes + self.up_bytes
-                or _matrix_bytes(self.scales, dtype, math.prod(down_shape), True)
-                != self.down_bytes):
-            return False
-        self.first_shape, self.down_shape = first_shape, down_shape
-        return True
-
 
 class WholeLayers:
     """The slot tables of one CUDA model's layers, once the cache holds every expert of the
@@ -178,7 +117,7 @@ class WholeLayers:
         self._never = len(session.devices) != 1
         self._layers = [(layer, range(info.layers[layer].n_experts))
                         for layer in info.moe_layers]
-        self._tables: dict[tuple[int, Any], _Table | None] = {}
+        self._tables: dict[tuple[int, Any], LayerTable | None] = {}
         self._whole: bool | None = None
         self.period = 0
         """How many times the model came to be held whole: views of the cache made while
@@ -220,7 +159,7 @@ class WholeLayers:
         return self.period if self._whole else 0
 
     def _table(self, layer: int, dtype: Any, first_shape: tuple[int, ...],
-               down_shape: tuple[int, ...]) -> _Table | None:
+               down_shape: tuple[int, ...]) -> LayerTable | None:
         """The layer's table for ``dtype``, made now (``forward`` asks once a dtype)."""
         if not self.holding():
             return None
@@ -283,7 +222,7 @@ class WholeLayers:
         self._served = 0
         return True
 
-    def _make(self, layer: int, n: int, dtype: Any) -> _Table | None:
+    def _make(self, layer: int, n: int, dtype: Any) -> LayerTable | None:
         """A layer's table: plain float experts in ``dtype``, or quantized ones the slot
         kernels dequantize into it (``slots_serve``); None for any other layer, and then
         in-place mode is off for the session (a layer's layout does not change: asking
@@ -306,7 +245,7 @@ class WholeLayers:
         return self._from_cache(layer, list(range(n)), dtype, {}, scales)
 
     def _make_in_place(self, layer: int, n: int, dtype: Any,
-                       scales: LayerScales | GgufExperts | None) -> _Table | None:
+                       scales: LayerScales | GgufExperts | None) -> LayerTable | None:
         """A layer's table from the experts the cache holds and, for the others, their
         addresses in the mapping (``SyncSession.in_place``)."""
         cached = [e for e in range(n) if self.session.ready(layer, [e])]
@@ -318,7 +257,7 @@ class WholeLayers:
 
     def _from_cache(self, layer: int, experts: list[int], dtype: Any,
                     rows: dict[int, tuple[list[int], tuple[int, ...]]],
-                    scales: LayerScales | GgufExperts | None) -> _Table | None:
+                    scales: LayerScales | GgufExperts | None) -> LayerTable | None:
         """The table of ``experts`` (cached: their matrices' addresses, by one lease) and
         the ``rows`` given (addresses and sizes), or None if their dtypes (plain experts:
         ``dtype``) or sizes differ."""
@@ -341,7 +280,7 @@ class WholeLayers:
         addresses = torch.tensor([rows[e][0] for e in sorted(rows)], dtype=torch.int64
                                  ).to(self.device)
         gate, up, down = sizes.pop()
-        return _Table(addresses, (gate, up, down), scales)
+        return LayerTable(addresses, (gate, up, down), scales)
 
     def forget(self) -> None:
         """Drop every table (the session closes): the lease path serves every layer."""
@@ -381,7 +320,7 @@ class WholeLayers:
         self._drop_tables()
         self._whole = False  # asked again at the token's end
 
-    def grouped(self, layer: int, table: _Table, module: Any, hidden: Any, top_k_index: Any,
+    def grouped(self, layer: int, table: LayerTable, module: Any, hidden: Any, top_k_index: Any,
                 top_k_weights: Any) -> Any:
         """``grouped_mm_experts_forward``'s output for a whole layer, queued on torch's
         stream with no host read of the routing."""
@@ -394,7 +333,7 @@ class WholeLayers:
         self.remember(layer, top_k_index)
         return out
 
-    def batched(self, layer: int, table: _Table, module: Any, hidden: Any, top_k_index: Any,
+    def batched(self, layer: int, table: LayerTable, module: Any, hidden: Any, top_k_index: Any,
                 top_k_weights: Any) -> Any:
         """``batched_mm_experts_forward``'s output for a whole layer: each (token, slot)
         pair's expert weights copied from the cache by the table in one launch, then
@@ -408,16 +347,10 @@ class WholeLayers:
         self.remember(layer, top_k_index)
         return out
 
-    def _gather(self, table: _Table, slots: Any, first: Any, down: Any) -> None:
+    def _gather(self, table: LayerTable, slots: Any, first: Any, down: Any) -> None:
         """One launch on torch's stream: each slot's weights copied from the cache (or the
         mapping), or, quantized, dequantized from there."""
-        if table.scales is not None:
-            layer_slots_cuda(table.scales, table.addresses.data_ptr(), slots, first, down)
-            return
-        stream = current_stream(self.device)
-        launch(stream.device_index, (table.blocks, slots.shape[0]), stream.cuda_stream,
-               table.addresses.data_ptr(), slots.data_ptr(), first.data_ptr(),
-               down.data_ptr(), table.sizes)
+        table.fill(self.device, slots, first, down)
 
     def _stream(self) -> Any:
         """torch's current stream on the device (None on the host, where the session's
