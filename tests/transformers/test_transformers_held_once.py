@@ -21,6 +21,7 @@ pytest.importorskip("transformers.integrations.moe")
 
 from moestream.transformers import _routing  # noqa: E402
 from moestream.transformers._prefetch import NextRouter  # noqa: E402
+from moestream.transformers._table import LayerTable  # noqa: E402
 
 EXPERT_BYTES = 100
 
@@ -117,7 +118,7 @@ class TestTables:
         def make(self: Any, layer: int, n: int, dtype: Any) -> Any:
             made.append(layer)
             # 4 experts, gate and up (8, 16) and down (16, 8) in bfloat16
-            return _routing._Table(torch.zeros(n, 3, dtype=torch.int64), (256, 256, 256))
+            return LayerTable(torch.zeros(n, 3, dtype=torch.int64), (256, 256, 256))
 
         def grouped(self: Any, layer: int, table: Any, module: Any, hidden: Any,
                     index: Any, weights: Any) -> Any:
@@ -141,7 +142,7 @@ class TestTables:
 
         def make(self: Any, layer: int, n: int, dtype: Any) -> Any:
             made.append(layer)
-            return _routing._Table(torch.zeros(n, 3, dtype=torch.int64), (10, 10, 10))
+            return LayerTable(torch.zeros(n, 3, dtype=torch.int64), (10, 10, 10))
 
         monkeypatch.setattr(_routing.WholeLayers, "_make", make)
         module, hidden, index = _call()
@@ -150,10 +151,10 @@ class TestTables:
         assert made == [0]
 
     def test_grid_from_the_largest_matrix(self) -> None:
-        table = _routing._Table(torch.zeros(2, 3, dtype=torch.int64), (4096, 4096, 8192))
+        table = LayerTable(torch.zeros(2, 3, dtype=torch.int64), (4096, 4096, 8192))
         assert table.experts == 2
         assert table.blocks == 2  # 8192 bytes in 16-byte words over 256 threads
-        big = _routing._Table(torch.zeros(2, 3, dtype=torch.int64), (1 << 30, 1, 1))
+        big = LayerTable(torch.zeros(2, 3, dtype=torch.int64), (1 << 30, 1, 1))
         assert big.blocks == 128
 
 
