@@ -224,18 +224,18 @@ class WholeLayers:
 
     def _make(self, layer: int, n: int, dtype: Any) -> LayerTable | None:
         """A layer's table: plain float experts in ``dtype``, or quantized ones the slot
-        kernels dequantize into it (``slots_serve``); None for any other layer, and then
-        in-place mode is off for the session (a layer's layout does not change: asking
-        again each token would cost a stream sync)."""
+        kernels dequantize into it (``slots_serve``); None for any other layer, and then, in
+        place, in-place mode is off for the session (a layer's layout does not change:
+        asking again each token would cost a stream sync)."""
         info = self.session.model.layers[layer]
         scales = self.scales.get(layer)
         if scales is not None:
             served = slots_serve(scales, dtype)
-        else:  # held whole the lease's matrices tell (``_from_cache``); in place, the file's
-            served = not self._budget or not (
-                info.transposed or not info.gated or info.quant is not None or any(
-                    TORCH_DTYPES.get(t.name) != dtype for t in (info.gate_up_type,
-                                                                 info.down_type)))
+        elif self._budget:  # in place: the file's bytes must be the module's layout
+            served = not (info.transposed or not info.gated or info.quant is not None or any(
+                TORCH_DTYPES.get(t.name) != dtype for t in (info.gate_up_type, info.down_type)))
+        else:  # held whole: the lease's matrices tell (``_from_cache``)
+            served = True
         if not served:
             if self._budget:  # in place, every layer's calls must be served
                 self.in_place = False
