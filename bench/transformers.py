@@ -465,6 +465,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--total", default="3GiB", help="device memory of the offloaded runs: "
                    "accelerate's max_memory, moestream's dense weights + cache (3GiB)")
     p.add_argument("--runs", default=",".join(RUNS), help=f"some of {','.join(RUNS)}")
+    p.add_argument("--rounds", type=int, default=1, help="the runs measured in turns this "
+                   "many times, each x_resident taken within a round, their median reported "
+                   "(a machine whose speed drifts over a process drifts under every run alike)")
     add_run_arguments(p)
     return p
 
@@ -485,8 +488,9 @@ def _bench(args: argparse.Namespace) -> dict[str, Any]:
     unknown = sorted(set(runs) - set(RUNS))
     if unknown:
         raise UsageError(f"--runs: unknown {', '.join(unknown)} (runs: {', '.join(RUNS)})")
-    if args.repeat < 1:
-        raise UsageError(f"--repeat must be >= 1, got {args.repeat}")
+    if args.repeat < 1 or args.rounds < 1:
+        raise UsageError(f"--repeat and --rounds must be >= 1, got {args.repeat} and "
+                         f"{args.rounds}")
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if args.make is not None:
         if not (args.make / "config.json").is_file():
@@ -520,10 +524,14 @@ def _bench(args: argparse.Namespace) -> dict[str, Any]:
                                       prefill=False),
         "alternate": lambda: run_alternate(args, prompt, device, reference),
     }
-    results = {name: plan[name]() for name in runs}
-    _compare(results)
-    if "seconds" in results.get("cold", {}):
-        results["cold"].update(disk_floor(args.model, results["cold"]))
+    rounds = []
+    for _ in range(args.rounds):
+        results = {name: plan[name]() for name in runs}
+        _compare(results)
+        if "seconds" in results.get("cold", {}):
+            results["cold"].update(disk_floor(args.model, results["cold"]))
+        rounds.append(results)
+    results = rounds[0] if len(rounds) == 1 else _merged(rounds)
     return {
         "command": "python -m bench.transformers " + " ".join(sys.argv[1:]),
         "model": str(args.model), "device": str(device), "dense_bytes": dense,
@@ -567,6 +575,25 @@ def _cache_bytes(args: argparse.Namespace, dense: int, experts: int) -> int:
         raise UsageError(f"--total {args.total} does not hold the dense weights "
                          f"({dense} bytes)")
     return cache
+
+
+def _merged(rounds: list[dict[str, dict[str, Any]]]) -> dict[str, dict[str, Any]]:
+    """Each run over the rounds: the median of its rounds' ``tokens_per_s`` and
+    ``x_resident`` (each taken within its round), every round's ``x_resident``, whether
+    every round gave the reference tokens, and the rounds themselves."""
+    merged: dict[str, dict[str, Any]] = {}
+    for name in rounds[0]:
+        each = [results[name] for results in rounds]
+        out: dict[str, Any] = {"rounds": each}
+        for key in ("tokens_per_s", "x_resident"):
+            values = [r[key] for r in each if key in r]
+            if values:
+                out[key] = round(statistics.median(values), 3)
+                out[f"{key}_rounds"] = values
+        if any("same_tokens" in r for r in each):
+            out["same_tokens"] = all(r.get("same_tokens", True) for r in each)
+        merged[name] = out
+    return merged
 
 
 def _compare(results: dict[str, dict[str, Any]]) -> None:

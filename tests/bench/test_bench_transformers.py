@@ -101,6 +101,22 @@ def test_alternate_rounds(tmp_path: Path) -> None:
     assert run["tokens_per_s"] > 0 and run["resident_tokens_per_s"] > 0
 
 
+def test_rounds_take_x_resident_within_each(tmp_path: Path) -> None:
+    """``--rounds 3``: the runs in turns three times, each run's x_resident the median of
+    its rounds' (each against that round's resident run), every round kept."""
+    out = tmp_path / "report.json"
+    assert main(["--make", str(tmp_path / "m"), "--shape", "tiny", "--tokens", "3",
+                 "--warmup", "1", "--repeat", "1", "--device", "cpu", "--runs", "resident,held",
+                 "--rounds", "3", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    held = report["runs"]["held"]
+    assert report["identical_tokens"] and held["same_tokens"] and len(held["rounds"]) == 3
+    each = [r["tokens_per_s"] / resident["tokens_per_s"] for r, resident in
+            zip(held["rounds"], report["runs"]["resident"]["rounds"], strict=True)]
+    assert held["x_resident_rounds"] == [round(x, 3) for x in each]
+    assert held["x_resident"] == sorted(held["x_resident_rounds"])[1]
+
+
 def test_experts_profile_fresh_prompts_miss_at_a_budget(tmp_path: Path) -> None:
     """``bench.experts_profile --fresh``: each generate a prompt of its own (a budgeted run
     on a token-following model then misses); the profile names moestream's experts call."""
