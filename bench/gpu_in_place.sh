@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call for misses read in place and quantized layers on the whole-layer path,
-# steps in priority order, each left out when less than its limit is left of DEADLINE (580 s):
+# steps in priority order, each left out when less than its limit is left of DEADLINE (590 s):
 #   1. the GPU tests of both (in place, quantized slots, the dequantization kernels)
 #   2. bench.quantized on a --spread FP8 model of Qwen3-30B-A3B's layer shape (8 layers) at
 #      3 GiB, three rounds of the runs in turns (each ratio taken within a round): the
@@ -8,10 +8,12 @@
 #      and holding every expert; tokens checked against the reference's
 #   3. bench.gguf_model in place: a Q4_K GGUF of the same shape against its BF16 checkpoint
 #      at 3 GiB, alternated
+#   4. bench.transformers on the BF16 model, three rounds in turns: resident, held (a budget
+#      holding every expert as a user loads it: the fill), all, warm and in_place
 # Writes $OUT/in_place.tgz and $OUT/summary.txt.
 # Usage (GPU machine, repo root, .whl here): bash bench/gpu_in_place.sh
 set -u
-DEADLINE=${DEADLINE:-580} R=/tmp/in_place
+DEADLINE=${DEADLINE:-590} R=/tmp/in_place
 source bench/gpu_steps.sh
 step gpu-test 120 python3 -m pytest -p no:cacheprovider -q -m gpu \
   tests/transformers/test_transformers_in_place.py tests/transformers/test_whole_quantized.py \
@@ -23,8 +25,11 @@ step quantized 300 python3 -m bench.quantized --make /tmp/q --format fp8 --shape
 step gguf 150 python3 -m bench.gguf_model --make /tmp/q/bf16-qwen3-30b-a3b-8-spread \
   --shape qwen3-30b-a3b --layers 8 --total 3GiB --tokens 32 --warmup 32 --in-place \
   --out $R/gguf.json
+step transformers 150 python3 -m bench.transformers --make /tmp/q/bf16-qwen3-30b-a3b-8-spread \
+  --shape qwen3-30b-a3b --layers 8 --total 3GiB --tokens 32 --repeat 1 --rounds 3 \
+  --runs resident,held,all,warm,in_place --out $R/transformers.json
 { cat $R/steps.txt; tail -3 $R/gpu-test.log 2>/dev/null
-  python3 - $R/quantized.json $R/gguf.json <<'PY'
+  python3 - $R/quantized.json $R/gguf.json $R/transformers.json <<'PY'
 import json, os, sys
 for path in sys.argv[1:]:
     if not os.path.exists(path):
@@ -33,7 +38,7 @@ for path in sys.argv[1:]:
     print(path, report.get("ratios", ""), report.get("ratios_rounds", ""))
     for name, run in report["runs"].items():
         each = run.get("rounds", [run])
-        print(" ", name, run.get("tokens_per_s"),
+        print(" ", name, run.get("tokens_per_s"), run.get("x_resident_rounds"),
               [r.get("skipped") or (r.get("tokens_per_s_runs"), r.get("hit_rate"),
                                     r.get("same_tokens")) for r in each])
 PY
