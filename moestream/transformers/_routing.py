@@ -88,7 +88,8 @@ class WholeLayers:
         scales: each quantized layer's scales or GGUF types (``ExpertWeights.scales``):
             its slots are dequantized by the slot kernels where they serve it.
         fill: while a budget that holds every expert is not full yet, how many experts a
-            token to load unasked (``SyncSession.prefetch``); 0: only what the routing asks.
+            token to load unasked in resident mode (``SyncSession.prefetch``); 0: only what
+            the routing asks.
         in_place: below the model's experts, serve a full cache's model with the experts it
             lacks read in place (the module docstring); turned off for the session when a
             layer's layout is not one the tables serve.
@@ -176,10 +177,11 @@ class WholeLayers:
         full and the device can read the others in place (``_fills_in_place``).
 
         The layers are asked from the one that was not yet ready last time: while the
-        cache fills, a token's answer is most often its first query, not one a layer. The
-        experts of that layer not cached yet are hinted (``fill`` of them, a token): an
-        expert the routing never picks would otherwise keep the model from ever being
-        held whole."""
+        cache fills, a token's answer is most often its first query, not one a layer. In
+        resident mode the experts of that layer not cached yet are hinted (``fill`` of them,
+        a token; copies from the page cache): an expert the routing never picks would
+        otherwise keep the model from ever being held whole. In direct mode they would be
+        disk reads ahead of the token's own misses: the routing alone fills the cache."""
         session = self.session
         if self._never:
             return False
@@ -193,7 +195,7 @@ class WholeLayers:
         for i, (layer, experts) in enumerate(layers):
             if not session.ready(layer, experts):
                 self._layers = layers[i:] + layers[:i]  # the same layers, this one first
-                if self.fill:
+                if self.fill and counters.mode == "resident":
                     lacking = [e for e in experts if not session.ready(layer, [e])]
                     session.prefetch(layer, lacking[:self.fill])
                 return False

@@ -156,7 +156,8 @@ class TestWholeLayersOnTheHost:
         """A budget holding every expert is filled ``fill`` experts a token beyond what the
         routing asks (an expert never routed to would keep the model from being held whole),
         then held whole; the fill's loads counted as prefetched."""
-        model = mt.from_pretrained(checkpoints["qwen3_moe"], device="cpu", budget=None)
+        model = mt.from_pretrained(checkpoints["qwen3_moe"], device="cpu", budget=None,
+                                   mode="resident")
         try:
             session = model.moestream.session
             info = session.model
@@ -171,6 +172,22 @@ class TestWholeLayersOnTheHost:
                 _landed(session)
             assert tokens >= -(-total // 3) and session.counters().prefetched == total
             assert session.counters().misses == 0  # nothing was asked for
+        finally:
+            model.moestream.close()
+
+    def test_no_fill_in_direct_mode(self, checkpoints: dict[str, Path]) -> None:
+        """In direct mode the fill's loads would be disk reads ahead of the token's own
+        misses: the routing alone fills the cache."""
+        model = mt.from_pretrained(checkpoints["qwen3_moe"], device="cpu", budget=None,
+                                   mode="direct")
+        try:
+            session = model.moestream.session
+            whole = _routing.WholeLayers(session, "cpu", fill=3)
+            for _ in range(4):
+                assert not whole.holding()
+                whole.account(whole.take())
+                session.end_token()
+            assert session.counters().prefetched == 0
         finally:
             model.moestream.close()
 
