@@ -524,14 +524,7 @@ def _bench(args: argparse.Namespace) -> dict[str, Any]:
                                       prefill=False),
         "alternate": lambda: run_alternate(args, prompt, device, reference),
     }
-    rounds = []
-    for _ in range(args.rounds):
-        results = {name: plan[name]() for name in runs}
-        _compare(results)
-        if "seconds" in results.get("cold", {}):
-            results["cold"].update(disk_floor(args.model, results["cold"]))
-        rounds.append(results)
-    results = rounds[0] if len(rounds) == 1 else _merged(rounds)
+    results = _measured(plan, runs, args.rounds, args.model)
     return {
         "command": "python -m bench.transformers " + " ".join(sys.argv[1:]),
         "model": str(args.model), "device": str(device), "dense_bytes": dense,
@@ -575,6 +568,20 @@ def _cache_bytes(args: argparse.Namespace, dense: int, experts: int) -> int:
         raise UsageError(f"--total {args.total} does not hold the dense weights "
                          f"({dense} bytes)")
     return cache
+
+
+def _measured(plan: dict[str, Callable[[], dict[str, Any]]], runs: list[str], rounds: int,
+              model: Path) -> dict[str, dict[str, Any]]:
+    """The runs measured in turns ``rounds`` times, compared within each round (the cold
+    run against the disk's rate too); several rounds merged (:func:`_merged`)."""
+    each = []
+    for _ in range(rounds):
+        results = {name: plan[name]() for name in runs}
+        _compare(results)
+        if "seconds" in results.get("cold", {}):
+            results["cold"].update(disk_floor(model, results["cold"]))
+        each.append(results)
+    return each[0] if rounds == 1 else _merged(each)
 
 
 def _merged(rounds: list[dict[str, dict[str, Any]]]) -> dict[str, dict[str, Any]]:
