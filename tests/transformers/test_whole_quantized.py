@@ -6,8 +6,8 @@ On the host the kernels' source runs compiled for the host (``walked``), the tab
 host session: logits of each call equal transformers' own grouped and batched products on
 its dequantized model (FP8 blocks, gpt-oss's transposed MXFP4, a GGUF file of three type
 pairs, ds4's IQ2_XXS/Q2_K among them), held whole and in place, the hits and in-place
-misses counted. On a GPU (``gpu`` marker): a generate held
-whole and one in place give the dequantized model's tokens, the decode steps served here.
+misses counted. On a GPU (``gpu`` marker): a generate held whole and one in place give the
+dequantized model's tokens, the decode steps served here.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ from tests.transformers.test_transformers_nosync import (  # noqa: E402
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
 KINDS = {"fp8": 6, "mxfp4": 12, "gguf": 9}
-"""Each format's budget (experts): 3 a MoE layer."""
+"""Each format's budget in place, in experts of its largest: about 3 a MoE layer."""
 GGUF_TYPES = [(Q.Q8_0, Q.Q4_0), (Q.Q4_K, Q.Q6_K), (Q.IQ2_XXS, Q.Q2_K)]
 
 
