@@ -43,9 +43,21 @@ from moestream.transformers._gguf_experts import GgufExperts
 from moestream.transformers._launch import current_stream, on_stream
 from moestream.transformers._quantized import LayerScales
 
-__all__ = ["CUDA_DTYPES", "GGUF_TYPES", "Kind", "available", "fp4_experts_cuda",
-           "fp8_experts_cuda", "fp8_kinds_cuda", "gguf_kinds_cuda", "gguf_layer_cuda",
-           "layer_experts_cuda", "layer_slots_cuda", "lookup_table", "slots_serve"]
+__all__ = [
+    "CUDA_DTYPES",
+    "GGUF_TYPES",
+    "Kind",
+    "available",
+    "fp4_experts_cuda",
+    "fp8_experts_cuda",
+    "fp8_kinds_cuda",
+    "gguf_kinds_cuda",
+    "gguf_layer_cuda",
+    "kernels_serve",
+    "layer_experts_cuda",
+    "layer_slots_cuda",
+    "lookup_table",
+]
 
 _FP8_KERNELS = {torch.bfloat16: "fp8_experts_bf16", torch.float16: "fp8_experts_f16",
                 torch.float32: "fp8_experts_f32"}
@@ -415,11 +427,12 @@ def layer_slots_cuda(scales: LayerScales | GgufExperts, table: int, slots: Any, 
                 np.uint64(slots.data_ptr()), np.uint64(table), *tail)
 
 
-def slots_serve(scales: object, dtype: Any) -> bool:
-    """Whether :func:`layer_slots_cuda` dequantizes a layer of ``scales`` (a layer's
-    ``ExpertWeights`` entry) into ``dtype``: FP8 in the module's own layout, FP4, MXFP4,
-    or GGUF types the kernels have, into a type they write, on a GPU with CuPy."""
-    if dtype not in CUDA_DTYPES or not available():
+def kernels_serve(scales: object, dtype: Any) -> bool:
+    """Whether the kernels here dequantize a layer of ``scales`` (a layer's
+    ``ExpertWeights`` entry) into ``dtype``, a batch or a call's slots: FP8 in the
+    module's own layout, FP4, MXFP4, or GGUF types they have, into a type they write. The
+    caller asks whether a GPU and CuPy are here (:func:`available`)."""
+    if dtype not in CUDA_DTYPES:
         return False
     if isinstance(scales, GgufExperts):
         return {scales.gate_up_type, scales.down_type} <= GGUF_TYPES

@@ -16,13 +16,12 @@ import numpy as np
 import torch  # type: ignore[import-not-found, unused-ignore]
 
 from moestream import ExpertHandle
+from moestream.transformers._dequant_cuda import available as cuda_kernel
 from moestream.transformers._dequant_cuda import (
-    CUDA_DTYPES,
-    GGUF_TYPES,
     gguf_layer_cuda,
+    kernels_serve,
     layer_experts_cuda,
 )
-from moestream.transformers._dequant_cuda import available as cuda_kernel
 from moestream.transformers._gather import blocks, launch
 from moestream.transformers._gguf_experts import GgufExperts
 from moestream.transformers._launch import current_stream
@@ -97,13 +96,8 @@ class ExpertWeights:
 
     def _on_kernels(self, scales: LayerScales | GgufExperts, dtype: Any) -> bool:
         """Whether the layer's experts are dequantized by the CUDA kernels into ``dtype``:
-        on a GPU with CuPy, every type the layer has one for (FP8 in the module's own
-        layout only)."""
-        if not (self._cuda and dtype in CUDA_DTYPES and cuda_kernel()):
-            return False
-        if isinstance(scales, GgufExperts):
-            return {scales.gate_up_type, scales.down_type} <= GGUF_TYPES
-        return scales.method != "fp8" or not scales.transposed
+        on a GPU with CuPy, in a format they serve (``kernels_serve``)."""
+        return self._cuda and cuda_kernel() and kernels_serve(scales, dtype)
 
     def _copied(self, handles: Sequence[ExpertHandle], gate_up: Any, down: Any) -> None:
         """The experts' bytes copied into ``gate_up`` and ``down`` on torch's stream by one

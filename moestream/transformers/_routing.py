@@ -45,7 +45,8 @@ import numpy as np
 import torch  # type: ignore[import-not-found, unused-ignore]
 
 from moestream import InPlace, SyncSession
-from moestream.transformers._dequant_cuda import slots_serve
+from moestream.transformers._dequant_cuda import available as cuda_kernel
+from moestream.transformers._dequant_cuda import kernels_serve
 from moestream.transformers._expert_compute import slotted_grouped
 from moestream.transformers._gguf_experts import GgufExperts
 from moestream.transformers._launch import current_stream
@@ -226,13 +227,13 @@ class WholeLayers:
 
     def _make(self, layer: int, n: int, dtype: Any) -> LayerTable | None:
         """A layer's table: plain float experts in ``dtype``, or quantized ones the slot
-        kernels dequantize into it (``slots_serve``); None for any other layer, and then, in
+        kernels dequantize into it (``kernels_serve``); None for any other layer, and then, in
         place, in-place mode is off for the session (a layer's layout does not change:
         asking again each token would cost a stream sync)."""
         info = self.session.model.layers[layer]
         scales = self.scales.get(layer)
         if scales is not None:
-            served = slots_serve(scales, dtype)
+            served = cuda_kernel() and kernels_serve(scales, dtype)
         elif self._budget:  # in place: the file's bytes must be the module's layout
             served = not (info.transposed or not info.gated or info.quant is not None or any(
                 TORCH_DTYPES.get(t.name) != dtype for t in (info.gate_up_type, info.down_type)))

@@ -203,9 +203,7 @@ class LeaseDesk(TokenLedger):
         """
         chosen = self._check_layer(layer, experts)
         self._clock()
-        streamer = self.streamers[0]
-        self._count_in_place(layer, chosen, [
-            sum(r.nbytes for r in streamer.layout((layer, e)).ranges) for e in chosen])
+        self._count_in_place(layer, chosen, self._check_open().layers[layer].expert_bytes)
 
     def all_ready(self, layer: int, experts: Sequence[int]) -> bool:
         """Every one of ``experts`` is cached on its device and its upload has landed: a

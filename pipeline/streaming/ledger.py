@@ -122,8 +122,22 @@ class TokenLedger:
                     device.hits -= 1
                     totals.cache_bytes -= entry.nbytes
                 was_miss[entry.key[1]] = True
-        seen = self._experts[self._position[lease.layer]]
-        seen.extend(e for e in lease.experts if e not in seen)
+        self._seen(lease.layer, lease.experts)
+
+    def _seen(self, layer: int, experts: Sequence[int]) -> None:
+        """The token's log line lists ``experts`` of ``layer``, each once."""
+        seen = self._experts[self._position[layer]]
+        seen.extend(e for e in experts if e not in seen)
+
+    def _uses(self, layer: int) -> dict[int, bool]:
+        """What the token's uses of ``layer`` so far counted (expert: was a miss), kept in
+        that form from now on: empty before any."""
+        before = self._counted.get(layer)
+        if before is not None:
+            return self._was_miss(layer, before)
+        was_miss: dict[int, bool] = {}
+        self._counted[layer] = was_miss
+        return was_miss
 
     def _was_miss(self, layer: int, before: LayerLease | dict[int, bool]) -> dict[int, bool]:
         """What the token's uses of ``layer`` so far counted (expert: was a miss), kept
@@ -143,26 +157,21 @@ class TokenLedger:
         """A layer's experts, all hits on the one device, used with no lease
         (``LeaseDesk.use_cached``): counted as their lease's release would count them, each
         expert once in the token."""
-        before = self._counted.get(layer)
-        was_miss = self._counted[layer] = {} if before is None else self._was_miss(layer, before)
-        self._first_hits(hits, was_miss, DeviceTotals())
-        seen = self._experts[self._position[layer]]
-        seen.extend(e for e in experts if e not in seen)
+        self._first_hits(hits, self._uses(layer), DeviceTotals())
+        self._seen(layer, experts)
 
-    def _count_in_place(self, layer: int, experts: Sequence[int], nbytes: Sequence[int]
-                        ) -> None:
+    def _count_in_place(self, layer: int, experts: Sequence[int], nbytes: int) -> None:
         """A layer's experts read in place by the engine (``LeaseDesk.use_in_place``):
-        each a miss of its bytes, once in the token, unless a lease counted it already."""
-        before = self._counted.get(layer)
-        was_miss = self._counted[layer] = {} if before is None else self._was_miss(layer, before)
+        each a miss of its ``nbytes``, once in the token, unless a lease counted it
+        already."""
+        was_miss = self._uses(layer)
         totals = self._totals
-        for expert, size in zip(experts, nbytes, strict=True):
+        for expert in experts:
             if expert not in was_miss:
                 was_miss[expert] = True
                 totals.misses += 1
-                totals.file_bytes += size
-        seen = self._experts[self._position[layer]]
-        seen.extend(e for e in experts if e not in seen)
+                totals.file_bytes += nbytes
+        self._seen(layer, experts)
 
     def _first_hits(self, hits: Sequence[Entry], was_miss: dict[int, bool],
                     device: DeviceTotals) -> None:

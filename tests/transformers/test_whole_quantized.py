@@ -27,8 +27,6 @@ from gguf import GGMLQuantizationType as Q  # noqa: E402
 from moestream import transformers as mt  # noqa: E402
 from moestream.transformers import _dequant_cuda as dc  # noqa: E402
 from moestream.transformers import _routing  # noqa: E402
-from moestream.transformers._gguf_experts import GgufExperts  # noqa: E402
-from moestream.transformers._quantized import LayerScales  # noqa: E402
 from tests.quantized import dequantized, fp8_checkpoint, mxfp4_checkpoint  # noqa: E402
 from tests.transformers import test_dequant_kernels_host as quantized_walk  # noqa: E402
 from tests.transformers import test_gguf_kernels_host as gguf_walk  # noqa: E402
@@ -120,8 +118,7 @@ class TestOnTheHost:
         """Each call of two tokens through the slot kernels: transformers' product on its
         dequantized weights, bit for bit; held whole every expert a hit, in place the
         uncached ones misses of their file bytes, nothing loaded or evicted."""
-        monkeypatch.setattr(_routing, "slots_serve", lambda scales, dtype: isinstance(
-            scales, (LayerScales, GgufExperts)))
+        monkeypatch.setattr(_routing, "cuda_kernel", lambda: True)  # the kernels walked here
         reference = (hf_moe.batched_mm_experts_forward if batched
                      else hf_moe.grouped_mm_experts_forward)
         theirs = _reference(checkpoints[kind], kind)
@@ -159,11 +156,12 @@ class TestOnTheHost:
         finally:
             model.moestream.close()
 
-    def test_a_gguf_layer_takes_the_lease_path(self, checkpoints: dict[str, Path],
-                                               monkeypatch: pytest.MonkeyPatch) -> None:
-        """Where the slot kernels do not serve a layer's format (``slots_serve``), no table:
+    def test_a_format_the_kernels_do_not_serve_takes_the_lease_path(
+            self, checkpoints: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+        """Where the slot kernels do not serve a layer's format (``kernels_serve``), no table:
         the lease path, and in-place mode off for the session."""
-        monkeypatch.setattr(_routing, "slots_serve", lambda scales, dtype: False)
+        monkeypatch.setattr(_routing, "cuda_kernel", lambda: True)
+        monkeypatch.setattr(_routing, "kernels_serve", lambda scales, dtype: False)
         model = _loaded(checkpoints["fp8"], 6)
         try:
             whole = _routing.WholeLayers(model.moestream.session, "cpu",
