@@ -84,13 +84,13 @@ def walked(tmp_path_factory: pytest.TempPathFactory) -> Any:
     dc._launch = saved
 
 
-def _loaded(path: Path, budget: int | None, device: str = "cpu", in_place: bool = False
-            ) -> Any:
-    """The model in resident mode with its cache full: held whole (no budget) or, below
-    the experts, experts fetched a layer at a time (the first of each, then the second...)
+def _loaded(path: Path, budget: int | None, device: str = "cpu", in_place: bool = False,
+            mode: str = "resident") -> Any:
+    """The model in ``mode`` with its cache full: held whole (no budget) or, below the
+    experts, experts fetched a layer at a time (the first of each, then the second...)
     until no other fits (a GGUF file's layers differ in bytes an expert)."""
     model = mt.from_pretrained(path, device=device, budget=None if budget is None
-                               else str(budget), mode="resident", dtype=torch.bfloat16,
+                               else str(budget), mode=mode, dtype=torch.bfloat16,
                                in_place=in_place)
     session = model.moestream.session
     info = session.model
@@ -109,20 +109,22 @@ def _loaded(path: Path, budget: int | None, device: str = "cpu", in_place: bool 
 @pytest.mark.usefixtures("walked")
 class TestOnTheHost:
 
-    @pytest.mark.parametrize("in_place", [False, True])
+    @pytest.mark.parametrize("in_place, mode", [(False, "resident"), (False, "direct"),
+                                                (True, "resident")])
     @pytest.mark.parametrize("batched", [False, True])
     @pytest.mark.parametrize("kind", list(KINDS))
     def test_equals_transformers_dequantized(self, checkpoints: dict[str, Path], kind: str,
-                                             batched: bool, in_place: bool,
+                                             batched: bool, in_place: bool, mode: str,
                                              monkeypatch: pytest.MonkeyPatch) -> None:
         """Each call of two tokens through the slot kernels: transformers' product on its
-        dequantized weights, bit for bit; held whole every expert a hit, in place the
-        uncached ones misses of their file bytes, nothing loaded or evicted."""
+        dequantized weights, bit for bit; held whole (loaded by O_DIRECT reads or from the
+        page cache) every expert a hit, in place the uncached ones misses of their file
+        bytes, nothing loaded or evicted."""
         monkeypatch.setattr(_routing, "cuda_kernel", lambda: True)  # the kernels walked here
         reference = (hf_moe.batched_mm_experts_forward if batched
                      else hf_moe.grouped_mm_experts_forward)
         theirs = _reference(checkpoints[kind], kind)
-        model = _loaded(checkpoints[kind], KINDS[kind] if in_place else None)
+        model = _loaded(checkpoints[kind], KINDS[kind] if in_place else None, mode=mode)
         try:
             session = model.moestream.session
             whole = _routing.WholeLayers(session, "cpu", scales=model.moestream.scales,
