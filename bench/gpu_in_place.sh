@@ -12,13 +12,14 @@
 #      holding every expert as a user loads it: the fill), all, warm and in_place
 # Writes $OUT/in_place.tgz and $OUT/summary.txt.
 # Usage (GPU machine, repo root, .whl here): bash bench/gpu_in_place.sh
+#   TESTS="tests" TEST_LIMIT=400: every GPU test first; TESTS="": none
 set -u
 DEADLINE=${DEADLINE:-590} R=/tmp/in_place
 source bench/gpu_steps.sh
-step gpu-test 120 python3 -m pytest -p no:cacheprovider -q -m gpu \
-  tests/transformers/test_transformers_in_place.py tests/transformers/test_whole_quantized.py \
-  tests/transformers/test_dequant_batch_cuda.py tests/transformers/test_dequant_cuda.py \
-  tests/transformers/test_gguf_cuda.py
+TESTS=${TESTS-tests/transformers/test_transformers_in_place.py tests/transformers/test_whole_quantized.py
+  tests/transformers/test_dequant_batch_cuda.py tests/transformers/test_dequant_cuda.py
+  tests/transformers/test_gguf_cuda.py}
+[ -n "$TESTS" ] && step gpu-test ${TEST_LIMIT:-120} python3 -m pytest -p no:cacheprovider -q -m gpu $TESTS
 step quantized 300 python3 -m bench.quantized --make /tmp/q --format fp8 --shape qwen3-30b-a3b \
   --layers 8 --spread --total 3GiB --tokens 32 --repeat 2 --rounds 3 \
   --runs reference,fp8,bf16,fp8_in_place,bf16_in_place,fp8_all,bf16_all --out $R/quantized.json
