@@ -12,13 +12,19 @@ a realistic range); per run of ``repeats`` batches, CUDA events around:
 - ``upload``: the experts' bytes from pinned memory, as a miss uploads them.
 
 Also the host's time a call (``perf_counter`` around the launches, not synchronized).
+
+    python -m bench.dequant --format fp8 --experts 8 --hidden 2048 --ffn 768 --out fp8.json
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import statistics
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from bench.kit import median_ms
@@ -103,3 +109,28 @@ def dequant_vs_upload(method: str, experts: int, hidden: int, ffn: int,
             "upload_gb_s": round(nbytes / upload_ms / 1e6, 1),
             "dequant_over_upload": round(kernel_ms / upload_ms, 3),
             "dequant_device_over_upload": round(back_to_back / upload_ms, 3)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.dequant",
+                                description=__doc__.splitlines()[0])
+    p.add_argument("--format", default="fp8", choices=("fp8", "fp4", "mxfp4"))
+    p.add_argument("--experts", type=int, default=8, help="experts a layer's batch (8)")
+    p.add_argument("--hidden", type=int, default=2048)
+    p.add_argument("--ffn", type=int, default=768)
+    p.add_argument("--out", type=Path, help="write the JSON report here")
+    args = p.parse_args(argv)
+    import torch
+
+    if not torch.cuda.is_available():
+        raise SystemExit("python -m bench.dequant: torch sees no CUDA device")
+    row = dequant_vs_upload(args.format, args.experts, args.hidden, args.ffn,
+                            torch.device("cuda"))
+    print(json.dumps(row))
+    if args.out is not None:
+        args.out.write_text(json.dumps(row, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -16,6 +16,7 @@ BUILTINS = r"""
 #define __forceinline__ inline
 #define __align__(n) alignas(n)
 #define __builtin_assume(x)
+#define __shared__ static
 struct uint4 { unsigned int x, y, z, w; };
 struct uint2 { unsigned int x, y; };
 struct dim3 { unsigned int x, y, z; };

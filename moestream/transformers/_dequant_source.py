@@ -13,13 +13,15 @@ turns one chunk into output values: 16 FP8 bytes of a row (or one, where the row
 width or the output does not allow 16), or one 32-value group of an FP4 row (16 bytes and
 its one E8M0 scale). Index arithmetic is 64-bit once a chunk, never per value.
 
-- FP8 (``fp8_experts_*``): E4M3 decoded exactly by its bits (every E4M3 value is a float32),
+- FP8 (``fp8_experts_*``): E4M3 decoded exactly (every E4M3 value is an F16: by the
+  hardware's conversion on sm_89 and later, else by its bits), widened to float32,
   times the block's float32 scale (one IEEE product), rounded to the output type: BF16 by
   c10's round-to-nearest-even (NaN 0x7fc0), F16 by ``__float2half_rn``.
 - FP4 (``fp4_experts_*``): a byte is two E2M1 codes, the low nibble first; each value is
   looked up in a table of the output type's bits, 16 codes for each of the 256 scale bytes,
   made once by the torch path itself (so it is that path's value for that code and scale,
-  whatever its arithmetic: DeepSeek-V4's ``e2m1 * e8m0``, gpt-oss's ``ldexp``). MXFP4's
+  whatever its arithmetic: DeepSeek-V4's ``e2m1 * e8m0``, gpt-oss's ``ldexp``), copied
+  into each block's shared memory (a warp's 32 lookups hit scattered rows). MXFP4's
   bytes are rows of the untransposed matrices while gpt-oss keeps them transposed: the
   kernel writes the transpose, consecutive threads taking consecutive rows so that each
   store of a warp is contiguous.
@@ -69,6 +71,36 @@ __device__ __forceinline__ float e4m3(u32 b) {
     else if (e == 0u) v = (float)m * 0.001953125f;  /* m * 2^-9, exact */
     else v = __uint_as_float(((e + 120u) << 23) | (m << 20));
     return (b & 128u) ? -v : v;
+}
+
+__device__ __forceinline__ void e4m3x4(u32 word, float* v) {
+    // the four E4M3 bytes of a word, the low byte first: on sm_89 and later by the
+    // hardware's conversion to F16 (exact: every E4M3 value is an F16; a NaN stays a NaN),
+    // two a conversion; elsewhere (and on the host) by the bits, as ``e4m3``
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+    #pragma unroll
+    for (int i = 0; i < 2; ++i) {
+        u32 h;
+        asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h) : "h"((u16)(word >> (16 * i))));
+        v[2 * i] = __half2float(__ushort_as_half((u16)h));
+        v[2 * i + 1] = __half2float(__ushort_as_half((u16)(h >> 16)));
+    }
+#else
+    for (int i = 0; i < 4; ++i) v[i] = e4m3((word >> (8 * i)) & 255u);
+#endif
+}
+
+template <typename T>
+__device__ __forceinline__ void block_copy(T* to, const T* from, int n) {
+    // ``from`` into a block's shared ``to``, every thread of the block taking its share,
+    // then waiting for the others; a host walk runs a block's threads one after another,
+    // so there each thread copies it all
+#if defined(__CUDA_ARCH__)
+    for (int i = threadIdx.x; i < n; i += blockDim.x) to[i] = from[i];
+    __syncthreads();
+#else
+    for (int i = 0; i < n; ++i) to[i] = from[i];
+#endif
 }
 
 __device__ __forceinline__ u16 to_bf16(float f) {
@@ -166,10 +198,12 @@ __device__ void fp8_kind(const i64* table, int kinds, int n, const i64* slots, c
         if (vec) {
             u32 words[4];
             load16(w, words);
+            float values[16];
+            #pragma unroll
+            for (int i = 0; i < 4; ++i) e4m3x4(words[i], values + 4 * i);
             __align__(16) OUT vals[16];
             #pragma unroll
-            for (int i = 0; i < 16; ++i)
-                vals[i] = S::put(e4m3((words[i >> 2] >> (8 * (i & 3))) & 255u) * scale);
+            for (int i = 0; i < 16; ++i) vals[i] = S::put(values[i] * scale);
             store_vec<OUT, 16>(o, vals);
         } else {
             o[0] = S::put(e4m3(w[0]) * scale);
@@ -179,7 +213,11 @@ __device__ void fp8_kind(const i64* table, int kinds, int n, const i64* slots, c
 
 template <typename OUT>
 __device__ void fp4_kind(const i64* table, int kinds, int n, const i64* slots, const i64* at,
-                         int kind, const OUT* lut) {
+                         int kind, const OUT* global_lut) {
+    // the table in the block's shared memory: each value is a load from it by its scale
+    // and code, scattered across a warp, which the L1 cache serves a line at a time
+    __shared__ OUT lut[256 * 16];
+    block_copy(lut, global_lut, 256 * 16);
     const i64* p = table + kind * 10;
     OUT* out = (OUT*)p[0];
     i64 ostride = p[1], ld = p[2];
