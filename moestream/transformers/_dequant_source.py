@@ -90,16 +90,17 @@ __device__ __forceinline__ void e4m3x4(u32 word, float* v) {
 #endif
 }
 
-template <typename T>
-__device__ __forceinline__ void block_copy(T* to, const T* from, int n) {
-    // ``from`` into a block's shared ``to``, every thread of the block taking its share,
-    // then waiting for the others; a host walk runs a block's threads one after another,
-    // so there each thread copies it all
+__device__ __forceinline__ void block_copy(void* to, const void* from, int words) {
+    // ``words`` 16-byte words from ``from`` into a block's shared ``to``, every thread of
+    // the block taking its share, then waiting for the others; a host walk runs a block's
+    // threads one after another, so there each thread copies it all
+    uint4* dst = (uint4*)to;
+    const uint4* src = (const uint4*)from;
 #if defined(__CUDA_ARCH__)
-    for (int i = threadIdx.x; i < n; i += blockDim.x) to[i] = from[i];
+    for (int i = threadIdx.x; i < words; i += blockDim.x) dst[i] = src[i];
     __syncthreads();
 #else
-    for (int i = 0; i < n; ++i) to[i] = from[i];
+    for (int i = 0; i < words; ++i) dst[i] = src[i];
 #endif
 }
 
@@ -216,8 +217,8 @@ __device__ void fp4_kind(const i64* table, int kinds, int n, const i64* slots, c
                          int kind, const OUT* global_lut) {
     // the table in the block's shared memory: each value is a load from it by its scale
     // and code, scattered across a warp, which the L1 cache serves a line at a time
-    __shared__ OUT lut[256 * 16];
-    block_copy(lut, global_lut, 256 * 16);
+    __align__(16) __shared__ OUT lut[256 * 16];
+    block_copy(lut, global_lut, (int)(sizeof(lut) / 16));
     const i64* p = table + kind * 10;
     OUT* out = (OUT*)p[0];
     i64 ostride = p[1], ld = p[2];
