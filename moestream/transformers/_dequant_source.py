@@ -290,15 +290,39 @@ GGUF_KERNELS: dict[int, str] = {int(q): f"gguf_{q.name.lower()}" for q in sorted
 """Each GGUF type's kernel name, less the output's suffix (``_bf16``, ``_f16``, ``_f32``)."""
 
 _GGUF_KIND = r"""
+#define STAGED 1104  /* bytes: a warp's blocks of any type (Q8_0's 1088), 16-aligned around */
+
+__device__ __forceinline__ void warp_copy(unsigned char* to, const unsigned char* from,
+                                          int words) {
+    // ``words`` 16-byte words into a warp's shared ``to``, each lane taking its share,
+    // then waiting for the others; a host walk runs the threads one after another, so
+    // there each thread copies them all
+#if defined(__CUDA_ARCH__)
+    for (int w = threadIdx.x & 31; w < words; w += 32)
+        ((uint4*)to)[w] = ((const uint4*)from)[w];
+    __syncwarp();
+#else
+    for (int w = 0; w < words; ++w) ((uint4*)to)[w] = ((const uint4*)from)[w];
+#endif
+}
+
 template <class S, int G, typename F>
 __device__ void gguf_kind(const i64* table, int kinds, int n, const i64* slots, const i64* at,
                           F value, int elems, int size) {
     typedef typename S::T OUT;
+    static_assert(G == 32, "a warp's blocks are staged for 32 values a thread");
     const i64* p = table + blockIdx.y * GGUF_PARAMS;
     OUT* out = (OUT*)p[0];
     i64 ostride = p[1], per = p[2] / G, chunks = per * n;
     int vec = (int)p[3] & 1;
     const i64* addresses = table + kinds * GGUF_PARAMS + blockIdx.y * n;
+    // where a matrix is whole warps of chunks (every real shape), a warp's 32 chunks are
+    // one run of blocks: the warp reads it into shared memory in 16-byte words, once,
+    // and its threads decode from there (a thread's own reads are bytes, scattered over
+    // its sub-block; in place, each would be a PCIe read of its own)
+    __align__(16) __shared__ unsigned char staged[8][STAGED];
+    bool staging = per % 32 == 0 && blockDim.x <= 256;
+    unsigned char* mine = staged[(threadIdx.x >> 5) & 7];
     for (i64 t = (i64)blockIdx.x * blockDim.x + threadIdx.x; t < chunks;
          t += (i64)gridDim.x * blockDim.x) {
         int k = (int)quot(t, per);
@@ -306,12 +330,21 @@ __device__ void gguf_kind(const i64* table, int kinds, int n, const i64* slots, 
         const unsigned char* b;
         if (slots) {  // by a layer's table (``at``: its first column this launch's first kind)
             i64 e = slots[k];
-            if (e < 0) continue;
+            if (e < 0) continue;  // a whole warp's, when staging: its chunks share k
             b = (const unsigned char*)at[3 * e + blockIdx.y];
         } else {
             b = (const unsigned char*)addresses[k];
         }
-        b += (i / elems) * size;
+        if (staging) {
+            i64 first = (i - i % (32 * G)) / elems * size;  // the warp's first block
+            unsigned long long from = (unsigned long long)(b + first);
+            unsigned long long below = from & 15u;
+            warp_copy(mine, (const unsigned char*)(from - below),
+                      (int)((below + 32 * G / elems * size + 15) / 16));
+            b = mine + below + ((i / elems) * size - first);
+        } else {
+            b += (i / elems) * size;
+        }
         int j = (int)(i % elems);
         __builtin_assume((j & (G - 1)) == 0);  // the G values share sub-block fields
         __align__(16) OUT vals[G];
@@ -320,6 +353,9 @@ __device__ void gguf_kind(const i64* table, int kinds, int n, const i64* slots, 
         OUT* o = out + k * ostride + i;
         if (vec) store_vec<OUT, G>(o, vals);
         else for (int e = 0; e < G; ++e) o[e] = vals[e];
+#if defined(__CUDA_ARCH__)
+        if (staging) __syncwarp();  // every lane has decoded before the next copy
+#endif
     }
 }
 """

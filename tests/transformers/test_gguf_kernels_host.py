@@ -90,10 +90,14 @@ def _same(a: Any, b: Any) -> bool:
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=list(DTYPES))
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda q: q.name)
 @pytest.mark.parametrize("aligned", [True, False], ids=["aligned", "unaligned"])
-def test_one_kind_bitwise(launches: list[str], qtype: Q, dtype: Any, aligned: bool) -> None:
-    """Three experts' matrices (5 blocks each, the middle one read from an odd address) into
+@pytest.mark.parametrize("values", [0, 2048], ids=["5-blocks", "2048-values"])
+def test_one_kind_bitwise(launches: list[str], qtype: Q, dtype: Any, aligned: bool,
+                          values: int) -> None:
+    """Three experts' matrices (5 blocks each, or 2048 values: whole warps' of 1024, which
+    a warp reads into shared memory first; the middle one read from an odd address) into
     rows of a wider output: every value the reference's, nothing written beside them."""
-    blocks = [random_blocks(qtype, 5, seed) for seed in range(3)]
+    count = values // gguf.GGML_QUANT_SIZES[qtype][0] or 5
+    blocks = [random_blocks(qtype, count, seed) for seed in range(3)]
     flat = np.zeros(sum(b.nbytes for b in blocks) + 1, dtype=np.uint8)
     at, addresses = 0, []
     for i, b in enumerate(blocks):
@@ -101,7 +105,7 @@ def test_one_kind_bitwise(launches: list[str], qtype: Q, dtype: Any, aligned: bo
         flat[at : at + b.nbytes] = b.reshape(-1)
         addresses.append(flat.ctypes.data + at)
         at += b.nbytes
-    values = 5 * gguf.GGML_QUANT_SIZES[qtype][0]
+    values = count * gguf.GGML_QUANT_SIZES[qtype][0]
     lead = 0 if aligned else 1
     wide = torch.full((3, values + 16), 7.0, dtype=dtype)
     out = wide[:, lead : lead + values]
