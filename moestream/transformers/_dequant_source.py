@@ -321,7 +321,11 @@ __device__ void gguf_kind(const i64* table, int kinds, int n, const i64* slots, 
     // and its threads decode from there (a thread's own reads are bytes, scattered over
     // its sub-block; in place, each would be a PCIe read of its own)
     __align__(16) __shared__ unsigned char staged[8][STAGED];
-    bool staging = per % 32 == 0 && blockDim.x <= 256;
+#if defined(__CUDA_ARCH__)
+    bool staging = per % 32 == 0 && blockDim.x <= 256 && blockDim.x % 32 == 0;
+#else
+    bool staging = per % 32 == 0;  // a host walk: one thread at a time, whatever the block
+#endif
     unsigned char* mine = staged[(threadIdx.x >> 5) & 7];
     for (i64 t = (i64)blockIdx.x * blockDim.x + threadIdx.x; t < chunks;
          t += (i64)gridDim.x * blockDim.x) {
