@@ -68,6 +68,9 @@ GGUF_TYPES = frozenset(GGUF_KERNELS)
 """The ggml types (ids) the GGUF kernels dequantize."""
 _THREADS = 256
 _MAX_BLOCKS = 4096
+_FP4_BLOCKS = 1024
+"""Blocks of an FP4 kernel a kind: each block first copies the 8-16 KB value table into
+its shared memory, so fewer blocks, each taking more chunks, copy it fewer times."""
 _SLOT = 4096
 """int64 values a table slot holds: the kinds' parameters and 4 a matrix (a batch of up to
 ~1000 experts; larger ones are launched in parts)."""
@@ -178,7 +181,8 @@ def _launch(name: str, out: Any, table: Sequence[int], kinds: int, chunks: int,
     stream = current_stream(out.device)
     device = stream.device_index
     address = _ring(device).put(table, stream)
-    grid = (max(1, min(-(-chunks // _THREADS), _MAX_BLOCKS)), kinds)
+    most = _FP4_BLOCKS if name.startswith("fp4_") else _MAX_BLOCKS
+    grid = (max(1, min(-(-chunks // _THREADS), most)), kinds)
     on_stream(_function(name, device), device, stream.cuda_stream, grid, (_THREADS,),
               (np.uint64(address), np.int32(kinds), *tail))
 
