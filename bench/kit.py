@@ -26,8 +26,8 @@ from moestream.pipeline.foundation.table import ExpertTable
 from moestream.stages.residency import Residency, file_ranges
 from moestream.stages.warm import WarmEngine
 
-__all__ = ["budget_for", "drop_caches", "exit_with", "make_resident", "median_ms", "parse_modes",
-           "run_command"]
+__all__ = ["budget_for", "drop_caches", "exit_with", "make_resident", "median_ms",
+           "merged_rounds", "parse_modes", "run_command"]
 
 
 def drop_caches(model: Path | Sequence[ModelFile]) -> None:
@@ -107,6 +107,27 @@ def median_ms(work: Callable[[], Any], device: Any, *, repeats: int, skip: int) 
             work()
             times.append((time.perf_counter_ns() - began) / 1e6)
     return float(statistics.median(times))
+
+
+def merged_rounds(rounds: list[dict[str, dict[str, Any]]], keys: Sequence[str]
+                  ) -> dict[str, dict[str, Any]]:
+    """Runs measured in turns, a round at a time, as one report: each run's rounds kept
+    under ``rounds``, each of ``keys`` the median of the rounds' values (each taken within
+    its round, so a machine drifting over the process drifts under every run alike) with
+    those values under ``<key>_rounds``, and ``same_tokens`` where every round had it."""
+    merged: dict[str, dict[str, Any]] = {}
+    for name in rounds[0]:
+        each = [results[name] for results in rounds if name in results]
+        out: dict[str, Any] = {"rounds": each}
+        for key in keys:
+            values = [r[key] for r in each if key in r]
+            if values:
+                out[key] = round(statistics.median(values), 3)
+                out[f"{key}_rounds"] = values
+        if any("same_tokens" in r for r in each):
+            out["same_tokens"] = all(r.get("same_tokens", True) for r in each)
+        merged[name] = out
+    return merged
 
 
 def parse_modes(text: str, option: str = "--modes") -> list[Mode]:

@@ -53,6 +53,7 @@ from typing import Any
 from gguf import GGMLQuantizationType as QType
 
 from bench.dequant import dequant_vs_upload
+from bench.kit import merged_rounds
 from bench.transformers import (
     SHAPES,
     _timed,
@@ -399,19 +400,14 @@ def _rounds_report(rounds: list[dict[str, dict[str, Any]]], fmt: str, moe_layers
     """The report's ``ratios`` and ``runs``: one round's as they are; of several rounds,
     each ratio's median over the rounds (a ratio taken within a round, its runs minutes
     apart, not across the process) with every round's in ``ratios_rounds``, and each run's
-    rounds under ``runs``, its ``tokens_per_s`` the median of theirs."""
+    rounds under ``runs`` (``kit.merged_rounds``), its ``tokens_per_s`` the median of theirs."""
     per_round = [_ratios(results, fmt, moe_layers) for results in rounds]
     if len(rounds) == 1:
         return {"ratios": per_round[0], "runs": rounds[0]}
     ratios = {key: round(statistics.median(r[key] for r in per_round if key in r), 3)
               for key in per_round[0]}
-    runs: dict[str, dict[str, Any]] = {}
-    for name in rounds[0]:
-        each = [results[name] for results in rounds if name in results]
-        rates = [r["tokens_per_s"] for r in each if "tokens_per_s" in r]
-        runs[name] = {"tokens_per_s": round(statistics.median(rates), 3) if rates else None,
-                      "rounds": each}
-    return {"ratios": ratios, "ratios_rounds": per_round, "runs": runs}
+    return {"ratios": ratios, "ratios_rounds": per_round,
+            "runs": merged_rounds(rounds, ("tokens_per_s",))}
 
 
 def _check_tokens(results: dict[str, dict[str, Any]], fmt: str) -> None:

@@ -60,6 +60,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from bench.kit import merged_rounds
 from bench.record import report_main
 from moestream.pipeline.foundation.config import Budget, parse_size
 from moestream.pipeline.foundation.errors import UsageError
@@ -573,7 +574,7 @@ def _cache_bytes(args: argparse.Namespace, dense: int, experts: int) -> int:
 def _measured(plan: dict[str, Callable[[], dict[str, Any]]], runs: list[str], rounds: int,
               model: Path) -> dict[str, dict[str, Any]]:
     """The runs measured in turns ``rounds`` times, compared within each round (the cold
-    run against the disk's rate too); several rounds merged (:func:`_merged`)."""
+    run against the disk's rate too); several rounds merged (``kit.merged_rounds``)."""
     each = []
     for _ in range(rounds):
         results = {name: plan[name]() for name in runs}
@@ -581,26 +582,7 @@ def _measured(plan: dict[str, Callable[[], dict[str, Any]]], runs: list[str], ro
         if "seconds" in results.get("cold", {}):
             results["cold"].update(disk_floor(model, results["cold"]))
         each.append(results)
-    return each[0] if rounds == 1 else _merged(each)
-
-
-def _merged(rounds: list[dict[str, dict[str, Any]]]) -> dict[str, dict[str, Any]]:
-    """Each run over the rounds: the median of its rounds' ``tokens_per_s`` and
-    ``x_resident`` (each taken within its round), every round's ``x_resident``, whether
-    every round gave the reference tokens, and the rounds themselves."""
-    merged: dict[str, dict[str, Any]] = {}
-    for name in rounds[0]:
-        each = [results[name] for results in rounds]
-        out: dict[str, Any] = {"rounds": each}
-        for key in ("tokens_per_s", "x_resident"):
-            values = [r[key] for r in each if key in r]
-            if values:
-                out[key] = round(statistics.median(values), 3)
-                out[f"{key}_rounds"] = values
-        if any("same_tokens" in r for r in each):
-            out["same_tokens"] = all(r.get("same_tokens", True) for r in each)
-        merged[name] = out
-    return merged
+    return each[0] if rounds == 1 else merged_rounds(each, ("tokens_per_s", "x_resident"))
 
 
 def _compare(results: dict[str, dict[str, Any]]) -> None:
