@@ -40,11 +40,12 @@ from pathlib import Path
 from typing import Any
 
 import gguf
+import numpy as np
 import torch
 
 from bench.kit import median_ms
 from bench.transformers import _versions
-from moestream.pipeline.foundation.ggml_blocks import F16_SCALES
+from moestream.pipeline.foundation.ggml_blocks import put_scales, scale_count
 from moestream.pipeline.makers.modelspec import PRESETS
 from moestream.transformers import _dequant_cuda as dc
 from moestream.transformers import _gguf_dequant as gd
@@ -68,9 +69,9 @@ def random_blocks(ggml_type: int, rows: int, cols: int, device: Any,
     raw = torch.randint(0, 256, (rows * cols // elems, nbytes), dtype=torch.uint8,
                         generator=gen)
     count = raw.shape[0]
-    for at in F16_SCALES.get(ggml_type, ()):
-        scale = (torch.rand(count, generator=gen) * 2e-3).half()
-        raw[:, at : at + 2] = scale.view(torch.uint8).reshape(count, 2)
+    if ggml_type not in (Q.F16, Q.BF16, Q.F32):
+        scales = (torch.rand(count, scale_count(ggml_type), generator=gen) * 2e-3).half()
+        put_scales(raw.numpy(), ggml_type, scales.view(torch.int16).numpy().view(np.uint16))
     if ggml_type == Q.MXFP4:
         raw[:, 0] = torch.randint(116, 124, (count,), dtype=torch.uint8, generator=gen)
     if ggml_type in (Q.F16, Q.BF16, Q.F32):

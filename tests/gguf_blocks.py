@@ -11,13 +11,8 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGUFWriter
 from gguf import GGMLQuantizationType as Q
 
+from moestream.pipeline.foundation.ggml_blocks import put_scales, scale_count
 from tests.gguf_files import finish_gguf
-
-SCALES = {Q.Q4_0: (0,), Q.Q4_1: (0, 2), Q.Q5_0: (0,), Q.Q5_1: (0, 2), Q.Q8_0: (0,),
-          Q.Q2_K: (80, 82), Q.Q3_K: (108,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,),
-          Q.IQ2_XXS: (0,), Q.IQ2_XS: (0,), Q.IQ3_XXS: (0,), Q.IQ4_XS: (0,), Q.MXFP4: ()}
-"""Each type's float16 scale fields (byte offsets in a block): the only bytes that can be
-invalid (inf or NaN); every other byte is valid as it comes."""
 
 
 def random_blocks(qtype: Q, n: int, seed: int = 0, extreme: bool = True) -> np.ndarray:
@@ -27,14 +22,15 @@ def random_blocks(qtype: Q, n: int, seed: int = 0, extreme: bool = True) -> np.n
     keeps finite)."""
     rng = np.random.default_rng([seed, int(qtype)])
     blocks = rng.integers(0, 256, (n, GGML_QUANT_SIZES[qtype][1]), dtype=np.uint8)
-    for offset in SCALES[qtype]:
-        if extreme:
-            halves = rng.integers(0, 1 << 16, n, dtype=np.uint16)
-            halves[(halves & 0x7C00) == 0x7C00] &= 0xBFFF  # exponent 31 (inf, NaN) -> 15
-            halves[: min(n, 4)] = (0x0001, 0x8000, 0x7BFF, 0xFBFF)[: min(n, 4)]
-        else:
-            halves = (rng.uniform(2.0**-12, 2.0**-8, n)).astype(np.float16).view(np.uint16)
-        blocks[:, offset : offset + 2] = halves.view(np.uint8).reshape(n, 2)
+    fields = scale_count(qtype)
+    if extreme:
+        halves = rng.integers(0, 1 << 16, (n, fields), dtype=np.uint16)
+        halves[(halves & 0x7C00) == 0x7C00] &= 0xBFFF  # exponent 31 (inf, NaN) -> 15
+        if fields:  # the smallest subnormal, -0 and +-65504 in the first blocks
+            halves[: min(n, 4), 0] = (0x0001, 0x8000, 0x7BFF, 0xFBFF)[: min(n, 4)]
+    else:
+        halves = rng.uniform(2.0**-12, 2.0**-8, (n, fields)).astype(np.float16).view(np.uint16)
+    put_scales(blocks, qtype, halves)
     if qtype == Q.MXFP4 and not extreme:  # its E8M0 scale: 2**(e - 128), here 2**-10..2**-6
         blocks[:, 0] = rng.integers(118, 123, n)
     return blocks

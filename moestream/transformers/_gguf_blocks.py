@@ -50,6 +50,11 @@ def _host_table(name: str) -> np.ndarray:
         return np.stack([ksigns & 15, ksigns >> 4], axis=1).astype(np.int64)
     if name in ("IQ2_XXS", "IQ2_XS", "IQ3_XXS"):
         return _signed_grid(name, ksigns)
+    if name in ("IQ2_S", "IQ3_S", "IQ1_S"):  # unsigned rows (IQ1_S: -1, 0, 1)
+        kind = getattr(gguf.quants, name)
+        kind.init_grid()
+        grid: np.ndarray = kind.grid.reshape(kind.grid_shape).astype(np.float32)
+        return grid
     if name == "iq4":
         return np.array(gguf.quants.IQ4_NL.kvalues, dtype=np.float32)
     # MXFP4's E2M1 values doubled (its scale is read as half the power of two)
@@ -110,6 +115,18 @@ def _shifts(data: torch.Tensor, shifts: tuple[int, ...], ndim: int,
         shape[-1 if last else (2 if ndim == 4 else 1)] = len(shifts)
         _SHIFTS[key] = torch.tensor(shifts, dtype=data.dtype).reshape(shape).to(data.device)
     return _SHIFTS[key]
+
+
+def _fields(data: torch.Tensor, shifts: tuple[int, ...], ndim: int) -> torch.Tensor:
+    """``(n, w)`` integers -> ``(n, w * len(shifts))``: each one's fields at ``shifts`` in
+    turn, unmasked (the caller masks them)."""
+    return (data.unsqueeze(-1) >> _shifts(data, shifts, ndim, last=True)).flatten(1)
+
+
+def _signs(data: torch.Tensor) -> torch.Tensor:
+    """``(n, w)`` sign bytes -> ``(n, 8 * w)`` float32: -1 where a bit is set, else 1, the
+    lowest bit first (``db * (grid * sign)`` is bitwise ``(db * grid) * sign``)."""
+    return 1 - 2 * _bits_little(data).float()
 
 
 def _words(data: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -251,6 +268,61 @@ def _iq4_xs(blocks: torch.Tensor, out: torch.Tensor) -> None:
     torch.mul(dl, _table("iq4", blocks.device)[q.long()], out=out.view(n, 8, 32))
 
 
+def _iq2_s(blocks: torch.Tensor, out: torch.Tensor) -> None:
+    n = blocks.shape[0]
+    scale = _nibbles(blocks[:, 74:82].reshape(n * 8, 1), 1).reshape(n, 16).float()
+    db = (_f16(blocks, 0) * (0.5 + scale) * 0.25).reshape(n, 16, 1)
+    high = _fields(blocks[:, 66:74], (0, 2, 4, 6), 3) & 3  # 2 bits a grid index, 4 a byte
+    index = blocks[:, 2:34].long() | (high.long() << 8)
+    grid = _table("IQ2_S", blocks.device)[index].reshape(n, 16, 16)
+    torch.mul(db, grid * _signs(blocks[:, 34:66]).reshape(n, 16, 16), out=out.view(n, 16, 16))
+
+
+def _iq3_s(blocks: torch.Tensor, out: torch.Tensor) -> None:
+    n = blocks.shape[0]
+    scale = _nibbles(blocks[:, 106:110].reshape(n * 4, 1), 1).reshape(n, 8)
+    db = (_f16(blocks, 0) * (1 + 2 * scale)).reshape(n, 8, 1)  # 1 + 2 * scale: uint8, exact
+    index = blocks[:, 2:66].long() | (_bits_little(blocks[:, 66:74]).long() << 8)
+    grid = _table("IQ3_S", blocks.device)[index].reshape(n, 8, 32)
+    torch.mul(db, grid * _signs(blocks[:, 74:106]).reshape(n, 8, 32), out=out.view(n, 8, 32))
+
+
+def _iq1(blocks: torch.Tensor, dl: torch.Tensor, qs: torch.Tensor, high: torch.Tensor,
+         negative: torch.Tensor, out: torch.Tensor) -> None:
+    """IQ1_S's and IQ1_M's ``dl * (grid + delta)`` (``dl``: ``(n, groups, 1)``), each grid
+    index ``qs | high << 8``, its delta -1/8 where ``negative``, else +1/8 (both exact)."""
+    n = blocks.shape[0]
+    delta = torch.where(negative != 0, -0.125, 0.125).to(torch.float32).unsqueeze(-1)
+    grid = _table("IQ1_S", blocks.device)[qs.long() | (high.long() << 8)]
+    torch.mul(dl, (grid + delta).reshape(n, dl.shape[1], -1), out=out.view(n, dl.shape[1], -1))
+
+
+def _iq1_s(blocks: torch.Tensor, out: torch.Tensor) -> None:
+    n = blocks.shape[0]
+    qh = _words(blocks[:, 34:50], torch.int16).to(torch.int32) & 0xFFFF  # a word a 32 values
+    dl = (_f16(blocks, 0) * (2 * ((qh >> 12) & 7) + 1)).reshape(n, 8, 1)
+    high = _fields(qh, (0, 3, 6, 9), 3) & 7  # 3 bits a grid index, 4 a word
+    negative = (qh & 0x8000).repeat_interleave(4, dim=1)
+    _iq1(blocks, dl, blocks[:, 2:34], high, negative, out)
+
+
+def _iq1_m(blocks: torch.Tensor, out: torch.Tensor) -> None:
+    n = blocks.shape[0]
+    words = _words(blocks[:, 48:56], torch.int16).to(torch.int32) & 0xFFFF
+    # the float16 scale is the top nibbles of the four scale words, the first word's lowest
+    bits = ((words[:, 0:1] >> 12) | ((words[:, 1:2] >> 8) & 0xF0)
+            | ((words[:, 2:3] >> 4) & 0xF00) | (words[:, 3:4] & 0xF000))
+    d = (bits - ((bits >> 15) << 16)).to(torch.int16).view(torch.float16).float()
+    dl = (d * (2 * (_fields(words, (0, 3, 6, 9), 3) & 7) + 1)).reshape(n, 16, 1)
+    nibbles = _fields(blocks[:, 32:48], (0, 4), 3) & 15  # a nibble a grid index, 2 a byte
+    _iq1(blocks, dl, blocks[:, 0:32], nibbles & 7, nibbles & 8, out)
+
+
+def _iq4_nl(blocks: torch.Tensor, out: torch.Tensor) -> None:
+    q = _nibbles(blocks[:, 2:18], 1).reshape(-1, 32)
+    torch.mul(_f16(blocks, 0), _table("iq4", blocks.device)[q.long()], out=out)
+
+
 def _mxfp4(blocks: torch.Tensor, out: torch.Tensor) -> None:
     e = blocks[:, 0:1].to(torch.int32)
     # ggml_e8m0_to_fp32_half: 2 ** (e - 128) as float32 bits, subnormal for e < 2
@@ -262,7 +334,8 @@ def _mxfp4(blocks: torch.Tensor, out: torch.Tensor) -> None:
 ROUTINES: dict[int, Routine] = {
     Q.Q4_0: _q4_0, Q.Q4_1: _q4_1, Q.Q5_0: _q5_0, Q.Q5_1: _q5_1, Q.Q8_0: _q8_0,
     Q.Q2_K: _q2_k, Q.Q3_K: _q3_k, Q.Q4_K: _q4_k, Q.Q5_K: _q5_k, Q.Q6_K: _q6_k,
-    Q.IQ2_XXS: _iq2_xxs, Q.IQ2_XS: _iq2_xs, Q.IQ3_XXS: _iq3_xxs, Q.IQ4_XS: _iq4_xs,
+    Q.IQ2_XXS: _iq2_xxs, Q.IQ2_XS: _iq2_xs, Q.IQ2_S: _iq2_s, Q.IQ3_XXS: _iq3_xxs,
+    Q.IQ3_S: _iq3_s, Q.IQ1_S: _iq1_s, Q.IQ1_M: _iq1_m, Q.IQ4_NL: _iq4_nl, Q.IQ4_XS: _iq4_xs,
     Q.MXFP4: _mxfp4,
 }
 """ggml type id -> its routine: every quantized type moestream dequantizes."""

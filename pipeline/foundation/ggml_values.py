@@ -26,14 +26,19 @@ from gguf import quants
 __all__ = ["value_source"]
 
 _ROUTINES = r"""
-__device__ __forceinline__ float h2f(const unsigned char* p) {
+__device__ __forceinline__ float half_bits(unsigned int h) {
     // IEEE half to float by its bits: exact, as numpy's astype(float32)
-    unsigned int h = (unsigned int)p[0] | ((unsigned int)p[1] << 8);
     unsigned int sign = (h & 0x8000u) << 16, e = (h >> 10) & 0x1fu, m = h & 0x3ffu;
     if (e == 0x1fu) return __uint_as_float(sign | 0x7f800000u | (m << 13));
     if (e != 0) return __uint_as_float(sign | ((e + 112u) << 23) | (m << 13));
     float v = (float)m * 5.9604644775390625e-08f;  // m * 2**-24: exact
     return sign ? -v : v;
+}
+__device__ __forceinline__ float h2f(const unsigned char* p) {
+    return half_bits((unsigned int)p[0] | ((unsigned int)p[1] << 8));
+}
+__device__ __forceinline__ unsigned int word16(const unsigned char* p) {
+    return (unsigned int)p[0] | ((unsigned int)p[1] << 8);
 }
 
 __device__ __forceinline__ unsigned int nib(const unsigned char* qs, int j, int half) {
@@ -133,6 +138,56 @@ __device__ __forceinline__ float iq2_xs(const unsigned char* b, int j) {
     float v = __fmul_rn(db, (float)((IQ2_XS_GRID[word & 511u] >> (8 * e)) & 255u));
     return (KSIGNS[word >> 9] >> e) & 1u ? -v : v;
 }
+__device__ __forceinline__ float iq2_s(const unsigned char* b, int j) {
+    // a grid index a 8 values: its low byte, then 2 high bits in a byte of four; a sign bit
+    // a value; a 4-bit scale a 16 values
+    int i = j >> 3;
+    unsigned int index = b[2 + i] | (((b[66 + (i >> 2)] >> (2 * (i & 3))) & 3u) << 8);
+    unsigned int scale = (b[74 + (j >> 5)] >> (4 * ((j >> 4) & 1))) & 15u;
+    float db = __fmul_rn(__fmul_rn(h2f(b), __fadd_rn(0.5f, (float)scale)), 0.25f);
+    float v = __fmul_rn(db, (float)((IQ2_S_GRID[index] >> (8 * (j & 7))) & 255u));
+    return (b[34 + (j >> 3)] >> (j & 7)) & 1u ? -v : v;
+}
+__device__ __forceinline__ float iq3_s(const unsigned char* b, int j) {
+    // a grid index a 4 values: its low byte, then a high bit in a byte of eight; a sign bit
+    // a value; a 4-bit scale a 32 values, d * (1 + 2 * scale) (an exact integer first)
+    int i = j >> 2;
+    unsigned int index = b[2 + i] | (((b[66 + (i >> 3)] >> (i & 7)) & 1u) << 8);
+    unsigned int scale = (b[106 + (j >> 6)] >> (4 * ((j >> 5) & 1))) & 15u;
+    float db = __fmul_rn(h2f(b), (float)(1u + 2u * scale));
+    float v = __fmul_rn(db, (float)((IQ3_S_GRID[index] >> (8 * (j & 3))) & 255u));
+    return (b[74 + (j >> 3)] >> (j & 7)) & 1u ? -v : v;
+}
+__device__ __forceinline__ float iq1(float dl, unsigned int index, bool negative, int e) {
+    // dl * (grid + delta): a grid value -1, 0 or 1 (2 bits, stored + 1), delta -+1/8; the
+    // sum is exact, the product gguf-py's one rounding
+    float g = (float)((int)((IQ1_GRID[index] >> (2 * e)) & 3u) - 1);
+    return __fmul_rn(dl, __fadd_rn(g, negative ? -0.125f : 0.125f));
+}
+__device__ __forceinline__ float iq1_s(const unsigned char* b, int j) {
+    // a 16-bit word a 32 values: 3 high index bits for each of its four grid indices, a
+    // 3-bit scale (bits 12..14) and the delta's sign (bit 15)
+    unsigned int qh = word16(b + 34 + 2 * (j >> 5));
+    int i = j >> 3;
+    float dl = __fmul_rn(h2f(b), (float)(2u * ((qh >> 12) & 7u) + 1u));
+    return iq1(dl, b[2 + i] | (((qh >> (3 * (i & 3))) & 7u) << 8), (qh & 0x8000u) != 0, j & 7);
+}
+__device__ __forceinline__ float iq1_m(const unsigned char* b, int j) {
+    // the float16 scale is the top nibbles of the four scale words (the first word's the
+    // lowest); their low 12 bits are 3-bit scales, one a 16 values; a nibble a grid index:
+    // 3 high index bits and the delta's sign
+    const unsigned char* s = b + 48;
+    unsigned int d = (word16(s) >> 12) | ((word16(s + 2) >> 8) & 0xf0u)
+                     | ((word16(s + 4) >> 4) & 0xf00u) | (word16(s + 6) & 0xf000u);
+    int g = j >> 4, i = j >> 3;
+    unsigned int scale = (word16(s + 2 * (g >> 2)) >> (3 * (g & 3))) & 7u;
+    float dl = __fmul_rn(half_bits(d), (float)(2u * scale + 1u));
+    unsigned int q = (b[32 + (i >> 1)] >> (4 * (i & 1))) & 15u;
+    return iq1(dl, b[i] | ((q & 7u) << 8), (q & 8u) != 0, j & 7);
+}
+__device__ __forceinline__ float iq4_nl(const unsigned char* b, int j) {
+    return __fmul_rn(h2f(b), (float)IQ4_LEVELS[nib(b + 2, j, 16)]);
+}
 __device__ __forceinline__ float iq3_xxs(const unsigned char* b, int j) {
     const unsigned char* w = b + 66 + 4 * (j >> 5);  // the sub-block's meta word
     unsigned int meta = (unsigned int)w[0] | ((unsigned int)w[1] << 8)
@@ -187,12 +242,26 @@ def _packed(grid: np.ndarray, width: int) -> np.ndarray:
     return words
 
 
+def _crumbs(kind: type) -> np.ndarray:
+    """IQ1's grid (-1, 0, 1; rows of 8) as 2 bits a value, stored + 1, a 16-bit word a row:
+    4 KiB where a byte a value would take 16."""
+    kind.init_grid()  # type: ignore[attr-defined]
+    grid: np.ndarray = kind.grid  # type: ignore[attr-defined]
+    rows = (grid.reshape(-1, 8) + 1).astype(np.uint16)
+    words: np.ndarray = (rows << (2 * np.arange(8, dtype=np.uint16))).sum(axis=1,
+                                                                          dtype=np.uint16)
+    return words
+
+
 @functools.cache
 def value_source() -> str:
     """The tables and the value routines, as CUDA C (no kernel: the callers write theirs)."""
     return (_table("IQ2_XXS_GRID", _packed(_grid(quants.IQ2_XXS), 8), "unsigned long long")
             + _table("IQ2_XS_GRID", _packed(_grid(quants.IQ2_XS), 8), "unsigned long long")
+            + _table("IQ2_S_GRID", _packed(_grid(quants.IQ2_S), 8), "unsigned long long")
             + _table("IQ3_XXS_GRID", _packed(_grid(quants.IQ3_XXS), 4), "unsigned int")
+            + _table("IQ3_S_GRID", _packed(_grid(quants.IQ3_S), 4), "unsigned int")
+            + _table("IQ1_GRID", _crumbs(quants.IQ1_S), "unsigned short")
             + _table("KSIGNS", np.frombuffer(quants.IQ2_XXS.ksigns, dtype=np.uint8))
             + _table("IQ4_LEVELS", np.array(quants.IQ4_NL.kvalues), "signed char")
             + _table("MXFP4_LEVELS", np.array(quants.MXFP4.kvalues), "signed char")

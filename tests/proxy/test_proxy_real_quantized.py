@@ -150,8 +150,8 @@ class TestRefusal:
     @pytest.fixture(scope="class")
     def models(self, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         where = tmp_path_factory.mktemp("refusal")
-        return {"mixed": _with_iq1_s(where / "mixed.gguf", [True, False]),
-                "none": _with_iq1_s(where / "none.gguf", [True, True])}
+        return {"mixed": _with_tq1_0(where / "mixed.gguf", [True, False]),
+                "none": _with_tq1_0(where / "none.gguf", [True, True])}
 
     def test_mixed_refused_in_one_line(self, models: dict[str, Path],
                                        capsys: pytest.CaptureFixture[str]) -> None:
@@ -159,7 +159,7 @@ class TestRefusal:
                             "--compute", "real")
         lines = err.strip().splitlines()
         assert code == 2 and sum("error:" in line for line in lines) == 1
-        assert "real compute cannot run layer 0's IQ1_S/IQ1_S experts" in lines[-1]
+        assert "real compute cannot run layer 0's TQ1_0/TQ1_0 experts" in lines[-1]
         assert "Q2_K" in lines[-1] and "--compute digest" in lines[-1]
 
     def test_nothing_computable_falls_back(self, models: dict[str, Path],
@@ -172,9 +172,9 @@ class TestRefusal:
         assert json.loads(log.read_text().splitlines()[0])["compute"] == "digest"
 
 
-def _with_iq1_s(path: Path, iq1_s: Sequence[bool]) -> Path:
-    """A model whose layer ``i`` is IQ1_S (any bytes: never dequantized) where ``iq1_s[i]``,
-    else Q8_0."""
+def _with_tq1_0(path: Path, tq1_0: Sequence[bool]) -> Path:
+    """A model whose layer ``i`` is TQ1_0 (a type real compute lacks; any bytes: never
+    dequantized) where ``tq1_0[i]``, else Q8_0."""
     from gguf import GGUFWriter
 
     from tests.gguf_blocks import random_blocks
@@ -182,18 +182,18 @@ def _with_iq1_s(path: Path, iq1_s: Sequence[bool]) -> Path:
 
     rng = np.random.default_rng(1)
     writer = GGUFWriter(path, "qwen3moe")
-    writer.add_uint32("qwen3moe.block_count", len(iq1_s))
+    writer.add_uint32("qwen3moe.block_count", len(tq1_0))
     writer.add_uint32("qwen3moe.expert_used_count", 2)
     writer.add_embedding_length(256)
     writer.add_tensor("token_embd.weight", rng.standard_normal((8, 256)).astype(np.float16))
-    for layer, other in enumerate(iq1_s):
+    for layer, other in enumerate(tq1_0):
         writer.add_tensor(f"blk.{layer}.ffn_gate_inp.weight",
                           rng.standard_normal((4, 256)).astype(np.float32))
         for matrix in ("gate", "up", "down"):
             name = f"blk.{layer}.ffn_{matrix}_exps.weight"
-            if other:  # IQ1_S: 256 values in 50 bytes
-                raw = rng.integers(0, 256, (4, 256, 50), dtype=np.uint8)
-                writer.add_tensor(name, raw, raw_dtype=Q.IQ1_S)
+            if other:  # TQ1_0: 256 values in 54 bytes
+                raw = rng.integers(0, 256, (4, 256, 54), dtype=np.uint8)
+                writer.add_tensor(name, raw, raw_dtype=Q.TQ1_0)
             else:
                 blocks = random_blocks(Q.Q8_0, 4 * 256 * 8, seed=layer, extreme=False)
                 writer.add_tensor(name, blocks.reshape(4, 256, 8 * 34), raw_dtype=Q.Q8_0)

@@ -6,6 +6,7 @@ chunks and refusals. The same cases run on a GPU in test_gguf_dequant_gpu.py."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -17,9 +18,10 @@ torch = pytest.importorskip("torch")
 gguf = pytest.importorskip("gguf")
 
 from moestream.pipeline.foundation.errors import UsageError, UsageTypeError  # noqa: E402
-from moestream.pipeline.foundation.ggml_blocks import F16_SCALES  # noqa: E402
+from moestream.pipeline.foundation.ggml_blocks import put_scales, scale_count  # noqa: E402
 from moestream.transformers import _gguf_dequant as gd  # noqa: E402
 from moestream.transformers._gguf_blocks import ROUTINES  # noqa: E402
+from tests.gguf_blocks import random_blocks  # noqa: E402
 
 Q = gguf.GGMLQuantizationType
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
@@ -48,11 +50,10 @@ def assert_bitwise(got: Any, want: Any) -> None:
 def with_scales(raw: np.ndarray, ggml_type: int, scales: list[float]) -> np.ndarray:
     """``raw`` blocks with their float16 scale fields set, block by block, from ``scales``."""
     raw = raw.copy()
-    offsets = F16_SCALES[ggml_type]
-    for i in range(raw.shape[0]):
-        for j, at in enumerate(offsets):
-            value = np.float16(scales[(i * len(offsets) + j) % len(scales)])
-            raw[i, at : at + 2] = np.frombuffer(value.tobytes(), dtype=np.uint8)
+    fields = scale_count(ggml_type)
+    at = np.arange(raw.shape[0] * fields) % len(scales)
+    halves = np.array(scales, dtype=np.float16)[at].view(np.uint16)
+    put_scales(raw, ggml_type, halves.reshape(raw.shape[0], fields))
     return raw
 
 
@@ -115,6 +116,21 @@ def met(raw: np.ndarray, ggml_type: int) -> tuple[int, int, int]:
     return len(set(index.ravel())), len(set((signs & 127).ravel())), len(set(meta >> 28))
 
 
+def _fields(data: np.ndarray, shifts: list[int], mask: int) -> np.ndarray:
+    """Each integer's fields at ``shifts`` in turn, ``(n, w * len(shifts))``."""
+    return ((data[:, :, None] >> np.array(shifts)) & mask).reshape(data.shape[0], -1)
+
+
+GRID_INDICES: dict[int, tuple[Callable[[np.ndarray], np.ndarray], int]] = {
+    # blocks (int64) -> each point's grid index (gguf-py's layouts), and the grid's size
+    Q.IQ2_S: (lambda b: b[:, 2:34] | _fields(b[:, 66:74], [0, 2, 4, 6], 3) << 8, 1024),
+    Q.IQ3_S: (lambda b: b[:, 2:66] | _fields(b[:, 66:74], list(range(8)), 1) << 8, 512),
+    Q.IQ1_S: (lambda b: b[:, 2:34] | _fields(b[:, 34:50:2] | b[:, 35:50:2] << 8,
+                                             [0, 3, 6, 9], 7) << 8, 2048),
+    Q.IQ1_M: (lambda b: b[:, 0:32] | _fields(b[:, 32:48], [0, 4], 7) << 8, 2048),
+}
+
+
 def own(blocks_t: Any, ggml_type: int, dtype: Any) -> Any:
     """The type's routine called directly, into an ``out`` of ``dtype``."""
     out = torch.empty(blocks_t.shape[0], gd.block_shape(ggml_type)[0], dtype=dtype,
@@ -149,6 +165,15 @@ class TestExact:
     def test_every_grid_index_and_sign(self, ggml_type: int) -> None:
         raw = exhaustive(ggml_type)
         assert met(raw, ggml_type) == {Q.IQ2_XS: (512, 128, 16)}.get(ggml_type, (256, 128, 16))
+        check(raw, ggml_type, "cpu")
+
+    @pytest.mark.parametrize("ggml_type", list(GRID_INDICES), ids=lambda t: Q(t).name)
+    def test_every_grid_index_at_random(self, ggml_type: int) -> None:
+        """IQ2_S, IQ3_S, IQ1_S and IQ1_M: random blocks enough to meet every grid index
+        (their signs are a bit a value, their scales a few bits: met many times over)."""
+        raw = random_blocks(ggml_type, 4096, seed=3)
+        indices, size = GRID_INDICES[ggml_type]
+        assert len(np.unique(indices(raw.astype(np.int64)))) == size
         check(raw, ggml_type, "cpu")
 
     def test_every_e8m0_scale(self) -> None:
@@ -217,7 +242,7 @@ class TestInterface:
         got = gd.dequantize(torch.from_numpy(raw), Q.Q5_0, torch.bfloat16)
         assert_bitwise(got, reference(raw, Q.Q5_0, torch.bfloat16))
 
-    @pytest.mark.parametrize("ggml_type", [Q.IQ1_S, Q.IQ2_S, Q.TQ1_0, 99])
+    @pytest.mark.parametrize("ggml_type", [Q.TQ1_0, Q.TQ2_0, 99])
     def test_unsupported_type_refused(self, ggml_type: int) -> None:
         assert not gd.supported(ggml_type)
         with pytest.raises(UsageError, match="cannot be dequantized") as caught:

@@ -40,6 +40,8 @@ import moestream  # noqa: E402
 from moestream import transformers as mt  # noqa: E402
 from moestream.pipeline import run as pipeline_run  # noqa: E402
 from moestream.pipeline.foundation.errors import ModelFileError, UsageError  # noqa: E402
+from moestream.pipeline.foundation.ggml_blocks import put_scales, scale_count  # noqa: E402
+from moestream.transformers._gguf_blocks import ROUTINES  # noqa: E402
 from tests.gguf_files import write_plain_moe  # noqa: E402
 from tests.quantized import assert_streams_like, logits  # noqa: E402
 
@@ -68,17 +70,15 @@ EXPERT_TYPES: dict[str, list[tuple[Q, Q]]] = {
     "qwen2_moe": [(Q.Q4_1, Q.Q8_0), (Q.F16, Q.Q5_0)],
     "minimax_m2": [(Q.Q8_0, Q.Q4_0), (Q.Q5_1, Q.BF16)],
 }
-MORE_TYPES = [(Q.Q3_K, Q.IQ4_XS), (Q.Q5_K, Q.MXFP4), (Q.IQ2_XS, Q.IQ3_XXS), (Q.F16, Q.Q4_0),
-              (Q.BF16, Q.F16)]
+MORE_TYPES = [(Q.Q3_K, Q.IQ4_XS), (Q.Q5_K, Q.MXFP4), (Q.IQ2_XS, Q.IQ3_XXS), (Q.IQ2_S, Q.IQ3_S),
+              (Q.IQ1_S, Q.IQ4_NL), (Q.IQ1_M, Q.Q4_0), (Q.BF16, Q.F16)]
 """The other types, in a second qwen3moe file (the last layer float only: cast from the
 cache as a checkpoint's experts are)."""
 
 _QUANTIZABLE = {Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.BF16}
-_SCALE_AT = {Q.Q2_K: (80, 82), Q.Q3_K: (108,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,),
-             Q.IQ2_XXS: (0,), Q.IQ2_XS: (0,), Q.IQ3_XXS: (0,), Q.IQ4_XS: (0,), Q.IQ1_S: (0,)}
-"""Where each random-block type's float16 scales lie in its block."""
 _SCALE = np.float16(2.0 ** -13)
-"""Their value: small enough that no activation overflows, a normal float16."""
+"""The random-block types' float16 scales: small enough that no activation overflows, a
+normal float16."""
 
 
 def _tokenizer_metadata(writer: GGUFWriter) -> None:
@@ -134,8 +134,8 @@ def _random_blocks(shape: tuple[int, ...], kind: Q, seed: int) -> np.ndarray:
     raw = np.random.default_rng(seed).integers(0, 256, (rows, nbytes), dtype=np.uint8)
     if kind == Q.MXFP4:
         raw[:, 0] = 127 - 8  # the E8M0 exponent: 2 ** -8
-    for at in _SCALE_AT.get(kind, ()):
-        raw[:, at:at + 2] = np.frombuffer(_SCALE.tobytes(), dtype=np.uint8)
+    elif kind in ROUTINES:
+        put_scales(raw, kind, np.full((rows, scale_count(kind)), _SCALE).view(np.uint16))
     return raw.reshape(*shape[:-1], shape[-1] // block * nbytes)
 
 
@@ -503,8 +503,8 @@ class TestRefused:
         self._refused(path, "'qwen35moe'", "conversion ops")
 
     def test_expert_type_the_dequantizer_lacks(self, tmp_path: Path) -> None:
-        made = _gguf(tmp_path, "qwen3_moe", [(Q.Q8_0, Q.IQ1_S)], num_hidden_layers=1)
-        self._refused(made.path, "IQ1_S", "layer 0")
+        made = _gguf(tmp_path, "qwen3_moe", [(Q.Q8_0, Q.TQ1_0)], num_hidden_layers=1)
+        self._refused(made.path, "TQ1_0", "layer 0")
 
     def test_transformers_without_gguf(self, files: dict[str, _Gguf],
                                        monkeypatch: pytest.MonkeyPatch) -> None:
