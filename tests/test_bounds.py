@@ -416,7 +416,7 @@ class TestMixedExpertTypes:
         assert code == 2
         assert sum("error:" in line for line in err) == 1
         assert ("real compute cannot run layer 2's Q8_1/Q8_1 experts (layer 1 is F16/F16; "
-                "it dequantizes IQ2_XS, IQ2_XXS, " in err[-1])
+                "it dequantizes IQ1_M, IQ1_S, IQ2_S, IQ2_XS, IQ2_XXS, " in err[-1])
 
     def test_digest_compute_runs(self, mixed_model: Path) -> None:
         assert run_main(["-m", str(mixed_model), "-n", "3", "--backend", "host", "--router",
