@@ -57,6 +57,9 @@ def _host_table(name: str) -> np.ndarray:
         return grid
     if name == "iq4":
         return np.array(gguf.quants.IQ4_NL.kvalues, dtype=np.float32)
+    if name == "ue4m3":  # NVFP4's scale of each byte, gguf-py's own decoding
+        scales: np.ndarray = gguf.quants.NVFP4.ue4m3_to_fp32(np.arange(256, dtype=np.uint8))
+        return scales.astype(np.float32)
     # MXFP4's E2M1 values doubled (its scale is read as half the power of two)
     return np.array(gguf.quants.MXFP4.kvalues, dtype=np.float32)
 
@@ -331,11 +334,18 @@ def _mxfp4(blocks: torch.Tensor, out: torch.Tensor) -> None:
     torch.mul(bits.view(torch.float32), _table("mxfp4", blocks.device)[q.long()], out=out)
 
 
+def _nvfp4(blocks: torch.Tensor, out: torch.Tensor) -> None:
+    n = blocks.shape[0]  # four UE4M3 scales, then 8 bytes a 16 values: low nibbles first
+    d = _table("ue4m3", blocks.device)[blocks[:, 0:4].long()].reshape(n, 4, 1)
+    q = _nibbles(blocks[:, 4:36], 4).reshape(n, 4, 16)
+    torch.mul(d, _table("mxfp4", blocks.device)[q.long()], out=out.view(n, 4, 16))
+
+
 ROUTINES: dict[int, Routine] = {
     Q.Q4_0: _q4_0, Q.Q4_1: _q4_1, Q.Q5_0: _q5_0, Q.Q5_1: _q5_1, Q.Q8_0: _q8_0,
     Q.Q2_K: _q2_k, Q.Q3_K: _q3_k, Q.Q4_K: _q4_k, Q.Q5_K: _q5_k, Q.Q6_K: _q6_k,
     Q.IQ2_XXS: _iq2_xxs, Q.IQ2_XS: _iq2_xs, Q.IQ2_S: _iq2_s, Q.IQ3_XXS: _iq3_xxs,
     Q.IQ3_S: _iq3_s, Q.IQ1_S: _iq1_s, Q.IQ1_M: _iq1_m, Q.IQ4_NL: _iq4_nl, Q.IQ4_XS: _iq4_xs,
-    Q.MXFP4: _mxfp4,
+    Q.MXFP4: _mxfp4, Q.NVFP4: _nvfp4,
 }
 """ggml type id -> its routine: every quantized type moestream dequantizes."""

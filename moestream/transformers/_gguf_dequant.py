@@ -12,8 +12,8 @@ use turns the arrived experts of a layer into the compute dtype here, one call p
   fine (it is read, never written).
 - ``ggml_type``: the tensor's ggml type id (``gguf.GGMLQuantizationType``): the quantized
   types Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ1_S, IQ1_M,
-  IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ4_NL, IQ4_XS and MXFP4, and F32, F16, BF16
-  passed through. :func:`supported` says which; anything else (TQ1_0, TQ2_0, NVFP4...) is refused
+  IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ4_NL, IQ4_XS, MXFP4 and NVFP4, and F32, F16,
+  BF16 passed through. :func:`supported` says which; anything else (TQ1_0, TQ2_0...) is refused
   by :func:`require` and :func:`dequantize` with a ``UsageError`` naming the type.
 - ``dtype``: torch.bfloat16, torch.float16 or torch.float32.
 - Returns ``(..., nbytes // block_bytes * block_elems)`` of ``dtype`` on ``blocks``'s

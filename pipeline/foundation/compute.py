@@ -26,7 +26,7 @@ _Q = GGMLQuantizationType
 DEQUANTIZED = frozenset({_Q.Q4_0, _Q.Q4_1, _Q.Q5_0, _Q.Q5_1, _Q.Q8_0, _Q.Q2_K, _Q.Q3_K,
                          _Q.Q4_K, _Q.Q5_K, _Q.Q6_K, _Q.IQ1_S, _Q.IQ1_M, _Q.IQ2_XXS,
                          _Q.IQ2_XS, _Q.IQ2_S, _Q.IQ3_XXS, _Q.IQ3_S, _Q.IQ4_NL, _Q.IQ4_XS,
-                         _Q.MXFP4})
+                         _Q.MXFP4, _Q.NVFP4})
 """The GGUF quantized types ``real`` compute dequantizes (bitwise ``gguf.quants.dequantize``)
 before its SwiGLU: ds4's experts (IQ2_XXS, Q2_K), the k-quants and legacy quants, the IQ
 types of the common low-bit files and MXFP4 (gpt-oss's GGUF)."""

@@ -19,10 +19,11 @@ F16_SCALES: dict[int, tuple[int, ...]] = {
     Q.Q4_0: (0,), Q.Q4_1: (0, 2), Q.Q5_0: (0,), Q.Q5_1: (0, 2), Q.Q8_0: (0,),
     Q.Q2_K: (80, 82), Q.Q3_K: (108,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,),
     Q.IQ1_S: (0,), Q.IQ2_XXS: (0,), Q.IQ2_XS: (0,), Q.IQ2_S: (0,), Q.IQ3_XXS: (0,),
-    Q.IQ3_S: (0,), Q.IQ4_NL: (0,), Q.IQ4_XS: (0,), Q.MXFP4: (),
+    Q.IQ3_S: (0,), Q.IQ4_NL: (0,), Q.IQ4_XS: (0,), Q.MXFP4: (), Q.NVFP4: (),
 }
 """ggml type id -> its float16 scale fields, as byte offsets in its block (gguf-py's
-``quants.py`` layouts; MXFP4's one scale is an E8M0 byte at 0, finite whatever it holds).
+``quants.py`` layouts; MXFP4's one scale is an E8M0 byte at 0 and NVFP4's four are UE4M3
+bytes, finite whatever they hold).
 IQ1_M is not here: its one float16 scale is split (``put_scales``)."""
 
 _IQ1_M_WORDS = 48

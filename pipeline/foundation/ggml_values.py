@@ -205,6 +205,13 @@ __device__ __forceinline__ float iq4_xs(const unsigned char* b, int j) {
     unsigned int q = (b[8 + g * 16 + (r & 15)] >> (4 * (r >> 4))) & 15u;
     return __fmul_rn(dl, (float)IQ4_LEVELS[q]);
 }
+__device__ __forceinline__ float nvfp4(const unsigned char* b, int j) {
+    // a UE4M3 scale a 16 values (gguf-py's decoding, by its bits), 8 bytes of E2M1 codes
+    // a 16 values, the low nibbles first; every value exact
+    int s = j >> 4, r = j & 15;
+    unsigned int code = (b[4 + 8 * s + (r & 7)] >> (4 * (r >> 3))) & 15u;
+    return __fmul_rn(__uint_as_float(UE4M3_BITS[b[s]]), (float)MXFP4_LEVELS[code]);
+}
 __device__ __forceinline__ float mxfp4(const unsigned char* b, int j) {
     // ggml_e8m0_to_fp32_half: 2**(e - 128); below e = 2 that scale is subnormal, and a
     // flush-to-zero build (as NVRTC's can be) would flush it and the products it makes, so
@@ -265,4 +272,6 @@ def value_source() -> str:
             + _table("KSIGNS", np.frombuffer(quants.IQ2_XXS.ksigns, dtype=np.uint8))
             + _table("IQ4_LEVELS", np.array(quants.IQ4_NL.kvalues), "signed char")
             + _table("MXFP4_LEVELS", np.array(quants.MXFP4.kvalues), "signed char")
+            + _table("UE4M3_BITS", quants.NVFP4.ue4m3_to_fp32(np.arange(256, dtype=np.uint8))
+                     .astype(np.float32).view(np.uint32), "unsigned int")
             + _ROUTINES)

@@ -182,6 +182,13 @@ class TestExact:
                               np.tile(codes, (16, 1))], axis=1)
         check(raw, Q.MXFP4, "cpu")
 
+    def test_every_ue4m3_scale(self) -> None:
+        """NVFP4: each of the 256 scale bytes (0 and 0x7F are zero) under every code."""
+        raw = np.zeros((64, 36), dtype=np.uint8)
+        raw[:, 0:4] = np.arange(256, dtype=np.uint8).reshape(64, 4)
+        raw[:, 4:] = np.tile(np.arange(16, dtype=np.uint8) * 17, 2)  # both nibbles
+        check(raw, Q.NVFP4, "cpu")
+
     @pytest.mark.parametrize("ggml_type", [Q.F32, Q.F16, Q.BF16], ids=["F32", "F16", "BF16"])
     def test_float_types_pass_through(self, ggml_type: int) -> None:
         values = np.random.default_rng(1).standard_normal(64).astype(np.float32) * 1e4

@@ -71,7 +71,7 @@ EXPERT_TYPES: dict[str, list[tuple[Q, Q]]] = {
     "minimax_m2": [(Q.Q8_0, Q.Q4_0), (Q.Q5_1, Q.BF16)],
 }
 MORE_TYPES = [(Q.Q3_K, Q.IQ4_XS), (Q.Q5_K, Q.MXFP4), (Q.IQ2_XS, Q.IQ3_XXS), (Q.IQ2_S, Q.IQ3_S),
-              (Q.IQ1_S, Q.IQ4_NL), (Q.IQ1_M, Q.Q4_0), (Q.BF16, Q.F16)]
+              (Q.IQ1_S, Q.IQ4_NL), (Q.IQ1_M, Q.NVFP4), (Q.BF16, Q.F16)]
 """The other types, in a second qwen3moe file (the last layer float only: cast from the
 cache as a checkpoint's experts are)."""
 
@@ -134,6 +134,8 @@ def _random_blocks(shape: tuple[int, ...], kind: Q, seed: int) -> np.ndarray:
     raw = np.random.default_rng(seed).integers(0, 256, (rows, nbytes), dtype=np.uint8)
     if kind == Q.MXFP4:
         raw[:, 0] = 127 - 8  # the E8M0 exponent: 2 ** -8
+    elif kind == Q.NVFP4:
+        raw[:, 0:4] = 1  # UE4M3 scales: 2 ** -10
     elif kind in ROUTINES:
         put_scales(raw, kind, np.full((rows, scale_count(kind)), _SCALE).view(np.uint16))
     return raw.reshape(*shape[:-1], shape[-1] // block * nbytes)
