@@ -16,7 +16,7 @@ t0=$(date +%s)
   --no-digests 2>&1 | tail -1
 echo "made $M in $(( $(date +%s) - t0 )) s, $(du -h $M | cut -f1) (commit ${MOESTREAM_COMMIT:-unknown})"
 for budget in ${BUDGETS:-11GiB 4GiB}; do
-  for experts in ${EXPERTS:-eager}; do
+  for experts in ${EXPERTS:-grouped}; do
     name=ds4-$L-$budget-$experts
     t0=$(date +%s)
     timeout ${RUN_S:-150} python3 -m pipeline.run --engine transformers -m $M --prompt-ids 1,2,3,4 \
