@@ -29,7 +29,7 @@ DEQUANTIZED = frozenset({_Q.Q4_0, _Q.Q4_1, _Q.Q5_0, _Q.Q5_1, _Q.Q8_0, _Q.Q2_K, _
                          _Q.MXFP4, _Q.NVFP4})
 """The GGUF quantized types ``real`` compute dequantizes (bitwise ``gguf.quants.dequantize``)
 before its SwiGLU: ds4's experts (IQ2_XXS, Q2_K), the k-quants and legacy quants, the IQ
-types of the common low-bit files and MXFP4 (gpt-oss's GGUF)."""
+types of the common low-bit files (IQ1 to IQ4), MXFP4 (gpt-oss's GGUF) and NVFP4."""
 _COMPUTED = DEQUANTIZED | {_Q.F16}
 
 
