@@ -4,7 +4,7 @@
 # each format at its model's shape: FP8 at Qwen3-30B-A3B's (8 experts of 2048 x 768), MXFP4
 # at gpt-oss-120b's (4 of 2880 x 2880), FP4 at DeepSeek-V4-Flash's (6 of 4096 x 2048).
 # Then the GGUF kernels (bench.gguf_dequant, TYPES at both default shapes: kernel_expert_ms
-# against upload_ms). Writes $OUT/dequant-ab/<tree>-<format>-<round>.json and prints one
+# against upload_ms). Writes $OUT/dequant-ab.tgz (<tree>-<format>-<round>.json) and prints one
 # line a run.
 # Usage (GPU machine, repo root, .whl here): OLD=/tmp/old bash bench/gpu_dequant_ab.sh
 set -u
@@ -32,3 +32,5 @@ for round in $(seq ${ROUNDS:-2}); do
       2>/dev/null || echo "$tree gguf r$round failed"
   done
 done
+# the device tool returns a few files of a folder: the runs' JSON as one archive beside it
+tar czf $OUT/dequant-ab.tgz -C $R . && rm -rf $R
