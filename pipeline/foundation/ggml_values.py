@@ -26,6 +26,9 @@ from gguf import quants
 __all__ = ["value_source"]
 
 _ROUTINES = r"""
+__device__ __forceinline__ unsigned int word16(const unsigned char* p) {
+    return (unsigned int)p[0] | ((unsigned int)p[1] << 8);
+}
 __device__ __forceinline__ float half_bits(unsigned int h) {
     // IEEE half to float by its bits: exact, as numpy's astype(float32)
     unsigned int sign = (h & 0x8000u) << 16, e = (h >> 10) & 0x1fu, m = h & 0x3ffu;
@@ -34,12 +37,7 @@ __device__ __forceinline__ float half_bits(unsigned int h) {
     float v = (float)m * 5.9604644775390625e-08f;  // m * 2**-24: exact
     return sign ? -v : v;
 }
-__device__ __forceinline__ float h2f(const unsigned char* p) {
-    return half_bits((unsigned int)p[0] | ((unsigned int)p[1] << 8));
-}
-__device__ __forceinline__ unsigned int word16(const unsigned char* p) {
-    return (unsigned int)p[0] | ((unsigned int)p[1] << 8);
-}
+__device__ __forceinline__ float h2f(const unsigned char* p) { return half_bits(word16(p)); }
 
 __device__ __forceinline__ unsigned int nib(const unsigned char* qs, int j, int half) {
     // value j of 2 * half nibbles: the low nibbles of qs[0..half), then the high ones
@@ -131,7 +129,7 @@ __device__ __forceinline__ float iq2_xxs(const unsigned char* b, int j) {
 }
 __device__ __forceinline__ float iq2_xs(const unsigned char* b, int j) {
     const unsigned char* q = b + 2 + 2 * (j >> 3);  // a 9-bit grid index, 7 bits of signs
-    unsigned int word = (unsigned int)q[0] | ((unsigned int)q[1] << 8);
+    unsigned int word = word16(q);
     unsigned int scale = (b[66 + (j >> 5)] >> (4 * ((j >> 4) & 1))) & 15u;
     float db = __fmul_rn(__fmul_rn(h2f(b), __fadd_rn(0.5f, (float)scale)), 0.25f);
     int e = j & 7;
@@ -199,7 +197,7 @@ __device__ __forceinline__ float iq3_xxs(const unsigned char* b, int j) {
 }
 __device__ __forceinline__ float iq4_xs(const unsigned char* b, int j) {
     int g = j >> 5, r = j & 31;
-    unsigned int high = (((unsigned int)b[2] | ((unsigned int)b[3] << 8)) >> (2 * g)) & 3u;
+    unsigned int high = (word16(b + 2) >> (2 * g)) & 3u;
     unsigned int low = (b[4 + (g >> 1)] >> (4 * (g & 1))) & 15u;
     float dl = __fmul_rn(h2f(b), (float)((int)(low | (high << 4)) - 32));
     unsigned int q = (b[8 + g * 16 + (r & 15)] >> (4 * (r >> 4))) & 15u;
