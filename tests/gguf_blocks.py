@@ -26,8 +26,8 @@ def random_blocks(qtype: Q, n: int, seed: int = 0, extreme: bool = True) -> np.n
     if extreme:
         halves = rng.integers(0, 1 << 16, (n, fields), dtype=np.uint16)
         halves[(halves & 0x7C00) == 0x7C00] &= 0xBFFF  # exponent 31 (inf, NaN) -> 15
-        if fields:  # the smallest subnormal, -0 and +-65504 in the first blocks
-            halves[: min(n, 4), 0] = (0x0001, 0x8000, 0x7BFF, 0xFBFF)[: min(n, 4)]
+        # every field of the first blocks: the smallest subnormal, -0 and +-65504
+        halves[: min(n, 4)] = np.array([[0x0001], [0x8000], [0x7BFF], [0xFBFF]])[: min(n, 4)]
     else:
         halves = rng.uniform(2.0**-12, 2.0**-8, (n, fields)).astype(np.float16).view(np.uint16)
     put_scales(blocks, qtype, halves)
