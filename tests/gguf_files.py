@@ -26,11 +26,13 @@ def finish_gguf(writer: GGUFWriter, path: Path, tensors: Mapping[str, np.ndarray
 
 def write_plain_moe(path: Path, *, layers: int = 3, experts: int = 16, hidden: int = 64,
                     ffn: int = 96, top_k: int = 4, pad_elems: int = 333, seed: int = 0,
-                    arch: str = "qwen3moe") -> Path:
+                    arch: str = "qwen3moe", split_max_tensors: int = 0) -> Path:
     """A MoE model as other tools write them: gguf's writer directly, F16 experts after a
-    ``pad_elems``-value tensor (so slices sit at any offset), no moestream metadata."""
+    ``pad_elems``-value tensor (so slices sit at any offset), no moestream metadata; with
+    ``split_max_tensors``, split into shards of that many tensors by gguf's writer (the
+    first shard's path is returned)."""
     rng = np.random.default_rng(seed)
-    writer = GGUFWriter(path, arch)
+    writer = GGUFWriter(path, arch, split_max_tensors=split_max_tensors)
     writer.add_uint32(f"{arch}.block_count", layers)
     writer.add_uint32(f"{arch}.expert_used_count", top_k)
     tensors = {"token_embd.weight": rng.standard_normal(pad_elems).astype(np.float16)}
@@ -39,4 +41,5 @@ def write_plain_moe(path: Path, *, layers: int = 3, experts: int = 16, hidden: i
                               ("down", (hidden, ffn))):
             values = rng.standard_normal((experts, *shape)) * 0.05
             tensors[f"blk.{layer}.ffn_{matrix}_exps.weight"] = values.astype(np.float16)
-    return finish_gguf(writer, path, tensors)
+    finish_gguf(writer, path, tensors)
+    return writer.format_shard_names(path)[0]

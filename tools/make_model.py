@@ -54,7 +54,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parser.parse_args(argv)
         if args.format == "safetensors":
             return _checkpoint(args)
-        for option in ("fused_experts", "dtype", "shard_size", "quant", "block", "hidden",
+        for option in ("fused_experts", "dtype", "quant", "block", "hidden",
                        "expert_ffn", "top_k"):
             if getattr(args, option) not in (None, False):
                 raise UsageError(f"--{option.replace('_', '-')} is for --format safetensors")
@@ -64,8 +64,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         spec = spec_for(args.preset, args.layers, args.experts, args.seed,
                         fused_gate_up=args.fused_gate_up, ds4_shape=args.ds4_shape)
         started = time.perf_counter()
-        write_model(spec, args.out, progress=sys.stderr.isatty(),
-                    record_digests=not args.no_digests)
+        written = write_model(spec, args.out, progress=sys.stderr.isatty(),
+                              record_digests=not args.no_digests,
+                              shard_bytes=parse_size(args.shard_size) if args.shard_size else 0)
     except MoestreamError as exc:
         if debug:
             raise
@@ -75,10 +76,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("moestream-make-model: interrupted", file=sys.stderr)
         return 130
     seconds = time.perf_counter() - started
-    size = args.out.stat().st_size
+    shards = [written] if written == args.out else sorted(
+        written.parent.glob(written.name.replace("-00001-of-", "-*-of-")))
+    size = sum(shard.stat().st_size for shard in shards)
+    split = f", {len(shards)} shards," if len(shards) > 1 else ""
     with closable_stdout():
-        print(f"{printable(str(args.out))}: {spec.preset}, {spec.n_layers} layers x "
-              f"{spec.n_experts} experts, {size / 2**30:.3f} GiB in {seconds:.1f} s "
+        print(f"{printable(str(written))}: {spec.preset}, {spec.n_layers} layers x "
+              f"{spec.n_experts} experts, {size / 2**30:.3f} GiB{split} in {seconds:.1f} s "
               f"({size / 1e6 / seconds:.0f} MB/s)")
     return 0
 
@@ -109,8 +113,10 @@ def _parser() -> UsageParser:
                         "per layer instead of three tensors per expert")
     parser.add_argument("--dtype", choices=sorted(DTYPES), help="safetensors: tensor dtype "
                         "(default bf16)")
-    parser.add_argument("--shard-size", metavar="SIZE", help="safetensors: largest shard "
-                        "(default 2GiB; 5GB is 5 x 10^9 bytes)")
+    parser.add_argument("--shard-size", metavar="SIZE", help="the largest shard: a "
+                        "checkpoint's (default 2GiB; 5GB is 5 x 10^9 bytes), or a GGUF split "
+                        "as gguf-split writes it (OUT's stem -00001-of-0000N.gguf...; "
+                        "default: one file)")
     parser.add_argument("--quant", choices=QUANTS, help="safetensors: fp8 (a Qwen3-MoE "
                         "checkpoint, every *_proj.weight F8_E4M3 with F32 weight_scale_inv "
                         "blocks), mxfp4 (gpt-oss: experts fused as E2M1 blocks with E8M0 "

@@ -44,10 +44,11 @@ from typing import Any
 import numpy as np
 import torch  # type: ignore[import-not-found, unused-ignore]
 import transformers  # type: ignore[import-not-found, unused-ignore]
-from gguf import GGUFReader
+from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
 
 import moestream
 from moestream.pipeline.foundation.errors import ModelFileError, UsageError
+from moestream.pipeline.foundation.gguf_split import split_of
 from moestream.transformers._arguments import first_line
 from moestream.transformers._gguf_ds4 import ds4_dense_tensors
 from moestream.transformers._gguf_ds4_config import ARCHITECTURE as DS4
@@ -137,12 +138,47 @@ def _pinned(session: moestream.SyncSession) -> Iterator[tuple[Path, GGUFReader]]
         with open(copy, "xb") as out:
             out.write(header)
             out.truncate(max(session.model.file_bytes, len(header)))
-        try:
-            reader = GGUFReader(copy)
-        except (ValueError, IndexError, KeyError, OverflowError, TypeError, struct.error,
-                OSError) as exc:  # what gguf's reader raises on a malformed header
-            raise ModelFileError(path, f"gguf cannot read it: {first_line(exc)}") from exc
+        reader = _read_copy(path, copy)
+        if split_of(path, reader) is not None:
+            _whole_header(copy, reader, session)
+            reader = _read_copy(path, copy)
         yield private, reader
+
+
+def _read_copy(path: Path, copy: Path) -> GGUFReader:
+    try:
+        return GGUFReader(copy)
+    except (ValueError, IndexError, KeyError, OverflowError, TypeError, struct.error,
+            OSError) as exc:  # what gguf's reader raises on a malformed header
+        raise ModelFileError(path, f"gguf cannot read it: {first_line(exc)}") from exc
+
+
+def _whole_header(copy: Path, first: GGUFReader, session: moestream.SyncSession) -> None:
+    """Rewrite ``copy``, the first shard's header of a split model, as one file's header:
+    its metadata (the split's keys left out) and its tensors, then the dense tensors the
+    other shards hold, as the session's table has them. transformers reads a config from
+    the tensor table too (no ``output.weight``: tied embeddings) and reads no split file."""
+    writer = GGUFWriter(copy, "")
+    writer.kv_data[0].clear()
+    for name, field in first.fields.items():
+        if not name.startswith(("GGUF.", "split.")):
+            sub = field.types[1] if len(field.types) > 1 else None
+            writer.add_key_value(name, field.contents(), field.types[0], sub_type=sub)
+    listed = set()
+    for t in first.tensors:
+        listed.add(t.name)
+        writer.add_tensor_info(t.name, [int(n) for n in reversed(t.shape)], np.dtype(np.float32),
+                               int(t.n_bytes), raw_dtype=t.tensor_type)
+    for spec in session.model.tensors.values():
+        if spec.name not in listed:
+            writer.add_tensor_info(spec.name, spec.shape, np.dtype(np.float32), spec.nbytes,
+                                   raw_dtype=GGMLQuantizationType[spec.dtype])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    writer.close()
+    with open(copy, "r+b") as out:  # the tensor data a hole, as in the first shard's copy
+        out.truncate(out.seek(0, 2) + session.model.file_bytes)
 
 
 def _check_same(path: Path, reader: GGUFReader, session: moestream.SyncSession) -> None:

@@ -54,6 +54,7 @@ from moestream.pipeline.foundation.files import (
     open_identified,
 )
 from moestream.pipeline.foundation.gguf_header import SCALAR_BYTES, check_magic, walk_header
+from moestream.pipeline.foundation.gguf_split import check_shards, shard_paths, split_of
 from moestream.pipeline.foundation.safetensors_table import open_checkpoint
 
 __all__ = ["ByteRange", "ExpertKey", "ExpertSlices", "ExpertTable", "MoeLayer", "TensorInfo",
@@ -151,25 +152,49 @@ def open_table(path: str | os.PathLike[str]) -> ExpertTable:
 
 
 def open_gguf_table(path: Path) -> ExpertTable:
-    """Open ``path`` with gguf's reader, validate it, and build its expert table.
+    """Open ``path`` with gguf's reader, validate it, and build its expert table. A shard of
+    a split model (``NAME-0000K-of-0000N.gguf``) opens the whole split, its shards laid end
+    to end in the model's address space (``pipeline.foundation.gguf_split``).
 
     Raises:
-        ModelFileError: the path is missing, a directory or unreadable; its subclasses
-            NotGGUFError, TruncatedFileError and ExpertLayoutError name the file's problem.
+        ModelFileError: the path (or a shard of its split) is missing, a directory or
+            unreadable; its subclasses NotGGUFError, TruncatedFileError and
+            ExpertLayoutError name the file's problem.
     """
-    fd, identity = open_identified(path, "GGUF file")
+    fds: list[int] = []
     try:
-        file = lay_out([(path, identity)])[0]
-        return _gguf_table(path, file, _open_reader(path, fd, file))
+        fd, identity = open_identified(path, "GGUF file")
+        fds.append(fd)
+        reader = _open_reader(path, fd, lay_out([(path, identity)])[0])
+        split = split_of(path, reader)
+        if split is None:
+            return _gguf_table(path, lay_out([(path, identity)]), [reader])
+        paths = shard_paths(path, *split)
+        opened = {path: (fd, identity)}
+        for shard in paths:
+            if shard not in opened:
+                opened[shard] = open_identified(shard, "GGUF shard")
+                fds.append(opened[shard][0])
+        files = lay_out([(shard, opened[shard][1]) for shard in paths])
+        readers = [reader if f.path == path else _open_reader(f.path, opened[f.path][0], f)
+                   for f in files]
+        check_shards(paths, readers)
+        return _gguf_table(paths[0], files, readers)
     finally:
-        os.close(fd)
+        for fd in fds:
+            os.close(fd)
 
 
-def _gguf_table(path: Path, file: ModelFile, reader: GGUFReader) -> ExpertTable:
-    """The table of a parsed GGUF file."""
-    by_layer, non_routed, routers, n_blocks = _sort_tensors(path, reader)
+def _gguf_table(path: Path, files: tuple[ModelFile, ...],
+                readers: list[GGUFReader]) -> ExpertTable:
+    """The table of a parsed GGUF model: one file, or a split's shards (the first holds the
+    metadata)."""
+    placed = [t._replace(data_offset=f.base + int(t.data_offset))
+              for f, r in zip(files, readers, strict=True) for t in r.tensors]
+    by_layer, non_routed, routers, n_blocks = _sort_tensors(path, placed)
     if not by_layer:
         raise ExpertLayoutError(path, "no routed expert tensors (blk.N.ffn_*_exps.weight)")
+    reader = readers[0]
 
     layers: dict[int, MoeLayer] = {}
     for index in sorted(by_layer):
@@ -189,7 +214,7 @@ def _gguf_table(path: Path, file: ModelFile, reader: GGUFReader) -> ExpertTable:
                                       f"blocks 0..{n_blocks - 1}")
     return ExpertTable(
         path=path,
-        file_bytes=file.nbytes,
+        file_bytes=files[-1].end,
         n_layers=n_blocks,
         layers=layers,
         top_k=top_k,
@@ -197,12 +222,12 @@ def _gguf_table(path: Path, file: ModelFile, reader: GGUFReader) -> ExpertTable:
         hidden=hiddens.pop(),
         non_routed=tuple(non_routed),
         digests=_read_digests(path, reader, len(layers), n_experts),
-        files=(file,),
+        files=files,
         header_bytes=int(reader.data_offset),
     )
 
 
-def _sort_tensors(path: Path, reader: GGUFReader) -> tuple[
+def _sort_tensors(path: Path, tensors: list[ReaderTensor]) -> tuple[
         dict[int, dict[str, ReaderTensor]], list[TensorInfo], dict[int, TensorInfo], int]:
     """The tensors by kind: routed ones by layer and part (gate, up, down, gate_up), the
     non-routed ones, routers by layer; and how many blocks the tensors name."""
@@ -210,7 +235,11 @@ def _sort_tensors(path: Path, reader: GGUFReader) -> tuple[
     non_routed: list[TensorInfo] = []
     routers: dict[int, TensorInfo] = {}
     n_blocks = 0
-    for t in reader.tensors:
+    names: set[str] = set()
+    for t in tensors:
+        if t.name in names:  # two shards of a split
+            raise ExpertLayoutError(path, f"tensor {_one_line(t.name, 80)!r} is stored twice")
+        names.add(t.name)
         # The header walk has checked that every tensor's data lies inside the file.
         info = TensorInfo(t.name, t.tensor_type.name, int(t.data_offset), int(t.n_bytes),
                           tuple(int(n) for n in reversed(t.shape)))

@@ -45,6 +45,7 @@ import numpy as np
 import numpy.typing as npt
 import structlog
 from gguf import GGUFReader, GGUFValueType, GGUFWriter
+from gguf.constants import Keys
 from tqdm import tqdm
 
 from moestream.pipeline.foundation.cachedir import (
@@ -54,6 +55,7 @@ from moestream.pipeline.foundation.cachedir import (
     trusted_cache_dir,
 )
 from moestream.pipeline.foundation.errors import ModelFileError
+from moestream.pipeline.foundation.gguf_split import shard_name
 from moestream.pipeline.foundation.outputs import atomic_path, check_output_dir, write_atomic
 from moestream.pipeline.makers.ds4layout import ds4_metadata
 from moestream.pipeline.makers.modeldata import PlannedTensor, generated_pieces, plan_tensors
@@ -75,7 +77,7 @@ def _pad(fout: BinaryIO, alignment: int) -> None:
 
 
 def write_model(spec: ModelSpec, path: Path, *, progress: bool = False,
-                record_digests: bool = True) -> Path:
+                record_digests: bool = True, shard_bytes: int = 0) -> Path:
     """Write ``spec`` as a GGUF file at ``path`` atomically and return ``path``.
 
     Args:
@@ -85,6 +87,10 @@ def write_model(spec: ModelSpec, path: Path, *, progress: bool = False,
         progress: show a tqdm bar of bytes written on stderr.
         record_digests: write the ``moestream.*`` metadata (preset, seed, hash-routed layer
             count, expert digests); False writes none, as real model files come.
+        shard_bytes: split the model into shards of at most this many tensor bytes (a
+            tensor larger than that alone), named and keyed as gguf-py's writer splits
+            (``STEM-00001-of-0000N.gguf`` beside ``path``; the first holds the metadata);
+            the first shard's path is returned. 0, or a model that fits one: one file.
 
     Raises:
         OutputError: ``path`` cannot take a file (a directory, a device, a FIFO; its
@@ -92,44 +98,81 @@ def write_model(spec: ModelSpec, path: Path, *, progress: bool = False,
         ModelFileError: the file could not be written (the message names the OS error).
     """
     path = Path(path)
-    tensors = plan_tensors(spec)
+    shards = _shards(plan_tensors(spec), shard_bytes)
+    paths = [path] if len(shards) == 1 else [
+        path.with_name(shard_name(path.stem, i + 1, len(shards))) for i in range(len(shards))]
     n_digests = len(spec.moe_layers) * spec.n_experts * 3 if record_digests else 0
-    total = sum(p.nbytes for t in tensors for p in t.pieces)
-    # atomic_path checks the target (a FIFO, a device or a directory is refused), follows a
-    # link to its file, and renames the finished file over it
-    with atomic_path(path) as tmp:
-        writer = GGUFWriter(tmp, spec.arch)
-        started = time.perf_counter()
+    total = sum(p.nbytes for shard in shards for t in shard for p in t.pieces)
+    started = time.perf_counter()
+    with contextlib.ExitStack() as stack:
+        # atomic_path checks each target (a FIFO, a device or a directory is refused),
+        # follows a link to its file, and renames each finished file over it
+        tmps = [stack.enter_context(atomic_path(p)) for p in paths]
         try:
-            _add_metadata(writer, spec, n_digests if record_digests else None)
-            for t in tensors:
-                writer.add_tensor_info(t.name, t.shape, np.dtype(np.float32),
-                                       sum(p.nbytes for p in t.pieces), raw_dtype=t.qtype)
-            writer.write_header_to_file(tmp)
-            writer.write_kv_data_to_file()
-            assert writer.fout is not None
-            fout: BinaryIO = writer.fout[0]
-            digests_at = fout.tell() - 8 * n_digests
-            writer.write_ti_data_to_file()
+            outs = []
+            for i, (tmp, shard) in enumerate(zip(tmps, shards, strict=True)):
+                writer = GGUFWriter(tmp, spec.arch)
+                stack.callback(writer.close)  # before its file's rename
+                outs.append(_write_head(writer, spec, shard, i, len(shards),
+                                        sum(map(len, shards)),
+                                        n_digests if record_digests else None))
             with tqdm(total=total, unit="B", unit_scale=True, disable=not progress,
                       desc=path.name) as bar:
-                digests = _write_data(fout, writer.data_alignment, tensors, n_digests,
-                                      record_digests, bar)
+                digests = _write_data([f for f, _ in outs], writer.data_alignment, shards,
+                                      n_digests, record_digests, bar)
             if record_digests:
-                fout.seek(digests_at)
-                fout.write(digests.tobytes())
-            fout.flush()
-            os.fsync(fout.fileno())
-            writer.close()
+                outs[0][0].seek(outs[0][1])
+                outs[0][0].write(digests.tobytes())
+            for fout, _ in outs:
+                fout.flush()
+                os.fsync(fout.fileno())
         except OSError as exc:
             raise ModelFileError(path, f"cannot write model: {exc}") from exc
-        finally:
-            writer.close()
     seconds = time.perf_counter() - started
-    log.info("make_model.written", path=str(path), preset=spec.preset, layers=spec.n_layers,
-             experts=spec.n_experts, bytes=total, seconds=round(seconds, 3),
-             mb_per_s=round(total / 1e6 / max(seconds, 1e-9), 1))
-    return path
+    log.info("make_model.written", path=str(paths[0]), preset=spec.preset,
+             layers=spec.n_layers, experts=spec.n_experts, shards=len(shards), bytes=total,
+             seconds=round(seconds, 3), mb_per_s=round(total / 1e6 / max(seconds, 1e-9), 1))
+    return paths[0]
+
+
+def _shards(tensors: list[PlannedTensor], shard_bytes: int) -> list[list[PlannedTensor]]:
+    """The tensors in file order, cut as gguf-py's writer cuts a split: a new shard when the
+    next tensor would take this one past ``shard_bytes`` (0: never)."""
+    shards: list[list[PlannedTensor]] = [[]]
+    held = 0
+    for t in tensors:
+        nbytes = sum(p.nbytes for p in t.pieces)
+        if shard_bytes and shards[-1] and held + nbytes > shard_bytes:
+            shards.append([])
+            held = 0
+        shards[-1].append(t)
+        held += nbytes
+    return shards
+
+
+def _write_head(writer: GGUFWriter, spec: ModelSpec, tensors: Sequence[PlannedTensor], no: int,
+                count: int, n_tensors: int, n_digests: int | None) -> tuple[BinaryIO, int]:
+    """Shard ``no`` of ``count``'s header (``n_tensors`` in all shards): its KV (the model's
+    in the first shard only, as gguf-py splits; the split's keys when there are several) and
+    its tensors' infos. Returns its open file and where the digests' placeholder starts."""
+    if no:
+        writer.kv_data[0].clear()
+    if count > 1:
+        writer.add_uint16(Keys.Split.LLM_KV_SPLIT_NO, no)
+        writer.add_uint16(Keys.Split.LLM_KV_SPLIT_COUNT, count)
+        writer.add_int32(Keys.Split.LLM_KV_SPLIT_TENSORS_COUNT, n_tensors)
+    if not no:
+        _add_metadata(writer, spec, n_digests)
+    for t in tensors:
+        writer.add_tensor_info(t.name, t.shape, np.dtype(np.float32),
+                               sum(p.nbytes for p in t.pieces), raw_dtype=t.qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    assert writer.fout is not None
+    fout: BinaryIO = writer.fout[0]
+    digests_at = fout.tell() - 8 * (n_digests or 0)
+    writer.write_ti_data_to_file()
+    return fout, digests_at
 
 
 def _add_metadata(writer: GGUFWriter, spec: ModelSpec, n_digests: int | None) -> None:
@@ -164,23 +207,26 @@ def _arch_metadata(writer: GGUFWriter, spec: ModelSpec) -> None:
     writer.add_vocab_size(spec.vocab)
 
 
-def _write_data(fout: BinaryIO, alignment: int, tensors: Sequence[PlannedTensor], n_digests: int,
-                record: bool, bar: tqdm[None]) -> npt.NDArray[np.uint64]:
-    """Every tensor's data in file order, each padded to ``alignment``; returns the
-    ``n_digests`` expert digests made on the way (with ``record``)."""
+def _write_data(fouts: Sequence[BinaryIO], alignment: int,
+                shards: Sequence[Sequence[PlannedTensor]], n_digests: int, record: bool,
+                bar: tqdm[None]) -> npt.NDArray[np.uint64]:
+    """Every tensor's data in file order, each padded to ``alignment``, shard by shard;
+    returns the ``n_digests`` expert digests made on the way (with ``record``)."""
     digests = np.zeros(n_digests, dtype="<u8")
-    pieces = [p for t in tensors for p in t.pieces]
-    starts = {id(t.pieces[0]) for t in tensors}
+    pieces = [(fout, p) for fout, shard in zip(fouts, shards, strict=True)
+              for t in shard for p in t.pieces]
+    starts = {id(t.pieces[0]) for shard in shards for t in shard}
     workers = min(32, len(os.sched_getaffinity(0)))
-    with contextlib.closing(generated_pieces(pieces, workers, record)) as stream:
-        for piece, (data, digest) in zip(pieces, stream, strict=True):
+    with contextlib.closing(generated_pieces([p for _, p in pieces], workers, record)) as stream:
+        for (fout, piece), (data, digest) in zip(pieces, stream, strict=True):
             if id(piece) in starts:
                 _pad(fout, alignment)
             fout.write(data.data)
             if digest is not None and piece.digest_index is not None:
                 digests[piece.digest_index] = digest
             bar.update(piece.nbytes)
-    _pad(fout, alignment)
+    for fout in fouts:
+        _pad(fout, alignment)
     return digests
 
 

@@ -157,8 +157,8 @@ class _Gguf:
     """A GGUF file being written, and gguf's float32 dequantization of every tensor by
     its model name (the reference checkpoint)."""
 
-    def __init__(self, path: Path, arch: str) -> None:
-        self.writer = GGUFWriter(path, arch)
+    def __init__(self, path: Path, arch: str, split_max_tensors: int = 0) -> None:
+        self.writer = GGUFWriter(path, arch, split_max_tensors=split_max_tensors)
         self.path = path
         self.values: dict[str, np.ndarray] = {}
 
@@ -175,18 +175,20 @@ class _Gguf:
         self.writer.write_kv_data_to_file()
         self.writer.write_tensors_to_file()
         self.writer.close()
+        self.path = self.writer.format_shard_names(self.path)[0]  # a split's first shard
         return self.path
 
 
 def _convert(checkpoint: Path, path: Path, arch: str, types: list[tuple[Q, Q]],
-             dense: Q = Q.F16) -> _Gguf:
+             dense: Q = Q.F16, split_max_tensors: int = 0) -> _Gguf:
     """``checkpoint`` (a save_pretrained directory) as llama.cpp converts it: gguf's tensor
-    names, 1-D tensors F32, other dense ``dense``, layer ``i``'s experts ``types[i]``."""
+    names, 1-D tensors F32, other dense ``dense``, layer ``i``'s experts ``types[i]``; split
+    into shards of ``split_max_tensors`` tensors by gguf's writer when given."""
     model = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
     config = model.config
     names = gguf.get_tensor_name_map(
         next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch), config.num_hidden_layers)
-    out = _Gguf(path, arch)
+    out = _Gguf(path, arch, split_max_tensors)
     _metadata(out.writer, config, arch)
     state = {k: v.numpy() for k, v in model.state_dict().items()}
     for name, value in state.items():
@@ -232,10 +234,11 @@ def _saved(kind: str, where: Path, **overrides: Any) -> Path:
 
 
 def _gguf(root: Path, kind: str, types: list[tuple[Q, Q]], name: str = "model.gguf",
-          **overrides: Any) -> _Gguf:
+          split_max_tensors: int = 0, **overrides: Any) -> _Gguf:
     checkpoint = _saved(kind, root / f"{kind}-checkpoint", **overrides)
     return _convert(checkpoint, root / name, ARCH[kind], types,
-                    dense=Q.Q8_0 if kind == "qwen3_moe" else Q.F16)
+                    dense=Q.Q8_0 if kind == "qwen3_moe" else Q.F16,
+                    split_max_tensors=split_max_tensors)
 
 
 @pytest.fixture(scope="module")
@@ -301,6 +304,24 @@ class TestExact:
         GGUFWriter's offsets) or from the page cache."""
         path = files["more"].path
         assert_streams_like(_transformers(path, "eager"), path, "eager", mode=mode)
+
+    @pytest.mark.parametrize("split_max_tensors", [1, 7])
+    def test_split_file(self, files: dict[str, _Gguf], tmp_path: Path,
+                        split_max_tensors: int) -> None:
+        """The same file split into shards by gguf's writer (one tensor a shard; seven, so
+        a layer's experts lie in two), opened by any shard's name: tokens and logits equal
+        transformers' own loading of the whole file (transformers reads no split file)."""
+        whole = _transformers(files["qwen3_moe"].path, "eager")
+        split = _gguf(tmp_path, "qwen3_moe", EXPERT_TYPES["qwen3_moe"],
+                      split_max_tensors=split_max_tensors).path
+        shards = sorted(split.parent.glob("model-*-of-*.gguf"))
+        assert split == shards[0] and len(shards) > 2
+        assert_streams_like(whole, shards[1], "eager")
+        with mt.from_pretrained(shards[-1], device="cpu") as model:
+            assert model.moestream.session.model.path == split
+            assert mt.tokenizer(model)("hello world")["input_ids"] == \
+                transformers.AutoTokenizer.from_pretrained(
+                    split.parent, gguf_file=split.name)("hello world")["input_ids"]
 
     def test_reference_is_gguf_dequantization(self, files: dict[str, _Gguf]) -> None:
         """transformers' GGUF model is gguf's dequantization of the file, expert by expert:
