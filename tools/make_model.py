@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import glob
 import sys
 import time
 from collections.abc import Sequence
@@ -59,8 +60,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             if getattr(args, option) not in (None, False):
                 raise UsageError(f"--{option.replace('_', '-')} is for --format safetensors")
         check_output(args.out, what="OUT")  # a directory, device or FIFO: refused, --force or not
-        if args.out.exists() and not args.force:
-            raise UsageError(f"{args.out} exists (use --force to replace it)")
+        made = [args.out] + (sorted(args.out.parent.glob(f"{glob.escape(args.out.stem)}-*-of-"
+                                                        "*.gguf")) if args.shard_size else [])
+        if any(path.exists() for path in made) and not args.force:
+            raise UsageError(f"{next(p for p in made if p.exists())} exists (use --force to "
+                             "replace it)")
         spec = spec_for(args.preset, args.layers, args.experts, args.seed,
                         fused_gate_up=args.fused_gate_up, ds4_shape=args.ds4_shape)
         started = time.perf_counter()

@@ -96,6 +96,8 @@ class TestMadeSplits:
         out = capsys.readouterr().out
         assert out.startswith(f"{tmp_path / shard_name('t', 1, 4)}: tiny") and "4 shards" in out
         assert len(_shards(tmp_path / shard_name("t", 1, 4))) == 4
+        assert make_model([str(tmp_path / "t.gguf"), "--shard-size", "40MiB"]) == 2
+        assert "t-00001-of-00004.gguf exists (use --force" in capsys.readouterr().err
 
 
 def _split(tmp_path: Path, name: str = "m", layers: int = 3, per_shard: int = 3) -> list[Path]:

@@ -331,6 +331,15 @@ class TestTokens:
         whole = _runs_or_skip(_reference(checkpoint, implementation, dtype), "cpu")
         assert_streams_like(whole, ds4_file, compute, dtype=dtype)
 
+    def test_split_file(self, checkpoint: Path, tmp_path: Path) -> None:
+        """The same model written split (make_model --shard-size, as gguf-split writes
+        one; metadata in the first shard only), opened by its second shard's name."""
+        first = write_model(SPEC, tmp_path / "ds4.gguf", shard_bytes=1)  # a tensor a shard
+        shards = sorted(tmp_path.glob("ds4-*-of-*.gguf"))
+        assert first == shards[0] and len(shards) > 3
+        whole = _runs_or_skip(_reference(checkpoint), "cpu")
+        assert_streams_like(whole, shards[1], "eager")
+
     @pytest.mark.gpu
     @pytest.mark.skipif(not torch.cuda.is_available(), reason="torch sees no CUDA device")
     @ARITHMETICS
