@@ -13,6 +13,8 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+import structlog
+
 from moestream.gpu.backend import Backend, Event, Kernels
 from moestream.gpu.cache.store import DeviceCache, Entry
 from moestream.pipeline.foundation.config import StreamConfig
@@ -24,22 +26,57 @@ from moestream.pipeline.streaming.loads import LayerLoad, MappedCopies
 from moestream.stages.mapping import ModelMapping
 from moestream.stages.upload import gather_rows
 
-__all__ = ["GATHER_BELOW_BYTES", "RegisteredLayers"]
+__all__ = ["GATHER_BELOW_BYTES", "TRIAL_LAYERS", "PathTrial", "RegisteredLayers"]
+
+_log = structlog.get_logger(__name__)
 
 
 GATHER_BELOW_BYTES = 2 << 20
-"""Resident misses go through the gather kernel when an expert's matrices average under
-2 MiB, and through the copy engines otherwise. Below that size a layer holds many misses
+"""Resident misses may go through the gather kernel when an expert's matrices average under
+2 MiB, and go through the copy engines otherwise. Below that size a layer holds many misses
 and the host's work per miss bounds the rate: one gather launch copies and digests a whole
 layer, where the copy engines take a batched copy and a digest launch, and the gather
-measured faster there; from 2 MiB up the copy engines match or beat it and leave the SMs
-to the engine. The H200 measurements behind the line: ``bench/results/gather-below-bytes.md``."""
+measured faster there on H200s; from 2 MiB up the copy engines match or beat it and leave
+the SMs to the engine. The H200 measurements behind the line:
+``bench/results/gather-below-bytes.md``. Which of the two is faster below it depends on the
+machine (an H100's gather read host memory at 27-34 GB/s against the H200s' 48-50,
+``bench/results/gpu-h100-ef5a4ae/``), so there the first layers try both (``PathTrial``)."""
+
+TRIAL_LAYERS = 4
+"""Layers whose misses go both ways while the choice is open: the first untimed (the
+gather's first launch loads its module), the others timed."""
 
 
 def _small_ranges(table: ExpertTable) -> bool:
     """Whether the model's experts are made of matrices small enough for the gather."""
     ranges = table.slices((table.moe_layers[0], 0)).ranges
     return sum(r.nbytes for r in ranges) / len(ranges) < GATHER_BELOW_BYTES
+
+
+class PathTrial:
+    """The choice between the gather kernel and the copy engines for a device's resident
+    misses, by measurement: each path's time for the same layers, from queueing a layer to
+    its last copy done on the device (the host's work and the device's copies both count,
+    as they do in decode)."""
+
+    def __init__(self, layers: int = TRIAL_LAYERS) -> None:
+        self.layers = layers
+        self.seen = 0
+        self.gather_s = 0.0
+        self.copy_s = 0.0
+        self.nbytes = 0
+
+    def add(self, gather_s: float, copy_s: float, nbytes: int) -> bool | None:
+        """One layer's times (the first layer's are not counted); the choice once the trial
+        is over (True: the gather), else None."""
+        self.seen += 1
+        if self.seen > 1:
+            self.gather_s += gather_s
+            self.copy_s += copy_s
+            self.nbytes += nbytes
+        if self.seen < self.layers:
+            return None
+        return self.gather_s < self.copy_s
 
 
 class RegisteredLayers(ExpertJobs):
@@ -64,6 +101,11 @@ class RegisteredLayers(ExpertJobs):
         self._copies: dict[tuple[int, int], MappedCopies] = {}
         self._copies_of: ModelMapping | None = None
         self._gathers = config.gather and backend.maps_host and _small_ranges(table)
+        # both serve: the first layers tell which is faster here (not on the host backend,
+        # whose "device" copies are memcpy either way, nor under injected faults, which
+        # two paths would hit twice)
+        self._trial = (PathTrial() if self._gathers and backend.name != "host"
+                       and faults is None else None)
 
     def _registered_copies(self, misses: Sequence[Entry]) -> list[MappedCopies] | None:
         """Every miss's copies from the registered mapping, or None unless all of them can
@@ -86,15 +128,15 @@ class RegisteredLayers(ExpertJobs):
                     return None
                 # only what this streamer's path reads: the gather's copies, or the copy
                 # engines' pieces and their digest's ranges
-                if self._gathers:
-                    copies = MappedCopies(gather_rows(
-                        [(s.device_offset, mapping.address(s.file_offset), s.nbytes)
-                         for s in ranges]), [], [])
-                else:
-                    copies = MappedCopies(
-                        [], [(s.device_offset + at, mapping.address(s.file_offset + at), n)
-                         for s in ranges for at, n in mapping.spans(s.file_offset, s.nbytes)],
-                        [(s.device_offset, s.nbytes) for s in ranges])
+                # (both while the trial lasts)
+                spans = self._trial is not None or not self._gathers
+                copies = MappedCopies(
+                    gather_rows([(s.device_offset, mapping.address(s.file_offset), s.nbytes)
+                                 for s in ranges]) if self._gathers else [],
+                    [(s.device_offset + at, mapping.address(s.file_offset + at), n)
+                     for s in ranges for at, n in mapping.spans(s.file_offset, s.nbytes)]
+                    if spans else [],
+                    [(s.device_offset, s.nbytes) for s in ranges] if spans else [])
                 self._copies[entry.key] = copies
             out.append(copies)
         return out
@@ -151,8 +193,11 @@ class RegisteredLayers(ExpertJobs):
             if digests is not None:
                 rows = [digests.reserve(entry.key) for entry in misses]
             with self._backend.activate():  # CUDA's current device, once for the layer
-                events = (self._gather(misses, mapped, rows) if self._gathers
-                          else self._copy(misses, mapped, rows))
+                if self._trial is not None:
+                    events = self._tried(misses, mapped, rows)
+                else:
+                    events = (self._gather(misses, mapped, rows) if self._gathers
+                              else self._copy(misses, mapped, rows))
             phases.mark("upload", time.perf_counter())  # queued: the device copy shows
             load.launched += len(misses)                 # where decode waits
             for i, (entry, event) in enumerate(zip(misses, events, strict=True)):
@@ -176,6 +221,35 @@ class RegisteredLayers(ExpertJobs):
             self._add_time("upload_ms", t0)
             assert self._loop is not None
             self._loop.call_soon(self._deliver_layer, load, outcomes)
+
+    def _tried(self, misses: Sequence[Entry], mapped: Sequence[MappedCopies],
+               rows: Sequence[tuple[Any, int]]) -> list[Event | Exception]:
+        """While the trial lasts: the layer by both paths, each waited for, in turns which
+        goes first (the same bytes to the same buffers; the layer's events are the second
+        path's). Blocks the loop for both: a few layers, once a device. Once the trial is
+        over, the faster path serves alone."""
+        trial = self._trial
+        assert trial is not None
+        paths = [self._gather, self._copy]
+        if trial.seen % 2:
+            paths.reverse()
+        seconds = []
+        for path in paths:
+            t0 = time.perf_counter()
+            events = path(misses, mapped, rows)
+            _wait(events)
+            seconds.append(time.perf_counter() - t0)
+        if trial.seen % 2:
+            seconds.reverse()
+        gathers = trial.add(seconds[0], seconds[1], sum(entry.nbytes for entry in misses))
+        if gathers is not None:
+            self._gathers, self._trial = gathers, None
+            self._copies.clear()  # cut again for the chosen path alone
+            _log.info("registered_path_chosen", path="gather" if gathers else "copy_engines",
+                      device=self._backend.device_name,
+                      gather_gbps=round(trial.nbytes / max(trial.gather_s, 1e-9) / 1e9, 2),
+                      copy_gbps=round(trial.nbytes / max(trial.copy_s, 1e-9) / 1e9, 2))
+        return events
 
     def _gather(self, misses: Sequence[Entry], mapped: Sequence[MappedCopies],
                 rows: Sequence[tuple[Any, int]]) -> list[Event | Exception]:
@@ -217,3 +291,9 @@ class RegisteredLayers(ExpertJobs):
             if loaded is not None and not loaded.done():
                 loaded.set_result(None)  # a later layer's lookup may wait on it
         self._delivered(load, len(outcomes))
+
+
+def _wait(events: Sequence[Event | Exception]) -> None:
+    """Until each queued copy of a layer has run (its failures are the caller's)."""
+    for event in {id(e): e for e in events if not isinstance(e, Exception)}.values():
+        event.synchronize()

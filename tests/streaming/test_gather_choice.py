@@ -25,7 +25,12 @@ from moestream.pipeline.foundation.errors import UsageError
 from moestream.pipeline.foundation.table import open_table
 from moestream.pipeline.makers.modelgen import spec_for, write_model
 from moestream.pipeline.proxy.config import RunConfig
-from moestream.pipeline.streaming.registered import GATHER_BELOW_BYTES, _small_ranges
+from moestream.pipeline.streaming.registered import (
+    GATHER_BELOW_BYTES,
+    TRIAL_LAYERS,
+    PathTrial,
+    _small_ranges,
+)
 from moestream.pipeline.streaming.streamer import ExpertStreamer
 
 
@@ -40,11 +45,11 @@ def test_small_matrices_gather_large_ones_copy(tiny_model: Path, tmp_path: Path)
     assert not _small_ranges(big)
 
 
-@pytest.mark.parametrize("gather", [True, False])
-def test_small_experts_gather_unless_told(tiny_model: Path, gather: bool,
-                                          monkeypatch: pytest.MonkeyPatch) -> None:
-    """Small matrices (the tiny preset's 256 KiB) go through one gather launch a layer;
-    with ``gather=False`` a layer is one batched copy on the copy engines."""
+def _paths_taken(tiny_model: Path, monkeypatch: pytest.MonkeyPatch, backend: Any,
+                 gather: bool = True, layers: int = 1) -> list[list[str]]:
+    """The uploader's calls for each of ``layers`` resident layer loads of two misses on
+    ``backend`` (registered copies, deferred: run when waited for), each load's experts
+    arrived without error."""
     import asyncio
 
     from moestream.gpu.cache.store import DeviceCache
@@ -52,14 +57,12 @@ def test_small_experts_gather_unless_told(tiny_model: Path, gather: bool,
     from moestream.stages.layout import plan_expert
     from moestream.stages.upload import Uploader
     from tests.streaming.test_pipeline import DeferredKernels
-    from tests.streaming.test_streamer import RegisteringDeferredBackend
 
     table = open_table(tiny_model)
-    backend = RegisteringDeferredBackend()
-    called: list[str] = []
+    called: list[list[str]] = []
 
     def spy(self: Uploader, name: str, real: Any, *args: Any) -> Any:
-        called.append(name)
+        called[-1].append(name)
         return real(self, *args)
 
     for name in ("gather", "upload_layer"):
@@ -76,17 +79,68 @@ def test_small_experts_gather_unless_told(tiny_model: Path, gather: bool,
                 pass
         try:
             await streamer.set_mode("resident")
-            load = streamer.start_layer(table.moe_layers[0], [0, 1])
-            for _ in range(load.pending):
-                assert load.arrived is not None
-                _, error = await load.arrived.get()
-                assert error is None
+            for i in range(layers):
+                called.append([])
+                layer = table.moe_layers[i % len(table.moe_layers)]
+                load = streamer.start_layer(layer, [2 * (i // len(table.moe_layers)),
+                                                    2 * (i // len(table.moe_layers)) + 1])
+                for _ in range(load.pending):
+                    assert load.arrived is not None
+                    _, error = await load.arrived.get()
+                    assert error is None
         finally:
             await streamer.aclose()
             cache.close()
 
     asyncio.run(go())
-    assert called == (["gather"] if gather else ["upload_layer"])
+    return called
+
+
+@pytest.mark.parametrize("gather", [True, False])
+def test_small_experts_gather_unless_told(tiny_model: Path, gather: bool,
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Small matrices (the tiny preset's 256 KiB) go through one gather launch a layer;
+    with ``gather=False`` a layer is one batched copy on the copy engines. The host
+    backend's copies are memcpy either way: no trial there."""
+    from tests.streaming.test_streamer import RegisteringDeferredBackend
+
+    called = _paths_taken(tiny_model, monkeypatch, RegisteringDeferredBackend(), gather)
+    assert called == [["gather"] if gather else ["upload_layer"]]
+
+
+def test_a_devices_first_layers_try_both(tiny_model: Path,
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a device (not the host stand-in) the first ``TRIAL_LAYERS`` layer loads go both
+    ways, in turns which first, each waited for; then the faster one alone, as the trial
+    logged it, and its copies cut again for it alone."""
+    import structlog
+
+    from tests.streaming.test_streamer import RegisteringDeferredBackend
+
+    class Device(RegisteringDeferredBackend):
+        name = "device"
+
+    with structlog.testing.capture_logs() as logs:
+        called = _paths_taken(tiny_model, monkeypatch, Device(), layers=TRIAL_LAYERS + 3)
+    both = [["gather", "upload_layer"], ["upload_layer", "gather"]]
+    assert called[:TRIAL_LAYERS] == [both[i % 2] for i in range(TRIAL_LAYERS)]
+    chosen = [e for e in logs if e["event"] == "registered_path_chosen"]
+    assert len(chosen) == 1 and chosen[0]["gather_gbps"] > 0 and chosen[0]["copy_gbps"] > 0
+    alone = "gather" if chosen[0]["path"] == "gather" else "upload_layer"
+    assert called[TRIAL_LAYERS:] == [[alone]] * 3
+
+
+def test_the_trial_picks_the_faster() -> None:
+    """The first layer's times are not counted (the gather's module loads then); the
+    choice comes with the last layer of the trial."""
+    trial = PathTrial(layers=3)
+    assert trial.add(9.0, 1.0, 100) is None  # not counted
+    assert trial.add(1.0, 2.0, 100) is None
+    assert trial.add(1.0, 2.0, 100) is True
+    assert (trial.gather_s, trial.copy_s, trial.nbytes) == (2.0, 4.0, 200)
+    slower = PathTrial(layers=2)
+    slower.add(0.0, 5.0, 1)
+    assert slower.add(3.0, 2.0, 1) is False
 
 
 def test_gather_blocks_checked_everywhere(tiny_model: Path) -> None:
