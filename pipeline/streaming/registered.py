@@ -42,9 +42,9 @@ the SMs to the engine. The H200 measurements behind the line:
 machine (an H100's gather read host memory at 27-34 GB/s against the H200s' 48-50,
 ``bench/results/gpu-h100-ef5a4ae/``), so there the first layers try both (``PathTrial``)."""
 
-TRIAL_LAYERS = 4
+TRIAL_LAYERS = 5
 """Layers whose misses go both ways while the choice is open: the first untimed (the
-gather's first launch loads its module), the others timed."""
+gather's first launch loads its module), the other four timed, each path first in two."""
 
 
 def _small_ranges(table: ExpertTable) -> bool:
@@ -230,6 +230,8 @@ class RegisteredLayers(ExpertJobs):
         over, the faster path serves alone."""
         trial = self._trial
         assert trial is not None
+        # neither path's time includes the compute still reading the buffers they reuse
+        _wait([entry.reuse_after for entry in misses if entry.reuse_after is not None])
         paths = [self._gather, self._copy]
         if trial.seen % 2:
             paths.reverse()
