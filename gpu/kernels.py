@@ -75,7 +75,7 @@ class HostKernels:
 
     def _digest(self, data: npt.NDArray[np.uint8], results: npt.NDArray[np.uint64],
                 row: int) -> None:
-        # sets the row: digest3's and gather's rows are fresh (each reserved once)
+        # adds to the row, as the CUDA kernels' atomics do (rows start at zero)
         tail = data.size % 4
         words = data[: data.size - tail].view("<u4").astype(np.uint64)
         weights = np.arange(1, words.size + 1, dtype=np.uint64)
@@ -85,8 +85,8 @@ class HostKernels:
             last = int.from_bytes(data[data.size - tail :].tobytes(), "little")
             s1 = s1 + np.uint64(last)
             s2 = s2 + np.uint64(last) * np.uint64(words.size + 1)
-        results[row, 0] = s1
-        results[row, 1] = s2
+        results[row, 0] += s1
+        results[row, 1] += s2
 
     def read_results(self, results: DeviceArray, n: int) -> npt.NDArray[np.uint64]:
         return mix_digests(results[:n])

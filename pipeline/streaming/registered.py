@@ -225,22 +225,29 @@ class RegisteredLayers(ExpertJobs):
     def _tried(self, misses: Sequence[Entry], mapped: Sequence[MappedCopies],
                rows: Sequence[tuple[Any, int]]) -> list[Event | Exception]:
         """While the trial lasts: the layer by both paths, each waited for, in turns which
-        goes first (the same bytes to the same buffers; the layer's events are the second
-        path's). Blocks the loop for both: a few layers, once a device. Once the trial is
-        over, the faster path serves alone."""
+        goes first (the same bytes to the same buffers; the layer's events and digests are
+        the second path's: the first digests into rows of its own, dropped, since a digest
+        adds to its row). Blocks the loop for both: a few layers, once a device. Once the
+        trial is over, the faster path serves alone."""
         trial = self._trial
+        digests = self.digests
         assert trial is not None
         # neither path's time includes the compute still reading the buffers they reuse
         _wait([entry.reuse_after for entry in misses if entry.reuse_after is not None])
         paths = [self._gather, self._copy]
         if trial.seen % 2:
             paths.reverse()
+        spare = ([digests.reserve(entry.key) for entry in misses]
+                 if rows and digests is not None else [])
         seconds = []
-        for path in paths:
+        for path, its_rows in zip(paths, (spare, rows), strict=True):
             t0 = time.perf_counter()
-            events = path(misses, mapped, rows)
+            events = path(misses, mapped, its_rows)
             _wait(events)
             seconds.append(time.perf_counter() - t0)
+        for row in spare:
+            assert digests is not None
+            digests.drop(*row)
         if trial.seen % 2:
             seconds.reverse()
         gathers = trial.add(seconds[0], seconds[1], sum(entry.nbytes for entry in misses))

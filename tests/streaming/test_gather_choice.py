@@ -21,6 +21,7 @@ import pytest
 
 import moestream
 from moestream.gpu.kernels import GATHER_BLOCKS, HostKernels, make_kernels
+from moestream.pipeline.foundation.digest import digest_bytes
 from moestream.pipeline.foundation.errors import UsageError
 from moestream.pipeline.foundation.table import open_table
 from moestream.pipeline.makers.modelgen import spec_for, write_model
@@ -49,7 +50,7 @@ def _paths_taken(tiny_model: Path, monkeypatch: pytest.MonkeyPatch, backend: Any
                  gather: bool = True, layers: int = 1) -> list[list[str]]:
     """The uploader's calls for each of ``layers`` resident layer loads of two misses on
     ``backend`` (registered copies, deferred: run when waited for), each load's experts
-    arrived without error."""
+    arrived without error and their install digests those of the file's bytes."""
     import asyncio
 
     from moestream.gpu.cache.store import DeviceCache
@@ -88,6 +89,13 @@ def _paths_taken(tiny_model: Path, monkeypatch: pytest.MonkeyPatch, backend: Any
                     assert load.arrived is not None
                     _, error = await load.arrived.get()
                     assert error is None
+            assert streamer.digests is not None
+            made = streamer.digests.take(wait=True)
+            assert len(made.keys) == 2 * layers
+            for key, values in zip(made.keys, made.values, strict=True):
+                assert [int(v) for v in values] == [
+                    digest_bytes(table.read_bytes(r.offset, r.nbytes))
+                    for r in table.slices(key).ranges]
         finally:
             await streamer.aclose()
             cache.close()
