@@ -240,14 +240,16 @@ class RegisteredLayers(ExpertJobs):
         spare = ([digests.reserve(entry.key) for entry in misses]
                  if rows and digests is not None else [])
         seconds = []
-        for path, its_rows in zip(paths, (spare, rows), strict=True):
-            t0 = time.perf_counter()
-            events = path(misses, mapped, its_rows)
-            _wait(events)
-            seconds.append(time.perf_counter() - t0)
-        for row in spare:
-            assert digests is not None
-            digests.drop(*row)
+        try:
+            for path, its_rows in zip(paths, (spare, rows), strict=True):
+                t0 = time.perf_counter()
+                events = path(misses, mapped, its_rows)
+                _wait(events)
+                seconds.append(time.perf_counter() - t0)
+        finally:  # never left reserved: digests are taken in the order rows were reserved
+            for row in spare:
+                assert digests is not None
+                digests.drop(*row)
         if trial.seen % 2:
             seconds.reverse()
         gathers = trial.add(seconds[0], seconds[1], sum(entry.nbytes for entry in misses))
