@@ -154,9 +154,10 @@ class Session:
     def read_header(self) -> bytearray:
         """The bytes of a GGUF model's header (magic, metadata, tensor table: everything
         before its tensor data; of a split model, its first shard's, which holds the
-        metadata and lists that shard's tensors), read as ``read_tensor`` reads, from the file as the session
-        identified it: an engine building its config or tokenizer from these bytes builds
-        them from the file its experts come from, never from whatever the path names later.
+        metadata and lists that shard's tensors), read as ``read_tensor`` reads, from the
+        file as the session identified it: an engine building its config or tokenizer from
+        these bytes builds them from the file its experts come from, never from whatever
+        the path names later.
 
         Raises:
             UsageError: the model is a checkpoint (its ``config.json`` is ``model.config``),

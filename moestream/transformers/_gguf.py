@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.metadata
+import os
 import re
 import struct
 import tempfile
@@ -158,7 +159,8 @@ def _whole_header(copy: Path, first: GGUFReader, session: moestream.SyncSession)
     its metadata (the split's keys left out) and its tensors, then the dense tensors the
     other shards hold, as the session's table has them. transformers reads a config from
     the tensor table too (no ``output.weight``: tied embeddings) and reads no split file."""
-    writer = GGUFWriter(copy, "")
+    whole = copy.with_name(copy.name + ".whole")  # written beside: ``first`` maps ``copy``
+    writer = GGUFWriter(whole, "")
     writer.kv_data[0].clear()
     for name, field in first.fields.items():
         if not name.startswith(("GGUF.", "split.")):
@@ -177,8 +179,9 @@ def _whole_header(copy: Path, first: GGUFReader, session: moestream.SyncSession)
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
     writer.close()
-    with open(copy, "r+b") as out:  # the tensor data a hole, as in the first shard's copy
+    with open(whole, "r+b") as out:  # the tensor data a hole, as in the first shard's copy
         out.truncate(out.seek(0, 2) + session.model.file_bytes)
+    os.replace(whole, copy)
 
 
 def _check_same(path: Path, reader: GGUFReader, session: moestream.SyncSession) -> None:
