@@ -5,12 +5,17 @@ line with exit 2."""
 
 from __future__ import annotations
 
+import ctypes
 import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
 from gguf import GGUFReader
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+import moestream
 from moestream.pipeline.foundation.errors import ExpertLayoutError, ModelFileError
 from moestream.pipeline.foundation.experts import ExpertTable
 from moestream.pipeline.foundation.gguf_split import shard_name
@@ -57,6 +62,37 @@ class TestGgufWritersSplits:
             table = open_table(shard)
             assert table.path == first and [f.path for f in table.files] == shards
             _assert_same_model(table, whole)
+
+    @settings(max_examples=12, deadline=None)
+    @given(per_shard=st.integers(1, 11), pad=st.integers(1, 700), layers=st.integers(1, 3))
+    def test_any_split_is_the_whole_file(self, per_shard: int, pad: int, layers: int) -> None:
+        """Whatever the shard size (a tensor a shard to one shard), and wherever the tensors
+        start (a ``pad``-value tensor first), the split's table is the whole file's."""
+        with tempfile.TemporaryDirectory() as made:
+            root = Path(made)
+            whole = open_table(write_plain_moe(root / "w.gguf", layers=layers, pad_elems=pad))
+            (root / "s").mkdir()
+            first = write_plain_moe(root / "s" / "m.gguf", layers=layers, pad_elems=pad,
+                                    split_max_tensors=per_shard)
+            _assert_same_model(open_table(first), whole)
+
+    @pytest.mark.parametrize("mode", ["direct", "resident"])
+    def test_an_engine_fetches_the_experts_gguf_reads(self, tmp_path: Path, mode: str) -> None:
+        """An engine's ``open_sync(shard).fetch`` hands out each expert's matrices as gguf's
+        own reader of the shard holding them reads them."""
+        first = write_plain_moe(tmp_path / "m.gguf", split_max_tensors=2)
+        theirs = {t.name: t for shard in _shards(first) for t in GGUFReader(shard).tensors}
+        with moestream.open_sync(_shards(first)[-1], backend="host", mode=mode,
+                                 budget="8") as ms:
+            for layer in ms.model.moe_layers:
+                with ms.fetch(layer, [0, 5]) as lease:
+                    for handle in lease.gather():
+                        for m, part in zip(handle.matrices, ("gate", "up", "down"),
+                                           strict=True):
+                            tensor = theirs[f"blk.{layer}.ffn_{part}_exps.weight"]
+                            want = tensor.data[handle.expert].tobytes()
+                            assert ctypes.string_at(m.ptr, m.nbytes) == want
+                ms.end_token()
 
     def test_decodes_and_verifies(self, tmp_path: Path,
                                   capsys: pytest.CaptureFixture[str]) -> None:

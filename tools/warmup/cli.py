@@ -121,7 +121,8 @@ def _parser() -> argparse.ArgumentParser:
         prog=PROG,
         description="Preload, report, evict or lock a model file's pages in the page cache.",
     )
-    parser.add_argument("model", type=Path, metavar="MODEL", help="GGUF model file (any shard of a split one: the whole split), "
+    parser.add_argument("model", type=Path, metavar="MODEL",
+                        help="GGUF model file (any shard of a split one: the whole split), "
                         "checkpoint directory or .safetensors file")
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--report", action="store_true", help="show what is resident, per part")
