@@ -5,14 +5,16 @@
 # device. The GPU machine's disk (64 GB) cannot hold the file, so it is written split as
 # gguf-split writes one (make_model --shard-size 4GiB): the shards that fit the disk on it,
 # the rest on a tmpfs (RAM), each named in one directory. "Cold" evicts the disk shards'
-# pages (tools.warmup --evict); the tmpfs shards stay in RAM, so a cold run is cold for the
-# disk's share only (the script prints both shares).
+# pages (tools.warmup --evict) and reads by O_DIRECT (--mode direct: resident mode's
+# background warm-up would read the file back while the model loads); the tmpfs shards stay
+# in RAM, so a cold run is cold for the disk's share only (the script prints both shares).
 # Steps (STEPS, comma-separated; default make,warm):
 #   make  mount the tmpfs, link the shards past the disk's room to it, write the model
 #   warm  pipeline.run --engine transformers per budget (BUDGETS, default "11GiB 40GiB";
 #         30GiB for the larger on an H100),
 #         page cache warm, with its run log, then tools.analyze of the log (the time split)
-#   cold  the same at COLD_BUDGET (default 11GiB) after evicting the disk shards' pages
+#   cold  per budget (COLD_BUDGETS, default "11GiB"): the disk shards' pages evicted, then
+#         the same run in direct mode
 # Usage (GPU machine, repo root; the machine kept warm between calls keeps the files):
 #   MOESTREAM_COMMIT=<sha> STEPS=make,warm bash bench/gpu_ds4_full.sh
 set -u
@@ -54,10 +56,10 @@ PY
   echo "made in $(( $(date +%s) - t0 )) s"; free -g | head -2; df -h /tmp $T | tail -2
 fi
 M=$(ls $D/ds4-00001-of-*.gguf)
-run() {  # name budget
+run() {  # name budget mode
   local t0=$(date +%s)
   timeout ${RUN_S:-200} python3 -m pipeline.run --engine transformers -m $M --prompt-ids 1,2,3,4 \
-    --tokens ${TOKENS:-16} --cache-budget $2 --mode resident --log $OUT/$1.jsonl > $OUT/$1.txt 2>&1
+    --tokens ${TOKENS:-16} --cache-budget $2 --mode $3 --log $OUT/$1.jsonl > $OUT/$1.txt 2>&1
   echo "$1 rc=$? in $(( $(date +%s) - t0 )) s"
   grep -v "Warning\|warn(\|deprecated" $OUT/$1.txt | tail -7
   timeout 60 python3 -m tools.analyze $OUT/$1.jsonl > $OUT/$1-analyze.txt 2>&1
@@ -66,10 +68,11 @@ run() {  # name budget
 if [[ $steps == *warm* ]]; then
   big=40GiB  # an H100's 80 GB holds the float32 dense weights and 30 GiB, not 40
   [ "$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)" -lt 100000 ] && big=30GiB
-  for budget in ${BUDGETS:-11GiB $big}; do run ds4-full-warm-$budget $budget; done
+  for budget in ${BUDGETS:-11GiB $big}; do run ds4-full-warm-$budget $budget resident; done
 fi
 if [[ $steps == *cold* ]]; then
-  timeout 120 python3 -m tools.warmup $M --evict 2>&1 | tail -2
-  timeout 60 python3 -m tools.warmup $M --report 2>&1 | tail -4
-  run ds4-full-cold-${COLD_BUDGET:-11GiB} ${COLD_BUDGET:-11GiB}
+  for budget in ${COLD_BUDGETS:-11GiB}; do
+    timeout 120 python3 -m tools.warmup $M --evict 2>&1 | tail -1
+    run ds4-full-direct-cold-$budget $budget direct
+  done
 fi
