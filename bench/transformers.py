@@ -268,7 +268,7 @@ def run_moestream(args: argparse.Namespace, prompt: Any, device: Any, reference:
     loads, per_load = (1, args.repeat) if budget is None else (args.repeat, 1)
     timings: list[tuple[list[int], float]] = []
     parts: dict[str, float] = {}
-    hits = misses = file_bytes = storage_bytes = prefetched = 0
+    hits = misses = file_bytes = storage_bytes = prefetched = tokens = whole = 0
     last: Any = None
     for _ in range(loads):
         done, last = _moestream_load(args, prompt, device, budget=budget, cold=cold,
@@ -279,6 +279,7 @@ def run_moestream(args: argparse.Namespace, prompt: Any, device: Any, reference:
         file_bytes += done["file_bytes"]
         storage_bytes += done["storage_bytes"]
         prefetched += done["prefetched"]
+        tokens, whole = tokens + done["tokens"], whole + done["whole_tokens"]
     result = summary(timings, reference)
     result.update({
         "budget_bytes": last.budget_bytes,
@@ -290,6 +291,9 @@ def run_moestream(args: argparse.Namespace, prompt: Any, device: Any, reference:
         "storage_bytes": storage_bytes,
         "prefetch": prefetch,
         "prefetched": prefetched,
+        # the timed tokens the GPU's whole-layer path served alone (no lease): a held
+        # model's run slower than its kind says whether it left that path
+        "whole_share": round(whole / tokens, 3) if tokens else None,
         "mode": last.mode,
         "time_ms": {k: round(v, 3) for k, v in parts.items()},
         "bound": max(parts, key=parts.__getitem__) if parts else None,
@@ -359,13 +363,16 @@ def _moestream_load(args: argparse.Namespace, prompt: Any, device: Any, *,
         if not cold and args.warmup:
             _generate(model, prompt, args.warmup, device, args.sample)
         before = stream.session.counters()
+        tokens, whole = stream.tokens, stream.whole_tokens
         stream.on_token = add
         timings = _timed(model, prompt, args, device, warm_up=False, repeat=repeat)
         after = stream.session.counters()
+        tokens, whole = stream.tokens - tokens, stream.whole_tokens - whole
     finally:
         stream.close()
     del model
-    return {"timings": timings, "hits": after.hits - before.hits,
+    return {"timings": timings, "tokens": tokens, "whole_tokens": whole,
+            "hits": after.hits - before.hits,
             "misses": after.misses - before.misses,
             "file_bytes": after.file_bytes - before.file_bytes,
             "storage_bytes": after.storage_bytes - before.storage_bytes,

@@ -152,6 +152,9 @@ class ExpertStream:
         self.last: TokenStats | None = None
         """The last token's stats (``end_token``'s answer)."""
         self.tokens = 0
+        self.whole_tokens = 0
+        """Of ``tokens``, those on a GPU whose every experts call the whole-layer path served
+        (no lease, no host read of the routing): all of them once a model is held whole."""
         self.last_generate: GenerateStats | None = None
         """What the model's last ``generate`` call did (its hits, misses, bytes, stall time);
         ``session.counters()`` holds the totals since loading."""
@@ -206,6 +209,7 @@ class ExpertStream:
         compute_ms: float | None = None
         whole = self._whole
         if self._cuda and started is not None:
+            self.whole_tokens += not self._leased
             stream = current_stream(self.device)
             done = torch.cuda.Event(enable_timing=True)
             done.record(stream)

@@ -32,6 +32,8 @@ def test_tiny_run_repeats_and_checks_tokens(tmp_path: Path) -> None:
     # a quarter of the experts' bytes, each timed generate from a fresh load (misses in both)
     assert report["cache_budget_bytes"] == report["expert_bytes"] // 4
     assert runs["warm"]["misses"] > 0 and runs["all"]["hit_rate"] == 1.0
+    # the GPU's whole-layer path's share of the timed tokens: none on the host
+    assert runs["all"]["whole_share"] == 0.0
     # the predict run hints the next layer's guesses (loaded), the warm run none
     assert runs["predict"]["prefetched"] > 0 and runs["warm"]["prefetched"] == 0
     # misses read in place are a GPU path: said, not timed as another warm run

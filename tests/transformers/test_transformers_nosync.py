@@ -438,6 +438,7 @@ class TestGpuWholeLayers:
         try:
             ids = torch.tensor(PROMPT, device="cuda")
             before = model.moestream.session.counters()
+            tokens, whole_tokens = model.moestream.tokens, model.moestream.whole_tokens
             with torch.no_grad():
                 assert torch.equal(whole(ids).logits, model(ids).logits)
                 args = dict(attention_mask=torch.ones_like(ids), max_new_tokens=8,
@@ -450,6 +451,8 @@ class TestGpuWholeLayers:
             assert len(served["batched"]) >= 7 * layers  # the decode steps
             calls = len(served["grouped"]) + len(served["batched"])
             assert after.misses == before.misses and after.hits - before.hits >= calls
+            stream = model.moestream  # no token leased
+            assert stream.whole_tokens - whole_tokens == stream.tokens - tokens > 0
         finally:
             model.moestream.close()
 
