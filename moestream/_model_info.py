@@ -76,9 +76,10 @@ class ModelInfo:
         config: a checkpoint's ``config.json`` as the session's one read of it parsed it
             (bounded in size and depth, no duplicate keys); empty for a GGUF file. Build a
             model from these values, not from a second read of the path.
-        file_bytes: a GGUF file's size as the session identified it (for a checkpoint, the
-            end of its shards laid end to end); with ``Session.read_header`` it lays out a
-            private copy of the header a GGUF reader can parse.
+        file_bytes: a GGUF file's size as the session identified it (for a split GGUF or a
+            checkpoint, the end of its shards laid end to end); with
+            ``Session.read_header`` it lays out a private copy of the header a GGUF reader
+            can parse.
     """
 
     path: Path
