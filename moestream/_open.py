@@ -36,9 +36,8 @@ def open(
     """Open a model for streaming; ``await`` the result or use it with ``async with``.
 
     Args:
-        model: a GGUF file (any shard of a split one: the whole split), a checkpoint
-            directory or one ``.safetensors`` file; None makes (once) and uses the embedded
-            tiny model.
+        model: a GGUF file (or a split one's shard), a checkpoint directory or
+            ``.safetensors`` file; None makes (once) and uses the embedded tiny model.
         devices: a device index or several (experts are sharded over them); None: every
             visible device. On the host backend indices emulate devices.
         budget: the device cache, in experts or bytes: an int or its text (``2522`` or
