@@ -34,12 +34,17 @@ from gguf import (
     GGML_QUANT_SIZES,
     GGUF_DEFAULT_ALIGNMENT,
     GGMLQuantizationType,
+    GGUFReader,
     GGUFValueType,
 )
 
-from moestream.pipeline.foundation.errors import NotGGUFError, TruncatedFileError
+from moestream.pipeline.foundation.errors import (
+    ExpertLayoutError,
+    NotGGUFError,
+    TruncatedFileError,
+)
 
-__all__ = ["SCALAR_BYTES", "HeaderLayout", "check_magic", "walk_header"]
+__all__ = ["SCALAR_BYTES", "HeaderLayout", "check_magic", "metadata_int", "walk_header"]
 
 _GGUF_MAGIC = b"GGUF"
 
@@ -49,6 +54,8 @@ SCALAR_BYTES: dict[int, int] = {
     GGUFValueType.UINT32: 4, GGUFValueType.INT32: 4, GGUFValueType.FLOAT32: 4,
     GGUFValueType.UINT64: 8, GGUFValueType.INT64: 8, GGUFValueType.FLOAT64: 8,
 }
+_INTEGER_TYPES = frozenset(SCALAR_BYTES) - {
+    GGUFValueType.BOOL, GGUFValueType.FLOAT32, GGUFValueType.FLOAT64}
 _MIN_KV_BYTES = 8 + 4 + 1  # empty key, value type, a one-byte value
 _MIN_TENSOR_INFO_BYTES = 8 + 4 + 4 + 8  # empty name, n_dims 0, type, offset
 _MAX_KEY_BYTES = 65535  # the GGUF spec: a key is at most 2**16 - 1 bytes
@@ -249,3 +256,18 @@ def check_magic(path: Path, head: bytes) -> None:
         swapped = int.from_bytes(head[4:8], "big")
         hint = " (a big-endian file; only little-endian is read)" if swapped in (2, 3) else ""
         raise NotGGUFError(path, f"unsupported GGUF version {version} (expected 2 or 3){hint}")
+
+
+def metadata_int(path: Path, reader: GGUFReader, key: str) -> int | None:
+    """The integer value of metadata ``key`` in a walked header; None when it is absent.
+
+    Raises:
+        ExpertLayoutError: the key holds something other than one integer.
+    """
+    field = reader.fields.get(key)
+    if field is None:
+        return None
+    if len(field.types) != 1 or field.types[0] not in _INTEGER_TYPES:
+        kinds = "/".join(t.name for t in field.types)
+        raise ExpertLayoutError(path, f"metadata {key!r} is {kinds}, not an integer")
+    return int(field.parts[field.data[0]][0])

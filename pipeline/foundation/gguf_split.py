@@ -16,33 +16,21 @@ import re
 from collections.abc import Sequence
 from pathlib import Path
 
-from gguf import GGUFReader, GGUFValueType
+from gguf import GGUFReader
 from gguf.constants import Keys
 
 from moestream.pipeline.foundation.errors import ExpertLayoutError, ModelFileError
+from moestream.pipeline.foundation.gguf_header import metadata_int
 
 __all__ = ["check_shards", "shard_name", "shard_paths", "split_of"]
 
 _NAME = re.compile(r"^(?P<prefix>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
 """gguf-py's ``SHARD_NAME_FORMAT`` (llama.cpp's ``llama_split_path``), read back."""
-_INTEGERS = frozenset({GGUFValueType.UINT8, GGUFValueType.INT8, GGUFValueType.UINT16,
-                       GGUFValueType.INT16, GGUFValueType.UINT32, GGUFValueType.INT32,
-                       GGUFValueType.UINT64, GGUFValueType.INT64})
 
 
 def shard_name(stem: str, no: int, count: int) -> str:
     """The file name of shard ``no`` (1-based) of ``count``, as gguf-py and llama.cpp name it."""
     return f"{stem}-{no:05d}-of-{count:05d}.gguf"
-
-
-def _integer(path: Path, reader: GGUFReader, key: str) -> int | None:
-    field = reader.fields.get(key)
-    if field is None:
-        return None
-    if len(field.types) != 1 or field.types[0] not in _INTEGERS:
-        kinds = "/".join(t.name for t in field.types)
-        raise ExpertLayoutError(path, f"metadata {key!r} is {kinds}, not an integer")
-    return int(field.parts[field.data[0]][0])
 
 
 def split_of(path: Path, reader: GGUFReader) -> tuple[int, int] | None:
@@ -53,10 +41,10 @@ def split_of(path: Path, reader: GGUFReader) -> tuple[int, int] | None:
         ExpertLayoutError: the split keys are not integers, or the shard's number lies outside
             its split.
     """
-    count = _integer(path, reader, Keys.Split.LLM_KV_SPLIT_COUNT)
+    count = metadata_int(path, reader, Keys.Split.LLM_KV_SPLIT_COUNT)
     if count is None or count == 1:
         return None
-    no = _integer(path, reader, Keys.Split.LLM_KV_SPLIT_NO)
+    no = metadata_int(path, reader, Keys.Split.LLM_KV_SPLIT_NO)
     if no is None or not 0 <= no < count:
         raise ExpertLayoutError(path, f"split.no {no} is not a shard of a split into {count}")
     return no, count
@@ -85,12 +73,13 @@ def check_shards(paths: Sequence[Path], readers: Sequence[GGUFReader]) -> None:
             differs from ``split.tensors.count``.
     """
     count = len(paths)
-    total = _integer(paths[0], readers[0], Keys.Split.LLM_KV_SPLIT_TENSORS_COUNT)
+    total = metadata_int(paths[0], readers[0], Keys.Split.LLM_KV_SPLIT_TENSORS_COUNT)
     for i, (path, reader) in enumerate(zip(paths, readers, strict=True)):
-        if split_of(path, reader) != (i, count):
+        said_split = split_of(path, reader)
+        if said_split != (i, count):
             raise ExpertLayoutError(path, f"not shard {i + 1} of {count}: its split keys say "
-                                          f"{split_of(path, reader)} (split.no, split.count)")
-        said = _integer(path, reader, Keys.Split.LLM_KV_SPLIT_TENSORS_COUNT)
+                                          f"{said_split} (split.no, split.count)")
+        said = metadata_int(path, reader, Keys.Split.LLM_KV_SPLIT_TENSORS_COUNT)
         if said != total:
             raise ExpertLayoutError(path, f"split.tensors.count {said}, the first shard's {total}")
     held = sum(len(r.tensors) for r in readers)

@@ -53,7 +53,7 @@ from moestream.pipeline.foundation.files import (
     lay_out,
     open_identified,
 )
-from moestream.pipeline.foundation.gguf_header import SCALAR_BYTES, check_magic, walk_header
+from moestream.pipeline.foundation.gguf_header import check_magic, metadata_int, walk_header
 from moestream.pipeline.foundation.gguf_split import check_shards, shard_paths, split_of
 from moestream.pipeline.foundation.safetensors_table import open_checkpoint
 
@@ -62,9 +62,6 @@ __all__ = ["ByteRange", "ExpertKey", "ExpertSlices", "ExpertTable", "MoeLayer", 
 
 _EXPERT_TENSOR = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down|gate_up)_exps\.weight$")
 
-
-_INTEGER_TYPES = frozenset(SCALAR_BYTES) - {
-    GGUFValueType.BOOL, GGUFValueType.FLOAT32, GGUFValueType.FLOAT64}
 _DIGESTS_KEY = "moestream.expert_digests"
 
 
@@ -113,13 +110,8 @@ def _open_reader(path: Path, fd: int, file: ModelFile) -> GGUFReader:
 
 def _metadata_int(path: Path, reader: GGUFReader, suffix: str) -> int | None:
     """The integer value of the first key ending in ``suffix``; None when there is none."""
-    for name, field in reader.fields.items():
-        if name.endswith(suffix):
-            if len(field.types) != 1 or field.types[0] not in _INTEGER_TYPES:
-                kinds = "/".join(t.name for t in field.types)
-                raise ExpertLayoutError(path, f"metadata {name!r} is {kinds}, not an integer")
-            return int(field.parts[field.data[0]][0])
-    return None
+    name = next((name for name in reader.fields if name.endswith(suffix)), None)
+    return None if name is None else metadata_int(path, reader, name)
 
 
 def _read_digests(path: Path, reader: GGUFReader, n_moe: int, n_experts: int) -> np.ndarray | None:
@@ -165,10 +157,11 @@ def open_gguf_table(path: Path) -> ExpertTable:
     try:
         fd, identity = open_identified(path, "GGUF file")
         fds.append(fd)
-        reader = _open_reader(path, fd, lay_out([(path, identity)])[0])
+        alone = lay_out([(path, identity)])
+        reader = _open_reader(path, fd, alone[0])
         split = split_of(path, reader)
         if split is None:
-            return _gguf_table(path, lay_out([(path, identity)]), [reader])
+            return _gguf_table(path, alone, [reader])
         paths = shard_paths(path, *split)
         opened = {path: (fd, identity)}
         for shard in paths:

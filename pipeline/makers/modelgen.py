@@ -102,6 +102,7 @@ def write_model(spec: ModelSpec, path: Path, *, progress: bool = False,
     paths = [path] if len(shards) == 1 else [
         path.with_name(shard_name(path.stem, i + 1, len(shards))) for i in range(len(shards))]
     n_digests = len(spec.moe_layers) * spec.n_experts * 3 if record_digests else 0
+    n_tensors = sum(map(len, shards))
     total = sum(p.nbytes for shard in shards for t in shard for p in t.pieces)
     started = time.perf_counter()
     with contextlib.ExitStack() as stack:
@@ -113,8 +114,7 @@ def write_model(spec: ModelSpec, path: Path, *, progress: bool = False,
             for i, (tmp, shard) in enumerate(zip(tmps, shards, strict=True)):
                 writer = GGUFWriter(tmp, spec.arch)
                 stack.callback(writer.close)  # before its file's rename
-                outs.append(_write_head(writer, spec, shard, i, len(shards),
-                                        sum(map(len, shards)),
+                outs.append(_write_head(writer, spec, shard, i, len(shards), n_tensors,
                                         n_digests if record_digests else None))
             with tqdm(total=total, unit="B", unit_scale=True, disable=not progress,
                       desc=path.name) as bar:
