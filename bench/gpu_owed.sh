@@ -6,6 +6,9 @@
 #   held   bench.transformers resident,held in HELD separate processes (default 3), three
 #          rounds each, on a --spread BF16 model of Qwen3-30B-A3B's layer shape, 8 layers,
 #          3 GiB: x_resident and whole_share per process
+#   profile  bench.experts_profile on that model held whole, the resident model first in the
+#          same process, other threads sampled, one generate on the torch profiler's timeline:
+#          where a held token's host time goes beside the resident model's
 # Usage (GPU machine, repo root, .whl carried): STEPS=tests,held bash bench/gpu_owed.sh
 set -u
 DEADLINE=${DEADLINE:-560} R=/tmp/r-owed
@@ -38,5 +41,13 @@ for name, run in d.get("runs", {}).items():
 PY
   done
   cp $R/steps.txt $OUT/
+fi
+if [[ $steps == *profile* ]]; then
+  M=/tmp/q/bf16-qwen3-30b-a3b-8-spread
+  [[ -f $M/config.json ]] || step make 150 python3 -m bench.transformers --make $M \
+    --shape qwen3-30b-a3b --layers 8 --spread --total 3GiB --tokens 8 --repeat 1 --runs resident
+  mkdir -p $R/profile
+  tarred profile 300 python3 -m bench.experts_profile -m $M --device cuda --tokens 32 --top 70 \
+    --resident --threads --timeline --out $R/profile/profile.txt
 fi
 cat $R/steps.txt
