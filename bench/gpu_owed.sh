@@ -9,6 +9,8 @@
 #   profile  bench.experts_profile on that model held whole, the resident model first in the
 #          same process, other threads sampled, one generate on the torch profiler's timeline:
 #          where a held token's host time goes beside the resident model's
+#   dispatch  bench.dispatch on that model (auto, then direct mode): a small torch call's host
+#          time bare, beside the resident model, beside moestream's held, after its close
 # Usage (GPU machine, repo root, .whl carried): STEPS=tests,held bash bench/gpu_owed.sh
 set -u
 DEADLINE=${DEADLINE:-560} R=/tmp/r-owed
@@ -49,5 +51,14 @@ if [[ $steps == *profile* ]]; then
   mkdir -p $R/profile
   tarred profile 300 python3 -m bench.experts_profile -m $M --device cuda --tokens 32 --top 70 \
     --resident --threads --timeline --out $R/profile/profile.txt
+fi
+if [[ $steps == *dispatch* ]]; then
+  M=/tmp/q/bf16-qwen3-30b-a3b-8-spread
+  [[ -f $M/config.json ]] || step make 150 python3 -m bench.transformers --make $M \
+    --shape qwen3-30b-a3b --layers 8 --spread --total 3GiB --tokens 8 --repeat 1 --runs resident
+  mkdir -p $R/dispatch
+  for mode in auto direct; do
+    tarred dispatch 150 python3 -m bench.dispatch -m $M --mode $mode --out $R/dispatch/$mode.json
+  done
 fi
 cat $R/steps.txt

@@ -1,0 +1,123 @@
+"""``python -m bench.dispatch``: whether an open moestream session slows the torch calls of
+the process that holds it.
+
+A transformers model held whole by moestream is bound by the host's launches, as the
+resident model is; profiled on an H100, every torch call of transformers' own code (linear,
+``to``, ``mean``, ...) took ~1.3x its time in the resident model's process once moestream's
+model was loaded. This times one loop of small torch calls (host-bound: no call waits for the
+device) at each stage of one process: bare, beside the resident model, beside moestream's
+model held whole (every expert fetched once), after a generate of each, after moestream's
+session closed; and, while the loop runs beside moestream's model, each thread's CPU time
+(whether another thread of the process runs meanwhile).
+
+    python -m bench.dispatch -m CHECKPOINT --device cuda --out dispatch.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from bench.transformers import _fill_cache, _generate
+
+__all__ = ["main"]
+
+
+def _loop_us(device: Any, calls: int = 2000, rounds: int = 5) -> float:
+    """Microseconds a torch call over a loop of small element-wise calls, median of
+    ``rounds`` (the device's work is a few microseconds a call: the host's dispatch sets
+    the pace)."""
+    import torch
+
+    x = torch.ones(64, device=device)
+    times = []
+    for _ in range(rounds):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        for _ in range(calls // 4):
+            y = x + 1.0
+            y = y * x
+            y = y.to(torch.bfloat16)
+            x = y.float()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append((time.perf_counter() - t0) / calls * 1e6)
+    return round(statistics.median(times), 3)
+
+
+def _thread_cpu() -> dict[int, float]:
+    """Each thread's CPU seconds so far, by native id."""
+    return {t.id: t.user_time + t.system_time for t in psutil.Process().threads()}
+
+
+def _busy_threads(device: Any) -> dict[str, Any]:
+    """The loop timed while each thread's CPU time is taken before and after: which threads
+    but the caller's ran meanwhile, and for how long."""
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    before = _thread_cpu()
+    t0 = time.perf_counter()
+    us = _loop_us(device)
+    wall = time.perf_counter() - t0
+    after = _thread_cpu()
+    ran = {f"{names.get(tid, '?')}:{tid}": round(cpu - before.get(tid, 0.0), 4)
+           for tid, cpu in after.items() if cpu - before.get(tid, 0.0) > 0}
+    return {"us_a_call": us, "wall_s": round(wall, 3), "thread_cpu_s": ran,
+            "threads": len(after)}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.dispatch",
+                                description=__doc__.split("\n\n")[0])
+    p.add_argument("-m", "--model", type=Path, required=True, help="checkpoint directory")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--tokens", type=int, default=32)
+    p.add_argument("--mode", choices=["auto", "direct", "resident"], default="auto",
+                   help="moestream's I/O mode")
+    p.add_argument("--out", type=Path)
+    args = p.parse_args(argv)
+    import torch
+    import transformers
+
+    from moestream.transformers import from_pretrained
+
+    device: Any = torch.device(args.device)
+    prompt = torch.tensor([[1, 2, 3, 4]])
+    stages: dict[str, Any] = {"bare": _loop_us(device)}
+    resident: Any = transformers.AutoModelForCausalLM.from_pretrained(
+        args.model, experts_implementation="grouped_mm").to(device)
+    stages["resident_loaded"] = _loop_us(device)
+    for i in range(2):
+        _, seconds = _generate(resident, prompt, args.tokens, device)
+        stages[f"resident_tok_s_{i}"] = round(args.tokens / seconds, 2)
+    stages["resident_after_generate"] = _loop_us(device)
+    model = from_pretrained(args.model, device=device, mode=args.mode)
+    _fill_cache(model.moestream)
+    stages["moestream_loaded"] = _busy_threads(device)
+    for i in range(2):
+        _, seconds = _generate(model, prompt, args.tokens, device)
+        stages[f"moestream_tok_s_{i}"] = round(args.tokens / seconds, 2)
+    stages["moestream_after_generate"] = _busy_threads(device)
+    _, seconds = _generate(resident, prompt, args.tokens, device)
+    stages["resident_tok_s_beside_moestream"] = round(args.tokens / seconds, 2)
+    model.moestream.close()
+    stages["moestream_closed"] = _busy_threads(device)
+    _, seconds = _generate(resident, prompt, args.tokens, device)
+    stages["resident_tok_s_after_close"] = round(args.tokens / seconds, 2)
+    text = json.dumps(stages, indent=1)
+    print(text)
+    if args.out:
+        args.out.write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
