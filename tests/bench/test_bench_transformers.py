@@ -143,3 +143,22 @@ def test_no_gather_gives_the_copy_engines_tuning() -> None:
 
     assert tuning_of(build_parser().parse_args(["--no-gather"])) == moestream.Tuning(gather=False)
     assert tuning_of(build_parser().parse_args([])) is None
+
+
+def test_dispatch_stages_time_the_resident_model_at_each(tmp_path: Path) -> None:
+    from bench.dispatch import main as dispatch_main
+    from bench.transformers import make_checkpoint
+
+    model = tmp_path / "m"
+    make_checkpoint(model, "tiny", 2, "cpu")
+    out = tmp_path / "dispatch.json"
+    assert dispatch_main(["-m", str(model), "--device", "cpu", "--tokens", "2",
+                          "--out", str(out)]) == 0
+    stages = json.loads(out.read_text())
+    assert stages["bare_us_a_call"] > 0 and len(stages["moestream_tok_s"]) == 3
+    for name in ("resident", "moestream_loaded", "after_moestream_generate", "moestream_closed"):
+        stage = stages[name]
+        assert stage["us_a_call"] > 0 and stage["resident_tok_s"] > 0
+        assert any(thread.startswith("MainThread") for thread in stage["thread_cpu_s"])
+    # the session's threads live while it is open, not after its close
+    assert stages["moestream_loaded"]["threads"] > stages["moestream_closed"]["threads"]
