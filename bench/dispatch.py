@@ -6,8 +6,10 @@ resident model is; profiled on an H100, every torch call of transformers' own co
 ``to``, ``mean``, ...) took ~1.3x its time in the resident model's process once moestream's
 model was loaded.
 
-At each stage of one process (the resident model loaded; CuPy imported and a kernel of its
-own launched; moestream's model loaded and held whole, every expert fetched once; after its
+At each stage of one process (the resident model loaded; on a GPU, CuPy imported and a
+kernel of its own launched, ``--buffers`` device allocations as the cache's experts are
+made, then freed, host memory registered with CUDA as the page-cache mapping is, then
+unregistered; moestream's model loaded and held whole, every expert fetched once; after its
 generates; its session closed) this times one loop of small torch calls (host-bound: no
 call waits for the device), the resident model's generate (the best of two), and each
 thread's CPU time while the loop ran (whether another thread of the process runs meanwhile):
@@ -20,10 +22,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import mmap
 import statistics
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -77,6 +80,34 @@ def _busy_threads(device: Any) -> dict[str, Any]:
             "threads": len(after)}
 
 
+def _device_stages(stage: Callable[[], dict[str, Any]], buffers: int, nbytes: int,
+                   registered: int) -> dict[str, Any]:
+    """What a moestream session brings into a CUDA process, one at a time: CuPy and a
+    kernel of its own; ``buffers`` device allocations of ``nbytes`` each (the cache's
+    experts, one ``cudaMalloc`` each), then freed; ``registered`` bytes of host memory
+    registered with CUDA as the page-cache mapping is (``CupyBackend.register_host``'s
+    flags), then unregistered."""
+    import cupy
+    import numpy as np
+
+    from moestream.gpu.cuda import _HOST_REGISTER_FLAGS
+
+    cupy.arange(4).sum()
+    out = {"cupy_launched": stage()}
+    held = [cupy.cuda.Memory(nbytes) for _ in range(buffers)]
+    out["device_buffers"] = {**stage(), "buffers": buffers, "bytes_each": nbytes}
+    del held
+    with mmap.mmap(-1, registered) as area:
+        host = np.frombuffer(area, dtype=np.uint8)
+        cupy.cuda.runtime.hostRegister(host.ctypes.data, registered, _HOST_REGISTER_FLAGS)
+        try:
+            out["host_registered"] = {**stage(), "bytes": registered}
+        finally:
+            cupy.cuda.runtime.hostUnregister(host.ctypes.data)
+            del host
+    return out
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.dispatch",
                                 description=__doc__.split("\n\n")[0])
@@ -85,6 +116,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--tokens", type=int, default=32)
     p.add_argument("--mode", choices=["auto", "direct", "resident"], default="auto",
                    help="moestream's I/O mode")
+    p.add_argument("--buffers", type=int, default=1024,
+                   help="device allocations of the device_buffers stage (a GPU's)")
+    p.add_argument("--buffer-mib", type=int, default=9, help="each one's MiB")
+    p.add_argument("--register-gib", type=int, default=8,
+                   help="host memory registered with CUDA in the host_registered stage")
     p.add_argument("--out", type=Path)
     args = p.parse_args(argv)
     import torch
@@ -106,11 +142,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return {**_busy_threads(device), "resident_tok_s": round(max(rates), 2)}
 
     stages: dict[str, Any] = {"bare_us_a_call": bare, "resident": stage()}
-    if device.type == "cuda":  # CuPy in the process, a kernel of its own launched
-        import cupy
-
-        cupy.arange(4).sum()
-        stages["cupy_launched"] = stage()
+    if device.type == "cuda":
+        stages.update(_device_stages(stage, args.buffers, args.buffer_mib << 20,
+                                     args.register_gib << 30))
     model = from_pretrained(args.model, device=device, mode=args.mode)
     _fill_cache(model.moestream)
     stages["moestream_loaded"] = stage()
