@@ -259,7 +259,7 @@ class SyncSession:
                                            self._new_lease, undo=SyncLease.release)
         return lease
 
-    def used(self, uses: Iterable[tuple[Index, ExpertIds]], after: After = None) -> None:
+    def used(self, uses: Iterable[tuple[Index, ExpertIds]], after: After = None) -> bool:
         """Count experts an engine computed on without a lease of its own, as ``fetch``,
         ``available`` and ``release(after)`` of each ``(layer, experts)`` would, all in one
         hop to the loop (those three are one hop each).
@@ -276,15 +276,21 @@ class SyncSession:
         Args:
             uses: each layer's experts, in the order they were used.
             after: as ``SyncLease.release``: what the compute on them was queued on.
+
+        Returns:
+            Whether every expert told was cached: False where one was not (loaded now,
+            counted as a miss and warned of), so that an engine keeping cache addresses
+            knows they no longer hold, with no other question a token.
         """
         calls = [(layer, experts) for layer, experts in uses]
         if after is None and self._cupy_devices is not None:
             after = _current_streams(self._cupy_devices)
-        self._thread.call(self._used, calls, after)
+        return self._thread.call(self._used, calls, after)
 
-    def _used(self, calls: list[tuple[Index, ExpertIds]], after: After) -> None:
+    def _used(self, calls: list[tuple[Index, ExpertIds]], after: After) -> bool:
         session = self._session
         ran = session._ran(after)  # done computing: a layer all cached needs no lease
+        cached = True
         for layer, experts in calls:
             if ran and session._use_cached(layer, experts):
                 continue
@@ -295,6 +301,8 @@ class SyncSession:
                 lease.release(after)
             if lease.misses:  # the engine computed on experts it took for cached
                 _log.warning("used.missed", layer=lease.layer, misses=lease.misses)
+                cached = False
+        return cached
 
     def prefetch(self, layer: Index, experts: ExpertIds) -> int:
         """As ``Session.prefetch`` (on the caller's thread)."""

@@ -41,7 +41,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch  # type: ignore[import-not-found, unused-ignore]
 
 from moestream import InPlace, SyncSession
@@ -379,15 +378,18 @@ class WholeLayers:
         experts, all hits): called once the token's device work is done, so reading the
         routing waits for nothing and the experts' compute is over (the session is told so
         by an event never recorded, which is complete). A model not yet held whole is asked
-        again in the next token; one whose budget shrank below every expert goes back to
-        the lease path."""
+        again in the next token; where the session found an expert the tables name no
+        longer cached (the budget shrank: a device's out of memory), the tables are
+        dropped and the lease path serves."""
+        cached = True
         if routing.layers:
             if routing.landed is not None:
                 routing.landed.synchronize()  # done already: the token's end was waited for
-            ids = routing.ids.numpy()
-            ends = np.cumsum(routing.sizes).tolist()
-            uses = [(layer, np.unique(ids[end - n:end]).tolist())
-                    for layer, n, end in zip(routing.layers, routing.sizes, ends, strict=True)]
+            ids = routing.ids.tolist()  # a few ids a call: sets beat numpy's unique here
+            uses, at = [], 0
+            for layer, n in zip(routing.layers, routing.sizes, strict=True):
+                uses.append((layer, sorted(set(ids[at:at + n]))))
+                at += n
             if self._cached:  # in place: hits where the tables had the cache's rows
                 held = {layer: self._cached.get(layer, frozenset()) for layer, _ in uses}
                 read = [(layer, [e for e in experts if e not in held[layer]])
@@ -395,10 +397,10 @@ class WholeLayers:
                 self.session.used_in_place([use for use in read if use[1]])
                 uses = [(layer, [e for e in experts if e in held[layer]])
                         for layer, experts in uses]
-            self.session.used([use for use in uses if use[1]], after=self._done())
+            cached = self.session.used([use for use in uses if use[1]], after=self._done())
         if not self._whole:
             self._whole = False if self._never else None  # asked again unless it never can
-        elif self.session.counters().budget_bytes < (self._budget or self._total):
+        elif not cached:
             self.forget()
 
     def _done(self) -> Any:

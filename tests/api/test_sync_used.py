@@ -16,7 +16,7 @@ import moestream
 def _token(ms: moestream.SyncSession, uses: list[tuple[int, list[int]]], batched: bool
            ) -> moestream.TokenStats:
     if batched:
-        ms.used(uses)
+        ms.used(uses)  # (a cold layer's miss: False, tested below)
     else:
         for layer, experts in uses:
             with ms.fetch(layer, experts) as lease:
@@ -56,7 +56,7 @@ def test_a_miss_told_as_used_is_loaded_and_warned(tiny_model: Path) -> None:
     with moestream.open_sync(tiny_model, backend="host", mode="direct") as ms:
         layer = ms.model.moe_layers[0]
         with capture_logs() as logs:
-            ms.used([(layer, [2])])
+            assert ms.used([(layer, [2])]) is False  # the engine's addresses no longer hold
         stats = ms.end_token(compute_ms=0.0)
         assert (stats.hits, stats.misses) == (0, 1)
         warned = [e for e in logs if e["event"] == "used.missed"]
@@ -112,6 +112,7 @@ def test_used_of_cached_layers_takes_no_lease(tiny_model: Path,
             lease.gather()
         ms.end_token()
         monkeypatch.setattr(moestream.Session, "_fetch", fetch)
-        ms.used([(a, [1, 0]), (b, [2])])
+        assert ms.used([(a, [1, 0])]) is True  # every one cached: no lease
+        ms.used([(b, [2])])
         stats = ms.end_token(compute_ms=0.0)
     assert leases == [b] and (stats.hits, stats.misses) == (2, 1)

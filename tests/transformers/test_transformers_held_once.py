@@ -45,6 +45,12 @@ class _Session:
         self.counted = getattr(self, "counted", 0) + 1
         return SimpleNamespace(budget_bytes=self.budget_bytes)
 
+    def used(self, uses: list[tuple[int, list[int]]], after: Any = None) -> bool:
+        self.told = [*getattr(self, "told", []), uses]
+        return self.cached
+
+    cached = True  # what ``used`` answers: every expert told was cached
+
     def ready(self, layer: int, experts: range) -> bool:
         assert list(experts) == [0, 1, 2, 3]
         self.asked.append(layer)
@@ -104,6 +110,30 @@ class TestHoldsEveryExpert:
         session.not_ready = set()
         assert whole._holds_every_expert()  # every layer asked before a yes
         assert sorted(session.asked) == [1, 2, 3, 4]
+
+
+class TestAccount:
+    """A token's routing is told to the session once, each layer's experts once and in
+    order; a session that found one of them no longer cached ends the held period."""
+
+    def test_each_layer_told_once_and_the_period_kept(self) -> None:
+        session = _Session([0, 1], budget_bytes=1 << 30)
+        whole = _whole(session)
+        assert whole.holding() == 1
+        whole.remember(0, torch.tensor([[3, 1], [1, 0]]))
+        whole.remember(1, torch.tensor([[2, 2]]))
+        whole.account(whole.take())
+        assert session.told == [[(0, [0, 1, 3]), (1, [2])]]
+        assert whole.holding() == 1 and session.counted == 1  # no question a token
+
+    def test_an_expert_not_cached_ends_the_period(self) -> None:
+        session = _Session([0], budget_bytes=1 << 30)
+        whole = _whole(session)
+        assert whole.holding() == 1
+        session.cached = False  # an expert the tables name was evicted
+        whole.remember(0, torch.tensor([[1, 2]]))
+        whole.account(whole.take())
+        assert whole.holding() == 2  # asked again: a new period, views of the last untrusted
 
 
 class TestTables:
