@@ -192,8 +192,9 @@ class ModeController:
     async def at_token(self, token: int) -> None:
         """Token boundary: count the mode; take a RAM-only reading if none is recent.
 
-        A reading costs ~100 us; at 50+ tokens/s one per token would be a visible share
-        of decode, so token boundaries sample at most every ``_TOKEN_SAMPLE_S``.
+        A quick reading (RAM and this process's reads, not the disks' counters) costs
+        ~100 us; at 50+ tokens/s one per token would be a visible share of decode, so
+        token boundaries sample at most every ``_TOKEN_SAMPLE_S``.
         """
         self.token = token + 1
         mode = getattr(self._streamer, "mode", "direct")

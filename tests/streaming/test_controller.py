@@ -87,6 +87,27 @@ class TestMachineSampler:
         assert capped.ram_available_bytes <= GIB
         assert capped.model_resident_bytes == Residency.of_file(tiny_table.path).file_resident_bytes
 
+    def test_a_quick_reading_carries_the_last_full_disk_counter(
+            self, tiny_table: ExpertTable, monkeypatch: pytest.MonkeyPatch) -> None:
+        """The token boundaries' quick readings leave the disks' counters (twice the rest
+        of a reading) to the full ones and report the last full one's."""
+        import psutil
+
+        sampler = MachineSampler(tiny_table, lambda: 0, ram_limit=None)
+        asked = []
+        counters = psutil.disk_io_counters
+
+        def disk_io_counters() -> object:
+            asked.append(1)
+            return counters()
+
+        monkeypatch.setattr(psutil, "disk_io_counters", disk_io_counters)
+        first = sampler(False)  # none yet: this quick one reads them
+        assert len(asked) == 1 and first.disk_read_bytes >= 0
+        assert sampler(False).disk_read_bytes == first.disk_read_bytes and len(asked) == 1
+        sampler(True)
+        assert len(asked) == 2
+
     def test_dontneed_releases_pages(self, tiny_table: ExpertTable) -> None:
         path = tiny_table.path
         path.read_bytes()

@@ -36,15 +36,15 @@ class PsutilMemory:
 
     def available_bytes(self) -> int:
         from moestream.pipeline.foundation.machine import (
-            read_machine,  # psutil: only when the guard runs
+            ram_available_bytes,  # psutil: only when the guard runs
         )
 
-        return read_machine().ram_available_bytes
+        return ram_available_bytes()
 
     def total_bytes(self) -> int:
         from moestream.pipeline.foundation.machine import read_machine
 
-        return read_machine().ram_total_bytes
+        return read_machine(disks=False).ram_total_bytes
 
 
 def check_ram(need_bytes: int, memory: MemoryProbe, what: str) -> None:
