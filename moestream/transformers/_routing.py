@@ -111,6 +111,7 @@ class WholeLayers:
         self._views: dict[int, InPlace] = {}  # by layer: every expert in the mapping
         self._wait = 0  # tokens before the mapping is asked again for every layer
         self._cached: dict[int, frozenset[int]] = {}  # by layer: the experts the cache held
+        self._landed: dict[int, set[int]] = {}  # by layer: experts seen cached while filling
         self._budget = 0  # the budget the in-place tables were made under
         self._served = 0  # tokens begun since the in-place tables were made
         # a session's devices are fixed and its budget only shrinks (on a device's out of
@@ -196,10 +197,27 @@ class WholeLayers:
             if not session.ready(layer, experts):
                 self._layers = layers[i:] + layers[:i]  # the same layers, this one first
                 if self.fill and counters.mode == "resident":
-                    lacking = [e for e in experts if not session.ready(layer, [e])]
-                    session.prefetch(layer, lacking[:self.fill])
+                    session.prefetch(layer, self._lacking(layer, experts))
                 return False
         return True
+
+    def _lacking(self, layer: int, experts: range) -> list[int]:
+        """Up to ``fill`` experts of ``layer`` not cached yet, each asked of the session
+        until it is once (the budget holds every expert: a cached one stays), so that a
+        token asks about the experts it hints and those that landed since, not the
+        layer's every expert."""
+        known = self._landed.setdefault(layer, set())
+        lacking: list[int] = []
+        for expert in experts:
+            if expert in known:
+                continue
+            if self.session.ready(layer, [expert]):
+                known.add(expert)
+            elif len(lacking) < self.fill:
+                lacking.append(expert)
+            else:
+                break
+        return lacking
 
     def _fills_in_place(self, budget: int, live: int) -> bool:
         """In-place mode: the cache is full (no expert more fits) and the device can read
@@ -285,10 +303,12 @@ class WholeLayers:
         return LayerTable(addresses, (gate, up, down), scales)
 
     def forget(self) -> None:
-        """Drop every table (the session closes): the lease path serves every layer."""
+        """Drop every table (the session closes, or an expert they name was evicted): the
+        lease path serves every layer."""
         self._drop_tables()
         self._whole = None
         self._pending.clear()
+        self._landed.clear()
 
     def _drop_tables(self) -> None:
         self._tables.clear()

@@ -43,7 +43,11 @@ class _Session:
 
     def counters(self) -> Any:
         self.counted = getattr(self, "counted", 0) + 1
-        return SimpleNamespace(budget_bytes=self.budget_bytes)
+        return SimpleNamespace(budget_bytes=self.budget_bytes, mode="resident")
+
+    def prefetch(self, layer: int, experts: list[int]) -> int:
+        self.hinted = [*getattr(self, "hinted", []), (layer, experts)]
+        return len(experts)
 
     def used(self, uses: list[tuple[int, list[int]]], after: Any = None) -> bool:
         self.told = [*getattr(self, "told", []), uses]
@@ -51,7 +55,12 @@ class _Session:
 
     cached = True  # what ``used`` answers: every expert told was cached
 
-    def ready(self, layer: int, experts: range) -> bool:
+    lacking: set[int] = set()  # the experts of a layer in ``not_ready`` not cached yet
+
+    def ready(self, layer: int, experts: range | list[int]) -> bool:
+        if len(experts) == 1:  # one expert, while the fill looks for the lacking ones
+            self.asked_experts = [*getattr(self, "asked_experts", []), experts[0]]
+            return layer not in self.not_ready or experts[0] not in self.lacking
         assert list(experts) == [0, 1, 2, 3]
         self.asked.append(layer)
         return layer not in self.not_ready
@@ -134,6 +143,26 @@ class TestAccount:
         whole.remember(0, torch.tensor([[1, 2]]))
         whole.account(whole.take())
         assert whole.holding() == 2  # asked again: a new period, views of the last untrusted
+
+
+class TestFill:
+    """While a budget that holds every expert fills, each token hints up to ``fill`` of
+    the layer's lacking experts, asking about no expert it has seen cached."""
+
+    def test_each_token_asks_only_what_it_has_not_seen_cached(self) -> None:
+        session = _Session([0], budget_bytes=1 << 30)
+        session.not_ready, session.lacking = {0}, {1, 2, 3}
+        whole = _routing.WholeLayers(session, "cpu", fill=2)
+        assert not whole._holds_every_expert()
+        assert session.hinted == [(0, [1, 2])] and session.asked_experts == [0, 1, 2, 3]
+        session.lacking = {2, 3}  # 1 landed
+        session.asked_experts = []
+        assert not whole._holds_every_expert()
+        assert session.hinted[-1] == (0, [2, 3]) and session.asked_experts == [1, 2, 3]
+        whole.forget()  # an expert seen cached may have been evicted since: asked again
+        session.asked_experts = []
+        whole._holds_every_expert()
+        assert session.asked_experts[0] == 0
 
 
 class TestTables:
