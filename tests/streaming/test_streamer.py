@@ -11,6 +11,7 @@ its copies, digests the wrong bytes and verification counts mismatches.
 from __future__ import annotations
 
 import asyncio
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +23,7 @@ from moestream.gpu.cache.store import DeviceCache
 from moestream.pipeline.foundation.config import Budget, ComputeSpec
 from moestream.pipeline.foundation.errors import StageError
 from moestream.pipeline.foundation.faults import parse_faults
-from moestream.pipeline.foundation.table import ExpertTable
+from moestream.pipeline.foundation.table import ExpertTable, open_table
 from moestream.pipeline.proxy.config import RunConfig
 from moestream.pipeline.streaming.arrivals import Arrivals
 from moestream.pipeline.streaming.lease import LayerLease
@@ -373,6 +374,14 @@ class TestDigestRowsTake:
         assert rows.pending == 0
 
 
+@pytest.fixture
+def own_table(tiny_model: Path, tmp_path: Path) -> ExpertTable:
+    """The tiny model copied for one test: its pages stay resident for the registered path
+    whatever another test's session does to the shared file's (a switch to direct mode
+    drops them, and a session closing late may do so while this test runs)."""
+    return open_table(Path(shutil.copy(tiny_model, tmp_path / "tiny.gguf")))
+
+
 class TestTakeLanded:
     """A gathered layer's misses land together: ``take_landed`` hands them out in one call,
     stopping before a failed one, which ``next`` then raises."""
@@ -387,9 +396,9 @@ class TestTakeLanded:
         assert part.load.launcher is None, "the registered (gathered) path"
         return LayerLease(layer, tuple(experts), [part]), streamer, cache
 
-    def test_all_at_once(self, tiny_table: ExpertTable) -> None:
+    def test_all_at_once(self, own_table: ExpertTable) -> None:
         async def go() -> None:
-            lease, streamer, cache = await self._lease(tiny_table, [0, 1, 2])
+            lease, streamer, cache = await self._lease(own_table, [0, 1, 2])
             try:
                 assert lease.take_landed() == []  # delivered by a callback, after the start
                 await asyncio.sleep(0)
@@ -403,9 +412,9 @@ class TestTakeLanded:
 
         asyncio.run(go())
 
-    def test_stops_before_a_failure(self, tiny_table: ExpertTable) -> None:
+    def test_stops_before_a_failure(self, own_table: ExpertTable) -> None:
         async def go() -> None:
-            lease, streamer, cache = await self._lease(tiny_table, [0, 1, 2], "upload@2")
+            lease, streamer, cache = await self._lease(own_table, [0, 1, 2], "upload@2")
             try:
                 await asyncio.sleep(0)
                 assert [a.entry.key[1] for a in lease.take_landed()] == [0]

@@ -39,6 +39,8 @@ class _Session:
                     for layer in layers})
         self.budget_bytes = budget_bytes
         self.not_ready: set[int] = set()
+        self.lacking: set[int] = set()  # the experts of a layer in ``not_ready`` not cached
+        self.cached = True  # what ``used`` answers: every expert told was cached
         self.asked: list[int] = []
 
     def counters(self) -> Any:
@@ -52,10 +54,6 @@ class _Session:
     def used(self, uses: list[tuple[int, list[int]]], after: Any = None) -> bool:
         self.told = [*getattr(self, "told", []), uses]
         return self.cached
-
-    cached = True  # what ``used`` answers: every expert told was cached
-
-    lacking: set[int] = set()  # the experts of a layer in ``not_ready`` not cached yet
 
     def ready(self, layer: int, experts: range | list[int]) -> bool:
         if len(experts) == 1:  # one expert, while the fill looks for the lacking ones
