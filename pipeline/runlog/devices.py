@@ -71,6 +71,8 @@ class DeviceEnd:
         peak_device_bytes: highest cache entries + parked bytes seen on this device.
         allocations: device buffer allocations.
         frees: device buffer frees.
+        registered_path: how its resident misses left the registered mapping (``gather``,
+            ``copy_engines``, ``trial``); None in logs written before it was recorded.
     """
 
     device: int
@@ -78,6 +80,7 @@ class DeviceEnd:
     peak_device_bytes: int | None
     allocations: int | None
     frees: int | None
+    registered_path: str | None = None
 
 
 def _device_objects(value: object) -> list[Mapping[str, Any]]:
@@ -109,6 +112,7 @@ def device_ends(value: object) -> tuple[DeviceEnd, ...]:
             peak_device_bytes=int_or_none(entry.get("peak_device_bytes")),
             allocations=int_or_none(entry.get("allocations")),
             frees=int_or_none(entry.get("frees")),
+            registered_path=str_or_none(entry.get("registered_path")),
         )
         for entry in _device_objects(value)
     )

@@ -41,21 +41,25 @@ async def finish(work: Coroutine[Any, Any, None]) -> None:
 async def close_devices(summary: RunSummary, streamers: Sequence[ExpertStreamer],
                         caches: Sequence[DeviceCache]) -> None:
     """Close the streamers (the home device's, which owns the mapping, last), then the
-    caches, and put each device's budget, peak, allocations and frees in ``summary``."""
+    caches, and put each device's budget, peak, allocations, frees and resident misses'
+    path in ``summary`` (``streamers[i]`` serves ``caches[i]``)."""
+    paths = [streamer.registered_path for streamer in streamers]
     for streamer in reversed(streamers):
         await streamer.aclose()
-    for cache in caches:
-        final_budget = cache.budget_bytes  # smaller after a device-OOM shrink
+    budgets = []
+    for cache, path in zip(caches, paths, strict=True):
+        budgets.append(cache.budget_bytes)  # smaller after a device-OOM shrink
         cache.close()
         c = cache.counters
-        summary.devices.append({"device": cache.device, "budget_bytes": final_budget,
+        summary.devices.append({"device": cache.device, "budget_bytes": budgets[-1],
                                 "peak_device_bytes": c.peak_device_bytes,
-                                "allocations": c.allocations, "frees": c.frees})
+                                "allocations": c.allocations, "frees": c.frees,
+                                "registered_path": path})
     # several devices: each one's peak is within its own budget; the sum bounds the total
-    summary.peak_device_bytes = sum(d["peak_device_bytes"] for d in summary.devices)
-    summary.allocations = sum(d["allocations"] for d in summary.devices)
-    summary.frees = sum(d["frees"] for d in summary.devices)
-    summary.final_budget_bytes = sum(d["budget_bytes"] for d in summary.devices)
+    summary.peak_device_bytes = sum(cache.counters.peak_device_bytes for cache in caches)
+    summary.allocations = sum(cache.counters.allocations for cache in caches)
+    summary.frees = sum(cache.counters.frees for cache in caches)
+    summary.final_budget_bytes = sum(budgets)
 
 
 def take_last_digests(verifier: Verifier | None, streamers: Sequence[ExpertStreamer]) -> None:

@@ -107,6 +107,15 @@ class RegisteredLayers(ExpertJobs):
         self._trial = (PathTrial() if self._gathers and backend.name != "host"
                        and faults is None else None)
 
+    @property
+    def registered_path(self) -> str:
+        """How this device's resident misses leave the registered mapping: ``"gather"``
+        (the kernel on the SMs), ``"copy_engines"``, or ``"trial"`` while both are still
+        being timed (``PathTrial``); the run's log says it (``run_end.devices``)."""
+        if self._trial is not None:
+            return "trial"
+        return "gather" if self._gathers else "copy_engines"
+
     def _registered_copies(self, misses: Sequence[Entry]) -> list[MappedCopies] | None:
         """Every miss's copies from the registered mapping, or None unless all of them can
         copy from it now (resident mode, every range in registered windows). Asked only of

@@ -65,7 +65,7 @@ class RunSummary:
     stall_ms: float = 0.0
     compute_ms: float = 0.0
     modes: dict[str, int] = field(default_factory=dict)
-    devices: list[dict[str, int]] = field(default_factory=list)
+    devices: list[dict[str, int | str]] = field(default_factory=list)
 
     def add(self, totals: TokenTotals, storage_bytes: int, mode: str) -> None:
         """Count one decoded token."""

@@ -47,10 +47,11 @@ def test_small_matrices_gather_large_ones_copy(tiny_model: Path, tmp_path: Path)
 
 
 def _paths_taken(tiny_model: Path, monkeypatch: pytest.MonkeyPatch, backend: Any,
-                 gather: bool = True, layers: int = 1) -> list[list[str]]:
+                 gather: bool = True, layers: int = 1) -> tuple[list[list[str]], list[str]]:
     """The uploader's calls for each of ``layers`` resident layer loads of two misses on
     ``backend`` (registered copies, deferred: run when waited for), each load's experts
-    arrived without error and their install digests those of the file's bytes."""
+    arrived without error and their install digests those of the file's bytes; and the
+    streamer's ``registered_path`` before the first load and after the last."""
     import asyncio
 
     from moestream.gpu.cache.store import DeviceCache
@@ -61,6 +62,7 @@ def _paths_taken(tiny_model: Path, monkeypatch: pytest.MonkeyPatch, backend: Any
 
     table = open_table(tiny_model)
     called: list[list[str]] = []
+    said: list[str] = []
 
     def spy(self: Uploader, name: str, real: Any, *args: Any) -> Any:
         called[-1].append(name)
@@ -80,6 +82,7 @@ def _paths_taken(tiny_model: Path, monkeypatch: pytest.MonkeyPatch, backend: Any
                 pass
         try:
             await streamer.set_mode("resident")
+            said.append(streamer.registered_path)
             for i in range(layers):
                 called.append([])
                 layer = table.moe_layers[i % len(table.moe_layers)]
@@ -96,12 +99,13 @@ def _paths_taken(tiny_model: Path, monkeypatch: pytest.MonkeyPatch, backend: Any
                 assert [int(v) for v in values] == [
                     digest_bytes(table.read_bytes(r.offset, r.nbytes))
                     for r in table.slices(key).ranges]
+            said.append(streamer.registered_path)
         finally:
             await streamer.aclose()
             cache.close()
 
     asyncio.run(go())
-    return called
+    return called, said
 
 
 @pytest.mark.parametrize("gather", [True, False])
@@ -112,8 +116,9 @@ def test_small_experts_gather_unless_told(tiny_model: Path, gather: bool,
     backend's copies are memcpy either way: no trial there."""
     from tests.streaming.test_streamer import RegisteringDeferredBackend
 
-    called = _paths_taken(tiny_model, monkeypatch, RegisteringDeferredBackend(), gather)
+    called, said = _paths_taken(tiny_model, monkeypatch, RegisteringDeferredBackend(), gather)
     assert called == [["gather"] if gather else ["upload_layer"]]
+    assert said == ["gather" if gather else "copy_engines"] * 2
 
 
 def test_a_devices_first_layers_try_both(tiny_model: Path,
@@ -129,13 +134,14 @@ def test_a_devices_first_layers_try_both(tiny_model: Path,
         name = "device"
 
     with structlog.testing.capture_logs() as logs:
-        called = _paths_taken(tiny_model, monkeypatch, Device(), layers=TRIAL_LAYERS + 3)
+        called, said = _paths_taken(tiny_model, monkeypatch, Device(), layers=TRIAL_LAYERS + 3)
     both = [["gather", "upload_layer"], ["upload_layer", "gather"]]
     assert called[:TRIAL_LAYERS] == [both[i % 2] for i in range(TRIAL_LAYERS)]
     chosen = [e for e in logs if e["event"] == "registered_path_chosen"]
     assert len(chosen) == 1 and chosen[0]["gather_gbps"] > 0 and chosen[0]["copy_gbps"] > 0
     alone = "gather" if chosen[0]["path"] == "gather" else "upload_layer"
     assert called[TRIAL_LAYERS:] == [[alone]] * 3
+    assert said == ["trial", chosen[0]["path"]]  # what the run's log ends with
 
 
 def test_the_trial_picks_the_faster() -> None:

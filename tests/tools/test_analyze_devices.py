@@ -84,10 +84,12 @@ class TestReadDevices:
         assert log.header is not None and log.end is not None
         assert [(d.device, d.name, d.budget_bytes) for d in log.header.devices] == [
             (d["device"], d["name"], d["budget_bytes"]) for d in start]
-        assert [(d.device, d.budget_bytes, d.peak_device_bytes, d.allocations, d.frees)
-                for d in log.end.devices] == [
+        assert [(d.device, d.budget_bytes, d.peak_device_bytes, d.allocations, d.frees,
+                 d.registered_path) for d in log.end.devices] == [
             (d["device"], d["budget_bytes"], d["peak_device_bytes"], d["allocations"],
-             d["frees"]) for d in end]
+             d["frees"], d["registered_path"]) for d in end]
+        # each device says how its resident misses left the mapping (host stand-ins here)
+        assert {d["registered_path"] for d in end} <= {"gather", "copy_engines", "trial"}
 
     def test_one_device_and_older_logs(self, one_device: Path, tmp_path: Path) -> None:
         log = read_log(one_device)

@@ -79,6 +79,7 @@ def device_rows(run: RunLog) -> list[dict[str, Value]]:
             "peak_within_budget": None if budget is None or peak is None else peak <= budget,
             "allocations": end.allocations if end else None,
             "frees": end.frees if end else None,
+            "registered_path": end.registered_path if end else None,
         })
         rows.append(row)
     return rows
