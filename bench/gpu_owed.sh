@@ -9,8 +9,9 @@
 #   profile  bench.experts_profile on that model held whole, the resident model first in the
 #          same process, other threads sampled, one generate on the torch profiler's timeline:
 #          where a held token's host time goes beside the resident model's
-#   dispatch  bench.dispatch on that model (auto, then direct mode): a small torch call's host
-#          time bare, beside the resident model, beside moestream's held, after its close
+#   dispatch  bench.dispatch on that model (auto, then direct mode): the resident model's
+#          speed as each part of a session enters the process (CuPy, device allocations,
+#          registered host memory, moestream's model held whole, its close)
 # Usage (GPU machine, repo root, .whl carried): STEPS=tests,held bash bench/gpu_owed.sh
 set -u
 DEADLINE=${DEADLINE:-560} R=/tmp/r-owed
@@ -19,6 +20,11 @@ cp $R/machine.txt $OUT/
 tarred() {  # name, seconds, command...: the step's log and files in $R/NAME return tarred
   step "$@"
   cp $R/steps.txt $OUT/ && tar czf $OUT/$1.tgz -C $R $1.log $(ls -d $R/$1 2>/dev/null | xargs -r -n1 basename) || true
+}
+M=/tmp/q/bf16-qwen3-30b-a3b-8-spread
+made() {  # the model the profile and dispatch steps share, made once a lease
+  [[ -f $M/config.json ]] || step make 150 python3 -m bench.transformers --make $M \
+    --shape qwen3-30b-a3b --layers 8 --spread --total 3GiB --tokens 8 --repeat 1 --runs resident
 }
 steps=${STEPS:-tests,held}
 if [[ $steps == *tests* ]]; then
@@ -29,7 +35,7 @@ fi
 if [[ $steps == *held* ]]; then
   mkdir -p $R/held
   for i in $(seq ${HELD:-3}); do
-    tarred held 200 python3 -m bench.transformers --make /tmp/q/bf16-qwen3-30b-a3b-8-spread \
+    tarred held 200 python3 -m bench.transformers --make $M \
       --shape qwen3-30b-a3b --layers 8 --spread --total 3GiB --tokens 32 --repeat 1 --rounds 3 \
       --runs resident,held --out $R/held/process$i.json
     python3 - $R/held/process$i.json <<'PY' | tee -a $R/steps.txt
@@ -45,20 +51,17 @@ PY
   cp $R/steps.txt $OUT/
 fi
 if [[ $steps == *profile* ]]; then
-  M=/tmp/q/bf16-qwen3-30b-a3b-8-spread
-  [[ -f $M/config.json ]] || step make 150 python3 -m bench.transformers --make $M \
-    --shape qwen3-30b-a3b --layers 8 --spread --total 3GiB --tokens 8 --repeat 1 --runs resident
+  made
   mkdir -p $R/profile
   tarred profile 300 python3 -m bench.experts_profile -m $M --device cuda --tokens 32 --top 70 \
     --resident --threads --timeline --out $R/profile/profile.txt
 fi
 if [[ $steps == *dispatch* ]]; then
-  M=/tmp/q/bf16-qwen3-30b-a3b-8-spread
-  [[ -f $M/config.json ]] || step make 150 python3 -m bench.transformers --make $M \
-    --shape qwen3-30b-a3b --layers 8 --spread --total 3GiB --tokens 8 --repeat 1 --runs resident
-  mkdir -p $R/dispatch
+  made
   for mode in auto direct; do
-    tarred dispatch 150 python3 -m bench.dispatch -m $M --mode $mode --out $R/dispatch/$mode.json
+    mkdir -p $R/dispatch-$mode
+    tarred dispatch-$mode 150 python3 -m bench.dispatch -m $M --mode $mode \
+      --out $R/dispatch-$mode/dispatch.json
   done
 fi
 cat $R/steps.txt
