@@ -42,19 +42,20 @@ async def close_devices(summary: RunSummary, streamers: Sequence[ExpertStreamer]
                         caches: Sequence[DeviceCache]) -> None:
     """Close the streamers (the home device's, which owns the mapping, last), then the
     caches, and put each device's budget, peak, allocations, frees and resident misses'
-    path in ``summary`` (``streamers[i]`` serves ``caches[i]``)."""
+    path in ``summary`` (``streamers[i]`` serves ``caches[i]``; an open that failed
+    partway may have made a device's cache and not its streamer: no path then)."""
     paths = [streamer.registered_path for streamer in streamers]
     for streamer in reversed(streamers):
         await streamer.aclose()
     budgets = []
-    for cache, path in zip(caches, paths, strict=True):
+    for i, cache in enumerate(caches):
         budgets.append(cache.budget_bytes)  # smaller after a device-OOM shrink
         cache.close()
         c = cache.counters
         summary.devices.append({"device": cache.device, "budget_bytes": budgets[-1],
                                 "peak_device_bytes": c.peak_device_bytes,
                                 "allocations": c.allocations, "frees": c.frees,
-                                "registered_path": path})
+                                **({"registered_path": paths[i]} if i < len(paths) else {})})
     # several devices: each one's peak is within its own budget; the sum bounds the total
     summary.peak_device_bytes = sum(cache.counters.peak_device_bytes for cache in caches)
     summary.allocations = sum(cache.counters.allocations for cache in caches)
