@@ -52,10 +52,13 @@ async def close_devices(summary: RunSummary, streamers: Sequence[ExpertStreamer]
         budgets.append(cache.budget_bytes)  # smaller after a device-OOM shrink
         cache.close()
         c = cache.counters
-        summary.devices.append({"device": cache.device, "budget_bytes": budgets[-1],
-                                "peak_device_bytes": c.peak_device_bytes,
-                                "allocations": c.allocations, "frees": c.frees,
-                                **({"registered_path": paths[i]} if i < len(paths) else {})})
+        device: dict[str, int | str] = {
+            "device": cache.device, "budget_bytes": budgets[-1],
+            "peak_device_bytes": c.peak_device_bytes, "allocations": c.allocations,
+            "frees": c.frees}
+        if i < len(paths):
+            device["registered_path"] = paths[i]
+        summary.devices.append(device)
     # several devices: each one's peak is within its own budget; the sum bounds the total
     summary.peak_device_bytes = sum(cache.counters.peak_device_bytes for cache in caches)
     summary.allocations = sum(cache.counters.allocations for cache in caches)

@@ -135,17 +135,20 @@ class RegisteredLayers(ExpertJobs):
                 ranges = self.layout(entry.key).ranges
                 if not all(mapping.is_registered(s.file_offset, s.nbytes) for s in ranges):
                     return None
-                # only what this streamer's path reads: the gather's copies, or the copy
-                # engines' pieces and their digest's ranges
-                # (both while the trial lasts)
-                spans = self._trial is not None or not self._gathers
-                copies = MappedCopies(
-                    gather_rows([(s.device_offset, mapping.address(s.file_offset), s.nbytes)
-                                 for s in ranges]) if self._gathers else [],
-                    [(s.device_offset + at, mapping.address(s.file_offset + at), n)
-                     for s in ranges for at, n in mapping.spans(s.file_offset, s.nbytes)]
-                    if spans else [],
-                    [(s.device_offset, s.nbytes) for s in ranges] if spans else [])
+                # only what this streamer's path reads (both while the trial lasts): the
+                # gather's copies, the copy engines' pieces and their digest's ranges
+                rows: list[int] = []
+                pieces: list[tuple[int, int, int]] = []
+                digested: list[tuple[int, int]] = []
+                if self._gathers:
+                    rows = gather_rows([(s.device_offset, mapping.address(s.file_offset),
+                                         s.nbytes) for s in ranges])
+                if self._trial is not None or not self._gathers:
+                    pieces = [(s.device_offset + at, mapping.address(s.file_offset + at), n)
+                              for s in ranges
+                              for at, n in mapping.spans(s.file_offset, s.nbytes)]
+                    digested = [(s.device_offset, s.nbytes) for s in ranges]
+                copies = MappedCopies(rows, pieces, digested)
                 self._copies[entry.key] = copies
             out.append(copies)
         return out
@@ -265,7 +268,7 @@ class RegisteredLayers(ExpertJobs):
         if gathers is not None:
             self._gathers, self._trial = gathers, None
             self._copies.clear()  # cut again for the chosen path alone
-            _log.info("registered_path_chosen", path="gather" if gathers else "copy_engines",
+            _log.info("registered_path_chosen", path=self.registered_path,
                       device=self._backend.device_name,
                       gather_gbps=round(trial.nbytes / max(trial.gather_s, 1e-9) / 1e9, 2),
                       copy_gbps=round(trial.nbytes / max(trial.copy_s, 1e-9) / 1e9, 2))
