@@ -65,19 +65,25 @@ def _thread_cpu() -> dict[int, float]:
     return {t.id: t.user_time + t.system_time for t in psutil.Process().threads()}
 
 
-def _busy_threads(device: Any) -> dict[str, Any]:
-    """The loop timed while each thread's CPU time is taken before and after: which threads
-    but the caller's ran meanwhile, and for how long."""
+def _meanwhile(work: Callable[[], Any]) -> tuple[Any, dict[str, float]]:
+    """``work``'s result, and each thread's CPU seconds while it ran (the threads that ran)."""
     names = {t.native_id: t.name for t in threading.enumerate()}
     before = _thread_cpu()
-    t0 = time.perf_counter()
-    us = _loop_us(device)
-    wall = time.perf_counter() - t0
+    result = work()
     after = _thread_cpu()
     ran = {f"{names.get(tid, '?')}:{tid}": round(cpu - before.get(tid, 0.0), 4)
            for tid, cpu in after.items() if cpu - before.get(tid, 0.0) > 0}
+    return result, ran
+
+
+def _busy_threads(device: Any) -> dict[str, Any]:
+    """The loop timed while each thread's CPU time is taken before and after: which threads
+    but the caller's ran meanwhile, and for how long."""
+    t0 = time.perf_counter()
+    us, ran = _meanwhile(lambda: _loop_us(device))
+    wall = time.perf_counter() - t0
     return {"us_a_call": us, "wall_s": round(wall, 3), "thread_cpu_s": ran,
-            "threads": len(after)}
+            "threads": len(psutil.Process().threads())}
 
 
 def _device_stages(stage: Callable[[], dict[str, Any]], buffers: int, nbytes: int,
@@ -137,11 +143,16 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     def stage() -> dict[str, Any]:
         """The loop and the threads now, and the resident model's best of two generates."""
-        rates = [args.tokens / _generate(resident, prompt, args.tokens, device)[1]
-                 for _ in range(2)]
-        return {**_busy_threads(device), "resident_tok_s": round(max(rates), 2)}
+        rates, ran = _meanwhile(lambda: [
+            args.tokens / _generate(resident, prompt, args.tokens, device)[1]
+            for _ in range(2)])
+        return {**_busy_threads(device), "resident_tok_s": round(max(rates), 2),
+                "generate_thread_cpu_s": ran}
 
-    stages: dict[str, Any] = {"bare_us_a_call": bare, "resident": stage()}
+    stages: dict[str, Any] = {
+        "cpus": {"logical": psutil.cpu_count(), "physical": psutil.cpu_count(logical=False),
+                 "affinity": len(psutil.Process().cpu_affinity() or [])},
+        "bare_us_a_call": bare, "resident": stage()}
     if device.type == "cuda":
         stages.update(_device_stages(stage, args.buffers, args.buffer_mib << 20,
                                      args.register_gib << 30))
