@@ -159,8 +159,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     model = from_pretrained(args.model, device=device, mode=args.mode)
     _fill_cache(model.moestream)
     stages["moestream_loaded"] = stage()
-    rates = [args.tokens / _generate(model, prompt, args.tokens, device)[1] for _ in range(3)]
+    rates, ran = _meanwhile(lambda: [
+        args.tokens / _generate(model, prompt, args.tokens, device)[1] for _ in range(3)])
     stages["moestream_tok_s"] = [round(r, 2) for r in rates]
+    stages["moestream_generate_thread_cpu_s"] = ran
     stages["after_moestream_generate"] = stage()
     model.moestream.close()
     stages["moestream_closed"] = stage()
