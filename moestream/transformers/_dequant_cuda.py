@@ -439,5 +439,5 @@ def kernels_serve(scales: object, dtype: Any) -> bool:
     if dtype not in CUDA_DTYPES:
         return False
     if isinstance(scales, GgufExperts):
-        return {scales.gate_up_type, scales.down_type} <= GGUF_TYPES
+        return scales.own(dtype) and {scales.gate_up_type, scales.down_type} <= GGUF_TYPES
     return isinstance(scales, LayerScales) and (scales.method != "fp8" or not scales.transposed)

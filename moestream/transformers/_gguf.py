@@ -22,10 +22,11 @@ same model with the routed experts left out:
 
 Served: the architectures transformers' legacy GGUF loader maps whose experts it stacks
 into ``gate_up_proj`` / ``down_proj`` (``TENSOR_PROCESSORS`` with a ``HF_MOE_W13_PATTERN``:
-qwen2moe, qwen3moe and minimax-m2 in transformers 5.17 to 5.25). Refused in one line: an
-architecture transformers maps no model from, one it maps through its newer GGUF
-conversion ops (``integrations/gguf``: qwen35moe), gpt-oss (its experts are transposed and
-interleaved), and a transformers without GGUF loading.
+qwen2moe, qwen3moe and minimax-m2 in transformers 5.17 to 5.25), and those it loads
+through its newer GGUF conversion ops (``integrations/gguf``: qwen35moe), whose dense
+tensors ``_gguf_ops`` builds by those ops. Refused in one line: an architecture
+transformers maps no model from, gpt-oss (its experts are transposed and interleaved), and
+a transformers without GGUF loading.
 """
 
 from __future__ import annotations
@@ -54,6 +55,11 @@ from moestream.transformers._arguments import first_line
 from moestream.transformers._gguf_ds4 import ds4_dense_tensors
 from moestream.transformers._gguf_ds4_config import ARCHITECTURE as DS4
 from moestream.transformers._gguf_ds4_config import ds4_config
+from moestream.transformers._gguf_ops import (
+    conversion_header,
+    converted_tensors,
+    uses_conversion_ops,
+)
 from moestream.transformers._gguf_tensors import dequantized
 
 __all__ = ["GgufSource", "dense_tensors", "gguf_model", "gguf_tokenizer", "is_gguf"]
@@ -98,27 +104,17 @@ def _served_archs(legacy: Any) -> list[str]:
 def _check_arch(path: Path, arch: str, legacy: Any) -> None:
     """Refuse, in one line naming it, an architecture moestream cannot serve from GGUF."""
     served = _served_archs(legacy)
-    if arch in served:
+    if arch in served or uses_conversion_ops(arch):
         return
     version = importlib.metadata.version("transformers")
     if arch in ("gpt-oss", "gpt_oss"):
         why = ("transformers keeps its experts transposed with gate and up interleaved, "
                "which moestream does not stream from GGUF")
-    elif _new_path(arch):
-        why = (f"transformers {version} loads it through its GGUF conversion ops "
-               "(integrations/gguf), which moestream does not follow yet")
     else:
         why = f"transformers {version} maps no MoE model from it"
     raise ModelFileError(path, f"GGUF architecture {arch[:40]!r}: {why} (served: "
-                         f"{', '.join(served)})")
-
-
-def _new_path(arch: str) -> bool:
-    try:
-        from transformers.integrations.gguf import utils
-    except ImportError:
-        return False
-    return bool(getattr(utils, "is_gguf_arch_supported", lambda _: False)(arch))
+                         f"{', '.join(served)}, and those transformers loads through its "
+                         "GGUF conversion ops)")
 
 
 @contextmanager
@@ -216,6 +212,9 @@ class GgufSource:
     arch: str
     processor: Any
     legacy: Any
+    header: Any = None
+    """transformers' ``GgufHeader`` where it loads the architecture through its conversion
+    ops (``_gguf_ops``; then no processor)."""
 
 
 def gguf_model(session: moestream.SyncSession,
@@ -240,19 +239,24 @@ def gguf_model(session: moestream.SyncSession,
             with tempfile.TemporaryDirectory(prefix="moestream-gguf-build-") as files:
                 return build(Path(files), config), config, GgufSource(path, arch, None, legacy)
         _check_arch(path, arch, legacy)
+        header = conversion_header(path, arch, reader) if uses_conversion_ops(arch) else None
         try:
             config = transformers.AutoConfig.from_pretrained(private, gguf_file=_LINK,
                                                              trust_remote_code=False)
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
             raise ModelFileError(path, f"transformers' GGUF config: {first_line(exc)}") from exc
-        for key, attribute in _FFN_KEYS:
-            stated = legacy.read_field(reader, f"{arch}.{key}")
-            if stated and hasattr(config, attribute):
-                setattr(config, attribute, int(stated[0]))
-        processor = legacy.TENSOR_PROCESSORS[arch](config=config.to_dict())
+        if header is not None:  # the dtype transformers loads such a file in
+            config.dtype = config.dtype or header.dtype or torch.float32
+            processor = None
+        else:
+            for key, attribute in _FFN_KEYS:
+                stated = legacy.read_field(reader, f"{arch}.{key}")
+                if stated and hasattr(config, attribute):
+                    setattr(config, attribute, int(stated[0]))
+            processor = legacy.TENSOR_PROCESSORS[arch](config=config.to_dict())
         with tempfile.TemporaryDirectory(prefix="moestream-gguf-build-") as files:
             model = build(Path(files), config)
-    return model, config, GgufSource(path, arch, processor, legacy)
+    return model, config, GgufSource(path, arch, processor, legacy, header)
 
 
 def gguf_tokenizer(session: moestream.SyncSession) -> Any:
@@ -277,12 +281,16 @@ def gguf_tokenizer(session: moestream.SyncSession) -> Any:
 
 def dense_tensors(model: Any, session: moestream.SyncSession,
                   source: GgufSource) -> Iterator[tuple[str, str | None, Any]]:
-    """Each non-routed tensor as transformers loads it: (file name, model name, float32
-    tensor on the CPU), read through the session, dequantized by gguf-py and processed by
-    transformers' tensor processor; tensors the model has no place for come with the model
-    name None."""
+    """Each non-routed tensor as transformers loads it: (file name, model name, tensor on
+    the CPU), read through the session, dequantized by gguf-py to float32 and processed by
+    transformers' tensor processor (or, for an architecture transformers loads by its
+    conversion ops, by those: ``_gguf_ops``); tensors the model has no place for come with
+    the model name None."""
     if source.arch == DS4:
         yield from ds4_dense_tensors(model, session)
+        return
+    if source.header is not None:
+        yield from converted_tensors(model, session, source.arch, source.header)
         return
     mapping = source.legacy.get_gguf_hf_weights_map(model, source.processor)
     for spec in session.model.tensors.values():

@@ -45,23 +45,64 @@ class GgufExperts:
     down_type: int
     method: str = "gguf"
     transposed: bool = False
+    in_dtype: bool = False
+    """The reference dequantizes in the compute dtype (transformers' conversion-ops path:
+    its own routines, whose arithmetic in bf16 or fp16 rounds along the way), not gguf-py's
+    float32 rounded once: into any dtype but float32 (where the two agree), transformers'
+    routine serves, not moestream's."""
+
+    def own(self, dtype: Any) -> bool:
+        """Whether moestream's dequantization (``_gguf_dequant``, the CUDA kernels) gives
+        the reference's values in ``dtype``."""
+        return not self.in_dtype or dtype == torch.float32
 
     def fill(self, experts: list[int], raws: tuple[Any, Any, Any], gate_up: Any,
              down: Any) -> None:
         """The stacked blocks of gate, up and down (``raws``: ``(n, rows, row_bytes)``
         each) dequantized into ``gate_up`` and ``down``: one call per matrix kind."""
         stacked = torch.cat((_bytes(raws[0]), _bytes(raws[1])), dim=1)
-        dequantize(stacked, self.gate_up_type, gate_up.dtype, out=gate_up)
-        dequantize(_bytes(raws[2]), self.down_type, down.dtype, out=down)
+        self._into(stacked, self.gate_up_type, gate_up)
+        self._into(_bytes(raws[2]), self.down_type, down)
 
     def expert(self, expert: int, raws: tuple[Any, Any, Any], dtype: Any
                ) -> tuple[Any, Any, Any]:
         """One expert's gate ``(F, D)``, up ``(F, D)`` and down ``(D, F)`` in ``dtype``, from
         its blocks (``raws``: ``(rows, row_bytes)`` each)."""
         gate, up, down = raws
-        return (dequantize(_bytes(gate), self.gate_up_type, dtype),
-                dequantize(_bytes(up), self.gate_up_type, dtype),
-                dequantize(_bytes(down), self.down_type, dtype))
+        if self.own(dtype):
+            return (dequantize(_bytes(gate), self.gate_up_type, dtype),
+                    dequantize(_bytes(up), self.gate_up_type, dtype),
+                    dequantize(_bytes(down), self.down_type, dtype))
+        return (_theirs(_bytes(gate), self.gate_up_type, dtype),
+                _theirs(_bytes(up), self.gate_up_type, dtype),
+                _theirs(_bytes(down), self.down_type, dtype))
+
+    def _into(self, blocks: Any, kind: int, out: Any) -> None:
+        if self.own(out.dtype):
+            dequantize(blocks, kind, out.dtype, out=out)
+        else:
+            out.copy_(_theirs(blocks, kind, out.dtype))
+
+
+def _theirs_read(*kinds: int) -> bool:
+    """Whether transformers' conversion-ops routines dequantize every one of ``kinds``."""
+    from transformers.integrations.gguf.dequant import GGML_BLOCK
+
+    return all(int(kind) in GGML_BLOCK or GGMLQuantizationType(kind).name in TORCH_DTYPES
+               for kind in kinds)
+
+
+def _theirs(blocks: Any, kind: int, dtype: Any) -> Any:
+    """``blocks`` ``(..., rows, row_bytes)`` as transformers' conversion-ops path
+    dequantizes them into ``dtype`` (its ``Dequantize`` op's routine), ``(..., rows,
+    values)``; a float type cast once, as its ``Cast`` does."""
+    float_type = TORCH_DTYPES.get(GGMLQuantizationType(kind).name)
+    if float_type is not None:
+        return blocks.contiguous().view(float_type).to(dtype)
+    from transformers.integrations.gguf.dequant import dequantize as transformers_dequantize
+
+    values = transformers_dequantize(blocks.contiguous().reshape(-1), kind, dtype)
+    return values.reshape(*blocks.shape[:-1], -1)
 
 
 def _bytes(matrix: Any) -> Any:
@@ -70,11 +111,13 @@ def _bytes(matrix: Any) -> Any:
     return matrix if matrix.dtype == torch.uint8 else matrix.view(torch.uint8)
 
 
-def gguf_experts(session: moestream.SyncSession, layers: list[int]) -> dict[int, GgufExperts]:
+def gguf_experts(session: moestream.SyncSession, layers: list[int], *,
+                 in_dtype: bool = False) -> dict[int, GgufExperts]:
     """Each quantized MoE layer's :class:`GgufExperts`, once every expert type is one
-    moestream dequantizes. A layer of float experts only (F16, BF16, F32) is left out: the
-    experts call casts those from the cache as it does a checkpoint's (on a GPU by copies
-    out of the cache, no stacking), the same values (a float type's values cast once).
+    moestream dequantizes (``in_dtype``: as :attr:`GgufExperts.in_dtype`). A layer of float
+    experts only (F16, BF16, F32) is left out: the experts call casts those from the cache
+    as it does a checkpoint's (on a GPU by copies out of the cache, no stacking), the same
+    values (a float type's values cast once).
 
     Raises:
         ModelFileError: a layer's experts in a type the dequantizer lacks (named).
@@ -89,5 +132,8 @@ def gguf_experts(session: moestream.SyncSession, layers: list[int]) -> dict[int,
                 raise ModelFileError(path, f"layer {layer}: experts in {kind.name}, a GGUF "
                                      f"type moestream does not dequantize (it does {names})")
         if {info.gate_up_type.name, info.down_type.name} - set(TORCH_DTYPES):
-            out[layer] = GgufExperts(int(info.gate_up_type), int(info.down_type))
+            # a type transformers' routines lack (MXFP4, say): transformers loads no such
+            # file at all, and gguf-py's values are the reference, as on the legacy path
+            kinds = int(info.gate_up_type), int(info.down_type)
+            out[layer] = GgufExperts(*kinds, in_dtype=in_dtype and _theirs_read(*kinds))
     return out

@@ -200,7 +200,7 @@ def _weights(model: Any, session: moestream.SyncSession, device: Any, progress: 
     """Load the dense weights; the dequantization of each quantized layer's experts."""
     if gguf is not None:
         load_gguf_dense(model, session, device, progress, gguf)
-        return dict(gguf_experts(session, layers))
+        return dict(gguf_experts(session, layers, in_dtype=gguf.header is not None))
     load_dense(model, session, device, progress)
     return dict(load_scales(session, layers, device, tensor_reader(session)))
 
