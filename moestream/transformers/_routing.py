@@ -50,6 +50,7 @@ from moestream.transformers._expert_compute import slotted_grouped
 from moestream.transformers._gguf_experts import GgufExperts
 from moestream.transformers._launch import current_stream
 from moestream.transformers._layout import TORCH_DTYPES, batched_mm, first_projection
+from moestream.transformers._mtp import mtp_layers
 from moestream.transformers._quantized import LayerScales
 from moestream.transformers._table import LayerTable
 
@@ -104,9 +105,13 @@ class WholeLayers:
         self.fill = fill
         self.in_place = in_place
         info = session.model
+        # the model's MoE layers: a checkpoint's multi-token-prediction layers are never
+        # fetched (the model has none), so waiting for their experts would never end
+        skipped = mtp_layers(info.config, info.moe_layers)
+        self._moe_layers = [layer for layer in info.moe_layers if layer not in skipped]
         self._total = sum(info.layers[layer].n_experts * info.layers[layer].expert_bytes
-                          for layer in info.moe_layers)
-        self._largest = max((info.layers[layer].expert_bytes for layer in info.moe_layers),
+                          for layer in self._moe_layers)
+        self._largest = max((info.layers[layer].expert_bytes for layer in self._moe_layers),
                             default=0)
         self._views: dict[int, InPlace] = {}  # by layer: every expert in the mapping
         self._wait = 0  # tokens before the mapping is asked again for every layer
@@ -118,7 +123,7 @@ class WholeLayers:
         # memory): once either rules the model out, it is never held whole
         self._never = len(session.devices) != 1
         self._layers = [(layer, range(info.layers[layer].n_experts))
-                        for layer in info.moe_layers]
+                        for layer in self._moe_layers]
         self._tables: dict[tuple[int, Any], LayerTable | None] = {}
         self._whole: bool | None = None
         self.period = 0
@@ -232,7 +237,7 @@ class WholeLayers:
             return False
         info = self.session.model
         views = {}
-        for layer in info.moe_layers:
+        for layer in self._moe_layers:
             view = self.session.in_place(layer, range(info.layers[layer].n_experts))
             if view is None:
                 self._wait = _RETRY_TOKENS

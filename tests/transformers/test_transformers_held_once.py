@@ -30,11 +30,11 @@ class _Session:
     """What ``WholeLayers`` asks of a session: its devices, model, budget and readiness;
     each ``ready`` question recorded."""
 
-    def __init__(self, layers: list[int], budget_bytes: int, devices: tuple[int, ...] = (0,)
-                 ) -> None:
+    def __init__(self, layers: list[int], budget_bytes: int, devices: tuple[int, ...] = (0,),
+                 config: dict[str, int] | None = None) -> None:
         self.devices = devices
         self.model = SimpleNamespace(
-            moe_layers=layers,
+            moe_layers=layers, config=config or {},
             layers={layer: SimpleNamespace(n_experts=4, expert_bytes=EXPERT_BYTES)
                     for layer in layers})
         self.budget_bytes = budget_bytes
@@ -117,6 +117,19 @@ class TestHoldsEveryExpert:
         session.not_ready = set()
         assert whole._holds_every_expert()  # every layer asked before a yes
         assert sorted(session.asked) == [1, 2, 3, 4]
+
+
+    def test_a_multi_token_prediction_layer_is_not_waited_for(self) -> None:
+        """A checkpoint's MTP layer (DeepSeek-V3's ``num_nextn_predict_layers``) is never
+        fetched, since the model has none: the model is held whole once its own layers
+        are, within a budget for its own layers' experts, and the fill hints none of the
+        MTP layer's experts."""
+        session = _Session([1, 2, 3], budget_bytes=2 * 4 * EXPERT_BYTES,
+                           config={"num_hidden_layers": 3, "num_nextn_predict_layers": 1})
+        session.not_ready, session.lacking = {3}, {0, 1, 2, 3}
+        whole = _routing.WholeLayers(session, "cpu", fill=2)
+        assert whole.holding() == 1
+        assert 3 not in session.asked and not hasattr(session, "hinted")
 
 
 class TestAccount:
