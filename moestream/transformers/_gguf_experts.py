@@ -6,7 +6,9 @@ dtype on the device: on a GPU by ``_dequant_cuda.gguf_layer_cuda`` (one CuPy ker
 a type, reading the cache in place), elsewhere (and for a float type among them) by
 :meth:`GgufExperts.fill`, ``_gguf_dequant.dequantize``'s torch ops. Both give gguf-py's
 float32 rounded once to the dtype, bit for bit: what transformers' own GGUF loading gives,
-since it dequantizes with gguf-py and casts. A layer's gate and up share one ggml type (the
+since it dequantizes with gguf-py and casts (an architecture transformers loads through its
+conversion ops dequantizes by its own routines in the model's dtype: outside float32 those
+serve, :attr:`GgufExperts.in_dtype`). A layer's gate and up share one ggml type (the
 table checks it) and are dequantized together straight into the stacked ``gate_up`` (gate
 rows first, as transformers stacks ``ffn_gate_exps`` and ``ffn_up_exps``); down apart where
 its type differs. Types may differ from layer to layer and between gate/up and down; float
@@ -69,13 +71,10 @@ class GgufExperts:
         """One expert's gate ``(F, D)``, up ``(F, D)`` and down ``(D, F)`` in ``dtype``, from
         its blocks (``raws``: ``(rows, row_bytes)`` each)."""
         gate, up, down = raws
-        if self.own(dtype):
-            return (dequantize(_bytes(gate), self.gate_up_type, dtype),
-                    dequantize(_bytes(up), self.gate_up_type, dtype),
-                    dequantize(_bytes(down), self.down_type, dtype))
-        return (_theirs(_bytes(gate), self.gate_up_type, dtype),
-                _theirs(_bytes(up), self.gate_up_type, dtype),
-                _theirs(_bytes(down), self.down_type, dtype))
+        routine = dequantize if self.own(dtype) else _theirs
+        return (routine(_bytes(gate), self.gate_up_type, dtype),
+                routine(_bytes(up), self.gate_up_type, dtype),
+                routine(_bytes(down), self.down_type, dtype))
 
     def _into(self, blocks: Any, kind: int, out: Any) -> None:
         if self.own(out.dtype):
