@@ -106,16 +106,18 @@ def _add(writer: GGUFWriter, name: str, value: np.ndarray, kind: Q, seed: int = 
 
 
 def write_qwen35moe(path: Path, types: list[tuple[Q, Q]], dense: Q = Q.Q8_0,
-                    mtp: bool = False) -> Path:
+                    mtp: bool = False, split_max_tensors: int = 0) -> Path:
     """A tiny Qwen3.5-MoE GGUF as llama.cpp writes one (the module docstring); with
     ``mtp``, a multi-token-prediction block after the decoder's layers, as llama.cpp writes
-    it (``blk.{layers}``, with routed experts of its own)."""
+    it (``blk.{layers}``, with routed experts of its own); with ``split_max_tensors``,
+    split into shards of that many tensors by gguf's writer (the first shard's path is
+    returned)."""
     config = _config()
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     names = gguf.get_tensor_name_map(
         next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == ARCH), config.num_hidden_layers)
-    writer = GGUFWriter(path, ARCH)
+    writer = GGUFWriter(path, ARCH, split_max_tensors=split_max_tensors)
     _metadata(writer, config, mtp)
     state = {name: value.detach().numpy() for name, value in model.state_dict().items()}
     for name, value in state.items():
@@ -151,7 +153,7 @@ def write_qwen35moe(path: Path, types: list[tuple[Q, Q]], dense: Q = Q.Q8_0,
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    return path
+    return writer.format_shard_names(path)[0]
 
 
 def _mtp_block(writer: GGUFWriter, state: dict[str, np.ndarray], block: int) -> None:
@@ -194,6 +196,16 @@ class TestExact:
         path = files[kind]
         assert_streams_like(_transformers(path, implementation, dtype), path, compute,
                             dtype=dtype)
+
+    def test_split_file(self, files: dict[str, Path], tmp_path: Path) -> None:
+        """The same model split into shards of seven tensors (large Qwen3.5 files ship
+        split), opened by a later shard's name: transformers' own loading of the whole
+        file (it reads no split file)."""
+        split = write_qwen35moe(tmp_path / "model.gguf", TYPES["k_quants"],
+                                split_max_tensors=7)
+        shards = sorted(split.parent.glob("model-*-of-*.gguf"))
+        assert split == shards[0] and len(shards) > 2
+        assert_streams_like(_transformers(files["k_quants"], "eager"), shards[1], "eager")
 
     def test_dense_weights_are_transformers(self, files: dict[str, Path]) -> None:
         """Every dense tensor equals transformers' own (norms un-offset, ``A_log``, the
