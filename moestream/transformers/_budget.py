@@ -23,6 +23,7 @@ from moestream.pipeline.foundation.errors import UsageError, UsageTypeError
 from moestream.pipeline.foundation.experts import ExpertTable
 from moestream.pipeline.foundation.sizes import size_text
 from moestream.pipeline.foundation.table import open_table
+from moestream.transformers._mtp import mtp_layers
 from moestream.transformers._scale_budget import scale_bytes
 
 __all__ = ["budget_for", "dense_bytes", "warn_if_clamped"]
@@ -162,8 +163,10 @@ def warn_if_clamped(session: moestream.SyncSession, budget: Any) -> None:
     cache was cut to it and more experts will miss than the budget promised."""
     info = session.model
     expert_bytes = max(layer.expert_bytes for layer in info.layers.values())
-    if budget is None:
-        wanted = sum(layer.n_experts * layer.expert_bytes for layer in info.layers.values())
+    if budget is None:  # the model's experts: a checkpoint's MTP layers are never fetched
+        skipped = mtp_layers(info.config, info.layers)
+        wanted = sum(layer.n_experts * layer.expert_bytes
+                     for index, layer in info.layers.items() if index not in skipped)
         asked = f"every expert ({size_text(wanted)})"
     else:
         given = budget if isinstance(budget, Budget) else parse_budget(str(budget))

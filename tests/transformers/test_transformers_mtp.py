@@ -11,7 +11,9 @@ must moestream, with logits and greedy tokens equal, plain and FP8.
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -24,6 +26,7 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 
 from moestream import transformers as mt  # noqa: E402
 from moestream.pipeline.foundation.errors import ExpertLayoutError  # noqa: E402
+from moestream.transformers._budget import warn_if_clamped  # noqa: E402
 from moestream.transformers._mtp import mtp_layers  # noqa: E402
 from tests.quantized import assert_streams_like, dequantized, fp8_checkpoint  # noqa: E402
 
@@ -128,3 +131,25 @@ class TestMtpLayer:
 ])
 def test_mtp_layers(config: dict[str, Any], layers: Any, want: set[int]) -> None:
     assert mtp_layers(config, layers) == want
+
+
+class TestClampWarning:
+    """``warn_if_clamped`` with every expert asked: the model's own experts, not a
+    checkpoint's MTP layer, which is never fetched."""
+
+    @staticmethod
+    def _session(held: int) -> Any:
+        config = {"num_hidden_layers": 3, "num_nextn_predict_layers": 1}
+        layers = {layer: SimpleNamespace(n_experts=4, expert_bytes=100)
+                  for layer in (1, 2, 3)}
+        return SimpleNamespace(model=SimpleNamespace(layers=layers, config=config),
+                               counters=lambda: SimpleNamespace(budget_bytes=held))
+
+    def test_room_for_the_models_experts_is_no_clamp(self) -> None:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            warn_if_clamped(self._session(2 * 4 * 100), None)
+
+    def test_less_is_warned(self) -> None:
+        with pytest.warns(UserWarning, match="every expert"):
+            warn_if_clamped(self._session(2 * 4 * 100 - 1), None)
