@@ -19,10 +19,9 @@ from transformers.quantizers.base import HfQuantizer  # type: ignore[import-not-
 
 import moestream
 from moestream.pipeline.foundation.errors import ExpertLayoutError, ModelFileError
-from moestream.transformers._arguments import first_line
 from moestream.transformers._gguf import GgufSource, dense_tensors
 from moestream.transformers._quantized import DenseScales
-from moestream.transformers._renaming import renamer
+from moestream.transformers._renaming import converted, renamer
 
 __all__ = ["load_dense", "load_gguf_dense", "tensor_reader"]
 
@@ -166,16 +165,11 @@ def _convert(model: Any, root: Path, merged: dict[str, Any], loaded: _Loaded) ->
     """Build the tensors of ``merged`` by their converters (transformers' own) and assign
     them."""
     for target, converter in merged.items():
-        try:
-            built = converter.convert(target, model=model, config=model.config)
-        except Exception as exc:  # transformers' ops raise their own errors
-            raise ModelFileError(root, f"{target}: transformers' converter failed: "
-                                 f"{first_line(exc)}") from exc
-        for name, tensor in built.items():
+        for name, tensor in converted(converter, target, model, root, target).items():
             if name not in loaded.expected:
                 loaded.unexpected.append(name)
                 continue
-            loaded.assign(target, name, tensor[0] if isinstance(tensor, list) else tensor)
+            loaded.assign(target, name, tensor)
 
 
 def tensor_reader(session: moestream.SyncSession) -> Any:

@@ -25,7 +25,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
 
 import moestream
 from moestream.pipeline.foundation.errors import ModelFileError
-from moestream.transformers._arguments import first_line
+from moestream.transformers._renaming import converted
 
 __all__ = ["conversion_header", "converted_tensors", "uses_conversion_ops"]
 
@@ -88,13 +88,8 @@ def converted_tensors(model: Any, session: moestream.SyncSession, arch: str,
         converter = copy.deepcopy(by_pattern[pattern])
         converter.add_tensor(target, spec.name, pattern, _raw(path, spec,
                                                               session.read_tensor(spec.name)))
-        try:
-            built = converter.convert(target, model=model, config=model.config)
-        except Exception as exc:  # transformers' ops raise their own errors
-            raise ModelFileError(path, f"{spec.name[:120]}: transformers' GGUF conversion "
-                                 f"failed: {first_line(exc)[:200]}") from exc
-        for name, tensor in built.items():
-            yield spec.name, name, tensor[0] if isinstance(tensor, list) else tensor
+        for name, tensor in converted(converter, target, model, path, spec.name).items():
+            yield spec.name, name, tensor
 
 
 _FLOATS = {GGMLQuantizationType.F32: torch.float32, GGMLQuantizationType.F16: torch.float16,

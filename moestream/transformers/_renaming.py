@@ -1,16 +1,22 @@
-"""Checkpoint names to a transformers model's names, by transformers' own conversion mapping.
+"""Checkpoint names to a transformers model's names, by transformers' own conversion mapping,
+and its converters run.
 
-Apart from the dense loader because two loaders rename: the safetensors checkpoints' and the
-DeepSeek-V4 GGUF mapping's, which maps ds4's names to DeepSeek's checkpoint names first.
+Apart from the dense loader because three loaders rename: the safetensors checkpoints', the
+DeepSeek-V4 GGUF mapping's, which maps ds4's names to DeepSeek's checkpoint names first, and
+the GGUF conversion ops' (``_gguf_ops``).
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import structlog
 
-__all__ = ["renamer"]
+from moestream.pipeline.foundation.errors import ModelFileError
+from moestream.transformers._arguments import first_line
+
+__all__ = ["converted", "renamer"]
 
 _log = structlog.get_logger("moestream.transformers")
 
@@ -48,3 +54,19 @@ def renamer(model: Any) -> Any:
         return renamed, (by_pattern[pattern], pattern) if pattern is not None else None
 
     return rename
+
+
+def converted(converter: Any, target: str, model: Any, path: Path, name: str) -> dict[str, Any]:
+    """The tensors ``converter`` (a copy of transformers' own, holding its sources) builds
+    for ``target``, by model name.
+
+    Raises:
+        ModelFileError: one of its ops failed (``name``, the tensor, and the op's reason).
+    """
+    try:
+        built = converter.convert(target, model=model, config=model.config)
+    except Exception as exc:  # transformers' ops raise their own errors
+        raise ModelFileError(path, f"{name[:120]}: transformers' converter failed: "
+                             f"{first_line(exc)[:200]}") from exc
+    return {key: tensor[0] if isinstance(tensor, list) else tensor
+            for key, tensor in built.items()}
