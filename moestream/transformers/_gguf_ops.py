@@ -25,6 +25,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
 
 import moestream
 from moestream.pipeline.foundation.errors import ModelFileError
+from moestream.transformers._layout import TORCH_DTYPES
 from moestream.transformers._renaming import converted
 
 __all__ = ["conversion_header", "converted_tensors", "uses_conversion_ops"]
@@ -92,10 +93,6 @@ def converted_tensors(model: Any, session: moestream.SyncSession, arch: str,
             yield spec.name, name, tensor
 
 
-_FLOATS = {GGMLQuantizationType.F32: torch.float32, GGMLQuantizationType.F16: torch.float16,
-           GGMLQuantizationType.BF16: torch.bfloat16}
-
-
 def _raw(path: Path, spec: moestream.TensorSpec, data: bytearray) -> Any:
     """A tensor's bytes as transformers' GGUF reader hands them to the ops: a float type's
     values in that type, a block type's blocks as ``uint8`` rows."""
@@ -103,8 +100,8 @@ def _raw(path: Path, spec: moestream.TensorSpec, data: bytearray) -> Any:
 
     kind = GGMLQuantizationType[spec.dtype]
     raw = torch.frombuffer(data, dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
-    if kind in _FLOATS:
-        return raw.view(_FLOATS[kind]).reshape(spec.shape)
+    if kind.name in TORCH_DTYPES:
+        return raw.view(TORCH_DTYPES[kind.name]).reshape(spec.shape)
     if int(kind) not in GGML_BLOCK:
         raise ModelFileError(path, f"{spec.name[:120]}: a {kind.name} tensor, a type "
                              "transformers' GGUF conversion does not read")
