@@ -197,6 +197,39 @@ class TestExact:
         assert_streams_like(_transformers(path, implementation, dtype), path, compute,
                             dtype=dtype)
 
+    @pytest.mark.parametrize("mode", ["direct", "resident"])
+    def test_each_io_mode(self, files: dict[str, Path], mode: str) -> None:
+        """The same equality whether the blocks come by O_DIRECT reads (aligned covers of
+        GGUFWriter's offsets) or from the page cache."""
+        path = files["i_quants"]
+        assert_streams_like(_transformers(path, "eager"), path, "eager", mode=mode)
+
+    @pytest.mark.parametrize("kind", sorted(TYPES))
+    def test_each_expert_matrix_is_transformers(self, files: dict[str, Path],
+                                                kind: str) -> None:
+        """Every routed expert matrix of the file, dequantized by moestream's routine into
+        float32 (the one its kernels match), equals transformers' conversion-ops routine's,
+        and in bf16 the routine moestream then takes is transformers' own."""
+        from transformers.integrations.gguf.dequant import dequantize as theirs
+
+        from moestream.transformers._gguf_dequant import dequantize as ours
+        from moestream.transformers._gguf_experts import GgufExperts
+
+        reader = gguf.GGUFReader(files[kind])
+        routed = [t for t in reader.tensors if "_exps." in t.name]
+        assert len(routed) == 3 * len(TYPES[kind])
+        for tensor in routed:
+            blocks = torch.from_numpy(np.array(tensor.data)).view(torch.uint8)
+            blocks = blocks.reshape(*blocks.shape[:-1], -1)
+            kind_id = int(tensor.tensor_type)
+            if tensor.tensor_type in (Q.BF16, Q.F16, Q.F32):
+                continue  # cast once on both paths, no dequantization
+            want = theirs(blocks.reshape(-1), kind_id, torch.float32).reshape(
+                *blocks.shape[:-1], -1)
+            assert torch.equal(ours(blocks, kind_id, torch.float32), want), tensor.name
+            experts = GgufExperts(kind_id, kind_id, in_dtype=True)
+            assert not experts.own(torch.bfloat16) and experts.own(torch.float32)
+
     def test_split_file(self, files: dict[str, Path], tmp_path: Path) -> None:
         """The same model split into shards of seven tensors (large Qwen3.5 files ship
         split), opened by a later shard's name: transformers' own loading of the whole
