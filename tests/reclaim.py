@@ -13,9 +13,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
+
 from moestream.stages.residency import Residency
 
-__all__ = ["RECLAIM_SLACK", "assert_all_resident", "proactive_reclaim"]
+__all__ = ["RECLAIM_SLACK", "assert_all_resident", "assert_resident_pages", "proactive_reclaim"]
 
 _DAMON = Path("/sys/kernel/mm/damon/admin/kdamonds")
 
@@ -43,3 +45,17 @@ def assert_all_resident(residency: Residency) -> None:
     assert residency.fraction >= 1.0 - RECLAIM_SLACK, (
         f"{residency.n_pages - residency.resident_page_count} of {residency.n_pages} pages "
         f"not resident (this machine's reclaim may take {RECLAIM_SLACK:.1%})")
+
+
+def assert_resident_pages(residency: Residency, expected: set[int]) -> None:
+    """Exactly ``expected`` resident, but for what this machine's own reclaim may have taken.
+
+    Reclaim only takes pages out, so a resident page outside ``expected`` is always wrong.
+    """
+    resident = {int(page) for page in np.flatnonzero(residency.pages)}
+    extra = sorted(resident - expected)
+    assert not extra, f"{len(extra)} pages resident that should not be, from {extra[:10]}"
+    taken = len(expected - resident)
+    assert taken <= RECLAIM_SLACK * residency.n_pages, (
+        f"{taken} of {len(expected)} expected pages not resident "
+        f"(this machine's reclaim may take {RECLAIM_SLACK:.1%} of {residency.n_pages})")

@@ -30,7 +30,7 @@ from moestream.stages.residency import (
     resident_pages,
 )
 from moestream.stages.warm import Loader, TokenBucket, WarmEngine
-from tests.reclaim import assert_all_resident
+from tests.reclaim import assert_all_resident, assert_resident_pages
 
 MIB = 1 << 20
 
@@ -266,7 +266,7 @@ class TestEvict:
         res = Residency.of_file(cold)
         gone = page_set([r])
         assert left == len(gone) * PAGE_BYTES
-        assert set(np.flatnonzero(~res.pages)) == gone
+        assert_resident_pages(res, set(range(res.n_pages)) - gone)
 
     def test_evict_whole_file(self, cold: Path) -> None:
         read_all(cold)
@@ -347,8 +347,7 @@ class TestWarmEngine:
         async with WarmEngine(cold, threads=4, piece_bytes=MIB, loader=loader) as engine:
             result = await engine.warm(ranges)
         assert result.bytes_read == sum(r.nbytes for r in ranges)
-        res = Residency.of_file(cold)
-        assert set(np.flatnonzero(res.pages)) == page_set(ranges)
+        assert_resident_pages(Residency.of_file(cold), page_set(ranges))
 
     @pytest.mark.parametrize("loader", ["sendfile", "preadv"])
     async def test_large_stretches_are_streamed(self, cold: Path, loader: Loader) -> None:
