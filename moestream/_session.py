@@ -259,15 +259,16 @@ class Session:
         event = event_after(backends[0], target)
         return event is None or event.done()
 
-    def _use_cached(self, layer: Index, experts: ExpertIds) -> bool:
-        """``SyncSession.used`` of one layer with no lease, where it can
-        (``StreamSession.use_cached``: every expert cached and landed), once the engine's
-        compute on them has run (``_ran``): nothing to pin, no last use to record."""
-        layer = index(layer, "layer")
-        chosen = expert_ids(experts, layer)
+    def _use_cached(self, calls: list[tuple[Index, ExpertIds]]) -> list[tuple[int, list[int]]]:
+        """``SyncSession.used`` of a token's calls with no lease where it can
+        (``LeaseDesk.use_cached``: every expert of a call cached and landed), once the
+        engine's compute on them has run (``_ran``): nothing to pin, no last use to record.
+        Returns the calls that need a lease (checked)."""
+        checked = [(layer := index(raw, "layer"), expert_ids(experts, layer))
+                   for raw, experts in calls]
         if self._drops:
             self._release_drops()
-        return self._streaming.use_cached(layer, chosen)
+        return self._streaming.use_cached(checked)
 
     def _fetch(self, layer: Index, experts: ExpertIds,
                face: Callable[[LayerLease, LeaseShared, StreamSession,

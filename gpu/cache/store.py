@@ -155,15 +155,20 @@ class DeviceCache:
             pinned.add(entry.key)
         return LayerPlan(hits)
 
-    def use_hits(self, keys: Sequence[ExpertKey]) -> list[Entry] | None:
+    def use_hits(self, layer: int, experts: Sequence[int]) -> list[Entry] | None:
         """A layer's experts an engine computed on with no lease, every one held and
         landed, and its compute on them over: the same uses for the policy and counters as
         a plan of them (``plan_layer``) and their release would make, with no pin taken
         and given back, and no last use to record. None, nothing done, when one is not
         held or not landed."""
-        hits = self._held(keys)
-        if hits is None or not all(entry.ready for entry in hits):
-            return None
+        entries = self._entries
+        keys = [(layer, expert) for expert in experts]
+        hits: list[Entry] = []
+        for key in keys:
+            entry = entries.get(key)
+            if entry is None or not entry.ready:
+                return None
+            hits.append(entry)
         self._hit(keys, hits)
         return hits
 

@@ -73,9 +73,9 @@ class LeaseDesk(TokenLedger):
             raise UsageError(f"layer {layer} is not a MoE layer (MoE layers: "
                              f"{table.moe_layers[0]}..{table.moe_layers[-1]})")
         chosen = [int(e) for e in experts]
-        bad = [e for e in chosen if not 0 <= e < info.n_experts]
-        if bad:
-            raise UsageError(f"layer {layer} has experts 0..{info.n_experts - 1}, not {bad[0]}")
+        if chosen and not (min(chosen) >= 0 and max(chosen) < info.n_experts):
+            bad = next(e for e in chosen if not 0 <= e < info.n_experts)
+            raise UsageError(f"layer {layer} has experts 0..{info.n_experts - 1}, not {bad}")
         if len(set(chosen)) != len(chosen):
             raise UsageError(f"layer {layer}: experts {chosen} name one expert twice")
         return chosen
@@ -154,25 +154,35 @@ class LeaseDesk(TokenLedger):
             self._holds.discard(id(owner))
             self._background.resume()
 
-    def use_cached(self, layer: int, experts: Sequence[int]) -> bool:
-        """Count ``experts`` of ``layer``, an engine's compute on them over, as a lease of
-        them would be counted from its fetch to its release, with no lease: when the
-        session has one device, no hint of the layer is pending and every one is cached
-        and landed (``SyncSession.used``'s common case: a budget that holds every expert).
-        False, nothing done, where a lease is needed.
+    def use_cached(self, calls: Sequence[tuple[int, Sequence[int]]]
+                   ) -> list[tuple[int, list[int]]]:
+        """Count each call's ``experts`` of its ``layer``, an engine's compute on them over,
+        as a lease of them would be counted from its fetch to its release, with no lease:
+        when the session has one device, no hint of the layer is pending and every one is
+        cached and landed (``SyncSession.used``'s common case: a budget that holds every
+        expert). One pass over a token's calls: the engine tells them at its end, and a
+        call a layer there would cost more than the counting does.
+
+        Returns:
+            The calls not counted (checked: a list of ints each), in order: each needs a
+            lease.
 
         Raises:
-            UsageError: as ``fetch``.
+            UsageError: as ``fetch`` (before anything is counted).
         """
-        chosen = self._check_layer(layer, experts)
-        if len(self.caches) != 1 or layer in self._hints:
-            return False
-        hits = self.caches[0].use_hits([(layer, e) for e in chosen])
-        if hits is None:
-            return False
+        checked = [(layer, self._check_layer(layer, experts)) for layer, experts in calls]
+        if len(self.caches) != 1:
+            return checked
+        cache, hints = self.caches[0], self._hints
+        rest: list[tuple[int, list[int]]] = []
         self._clock()
-        self._count_hits(layer, chosen, hits)
-        return True
+        for layer, chosen in checked:
+            hits = None if layer in hints else cache.use_hits(layer, chosen)
+            if hits is None:
+                rest.append((layer, chosen))
+            else:
+                self._count_hits(layer, chosen, hits)
+        return rest
 
     def in_place(self, layer: int, experts: Sequence[int]
                  ) -> tuple[Any, list[tuple[int, ...]], list[tuple[int, ...]]] | None:

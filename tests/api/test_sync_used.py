@@ -116,3 +116,35 @@ def test_used_of_cached_layers_takes_no_lease(tiny_model: Path,
         ms.used([(b, [2])])
         stats = ms.end_token(compute_ms=0.0)
     assert leases == [b] and (stats.hits, stats.misses) == (2, 1)
+
+
+def test_a_bad_call_counts_nothing(tiny_model: Path) -> None:
+    """A token's calls are checked before any is counted: an expert out of range in the
+    last call leaves the first, all cached, uncounted too."""
+    with moestream.open_sync(tiny_model, backend="host", mode="direct") as ms:
+        a, b = ms.model.moe_layers[:2]
+        with ms.fetch(a, [0]) as lease:
+            lease.gather()
+        ms.end_token()
+        before = ms.counters().hits
+        with pytest.raises(moestream.UsageError, match="not 999"):
+            ms.used([(a, [0]), (b, [999])])
+        assert ms.counters().hits == before
+        assert ms.end_token(compute_ms=0.0).hits == 0
+
+
+def test_cached_calls_are_counted_before_a_miss_evicts(tiny_model: Path) -> None:
+    """A full cache and a token whose middle call misses: the cached calls are counted
+    (touched) first, so the miss evicts an expert the token did not use, never the last
+    call's (which would then miss too)."""
+    with moestream.open_sync(tiny_model, backend="host", mode="direct", budget="8") as ms:
+        a, b, c = ms.model.moe_layers[:3]
+        # the cache full: c's expert 0 the least recently used, then a's 0..3, b's 4..6
+        for layer, experts in ((c, [0]), (a, [0, 1, 2, 3]), (b, [4, 5, 6])):
+            with ms.fetch(layer, experts) as lease:
+                lease.gather()
+        ms.end_token()
+        assert ms.used([(a, [0]), (b, [1]), (c, [0])]) is False  # b's expert 1 missed
+        stats = ms.end_token(compute_ms=0.0)
+        assert (stats.hits, stats.misses) == (2, 1)
+        assert ms.ready(c, [0]) and not ms.ready(a, [1])  # a's 1 went for it
