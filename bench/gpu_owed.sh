@@ -12,6 +12,8 @@
 #   dispatch  bench.dispatch on that model (auto, then direct mode): the resident model's
 #          speed as each part of a session enters the process (CuPy, device allocations,
 #          registered host memory, moestream's model held whole, its close)
+#   cost   bench.held_cost on that model: a held token's experts calls, its start and end and
+#          the rest of its wall time, unprofiled, beside the resident model's (5 rounds)
 # Usage (GPU machine, repo root, .whl carried): STEPS=tests,held bash bench/gpu_owed.sh
 set -u
 DEADLINE=${DEADLINE:-560} R=/tmp/r-owed
@@ -63,5 +65,11 @@ if [[ $steps == *dispatch* ]]; then
     tarred dispatch-$mode 150 python3 -m bench.dispatch -m $M --mode $mode \
       --out $R/dispatch-$mode/dispatch.json
   done
+fi
+if [[ $steps == *cost* ]]; then
+  made
+  mkdir -p $R/cost
+  tarred cost 150 python3 -m bench.held_cost -m $M --device cuda --tokens 32 --rounds 5 \
+    --out $R/cost/held_cost.json
 fi
 cat $R/steps.txt

@@ -1,0 +1,37 @@
+"""bench.held_cost: the resident and held runs alternated in one process, each token's
+experts calls and moestream's token start and end timed apart from the rest."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from bench.held_cost import main
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+
+
+def test_tiny_run_times_each_part(tmp_path: Path) -> None:
+    out = tmp_path / "held.json"
+    assert main(["--make", str(tmp_path / "m"), "--shape", "tiny", "--tokens", "4",
+                 "--rounds", "2", "--device", "cpu", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    resident, held = report["resident"], report["held"]
+    assert len(resident["each_tok_s"]) == len(held["each_tok_s"]) == 2
+    # both models' experts calls are timed; only the held one has moestream's token end
+    assert resident["experts_us"] > 0 and held["experts_us"] > 0
+    assert resident["end_us"] == 0 and held["end_us"] > 0
+    assert held["end_us"] >= max(held["take_us"], held["account_us"], held["session_us"])
+    assert held["rest_us"] > 0 and report["x_resident"] > 0
+    # every held token ended through the session (2 rounds of 4): none lost to the timing
+    assert report["whole_tokens"][1] == 8
+
+
+def test_one_model_source_is_asked(tmp_path: Path) -> None:
+    with pytest.raises(SystemExit):
+        main(["--device", "cpu"])
