@@ -17,7 +17,8 @@ import numpy as np
 
 from moestream.stages.residency import Residency
 
-__all__ = ["RECLAIM_SLACK", "assert_all_resident", "assert_resident_pages", "proactive_reclaim"]
+__all__ = ["RECLAIM_SLACK", "assert_all_resident", "assert_loaded", "assert_resident_pages",
+           "proactive_reclaim"]
 
 _DAMON = Path("/sys/kernel/mm/damon/admin/kdamonds")
 
@@ -59,3 +60,12 @@ def assert_resident_pages(residency: Residency, expected: set[int]) -> None:
     assert taken <= RECLAIM_SLACK * residency.n_pages, (
         f"{taken} of {len(expected)} expected pages not resident "
         f"(this machine's reclaim may take {RECLAIM_SLACK:.1%} of {residency.n_pages})")
+
+
+def assert_loaded(got: int, expected: int, file_bytes: int) -> None:
+    """``got`` bytes resident of ``expected`` just loaded from a file of ``file_bytes``:
+    every one, but for what this machine's own reclaim may have taken meanwhile."""
+    assert got <= expected, f"{got} bytes resident, more than the {expected} loaded"
+    assert got >= expected - RECLAIM_SLACK * file_bytes, (
+        f"{got} of {expected} loaded bytes resident "
+        f"(this machine's reclaim may take {RECLAIM_SLACK:.1%} of {file_bytes})")

@@ -30,7 +30,7 @@ from moestream.stages.residency import (
     resident_pages,
 )
 from moestream.stages.warm import Loader, TokenBucket, WarmEngine
-from tests.reclaim import assert_all_resident, assert_resident_pages
+from tests.reclaim import assert_all_resident, assert_loaded, assert_resident_pages
 
 MIB = 1 << 20
 
@@ -358,7 +358,8 @@ class TestWarmEngine:
             result = await engine.warm(ranges)
         assert result.pieces == 4 + 1  # 16 MiB streamed in 4 MiB pieces, 1 MiB exactly
         assert result.bytes_read == 17 * MIB
-        assert Residency.of_file(cold).resident_bytes(ranges) == 17 * MIB
+        res = Residency.of_file(cold)
+        assert_loaded(res.resident_bytes(ranges), 17 * MIB, res.n_pages * PAGE_BYTES)
 
     async def test_falls_back_to_preadv_once(
         self, cold: Path, monkeypatch: pytest.MonkeyPatch
@@ -372,7 +373,9 @@ class TestWarmEngine:
                 result = await engine.warm([ByteRange(0, 8 * MIB)])
         assert result.bytes_read == 8 * MIB and engine.loader == "preadv"
         assert [e["event"] for e in logs].count("warm.sendfile_unsupported") == 1
-        assert Residency.of_file(cold).resident_bytes([ByteRange(0, 8 * MIB)]) == 8 * MIB
+        res = Residency.of_file(cold)
+        assert_loaded(res.resident_bytes([ByteRange(0, 8 * MIB)]), 8 * MIB,
+                      res.n_pages * PAGE_BYTES)
 
     async def test_progress_and_clipping(self, cold: Path) -> None:
         seen: list[tuple[int, int]] = []
@@ -425,7 +428,9 @@ class TestWarmEngine:
             assert engine.paused_now and not done  # the quiet time runs
             await asyncio.wait_for(task, 10)
             assert not engine.paused_now and done[-1] == 4 * MIB
-        assert Residency.of_file(cold).resident_bytes([ByteRange(0, 4 * MIB)]) == 4 * MIB
+        res = Residency.of_file(cold)
+        assert_loaded(res.resident_bytes([ByteRange(0, 4 * MIB)]), 4 * MIB,
+                      res.n_pages * PAGE_BYTES)
 
     async def test_cancel_stops_promptly(self, cold: Path) -> None:
         loop = asyncio.get_running_loop()

@@ -26,7 +26,7 @@ from moestream.tools.warmup.select import (
     parse_index_list,
     read_hot_log,
 )
-from tests.reclaim import assert_all_resident
+from tests.reclaim import RECLAIM_SLACK, assert_all_resident, assert_loaded
 
 REPO = Path(__file__).resolve().parents[2]
 GIB = 1 << 30
@@ -81,7 +81,8 @@ def assert_exactly(
     resident = set(np.flatnonzero(res.pages).tolist())
     chosen = pages_of(expert_ranges(table, selected) + (extra or []))
     others = pages_of(expert_ranges(table, [k for k in all_keys(table) if k not in selected]))
-    assert chosen <= resident
+    missing = len(chosen - resident)
+    assert missing <= RECLAIM_SLACK * res.n_pages, f"{missing} selected pages not resident"
     assert not (others - chosen) & resident
 
 
@@ -172,7 +173,7 @@ class TestSelection:
         assert main([str(cold_model), "--non-routed"]) == 0
         res = Residency.of_file(cold_model)
         nr = non_routed_ranges(table)
-        assert res.resident_bytes(nr) == sum(r.nbytes for r in nr)
+        assert_loaded(res.resident_bytes(nr), sum(r.nbytes for r in nr), res.n_pages * PAGE_BYTES)
         assert_exactly(table, [], nr)
 
     def test_hot_log_hottest_first_within_max_bytes(
@@ -257,7 +258,8 @@ class TestReportAndEvict:
         layer2 = expert_ranges(table, [(2, e) for e in range(8)])
         assert res.resident_pages_in(layer2) == 0
         layer3 = expert_ranges(table, [(3, e) for e in range(8)])
-        assert res.resident_bytes(layer3) == 8 * table.expert_bytes(3)
+        assert_loaded(res.resident_bytes(layer3), 8 * table.expert_bytes(3),
+                      res.n_pages * PAGE_BYTES)
 
     @pytest.mark.parametrize("args", [["--json"], ["--per-expert"], ["--report", "--evict"]])
     def test_option_misuse(self, model: Path, args: list[str]) -> None:
@@ -445,7 +447,8 @@ class TestStartUp:
         read = early.stop()
         assert 0 <= read <= size
         assert read == size or stop_at_once
-        assert Residency.of_file(cold_model).resident_bytes([ByteRange(0, read)]) == read
+        res = Residency.of_file(cold_model)
+        assert_loaded(res.resident_bytes([ByteRange(0, read)]), read, res.n_pages * PAGE_BYTES)
 
     def test_engine_reads_only_past_the_head_start(self, cold_model: Path,
                                                    table: ExpertTable) -> None:
