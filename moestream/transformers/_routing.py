@@ -394,9 +394,14 @@ class WholeLayers:
         the host queued on torch's stream (one transfer a token), for :meth:`account` once
         the token's device work is done."""
         pending, self._pending = self._pending, []
-        return Routing([layer for layer, _ in pending],
-                       [int(ids.numel()) for _, ids in pending],
-                       *_to_host([ids for _, ids in pending], self._stream()))
+        layers = [layer for layer, _ in pending]
+        stream = self._stream()
+        if stream is None:  # on the host: the ids as ints now (a list a call, no copy)
+            lists = [ids.reshape(-1).tolist() for _, ids in pending]
+            return Routing(layers, [len(ids) for ids in lists],
+                           [i for ids in lists for i in ids] if lists else None, None)
+        return Routing(layers, [int(ids.numel()) for _, ids in pending],
+                       *_to_host([ids for _, ids in pending], stream))
 
     def account(self, routing: Routing) -> None:
         """Count a token's calls served here in the session (a lease of each call's
@@ -408,9 +413,10 @@ class WholeLayers:
         dropped and the lease path serves."""
         cached = True
         if routing.layers:
+            ids = routing.ids  # a few ids a call: sets beat numpy's unique here
             if routing.landed is not None:
                 routing.landed.synchronize()  # done already: the token's end was waited for
-            ids = routing.ids.tolist()  # a few ids a call: sets beat numpy's unique here
+                ids = ids.tolist()
             uses, at = [], 0
             for layer, n in zip(routing.layers, routing.sizes, strict=True):
                 uses.append((layer, sorted(set(ids[at:at + n]))))
@@ -446,7 +452,7 @@ class WholeLayers:
 class Routing:
     """A token's calls served by :class:`WholeLayers`: each call's layer and number of
     routing ids, the ids end to end in ``ids`` (pinned host memory on a GPU, filled once
-    ``landed`` completes; None: no call)."""
+    ``landed`` completes; on the host a list of ints; None: no call)."""
 
     layers: list[int]
     sizes: list[int]
@@ -455,13 +461,11 @@ class Routing:
 
 
 def _to_host(routings: list[Any], stream: Any) -> tuple[Any, Any]:
-    """The routing tensors end to end on the host, and the event their copy completes at
-    (None on the host, where there is no copy to wait for)."""
+    """The routing tensors end to end in pinned host memory, and the event on ``stream``
+    their copy completes at (None, None: no routing)."""
     if not routings:
         return None, None
     flat = torch.cat([ids.reshape(-1) for ids in routings])
-    if stream is None:
-        return flat, None
     host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
     host.copy_(flat, non_blocking=True)
     landed = torch.cuda.Event()

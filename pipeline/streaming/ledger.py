@@ -157,6 +157,13 @@ class TokenLedger:
         """A layer's experts, all hits on the one device, used with no lease
         (``LeaseDesk.use_cached``): counted as their lease's release would count them, each
         expert once in the token."""
+        if layer not in self._counted:  # the layer's first use in the token: all first hits
+            self._counted[layer] = dict.fromkeys(experts, False)
+            self._experts[self._position[layer]].extend(experts)
+            totals = self._totals
+            totals.hits += len(hits)
+            totals.cache_bytes += sum(entry.nbytes for entry in hits)
+            return
         self._first_hits(hits, self._uses(layer), DeviceTotals())
         self._seen(layer, experts)
 
