@@ -39,6 +39,10 @@ class LayerInfo:
     bytes (``gate_up_type`` I8 as the carrier; ``quant.shapes`` their shapes where a byte
     holds two values), to be multiplied by their scales, non-routed tensors named here
     (``read_tensor``); None for float and GGUF experts."""
+    interleaved: bool = False
+    """Inkling2's layout: gate_up (2 * ffn, hidden) with gate and up rows alternating (gate
+    rows 0, 2, 4...), handed out as stored: its first row half as ``gate``, its second as
+    ``up``; an engine de-interleaves them."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,7 +101,7 @@ class ModelInfo:
     def of(cls, table: ExpertTable) -> ModelInfo:
         layers = {
             n: LayerInfo(n, m.n_experts, m.shape[0], m.shape[1], m.gate_up_type, m.down_type,
-                         m.expert_bytes, m.transposed, m.gated, m.quant)
+                         m.expert_bytes, m.transposed, m.gated, m.quant, m.interleaved)
             for n, m in table.layers.items()
         }
         tensors = {t.name: TensorSpec(t.name, t.type_name, t.shape, t.nbytes)

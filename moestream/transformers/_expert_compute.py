@@ -5,7 +5,8 @@ they land (the module docstring of ``_experts.py`` says what each matches):
   transformers' own ``grouped_mm`` path (``_grouped_linear``) over their stacked weights,
   the router-weighted rows summed per token at the end, as ``grouped_mm_experts_forward``;
 - :func:`eager`: one product per expert, the rows added into the output in ascending
-  expert order whatever order the experts landed in, as transformers' ``eager``;
+  expert order whatever order the experts landed in, as transformers' ``eager`` (in
+  float32 for the experts whose own eager forward sums so: ``FLOAT32_SUMS``);
 - :func:`batched`: every (token, slot) pair's expert weights stacked in the pairs' order,
   then transformers' own ``batched_mm_experts_forward``: what ``generate``'s decode steps
   on a GPU compute where the experts use ``grouped_mm``.
@@ -22,13 +23,19 @@ from moestream import ExpertHandle
 from moestream.transformers._expert_weights import ExpertWeights
 from moestream.transformers._layout import batched_mm, biases, grouped_linear
 
-__all__ = ["Gather", "batched", "eager", "grouped", "slotted_grouped"]
+__all__ = ["FLOAT32_SUMS", "Gather", "batched", "eager", "grouped", "slotted_grouped"]
+
+FLOAT32_SUMS = frozenset({"Inkling2Experts", "Inkling2LoopExperts"})
+"""Experts modules whose own eager forward adds the experts' rows into a float32 output
+(cast to the hidden dtype at the end) where transformers' common one adds them in the hidden
+dtype: Inkling2's, "as in the original"."""
 
 
 def eager(arrivals: Iterable[list[ExpertHandle]], weights: ExpertWeights, module: Any,
           hidden: Any, top_k_index: Any, top_k_weights: Any) -> Any:
     """The experts' output for ``hidden`` in transformers' ``eager`` arithmetic."""
-    final = torch.zeros_like(hidden)
+    final = torch.zeros_like(
+        hidden, dtype=torch.float32 if type(module).__name__ in FLOAT32_SUMS else None)
     transposed = bool(getattr(module, "is_transposed", False))
     gate = module._apply_gate if getattr(module, "has_gate", True) else module.act_fn
     up_bias, down_bias = biases(module)
@@ -59,7 +66,7 @@ def eager(arrivals: Iterable[list[ExpertHandle]], weights: ExpertWeights, module
     for expert in sorted(rows):  # eager's order, whatever order they landed in
         token_idx, out = rows[expert]
         final.index_add_(0, token_idx, out)
-    return final
+    return final.to(hidden.dtype)
 
 
 def batched(arrivals: Iterable[list[ExpertHandle]], weights: ExpertWeights, module: Any,

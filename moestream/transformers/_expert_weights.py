@@ -28,7 +28,7 @@ from moestream.transformers._launch import current_stream
 from moestream.transformers._layout import TORCH_DTYPES, first_projection, raw, view
 from moestream.transformers._quantized import LayerScales
 
-__all__ = ["ExpertWeights"]
+__all__ = ["ExpertWeights", "deinterleaved"]
 
 
 class ExpertWeights:
@@ -38,23 +38,32 @@ class ExpertWeights:
         device: the torch device the model computes on.
         scales: the block scales of each quantized layer, on ``device``, or a GGUF
             layer's expert types (its experts are dequantized per use).
+        interleaved: the layers whose experts' gate and up rows alternate in the file
+            (``LayerInfo.interleaved``): de-interleaved per use, as transformers' loading
+            does once.
     """
 
-    def __init__(self, device: Any, scales: Mapping[int, LayerScales | GgufExperts]) -> None:
+    def __init__(self, device: Any, scales: Mapping[int, LayerScales | GgufExperts],
+                 interleaved: frozenset[int] = frozenset()) -> None:
         self.device = device
         self.scales = scales
+        self.interleaved = interleaved
         self._cuda = device.type == "cuda"
         self._slots: dict[int, Any] = {}  # 0..n-1 on the device: the gather's slots
 
     def expert(self, module: Any, h: ExpertHandle) -> tuple[Any, Any, Any]:
         """The expert's gate ``(F, D)``, up ``(F, D)`` and down ``(D, F)`` (transposed: the
         row halves of gate_up ``(D, 2F)`` and down ``(F, D)``): views of the cache, cast
-        (copied) only when the model computes in another dtype. Gate and up together are
-        the module's gate_up of the expert either way."""
+        (copied) only when the model computes in another dtype; an interleaved layer's gate
+        and up are strided views of its rows, joined once. Gate and up together are the
+        module's gate_up of the expert either way."""
         dtype = module.down_proj.dtype
         scales = self.scales.get(h.layer)
         if scales is None:
-            return view(h.gate, dtype), view(h.up, dtype), view(h.down, dtype)
+            gate, up = view(h.gate, dtype), view(h.up, dtype)
+            if h.layer in self.interleaved:
+                gate, up = deinterleaved(torch.cat((gate, up)))
+            return gate, up, view(h.down, dtype)
         if not scales.transposed and self._on_kernels(scales, dtype):
             # one launch for the expert's three matrices (the batch path's), not torch's
             # several ops a matrix: the same values, the halves of its first projection
@@ -82,7 +91,7 @@ class ExpertWeights:
         # a layer's experts share their matrices' types (the table checks it): the first
         # expert's say, not a look at every expert's
         same = all(TORCH_DTYPES.get(m.ggml_type.name) == dtype for m in handles[0].matrices)
-        if self._cuda and same:
+        if self._cuda and same and handles[0].layer not in self.interleaved:
             self._copied(handles, gate_up, down)
             return gate_up, down
         views = [self.expert(module, h) for h in handles]
@@ -132,3 +141,11 @@ class ExpertWeights:
             return
         raws = [torch.stack([raw(h.matrices[at]) for h in handles]) for at in range(3)]
         scales.fill(experts, (raws[0], raws[1], raws[2]), gate_up, down)
+
+
+def deinterleaved(gate_up: Any) -> tuple[Any, Any]:
+    """The gate and up of a gate_up ``(2F, D)`` whose rows alternate gate, up (Inkling2's
+    ``w13_weight``): strided views of it, rows 0, 2, 4... and 1, 3, 5..., which
+    ``torch.cat`` joins as transformers' loading lays the expert out."""
+    rows = gate_up.view(-1, 2, gate_up.shape[-1])
+    return rows[:, 0], rows[:, 1]

@@ -176,8 +176,10 @@ class ExpertStream:
         self._started: Any = None
         self._leased = False  # this token took a lease (the whole-layer path did not serve)
         self._held: tuple[Any, Any, Routing] | None = None  # started, done, its calls
-        self._weights = ExpertWeights(self.device, self.scales)
-        self._host_weights = HostWeights(_held_experts(session) + group_experts)
+        interleaved = frozenset(n for n, layer in session.model.layers.items()
+                                if layer.interleaved)
+        self._weights = ExpertWeights(self.device, self.scales, interleaved)
+        self._host_weights = HostWeights(_held_experts(session) + group_experts, interleaved)
         # a model held whole computes its layers with no lease: on a GPU with no host read
         # of the routing, on the host from views of the cache (``HostWeights.trusted``)
         self._whole = WholeLayers(session, self.device, scales=self.scales,

@@ -26,6 +26,7 @@ import numpy as np
 import torch  # type: ignore[import-not-found, unused-ignore]
 
 from moestream import ExpertHandle
+from moestream.transformers._expert_weights import deinterleaved
 from moestream.transformers._layout import TORCH_DTYPES, biases, view
 
 __all__ = ["HostWeights", "host_grouped"]
@@ -44,12 +45,16 @@ class HostWeights:
 
     Args:
         capacity: the most experts whose views are kept (what the budget holds).
+        interleaved: the layers whose gate and up rows alternate in the cache
+            (``LayerInfo.interleaved``): their first projection is a de-interleaved copy,
+            made per use and not kept.
     """
 
-    __slots__ = ("_views", "capacity")
+    __slots__ = ("_views", "capacity", "interleaved")
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, interleaved: frozenset[int] = frozenset()) -> None:
         self.capacity = max(1, capacity)
+        self.interleaved = interleaved
         # (layer, expert): where, views, dtype, the held-whole period they were made in
         self._views: dict[tuple[int, int], tuple[int, Views, Any, int]] = {}
 
@@ -68,9 +73,12 @@ class HostWeights:
                 self._views[key] = (where, known[1], dtype, period)
             return known[1]
         first, second = _joined(gate, up, dtype), view(down, dtype)
+        copied = handle.layer in self.interleaved
+        if copied:
+            first = torch.cat(deinterleaved(first))
         views = (first, second) if transposed else (first.t(), second.t())
-        if any(TORCH_DTYPES.get(m.ggml_type.name) != dtype for m in (gate, up, down)):
-            return views  # a cast copy: not kept
+        if copied or any(TORCH_DTYPES.get(m.ggml_type.name) != dtype for m in (gate, up, down)):
+            return views  # a copy (cast, or de-interleaved): not kept
         self._views.pop(key, None)
         if len(self._views) >= self.capacity:
             self._views.pop(next(iter(self._views)))

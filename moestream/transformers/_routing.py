@@ -256,6 +256,8 @@ class WholeLayers:
         scales = self.scales.get(layer)
         if scales is not None:
             served = cuda_kernel() and kernels_serve(scales, dtype)
+        elif info.interleaved:  # the copies would keep gate and up rows interleaved
+            served = False
         elif self._budget:  # in place: the file's bytes must be the module's layout
             served = not (info.transposed or not info.gated or info.quant is not None or any(
                 TORCH_DTYPES.get(t.name) != dtype for t in (info.gate_up_type, info.down_type)))

@@ -73,11 +73,11 @@ def resolve_compute(compute: ComputeSpec, table: ExpertTable) -> ComputeSpec:
     Raises:
         ExpertLayoutError: some MoE layers can be computed and others cannot.
     """
-    if compute.kind == "real" and any(layer.transposed or not layer.gated
+    if compute.kind == "real" and any(layer.transposed or not layer.gated or layer.interleaved
                                       for layer in table.layers.values()):
         _log.warning("compute_fallback", requested="real", using="digest",
-                     reason="transposed (gpt-oss) or gate-less (Nemotron-H) experts: not the "
-                            "SwiGLU layout real compute runs")
+                     reason="transposed (gpt-oss), gate-less (Nemotron-H) or interleaved "
+                            "(Inkling2) experts: not the SwiGLU layout real compute runs")
         return ComputeSpec("digest")
     if compute.kind == "real" and not _computable(table):
         return ComputeSpec("digest")

@@ -86,7 +86,10 @@ class MoeLayer:
     are then the two row halves of that gate_up (``[hidden / 2, 2 * ffn]`` each), which the
     engine puts back together (its bytes are the two slices in order). ``gated`` false
     (Nemotron-H): the experts have no gate; the up projection ``[ffn, hidden]`` is handed
-    out as its two row halves in the "gate" and "up" slices.
+    out as its two row halves in the "gate" and "up" slices. ``interleaved`` (Inkling2's
+    ``w13_weight``): an expert's gate_up ``[2 * ffn, hidden]`` has gate and up rows
+    alternating (gate rows 0, 2, 4...); its "gate" and "up" slices are the two row halves
+    of that gate_up, as stored, which an engine de-interleaves.
     """
 
     index: int
@@ -109,6 +112,7 @@ class MoeLayer:
     quant: ExpertQuant | None = None
     """Quantized experts (FP8 blocks, FP4, MXFP4): what their bytes mean and where their
     scales are; None for float and GGUF experts (a GGUF type says it all)."""
+    interleaved: bool = False
 
     @property
     def expert_bytes(self) -> int:

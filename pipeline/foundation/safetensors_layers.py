@@ -169,7 +169,8 @@ def fused_layer(path: Path, index: int, parts: dict[str, Tensor],
                  tensors: Mapping[str, Spec] | None = None) -> MoeLayer:
     """A layer of the fused form: ``gate_up_proj`` [E, 2F, D] and ``down_proj`` [E, D, F],
     or transposed (gpt-oss) [E, D, 2F] and [E, F, D]; the shapes tell which (both at once
-    only when empty). gpt-oss's MXFP4 blocks are the transposed form, quantized."""
+    only when empty). gpt-oss's MXFP4 blocks are the transposed form, quantized. Inkling2's
+    ``w13_weight`` is the first form with gate and up rows interleaved."""
     if "up_proj" in parts and "gate_up_proj" not in parts:
         return _gateless_fused_layer(path, index, parts, router)
     gate_up, down = parts.get("gate_up_proj"), parts.get("down_proj")
@@ -195,6 +196,11 @@ def fused_layer(path: Path, index: int, parts: dict[str, Tensor],
         raise ExpertLayoutError(path, f"layer {index}: gate_up_proj {list(gate_up.shape)} and "
                                       f"down_proj {list(down.shape)} are not [E, 2F, D] and "
                                       f"[E, D, F] (nor [E, D, 2F] and [E, F, D] with D even)")
+    interleaved = gate_up.name.endswith("w13_weight")
+    if interleaved and transposed:
+        raise ExpertLayoutError(path, f"layer {index}: {short(gate_up.name, 120)} "
+                                      f"{list(gate_up.shape)} is not [E, 2F, D] with down "
+                                      "[E, D, F]")
     gate_up_type = expert_type(path, index, gate_up)
     down_type = expert_type(path, index, down)
     stride = gate_up.nbytes // n
@@ -203,7 +209,7 @@ def fused_layer(path: Path, index: int, parts: dict[str, Tensor],
         gate_offset=gate_up.offset, up_offset=gate_up.offset + stride // 2,
         down_offset=down.offset, gate_bytes=stride // 2, up_bytes=stride // 2,
         down_bytes=down.nbytes // n, gate_up_stride=stride, fused_gate_up=True,
-        router=router, shape=(hidden, ffn), transposed=transposed,
+        router=router, shape=(hidden, ffn), transposed=transposed, interleaved=interleaved,
     )
 
 

@@ -104,7 +104,8 @@ Nemotron-H."""
 _EXPERT = re.compile(rf"^(?:.*\.)?layers\.(\d+)\.(?:{_MOE}\.)?experts\.(\d+)\."
                      r"(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$", re.ASCII)
 _FUSED = re.compile(rf"^(?:.*\.)?layers\.(\d+)\.(?:(?:{_MOE}\.)?experts\."
-                    r"(?:(gate_up_proj|down_proj)(?:\.weight|_blocks)?|(fc1|fc2)\.weight)"
+                    r"(?:(gate_up_proj|down_proj)(?:\.weight|_blocks)?|(fc1|fc2)\.weight"
+                    r"|(w13_weight|w2_weight))"
                     r"|(?:block_sparse_moe|mlp)\.(input_linear|output_linear)\.weight"
                     rf"|{_MOE}\.(up_proj|down_proj))$", re.ASCII)
 _ROUTER = re.compile(rf"^(?:.*\.)?layers\.(\d+)\.{_MOE}\.(?:gate|router|router\.layer)"
@@ -113,20 +114,19 @@ _BLOCK = re.compile(r"(?:^|\.)layers\.(\d+)\.", re.ASCII)
 _MATRIX = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up",
            "down_proj": "down", "w2": "down"}
 _FUSED_NAMES = {"input_linear": "gate_up_proj", "output_linear": "down_proj",
-                "fc1": "gate_up_proj", "fc2": "down_proj"}
+                "fc1": "gate_up_proj", "fc2": "down_proj",
+                "w13_weight": "gate_up_proj", "w2_weight": "down_proj"}
 """Other fused expert names, as the fused form's: Granite-MoE's and JetMoE's
 ``input_linear`` [E, 2F, D] (gate the first F rows) and ``output_linear`` [E, D, F]; Aria's
-``experts.fc1`` [E, D, 2F] and ``fc2`` [E, F, D] (transposed, gate the first F columns)."""
+``experts.fc1`` [E, D, 2F] and ``fc2`` [E, F, D] (transposed, gate the first F columns);
+Inkling2's ``experts.w13_weight`` [E, 2F, D] (gate and up rows interleaved:
+``MoeLayer.interleaved``) and ``w2_weight`` [E, D, F]."""
 
 _NOT_STREAMED = {
     "dbrx": "whose experts (ffn.experts.mlp.w1/v1/w2: every expert's rows in one [E*F, D] "
             "tensor, w2 stored [F, D]) are not read yet",
     "doge": "whose routed experts are rows of two embedding tables picked by product keys "
             "(one vector each, read by an embedding lookup): no expert matrices to stream",
-    **dict.fromkeys(
-        ("inkling2", "inkling2_text", "inkling2_loop", "inkling2_loop_text"),
-        "whose experts' gate and up rows are interleaved (mlp.experts.w13_weight, which "
-        "transformers' loading de-interleaves): not read yet"),
 }
 """Model types whose routed experts the table does not read, and why (said instead of the
 namings it reads)."""
@@ -283,7 +283,8 @@ def _sort_tensors(path: Path, shards: list[Shard]) -> tuple[
                 _claim(path, parts, _MATRIX[m.group(3)], t, f"layer {layer} expert {expert}'s")
             elif (m := _FUSED.match(name)) is not None:
                 layer = _index(path, name, m.group(1), "layer")
-                slot = m.group(2) or m.group(5) or _FUSED_NAMES[m.group(3) or m.group(4)]
+                slot = m.group(2) or m.group(6) or _FUSED_NAMES[
+                    m.group(3) or m.group(4) or m.group(5)]
                 t = Tensor(name, dtype, shape, base + begin, end - begin)
                 _claim(path, fused.setdefault(layer, {}), slot, t, f"layer {layer}'s")
             else:

@@ -269,6 +269,40 @@ class TestOddLayouts:
                 assert h.down.shape == (F, D)
                 assert h.gate.bytes.tobytes() + h.up.bytes.tobytes() == gate_up[per: 2 * per]
 
+    def test_interleaved_fused_names(self, tmp_path: Path) -> None:
+        """Inkling2's ``experts.w13_weight`` [E, 2F, D] (gate and up rows interleaved) and
+        ``w2_weight`` [E, D, F]: the fused form, ``interleaved``; an expert's gate and up are
+        its w13 rows' two halves as stored, the session hands them out so (the engine
+        de-interleaves), and real compute falls back; its scale is not routed."""
+        rng = np.random.default_rng(11)
+        gate_up, down = rng.bytes(E * 2 * F * D * 2), rng.bytes(E * D * F * 2)
+        moe = "model.llm.layers.0.mlp."
+        tensors = [T(moe + "experts.w13_weight", "BF16", (E, 2 * F, D), gate_up),
+                   T(moe + "experts.w2_weight", "BF16", (E, D, F), down),
+                   T(moe + "gate.weight", "F32", (E, D), rng.bytes(E * D * 4)),
+                   T(moe + "experts.w13_weight_scale", "F32", (E, 2 * F), rng.bytes(E * 2 * F * 4))]
+        config = {**CONFIG, "num_hidden_layers": 1, "num_experts_per_tok": 1}
+        path = write_dir(tmp_path / "c", [tensors], config=config)
+        table = open_table(path)
+        layer = table.layers[0]
+        assert layer.interleaved and not layer.transposed and layer.shape == (D, F)
+        assert layer.router is not None
+        per, half = 2 * F * D * 2, F * D * 2
+        for e in range(E):
+            s = table.slices((0, e))
+            assert table.read_bytes(s.gate.offset, half) == gate_up[e * per: e * per + half]
+            assert table.read_bytes(s.up.offset, half) == gate_up[e * per + half: (e + 1) * per]
+            assert table.read_bytes(s.down.offset, s.down.nbytes) == down[
+                e * D * F * 2: (e + 1) * D * F * 2]
+        assert [is_routed(t.name) for t in tensors] == [True, True, False, False]
+        assert resolve_compute(ComputeSpec("real"), table).kind == "digest"
+        with moestream.open_sync(path, backend="host", verify=False) as ms:
+            assert ms.model.layers[0].interleaved
+            with ms.fetch(0, [1]) as lease:
+                (h,) = lease.gather()
+                assert h.gate.shape == h.up.shape == (F, D)
+                assert h.gate.bytes.tobytes() + h.up.bytes.tobytes() == gate_up[per: 2 * per]
+
     def test_experts_without_a_gate(self, tmp_path: Path) -> None:
         """Nemotron-H: ``backbone.layers.L.mixer.experts.E.{up,down}_proj`` only; the up
         projection's two row halves stand as the expert's gate and up slices."""

@@ -1,5 +1,6 @@
 """moestream.transformers: the models whose experts it reaches by a module swap (Llama 4's
-text model, JetMoE) or by their own namings (Gemma 4's MoE block, Aria's fc1/fc2).
+text model, JetMoE) or by their own namings (Gemma 4's MoE block, Aria's fc1/fc2,
+Inkling2's interleaved w13).
 
 Tiny random-init checkpoints of ``pipeline.makers.arch_configs``' sizes, written by
 transformers' ``save_pretrained``, run on the host backend and CPU torch (and, marked
@@ -26,8 +27,10 @@ from moestream.transformers._swap import JetMoeExperts, Llama4Experts  # noqa: E
 
 SWAPPED = {"llama4": Llama4Experts, "jetmoe": JetMoeExperts}
 """Kinds whose experts module moestream swaps, and the module it swaps in."""
-NAMED = ("gemma4", "aria")
-"""Kinds behind transformers' experts registry whose checkpoint namings the table reads."""
+NAMED = ("gemma4", "aria", "inkling2", "inkling2_loop")
+"""Kinds behind transformers' experts registry whose checkpoint namings the table reads
+(Inkling2's ``w13_weight`` with gate and up rows interleaved, its own eager summing in
+float32)."""
 REFERENCE = {"grouped": "grouped_mm", "eager": "eager"}
 PROMPTS = [[3, 17, 42, 5, 9, 11], [7, 8, 9, 10, 11, 12]]
 
