@@ -21,7 +21,9 @@ block ``B`` (``mlp``; ``block_sparse_moe`` in Mixtral and Granite, ``ffn`` in De
   JetMoE's under ``mlp``) are the same two; gpt-oss's are transposed, ``[E, D, 2F]`` (gate
   and up interleaved by column) and ``[E, F, D]`` (``MoeLayer.transposed``), their biases
   non-routed tensors; Llama 4's and Aria's (``experts.fc1.weight``/``fc2.weight``) are
-  transposed too, gate the first F columns; Ergo's have no gate, ``B.up_proj`` ``[E, D, F]``
+  transposed too, gate the first F columns; Inkling2's ``experts.w13_weight`` ``[E, 2F, D]``
+  has gate and up rows interleaved (``MoeLayer.interleaved``), its ``w2_weight`` is the down
+  ``[E, D, F]``; Ergo's have no gate, ``B.up_proj`` ``[E, D, F]``
   and ``B.down_proj`` ``[E, F, D]`` (no ``experts.``, no ``.weight``: what tells them from a
   dense MLP's).
 
