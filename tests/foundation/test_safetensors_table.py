@@ -132,6 +132,30 @@ def assert_maps(table: ExpertTable, tensors: Sequence[T], mixtral: bool = False)
             assert got == [by_name[n] for n in _names(layer, e, mixtral)]
 
 
+def _assert_halves(path: Path, table: ExpertTable, gate_up: bytes, down: bytes,
+                   flag: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """A one-layer fused checkpoint whose experts' gate and up slices are the two halves of
+    each expert's ``gate_up`` bytes as stored, and down its own: the slices read so, real
+    compute falls back to digests, and the session says ``flag`` of the layer and hands
+    the halves out as gate and up. Returns a leased expert's gate and down shapes."""
+    per, down_per = len(gate_up) // E, len(down) // E
+    for e in range(E):
+        s = table.slices((0, e))
+        got = table.read_bytes(s.gate.offset, s.gate.nbytes) + table.read_bytes(
+            s.up.offset, s.up.nbytes)
+        assert got == gate_up[e * per: (e + 1) * per] and s.gate.nbytes == per // 2
+        assert table.read_bytes(s.down.offset, s.down.nbytes) == down[
+            e * down_per: (e + 1) * down_per]
+    assert resolve_compute(ComputeSpec("real"), table).kind == "digest"
+    with moestream.open_sync(path, backend="host", verify=False) as ms:
+        assert getattr(ms.model.layers[0], flag)
+        with ms.fetch(0, [1]) as lease:
+            (h,) = lease.gather()
+            assert h.gate.shape == h.up.shape
+            assert h.gate.bytes.tobytes() + h.up.bytes.tobytes() == gate_up[per: 2 * per]
+            return h.gate.shape, h.down.shape
+
+
 class TestOddLayouts:
     """Layouts other writers produce map every expert to its bytes."""
 
@@ -249,25 +273,10 @@ class TestOddLayouts:
         config = {**CONFIG, "num_hidden_layers": 1, "num_experts_per_tok": 1}
         path = write_dir(tmp_path / "c", [tensors], config=config)
         table = open_table(path)
-        layer = table.layers[0]
-        assert layer.transposed and layer.shape == (D, F)
-        per = D * 2 * F * 2
-        for e in range(E):
-            s = table.slices((0, e))
-            got = table.read_bytes(s.gate.offset, s.gate.nbytes) + table.read_bytes(
-                s.up.offset, s.up.nbytes)
-            assert got == gate_up[e * per: (e + 1) * per]
-            assert table.read_bytes(s.down.offset, s.down.nbytes) == down[
-                e * F * D * 2: (e + 1) * F * D * 2]
+        assert table.layers[0].transposed and table.layers[0].shape == (D, F)
         assert [is_routed(t.name) for t in tensors] == [True, True, False, False]
-        assert resolve_compute(ComputeSpec("real"), table).kind == "digest"
-        with moestream.open_sync(path, backend="host", verify=False) as ms:
-            assert ms.model.layers[0].transposed
-            with ms.fetch(0, [1]) as lease:
-                (h,) = lease.gather()
-                assert h.gate.shape == h.up.shape == (D // 2, 2 * F)
-                assert h.down.shape == (F, D)
-                assert h.gate.bytes.tobytes() + h.up.bytes.tobytes() == gate_up[per: 2 * per]
+        halves = _assert_halves(path, table, gate_up, down, "transposed")
+        assert halves == ((D // 2, 2 * F), (F, D))
 
     def test_interleaved_fused_names(self, tmp_path: Path) -> None:
         """Inkling2's ``experts.w13_weight`` [E, 2F, D] (gate and up rows interleaved) and
@@ -287,21 +296,8 @@ class TestOddLayouts:
         layer = table.layers[0]
         assert layer.interleaved and not layer.transposed and layer.shape == (D, F)
         assert layer.router is not None
-        per, half = 2 * F * D * 2, F * D * 2
-        for e in range(E):
-            s = table.slices((0, e))
-            assert table.read_bytes(s.gate.offset, half) == gate_up[e * per: e * per + half]
-            assert table.read_bytes(s.up.offset, half) == gate_up[e * per + half: (e + 1) * per]
-            assert table.read_bytes(s.down.offset, s.down.nbytes) == down[
-                e * D * F * 2: (e + 1) * D * F * 2]
         assert [is_routed(t.name) for t in tensors] == [True, True, False, False]
-        assert resolve_compute(ComputeSpec("real"), table).kind == "digest"
-        with moestream.open_sync(path, backend="host", verify=False) as ms:
-            assert ms.model.layers[0].interleaved
-            with ms.fetch(0, [1]) as lease:
-                (h,) = lease.gather()
-                assert h.gate.shape == h.up.shape == (F, D)
-                assert h.gate.bytes.tobytes() + h.up.bytes.tobytes() == gate_up[per: 2 * per]
+        assert _assert_halves(path, table, gate_up, down, "interleaved") == ((F, D), (D, F))
 
     def test_experts_without_a_gate(self, tmp_path: Path) -> None:
         """Nemotron-H: ``backbone.layers.L.mixer.experts.E.{up,down}_proj`` only; the up
