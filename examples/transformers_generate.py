@@ -41,8 +41,8 @@ def main() -> int:
     p.add_argument("--budget", help="device cache for the routed experts (default: all)")
     p.add_argument("--device", help="cpu or cuda (default: cuda if torch sees one)")
     p.add_argument("--prompt", help="text (needs the checkpoint's tokenizer)")
-    p.add_argument("--prompt-ids", default="1,2,3", help="token ids (1,2,3)")
-    p.add_argument("-n", "--tokens", type=int, default=16)
+    p.add_argument("--prompt-ids", type=_ids, default="1,2,3", help="token ids (1,2,3)")
+    p.add_argument("-n", "--tokens", type=_positive, default=16)
     p.add_argument("--tiny", action="store_true", help="write a tiny model at CHECKPOINT first")
     args = p.parse_args()
     if args.tiny:
@@ -50,23 +50,20 @@ def main() -> int:
     try:
         model = mt.from_pretrained(args.checkpoint, budget=args.budget, device=args.device)
     except moestream.MoestreamError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return exc.exit_code
-    tokenizer = None
-    if args.prompt is not None:
-        import transformers
-
-        tokenizer = transformers.AutoTokenizer.from_pretrained(args.checkpoint)
-        ids = tokenizer(args.prompt, return_tensors="pt")["input_ids"]
-    else:
-        ids = torch.tensor([[int(t) for t in args.prompt_ids.split(",")]])
-    ids = ids.to(model.device)
+        return _failed(exc)
     try:
+        # the model's own tokenizer, read as its session read the checkpoint
+        tokenizer = None if args.prompt is None else mt.tokenizer(model)
+        ids = args.prompt_ids if tokenizer is None else tokenizer(
+            args.prompt, return_tensors="pt")["input_ids"]
+        ids = ids.to(model.device)
         started = time.perf_counter()
         out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
                              max_new_tokens=args.tokens, min_new_tokens=args.tokens)
         elapsed = time.perf_counter() - started
         counters = model.moestream.session.counters()
+    except moestream.MoestreamError as exc:
+        return _failed(exc)
     finally:
         model.moestream.close()
     new = out[0, ids.shape[1]:].tolist()
@@ -75,9 +72,32 @@ def main() -> int:
         print("text:", tokenizer.decode(new))
     print(f"{len(new) / elapsed:.2f} tok/s; hit rate {counters.hit_rate:.3f}, "
           f"{counters.misses} misses, {counters.evictions} evictions, "
-          f"peak {counters.peak_device_bytes / 2**20:.1f} MiB of "
-          f"{counters.budget_bytes / 2**20:.1f} MiB")
+          f"peak {_mib(counters.peak_device_bytes)} of {_mib(counters.budget_bytes)}")
     return 0
+
+
+def _ids(text: str) -> torch.Tensor:
+    try:
+        return torch.tensor([[int(t) for t in text.split(",")]])
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not comma-separated token ids: {text!r}") from None
+
+
+def _positive(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"not a positive count: {text!r}")
+    return int(text)
+
+
+def _failed(exc: moestream.MoestreamError) -> int:
+    """moestream's errors are one line each, with the exit status they name."""
+    print(f"error: {exc}", file=sys.stderr)
+    return exc.exit_code
+
+
+def _mib(nbytes: int) -> str:
+    """MiB, or KiB below one (a tiny model's experts read 0.0 MiB)."""
+    return f"{nbytes / 2**20:.1f} MiB" if nbytes >= 2**20 else f"{nbytes / 2**10:.1f} KiB"
 
 
 if __name__ == "__main__":
