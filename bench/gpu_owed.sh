@@ -1,19 +1,20 @@
 #!/usr/bin/env bash
 # One device call (DEADLINE seconds, default 560) for the runs earlier notes left owed, in
-# priority order, each step's files tarred into $OUT as it ends (a cut call keeps them):
+# priority order (STEPS picks which), each step's files tarred into $OUT as it ends (a cut
+# call keeps them):
 #   tests  the GPU tests of the streaming session, the kernels, the stages and the
 #          transformers path without a sync (the gather-or-copy trial, whole_tokens)
-#   held   bench.transformers resident,held in HELD separate processes (default 3), three
-#          rounds each, on a --spread BF16 model of Qwen3-30B-A3B's layer shape, 8 layers,
-#          3 GiB: x_resident and whole_share per process
-#   profile  bench.experts_profile on that model held whole, the resident model first in the
-#          same process, other threads sampled, one generate on the torch profiler's timeline:
-#          where a held token's host time goes beside the resident model's
+#   cost   bench.held_cost on a --spread BF16 model of Qwen3-30B-A3B's layer shape, 8 layers,
+#          3 GiB: a held token's experts calls, its start and end and the rest of its wall
+#          time, unprofiled, beside the resident model's (5 rounds)
 #   dispatch  bench.dispatch on that model (auto, then direct mode): the resident model's
 #          speed as each part of a session enters the process (CuPy, device allocations,
 #          registered host memory, moestream's model held whole, its close)
-#   cost   bench.held_cost on that model: a held token's experts calls, its start and end and
-#          the rest of its wall time, unprofiled, beside the resident model's (5 rounds)
+#   held   bench.transformers resident,held on that model in HELD separate processes
+#          (default 3), three rounds each: x_resident and whole_share per process
+#   profile  bench.experts_profile on that model held whole, the resident model first in the
+#          same process, other threads sampled, one generate on the torch profiler's timeline:
+#          where a held token's host time goes beside the resident model's
 # Usage (GPU machine, repo root, .whl carried): STEPS=tests,held bash bench/gpu_owed.sh
 set -u
 DEADLINE=${DEADLINE:-560} R=/tmp/r-owed
@@ -24,7 +25,7 @@ tarred() {  # name, seconds, command...: the step's log and files in $R/NAME ret
   cp $R/steps.txt $OUT/ && tar czf $OUT/$1.tgz -C $R $1.log $(ls -d $R/$1 2>/dev/null | xargs -r -n1 basename) || true
 }
 M=/tmp/q/bf16-qwen3-30b-a3b-8-spread
-made() {  # the model the profile and dispatch steps share, made once a lease
+made() {  # the model every step after tests shares, made once a lease
   [[ -f $M/config.json ]] || step make 150 python3 -m bench.transformers --make $M \
     --shape qwen3-30b-a3b --layers 8 --spread --total 3GiB --tokens 8 --repeat 1 --runs resident
 }
@@ -33,6 +34,20 @@ if [[ $steps == *tests* ]]; then
   tarred tests 240 python3 -m pytest -m gpu -q -rs -p no:cacheprovider tests/streaming tests/gpu \
     tests/stages tests/transformers/test_transformers_nosync.py
   tail -3 $R/tests.log
+fi
+if [[ $steps == *cost* ]]; then
+  made
+  mkdir -p $R/cost
+  tarred cost 150 python3 -m bench.held_cost -m $M --device cuda --tokens 32 --rounds 5 \
+    --out $R/cost/held_cost.json
+fi
+if [[ $steps == *dispatch* ]]; then
+  made
+  for mode in auto direct; do
+    mkdir -p $R/dispatch-$mode
+    tarred dispatch-$mode 150 python3 -m bench.dispatch -m $M --mode $mode \
+      --out $R/dispatch-$mode/dispatch.json
+  done
 fi
 if [[ $steps == *held* ]]; then
   mkdir -p $R/held
@@ -57,19 +72,5 @@ if [[ $steps == *profile* ]]; then
   mkdir -p $R/profile
   tarred profile 300 python3 -m bench.experts_profile -m $M --device cuda --tokens 32 --top 70 \
     --resident --threads --timeline --out $R/profile/profile.txt
-fi
-if [[ $steps == *dispatch* ]]; then
-  made
-  for mode in auto direct; do
-    mkdir -p $R/dispatch-$mode
-    tarred dispatch-$mode 150 python3 -m bench.dispatch -m $M --mode $mode \
-      --out $R/dispatch-$mode/dispatch.json
-  done
-fi
-if [[ $steps == *cost* ]]; then
-  made
-  mkdir -p $R/cost
-  tarred cost 150 python3 -m bench.held_cost -m $M --device cuda --tokens 32 --rounds 5 \
-    --out $R/cost/held_cost.json
 fi
 cat $R/steps.txt
