@@ -18,7 +18,7 @@ import numpy as np
 from moestream.stages.residency import Residency
 
 __all__ = ["RECLAIM_SLACK", "assert_all_resident", "assert_loaded", "assert_resident_pages",
-           "proactive_reclaim"]
+           "assert_same_reading", "proactive_reclaim"]
 
 _DAMON = Path("/sys/kernel/mm/damon/admin/kdamonds")
 
@@ -68,4 +68,14 @@ def assert_loaded(got: int, expected: int, file_bytes: int) -> None:
     assert got <= expected, f"{got} bytes resident, more than the {expected} loaded"
     assert got >= expected - RECLAIM_SLACK * file_bytes, (
         f"{got} of {expected} loaded bytes resident "
+        f"(this machine's reclaim may take {RECLAIM_SLACK:.1%} of {file_bytes})")
+
+
+def assert_same_reading(earlier: int, later: int, file_bytes: int) -> None:
+    """Two readings of the same pages' resident bytes a moment apart (a report's, then the
+    test's own mincore) with nothing read between: equal, but for what this machine's own
+    reclaim took meanwhile (a file left idle is what it pages out first)."""
+    assert later <= earlier, f"{later} bytes resident now, more than the {earlier} read before"
+    assert earlier - later <= RECLAIM_SLACK * file_bytes, (
+        f"{earlier} then {later} bytes resident "
         f"(this machine's reclaim may take {RECLAIM_SLACK:.1%} of {file_bytes})")
