@@ -15,6 +15,9 @@
 #   profile  bench.experts_profile on that model held whole, the resident model first in the
 #          same process, other threads sampled, one generate on the torch profiler's timeline:
 #          where a held token's host time goes beside the resident model's
+#   newer  with transformers as on this dev machine (its wheels carried in .whl/newer by
+#          bench/gpu_newer_wheels.sh, installed apart in /tmp/site-newer), bench.archs
+#          --device cuda on the model types the GPU machine's transformers lacks (NEWER_KINDS)
 # Usage (GPU machine, repo root, .whl carried): STEPS=tests,held bash bench/gpu_owed.sh
 set -u
 DEADLINE=${DEADLINE:-560} R=/tmp/r-owed
@@ -72,5 +75,13 @@ if [[ $steps == *profile* ]]; then
   mkdir -p $R/profile
   tarred profile 300 python3 -m bench.experts_profile -m $M --device cuda --tokens 32 --top 70 \
     --resident --threads --timeline --out $R/profile/profile.txt
+fi
+if [[ $steps == *newer* ]]; then
+  mkdir -p $R/newer
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site-newer \
+    .whl/newer/*.whl 2>/dev/null
+  (export PYTHONPATH=/tmp/site-newer:$PYTHONPATH
+   tarred newer 200 python3 -m bench.archs --device cuda \
+     --kinds ${NEWER_KINDS:-inkling2,inkling2_loop,qwen3_5_moe} --out $R/newer/archs.json)
 fi
 cat $R/steps.txt
