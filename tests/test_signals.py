@@ -30,7 +30,6 @@ import pytest
 from moestream.gpu.host import HostBackend
 from moestream.pipeline.cli.run import RunSummary, run
 from moestream.pipeline.foundation.config import Budget, ComputeSpec
-from moestream.pipeline.foundation.machine import process_read_bytes
 from moestream.pipeline.proxy.config import RunConfig
 from tests.fault_matrix import observe
 
@@ -131,9 +130,6 @@ def _moestream_threads() -> list[str]:
 
 
 def _open_fds() -> int:
-    """Open descriptors, after ``process_read_bytes`` has opened the one it keeps for the
-    process (``/proc/self/io``, opened at a first token boundary whichever test that is)."""
-    process_read_bytes()
     return len(os.listdir("/proc/self/fd"))
 
 

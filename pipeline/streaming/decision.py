@@ -114,7 +114,7 @@ class Sampler(Protocol):
 
 
 class MachineSampler:
-    """Readings from psutil, /proc/self/io and cachestat (or mincore), capped by
+    """Readings from psutil, getrusage (storage reads) and cachestat (or mincore), capped by
     ``--ram-limit``.
 
     Args:
