@@ -2,8 +2,8 @@
 # One device call (DEADLINE seconds, default 560) for the runs earlier notes left owed, in
 # priority order (STEPS picks which), each step's files tarred into $OUT as it ends (a cut
 # call keeps them):
-#   tests  the GPU tests of the streaming session, the kernels, the stages and the
-#          transformers path without a sync (the gather-or-copy trial, whole_tokens)
+#   tests  every GPU test (-m gpu): the streaming session, the kernels, the stages, the API
+#          on CuPy (wait_uploads, DLPack) and the transformers path (no sync, dequantizers)
 #   cost   bench.held_cost on a --spread BF16 model of Qwen3-30B-A3B's layer shape, 8 layers,
 #          3 GiB: a held token's experts calls, its start and end and the rest of its wall
 #          time, unprofiled, beside the resident model's (5 rounds)
@@ -34,8 +34,7 @@ made() {  # the model every step after tests shares, made once a lease
 }
 steps=${STEPS:-tests,held}
 if [[ $steps == *tests* ]]; then
-  tarred tests 240 python3 -m pytest -m gpu -q -rs -p no:cacheprovider tests/streaming tests/gpu \
-    tests/stages tests/transformers/test_transformers_nosync.py
+  tarred tests 240 python3 -m pytest -m gpu -q -rs -p no:cacheprovider tests
   tail -3 $R/tests.log
 fi
 if [[ $steps == *cost* ]]; then
