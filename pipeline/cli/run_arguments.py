@@ -93,6 +93,15 @@ def _add_streaming_options(p: argparse.ArgumentParser) -> None:
 
 
 def config_from_args(args: argparse.Namespace) -> RunConfig:
+    """The proxy engine's run config (``--engine transformers`` reads ``args`` itself).
+
+    Raises:
+        UsageError: an option of ``--engine transformers`` given, or a value that does
+            not parse.
+    """
+    from moestream.pipeline.cli.transformers import refuse_for_the_proxy
+
+    refuse_for_the_proxy(args)
     return RunConfig(
         model=args.model,
         tokens=args.tokens,

@@ -5,7 +5,9 @@ directory or a GGUF file; routed experts streamed under ``--cache-budget``), the
 the checkpoint tokenizer's (a GGUF file's: transformers' from the metadata the session
 read, after the load) encoding of
 ``--prompt`` or the ids of ``--prompt-ids``, and ``--tokens`` tokens are generated greedily
-with transformers' own ``generate``. Prints the tokens (and the text, with a tokenizer),
+with transformers' own ``generate`` (``--chat``: the prompt as one user message of the
+tokenizer's chat template, the reply's tokens up to the model's end of turn, at most
+``--tokens``: an instruct model's answer). Prints the tokens (and the text, with a tokenizer),
 then the run's summary in ``moestream.pipeline.cli.run``'s format (``--json``: one JSON
 object, the summary's fields with ``prompt_ids``, ``token_ids`` and ``text``); ``--log``
 writes the same run log (one ``token`` line per generated token), which ``tools.analyze``
@@ -31,7 +33,11 @@ from moestream.pipeline.foundation.errors import MoestreamError, UsageError
 from moestream.pipeline.foundation.outputs import check_not_input, check_output
 from moestream.pipeline.foundation.sizes import size_text
 
-__all__ = ["add_arguments", "main"]
+__all__ = ["add_arguments", "main", "refuse_for_the_proxy"]
+
+_OWN_FLAGS = {"prompt": "--prompt", "prompt_ids": "--prompt-ids", "chat": "--chat",
+              "in_place": "--in-place"}
+"""This engine's options with no default meaning (unset: None or False), by attribute."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -39,6 +45,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("--engine transformers")
     group.add_argument("--prompt", help="prompt text (needs the checkpoint's tokenizer)")
     group.add_argument("--prompt-ids", help="prompt as token ids, e.g. 1,2,3")
+    group.add_argument("--chat", action="store_true",
+                       help="--prompt as a user message in the tokenizer's chat template, "
+                       "generation stopped at the model's end of turn (at most --tokens)")
     group.add_argument("--experts", default="grouped", choices=["grouped", "eager"],
                        help="expert arithmetic: grouped (as transformers' grouped_mm) or "
                        "eager (logits equal to experts_implementation=eager) (grouped)")
@@ -47,6 +56,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        "decode step reads the experts the cache lacks in place from the "
                        "registered page-cache mapping, no host read of the routing (resident "
                        "mode)")
+
+
+def refuse_for_the_proxy(args: argparse.Namespace) -> None:
+    """The proxy engine's run reads none of this engine's options: given, they are refused
+    in one line, not ignored (a prompt would otherwise be dropped without a word).
+
+    Raises:
+        UsageError: one of them was given.
+    """
+    given = [flag for name, flag in _OWN_FLAGS.items() if getattr(args, name, None)]
+    if getattr(args, "experts", "grouped") != "grouped":
+        given.append("--experts")
+    if given:
+        raise UsageError(f"{', '.join(given)} given without --engine transformers (the "
+                         "proxy engine, the default, decodes synthetic or traced routing: "
+                         "no prompt)")
 
 
 def _prompt_ids(args: argparse.Namespace, model_dir: Path) -> tuple[list[int] | None, Any]:
@@ -69,17 +94,27 @@ def _prompt_ids(args: argparse.Namespace, model_dir: Path) -> tuple[list[int] | 
     if mt.is_gguf(model_dir):
         return None, None
     tokenizer = mt.tokenizer(model_dir)
-    return _encoded(tokenizer, args.prompt), tokenizer
+    return _encoded(tokenizer, args.prompt, args.chat), tokenizer
 
 
-def _encoded(tokenizer: Any, prompt: str) -> list[int]:
-    ids = [int(t) for t in tokenizer(prompt)["input_ids"]]
+def _encoded(tokenizer: Any, prompt: str, chat: bool) -> list[int]:
+    """``prompt``'s ids; ``chat``: of the tokenizer's chat template around it as the one
+    user message, with the assistant's turn opened (the template's own special tokens,
+    none added twice)."""
+    if not chat:
+        encoded = tokenizer(prompt)
+    elif not getattr(tokenizer, "chat_template", None):
+        raise UsageError("--chat: the checkpoint's tokenizer has no chat template")
+    else:
+        encoded = tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
+                                                add_generation_prompt=True, return_dict=True)
+    ids = [int(t) for t in encoded["input_ids"]]
     if not ids:
         raise UsageError("--prompt: the tokenizer made no tokens of it")
     return ids
 
 
-def _gguf_prompt(model: Any, prompt: str, ids: list[int] | None,
+def _gguf_prompt(model: Any, prompt: str, chat: bool, ids: list[int] | None,
                  tokenizer: Any) -> tuple[list[int], Any]:
     """The prompt's ids and tokenizer as ``_prompt_ids`` gave them; for a GGUF file's
     ``--prompt`` (``ids`` None), its ids by the tokenizer transformers builds from the
@@ -89,7 +124,7 @@ def _gguf_prompt(model: Any, prompt: str, ids: list[int] | None,
     if ids is not None:
         return ids, tokenizer
     tokenizer = mt.tokenizer(model)
-    return _encoded(tokenizer, prompt), tokenizer
+    return _encoded(tokenizer, prompt, chat), tokenizer
 
 
 def main(args: argparse.Namespace) -> int:
@@ -110,6 +145,8 @@ def _check_args(args: argparse.Namespace) -> None:
         raise UsageError("--engine transformers needs -m CHECKPOINT_DIR or -m FILE.gguf")
     if args.tokens < 1:
         raise UsageError(f"--tokens must be >= 1, got {args.tokens}")
+    if args.chat and args.prompt is None:
+        raise UsageError("--chat puts --prompt TEXT in the chat template: give --prompt")
     if args.prefetch == "oracle":
         raise UsageError("--prefetch oracle replays a trace's routing ahead, the proxy "
                          "engine's; --engine transformers takes none or predict")
@@ -146,13 +183,14 @@ def _generate(args: argparse.Namespace) -> int:
     live = LiveLine(args.tokens, enabled=not args.json and sys.stderr.isatty())
     stream.on_token = lambda s: live.update(s.hits, s.misses, s.time, s.mode)
     try:
-        ids, tokenizer = _gguf_prompt(model, args.prompt, ids, tokenizer)
+        ids, tokenizer = _gguf_prompt(model, args.prompt, args.chat, ids, tokenizer)
         prompt = torch.tensor([ids], dtype=torch.long, device=stream.device)
         started = time.perf_counter()
         with torch.no_grad():
+            # a benchmark's run generates --tokens exactly; a chat stops at the end of turn
+            least = {} if args.chat else {"min_new_tokens": args.tokens}
             out = model.generate(prompt, attention_mask=torch.ones_like(prompt),
-                                 max_new_tokens=args.tokens, min_new_tokens=args.tokens,
-                                 do_sample=False)
+                                 max_new_tokens=args.tokens, do_sample=False, **least)
         summary.elapsed_s = time.perf_counter() - started
         summary.exit = "ok"
     finally:
@@ -161,7 +199,8 @@ def _generate(args: argparse.Namespace) -> int:
         stream.close()
     new = out[0, len(ids):].tolist()
     _fill(summary, counters, tokens=len(new), verify=not args.no_verify)
-    text = tokenizer.decode(new) if tokenizer is not None else None
+    text = (tokenizer.decode(new, skip_special_tokens=args.chat) if tokenizer is not None
+            else None)
     with closable_stdout():
         if args.json:  # the summary's fields, and what was generated
             print(json.dumps({**summary.as_dict(), "prompt_ids": ids, "token_ids": new,

@@ -175,6 +175,10 @@ class TestErrors:
         (["--compute", "quantum"], 2, "--compute"),
         (["--queue-depth", "0"], 2, "--queue-depth"),
         (["--chunk", "1000"], 2, "multiple of 4096"),
+        # the transformers engine's options, never dropped by the proxy without a word
+        (["--prompt", "hello"], 2, "--prompt given without --engine transformers"),
+        (["--prompt-ids", "1,2", "--chat"], 2, "--prompt-ids, --chat given without"),
+        (["--experts", "eager"], 2, "--experts given without --engine transformers"),
     ])
     def test_bad_options(self, capsys: pytest.CaptureFixture[str], tiny_model: Path,
                          args: list[str], code: int, words: str) -> None:
