@@ -596,6 +596,40 @@ class TestCli:
         assert code == 0
         assert "text       " in out
 
+    def test_chat_through_the_gguf_tokenizer(self, tmp_path: Path,
+                                             monkeypatch: pytest.MonkeyPatch,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+        """``--chat`` on a GGUF file with a chat template in its metadata (as llama.cpp's
+        converter writes one): the template transformers' tokenizer of the file applies,
+        and transformers' own reply from that file."""
+        template = ("{% for m in messages %}{{ m['content'] }}{% endfor %}"
+                    "{% if add_generation_prompt %}he{% endif %}")
+
+        vocabulary = _tokenizer_metadata
+
+        def with_template(writer: GGUFWriter) -> None:
+            vocabulary(writer)
+            writer.add_chat_template(template)
+
+        monkeypatch.setattr(sys.modules[__name__], "_tokenizer_metadata", with_template)
+        path = _gguf(tmp_path, "qwen3_moe", EXPERT_TYPES["qwen3_moe"][:2],
+                     num_hidden_layers=2).path
+        monkeypatch.undo()
+        code = pipeline_run.main(["--engine", "transformers", "-m", str(path), "--prompt",
+                                  "hello", "--chat", "--tokens", "3", "--backend", "host",
+                                  "--json"])
+        got = json.loads(capsys.readouterr().out)
+        assert code == 0
+        tokenizer = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": "hello"}],
+                                            add_generation_prompt=True,
+                                            return_dict=True)["input_ids"]
+        assert got["prompt_ids"] == ids == tokenizer("hellohe")["input_ids"]
+        prompt = torch.tensor([ids])
+        reply = _transformers(path, "grouped_mm").generate(
+            prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=3, do_sample=False)
+        assert got["token_ids"] == reply[0, len(ids):].tolist()
+
     def test_prompt_by_the_file_the_session_opened(self, files: dict[str, _Gguf],
                                                    tmp_path: Path,
                                                    monkeypatch: pytest.MonkeyPatch,
