@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import Any
 
 from moestream.pipeline.foundation.compute import DEQUANTIZED
 from moestream.pipeline.foundation.config import (
@@ -20,7 +21,7 @@ from moestream.pipeline.foundation.config import (
 )
 from moestream.pipeline.proxy.config import RunConfig, parse_limits
 
-__all__ = ["build_parser", "config_from_args"]
+__all__ = ["build_parser", "config_from_args", "streaming_options"]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -111,12 +112,7 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         compute=parse_compute(args.compute),
         backend=args.backend,
         devices=parse_devices(args.devices) if args.devices else None,
-        queue_depth=args.queue_depth,
-        chunk_bytes=parse_size(args.chunk),
-        staging_slots=args.staging_slots,
-        upload_streams=args.streams,
         verify=not args.no_verify,
-        gather=not args.no_gather, gather_blocks=args.gather_blocks,
         prefetch=args.prefetch,
         lookahead=args.lookahead,
         seed=args.seed,
@@ -126,11 +122,22 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         routing_preset=args.routing,
         log=args.log,
         log_level=args.log_level,
+        json=args.json,
+        debug=args.debug,
+        limits=parse_limits(args.limits) if args.limits else None,
+        **streaming_options(args),
+    )
+
+
+def streaming_options(args: argparse.Namespace) -> dict[str, Any]:
+    """How experts are read, staged, uploaded and watched, as both engines take them: the
+    fields of those names of ``StreamConfig`` (the proxy's ``RunConfig``) and of
+    ``moestream.Tuning`` (``--engine transformers``)."""
+    return dict(
+        queue_depth=args.queue_depth, chunk_bytes=parse_size(args.chunk),
+        staging_slots=args.staging_slots, upload_streams=args.streams,
+        gather=not args.no_gather, gather_blocks=args.gather_blocks,
         ram_limit=parse_size(args.ram_limit) if args.ram_limit else None,
         sample_ms=args.sample_ms,
         margin_bytes=parse_size(args.margin) if args.margin else None,
-        json=args.json,
-        debug=args.debug,
-        faults=args.inject,
-        limits=parse_limits(args.limits) if args.limits else None,
-    )
+        faults=args.inject)

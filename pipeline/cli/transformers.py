@@ -38,6 +38,13 @@ __all__ = ["add_arguments", "main", "refuse_for_the_proxy"]
 _OWN_FLAGS = {"prompt": "--prompt", "prompt_ids": "--prompt-ids", "chat": "--chat",
               "in_place": "--in-place"}
 """This engine's options with no default meaning (unset: None or False), by attribute."""
+_PROXY_FLAGS = {"compute": "--compute", "devices": "--devices", "router": "--router",
+                "lookahead": "--lookahead", "seed": "--seed", "trace": "--trace",
+                "record_trace": "--record-trace", "routing": "--routing",
+                "log_level": "--log-level", "limits": "--limits"}
+"""The proxy engine's options this engine has no use for (its routing is the model's, its
+compute transformers', its device one), by attribute: refused where not left at their
+defaults. The streaming options (--queue-depth ... --inject) go to the session's Tuning."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -72,6 +79,42 @@ def refuse_for_the_proxy(args: argparse.Namespace) -> None:
         raise UsageError(f"{', '.join(given)} given without --engine transformers (the "
                          "proxy engine, the default, decodes synthetic or traced routing: "
                          "no prompt)")
+
+
+def _refuse_proxy_options(args: argparse.Namespace) -> None:
+    """The proxy engine's options set away from their defaults: one line naming them (they
+    would otherwise be dropped without a word)."""
+    from moestream.pipeline.cli.run_arguments import build_parser
+
+    defaults = build_parser()
+    given = [flag for name, flag in _PROXY_FLAGS.items()
+             if getattr(args, name, None) != defaults.get_default(name)]
+    if given:
+        raise UsageError(f"{', '.join(given)}: options of the proxy engine, not of --engine "
+                         "transformers (its routing is the model's, its compute "
+                         "transformers', on one device: CUDA_VISIBLE_DEVICES picks it)")
+
+
+def _tuning(args: argparse.Namespace) -> Any:
+    """The command line's streaming options as the session's ``Tuning``, checked first in
+    the command line's words (``--queue-depth``, not ``Tuning.queue_depth``), as the proxy
+    engine's are."""
+    from moestream import Tuning
+    from moestream.pipeline.cli.run_arguments import streaming_options
+    from moestream.pipeline.foundation.config import StreamConfig
+
+    options = streaming_options(args)
+    StreamConfig(**options)
+    return Tuning(**options)
+
+
+def _check_vocabulary(ids: list[int], model: Any) -> None:
+    """Every prompt id names a row of the model's embeddings (an id past them, or a negative
+    one, is one line, not torch's index error from inside the forward)."""
+    rows = int(model.get_input_embeddings().num_embeddings)
+    bad = next((i for i in ids if not 0 <= i < rows), None)
+    if bad is not None:
+        raise UsageError(f"--prompt-ids: {bad} is not a token id of this model (0..{rows - 1})")
 
 
 def _prompt_ids(args: argparse.Namespace, model_dir: Path) -> tuple[list[int] | None, Any]:
@@ -150,6 +193,7 @@ def _check_args(args: argparse.Namespace) -> None:
     if args.prefetch == "oracle":
         raise UsageError("--prefetch oracle replays a trace's routing ahead, the proxy "
                          "engine's; --engine transformers takes none or predict")
+    _refuse_proxy_options(args)
     if args.log is not None:
         check_output(args.log, what="--log", in_place=True)
         check_not_input(args.log, {"--model": args.model}, what="--log")
@@ -157,6 +201,7 @@ def _check_args(args: argparse.Namespace) -> None:
 
 def _generate(args: argparse.Namespace) -> int:
     _check_args(args)
+    tuning = _tuning(args)
     from moestream.transformers import local_checkpoint
 
     checkpoint = local_checkpoint(args.model)  # a hub id: the hub cache's snapshot
@@ -174,7 +219,8 @@ def _generate(args: argparse.Namespace) -> int:
         model = from_pretrained(checkpoint, budget=args.cache_budget, mode=args.mode,
                                 device=device, compute=args.experts, policy=args.policy,
                                 verify=not args.no_verify, log=args.log,
-                                prefetch=args.prefetch, in_place=args.in_place)
+                                prefetch=args.prefetch, in_place=args.in_place,
+                                tuning=tuning)
     stream = model.moestream
     summary = RunSummary(model=str(args.model), backend=stream.session.backend,
                          device=str(stream.device),
@@ -184,6 +230,7 @@ def _generate(args: argparse.Namespace) -> int:
     stream.on_token = lambda s: live.update(s.hits, s.misses, s.time, s.mode)
     try:
         ids, tokenizer = _gguf_prompt(model, args.prompt, args.chat, ids, tokenizer)
+        _check_vocabulary(ids, model)
         prompt = torch.tensor([ids], dtype=torch.long, device=stream.device)
         started = time.perf_counter()
         with torch.no_grad():

@@ -575,11 +575,38 @@ class TestCli:
         assert events.count("token") == 5
         assert events[0] == "run_start" and events[-1] == "run_end"
 
+    def test_streaming_options_reach_the_session(self, checkpoints: dict[str, Path],
+                                                 tmp_path: Path,
+                                                 capsys: pytest.CaptureFixture[str],
+                                                 loops: None) -> None:
+        """The command line's reading, staging and controller options are the session's
+        (its log header's config), as the proxy engine's are."""
+        log = tmp_path / "run.jsonl"
+        code = pipeline_run.main(["--engine", "transformers", "-m", str(checkpoints["qwen3_moe"]),
+                                  "--prompt-ids", "3,17", "--tokens", "1", "--log", str(log),
+                                  "--queue-depth", "3", "--staging-slots", "5", "--chunk",
+                                  "1MiB", "--ram-limit", "8GiB", "--sample-ms", "100",
+                                  "--no-gather"])
+        capsys.readouterr()
+        assert code == 0
+        config = json.loads(log.read_text().splitlines()[0])["config"]
+        assert {k: config[k] for k in ("queue_depth", "staging_slots", "chunk_bytes",
+                                       "ram_limit", "sample_ms", "gather")} == {
+            "queue_depth": 3, "staging_slots": 5, "chunk_bytes": 1 << 20,
+            "ram_limit": 8 << 30, "sample_ms": 100.0, "gather": False}
+
     @pytest.mark.parametrize("argv, message", [
         (["--prompt-ids", "1,2", "--cache-budget", "1"], "budget"),
         (["--prompt", "hello"], "no tokenizer"),
         (["--prompt-ids", "1,x"], "--prompt-ids"),
         ([], "--prompt"),
+        # an id past the embeddings, or negative: not torch's index error from the forward
+        (["--prompt-ids", "1,96"], "--prompt-ids: 96 is not a token id of this model (0..95)"),
+        (["--prompt-ids", "-1"], "--prompt-ids: -1 is not a token id"),
+        # the proxy engine's options, never dropped without a word; streaming ones checked
+        (["--prompt-ids", "1", "--devices", "1", "--seed", "2"], "--devices, --seed: options "
+         "of the proxy engine"),
+        (["--prompt-ids", "1", "--queue-depth", "0"], "--queue-depth must be >= 1"),
     ])
     def test_bad_input_one_line_exit_2(self, checkpoints: dict[str, Path], argv: list[str],
                                        message: str, capsys: pytest.CaptureFixture[str],
