@@ -19,9 +19,23 @@ from moestream.pipeline.foundation.config import (
     parse_devices,
     parse_size,
 )
+from moestream.pipeline.foundation.errors import UsageError
 from moestream.pipeline.proxy.config import RunConfig, parse_limits
 
-__all__ = ["build_parser", "config_from_args", "streaming_options"]
+__all__ = ["build_parser", "config_from_args", "refuse_for_the_proxy",
+           "refuse_for_transformers", "streaming_options"]
+
+_TRANSFORMERS_FLAGS = {"prompt": "--prompt", "prompt_ids": "--prompt-ids", "chat": "--chat",
+                      "experts": "--experts", "in_place": "--in-place"}
+"""The options of ``--engine transformers`` alone, by attribute."""
+_PROXY_FLAGS = {"compute": "--compute", "devices": "--devices", "router": "--router",
+                "lookahead": "--lookahead", "seed": "--seed", "trace": "--trace",
+                "record_trace": "--record-trace", "routing": "--routing",
+                "log_level": "--log-level", "limits": "--limits"}
+"""The proxy engine's options that ``--engine transformers`` has no use for (its routing is
+the model's, its compute transformers', its device one), by attribute. The streaming options
+(``streaming_options``) serve both engines."""
+
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -65,9 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--inject", default="", metavar="SPEC",
                    help="fault injection, a test facility: kind[=value]@N[+],... e.g. "
                    "read_eio@3,device_oom@10 (kinds: see pipeline/foundation/faults.py)")
-    from moestream.pipeline.cli.transformers import add_arguments
-
-    add_arguments(p)
+    _add_transformers_options(p)
     return p
 
 
@@ -100,8 +112,6 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         UsageError: an option of ``--engine transformers`` given, or a value that does
             not parse.
     """
-    from moestream.pipeline.cli.transformers import refuse_for_the_proxy
-
     refuse_for_the_proxy(args)
     return RunConfig(
         model=args.model,
@@ -141,3 +151,56 @@ def streaming_options(args: argparse.Namespace) -> dict[str, Any]:
         sample_ms=args.sample_ms,
         margin_bytes=parse_size(args.margin) if args.margin else None,
         faults=args.inject)
+
+
+def _add_transformers_options(parser: argparse.ArgumentParser) -> None:
+    """The options of ``--engine transformers`` alone."""
+    group = parser.add_argument_group("--engine transformers")
+    group.add_argument("--prompt", help="prompt text (needs the checkpoint's tokenizer)")
+    group.add_argument("--prompt-ids", help="prompt as token ids, e.g. 1,2,3")
+    group.add_argument("--chat", action="store_true",
+                       help="--prompt as a user message in the tokenizer's chat template, "
+                       "generation stopped at the model's end of turn (at most --tokens)")
+    group.add_argument("--experts", default="grouped", choices=["grouped", "eager"],
+                       help="expert arithmetic: grouped (as transformers' grouped_mm) or "
+                       "eager (logits equal to experts_implementation=eager) (grouped)")
+    group.add_argument("--in-place", action="store_true",
+                       help="on a GPU below the model's experts, once the cache is full: each "
+                       "decode step reads the experts the cache lacks in place from the "
+                       "registered page-cache mapping, no host read of the routing (resident "
+                       "mode)")
+
+
+def refuse_for_the_proxy(args: argparse.Namespace) -> None:
+    """The transformers engine's options given to the proxy engine, which reads none of
+    them: refused in one line, not ignored (a prompt would be dropped without a word).
+
+    Raises:
+        UsageError: one of them is away from its default.
+    """
+    given = _given(args, _TRANSFORMERS_FLAGS)
+    if given:
+        raise UsageError(f"{', '.join(given)} given without --engine transformers (the "
+                         "proxy engine, the default, decodes synthetic or traced routing: "
+                         "no prompt)")
+
+
+def refuse_for_transformers(args: argparse.Namespace) -> None:
+    """The proxy engine's own options given to ``--engine transformers``: refused in one
+    line, not ignored.
+
+    Raises:
+        UsageError: one of them is away from its default.
+    """
+    given = _given(args, _PROXY_FLAGS)
+    if given:
+        raise UsageError(f"{', '.join(given)}: options of the proxy engine, not of --engine "
+                         "transformers (its routing is the model's, its compute "
+                         "transformers', on one device: CUDA_VISIBLE_DEVICES picks it)")
+
+
+def _given(args: argparse.Namespace, flags: dict[str, str]) -> list[str]:
+    """The ``flags`` whose values in ``args`` are not the parser's defaults."""
+    parser = build_parser()
+    return [flag for name, flag in flags.items()
+            if getattr(args, name, None) != parser.get_default(name)]

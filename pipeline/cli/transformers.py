@@ -27,72 +27,14 @@ from typing import Any
 from moestream import RunSummary
 from moestream.pipeline.cli.common import closable_stdout, print_error
 from moestream.pipeline.cli.progress import LiveLine
+from moestream.pipeline.cli.run_arguments import refuse_for_transformers, streaming_options
 from moestream.pipeline.cli.summary import print_summary
 from moestream.pipeline.foundation.describe import describe_experts
 from moestream.pipeline.foundation.errors import MoestreamError, UsageError
 from moestream.pipeline.foundation.outputs import check_not_input, check_output
 from moestream.pipeline.foundation.sizes import size_text
 
-__all__ = ["add_arguments", "main", "refuse_for_the_proxy"]
-
-_OWN_FLAGS = {"prompt": "--prompt", "prompt_ids": "--prompt-ids", "chat": "--chat",
-              "in_place": "--in-place"}
-"""This engine's options with no default meaning (unset: None or False), by attribute."""
-_PROXY_FLAGS = {"compute": "--compute", "devices": "--devices", "router": "--router",
-                "lookahead": "--lookahead", "seed": "--seed", "trace": "--trace",
-                "record_trace": "--record-trace", "routing": "--routing",
-                "log_level": "--log-level", "limits": "--limits"}
-"""The proxy engine's options this engine has no use for (its routing is the model's, its
-compute transformers', its device one), by attribute: refused where not left at their
-defaults. The streaming options (--queue-depth ... --inject) go to the session's Tuning."""
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The options ``--engine transformers`` adds to ``moestream.pipeline.cli.run``'s."""
-    group = parser.add_argument_group("--engine transformers")
-    group.add_argument("--prompt", help="prompt text (needs the checkpoint's tokenizer)")
-    group.add_argument("--prompt-ids", help="prompt as token ids, e.g. 1,2,3")
-    group.add_argument("--chat", action="store_true",
-                       help="--prompt as a user message in the tokenizer's chat template, "
-                       "generation stopped at the model's end of turn (at most --tokens)")
-    group.add_argument("--experts", default="grouped", choices=["grouped", "eager"],
-                       help="expert arithmetic: grouped (as transformers' grouped_mm) or "
-                       "eager (logits equal to experts_implementation=eager) (grouped)")
-    group.add_argument("--in-place", action="store_true",
-                       help="on a GPU below the model's experts, once the cache is full: each "
-                       "decode step reads the experts the cache lacks in place from the "
-                       "registered page-cache mapping, no host read of the routing (resident "
-                       "mode)")
-
-
-def refuse_for_the_proxy(args: argparse.Namespace) -> None:
-    """The proxy engine's run reads none of this engine's options: given, they are refused
-    in one line, not ignored (a prompt would otherwise be dropped without a word).
-
-    Raises:
-        UsageError: one of them was given.
-    """
-    given = [flag for name, flag in _OWN_FLAGS.items() if getattr(args, name, None)]
-    if getattr(args, "experts", "grouped") != "grouped":
-        given.append("--experts")
-    if given:
-        raise UsageError(f"{', '.join(given)} given without --engine transformers (the "
-                         "proxy engine, the default, decodes synthetic or traced routing: "
-                         "no prompt)")
-
-
-def _refuse_proxy_options(args: argparse.Namespace) -> None:
-    """The proxy engine's options set away from their defaults: one line naming them (they
-    would otherwise be dropped without a word)."""
-    from moestream.pipeline.cli.run_arguments import build_parser
-
-    defaults = build_parser()
-    given = [flag for name, flag in _PROXY_FLAGS.items()
-             if getattr(args, name, None) != defaults.get_default(name)]
-    if given:
-        raise UsageError(f"{', '.join(given)}: options of the proxy engine, not of --engine "
-                         "transformers (its routing is the model's, its compute "
-                         "transformers', on one device: CUDA_VISIBLE_DEVICES picks it)")
+__all__ = ["main"]
 
 
 def _tuning(args: argparse.Namespace) -> Any:
@@ -100,7 +42,6 @@ def _tuning(args: argparse.Namespace) -> Any:
     the command line's words (``--queue-depth``, not ``Tuning.queue_depth``), as the proxy
     engine's are."""
     from moestream import Tuning
-    from moestream.pipeline.cli.run_arguments import streaming_options
     from moestream.pipeline.foundation.config import StreamConfig
 
     options = streaming_options(args)
@@ -193,7 +134,7 @@ def _check_args(args: argparse.Namespace) -> None:
     if args.prefetch == "oracle":
         raise UsageError("--prefetch oracle replays a trace's routing ahead, the proxy "
                          "engine's; --engine transformers takes none or predict")
-    _refuse_proxy_options(args)
+    refuse_for_transformers(args)
     if args.log is not None:
         check_output(args.log, what="--log", in_place=True)
         check_not_input(args.log, {"--model": args.model}, what="--log")
