@@ -56,6 +56,9 @@ def main() -> int:
         tokenizer = None if args.prompt is None else mt.tokenizer(model)
         ids = args.prompt_ids if tokenizer is None else tokenizer(
             args.prompt, return_tensors="pt")["input_ids"]
+        rows = model.get_input_embeddings().num_embeddings
+        if not all(0 <= i < rows for i in ids[0].tolist()):
+            raise moestream.UsageError(f"--prompt-ids: the model's token ids are 0..{rows - 1}")
         ids = ids.to(model.device)
         started = time.perf_counter()
         out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,

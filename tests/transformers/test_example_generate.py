@@ -54,6 +54,7 @@ def test_the_summary_states_the_cache(tiny: tuple[Path, str]) -> None:
     (["-n", "0"], "-n/--tokens: not a positive count: '0'"),
     (["--prompt", "hi"], "the checkpoint has no tokenizer for --prompt"),
     (["--budget", "lots"], "lots"),
+    (["--prompt-ids", "1,96"], "--prompt-ids: the model's token ids are 0..95"),
 ])
 def test_bad_input_is_one_line(tiny: tuple[Path, str], args: list[str], says: str) -> None:
     run = _example(tiny[0], *args)
