@@ -26,11 +26,12 @@ __all__ = [
 def process_read_bytes() -> int:
     """Bytes this process pulled from storage (page-cache hits do not count).
 
-    Read once per token, from ``getrusage``: Linux's ``ru_inblock`` is the same per-task
-    count as ``/proc/self/io``'s ``read_bytes`` (threads alive and gone), in 512-byte
-    units. In a decoding process ``/proc/self/io`` took 35 us a token on the dev VM (one
-    ``pread`` of a file kept open) against 12 for ``getrusage``: a held token's end is
-    ~0.4 ms of host time there.
+    Read once per token, from ``getrusage``: Linux's ``ru_inblock`` counts this process's
+    threads' reads (alive and gone) in 512-byte units, the per-task counter behind
+    ``/proc/self/io``'s ``read_bytes``, which also adds the reads of every child the process
+    has reaped (a token's figure would take a child's whole life of reads). In a decoding
+    process ``/proc/self/io`` took 35 us a token on the dev VM (one ``pread`` of a file kept
+    open) against 12 for ``getrusage``: a held token's end is ~0.4 ms of host time there.
     """
     return resource.getrusage(resource.RUSAGE_SELF).ru_inblock * 512
 

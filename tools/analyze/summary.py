@@ -71,7 +71,7 @@ _ROWS: tuple[tuple[str, str, Callable[[Value], str]], ...] = (
     ("cache_mb_per_token", "device cache MB/token", _fmt(2)),
     ("file_mb_per_token", "file read MB/token", _fmt(2)),
     ("page_cache_mb_per_token", "  from page cache MB/token", _fmt(2)),
-    ("storage_mb_per_token", "storage MB/token (/proc/self/io)", _fmt(2)),
+    ("storage_mb_per_token", "storage MB/token (process reads)", _fmt(2)),
     ("storage_gbps", "storage GB/s during decode", _fmt(3)),
     ("stall_share", "stall share of token time", _fmt(3)),
     ("bound", "bound (largest part of token time)", _fmt(0)),
