@@ -45,7 +45,7 @@ def _tuning(args: argparse.Namespace) -> Any:
     from moestream.pipeline.foundation.config import StreamConfig
 
     options = streaming_options(args)
-    StreamConfig(**options)
+    StreamConfig(**options)  # raises in the command line's words
     return Tuning(**options)
 
 
@@ -55,7 +55,8 @@ def _check_vocabulary(ids: list[int], model: Any) -> None:
     rows = int(model.get_input_embeddings().num_embeddings)
     bad = next((i for i in ids if not 0 <= i < rows), None)
     if bad is not None:
-        raise UsageError(f"--prompt-ids: {bad} is not a token id of this model (0..{rows - 1})")
+        raise UsageError(f"the prompt's token id {bad} is not one of this model's "
+                         f"(0..{rows - 1})")
 
 
 def _prompt_ids(args: argparse.Namespace, model_dir: Path) -> tuple[list[int] | None, Any]:

@@ -601,8 +601,9 @@ class TestCli:
         (["--prompt-ids", "1,x"], "--prompt-ids"),
         ([], "--prompt"),
         # an id past the embeddings, or negative: not torch's index error from the forward
-        (["--prompt-ids", "1,96"], "--prompt-ids: 96 is not a token id of this model (0..95)"),
-        (["--prompt-ids", "-1"], "--prompt-ids: -1 is not a token id"),
+        (["--prompt-ids", "1,96"], "the prompt's token id 96 is not one of this model's "
+         "(0..95)"),
+        (["--prompt-ids", "-1"], "the prompt's token id -1 is not one"),
         # the proxy engine's options, never dropped without a word; streaming ones checked
         (["--prompt-ids", "1", "--devices", "1", "--seed", "2"], "--devices, --seed: options "
          "of the proxy engine"),
