@@ -178,11 +178,8 @@ def refuse_for_the_proxy(args: argparse.Namespace) -> None:
     Raises:
         UsageError: one of them is away from its default.
     """
-    given = _given(args, _TRANSFORMERS_FLAGS)
-    if given:
-        raise UsageError(f"{', '.join(given)} given without --engine transformers (the "
-                         "proxy engine, the default, decodes synthetic or traced routing: "
-                         "no prompt)")
+    _refuse(args, _TRANSFORMERS_FLAGS, " given without --engine transformers (the proxy "
+            "engine, the default, decodes synthetic or traced routing: no prompt)")
 
 
 def refuse_for_transformers(args: argparse.Namespace) -> None:
@@ -192,15 +189,16 @@ def refuse_for_transformers(args: argparse.Namespace) -> None:
     Raises:
         UsageError: one of them is away from its default.
     """
-    given = _given(args, _PROXY_FLAGS)
-    if given:
-        raise UsageError(f"{', '.join(given)}: options of the proxy engine, not of --engine "
-                         "transformers (its routing is the model's, its compute "
-                         "transformers', on one device: CUDA_VISIBLE_DEVICES picks it)")
+    _refuse(args, _PROXY_FLAGS, ": options of the proxy engine, not of --engine transformers "
+            "(its routing is the model's, its compute transformers', on one device: "
+            "CUDA_VISIBLE_DEVICES picks it)")
 
 
-def _given(args: argparse.Namespace, flags: dict[str, str]) -> list[str]:
-    """The ``flags`` whose values in ``args`` are not the parser's defaults."""
+def _refuse(args: argparse.Namespace, flags: dict[str, str], why: str) -> None:
+    """One line, the ``flags`` whose values in ``args`` are not the parser's defaults then
+    ``why``, if any."""
     parser = build_parser()
-    return [flag for name, flag in flags.items()
-            if getattr(args, name, None) != parser.get_default(name)]
+    given = [flag for name, flag in flags.items()
+             if getattr(args, name, None) != parser.get_default(name)]
+    if given:
+        raise UsageError(f"{', '.join(given)}{why}")
