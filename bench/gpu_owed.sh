@@ -2,8 +2,10 @@
 # One device call (DEADLINE seconds, default 560) for the runs earlier notes left owed, in
 # priority order (STEPS picks which), each step's files tarred into $OUT as it ends (a cut
 # call keeps them):
-#   tests  every GPU test (-m gpu): the streaming session, the kernels, the stages, the API
-#          on CuPy (wait_uploads, DLPack) and the transformers path (no sync, dequantizers)
+#   tests  the GPU tests (-m gpu) of the streaming session, the kernels, the stages, the API
+#          on CuPy (wait_uploads, DLPack) and the transformers path without a sync
+#   tf     the other transformers GPU tests (dequantizers, every model kind on CUDA): 130 of
+#          the 248 GPU tests (tests has 115), more than one step can hold
 #   cost   bench.held_cost on a --spread BF16 model of Qwen3-30B-A3B's layer shape, 8 layers,
 #          3 GiB: a held token's experts calls, its start and end and the rest of its wall
 #          time, unprofiled, beside the resident model's (5 rounds)
@@ -34,7 +36,8 @@ made() {  # the model every step after tests shares, made once a lease
 }
 steps=${STEPS:-tests,held}
 if [[ $steps == *tests* ]]; then
-  tarred tests 240 python3 -m pytest -m gpu -q -rs -p no:cacheprovider tests
+  tarred tests 240 python3 -m pytest -m gpu -q -rs -p no:cacheprovider tests/streaming tests/gpu \
+    tests/stages tests/api tests/transformers/test_transformers_nosync.py
   tail -3 $R/tests.log
 fi
 if [[ $steps == *cost* ]]; then
@@ -68,6 +71,11 @@ for name, run in d.get("runs", {}).items():
 PY
   done
   cp $R/steps.txt $OUT/
+fi
+if [[ $steps == *tf* ]]; then
+  tarred tf 300 python3 -m pytest -m gpu -q -rs -p no:cacheprovider tests/transformers \
+    --ignore=tests/transformers/test_transformers_nosync.py
+  tail -3 $R/tf.log
 fi
 if [[ $steps == *profile* ]]; then
   made
