@@ -4,8 +4,6 @@
 # call keeps them):
 #   tests  the GPU tests (-m gpu) of the streaming session, the kernels, the stages, the API
 #          on CuPy (wait_uploads, DLPack) and the transformers path without a sync
-#   tf     the other transformers GPU tests (dequantizers, every model kind on CUDA): 130 of
-#          the 248 GPU tests (tests has 115), more than one step can hold
 #   cost   bench.held_cost on a --spread BF16 model of Qwen3-30B-A3B's layer shape, 8 layers,
 #          3 GiB: a held token's experts calls, its start and end and the rest of its wall
 #          time, unprofiled, beside the resident model's (5 rounds)
@@ -14,6 +12,8 @@
 #          registered host memory, moestream's model held whole, its close)
 #   held   bench.transformers resident,held on that model in HELD separate processes
 #          (default 3), three rounds each: x_resident and whole_share per process
+#   tf     the other transformers GPU tests (dequantizers, every model kind on CUDA): 130 of
+#          the 248 GPU tests (tests has 115), more than one step can hold
 #   profile  bench.experts_profile on that model held whole, the resident model first in the
 #          same process, other threads sampled, one generate on the torch profiler's timeline:
 #          where a held token's host time goes beside the resident model's
