@@ -1,4 +1,6 @@
-"""``python -m pipeline.run``'s command line: its parser and the ``RunConfig`` it gives.
+"""``python -m pipeline.run``'s command line: its parser, the ``RunConfig`` it gives the
+proxy engine, the streaming options both engines take, and each engine's refusal of the
+other's options (given to the wrong engine they would be dropped without a word).
 
 Kept apart from the run itself (``moestream.pipeline.cli.run``): the options are a long,
 flat list that changes with every setting, while the run's order of opening, decoding and
