@@ -11,14 +11,18 @@ means every page.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
 
+from moestream.pipeline.foundation.errors import ResidencyError
+from moestream.stages.pagelock import lock_pages
 from moestream.stages.residency import Residency
 
 __all__ = ["RECLAIM_SLACK", "assert_all_resident", "assert_loaded", "assert_resident_pages",
-           "assert_same_reading", "proactive_reclaim"]
+           "assert_same_reading", "held_resident", "proactive_reclaim"]
 
 _DAMON = Path("/sys/kernel/mm/damon/admin/kdamonds")
 
@@ -79,3 +83,21 @@ def assert_same_reading(earlier: int, later: int, file_bytes: int) -> None:
     assert earlier - later <= RECLAIM_SLACK * file_bytes, (
         f"{earlier} then {later} bytes resident "
         f"(this machine's reclaim may take {RECLAIM_SLACK:.1%} of {file_bytes})")
+
+
+@contextmanager
+def held_resident(path: Path) -> Iterator[None]:
+    """The file's pages loaded and kept resident meanwhile: pinned (``mlock``), so that this
+    machine's own reclaim cannot take one between the load and the caller's use of them (a
+    resident-mode streamer registers only windows whose every page is resident, and a test
+    of the registered path needs them all); only loaded where ``mlock`` is refused."""
+    try:
+        lock = lock_pages(path)
+    except ResidencyError:
+        with path.open("rb") as f:
+            while f.read(8 << 20):
+                pass
+        yield
+        return
+    with lock:
+        yield

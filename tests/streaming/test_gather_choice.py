@@ -33,6 +33,7 @@ from moestream.pipeline.streaming.registered import (
     _small_ranges,
 )
 from moestream.pipeline.streaming.streamer import ExpertStreamer
+from tests.reclaim import held_resident
 
 
 def test_small_matrices_gather_large_ones_copy(tiny_model: Path, tmp_path: Path) -> None:
@@ -77,11 +78,9 @@ def _paths_taken(tiny_model: Path, monkeypatch: pytest.MonkeyPatch, backend: Any
         cache = DeviceCache(backend, 1 << 30, "lru", min_bytes=table.top_k * size)
         cfg = RunConfig(model=table.path, compute=ComputeSpec("digest"), gather=gather)
         streamer = ExpertStreamer(cfg, table, backend, cache, DeferredKernels())
-        with table.path.open("rb") as f:  # only windows with every page resident register
-            while f.read(8 << 20):
-                pass
         try:
-            await streamer.set_mode("resident")
+            with held_resident(table.path):  # only windows with every page resident register
+                await streamer.set_mode("resident")
             said.append(streamer.registered_path)
             for i in range(layers):
                 called.append([])

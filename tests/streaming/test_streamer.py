@@ -31,6 +31,7 @@ from moestream.pipeline.streaming.lease_parts import EventJoiner, LeasePart
 from moestream.pipeline.streaming.streamer import ExpertStreamer
 from moestream.pipeline.streaming.verify import DigestRows, Verifier
 from moestream.stages.layout import plan_expert
+from tests.reclaim import held_resident
 from tests.streaming.test_pipeline import DeferredBackend, DeferredKernels, DeferredStream
 
 
@@ -64,10 +65,8 @@ async def _resident(table: ExpertTable, faults: str = ""
     cache = DeviceCache(backend, 1 << 30, "lru", min_bytes=table.top_k * size)
     plan = parse_faults(faults) if faults else None
     streamer = ExpertStreamer(cfg, table, backend, cache, DeferredKernels(), faults=plan)
-    with table.path.open("rb") as f:
-        while f.read(8 << 20):
-            pass
-    await streamer.set_mode("resident")
+    with held_resident(table.path):
+        await streamer.set_mode("resident")
     return backend, cache, streamer
 
 
@@ -91,13 +90,12 @@ async def _stream(table: ExpertTable, routes: list[Route], *, budget_experts: in
     results: list[tuple[int, int, int, int]] = []  # per layer: hits, misses, evictions, pending
     errors: list[BaseException] = []
     # only windows whose pages are all resident get registered, and the batched path needs
-    # them registered: read the file through so a test run before this one that dropped
-    # its pages (an eviction, direct-mode reads) cannot send the layer down the other path
-    with table.path.open("rb") as f:
-        while f.read(8 << 20):
-            pass
+    # them registered: the file's pages held so that a test run before this one that
+    # dropped them (an eviction, direct-mode reads), or the machine's reclaim, cannot send
+    # the layer down the other path
     try:
-        await streamer.set_mode("resident")
+        with held_resident(table.path):
+            await streamer.set_mode("resident")
         for route in routes:
             for layer, experts in zip(table.moe_layers, route, strict=True):
                 load = streamer.start_layer(layer, experts)
