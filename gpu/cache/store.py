@@ -161,23 +161,20 @@ class DeviceCache:
         a plan of them (``plan_layer``) and their release would make, with no pin taken
         and given back, and no last use to record. None, nothing done, when one is not
         held or not landed."""
-        entries = self._entries
         keys = [(layer, expert) for expert in experts]
-        hits: list[Entry] = []
-        for key in keys:
-            entry = entries.get(key)
-            if entry is None or not entry.ready:
-                return None
-            hits.append(entry)
-        self._hit(keys, hits)
+        hits = self._held(keys, landed=True)
+        if hits is not None:
+            self._hit(keys, hits)
         return hits
 
-    def _held(self, keys: Sequence[ExpertKey]) -> list[Entry] | None:
+    def _held(self, keys: Sequence[ExpertKey], *, landed: bool = False) -> list[Entry] | None:
+        """The entries of ``keys``, all held (and, with ``landed``, all installed); None
+        where one is not."""
         entries = self._entries
         hits: list[Entry] = []
         for key in keys:
             entry = entries.get(key)
-            if entry is None:
+            if entry is None or (landed and not entry.ready):
                 return None
             hits.append(entry)
         return hits
