@@ -12,6 +12,10 @@
 #          registered host memory, moestream's model held whole, its close)
 #   held   bench.transformers resident,held on that model in HELD separate processes
 #          (default 3), three rounds each: x_resident and whole_share per process
+#   warm   bench.transformers resident,warm,predict,cold on that model at 3 GiB in all, three
+#          rounds: the page-cache warm and cold figures, with and without prefetch
+#   forwards  bench.forwards on that model at 3 GiB: a 2048-token prefill, a 4-token
+#          verification forward against a 1-token one, prompt lookup and a 1-layer draft
 #   tf     the other transformers GPU tests (dequantizers, every model kind on CUDA): 130 of
 #          the 248 GPU tests (tests has 115), more than one step can hold
 #   profile  bench.experts_profile on that model held whole, the resident model first in the
@@ -71,6 +75,18 @@ for name, run in d.get("runs", {}).items():
 PY
   done
   cp $R/steps.txt $OUT/
+fi
+if [[ $steps == *warm* ]]; then
+  made
+  mkdir -p $R/warm
+  tarred warm 300 python3 -m bench.transformers -m $M --total 3GiB --tokens 32 --repeat 1 \
+    --rounds 3 --runs resident,warm,predict,cold --out $R/warm/warm.json
+fi
+if [[ $steps == *forwards* ]]; then
+  made
+  mkdir -p $R/forwards
+  tarred forwards 300 python3 -m bench.forwards -m $M --total 3GiB --repeat 3 --device cuda \
+    --out $R/forwards/forwards.json
 fi
 if [[ $steps == *tf* ]]; then
   tarred tf 300 python3 -m pytest -m gpu -q -rs -p no:cacheprovider tests/transformers \
