@@ -12,7 +12,6 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import numpy as np
 import torch  # type: ignore[import-not-found, unused-ignore]
 
 from moestream import ExpertHandle
@@ -116,14 +115,15 @@ class ExpertWeights:
         n = len(handles)
         table = torch.tensor([[m.ptr for m in h.matrices] for h in handles],
                              dtype=torch.int64, pin_memory=True)
-        sizes = tuple(m.nbytes for m in handles[0].matrices)  # a layer's experts: alike
+        gate, up, down_matrix = handles[0].matrices  # a layer's experts: alike
+        sizes = (gate.nbytes, up.nbytes, down_matrix.nbytes)
         slots = self._slots.get(n)
         if slots is None:
             slots = self._slots[n] = torch.arange(n, dtype=torch.int64, device=self.device)
         stream = current_stream(self.device)
         launch(stream.device_index, (blocks(max(sizes)), n), stream.cuda_stream,
                table.to(self.device, non_blocking=True).data_ptr(), slots.data_ptr(),
-               gate_up.data_ptr(), down.data_ptr(), tuple(np.int64(size) for size in sizes))
+               gate_up.data_ptr(), down.data_ptr(), sizes)
 
     def _dequantized(self, handles: Sequence[ExpertHandle], gate_up: Any, down: Any) -> None:
         """The quantized experts of ``handles`` dequantized into ``gate_up`` and ``down``:

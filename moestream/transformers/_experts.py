@@ -57,12 +57,13 @@ from moestream.transformers._expert_weights import ExpertWeights
 from moestream.transformers._generate import GenerateStats
 from moestream.transformers._gguf_experts import GgufExperts
 from moestream.transformers._host_grouped import HostWeights, host_grouped
+from moestream.transformers._landing import Routing
 from moestream.transformers._launch import current_stream
 from moestream.transformers._layout import BATCHED_MM
 from moestream.transformers._leases import groups, leased
 from moestream.transformers._prefetch import NextRouter
 from moestream.transformers._quantized import LayerScales
-from moestream.transformers._routing import Routing, WholeLayers
+from moestream.transformers._routing import WholeLayers
 
 __all__ = ["COMPUTES", "IMPLEMENTATION", "Compute", "ExpertStream", "experts_forward",
            "follow_decode_switch", "register", "stream_of"]

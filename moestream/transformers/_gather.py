@@ -10,11 +10,8 @@ whatever the number of experts (``WholeLayers``' slot tables, the lease path's s
 from __future__ import annotations
 
 import functools
-from typing import Any
 
-import numpy as np
-
-from moestream.transformers._launch import on_stream
+from moestream.transformers._launch import RawLaunch
 
 __all__ = ["THREADS", "blocks", "launch"]
 
@@ -59,20 +56,20 @@ extern "C" __global__ void gather_experts(const long long* table, const long lon
 
 
 @functools.cache
-def _kernel(device: int) -> Any:
+def _kernel(device: int) -> RawLaunch:
     import cupy
 
     with cupy.cuda.Device(device):
-        return cupy.RawModule(code=_SOURCE).get_function("gather_experts")
+        function = cupy.RawModule(code=_SOURCE).get_function("gather_experts")
+    return RawLaunch(function, device, 7)
 
 
 def launch(device: int, grid: tuple[int, int], stream: int, table: int, slots: int,
-           first: int, down: int, sizes: tuple[Any, ...]) -> None:
+           first: int, down: int, sizes: tuple[int, int, int]) -> None:
     """The gather kernel on ``stream`` (torch's, a raw pointer): slot ``j`` of ``first``
     and ``down`` gets the matrices of row ``slots[j]`` of ``table`` (``sizes``: the gate,
-    up and down bytes, as numpy int64)."""
-    args = (np.uint64(table), np.uint64(slots), np.uint64(first), np.uint64(down), *sizes)
-    on_stream(_kernel(device), device, stream, grid, (THREADS,), args)
+    up and down bytes)."""
+    _kernel(device)(stream, grid, THREADS, table, slots, first, down, *sizes)
 
 
 def blocks(largest: int) -> int:

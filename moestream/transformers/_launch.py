@@ -9,11 +9,13 @@ current only where it is not.
 
 from __future__ import annotations
 
+import ctypes
 import functools
+import threading
 import warnings
 from typing import Any
 
-__all__ = ["current_stream", "on_stream"]
+__all__ = ["RawLaunch", "current_stream", "on_stream"]
 
 
 @functools.lru_cache(maxsize=64)
@@ -38,6 +40,51 @@ def on_stream(function: Any, device: int, stream: int, grid: tuple[int, ...],
     else:
         with cupy.cuda.Device(device):
             function(grid, block, args, stream=on)
+
+
+class RawLaunch:
+    """A CuPy ``Function`` whose arguments are all 8 bytes wide (pointers, ``long long``),
+    launched by the driver's ``cuLaunchKernel`` from an argument block made once: a
+    launch writes the values and calls the driver (~4 us on an H100), where CuPy's call
+    converts each argument again (~10 us). The experts calls launch on every layer of
+    every token, and the host's time is what bounds them.
+
+    Args:
+        function: the kernel (``cupy.RawModule(...).get_function``) of ``device``.
+        device: its device index.
+        arity: how many arguments it takes.
+    """
+
+    __slots__ = ("_device", "_function", "_lock", "_params", "_pointers", "_values")
+
+    def __init__(self, function: Any, device: int, arity: int) -> None:
+        self._function = function  # keeps its module, and so the kernel, loaded
+        self._device = device
+        self._values = (ctypes.c_uint64 * arity)()
+        first = ctypes.addressof(self._values)
+        self._pointers = (ctypes.c_void_p * arity)(*(first + 8 * i for i in range(arity)))
+        self._params = ctypes.addressof(self._pointers)
+        self._lock = threading.Lock()  # one argument block: one launch at a time
+
+    def __call__(self, stream: int, grid: tuple[int, int], block: int, *args: int) -> None:
+        """Launch on ``stream`` (a raw CUDA stream pointer) over ``grid`` (x, y) blocks of
+        ``block`` threads; ``args`` are ints (a pointer, or a signed size)."""
+        import cupy
+
+        with self._lock:
+            for i, value in enumerate(args):
+                self._values[i] = int(value) & 0xFFFFFFFFFFFFFFFF  # a long long: two's complement
+            if cupy.cuda.runtime.getDevice() == self._device:
+                self._launch(stream, grid, block)
+            else:
+                with cupy.cuda.Device(self._device):
+                    self._launch(stream, grid, block)
+
+    def _launch(self, stream: int, grid: tuple[int, int], block: int) -> None:
+        import cupy
+
+        cupy.cuda.driver.launchKernel(self._function.ptr, grid[0], grid[1], 1, block, 1, 1, 0,
+                                      stream, self._params, 0)
 
 
 def current_stream(device: Any) -> Any:

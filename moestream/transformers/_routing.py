@@ -38,7 +38,6 @@ mapping is released (:meth:`WholeLayers.begin`).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import torch  # type: ignore[import-not-found, unused-ignore]
@@ -48,13 +47,14 @@ from moestream.transformers._dequant_cuda import available as cuda_kernel
 from moestream.transformers._dequant_cuda import kernels_serve
 from moestream.transformers._expert_compute import slotted_grouped
 from moestream.transformers._gguf_experts import GgufExperts
+from moestream.transformers._landing import Landings, Routing
 from moestream.transformers._launch import current_stream
 from moestream.transformers._layout import TORCH_DTYPES, batched_mm, first_projection
 from moestream.transformers._mtp import mtp_layers
 from moestream.transformers._quantized import LayerScales
 from moestream.transformers._table import LayerTable
 
-__all__ = ["MAX_SLOTS", "Routing", "WholeLayers"]
+__all__ = ["MAX_SLOTS", "WholeLayers"]
 
 MAX_SLOTS = 64
 """The most distinct experts one call stacks on this path (a decode step's top-k, a short
@@ -131,6 +131,7 @@ class WholeLayers:
         one period lasts stay true through it (nothing can move an expert meanwhile)."""
         self._pending: list[tuple[int, Any]] = []  # each call's layer and routing
         self._complete: Any = None
+        self._landings = Landings()
 
     def forward(self, layer: int, module: Any, hidden: Any, top_k_index: Any,
                 top_k_weights: Any, *, batched: bool = False) -> Any | None:
@@ -403,7 +404,7 @@ class WholeLayers:
             return Routing(layers, [len(ids) for ids in lists],
                            [i for ids in lists for i in ids] if lists else None, None)
         return Routing(layers, [int(ids.numel()) for _, ids in pending],
-                       *_to_host([ids for _, ids in pending], stream))
+                       *self._landings.put([ids for _, ids in pending], stream))
 
     def account(self, routing: Routing) -> None:
         """Count a token's calls served here in the session (a lease of each call's
@@ -448,28 +449,3 @@ class WholeLayers:
             with cupy.cuda.Device(current_stream(self.device).device_index):
                 self._complete = cupy.cuda.Event(block=False, disable_timing=True)
         return self._complete
-
-
-@dataclass(frozen=True, slots=True)
-class Routing:
-    """A token's calls served by :class:`WholeLayers`: each call's layer and number of
-    routing ids, the ids end to end in ``ids`` (pinned host memory on a GPU, filled once
-    ``landed`` completes; on the host a list of ints; None: no call)."""
-
-    layers: list[int]
-    sizes: list[int]
-    ids: Any
-    landed: Any
-
-
-def _to_host(routings: list[Any], stream: Any) -> tuple[Any, Any]:
-    """The routing tensors end to end in pinned host memory, and the event on ``stream``
-    their copy completes at (None, None: no routing)."""
-    if not routings:
-        return None, None
-    flat = torch.cat([ids.reshape(-1) for ids in routings])
-    host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
-    host.copy_(flat, non_blocking=True)
-    landed = torch.cuda.Event()
-    landed.record(stream)
-    return host, landed

@@ -8,7 +8,6 @@ from __future__ import annotations
 import math
 from typing import Any
 
-import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from moestream.transformers._dequant_cuda import layer_slots_cuda
@@ -53,7 +52,7 @@ class LayerTable:
         self.scales = scales
         self.experts = int(addresses.shape[0])
         self.gate_bytes, self.up_bytes, self.down_bytes = sizes
-        self.sizes = tuple(np.int64(n) for n in sizes)  # the kernel's arguments, made once
+        self.sizes = sizes  # the kernel's arguments
         largest = max(sizes)
         self.blocks = blocks(largest)
         self.first_shape: tuple[int, ...] = ()

@@ -72,7 +72,8 @@ class LeaseDesk(TokenLedger):
         if info is None:
             raise UsageError(f"layer {layer} is not a MoE layer (MoE layers: "
                              f"{table.moe_layers[0]}..{table.moe_layers[-1]})")
-        chosen = [int(e) for e in experts]
+        # the API's calls hand lists of ints (``moestream._args.expert_ids``): kept as given
+        chosen = experts if type(experts) is list else [int(e) for e in experts]
         if chosen and not (min(chosen) >= 0 and max(chosen) < info.n_experts):
             bad = next(e for e in chosen if not 0 <= e < info.n_experts)
             raise UsageError(f"layer {layer} has experts 0..{info.n_experts - 1}, not {bad}")
