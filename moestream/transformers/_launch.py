@@ -55,10 +55,12 @@ class RawLaunch:
         arity: how many arguments it takes.
     """
 
-    __slots__ = ("_device", "_function", "_lock", "_params", "_pointers", "_values")
+    __slots__ = ("_device", "_function", "_lock", "_params", "_pointer", "_pointers", "_values")
 
     def __init__(self, function: Any, device: int, arity: int) -> None:
         self._function = function  # keeps its module, and so the kernel, loaded
+        # CuPy 14's RawModule hands a RawKernel, its CUfunction in ``kernel.ptr``
+        self._pointer = getattr(function, "kernel", function).ptr
         self._device = device
         self._values = (ctypes.c_uint64 * arity)()
         first = ctypes.addressof(self._values)
@@ -83,7 +85,7 @@ class RawLaunch:
     def _launch(self, stream: int, grid: tuple[int, int], block: int) -> None:
         import cupy
 
-        cupy.cuda.driver.launchKernel(self._function.ptr, grid[0], grid[1], 1, block, 1, 1, 0,
+        cupy.cuda.driver.launchKernel(self._pointer, grid[0], grid[1], 1, block, 1, 1, 0,
                                       stream, self._params, 0)
 
 
