@@ -11,6 +11,7 @@ does.
 from __future__ import annotations
 
 import json
+import traceback
 import warnings
 from pathlib import Path
 from typing import Any
@@ -153,23 +154,35 @@ def test_unknown_prefetch_refused(checkpoints: dict[str, Path]) -> None:
     assert "none, predict" in message and "'oracle'" in message
 
 
-def _syncs(path: Path, prefetch: str) -> int:
+def _syncs(path: Path, prefetch: str) -> list[str]:
     """The host synchronizations torch sees in one decode-sized forward (one token: one
-    group, so the hint is made), after a first forward of the same."""
+    group, so the hint is made), after a first forward of the same: where each was made
+    (the stack's moestream and model frames, innermost first), so that a count that
+    differs says from where."""
     model = mt.from_pretrained(path, device="cuda", budget=BUDGET, prefetch=prefetch)
+    seen: list[str] = []
+
+    def show(message: Any, *args: Any, **kwargs: Any) -> None:
+        if "synchroniz" in str(message):
+            frames = [f for f in traceback.extract_stack()[:-1]
+                      if "moestream" in f.filename or "/models/" in f.filename]
+            seen.append(" <- ".join(f"{Path(f.filename).name}:{f.lineno}:{f.name}"
+                                    for f in reversed(frames[-4:])))
+
     try:
         ids = torch.tensor([[3]], device="cuda")
         with torch.no_grad():
             model(ids)
             torch.cuda.synchronize()
-            with warnings.catch_warnings(record=True) as seen:
+            with warnings.catch_warnings():
                 warnings.simplefilter("always")
+                warnings.showwarning = show
                 torch.cuda.set_sync_debug_mode("warn")
                 try:
                     model(ids)
                 finally:
                     torch.cuda.set_sync_debug_mode("default")
-        return sum("synchroniz" in str(w.message) for w in seen)
+        return seen
     finally:
         model.moestream.close()
 
@@ -187,7 +200,8 @@ def test_gpu_same_tokens_no_extra_sync(checkpoints: dict[str, Path], tmp_path: P
     assert torch.equal(plain_logits, logits)
     assert torch.equal(plain_tokens, tokens)
     assert counters.prefetched > 0
-    assert _syncs(checkpoints[kind], "predict") == _syncs(checkpoints[kind], "none") > 0
+    hinted, plain = _syncs(checkpoints[kind], "predict"), _syncs(checkpoints[kind], "none")
+    assert len(hinted) == len(plain) > 0, (hinted, plain)
 
 
 class _Lease:
