@@ -38,6 +38,9 @@ class EvictionPolicy(Protocol):
     def touch(self, key: ExpertKey) -> None:
         """A held key was used (a hit)."""
 
+    def touch_all(self, keys: Iterable[ExpertKey]) -> None:
+        """Each of ``keys``, all held, was used, in order (``touch`` of each)."""
+
     def remove(self, key: ExpertKey) -> None:
         """A key left the cache (evicted or dropped)."""
 
@@ -61,6 +64,11 @@ class LRUPolicy:
 
     def touch(self, key: ExpertKey) -> None:
         self._order.move_to_end(key)
+
+    def touch_all(self, keys: Iterable[ExpertKey]) -> None:
+        move = self._order.move_to_end  # a layer's experts each token: no call a key
+        for key in keys:
+            move(key)
 
     def remove(self, key: ExpertKey) -> None:
         del self._order[key]
@@ -126,6 +134,10 @@ class FreqDecayPolicy:
 
     def touch(self, key: ExpertKey) -> None:
         self._bump(key)
+
+    def touch_all(self, keys: Iterable[ExpertKey]) -> None:
+        for key in keys:
+            self._bump(key)
 
     def remove(self, key: ExpertKey) -> None:
         del self._log_score[key]
@@ -235,9 +247,7 @@ class CacheIndex:
     def used(self, keys: Iterable[ExpertKey]) -> None:
         """A use of each of ``keys``, all held, in order (an all-hit layer: ``lookup``'s
         count without a call a key)."""
-        touch = self._policy.touch
-        for key in keys:
-            touch(key)
+        self._policy.touch_all(keys)
 
     def admit(
         self, key: ExpertKey, nbytes: int, protected: Container[ExpertKey]

@@ -155,17 +155,17 @@ class DeviceCache:
             pinned.add(entry.key)
         return LayerPlan(hits)
 
-    def use_hits(self, layer: int, experts: Sequence[int]) -> list[Entry] | None:
+    def use_hits(self, layer: int, experts: Sequence[int]) -> tuple[list[Entry], int] | None:
         """A layer's experts an engine computed on with no lease, every one held and
         landed, and its compute on them over: the same uses for the policy and counters as
         a plan of them (``plan_layer``) and their release would make, with no pin taken
-        and given back, and no last use to record. None, nothing done, when one is not
-        held or not landed."""
+        and given back, and no last use to record. Their entries and bytes; None, nothing
+        done, when one is not held or not landed."""
         keys = [(layer, expert) for expert in experts]
         hits = self._held(keys, landed=True)
-        if hits is not None:
-            self._hit(keys, hits)
-        return hits
+        if hits is None:
+            return None
+        return hits, self._hit(keys, hits)
 
     def _held(self, keys: Sequence[ExpertKey], *, landed: bool = False) -> list[Entry] | None:
         """The entries of ``keys``, all held (and, with ``landed``, all installed); None
@@ -179,14 +179,16 @@ class DeviceCache:
             hits.append(entry)
         return hits
 
-    def _hit(self, keys: Sequence[ExpertKey], hits: Sequence[Entry]) -> None:
-        """``keys``, all held (``hits``): each a use for the policy, in order, counted."""
+    def _hit(self, keys: Sequence[ExpertKey], hits: Sequence[Entry]) -> int:
+        """``keys``, all held (``hits``): each a use for the policy, in order, counted (a
+        hit holds no more device memory: the peak stands). Returns their bytes."""
         self._index.used(keys)
+        nbytes = sum(entry.nbytes for entry in hits)
         c = self.counters
         c.lookups += len(hits)
         c.hits += len(hits)
-        c.bytes_from_cache += sum(entry.nbytes for entry in hits)
-        c.peak_device_bytes = max(c.peak_device_bytes, self.device_bytes)
+        c.bytes_from_cache += nbytes
+        return nbytes
 
     def _plan_layer(self, keys: Sequence[ExpertKey], sizes: Sequence[int]) -> LayerPlan:
         outcome = self._index.access_layer(keys, sizes, self._pinned)

@@ -178,11 +178,11 @@ class LeaseDesk(TokenLedger):
         rest: list[tuple[int, list[int]]] = []
         self._clock()
         for layer, chosen in checked:
-            hits = None if layer in hints else cache.use_hits(layer, chosen)
-            if hits is None:
+            used = None if layer in hints else cache.use_hits(layer, chosen)
+            if used is None:
                 rest.append((layer, chosen))
             else:
-                self._count_hits(layer, chosen, hits)
+                self._count_hits(layer, chosen, *used)
         return rest
 
     def in_place(self, layer: int, experts: Sequence[int]

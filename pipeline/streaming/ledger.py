@@ -153,16 +153,17 @@ class TokenLedger:
         self._counted[layer] = was_miss
         return was_miss
 
-    def _count_hits(self, layer: int, experts: Sequence[int], hits: Sequence[Entry]) -> None:
-        """A layer's experts, all hits on the one device, used with no lease
-        (``LeaseDesk.use_cached``): counted as their lease's release would count them, each
-        expert once in the token."""
+    def _count_hits(self, layer: int, experts: Sequence[int], hits: Sequence[Entry],
+                    nbytes: int) -> None:
+        """A layer's experts, all hits on the one device (``nbytes`` in all), used with no
+        lease (``LeaseDesk.use_cached``): counted as their lease's release would count
+        them, each expert once in the token."""
         if layer not in self._counted:  # the layer's first use in the token: all first hits
             self._counted[layer] = dict.fromkeys(experts, False)
             self._experts[self._position[layer]].extend(experts)
             totals = self._totals
             totals.hits += len(hits)
-            totals.cache_bytes += sum(entry.nbytes for entry in hits)
+            totals.cache_bytes += nbytes
             return
         self._first_hits(hits, self._uses(layer), DeviceTotals())
         self._seen(layer, experts)

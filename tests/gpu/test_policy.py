@@ -22,6 +22,29 @@ class TestLRU:
         assert p.victim({(0, 1), (0, 2), (0, 3)}) is None
 
 
+@pytest.mark.parametrize("name", ["lru", "freq"])
+@given(uses=st.lists(st.lists(st.integers(0, 7), min_size=1, max_size=8), max_size=12))
+def test_touch_all_is_touch_of_each(name: str, uses: list[list[int]]) -> None:
+    """A layer's uses told at once (``touch_all``, the all-hit layer's path) leave the
+    eviction order a ``touch`` of each would."""
+    one, many = make_policy(name), make_policy(name)
+    for policy in (one, many):
+        for expert in range(8):
+            policy.insert((0, expert))
+    for layer in uses:
+        keys = [(0, expert) for expert in layer]
+        for key in keys:
+            one.touch(key)
+        many.touch_all(keys)
+        one.advance_token()
+        many.advance_token()
+    left: set[tuple[int, int]] = set()
+    while (victim := one.victim(left)) is not None:
+        assert many.victim(left) == victim
+        left.add(victim)
+    assert many.victim(left) is None
+
+
 class TestFreqDecay:
     """Route hotness: frequent keys survive, old heat decays, ties fall back to LRU."""
 

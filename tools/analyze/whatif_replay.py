@@ -17,7 +17,7 @@ replay cannot be split: the cache state is sequential.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Container
+from collections.abc import Container, Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -193,6 +193,11 @@ class BeladyPolicy:
     def touch(self, key: ExpertKey) -> None:
         """A held key was used at the current access."""
         self._file(key)
+
+    def touch_all(self, keys: Iterable[ExpertKey]) -> None:
+        """Each of ``keys``, all held, was used, in order."""
+        for key in keys:
+            self._file(key)
 
     def remove(self, key: ExpertKey) -> None:
         """A key left the cache."""
