@@ -12,7 +12,7 @@
 #          registered host memory, moestream's model held whole, its close)
 #   held   bench.transformers resident,held on that model in HELD separate processes
 #          (default 3), three rounds each: x_resident and whole_share per process
-#   warm   bench.transformers resident,warm,predict,cold on that model at 3 GiB in all, three
+#   warm   bench.transformers resident,warm,predict,in_place,cold on that model at 3 GiB in all, three
 #          rounds: the page-cache warm and cold figures, with and without prefetch
 #   forwards  bench.forwards on that model at 3 GiB: a 2048-token prefill, a 4-token
 #          verification forward against a 1-token one, prompt lookup and a 1-layer draft
@@ -80,7 +80,7 @@ if [[ $steps == *warm* ]]; then
   made
   mkdir -p $R/warm
   tarred warm 300 python3 -m bench.transformers -m $M --total 3GiB --tokens 32 --repeat 1 \
-    --rounds 3 --runs resident,warm,predict,cold --out $R/warm/warm.json
+    --rounds 3 --runs resident,warm,predict,in_place,cold --out $R/warm/warm.json
 fi
 if [[ $steps == *forwards* ]]; then
   made
