@@ -12,8 +12,9 @@
 #          registered host memory, moestream's model held whole, its close)
 #   held   bench.transformers resident,held on that model in HELD separate processes
 #          (default 3), three rounds each: x_resident and whole_share per process
-#   warm   bench.transformers resident,warm,predict,in_place,cold on that model at 3 GiB in all, three
-#          rounds: the page-cache warm and cold figures, with and without prefetch
+#   warm   bench.transformers resident,warm,predict,in_place,cold on that model at 3 GiB in
+#          all, three rounds: the page-cache warm and cold figures, with and without
+#          prefetch, and with the misses read in place
 #   forwards  bench.forwards on that model at 3 GiB: a 2048-token prefill, a 4-token
 #          verification forward against a 1-token one, prompt lookup and a 1-layer draft
 #   tf     the other transformers GPU tests (dequantizers, every model kind on CUDA): 130 of
