@@ -51,6 +51,12 @@ _TIMED = {"begin": ("_experts", "ExpertStream", "begin_step"),
 """Each timed part of moestream's token: module (under ``moestream.transformers``, or
 ``moestream`` for ``_sync``), class and method."""
 
+_CALL_PARTS = {"whole": ("_routing", "WholeLayers", "forward"),
+               "gather": ("_routing", "WholeLayers", "_gather")}
+"""With ``--split-calls``, a held experts call's parts too: the whole-layer path's
+``forward`` (``whole_us``; the rest of ``experts_us`` is the calls' way to it, through
+transformers' registry and ``ExpertStream.forward``) and its gather launch (``gather_us``)."""
+
 
 class Clock:
     """Seconds spent inside wrapped callables, by name, since the last ``take``."""
@@ -77,13 +83,14 @@ class Clock:
 
 
 @contextmanager
-def _patched(clock: Clock, experts_classes: set[type]) -> Iterator[None]:
-    """Every timed method wrapped by ``clock`` meanwhile (the experts classes' ``forward``
-    as ``experts``), then restored."""
+def _patched(clock: Clock, experts_classes: set[type],
+             timed: dict[str, tuple[str, str, str]]) -> Iterator[None]:
+    """Every ``timed`` method wrapped by ``clock`` meanwhile (the experts classes'
+    ``forward`` as ``experts``), then restored."""
     import importlib
 
     targets: list[tuple[Any, str, str]] = [(cls, "forward", "experts") for cls in experts_classes]
-    for name, (module, cls_name, method) in _TIMED.items():
+    for name, (module, cls_name, method) in timed.items():
         where = "moestream._sync" if module == "_sync" else f"moestream.transformers.{module}"
         targets.append((getattr(importlib.import_module(where), cls_name), method, name))
     originals = [(owner, attr, owner.__dict__[attr]) for owner, attr, _ in targets]
@@ -103,13 +110,13 @@ def _experts_classes(model: Any) -> set[type]:
 
 
 def _run(model: Any, prompt: Any, args: argparse.Namespace, device: Any,
-         clock: Clock) -> dict[str, float]:
+         clock: Clock, timed: dict[str, tuple[str, str, str]]) -> dict[str, float]:
     """One timed generate: its tok/s and each part's microseconds a token."""
     clock.take()
     _, seconds = _generate(model, prompt, args.tokens, device)
     spent = clock.take()
     per_token = {f"{name}_us": spent.get(name, 0.0) / args.tokens * 1e6
-                 for name in ("experts", *_TIMED)}
+                 for name in ("experts", *timed)}
     own = per_token["experts_us"] + per_token["begin_us"] + per_token["end_us"]
     parts = per_token["take_us"] + per_token["account_us"] + per_token["session_us"]
     return {"tok_s": args.tokens / seconds, **per_token,
@@ -134,6 +141,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if torch sees one)")
     p.add_argument("--tokens", type=int, default=32)
     p.add_argument("--rounds", type=int, default=3, help="resident and held alternated")
+    p.add_argument("--split-calls", action="store_true",
+                   help="time the held experts calls' whole-layer path and gather launch too "
+                   "(two more wrapped calls a layer, ~1 us each)")
     p.add_argument("--out", type=Path)
     args = p.parse_args(argv)
     if (args.model is None) == (args.make is None):
@@ -159,10 +169,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         clock = Clock()
         runs: dict[str, list[dict[str, float]]] = {"resident": [], "held": []}
         whole0, tokens0 = held.moestream.whole_tokens, held.moestream.tokens
-        with _patched(clock, _experts_classes(held)):
+        timed = _TIMED | (_CALL_PARTS if args.split_calls else {})
+        with _patched(clock, _experts_classes(held), timed):
             for _ in range(args.rounds):
-                runs["resident"].append(_run(resident, prompt, args, device, clock))
-                runs["held"].append(_run(held, prompt, args, device, clock))
+                runs["resident"].append(_run(resident, prompt, args, device, clock, timed))
+                runs["held"].append(_run(held, prompt, args, device, clock, timed))
         result: dict[str, Any] = {name: _medians(r) for name, r in runs.items()}
         result["x_resident"] = round(statistics.median(
             h["tok_s"] / r["tok_s"] for r, h in zip(runs["resident"], runs["held"],
@@ -171,6 +182,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                   held.moestream.tokens - tokens0]
         result["setup"] = {"model": str(model_dir), "device": str(device),
                            "tokens": args.tokens, "rounds": args.rounds,
+                           "split_calls": args.split_calls,
                            "torch": torch.__version__, "transformers": transformers.__version__}
     finally:
         held.moestream.close()

@@ -32,6 +32,19 @@ def test_tiny_run_times_each_part(tmp_path: Path) -> None:
     assert report["whole_tokens"][1] == 8
 
 
+def test_split_calls_adds_the_call_parts(tmp_path: Path) -> None:
+    """``--split-calls`` reports the whole-layer path's parts (on the host its calls take
+    another path: nothing is spent there), and the run still ends every token."""
+    out = tmp_path / "held.json"
+    assert main(["--make", str(tmp_path / "m"), "--shape", "tiny", "--tokens", "2",
+                 "--rounds", "1", "--device", "cpu", "--split-calls", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["setup"]["split_calls"] is True
+    for run in (report["resident"], report["held"]):
+        assert run["whole_us"] == run["gather_us"] == 0
+    assert report["whole_tokens"][1] == 2
+
+
 def test_one_model_source_is_asked(tmp_path: Path) -> None:
     with pytest.raises(SystemExit):
         main(["--device", "cpu"])
