@@ -43,14 +43,15 @@ def on_stream(function: Any, device: int, stream: int, grid: tuple[int, ...],
 
 
 class RawLaunch:
-    """A CuPy ``Function`` whose arguments are all 8 bytes wide (pointers, ``long long``),
+    """A CuPy kernel whose arguments are all 8 bytes wide (pointers, ``long long``),
     launched by the driver's ``cuLaunchKernel`` from an argument block made once: a
     launch writes the values and calls the driver (~4 us on an H100), where CuPy's call
     converts each argument again (~10 us). The experts calls launch on every layer of
     every token, and the host's time is what bounds them.
 
     Args:
-        function: the kernel (``cupy.RawModule(...).get_function``) of ``device``.
+        function: the kernel of ``device`` (``cupy.RawModule(...).get_function``: a
+            ``RawKernel`` in CuPy 14, a ``Function`` before).
         device: its device index.
         arity: how many arguments it takes.
     """
