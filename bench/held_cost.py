@@ -129,7 +129,7 @@ def _medians(runs: list[dict[str, float]]) -> dict[str, Any]:
         "each_tok_s": [round(r["tok_s"], 2) for r in runs]}
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m bench.held_cost",
                                 description=__doc__.split("\n\n")[0])
     p.add_argument("-m", "--model", type=Path, help="checkpoint directory")
@@ -145,6 +145,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="time the held experts calls' whole-layer path and gather launch too "
                    "(two more wrapped calls a layer, ~1 us each)")
     p.add_argument("--out", type=Path)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = _parser()
     args = p.parse_args(argv)
     if (args.model is None) == (args.make is None):
         p.error("give one of -m/--model and --make")
