@@ -25,8 +25,8 @@ into ``gate_up_proj`` / ``down_proj`` (``TENSOR_PROCESSORS`` with a ``HF_MOE_W13
 qwen2moe, qwen3moe and minimax-m2 in transformers 5.17 to 5.25), and those it loads
 through its newer GGUF conversion ops (``integrations/gguf``: qwen35moe), whose dense
 tensors ``_gguf_ops`` builds by those ops. Refused in one line: an architecture
-transformers maps no model from, gpt-oss (transformers' GGUF loader reads its experts under
-other tensor names than llama.cpp writes, so it loads no llama.cpp file: nothing to match),
+transformers maps no model from, gpt-oss (transformers' GGUF loader splits its experts from
+tensors named otherwise than llama.cpp names them: no reference of transformers' to match),
 and a transformers without GGUF loading.
 """
 
@@ -109,9 +109,9 @@ def _check_arch(path: Path, arch: str, legacy: Any) -> None:
         return
     version = importlib.metadata.version("transformers")
     if arch in ("gpt-oss", "gpt_oss"):
-        why = (f"transformers {version} reads gpt-oss experts from tensors named "
-               "ffn_*_projs, not llama.cpp's ffn_*_exps, so it loads no such file: moestream "
-               "has no reference to match")
+        why = (f"transformers {version} splits gpt-oss experts from tensors named "
+               "ffn_*_projs, not llama.cpp's ffn_*_exps: moestream has no reference of "
+               "transformers' to match")
     else:
         why = f"transformers {version} maps no MoE model from it"
     raise ModelFileError(path, f"GGUF architecture {arch[:40]!r}: {why} (served: "
