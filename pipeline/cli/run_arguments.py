@@ -39,7 +39,6 @@ the model's, its compute transformers', its device one), by attribute. The strea
 (``streaming_options``) serve both engines."""
 
 
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m pipeline.run",
