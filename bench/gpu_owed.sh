@@ -7,7 +7,8 @@
 #   cost   bench.held_cost on a --spread BF16 model of Qwen3-30B-A3B's layer shape, 8 layers,
 #          3 GiB: a held token's experts calls, its start and end and the rest of its wall
 #          time, unprofiled, beside the resident model's (5 rounds); the experts calls split
-#          into the whole-layer path and its gather launch (--split-calls)
+#          into the whole-layer path and its gather launch (--split-calls); a third arm
+#          ends each held token at the next one's end, not several together (held_0)
 #   dispatch  bench.dispatch on that model (auto, then direct mode): the resident model's
 #          speed as each part of a session enters the process (CuPy, device allocations,
 #          registered host memory, moestream's model held whole, its close)
@@ -50,7 +51,7 @@ if [[ $steps == *cost* ]]; then
   made
   mkdir -p $R/cost
   tarred cost 150 python3 -m bench.held_cost -m $M --device cuda --tokens 32 --rounds 5 --split-calls \
-    --out $R/cost/held_cost.json
+    --held-tokens 0 --out $R/cost/held_cost.json
 fi
 if [[ $steps == *dispatch* ]]; then
   made

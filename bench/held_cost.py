@@ -144,8 +144,40 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--split-calls", action="store_true",
                    help="time the held experts calls' whole-layer path and gather launch too "
                    "(two more wrapped calls a layer, ~1 us each)")
+    p.add_argument("--held-tokens", type=lambda text: [int(n) for n in text.split(",")],
+                   default=[], metavar="N[,N...]",
+                   help="the held run again with a decode holding N tokens before it ends "
+                   "them together (the product's HELD_TOKENS; 0: each at the next one's end), "
+                   "an arm of each N (held_N) in every round")
     p.add_argument("--out", type=Path)
     return p
+
+
+@contextmanager
+def _held_tokens(n: int | None) -> Iterator[None]:
+    """The decode's ``HELD_TOKENS`` set to ``n`` meanwhile (None: as shipped; never more,
+    which the pinned buffers of the tokens' routing are made for)."""
+    from moestream.transformers import _landing
+
+    shipped = _landing.HELD_TOKENS
+    if n is not None and not 0 <= n <= shipped:
+        raise SystemExit(f"--held-tokens: each from 0 to {shipped}, not {n}")
+    _landing.HELD_TOKENS = shipped if n is None else n
+    try:
+        yield
+    finally:
+        _landing.HELD_TOKENS = shipped
+
+
+def _ratios(runs: dict[str, list[dict[str, float]]]) -> dict[str, Any]:
+    """Each arm's medians and, for the held arms, the median of its rounds' tok/s over the
+    resident run's in the same round."""
+    out: dict[str, Any] = {name: _medians(r) for name, r in runs.items()}
+    for name, arm in runs.items():
+        if name != "resident":
+            out[name]["x_resident"] = round(statistics.median(
+                h["tok_s"] / r["tok_s"] for r, h in zip(runs["resident"], arm, strict=True)), 3)
+    return out
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -172,22 +204,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         if _generate(held, prompt, args.tokens, device)[0] != reference:
             raise SystemExit("held model's tokens differ from the resident model's")
         clock = Clock()
-        runs: dict[str, list[dict[str, float]]] = {"resident": [], "held": []}
+        arms: dict[str, int | None] = {"held": None} | {
+            f"held_{n}": n for n in args.held_tokens}
+        runs: dict[str, list[dict[str, float]]] = {a: [] for a in ("resident", *arms)}
         whole0, tokens0 = held.moestream.whole_tokens, held.moestream.tokens
         timed = _TIMED | (_CALL_PARTS if args.split_calls else {})
         with _patched(clock, _experts_classes(held), timed):
             for _ in range(args.rounds):
                 runs["resident"].append(_run(resident, prompt, args, device, clock, timed))
-                runs["held"].append(_run(held, prompt, args, device, clock, timed))
-        result: dict[str, Any] = {name: _medians(r) for name, r in runs.items()}
-        result["x_resident"] = round(statistics.median(
-            h["tok_s"] / r["tok_s"] for r, h in zip(runs["resident"], runs["held"],
-                                                   strict=True)), 3)
+                for arm, n in arms.items():
+                    with _held_tokens(n):
+                        runs[arm].append(_run(held, prompt, args, device, clock, timed))
+        result = _ratios(runs)
+        result["x_resident"] = result["held"]["x_resident"]
         result["whole_tokens"] = [held.moestream.whole_tokens - whole0,
                                   held.moestream.tokens - tokens0]
         result["setup"] = {"model": str(model_dir), "device": str(device),
                            "tokens": args.tokens, "rounds": args.rounds,
-                           "split_calls": args.split_calls,
+                           "split_calls": args.split_calls, "held_tokens": args.held_tokens,
                            "torch": torch.__version__, "transformers": transformers.__version__}
     finally:
         held.moestream.close()

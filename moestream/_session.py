@@ -351,7 +351,7 @@ class Session:
         return self._streaming.prefetch(layer, chosen)
 
     async def end_token(self, *, compute_ms: float | Sequence[float] | None = None,
-                        upload_ms: float = 0.0) -> TokenStats:
+                        upload_ms: float = 0.0, wall_ms: float | None = None) -> TokenStats:
         """Mark a token boundary: verify what was loaded, let the controller look at the
         machine (auto mode), write the token's log line. Leases used during the token and
         still held are released (logged: release them before); a lease not used yet (a
@@ -365,6 +365,11 @@ class Session:
                 in ``TokenStats.time``; None, that rest is counted as the engine's compute.
             upload_ms: the part of those device waits the engine's stream sat on expert
                 upload events (``ExpertHandle.event``), charged to ``upload``.
+            wall_ms: the token's wall time as the engine measured it, for an engine that
+                ends a token after it ran (a token whose device work it does not wait for
+                at once: a session told of it only at its end would time the token from
+                that telling). None: from the token's first fetch, hint or use to this
+                call.
 
         Raises:
             UsageError: the session is closed, or called from another loop or thread.
@@ -374,9 +379,10 @@ class Session:
         self._here()
         engine = engine_ms(compute_ms, len(self._streaming.backends))
         upload = milliseconds(upload_ms, "upload_ms")
+        wall = None if wall_ms is None else milliseconds(wall_ms, "wall_ms")
         if self._drops:
             self._release_drops()
-        f = await self._streaming.end_token(compute_ms=engine, upload_ms=upload)
+        f = await self._streaming.end_token(compute_ms=engine, upload_ms=upload, wall_ms=wall)
         return token_stats(f)
 
     def counters(self) -> Counters:

@@ -352,12 +352,12 @@ class SyncSession:
                           [(layer, experts) for layer, experts in uses])
 
     def end_token(self, *, compute_ms: float | Sequence[float] | None = None,
-                  upload_ms: float = 0.0) -> TokenStats:
+                  upload_ms: float = 0.0, wall_ms: float | None = None) -> TokenStats:
         """As ``Session.end_token``: on the caller's thread up to its first wait, which
         most tokens never reach; a wait (the controller's reading or switch) goes on on
         the loop (``LoopThread.run_eager``)."""
-        return self._thread.run_eager(self._session.end_token(compute_ms=compute_ms,
-                                                            upload_ms=upload_ms))
+        return self._thread.run_eager(self._session.end_token(
+            compute_ms=compute_ms, upload_ms=upload_ms, wall_ms=wall_ms))
 
     def counters(self) -> Counters:
         """As ``Session.counters`` (on the caller's thread; it releases leases dropped

@@ -45,13 +45,14 @@ import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import torch  # type: ignore[import-not-found, unused-ignore]
 from transformers.integrations import moe as hf_moe  # type: ignore[import-not-found, unused-ignore]
 
 from moestream import ExpertHandle, SyncSession, TokenStats
 from moestream.pipeline.foundation.errors import UsageError
+from moestream.transformers import _landing
 from moestream.transformers._expert_compute import batched, eager, grouped
 from moestream.transformers._expert_weights import ExpertWeights
 from moestream.transformers._generate import GenerateStats
@@ -115,6 +116,16 @@ def experts_forward(self: Any, hidden_states: Any, top_k_index: Any, top_k_weigh
                                   top_k_weights)
 
 
+class _HeldToken(NamedTuple):
+    """A token the whole-layer path served, not yet ended: its forward's CUDA events
+    (started, done), its calls' routing and its wall time on the host."""
+
+    started: Any
+    done: Any
+    routing: Routing
+    wall_ms: float
+
+
 class ExpertStream:
     """One model's experts served by one moestream session; the model holds it as
     ``model.moestream``.
@@ -167,16 +178,18 @@ class ExpertStream:
         ``grouped_mm`` to it (``follow_decode_switch``), so that the tokens stay the
         reference's bits."""
         self.defer = False
-        """Whether a token whose every experts call the whole-layer path served ends at the
-        next token's end, its device work not waited for meanwhile. Set with ``batched``:
-        ``generate``'s loop reads a decode step's result one step late (transformers'
-        ``DeferredStopCheck``), so the host queues a step while the GPU computes the one
-        before; a wait at each token's end here undid that. ``last`` is then one token
-        behind until the decode ends (``flush``)."""
+        """Whether a token whose every experts call the whole-layer path served is held,
+        its device work not waited for meanwhile, and ended with those held before it once
+        more than ``HELD_TOKENS`` wait. Set with ``batched``: ``generate``'s loop reads a
+        decode step's result one step late (transformers' ``DeferredStopCheck``), so the
+        host queues a step while the GPU computes the one before; a wait at each token's
+        end here undid that. ``last`` and ``on_token`` are then up to ``HELD_TOKENS``
+        tokens behind until the decode ends (``flush``)."""
         self._cuda = self.device.type == "cuda"
         self._started: Any = None
+        self._begun = 0.0  # when the token's forward began, on the host's clock
         self._leased = False  # this token took a lease (the whole-layer path did not serve)
-        self._held: tuple[Any, Any, Routing] | None = None  # started, done, its calls
+        self._held: list[_HeldToken] = []  # tokens served whole, not yet ended (``defer``)
         interleaved = frozenset(n for n, layer in session.model.layers.items()
                                 if layer.interleaved)
         self._weights = ExpertWeights(self.device, self.scales, interleaved)
@@ -192,11 +205,10 @@ class ExpertStream:
         """The model's forward starts (a forward pre-hook): time its compute."""
         self._leased = False
         self._whole.begin()
+        self._begun = time.perf_counter()
         if self._cuda:
             self._started = torch.cuda.Event(enable_timing=True)
             self._started.record(current_stream(self.device))
-        else:
-            self._started = time.perf_counter()
 
     def end_step(self) -> TokenStats | None:
         """The model's forward is done (a forward hook): one token for moestream
@@ -204,46 +216,53 @@ class ExpertStream:
 
         On a GPU the forward's time on torch's stream, measured by CUDA events, is the
         engine's compute (``end_token(compute_ms=...)``); on the host moestream charges to
-        compute what its own waits do not explain. Under ``defer`` a token the whole-layer
-        path served is held, the one held before ended: returns the last ended token's
+        compute what its own waits do not explain. A token the whole-layer path served
+        tells the session of its hits only at its end, so its wall time is the forward's,
+        measured here (``wall_ms``). Under ``defer`` such a token is held and ended with
+        the others once more than ``HELD_TOKENS`` wait: returns the last ended token's
         stats (None before any).
         """
         started, self._started = self._started, None
-        compute_ms: float | None = None
         whole = self._whole
-        if self._cuda and started is not None:
-            self.whole_tokens += not self._leased
-            stream = current_stream(self.device)
-            done = torch.cuda.Event(enable_timing=True)
-            done.record(stream)
-            # this token's calls, their routing's copy to the host queued behind its work
-            routing = whole.take()
-            if self.defer and not self._leased:
-                self.flush()
-                self._held = (started, done, routing)  # ends at the next token's end
-                return self.last
-            self.flush()
-            done.synchronize()
-            compute_ms = float(started.elapsed_time(done))
-            whole.account(routing)  # counted now the device is done
-        else:
+        if not (self._cuda and started is not None):
             self.flush()
             whole.account(whole.take())
-        return self._ended(compute_ms)
+            return self._ended(None, None)
+        done = torch.cuda.Event(enable_timing=True)
+        done.record(current_stream(self.device))
+        # this token's calls, their routing's copy to the host queued behind its work
+        routing = whole.take()
+        if self._leased:
+            self.flush()
+            done.synchronize()
+            whole.account(routing)  # counted now the device is done
+            return self._ended(float(started.elapsed_time(done)), None)
+        self.whole_tokens += 1
+        if not self.defer:
+            done.synchronize()  # its end now: its wall time the device's too
+        self._held.append(_HeldToken(started, done, routing,
+                                     (time.perf_counter() - self._begun) * 1000.0))
+        if not self.defer:
+            self.flush()
+        elif len(self._held) > _landing.HELD_TOKENS:
+            self.flush(keep=1)  # the newest may still run on the device
+        return self.last
 
-    def flush(self) -> None:
-        """End the held token (``defer``) now, waiting for its device work (done by now,
-        or nearly: the host runs at most a token ahead); nothing held, nothing done."""
-        held, self._held = self._held, None
-        if held is None:
+    def flush(self, keep: int = 0) -> None:
+        """End the held tokens (``defer``) but the newest ``keep``, in order, once the
+        device has done the last of them (done by now, or nearly: the host runs at most a
+        token ahead of it); nothing held, nothing done."""
+        held = self._held
+        if len(held) <= keep:
             return
-        started, done, routing = held
-        done.synchronize()
-        self._whole.account(routing)
-        self._ended(float(started.elapsed_time(done)))
+        held[len(held) - keep - 1].done.synchronize()
+        while len(held) > keep:  # one at a time: a token's end that raises keeps the rest
+            token = held.pop(0)
+            self._whole.account(token.routing)
+            self._ended(float(token.started.elapsed_time(token.done)), token.wall_ms)
 
-    def _ended(self, compute_ms: float | None) -> TokenStats:
-        self.last = self.session.end_token(compute_ms=compute_ms)
+    def _ended(self, compute_ms: float | None, wall_ms: float | None) -> TokenStats:
+        self.last = self.session.end_token(compute_ms=compute_ms, wall_ms=wall_ms)
         self.tokens += 1
         if self.on_token is not None:
             self.on_token(self.last)
@@ -251,7 +270,7 @@ class ExpertStream:
 
     def close(self) -> None:
         """Close the session (idempotent); the model cannot compute its experts after."""
-        self._held = None  # a token held by a decode cut short: its end is not counted
+        self._held.clear()  # tokens held by a decode cut short: their ends are not counted
         self._host_weights.clear()
         self._whole.forget()
         self.session.close()
@@ -319,7 +338,7 @@ class ExpertStream:
         session sees tokens in order)."""
         self._leased = True
         self._whole.leasing()
-        if self._held is not None:
+        if self._held:
             self.flush()
 
     def _wanted(self, layer: int, hidden: Any, top_k_index: Any
@@ -371,7 +390,7 @@ def follow_decode_switch(model: Any, experts_stream: ExpertStream) -> None:
     experts use ``grouped_mm`` (transformers' ``_optimize_model_for_decode``, which switches
     the registry's names only, not moestream's): a grouped moestream model follows that
     context, so that every step is the resident model's arithmetic, bit for bit; and its
-    tokens' ends wait for the device one token late (``ExpertStream.defer``), as
+    tokens' ends wait for the device a few tokens late (``ExpertStream.defer``), as
     transformers' loop reads each step's result, ended when the context ends."""
     original = getattr(model, "_optimize_model_for_decode", None)
     if original is None or BATCHED_MM is None or experts_stream.compute != "grouped":

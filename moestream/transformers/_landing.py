@@ -2,7 +2,8 @@
 
 ``WholeLayers`` serves a held-whole model's experts calls with no host read of the
 routing; the token's ids go to the host once a token, copied behind its work into pinned
-memory, and are counted in the session at the token's end (or, deferred, at the next).
+memory, and are counted in the session at the token's end (or, deferred, a few tokens
+later).
 """
 
 from __future__ import annotations
@@ -12,7 +13,12 @@ from typing import Any
 
 import torch  # type: ignore[import-not-found, unused-ignore]
 
-__all__ = ["Landings", "Routing"]
+__all__ = ["HELD_TOKENS", "Landings", "Routing"]
+
+HELD_TOKENS = 8
+"""How many tokens the whole-layer path served a decode holds before it ends them, together
+(``ExpertStream.defer``): a token's end (its hits counted, its log line) then runs with the
+ends before it, which costs the host less than each alone between two forwards."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,9 +37,10 @@ class Landings:
     """Where a token's routing lands on the host: pinned buffers and their events, used in
     turn, made once (a pinned allocation and an event a token cost host time on the
     critical path). A buffer is written again ``_TURNS`` tokens later: a token's routing is
-    read at its own end or, deferred, at the next token's (``ExpertStream.defer``)."""
+    read at its own end or, deferred, with up to ``HELD_TOKENS`` tokens after it
+    (``ExpertStream.defer``)."""
 
-    _TURNS = 3
+    _TURNS = HELD_TOKENS + 2
 
     def __init__(self) -> None:
         self._buffers: list[Any] = [None] * self._TURNS

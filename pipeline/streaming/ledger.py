@@ -224,9 +224,12 @@ class TokenLedger:
 
     def _token_line(self, mode: str, streamers: Sequence[ExpertStreamer], cache: Any,
                     ram_available: int | None, compute_ms: float | Sequence[float] | None,
-                    upload_ms: float) -> tuple[dict[str, Any], float]:
+                    upload_ms: float, wall_ms: float | None = None
+                    ) -> tuple[dict[str, Any], float]:
         """The ``token`` line's fields, the engine's time charged (``_charge_engine``),
-        and the time it was taken at; ``cache``: the session's cache (or caches')."""
+        and the time it was taken at; ``cache``: the session's cache (or caches');
+        ``wall_ms``: the engine's measure of the token's wall time (None: the token's clock,
+        from its first fetch, hint or use to now)."""
         assert self._token_t0 is not None
         totals = self._totals
         read_bytes = process_read_bytes()
@@ -235,7 +238,9 @@ class TokenLedger:
         for streamer in streamers:
             times.add(streamer.take_times())
         now = time.perf_counter()
-        wall_ms = totals.wall_ms = (now - self._token_t0) * 1000.0
+        if wall_ms is None:
+            wall_ms = (now - self._token_t0) * 1000.0
+        totals.wall_ms = wall_ms
         thread_cpu0, process_cpu0 = self._token_cpu0
         # what neither moestream's waits (experts, the controller) nor its stalls explain
         room = max(0.0, wall_ms - totals.time.measured_ms - self._unexplained_ms)

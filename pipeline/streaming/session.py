@@ -236,7 +236,8 @@ class StreamSession(LeaseDesk):
     # -- token boundary --------------------------------------------------------------------
 
     async def end_token(self, *, compute_ms: float | Sequence[float] | None = None,
-                        upload_ms: float = 0.0) -> dict[str, Any]:
+                        upload_ms: float = 0.0, wall_ms: float | None = None
+                        ) -> dict[str, Any]:
         """End the token: release what is still held, verify what was loaded, let the
         controller look at the machine, log the token; returns the token's log fields.
 
@@ -250,6 +251,8 @@ class StreamSession(LeaseDesk):
                 is then charged to ``host``. None: that rest is the engine's compute.
             upload_ms: the part of the engine's device waits its compute stream spent
                 waiting on expert upload events (charged to ``upload``).
+            wall_ms: the engine's measure of the token's wall time, for a token it ends
+                after it ran; None: from the token's first fetch, hint or use to now.
 
         Raises:
             UsageError: the session is closed.
@@ -273,7 +276,7 @@ class StreamSession(LeaseDesk):
         totals.time.charge("switch", time.perf_counter() - t_controller)
         fields, now = self._token_line(mode, self.streamers, self.cache,
                                        self.controller.last_ram_available, compute_ms,
-                                       upload_ms)
+                                       upload_ms, wall_ms)
         if self._devices:
             fields["devices"] = self._device_lines(self.backends, self.caches)
         if self._hinted:

@@ -202,6 +202,28 @@ class TestTokenAccounting:
             stats = await ms.end_token(compute_ms=[0.0])  # one figure for one device
             assert stats.compute_ms == 0.0
 
+    async def test_engine_wall_time_of_a_token_told_late(self, tiny_model: Path,
+                                                         tmp_path: Path) -> None:
+        """A token told of after it ran (its uses counted at its end) gives its own wall
+        time: the line's wall time and its split are that, the engine's compute within it;
+        a bad figure is refused in one line, as compute_ms is."""
+        log = tmp_path / "late.jsonl"
+        async with _open(tiny_model, log=log) as ms:
+            for bad in (-1.0, float("nan")):
+                with pytest.raises(moestream.UsageError, match="wall_ms"):
+                    await ms.end_token(wall_ms=bad)
+            with pytest.raises(TypeError, match="wall_ms"):
+                await ms.end_token(wall_ms="5")  # type: ignore[arg-type]
+            async with ms.fetch(ms.model.moe_layers[0], [0]) as lease:
+                await lease.gather()
+            stats = await ms.end_token(compute_ms=9.0, wall_ms=12.5)
+            assert stats.wall_ms == 12.5 and stats.compute_ms == 9.0
+            assert sum(stats.time.values()) == pytest.approx(12.5, abs=0.01)
+            assert stats.time["compute_ms"] == 9.0 and stats.time["host_ms"] > 0
+        lines = [json.loads(line) for line in log.read_text().splitlines()]
+        told = [line for line in lines if line.get("event") == "token"][-1]
+        assert told["wall_ms"] == 12.5 and told["compute_ms"] == 9.0
+
     async def test_hint_for_the_next_tokens_first_layer(self, tiny_model: Path,
                                                         tmp_path: Path) -> None:
         log = tmp_path / "hint.jsonl"

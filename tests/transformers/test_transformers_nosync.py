@@ -13,6 +13,7 @@ nothing (``torch.cuda.set_sync_debug_mode("error")``), and its hits are still co
 from __future__ import annotations
 
 import ctypes
+import json
 import time
 import warnings
 from pathlib import Path
@@ -26,7 +27,7 @@ hf_moe = pytest.importorskip("transformers.integrations.moe")
 
 from moestream import transformers as mt  # noqa: E402
 from moestream.transformers import _experts as experts_module  # noqa: E402
-from moestream.transformers import _routing  # noqa: E402
+from moestream.transformers import _landing, _routing  # noqa: E402
 from moestream.transformers._expert_compute import slotted_grouped  # noqa: E402
 from moestream.transformers._layout import first_projection  # noqa: E402
 
@@ -341,33 +342,47 @@ class _Whole:
 
 
 class TestDeferredTokenEnds:
-    """``ExpertStream.defer``'s order on the host, its CUDA events stood in for: a token the
-    whole-layer path served ends at the next token's end, with its own calls; a token that
-    leases ends the held one first; ``flush`` ends the last."""
+    """``ExpertStream.defer``'s order on the host, its CUDA events stood in for: tokens the
+    whole-layer path served are held and end together, in order, once more than
+    ``HELD_TOKENS`` wait (the newest, maybe still on the device, kept), each with its own
+    calls and its forward's wall time; a token that leases ends the held ones first;
+    ``flush`` ends the rest."""
 
     def test_order(self, checkpoints: dict[str, Path], monkeypatch: pytest.MonkeyPatch
                    ) -> None:
         monkeypatch.setattr(torch.cuda, "Event", _Event)
         monkeypatch.setattr(experts_module, "current_stream", lambda device: None)
+        monkeypatch.setattr(_landing, "HELD_TOKENS", 2)
         model = mt.from_pretrained(checkpoints["qwen3_moe"], device="cpu")
         stream = model.moestream
-        real = stream._whole
+        real, end_token = stream._whole, stream.session.end_token
+        walls: list[float | None] = []
+
+        def told(**words: Any) -> Any:
+            walls.append(words["wall_ms"])
+            return end_token(**words)
+
+        monkeypatch.setattr(stream.session, "end_token", told)
         try:
             whole = _Whole()
             stream._cuda, stream._whole, stream.defer = True, whole, True
             ended = []
             stream.on_token = lambda stats: ended.append(len(whole.accounted))
             tokens, waits = stream.tokens, _Event.waits
-            for call in ("a", "b", "c"):  # three whole tokens: each ends at the next one's end
+            for call in ("a", "b"):  # held: none ended, no wait
                 stream.begin_step()
                 whole.pending.append(call)
                 stream.end_step()
+            assert stream.tokens == tokens and _Event.waits == waits
+            stream.begin_step()
+            whole.pending.append("c")
+            stream.end_step()  # three held: the two before it end, after one wait
             assert stream.tokens - tokens == 2 and whole.accounted == [["a"], ["b"]]
-            assert _Event.waits - waits == 2  # the held tokens' ends: no wait at their own
+            assert _Event.waits - waits == 1 and [h.routing for h in stream._held] == [["c"]]
             stream.begin_step()  # a token that leases: the held one ends first
             whole.pending.append("d")
             for _ in stream.arrivals(stream.session.model.moe_layers[0], [0]):
-                assert stream._held is None and len(whole.accounted) == 3
+                assert stream._held == [] and len(whole.accounted) == 3
             stream.end_step()
             assert whole.accounted == [["a"], ["b"], ["c"], ["d"]]
             assert stream.tokens - tokens == 4 and ended == [1, 2, 3, 4]
@@ -377,7 +392,12 @@ class TestDeferredTokenEnds:
             stream.flush()  # the decode context's end
             stream.flush()  # nothing held: nothing done
             assert whole.accounted[-1] == ["e"] and stream.tokens - tokens == 5
-            assert stream._held is None
+            assert stream._held == []
+            # the held tokens' wall times are their forwards', measured at their ends; the
+            # leased token's is the session's own clock
+            assert [w is None for w in walls] == [False, False, False, True, False]
+            assert all(w is None or w >= 0 for w in walls)
+            assert stream.last is not None and stream.last.wall_ms == round(walls[-1] or 0, 3)
         finally:
             stream._whole = real
             model.moestream.close()
@@ -408,9 +428,9 @@ def _spied(monkeypatch: pytest.MonkeyPatch) -> dict[str, list[int]]:
     return served
 
 
-def _held_whole(path: Path, device: str = "cuda") -> Any:
+def _held_whole(path: Path, device: str = "cuda", **words: Any) -> Any:
     """The model through moestream with every expert fetched once: held whole."""
-    model = mt.from_pretrained(path, device=device, budget=None)
+    model = mt.from_pretrained(path, device=device, budget=None, **words)
     session = model.moestream.session
     for layer in session.model.moe_layers:
         with session.fetch(layer, list(range(session.model.layers[layer].n_experts))) as lease:
@@ -456,9 +476,9 @@ class TestGpuWholeLayers:
         finally:
             model.moestream.close()
 
-    def test_decode_tokens_end_one_late_and_all_are_counted(
+    def test_decode_tokens_end_together_and_all_are_counted(
             self, checkpoints: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
-        """Under generate's decode context a whole-layer token ends at the next one's end
+        """Under generate's decode context whole-layer tokens are held and end together
         (``defer``: no wait for the device a token); when generate returns every forward
         has ended, once, with every call's hits counted and the tokens the resident's."""
         whole = transformers.AutoModelForCausalLM.from_pretrained(
@@ -469,9 +489,9 @@ class TestGpuWholeLayers:
         held = []
         flush = type(stream).flush
 
-        def seen(self: Any) -> None:
-            held.append(self._held is not None)
-            flush(self)
+        def seen(self: Any, keep: int = 0) -> None:
+            held.append(len(self._held))
+            flush(self, keep)
 
         monkeypatch.setattr(type(stream), "flush", seen)
         forwards = []
@@ -484,13 +504,39 @@ class TestGpuWholeLayers:
             with torch.no_grad():
                 assert torch.equal(whole.generate(ids, **args).cpu(),
                                    model.generate(ids, **args).cpu())
-            assert stream._held is None and stream.defer is False
+            assert stream._held == [] and stream.defer is False
             assert stream.tokens - tokens == len(forwards)
-            assert sum(held) >= 6  # decode tokens held, each ended by the next or the exit
+            assert sum(held) >= 6  # decode tokens held, ended together or at the exit
             calls = len(served["grouped"]) + len(served["batched"])
             assert stream.session.counters().hits - hits >= calls
         finally:
             model.moestream.close()
+
+    def test_decode_tokens_log_their_own_wall_time(self, checkpoints: dict[str, Path],
+                                                   tmp_path: Path) -> None:
+        """Tokens ended after they ran (held, their hits told at the end) log their
+        forwards' wall time, not the moment of the telling: the decode's token lines add
+        up to most of the generate's wall time, each line's parts within its wall time."""
+        log = tmp_path / "held.jsonl"
+        model = _held_whole(checkpoints["qwen3_moe"], log=log)
+        stream = model.moestream
+        try:
+            ids = torch.tensor(PROMPT, device="cuda")
+            with torch.no_grad():
+                model.generate(ids, max_new_tokens=4, min_new_tokens=4, do_sample=False)
+                first = stream.tokens
+                t0 = time.perf_counter()
+                model.generate(ids, max_new_tokens=24, min_new_tokens=24, do_sample=False)
+                wall_ms = (time.perf_counter() - t0) * 1000.0
+            assert stream.whole_tokens > 0
+        finally:
+            model.moestream.close()
+        lines = [json.loads(line) for line in log.read_text().splitlines()]
+        tokens = [line for line in lines if line.get("event") == "token"][-24:]
+        assert stream.tokens - first == 24  # one a forward: the prompt's and 23 decode steps
+        assert sum(t["wall_ms"] for t in tokens) >= 0.5 * wall_ms, (tokens[-1], wall_ms)
+        for t in tokens:
+            assert t["compute_ms"] + t["stall_ms"] <= t["wall_ms"] + 0.01, t
 
     def test_experts_call_synchronizes_nothing(self, checkpoints: dict[str, Path],
                                                monkeypatch: pytest.MonkeyPatch) -> None:

@@ -11,6 +11,7 @@ does.
 from __future__ import annotations
 
 import json
+import threading
 import traceback
 import warnings
 from pathlib import Path
@@ -157,17 +158,18 @@ def test_unknown_prefetch_refused(checkpoints: dict[str, Path]) -> None:
 def _syncs(path: Path, prefetch: str) -> list[str]:
     """The host synchronizations torch sees in one decode-sized forward (one token: one
     group, so the hint is made), after a first forward of the same: where each was made
-    (the stack's moestream and model frames, innermost first), so that a count that
-    differs says from where."""
+    (the stack's moestream and model frames, innermost first; where it has none, the
+    thread's name and its innermost frames), so that a count that differs says from where."""
     model = mt.from_pretrained(path, device="cuda", budget=BUDGET, prefetch=prefetch)
     seen: list[str] = []
 
     def show(message: Any, *args: Any, **kwargs: Any) -> None:
         if "synchroniz" in str(message):
-            frames = [f for f in traceback.extract_stack()[:-1]
-                      if "moestream" in f.filename or "/models/" in f.filename]
-            seen.append(" <- ".join(f"{Path(f.filename).name}:{f.lineno}:{f.name}"
-                                    for f in reversed(frames[-4:])))
+            stack = traceback.extract_stack()[:-1]
+            ours = [f for f in stack if "moestream" in f.filename or "/models/" in f.filename]
+            where = " <- ".join(f"{Path(f.filename).name}:{f.lineno}:{f.name}"
+                                for f in reversed((ours or stack)[-4:]))
+            seen.append(where if ours else f"[{threading.current_thread().name}] {where}")
 
     try:
         ids = torch.tensor([[3]], device="cuda")
