@@ -224,18 +224,17 @@ class ExpertStream:
         """
         started, self._started = self._started, None
         whole = self._whole
+        routing = whole.take()  # this token's calls, their routing still on the device
         if not (self._cuda and started is not None):
             self.flush()
-            whole.account(whole.take())
+            whole.settle(routing)
             return self._ended(None, None)
         done = torch.cuda.Event(enable_timing=True)
         done.record(current_stream(self.device))
-        # this token's calls, their routing's copy to the host queued behind its work
-        routing = whole.take()
         if self._leased:
             self.flush()
             done.synchronize()
-            whole.account(routing)  # counted now the device is done
+            whole.settle(routing, done)  # counted now the device is done
             return self._ended(float(started.elapsed_time(done)), None)
         self.whole_tokens += 1
         if not self.defer:
@@ -251,14 +250,16 @@ class ExpertStream:
     def flush(self, keep: int = 0) -> None:
         """End the held tokens (``defer``) but the newest ``keep``, in order, once the
         device has done the last of them (done by now, or nearly: the host runs at most a
-        token ahead of it); nothing held, nothing done."""
+        token ahead of it), their routing landed on the host in one transfer; nothing
+        held, nothing done."""
         held = self._held
-        if len(held) <= keep:
+        ending = held[:len(held) - keep]
+        if not ending:
             return
-        held[len(held) - keep - 1].done.synchronize()
-        while len(held) > keep:  # one at a time: a token's end that raises keeps the rest
-            token = held.pop(0)
-            self._whole.account(token.routing)
+        landed = self._whole.land([token.routing for token in ending], ending[-1].done)
+        for token, calls in zip(ending, landed, strict=True):
+            del held[0]  # one at a time: a token's end that raises keeps the rest held
+            self._whole.account(token.routing, calls)
             self._ended(float(token.started.elapsed_time(token.done)), token.wall_ms)
 
     def _ended(self, compute_ms: float | None, wall_ms: float | None) -> TokenStats:

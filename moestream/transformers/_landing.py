@@ -1,66 +1,85 @@
-"""A token's routing, read on the host once its device work is done.
+"""Tokens' routing, read on the host once their device work is done.
 
 ``WholeLayers`` serves a held-whole model's experts calls with no host read of the
-routing; the token's ids go to the host once a token, copied behind its work into pinned
-memory, and are counted in the session at the token's end (or, deferred, a few tokens
-later).
+routing: each call's routing tensor stays on the device (a ``Routing`` a token) until the
+token ends. Tokens that end together (``ExpertStream.defer``) cross to the host together:
+one concatenation and one copy into pinned memory, on a stream of their own behind the
+event of the last one's work, so that the host waits for that token alone, not for those
+queued after it, and pays one transfer for several tokens, not one a token.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch  # type: ignore[import-not-found, unused-ignore]
 
-__all__ = ["HELD_TOKENS", "Landings", "Routing"]
+__all__ = ["HELD_TOKENS", "Landing", "Routing"]
 
 HELD_TOKENS = 8
 """How many tokens the whole-layer path served a decode holds before it ends them, together
-(``ExpertStream.defer``): a token's end (its hits counted, its log line) then runs with the
-ends before it, which costs the host less than each alone between two forwards."""
+(``ExpertStream.defer``): a token's end (its routing's copy, its hits counted, its log
+line) then runs with the ends before it, which costs the host less than each alone between
+two forwards."""
 
 
 @dataclass(frozen=True, slots=True)
 class Routing:
-    """A token's calls served by :class:`WholeLayers`: each call's layer and number of
-    routing ids, the ids end to end in ``ids`` (pinned host memory on a GPU, filled once
-    ``landed`` completes; on the host a list of ints; None: no call)."""
+    """A token's calls served by ``WholeLayers``: each call's layer and routing (its
+    ``top_k_index``: a router makes a new tensor each call, so nothing writes it after)."""
 
     layers: list[int]
-    sizes: list[int]
-    ids: Any
-    landed: Any
+    calls: list[Any]
 
 
-class Landings:
-    """Where a token's routing lands on the host: pinned buffers and their events, used in
-    turn, made once (a pinned allocation and an event a token cost host time on the
-    critical path). A buffer is written again ``_TURNS`` tokens later: a token's routing is
-    read at its own end or, deferred, with up to ``HELD_TOKENS`` tokens after it
-    (``ExpertStream.defer``)."""
+class Landing:
+    """Where routings cross to the host on a GPU: a pinned buffer and a stream, made once
+    (a pinned allocation costs host time on the critical path)."""
 
-    _TURNS = HELD_TOKENS + 2
+    def __init__(self, device: Any) -> None:
+        self._device = device
+        self._buffer: Any = None
+        self._stream: Any = None
 
-    def __init__(self) -> None:
-        self._buffers: list[Any] = [None] * self._TURNS
-        self._events: list[Any] = [None] * self._TURNS
-        self._turn = 0
+    def land(self, routings: Sequence[Routing], after: Any = None) -> list[list[list[int]]]:
+        """Each routing's calls' ids as ints, once ``after`` (a CUDA event: the last
+        routing's work, recorded on torch's stream; None: what torch's current stream has
+        queued so far) completes; on the host, at once."""
+        tensors = [ids.reshape(-1) for routing in routings for ids in routing.calls]
+        if not tensors:
+            return [[] for _ in routings]
+        calls = ([ids.tolist() for ids in tensors] if self._device.type != "cuda"
+                 else self._copied(tensors, after))
+        return _split(calls, [len(routing.calls) for routing in routings])
 
-    def put(self, routings: list[Any], stream: Any) -> tuple[Any, Any]:
-        """The routing tensors end to end in pinned host memory, and the event on
-        ``stream`` their copy completes at (None, None: no routing)."""
-        if not routings:
-            return None, None
-        flat = torch.cat([ids.reshape(-1) for ids in routings])
-        turn, n = self._turn, flat.numel()
-        self._turn = (turn + 1) % self._TURNS
-        buffer = self._buffers[turn]
-        if buffer is None or buffer.numel() < n or buffer.dtype != flat.dtype:
-            buffer = self._buffers[turn] = torch.empty(n, dtype=flat.dtype, pin_memory=True)
-            self._events[turn] = torch.cuda.Event()
-        host = buffer[:n]
-        host.copy_(flat, non_blocking=True)
-        landed = self._events[turn]
-        landed.record(stream)
-        return host, landed
+    def _copied(self, tensors: list[Any], after: Any) -> list[list[int]]:
+        """The tensors' ids through one copy to pinned memory on this object's stream, which
+        waits for ``after`` first: the host waits for that and the copy, no more."""
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(device=self._device)
+        stream = self._stream
+        if after is None:
+            after = torch.cuda.Event()
+            after.record(torch.cuda.current_stream(self._device))
+        stream.wait_event(after)
+        with torch.cuda.stream(stream):
+            flat = torch.cat(tensors)
+            n = flat.numel()
+            buffer = self._buffer
+            if buffer is None or buffer.numel() < n or buffer.dtype != flat.dtype:
+                buffer = self._buffer = torch.empty(n, dtype=flat.dtype, pin_memory=True)
+            host = buffer[:n]
+            host.copy_(flat, non_blocking=True)
+        stream.synchronize()
+        return _split(host.tolist(), [ids.numel() for ids in tensors])
+
+
+def _split(items: list[Any], sizes: list[int]) -> list[Any]:
+    """``items`` in consecutive runs of ``sizes``."""
+    out, at = [], 0
+    for size in sizes:
+        out.append(items[at:at + size])
+        at += size
+    return out

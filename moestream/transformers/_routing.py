@@ -12,11 +12,12 @@ cache into the grouped product's stacked weights by the table, then transformers
 grouped product (``grouped_mm_experts_forward``'s arithmetic, the same groups of the same
 rows: the same bits). A decode step, which ``generate`` computes in ``batched_mm`` on a GPU,
 has each (token, slot) pair's weights copied by the same table, then transformers' own
-``batched_mm_experts_forward`` (:meth:`WholeLayers.batched`). A token's routing is copied
-to pinned host memory in one transfer behind an event (:meth:`WholeLayers.take`), read once
-the token's device work is done, to count its layers' hits in the session
-(:meth:`WholeLayers.account`). The per-token host cost is what limits a model held whole
-(its device work queued ahead): launches and accounting are kept few a token, not a layer.
+``batched_mm_experts_forward`` (:meth:`WholeLayers.batched`). A token's routing stays on
+the device (:meth:`WholeLayers.take`) until it ends; it crosses to pinned host memory then,
+with the routing of the tokens that end with it, in one transfer (:meth:`WholeLayers.land`),
+to count its layers' hits in the session (:meth:`WholeLayers.account`). The per-token host
+cost is what limits a model held whole (its device work queued ahead): launches and
+accounting are kept few a token, not a layer.
 
 On the host backend there is no routing to keep on a device, but the same holds: a model
 held whole needs no lease a call. :meth:`WholeLayers.holding` says when (and which held-whole
@@ -47,7 +48,7 @@ from moestream.transformers._dequant_cuda import available as cuda_kernel
 from moestream.transformers._dequant_cuda import kernels_serve
 from moestream.transformers._expert_compute import slotted_grouped
 from moestream.transformers._gguf_experts import GgufExperts
-from moestream.transformers._landing import Landings, Routing
+from moestream.transformers._landing import Landing, Routing
 from moestream.transformers._launch import current_stream
 from moestream.transformers._layout import TORCH_DTYPES, batched_mm, first_projection
 from moestream.transformers._mtp import mtp_layers
@@ -131,7 +132,7 @@ class WholeLayers:
         one period lasts stay true through it (nothing can move an expert meanwhile)."""
         self._pending: list[tuple[int, Any]] = []  # each call's layer and routing
         self._complete: Any = None
-        self._landings = Landings()
+        self._landing = Landing(self.device)
 
     def forward(self, layer: int, module: Any, hidden: Any, top_k_index: Any,
                 top_k_weights: Any, *, batched: bool = False) -> Any | None:
@@ -393,37 +394,34 @@ class WholeLayers:
         self._pending.append((layer, top_k_index))
 
     def take(self) -> Routing:
-        """The calls served since the last ``take`` (a token's), their routing's copy to
-        the host queued on torch's stream (one transfer a token), for :meth:`account` once
-        the token's device work is done."""
+        """The calls served since the last ``take`` (a token's), their routing still on the
+        device, for :meth:`land` once the token ends."""
         pending, self._pending = self._pending, []
-        layers = [layer for layer, _ in pending]
-        stream = self._stream()
-        if stream is None:  # on the host: the ids as ints now (a list a call, no copy)
-            lists = [ids.reshape(-1).tolist() for _, ids in pending]
-            return Routing(layers, [len(ids) for ids in lists],
-                           [i for ids in lists for i in ids] if lists else None, None)
-        return Routing(layers, [int(ids.numel()) for _, ids in pending],
-                       *self._landings.put([ids for _, ids in pending], stream))
+        return Routing([layer for layer, _ in pending], [ids for _, ids in pending])
 
-    def account(self, routing: Routing) -> None:
-        """Count a token's calls served here in the session (a lease of each call's
-        experts, all hits): called once the token's device work is done, so reading the
-        routing waits for nothing and the experts' compute is over (the session is told so
-        by an event never recorded, which is complete). A model not yet held whole is asked
+    def land(self, routings: list[Routing], after: Any = None) -> list[list[list[int]]]:
+        """Each routing's calls' expert ids on the host, once ``after`` (on a GPU, the CUDA
+        event of the last one's work; None: the work queued on torch's stream so far)
+        completes: one transfer for them all."""
+        return self._landing.land(routings, after)
+
+    def settle(self, routing: Routing, after: Any = None) -> None:
+        """One token's :meth:`account`, its routing landed first (:meth:`land`)."""
+        self.account(routing, self.land([routing], after)[0])
+
+    def account(self, routing: Routing, calls: list[list[int]]) -> None:
+        """Count a token's calls served here (``calls``: each one's ids, :meth:`land`) in
+        the session (a lease of each call's experts, all hits): called once the token's
+        device work is done, so the experts' compute is over (the session is told so by an
+        event never recorded, which is complete). A model not yet held whole is asked
         again in the next token; where the session found an expert the tables name no
         longer cached (the budget shrank: a device's out of memory), the tables are
         dropped and the lease path serves."""
         cached = True
         if routing.layers:
-            ids = routing.ids  # a few ids a call: sets beat numpy's unique here
-            if routing.landed is not None:
-                routing.landed.synchronize()  # done already: the token's end was waited for
-                ids = ids.tolist()
-            uses, at = [], 0
-            for layer, n in zip(routing.layers, routing.sizes, strict=True):
-                uses.append((layer, sorted(set(ids[at:at + n]))))
-                at += n
+            # a few ids a call: sets beat numpy's unique here
+            uses = [(layer, sorted(set(ids)))
+                    for layer, ids in zip(routing.layers, calls, strict=True)]
             if self._cached:  # in place: hits where the tables had the cache's rows
                 held = {layer: self._cached.get(layer, frozenset()) for layer, _ in uses}
                 read = [(layer, [e for e in experts if e not in held[layer]])

@@ -92,7 +92,7 @@ class TestHoldsEveryExpert:
         whole = _whole(session)
         for _ in range(3):
             assert whole.holding() == 0
-            whole.account(whole.take())
+            whole.settle(whole.take())
         assert session.counted == 1 and session.asked == []
 
     def test_several_devices_ask_nothing(self) -> None:
@@ -142,7 +142,7 @@ class TestAccount:
         assert whole.holding() == 1
         whole.remember(0, torch.tensor([[3, 1], [1, 0]]))
         whole.remember(1, torch.tensor([[2, 2]]))
-        whole.account(whole.take())
+        whole.settle(whole.take())
         assert session.told == [[(0, [0, 1, 3]), (1, [2])]]
         assert whole.holding() == 1 and session.counted == 1  # no question a token
 
@@ -152,7 +152,7 @@ class TestAccount:
         assert whole.holding() == 1
         session.cached = False  # an expert the tables name was evicted
         whole.remember(0, torch.tensor([[1, 2]]))
-        whole.account(whole.take())
+        whole.settle(whole.take())
         assert whole.holding() == 2  # asked again: a new period, views of the last untrusted
 
 

@@ -127,7 +127,7 @@ class TestInPlaceOnTheHost:
                     read = distinct - set(cached[layer])
                     misses += len(read)
                     file_bytes += len(read) * session.model.layers[layer].expert_bytes
-                whole.account(whole.take())
+                whole.settle(whole.take())
                 session.end_token()
             after = session.counters()
             assert (after.hits - before.hits, after.misses - before.misses) == (hits, misses)
@@ -149,7 +149,7 @@ class TestInPlaceOnTheHost:
             assert _one_call(model, whole)
             view = session.in_place(layer, [7])
             assert view is not None and session.in_place_current(view)
-            whole.account(whole.take())
+            whole.settle(whole.take())
             session.end_token()
             streamer = session._session._streaming.streamers[0]
             session._thread.run(streamer.set_mode("direct"))  # as the controller would
@@ -172,7 +172,7 @@ class TestInPlaceOnTheHost:
             assert _one_call(model, whole)
             whole.leasing()
             assert not _one_call(model, whole)
-            whole.account(whole.take())
+            whole.settle(whole.take())
             session.end_token()
             assert _one_call(model, whole)
         finally:
@@ -198,7 +198,7 @@ class TestInPlaceOnTheHost:
                 if not served[-1]:  # the lease path, as the experts call takes it
                     with session.fetch(layer, [7]) as lease:
                         lease.gather()
-                whole.account(whole.take())
+                whole.settle(whole.take())
                 session.end_token()
             assert served == [True, True, False]
             assert 7 in _cached(session)[layer]

@@ -145,7 +145,7 @@ class TestWholeLayersOnTheHost:
                         expected = reference(theirs, hidden, index, weights)
                     assert got is not None and torch.equal(got, expected)
                     distinct += len(set(index.flatten().tolist()))
-                whole.account(whole.take())
+                whole.settle(whole.take())
                 session.end_token()
             # the next token's hits: each call's distinct experts, counted once a layer
             assert session.counters().hits - before == distinct
@@ -167,7 +167,7 @@ class TestWholeLayersOnTheHost:
             tokens = 0
             while not whole.holding():
                 assert tokens < 2 * total  # 3 a token, and loads may still be landing
-                whole.account(whole.take())
+                whole.settle(whole.take())
                 session.end_token()
                 tokens += 1
                 _landed(session)
@@ -186,7 +186,7 @@ class TestWholeLayersOnTheHost:
             whole = _routing.WholeLayers(session, "cpu", fill=3)
             for _ in range(4):
                 assert not whole.holding()
-                whole.account(whole.take())
+                whole.settle(whole.take())
                 session.end_token()
             assert session.counters().prefetched == 0
         finally:
@@ -323,13 +323,21 @@ class _Whole:
     def __init__(self) -> None:
         self.pending: list[Any] = []
         self.accounted: list[list[Any]] = []
+        self.landed: list[int] = []  # how many tokens' routing each transfer carried
 
     def take(self) -> list[Any]:
         pending, self.pending = self.pending, []
         return pending
 
-    def account(self, routing: list[Any]) -> None:
+    def land(self, routings: list[Any], after: Any) -> list[Any]:
+        self.landed.append(len(routings))
+        return [[] for _ in routings]
+
+    def account(self, routing: list[Any], calls: Any) -> None:
         self.accounted.append(routing)
+
+    def settle(self, routing: list[Any], after: Any = None) -> None:
+        self.account(routing, self.land([routing], after)[0])
 
     def forget(self) -> None:
         pass
@@ -339,6 +347,28 @@ class _Whole:
 
     def leasing(self) -> None:
         pass
+
+
+@pytest.mark.parametrize("device", [
+    "cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+        not _CUDA, reason="torch sees no CUDA device")])])
+def test_landing_gives_each_tokens_calls(device: str) -> None:
+    """Tokens' routing lands on the host in one transfer (on a GPU behind the last one's
+    event, then read again from the same pinned buffer), each token's calls apart, in order,
+    a token with no call among them."""
+    landing = _landing.Landing(torch.device(device))
+    for shift in (0, 10):  # the buffer reused
+        a = _landing.Routing([1, 2], [torch.tensor([[3, 1]], device=device) + shift,
+                                      torch.tensor([[0, 5], [5, 2]], device=device) + shift])
+        c = _landing.Routing([1], [torch.tensor([[7, 7]], device=device) + shift])
+        after = None
+        if device == "cuda":
+            after = torch.cuda.Event()
+            after.record()
+        assert landing.land([a, _landing.Routing([], []), c], after) == [
+            [[3 + shift, 1 + shift], [shift, 5 + shift, 5 + shift, 2 + shift]], [],
+            [[7 + shift, 7 + shift]]]
+    assert landing.land([], None) == []
 
 
 class TestDeferredTokenEnds:
@@ -378,7 +408,9 @@ class TestDeferredTokenEnds:
             whole.pending.append("c")
             stream.end_step()  # three held: the two before it end, after one wait
             assert stream.tokens - tokens == 2 and whole.accounted == [["a"], ["b"]]
-            assert _Event.waits - waits == 1 and [h.routing for h in stream._held] == [["c"]]
+            # no host wait for an event: the transfer waits for the last one's on the device
+            assert _Event.waits == waits and whole.landed == [2]
+            assert [h.routing for h in stream._held] == [["c"]]
             stream.begin_step()  # a token that leases: the held one ends first
             whole.pending.append("d")
             for _ in stream.arrivals(stream.session.model.moe_layers[0], [0]):
@@ -393,6 +425,7 @@ class TestDeferredTokenEnds:
             stream.flush()  # nothing held: nothing done
             assert whole.accounted[-1] == ["e"] and stream.tokens - tokens == 5
             assert stream._held == []
+            assert whole.landed == [2, 1, 1, 1]  # tokens ended together: one transfer
             # the held tokens' wall times are their forwards', measured at their ends; the
             # leased token's is the session's own clock
             assert [w is None for w in walls] == [False, False, False, True, False]

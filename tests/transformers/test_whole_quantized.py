@@ -149,7 +149,7 @@ class TestOnTheHost:
                     distinct = set(index.flatten().tolist())
                     hits += len(distinct & cached[layer])
                     misses += len(distinct - cached[layer])
-                whole.account(whole.take())
+                whole.settle(whole.take())
                 session.end_token()
             after = session.counters()
             assert (after.hits - before.hits, after.misses - before.misses) == (hits, misses)
