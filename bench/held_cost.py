@@ -144,29 +144,33 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--split-calls", action="store_true",
                    help="time the held experts calls' whole-layer path and gather launch too "
                    "(two more wrapped calls a layer, ~1 us each)")
-    p.add_argument("--held-tokens", type=lambda text: [int(n) for n in text.split(",")],
+    p.add_argument("--held-tokens", type=_counts,
                    default=[], metavar="N[,N...]",
                    help="the held run again with a decode holding N tokens before it ends "
-                   "them together (the product's HELD_TOKENS; 0: each at the next one's end), "
-                   "an arm of each N (held_N) in every round")
+                   "them together (the model's held_tokens, 8 as shipped; 0: each at the "
+                   "next one's end), an arm of each N (held_N) in every round")
     p.add_argument("--out", type=Path)
     return p
 
 
-@contextmanager
-def _held_tokens(n: int | None) -> Iterator[None]:
-    """The decode's ``HELD_TOKENS`` set to ``n`` meanwhile (None: as shipped; never more,
-    which the pinned buffers of the tokens' routing are made for)."""
-    from moestream.transformers import _landing
+def _counts(text: str) -> list[int]:
+    """``--held-tokens``' values: counts, comma-separated."""
+    counts = [int(n) for n in text.split(",")]
+    if min(counts) < 0:
+        raise argparse.ArgumentTypeError(f"counts of tokens, not {text!r}")
+    return counts
 
-    shipped = _landing.HELD_TOKENS
-    if n is not None and not 0 <= n <= shipped:
-        raise SystemExit(f"--held-tokens: each from 0 to {shipped}, not {n}")
-    _landing.HELD_TOKENS = shipped if n is None else n
+
+@contextmanager
+def _held_tokens(stream: Any, n: int | None) -> Iterator[None]:
+    """The model's decode holding ``n`` tokens before it ends them meanwhile (None: as
+    shipped)."""
+    shipped = stream.held_tokens
+    stream.held_tokens = shipped if n is None else n
     try:
         yield
     finally:
-        _landing.HELD_TOKENS = shipped
+        stream.held_tokens = shipped
 
 
 def _ratios(runs: dict[str, list[dict[str, float]]]) -> dict[str, Any]:
@@ -213,7 +217,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             for _ in range(args.rounds):
                 runs["resident"].append(_run(resident, prompt, args, device, clock, timed))
                 for arm, n in arms.items():
-                    with _held_tokens(n):
+                    with _held_tokens(held.moestream, n):
                         runs[arm].append(_run(held, prompt, args, device, clock, timed))
         result = _ratios(runs)
         result["x_resident"] = result["held"]["x_resident"]

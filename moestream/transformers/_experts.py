@@ -52,13 +52,12 @@ from transformers.integrations import moe as hf_moe  # type: ignore[import-not-f
 
 from moestream import ExpertHandle, SyncSession, TokenStats
 from moestream.pipeline.foundation.errors import UsageError
-from moestream.transformers import _landing
 from moestream.transformers._expert_compute import batched, eager, grouped
 from moestream.transformers._expert_weights import ExpertWeights
 from moestream.transformers._generate import GenerateStats
 from moestream.transformers._gguf_experts import GgufExperts
 from moestream.transformers._host_grouped import HostWeights, host_grouped
-from moestream.transformers._landing import Routing
+from moestream.transformers._landing import HELD_TOKENS, Routing
 from moestream.transformers._launch import current_stream
 from moestream.transformers._layout import BATCHED_MM
 from moestream.transformers._leases import groups, leased
@@ -180,11 +179,13 @@ class ExpertStream:
         self.defer = False
         """Whether a token whose every experts call the whole-layer path served is held,
         its device work not waited for meanwhile, and ended with those held before it once
-        more than ``HELD_TOKENS`` wait. Set with ``batched``: ``generate``'s loop reads a
+        more than ``held_tokens`` wait. Set with ``batched``: ``generate``'s loop reads a
         decode step's result one step late (transformers' ``DeferredStopCheck``), so the
         host queues a step while the GPU computes the one before; a wait at each token's
-        end here undid that. ``last`` and ``on_token`` are then up to ``HELD_TOKENS``
+        end here undid that. ``last`` and ``on_token`` are then up to ``held_tokens``
         tokens behind until the decode ends (``flush``)."""
+        self.held_tokens = HELD_TOKENS
+        """How many tokens ``defer`` holds before it ends them together."""
         self._cuda = self.device.type == "cuda"
         self._started: Any = None
         self._begun = 0.0  # when the token's forward began, on the host's clock
@@ -219,7 +220,7 @@ class ExpertStream:
         compute what its own waits do not explain. A token the whole-layer path served
         tells the session of its hits only at its end, so its wall time is the forward's,
         measured here (``wall_ms``). Under ``defer`` such a token is held and ended with
-        the others once more than ``HELD_TOKENS`` wait: returns the last ended token's
+        the others once more than ``held_tokens`` wait: returns the last ended token's
         stats (None before any).
         """
         started, self._started = self._started, None
@@ -243,7 +244,7 @@ class ExpertStream:
                                      (time.perf_counter() - self._begun) * 1000.0))
         if not self.defer:
             self.flush()
-        elif len(self._held) > _landing.HELD_TOKENS:
+        elif len(self._held) > self.held_tokens:
             self.flush(keep=1)  # the newest may still run on the device
         return self.last
 

@@ -374,7 +374,7 @@ def test_landing_gives_each_tokens_calls(device: str) -> None:
 class TestDeferredTokenEnds:
     """``ExpertStream.defer``'s order on the host, its CUDA events stood in for: tokens the
     whole-layer path served are held and end together, in order, once more than
-    ``HELD_TOKENS`` wait (the newest, maybe still on the device, kept), each with its own
+    ``held_tokens`` wait (the newest, maybe still on the device, kept), each with its own
     calls and its forward's wall time; a token that leases ends the held ones first;
     ``flush`` ends the rest."""
 
@@ -382,9 +382,9 @@ class TestDeferredTokenEnds:
                    ) -> None:
         monkeypatch.setattr(torch.cuda, "Event", _Event)
         monkeypatch.setattr(experts_module, "current_stream", lambda device: None)
-        monkeypatch.setattr(_landing, "HELD_TOKENS", 2)
         model = mt.from_pretrained(checkpoints["qwen3_moe"], device="cpu")
         stream = model.moestream
+        stream.held_tokens = 2
         real, end_token = stream._whole, stream.session.end_token
         walls: list[float | None] = []
 
