@@ -232,21 +232,22 @@ class ExpertStream:
             return self._ended(None, None)
         done = torch.cuda.Event(enable_timing=True)
         done.record(current_stream(self.device))
-        if self._leased:
-            self.flush()
-            done.synchronize()
-            whole.settle(routing, done)  # counted now the device is done
-            return self._ended(float(started.elapsed_time(done)), None)
-        self.whole_tokens += 1
-        if not self.defer:
-            done.synchronize()  # its end now: its wall time the device's too
-        self._held.append(_HeldToken(started, done, routing,
-                                     (time.perf_counter() - self._begun) * 1000.0))
-        if not self.defer:
-            self.flush()
-        elif len(self._held) > self.held_tokens:
-            self.flush(keep=1)  # the newest may still run on the device
-        return self.last
+        self.whole_tokens += not self._leased
+        if self.defer and not self._leased:
+            self._held.append(_HeldToken(started, done, routing, self._wall_ms()))
+            if len(self._held) > self.held_tokens:
+                self.flush(keep=1)  # the newest may still run on the device
+            return self.last
+        self.flush()
+        done.synchronize()
+        # a leased token's clock ran in the session from its first fetch
+        wall_ms = None if self._leased else self._wall_ms()
+        whole.settle(routing, done)  # counted now the device is done
+        return self._ended(float(started.elapsed_time(done)), wall_ms)
+
+    def _wall_ms(self) -> float:
+        """The host's time since the token's forward began."""
+        return (time.perf_counter() - self._begun) * 1000.0
 
     def flush(self, keep: int = 0) -> None:
         """End the held tokens (``defer``) but the newest ``keep``, in order, once the
