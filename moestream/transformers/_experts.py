@@ -45,7 +45,7 @@ import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any, Literal, NamedTuple
+from typing import Any, Literal, NamedTuple, TypeVar, cast
 
 import torch  # type: ignore[import-not-found, unused-ignore]
 from transformers.integrations import moe as hf_moe  # type: ignore[import-not-found, unused-ignore]
@@ -66,7 +66,7 @@ from moestream.transformers._quantized import LayerScales
 from moestream.transformers._routing import WholeLayers
 
 __all__ = ["COMPUTES", "IMPLEMENTATION", "Compute", "ExpertStream", "experts_forward",
-           "follow_decode_switch", "register", "stream_of"]
+           "follow_decode_switch", "register", "stream_of", "uncompiled"]
 
 IMPLEMENTATION = "moestream"
 """The name the experts implementation is registered under."""
@@ -94,8 +94,23 @@ def stream_of(model: Any) -> ExpertStream:
     return experts_stream
 
 
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def uncompiled(fn: F) -> F:
+    """``fn`` never traced by ``torch.compile``, which ``generate`` applies on its own to a
+    GPU model with a static cache: moestream's calls read and change the session's state on
+    the host and launch their own kernels, which a graph cannot hold; a compiled model
+    breaks its graph at ``fn`` and runs it as it is (~1 us a call more when nothing
+    compiles)."""
+    return cast(F, torch.compiler.disable(fn))
+
+
+@uncompiled
 def experts_forward(self: Any, hidden_states: Any, top_k_index: Any, top_k_weights: Any) -> Any:
     """The experts call of one MoE layer, served by moestream (the registry's signature).
+
+    Never traced by ``torch.compile`` (:func:`uncompiled`).
 
     Args:
         self: the model's experts module; the loader set its ``moestream_stream`` and

@@ -56,6 +56,7 @@ from moestream.transformers._experts import (
     ExpertStream,
     follow_decode_switch,
     register,
+    uncompiled,
 )
 from moestream.transformers._files import CONFIG, GENERATION_FILES, snapshot
 from moestream.transformers._gate import is_available
@@ -235,6 +236,9 @@ def _built(session: moestream.SyncSession, root: Path, dtype: Any,
 
 
 def _begin_hook(experts_stream: ExpertStream) -> Any:
+    """The forward pre-hook that starts moestream's token (never traced by
+    ``torch.compile``: ``uncompiled``)."""
+    @uncompiled
     def begin(module: Any, args: Any) -> None:  # None: the forward's inputs stay as they are
         experts_stream.begin_step()
 
@@ -242,6 +246,8 @@ def _begin_hook(experts_stream: ExpertStream) -> Any:
 
 
 def _end_hook(experts_stream: ExpertStream) -> Any:
+    """The forward hook that ends moestream's token (never traced, as the pre-hook)."""
+    @uncompiled
     def end(module: Any, args: Any, output: Any) -> None:  # None: the output stays
         experts_stream.end_step()
 

@@ -34,7 +34,7 @@ import torch  # type: ignore[import-not-found, unused-ignore]
 
 from moestream import ExpertHandle
 from moestream.pipeline.foundation.errors import UsageError
-from moestream.transformers._experts import ExpertStream
+from moestream.transformers._experts import ExpertStream, uncompiled
 
 __all__ = ["SWAPS", "JetMoeExperts", "Llama4Experts", "swap_experts"]
 
@@ -78,6 +78,7 @@ class Llama4Experts(_Swapped):
         self.down_proj = original.down_proj
         self.act_fn = original.act_fn
 
+    @uncompiled
     def forward(self, hidden_states: Any) -> Any:
         blocks = hidden_states.view(self.num_experts, -1, self.hidden_size)
         # an expert routed to by no token has an all-zero block (its score is zero), and
@@ -110,6 +111,7 @@ class JetMoeExperts(_Swapped):
         self.gate_up_proj = original.input_linear.weight
         self.down_proj = original.output_linear.weight
 
+    @uncompiled
     def forward(self, layer_input: Any) -> Any:
         bsz, length, emb_size = layer_input.size()
         layer_input = layer_input.reshape(-1, emb_size)
