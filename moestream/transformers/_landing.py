@@ -1,11 +1,12 @@
 """Tokens' routing, read on the host once their device work is done.
 
 ``WholeLayers`` serves a held-whole model's experts calls with no host read of the
-routing: each call's routing tensor stays on the device (a ``Routing`` a token) until the
-token ends. Tokens that end together (``ExpertStream.defer``) cross to the host together:
-one concatenation and one copy into pinned memory, on a stream of their own behind the
-event of the last one's work, so that the host waits for that token alone, not for those
-queued after it, and pays one transfer for several tokens, not one a token.
+routing: a token's calls' routing stays on the device, gathered into one tensor at the
+forward's end (a ``Routing`` a token), until the token ends. Tokens that end together
+(``ExpertStream.defer``) cross to the host together: one concatenation and one copy into
+pinned memory, on a stream of their own behind the event of the last one's work, so that
+the host waits for that token alone, not for those queued after it, and pays one transfer
+for several tokens, not one a token.
 """
 
 from __future__ import annotations
@@ -27,11 +28,14 @@ two forwards."""
 
 @dataclass(frozen=True, slots=True)
 class Routing:
-    """A token's calls served by ``WholeLayers``: each call's layer and routing (its
-    ``top_k_index``: a router makes a new tensor each call, so nothing writes it after)."""
+    """A token's calls served by ``WholeLayers``: each call's layer and number of ids, and
+    the ids end to end in one tensor of the token's own (on the device on a GPU; None: no
+    call). Its own, made at the token's end: a router's output may be a buffer the next
+    forward writes again (a compiled model's CUDA graphs replay into the same memory)."""
 
     layers: list[int]
-    calls: list[Any]
+    sizes: list[int]
+    ids: Any
 
 
 class Landing:
@@ -47,16 +51,26 @@ class Landing:
         """Each routing's calls' ids as ints, once ``after`` (a CUDA event: the last
         routing's work, recorded on torch's stream; None: what torch's current stream has
         queued so far) completes; on the host, at once."""
-        tensors = [ids.reshape(-1) for routing in routings for ids in routing.calls]
+        tensors = [routing.ids for routing in routings if routing.ids is not None]
         if not tensors:
             return [[] for _ in routings]
-        calls = ([ids.tolist() for ids in tensors] if self._device.type != "cuda"
-                 else self._copied(tensors, after))
-        return _split(calls, [len(routing.calls) for routing in routings])
+        if self._device.type == "cuda":
+            flat = self._copied(tensors, after)
+        else:
+            flat = [i for ids in tensors for i in ids.tolist()]
+        out, at = [], 0
+        for routing in routings:
+            calls = []
+            for size in routing.sizes:
+                calls.append(flat[at:at + size])
+                at += size
+            out.append(calls)
+        return out
 
-    def _copied(self, tensors: list[Any], after: Any) -> list[list[int]]:
-        """The tensors' ids through one copy to pinned memory on this object's stream, which
-        waits for ``after`` first: the host waits for that and the copy, no more."""
+    def _copied(self, tensors: list[Any], after: Any) -> list[int]:
+        """The tensors' ids end to end, through one copy to pinned memory on this object's
+        stream, which waits for ``after`` first: the host waits for that and the copy, no
+        more."""
         if self._stream is None:
             self._stream = torch.cuda.Stream(device=self._device)
         stream = self._stream
@@ -73,13 +87,5 @@ class Landing:
             host = buffer[:n]
             host.copy_(flat, non_blocking=True)
         stream.synchronize()
-        return _split(host.tolist(), [ids.numel() for ids in tensors])
-
-
-def _split(items: list[Any], sizes: list[int]) -> list[Any]:
-    """``items`` in consecutive runs of ``sizes``."""
-    out, at = [], 0
-    for size in sizes:
-        out.append(items[at:at + size])
-        at += size
-    return out
+        ids: list[int] = host.tolist()
+        return ids

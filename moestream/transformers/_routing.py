@@ -389,15 +389,19 @@ class WholeLayers:
         return current_stream(self.device) if self.device.type == "cuda" else None
 
     def remember(self, layer: int, top_k_index: Any) -> None:
-        """A call served with no lease: its routing, kept (on the device) until the token's
-        :meth:`take` (a router makes a new tensor each call: nothing writes it meanwhile)."""
+        """A call served with no lease: its routing, kept (on the device) until the
+        forward's :meth:`take` (nothing writes it within the forward)."""
         self._pending.append((layer, top_k_index))
 
     def take(self) -> Routing:
-        """The calls served since the last ``take`` (a token's), their routing still on the
-        device, for :meth:`land` once the token ends."""
+        """The calls served since the last ``take`` (a forward's): their routing gathered
+        into one tensor of its own on the device (one launch), for :meth:`land` once the
+        token ends, however many forwards later."""
         pending, self._pending = self._pending, []
-        return Routing([layer for layer, _ in pending], [ids for _, ids in pending])
+        if not pending:
+            return Routing([], [], None)
+        return Routing([layer for layer, _ in pending], [ids.numel() for _, ids in pending],
+                       torch.cat([ids.reshape(-1) for _, ids in pending]))
 
     def land(self, routings: list[Routing], after: Any = None) -> list[list[list[int]]]:
         """Each routing's calls' expert ids on the host, once ``after`` (on a GPU, the CUDA

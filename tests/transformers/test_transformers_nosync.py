@@ -352,23 +352,36 @@ class _Whole:
 @pytest.mark.parametrize("device", [
     "cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
         not _CUDA, reason="torch sees no CUDA device")])])
-def test_landing_gives_each_tokens_calls(device: str) -> None:
-    """Tokens' routing lands on the host in one transfer (on a GPU behind the last one's
-    event, then read again from the same pinned buffer), each token's calls apart, in order,
-    a token with no call among them."""
-    landing = _landing.Landing(torch.device(device))
-    for shift in (0, 10):  # the buffer reused
-        a = _landing.Routing([1, 2], [torch.tensor([[3, 1]], device=device) + shift,
-                                      torch.tensor([[0, 5], [5, 2]], device=device) + shift])
-        c = _landing.Routing([1], [torch.tensor([[7, 7]], device=device) + shift])
-        after = None
-        if device == "cuda":
-            after = torch.cuda.Event()
-            after.record()
-        assert landing.land([a, _landing.Routing([], []), c], after) == [
-            [[3 + shift, 1 + shift], [shift, 5 + shift, 5 + shift, 2 + shift]], [],
-            [[7 + shift, 7 + shift]]]
-    assert landing.land([], None) == []
+def test_routing_lands_as_taken(checkpoints: dict[str, Path], device: str) -> None:
+    """A forward's routing is taken into a tensor of its own (a router's output written
+    again later, as a CUDA graph's replay writes it, changes nothing taken), and tokens'
+    routing lands on the host in one transfer (on a GPU behind the last one's event, then
+    again through the same pinned buffer), each token's calls apart, in order, a token with
+    no call among them."""
+    model = mt.from_pretrained(checkpoints["qwen3_moe"], device=device)
+    whole = model.moestream._whole
+    try:
+        for shift in (0, 10):  # the pinned buffer reused
+            first = torch.tensor([[3, 1]], device=device) + shift
+            second = torch.tensor([[0, 5], [5, 2]], device=device) + shift
+            whole.remember(1, first)
+            whole.remember(2, second)
+            a = whole.take()
+            empty = whole.take()
+            whole.remember(1, first)
+            first.add_(100)  # the router's buffer written again after the take
+            c = whole.take()
+            first.add_(100)
+            after = None
+            if device == "cuda":
+                after = torch.cuda.Event()
+                after.record()
+            assert whole.land([a, empty, c], after) == [
+                [[3 + shift, 1 + shift], [shift, 5 + shift, 5 + shift, 2 + shift]], [],
+                [[103 + shift, 101 + shift]]]
+        assert whole.land([]) == []
+    finally:
+        model.moestream.close()
 
 
 class TestDeferredTokenEnds:
