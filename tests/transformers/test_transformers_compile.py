@@ -5,7 +5,9 @@ Dynamo traced into moestream's experts call and failed there (``wrap_numpy_ndarr
 the host path's cache views); the call, the token's hooks and the swapped modules' forwards
 are now never traced (``_experts.uncompiled``): the compiled model breaks its graph there.
 Forced on the host here (``_compile_all_devices``, the eager backend: dynamo's tracing and
-graph breaks, without a C++ build), beside the resident model compiled the same way.
+graph breaks, without a C++ build), beside the resident model compiled the same way; on a
+GPU as ``generate`` does it on its own (inductor, the compiled parts replayed as CUDA
+graphs, which write their outputs into the same memory at each replay).
 """
 
 from __future__ import annotations
@@ -46,24 +48,30 @@ def _compiled() -> object:
     return compile_config
 
 
+@pytest.mark.parametrize("device", [
+    "cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+        not torch.cuda.is_available(), reason="torch sees no CUDA device")])])
 @pytest.mark.parametrize("budget", [None, "4"], ids=["held", "evicting"])
-def test_static_cache_generate_compiled_as_transformers_does(checkpoint: Path,
+def test_static_cache_generate_compiled_as_transformers_does(checkpoint: Path, device: str,
                                                              budget: str | None) -> None:
     """The compiled static-cache generate runs through moestream (held whole, and at a
     budget that evicts) with the tokens of the resident model compiled the same way, and
     each forward ends one token."""
     torch._dynamo.reset()
-    args = dict(max_new_tokens=5, min_new_tokens=5, do_sample=False,
+    args = dict(max_new_tokens=12, min_new_tokens=12, do_sample=False,
                 cache_implementation="static")
-    ids = torch.tensor(PROMPT)
+    if device == "cpu":
+        args["compile_config"] = _compiled()
+    ids = torch.tensor(PROMPT, device=device)
     resident = transformers.AutoModelForCausalLM.from_pretrained(
-        checkpoint, experts_implementation="grouped_mm")
-    want = resident.generate(ids, compile_config=_compiled(), **args)
-    model = mt.from_pretrained(checkpoint, device="cpu", budget=budget)
+        checkpoint, experts_implementation="grouped_mm").to(device)
+    want = resident.generate(ids, **args)
+    model = mt.from_pretrained(checkpoint, device=device, budget=budget)
     try:
+        model.generate(ids, **args)  # held whole from here on (a budget that holds all)
         tokens = model.moestream.tokens
-        got = model.generate(ids, compile_config=_compiled(), **args)
+        got = model.generate(ids, **args)
         assert torch.equal(got, want)
-        assert model.moestream.tokens - tokens == 5
+        assert model.moestream.tokens - tokens == 12
     finally:
         model.moestream.close()

@@ -27,7 +27,7 @@ hf_moe = pytest.importorskip("transformers.integrations.moe")
 
 from moestream import transformers as mt  # noqa: E402
 from moestream.transformers import _experts as experts_module  # noqa: E402
-from moestream.transformers import _landing, _routing  # noqa: E402
+from moestream.transformers import _routing  # noqa: E402
 from moestream.transformers._expert_compute import slotted_grouped  # noqa: E402
 from moestream.transformers._layout import first_projection  # noqa: E402
 
