@@ -352,12 +352,13 @@ class ExpertStream:
                        top_k_index, top_k_weights)
 
     def _leasing(self) -> None:
-        """This token takes a lease: it will not be held, and a held token ends first (the
-        session sees tokens in order)."""
+        """This token takes a lease: it will not be held, and the held tokens end first
+        (the session sees tokens in order), counted by the tables they ran on, before this
+        token's lease drops the in-place tables (``WholeLayers.leasing``)."""
         self._leased = True
-        self._whole.leasing()
         if self._held:
             self.flush()
+        self._whole.leasing()
 
     def _wanted(self, layer: int, hidden: Any, top_k_index: Any
                 ) -> tuple[list[int], list[int], Callable[[], object] | None]:
