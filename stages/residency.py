@@ -296,7 +296,7 @@ def evict(
             just written or copied has them; on a clean file the call is nearly free).
 
     Returns:
-        Bytes (whole pages) that were resident before and are not after.
+        Bytes (whole pages of ``ranges``) that were resident before and are not after.
     """
     with opened(target) as (fd, name):
         if sync:
@@ -309,14 +309,18 @@ def evict(
             [ByteRange(0, before.file_bytes)] if ranges is None else coalesce(ranges)
         )
         asked = 0
+        covered = np.zeros(before.n_pages, dtype=bool)
         for r in spans:
             first, stop = page_cover(r)
             start, length = first * PAGE_BYTES, (stop - first) * PAGE_BYTES
             asked += r.nbytes
+            covered[first:stop] = True
             _fadvise(fd, start, length, os.POSIX_FADV_DONTNEED, name)
         after = Residency.of_file(fd)
     n = min(before.n_pages, after.n_pages)
-    left = int(np.count_nonzero(before.pages[:n] & ~after.pages[:n])) * PAGE_BYTES
+    # only the pages asked for: the kernel may reclaim others of the file meanwhile
+    gone = before.pages[:n] & ~after.pages[:n] & covered[:n]
+    left = int(np.count_nonzero(gone)) * PAGE_BYTES
     _log.info("residency.evict", path=name, asked_bytes=asked, left_bytes=left,
               resident_after_bytes=after.file_resident_bytes)
     return left

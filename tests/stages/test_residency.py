@@ -268,6 +268,25 @@ class TestEvict:
         assert left == len(gone) * PAGE_BYTES
         assert_resident_pages(res, set(range(res.n_pages)) - gone)
 
+    def test_pages_the_kernel_drops_elsewhere_meanwhile_are_not_counted(
+            self, cold: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        """What ``evict`` says left is the asked ranges' pages only: pages of the file the
+        kernel reclaims meanwhile (memory pressure, another process's DONTNEED), stood in
+        for by a drop of another range during the call, are not counted."""
+        read_all(cold)
+        asked, elsewhere = ByteRange(MIB + 1000, 2 * MIB), ByteRange(6 * MIB, MIB)
+        fadvise = residency_module._fadvise
+
+        def and_elsewhere(fd: int, start: int, length: int, advice: int, name: str) -> None:
+            fadvise(fd, start, length, advice, name)
+            os.posix_fadvise(fd, elsewhere.offset, elsewhere.nbytes, os.POSIX_FADV_DONTNEED)
+
+        monkeypatch.setattr(residency_module, "_fadvise", and_elsewhere)
+        left = evict(cold, [asked])
+        assert left == len(page_set([asked])) * PAGE_BYTES
+        res = Residency.of_file(cold)
+        assert_resident_pages(res, set(range(res.n_pages)) - page_set([asked, elsewhere]))
+
     def test_evict_whole_file(self, cold: Path) -> None:
         read_all(cold)
         assert evict(cold) == Residency.of_file(cold).n_pages * PAGE_BYTES
