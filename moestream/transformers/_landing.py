@@ -17,6 +17,8 @@ from typing import Any
 
 import torch  # type: ignore[import-not-found, unused-ignore]
 
+from moestream.transformers._launch import current_stream
+
 __all__ = ["HELD_TOKENS", "Landing", "Routing"]
 
 HELD_TOKENS = 8
@@ -76,7 +78,7 @@ class Landing:
         stream = self._stream
         if after is None:
             after = torch.cuda.Event()
-            after.record(torch.cuda.current_stream(self._device))
+            after.record(current_stream(self._device))
         stream.wait_event(after)
         with torch.cuda.stream(stream):
             flat = torch.cat(tensors)
