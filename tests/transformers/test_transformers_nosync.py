@@ -633,7 +633,7 @@ class TestGpuWholeLayers:
                         decoder(ids)
                     finally:
                         torch.cuda.set_sync_debug_mode(0)
-            return sum("synchroniz" in str(w.message) for w in seen)
+            return sum("called a synchronizing" in str(w.message) for w in seen)
 
         try:
             assert syncs(model.model) == syncs(whole.model)

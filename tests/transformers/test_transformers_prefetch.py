@@ -164,7 +164,8 @@ def _syncs(path: Path, prefetch: str) -> list[str]:
     seen: list[str] = []
 
     def show(message: Any, *args: Any, **kwargs: Any) -> None:
-        if "synchroniz" in str(message):
+        # torch's sync warning, not the once-a-process one that the debug mode is a prototype
+        if "called a synchronizing" in str(message):
             stack = traceback.extract_stack()[:-1]
             ours = [f for f in stack if "moestream" in f.filename or "/models/" in f.filename]
             where = " <- ".join(f"{Path(f.filename).name}:{f.lineno}:{f.name}"
