@@ -23,7 +23,7 @@ from moestream.transformers._dequant_cuda import (
 )
 from moestream.transformers._gather import blocks, launch
 from moestream.transformers._gguf_experts import GgufExperts
-from moestream.transformers._launch import current_stream
+from moestream.transformers._launch import raw_stream
 from moestream.transformers._layout import TORCH_DTYPES, first_projection, raw, view
 from moestream.transformers._quantized import LayerScales
 
@@ -120,8 +120,8 @@ class ExpertWeights:
         slots = self._slots.get(n)
         if slots is None:
             slots = self._slots[n] = torch.arange(n, dtype=torch.int64, device=self.device)
-        stream = current_stream(self.device)
-        launch(stream.device_index, (blocks(max(sizes)), n), stream.cuda_stream,
+        index, stream = raw_stream(self.device)
+        launch(index, (blocks(max(sizes)), n), stream,
                table.to(self.device, non_blocking=True).data_ptr(), slots.data_ptr(),
                gate_up.data_ptr(), down.data_ptr(), sizes)
 

@@ -370,9 +370,9 @@ class WholeLayers:
         pair's expert weights copied from the cache by the table in one launch, then
         transformers' own arithmetic; queued on torch's stream with no host read."""
         slots = top_k_index.reshape(-1).to(torch.int64)
-        dtype = module.down_proj.dtype
-        first = torch.empty((slots.numel(), *table.first_shape), dtype=dtype, device=self.device)
-        down = torch.empty((slots.numel(), *table.down_shape), dtype=dtype, device=self.device)
+        n, dtype = slots.shape[0], table.dtype
+        first = torch.empty((n, *table.first_shape), dtype=dtype, device=self.device)
+        down = torch.empty((n, *table.down_shape), dtype=dtype, device=self.device)
         self._gather(table, slots, first, down)
         out = batched_mm(module, first, down, hidden, top_k_index, top_k_weights)
         self.remember(layer, top_k_index)

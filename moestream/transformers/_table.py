@@ -13,7 +13,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from moestream.transformers._dequant_cuda import layer_slots_cuda
 from moestream.transformers._gather import blocks, launch
 from moestream.transformers._gguf_experts import GgufExperts
-from moestream.transformers._launch import current_stream
+from moestream.transformers._launch import raw_stream
 from moestream.transformers._quantized import LayerScales
 
 __all__ = ["LayerTable"]
@@ -38,13 +38,13 @@ def _matrix_bytes(scales: LayerScales | GgufExperts | None, dtype: Any, values: 
 class LayerTable:
     """One whole layer's addresses on the device, ``(experts, 3)`` int64, and its matrices'
     bytes (every expert of a layer has the same); with what each call of the layer would
-    otherwise work out again: the module's projection shapes (set once :meth:`accept`
-    took them) and the kernel's grid width. A quantized layer's ``scales`` (None: plain
-    float experts, copied as they are) say how its slots are dequantized instead
-    (``layer_slots_cuda``)."""
+    otherwise work out again: the module's projection shapes and dtype (set once
+    :meth:`accept` took them) and the kernel's grid width. A quantized layer's ``scales``
+    (None: plain float experts, copied as they are) say how its slots are dequantized
+    instead (``layer_slots_cuda``)."""
 
-    __slots__ = ("addresses", "blocks", "down_bytes", "down_shape", "experts", "first_shape",
-                 "gate_bytes", "scales", "sizes", "up_bytes")
+    __slots__ = ("addresses", "blocks", "down_bytes", "down_shape", "dtype", "experts",
+                 "first_shape", "gate_bytes", "scales", "sizes", "up_bytes")
 
     def __init__(self, addresses: Any, sizes: tuple[int, int, int],
                  scales: LayerScales | GgufExperts | None = None) -> None:
@@ -57,6 +57,7 @@ class LayerTable:
         self.blocks = blocks(largest)
         self.first_shape: tuple[int, ...] = ()
         self.down_shape: tuple[int, ...] = ()
+        self.dtype: Any = None
 
     def accept(self, first_shape: tuple[int, ...], down_shape: tuple[int, ...], dtype: Any
                ) -> bool:
@@ -69,7 +70,7 @@ class LayerTable:
                 or _matrix_bytes(self.scales, dtype, math.prod(down_shape), True)
                 != self.down_bytes):
             return False
-        self.first_shape, self.down_shape = first_shape, down_shape
+        self.first_shape, self.down_shape, self.dtype = first_shape, down_shape, dtype
         return True
 
     def fill(self, device: Any, slots: Any, first: Any, down: Any) -> None:
@@ -78,7 +79,6 @@ class LayerTable:
         if self.scales is not None:
             layer_slots_cuda(self.scales, self.addresses.data_ptr(), slots, first, down)
             return
-        stream = current_stream(device)
-        launch(stream.device_index, (self.blocks, slots.shape[0]), stream.cuda_stream,
-               self.addresses.data_ptr(), slots.data_ptr(), first.data_ptr(), down.data_ptr(),
-               self.sizes)
+        index, stream = raw_stream(device)
+        launch(index, (self.blocks, slots.shape[0]), stream, self.addresses.data_ptr(),
+               slots.data_ptr(), first.data_ptr(), down.data_ptr(), self.sizes)
