@@ -85,7 +85,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--out", type=Path)
     args = p.parse_args(argv)
-    require_gpu(p.prog)
+    require_gpu("bench.launch_cost")
     import torch
 
     parts = _parts(experts=16, slots=8, rows=32, cols=64)
@@ -108,4 +108,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    exit_with("bench.launch_cost", main)
+    exit_with("python -m bench.launch_cost", main)

@@ -176,7 +176,7 @@ def test_bench_command_names_a_missing_model_in_one_line(module: str, tmp_path: 
 
 
 @pytest.mark.skipif(unavailable_reason() is None, reason="a CUDA device is here")
-@pytest.mark.parametrize("module", ["dmaload", "strided", "register"])
+@pytest.mark.parametrize("module", ["dmaload", "strided", "register", "launch_cost"])
 def test_gpu_only_probe_without_a_device_says_so_in_one_line(module: str,
                                                              tmp_path: Path) -> None:
     """The GPU-only probes, run where there is no CUDA device: one line, exit code 2."""
