@@ -9,6 +9,8 @@
 #          time, unprofiled, beside the resident model's (5 rounds); the experts calls split
 #          into the whole-layer path and its gather launch (--split-calls); a third arm
 #          ends each held token at the next one's end, not several together (held_0)
+#   launch bench.launch_cost: the gather launch's host time and its parts beside torch's own
+#          index launch, in a tight loop
 #   dispatch  bench.dispatch on that model (auto, then direct mode): the resident model's
 #          speed as each part of a session enters the process (CuPy, device allocations,
 #          registered host memory, moestream's model held whole, its close)
@@ -52,6 +54,10 @@ if [[ $steps == *cost* ]]; then
   mkdir -p $R/cost
   tarred cost 150 python3 -m bench.held_cost -m $M --device cuda --tokens 32 --rounds 5 --split-calls \
     --held-tokens 0 --out $R/cost/held_cost.json
+fi
+if [[ $steps == *launch* ]]; then
+  mkdir -p $R/launch
+  tarred launch 60 python3 -m bench.launch_cost --out $R/launch/launch_cost.json
 fi
 if [[ $steps == *dispatch* ]]; then
   made
