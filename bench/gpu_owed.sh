@@ -15,7 +15,8 @@
 #          speed as each part of a session enters the process (CuPy, device allocations,
 #          registered host memory, moestream's model held whole, its close)
 #   held   bench.transformers resident,held on that model in HELD separate processes
-#          (default 3), three rounds each: x_resident and whole_share per process
+#          (default 3), HELD_ROUNDS rounds each (default 5: a round's ratio spreads 0.8-1.3
+#          on an H100): x_resident and whole_share per process
 #   warm   bench.transformers resident,warm,predict,in_place,cold on that model at 3 GiB in
 #          all, three rounds: the issue's page-cache warm and cold figures, with and without
 #          prefetch, and with the misses read in place
@@ -71,8 +72,8 @@ if [[ $steps == *held* ]]; then
   mkdir -p $R/held
   for i in $(seq ${HELD:-3}); do
     tarred held 200 python3 -m bench.transformers --make $M \
-      --shape qwen3-30b-a3b --layers 8 --spread --total 3GiB --tokens 32 --repeat 1 --rounds 3 \
-      --runs resident,held --out $R/held/process$i.json
+      --shape qwen3-30b-a3b --layers 8 --spread --total 3GiB --tokens 32 --repeat 1 \
+      --rounds ${HELD_ROUNDS:-5} --runs resident,held --out $R/held/process$i.json
     python3 - $R/held/process$i.json <<'PY' | tee -a $R/steps.txt
 import json, sys
 d = json.load(open(sys.argv[1]))
