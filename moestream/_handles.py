@@ -233,7 +233,7 @@ class LeaseShared:
     dropped with the lease still held, ``on_drop`` is told (the session releases it).
     """
 
-    __slots__ = ("backends", "info", "lease", "on_drop", "spans")
+    __slots__ = ("__weakref__", "backends", "info", "lease", "on_drop", "spans")
 
     def __init__(self, lease: LayerLease, backends: Sequence[Backend], info: MoeLayer,
                  on_drop: Callable[[LayerLease], None] | None = None) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import warnings
+import weakref
 from collections.abc import Callable, Generator, Mapping, Sequence
 from types import TracebackType
 from typing import Any, Self, TypeVar
@@ -195,16 +196,30 @@ class Session:
         """A lease whose last reference went away unreleased (on any thread, from a
         finalizer): warn, and release it at the session's next call or on its loop,
         whichever comes first."""
+        self._drops.append(lease)  # first: an interrupt in the warning must not lose it
         warnings.warn(
             f"a lease of layer {lease.layer} (experts {list(lease.experts)}) was dropped "
             "without release; released now (release leases, or use a with block, once "
             "their compute is queued)", ResourceWarning, stacklevel=2)
-        self._drops.append(lease)
         loop = self._loop
         if loop is not None and not loop.is_closed():
             # closed meanwhile: so is the session, which released it
             with contextlib.suppress(RuntimeError):
                 loop.call_soon_threadsafe(self._release_drops)
+
+    def _sweep_drops(self) -> None:
+        """Release the dropped leases, those no finalizer told of too: a signal handler
+        that raises (a timer's KeyboardInterrupt) can land on a finalizer's first line,
+        and Python then drops what it had left to do. Run where a token ends and where
+        counters are read, so that a pin so lost is held a token at most."""
+        if self._drops:
+            self._release_drops()
+        lost = [lease for lease in self._streaming.leases()
+                if lease.face is not None and lease.face() is None]
+        for lease in lost:
+            self._dropped(lease)
+        if lost:
+            self._release_drops()
 
     def _release_drops(self) -> None:
         while self._drops:
@@ -288,7 +303,7 @@ class Session:
                                  self._dropped)
             lease = face(layer_lease, shared, self._streaming, loop)
             # the session, not the lease: the layer lease must not keep its face alive
-            layer_lease.owner = self
+            layer_lease.owner, layer_lease.face = self, weakref.ref(shared)
             return lease
         except BaseException as exc:
             self._abandon(layer_lease)
@@ -380,8 +395,7 @@ class Session:
         engine = engine_ms(compute_ms, len(self._streaming.backends))
         upload = milliseconds(upload_ms, "upload_ms")
         wall = None if wall_ms is None else milliseconds(wall_ms, "wall_ms")
-        if self._drops:
-            self._release_drops()
+        self._sweep_drops()
         f = await self._streaming.end_token(compute_ms=engine, upload_ms=upload, wall_ms=wall)
         return token_stats(f)
 
@@ -395,8 +409,7 @@ class Session:
         return self._counters()
 
     def _counters(self) -> Counters:
-        if self._drops:  # a session call: what was dropped is released first (and counted)
-            self._release_drops()
+        self._sweep_drops()  # a session call: what was dropped is released first (and counted)
         return counters_of(self._streaming)
 
     def __repr__(self) -> str:

@@ -109,6 +109,9 @@ class LayerLease:
     owner: Any = None
     """The public object that hands this lease out (set once it exists): a lease without
     one was made by a fetch that never returned, and is released by it."""
+    face: Any = None
+    """A weak reference to what its public lease and handles share (set with ``owner``):
+    dead while the lease is held, the lease was dropped unreleased."""
 
     def __post_init__(self) -> None:
         for part in self.parts:

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 import moestream
+from moestream._handles import LeaseShared
 from moestream.pipeline.foundation.table import ExpertTable
 from moestream.pipeline.makers.modelgen import spec_for, write_model
 from tests.api.test_api import _landed
@@ -473,6 +474,27 @@ class TestDroppedLeases:
                     ms.end_token()
             assert sum(issubclass(w.category, ResourceWarning) for w in caught) == 10
             assert ms.counters().open_leases == 0
+
+    @pytest.mark.parametrize("told_at", ["end_token", "counters"])
+    def test_a_drop_whose_finalizer_was_cut_short_is_released(
+            self, tiny_model: Path, monkeypatch: pytest.MonkeyPatch, told_at: str) -> None:
+        """A signal handler that raises can land on a finalizer's first line, and Python
+        then drops what the finalizer had to do (here: its whole body): the lease is still
+        released, warned of, at the token's end or the next counters read."""
+        with _sync(tiny_model, budget="16") as ms:
+            layer = ms.model.moe_layers[0]
+            monkeypatch.setattr(LeaseShared, "__del__", lambda self: None)
+            lease = ms.fetch(layer, [0, 1, 2, 3])
+            lease.gather()
+            del lease  # abandoned, and its finalizer told nobody
+            gc.collect()
+            monkeypatch.undo()
+            with pytest.warns(ResourceWarning, match="dropped without release"):
+                if told_at == "end_token":
+                    ms.end_token()
+                assert ms.counters().open_leases == 0
+            with ms.fetch(layer, [0, 1, 2, 3]) as again:  # its pins are free again
+                again.gather()
 
     async def test_a_fetch_that_cannot_fit_names_the_holders(self, tiny_model: Path) -> None:
         async with _open(tiny_model, budget="8") as ms:
