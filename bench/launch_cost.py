@@ -35,18 +35,16 @@ from bench.record import provenance
 __all__ = ["main"]
 
 
-def _us(call: Callable[[], Any], sync: Callable[[], Any], calls: int, rounds: int) -> float:
+def _us(call: Callable[[], Any], sync: Callable[[], Any], calls: int) -> float:
     """Host microseconds a call: ``calls`` calls timed back to back, the device drained
-    between rounds (untimed); the median of ``rounds``."""
-    times = []
-    for _ in range(rounds):
-        sync()
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            call()
-        times.append((time.perf_counter() - t0) / calls * 1e6)
+    before and after (untimed)."""
     sync()
-    return round(statistics.median(times), 3)
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        call()
+    elapsed = time.perf_counter() - t0
+    sync()
+    return round(elapsed / calls * 1e6, 3)
 
 
 def _parts(experts: int, slots: int, rows: int, cols: int) -> dict[str, Callable[[], Any]]:
@@ -94,7 +92,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     runs: dict[str, list[float]] = {name: [] for name in parts}
     for _ in range(args.rounds):
         for name, call in parts.items():
-            runs[name].append(_us(call, sync, args.calls, 1))
+            runs[name].append(_us(call, sync, args.calls))
     us = {name: round(statistics.median(values), 3) for name, values in runs.items()}
     result = {**provenance("bench.launch_cost", argv, gpu=torch.cuda.get_device_name(),
                            torch=torch.__version__),
