@@ -41,8 +41,10 @@ def proactive_reclaim() -> bool:
     return False
 
 
-RECLAIM_SLACK = 0.002 if proactive_reclaim() else 0.0
-"""The share of a file's pages a whole-file check lets the machine have paged out."""
+RECLAIM_SLACK = 0.01 if proactive_reclaim() else 0.0
+"""The share of a file's pages a whole-file check lets the machine have paged out: 0.2%
+held until a forced warm-up of a 25 MiB file on CI found 53 of its 6,478 pages (0.8%) out
+right after it had read them all (its own report, printed at once: 99.2% resident)."""
 
 
 def assert_all_resident(residency: Residency) -> None:
