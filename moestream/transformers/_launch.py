@@ -107,10 +107,9 @@ def raw_stream(device: Any) -> tuple[int, int]:
     of each layer of each token. Builds without the accessor fall back to the object."""
     import torch  # type: ignore[import-not-found, unused-ignore]
 
-    index = device.index
-    if index is None:
-        index = torch.cuda.current_device()
     raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
     if raw is None:
-        return index, torch.cuda.current_stream(index).cuda_stream
+        stream = current_stream(device)
+        return stream.device_index, stream.cuda_stream
+    index = torch.cuda.current_device() if device.index is None else device.index
     return index, int(raw(index))
