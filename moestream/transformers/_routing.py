@@ -49,7 +49,7 @@ from moestream.transformers._dequant_cuda import kernels_serve
 from moestream.transformers._expert_compute import slotted_grouped
 from moestream.transformers._gguf_experts import GgufExperts
 from moestream.transformers._landing import Landing, Routing
-from moestream.transformers._launch import current_stream
+from moestream.transformers._launch import current_stream, raw_stream
 from moestream.transformers._layout import TORCH_DTYPES, batched_mm, first_projection
 from moestream.transformers._mtp import mtp_layers
 from moestream.transformers._quantized import LayerScales
@@ -133,6 +133,8 @@ class WholeLayers:
         self._pending: list[tuple[int, Any]] = []  # each call's layer and routing
         self._complete: Any = None
         self._landing = Landing(self.device)
+        # a decode step's two slot buffers, by stream, pairs, shapes and dtype (``_slots``)
+        self._kept: tuple[tuple[Any, ...], Any, Any] | None = None
 
     def forward(self, layer: int, module: Any, hidden: Any, top_k_index: Any,
                 top_k_weights: Any, *, batched: bool = False) -> Any | None:
@@ -320,6 +322,7 @@ class WholeLayers:
         self._landed.clear()
 
     def _drop_tables(self) -> None:
+        self._kept = None
         self._tables.clear()
         self._views.clear()
         self._budget = 0
@@ -370,18 +373,38 @@ class WholeLayers:
         pair's expert weights copied from the cache by the table in one launch, then
         transformers' own arithmetic; queued on torch's stream with no host read."""
         slots = top_k_index.reshape(-1).to(torch.int64)
-        n, dtype = slots.shape[0], table.dtype
-        first = torch.empty((n, *table.first_shape), dtype=dtype, device=self.device)
-        down = torch.empty((n, *table.down_shape), dtype=dtype, device=self.device)
-        self._gather(table, slots, first, down)
+        stream, first, down = self._slots(table, slots.shape[0])
+        self._gather(table, slots, first, down, stream)
         out = batched_mm(module, first, down, hidden, top_k_index, top_k_weights)
         self.remember(layer, top_k_index)
         return out
 
-    def _gather(self, table: LayerTable, slots: Any, first: Any, down: Any) -> None:
-        """One launch on torch's stream: each slot's weights copied from the cache (or the
-        mapping), or, quantized, dequantized from there."""
-        table.fill(self.device, slots, first, down)
+    def _slots(self, table: LayerTable, n: int) -> tuple[tuple[int, int] | None, Any, Any]:
+        """torch's stream (``raw_stream``; None on the host) and two slot buffers of ``n`` pairs in
+        ``table``'s shapes: those of the call before when it had the same stream, pairs,
+        shapes and dtype (every decode step of a ``generate``, every layer of a model of
+        one layer shape). Reusing them is safe: the next call's gather is queued on the
+        same stream, after this call's product has read them. Two ``torch.empty`` a layer
+        cost ~7 us of a held token's host time in a tight loop, more within a decode. Not
+        kept while autograd records (a backward pass would read them overwritten)."""
+        stream = raw_stream(self.device) if self.device.type == "cuda" else None
+        key = (stream, n, table.first_shape, table.down_shape, table.dtype)
+        keep = not torch.is_grad_enabled()
+        kept = self._kept
+        if keep and kept is not None and kept[0] == key:
+            return stream, kept[1], kept[2]
+        first = torch.empty((n, *table.first_shape), dtype=table.dtype, device=self.device)
+        down = torch.empty((n, *table.down_shape), dtype=table.dtype, device=self.device)
+        if keep:
+            self._kept = (key, first, down)
+        return stream, first, down
+
+    def _gather(self, table: LayerTable, slots: Any, first: Any, down: Any,
+                stream: tuple[int, int] | None = None) -> None:
+        """One launch on torch's stream (``stream``: as ``raw_stream`` gave it): each
+        slot's weights copied from the cache (or the mapping), or, quantized, dequantized
+        from there."""
+        table.fill(self.device, slots, first, down, stream)
 
     def _stream(self) -> Any:
         """torch's current stream on the device (None on the host, where the session's
