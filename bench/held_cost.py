@@ -149,6 +149,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="the held run again with a decode holding N tokens before it ends "
                    "them together (the model's held_tokens, 8 as shipped; 0: each at the "
                    "next one's end), an arm of each N (held_N) in every round")
+    p.add_argument("--eager-decode", action="store_true",
+                   help="the held run again with its decode steps' experts calls launched as "
+                   "they are, not replayed as CUDA graphs (held_eager), in every round")
     p.add_argument("--out", type=Path)
     return p
 
@@ -162,15 +165,16 @@ def _counts(text: str) -> list[int]:
 
 
 @contextmanager
-def _held_tokens(stream: Any, n: int | None) -> Iterator[None]:
+def _held_tokens(stream: Any, n: int | None, graphs: bool = True) -> Iterator[None]:
     """The model's decode holding ``n`` tokens before it ends them meanwhile (None: as
-    shipped)."""
-    shipped = stream.held_tokens
+    shipped), its decode steps replayed as CUDA graphs or not."""
+    shipped, shipped_graphs = stream.held_tokens, stream.graphs.on
     stream.held_tokens = shipped if n is None else n
+    stream.graphs.on = shipped_graphs and graphs
     try:
         yield
     finally:
-        stream.held_tokens = shipped
+        stream.held_tokens, stream.graphs.on = shipped, shipped_graphs
 
 
 def _ratios(runs: dict[str, list[dict[str, float]]]) -> dict[str, Any]:
@@ -210,6 +214,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         clock = Clock()
         arms: dict[str, int | None] = {"held": None} | {
             f"held_{n}": n for n in args.held_tokens}
+        if args.eager_decode:
+            arms["held_eager"] = None
         runs: dict[str, list[dict[str, float]]] = {a: [] for a in ("resident", *arms)}
         whole0, tokens0 = held.moestream.whole_tokens, held.moestream.tokens
         timed = _TIMED | (_CALL_PARTS if args.split_calls else {})
@@ -217,7 +223,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             for _ in range(args.rounds):
                 runs["resident"].append(_run(resident, prompt, args, device, clock, timed))
                 for arm, n in arms.items():
-                    with _held_tokens(held.moestream, n):
+                    with _held_tokens(held.moestream, n, graphs=arm != "held_eager"):
                         runs[arm].append(_run(held, prompt, args, device, clock, timed))
         result = _ratios(runs)
         result["x_resident"] = result["held"]["x_resident"]
@@ -226,6 +232,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         result["setup"] = {"model": str(model_dir), "device": str(device),
                            "tokens": args.tokens, "rounds": args.rounds,
                            "split_calls": args.split_calls, "held_tokens": args.held_tokens,
+                           "eager_decode": args.eager_decode,
+                           "graph_replays": held.moestream.graphs.replays,
                            "torch": torch.__version__, "transformers": transformers.__version__}
     finally:
         held.moestream.close()

@@ -56,6 +56,7 @@ from moestream.transformers._expert_compute import batched, eager, grouped
 from moestream.transformers._expert_weights import ExpertWeights
 from moestream.transformers._generate import GenerateStats
 from moestream.transformers._gguf_experts import GgufExperts
+from moestream.transformers._graphs import DecodeGraphs
 from moestream.transformers._host_grouped import HostWeights, host_grouped
 from moestream.transformers._landing import HELD_TOKENS, Routing
 from moestream.transformers._launch import current_stream
@@ -315,6 +316,13 @@ class ExpertStream:
             session.close()
         except UsageError:  # collected on the session's own loop thread: close from another
             threading.Thread(target=session.close, name="moestream-close", daemon=True).start()
+
+    @property
+    def graphs(self) -> DecodeGraphs:
+        """The CUDA graphs a held-whole decode step's experts calls replay (on on a GPU
+        until a capture fails; ``graphs.on = False``: each call's kernels launched as they
+        are; ``graphs.replays``: the calls replayed)."""
+        return self._whole.graphs
 
     # -- one experts call ------------------------------------------------------------------
 

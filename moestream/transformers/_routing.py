@@ -12,7 +12,9 @@ cache into the grouped product's stacked weights by the table, then transformers
 grouped product (``grouped_mm_experts_forward``'s arithmetic, the same groups of the same
 rows: the same bits). A decode step, which ``generate`` computes in ``batched_mm`` on a GPU,
 has each (token, slot) pair's weights copied by the same table, then transformers' own
-``batched_mm_experts_forward`` (:meth:`WholeLayers.batched`). A token's routing stays on
+``batched_mm_experts_forward`` (:meth:`WholeLayers.batched`), replayed as a CUDA graph
+once captured (``_graphs``: a decode step launches the same kernels on the same shapes each
+token). A token's routing stays on
 the device (:meth:`WholeLayers.take`) until it ends; it crosses to pinned host memory then,
 with the routing of the tokens that end with it, in one transfer (:meth:`WholeLayers.land`),
 to count its layers' hits in the session (:meth:`WholeLayers.account`). The per-token host
@@ -38,6 +40,7 @@ mapping is released (:meth:`WholeLayers.begin`).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from typing import Any
 
@@ -48,6 +51,7 @@ from moestream.transformers._dequant_cuda import available as cuda_kernel
 from moestream.transformers._dequant_cuda import kernels_serve
 from moestream.transformers._expert_compute import slotted_grouped
 from moestream.transformers._gguf_experts import GgufExperts
+from moestream.transformers._graphs import DecodeGraphs
 from moestream.transformers._landing import Landing, Routing
 from moestream.transformers._launch import current_stream, raw_stream
 from moestream.transformers._layout import TORCH_DTYPES, batched_mm, first_projection
@@ -133,8 +137,9 @@ class WholeLayers:
         self._pending: list[tuple[int, Any]] = []  # each call's layer and routing
         self._complete: Any = None
         self._landing = Landing(self.device)
-        # a decode step's two slot buffers, by stream, pairs, shapes and dtype (``_slots``)
-        self._kept: tuple[tuple[Any, ...], Any, Any] | None = None
+        self.graphs = DecodeGraphs(self.device)
+        """A held-whole decode step's experts call replayed as a CUDA graph (plain float
+        layers; ``graphs.on = False``: never)."""
 
     def forward(self, layer: int, module: Any, hidden: Any, top_k_index: Any,
                 top_k_weights: Any, *, batched: bool = False) -> Any | None:
@@ -322,7 +327,7 @@ class WholeLayers:
         self._landed.clear()
 
     def _drop_tables(self) -> None:
-        self._kept = None
+        self.graphs.clear()
         self._tables.clear()
         self._views.clear()
         self._budget = 0
@@ -371,40 +376,37 @@ class WholeLayers:
                 top_k_weights: Any) -> Any:
         """``batched_mm_experts_forward``'s output for a whole layer: each (token, slot)
         pair's expert weights copied from the cache by the table in one launch, then
-        transformers' own arithmetic; queued on torch's stream with no host read."""
-        slots = top_k_index.reshape(-1).to(torch.int64)
-        stream, first, down = self._slots(table, slots.shape[0])
-        self._gather(table, slots, first, down, stream)
-        out = batched_mm(module, first, down, hidden, top_k_index, top_k_weights)
+        transformers' own arithmetic; queued on torch's stream with no host read. A plain
+        float layer held whole replays it as a CUDA graph from its second call of a kind
+        (``graphs``: the same launches, the host's cost of one)."""
+        if self.graphs.on and table.scales is None and not self._budget and (
+                not torch.is_grad_enabled()):
+            raw = raw_stream(self.device)
+            key = (layer, raw, hidden.shape, top_k_index.shape, hidden.dtype,
+                   top_k_index.dtype, top_k_weights.dtype, table.dtype)
+            out = self.graphs.call(key, raw[1], functools.partial(self._step, table, module),
+                                   hidden, top_k_index, top_k_weights)
+        else:
+            out = self._step(table, module, hidden, top_k_index, top_k_weights)
         self.remember(layer, top_k_index)
         return out
 
-    def _slots(self, table: LayerTable, n: int) -> tuple[tuple[int, int] | None, Any, Any]:
-        """torch's stream (``raw_stream``; None on the host) and two slot buffers of ``n`` pairs in
-        ``table``'s shapes: those of the call before when it had the same stream, pairs,
-        shapes and dtype (every decode step of a ``generate``, every layer of a model of
-        one layer shape). Reusing them is safe: the next call's gather is queued on the
-        same stream, after this call's product has read them. Two ``torch.empty`` a layer
-        cost ~7 us of a held token's host time in a tight loop, more within a decode. Not
-        kept while autograd records (a backward pass would read them overwritten)."""
-        stream = raw_stream(self.device) if self.device.type == "cuda" else None
-        key = (stream, n, table.first_shape, table.down_shape, table.dtype)
-        keep = not torch.is_grad_enabled()
-        kept = self._kept
-        if keep and kept is not None and kept[0] == key:
-            return stream, kept[1], kept[2]
-        first = torch.empty((n, *table.first_shape), dtype=table.dtype, device=self.device)
-        down = torch.empty((n, *table.down_shape), dtype=table.dtype, device=self.device)
-        if keep:
-            self._kept = (key, first, down)
-        return stream, first, down
+    def _step(self, table: LayerTable, module: Any, hidden: Any, top_k_index: Any,
+              top_k_weights: Any) -> Any:
+        """A decode step's launches (as ``graphs`` captures them): the gather into slot
+        buffers of the step's own (a graph's pool holds them), transformers' product."""
+        slots = top_k_index.reshape(-1).to(torch.int64)
+        first = torch.empty((slots.shape[0], *table.first_shape), dtype=table.dtype,
+                            device=self.device)
+        down = torch.empty((slots.shape[0], *table.down_shape), dtype=table.dtype,
+                           device=self.device)
+        self._gather(table, slots, first, down)
+        return batched_mm(module, first, down, hidden, top_k_index, top_k_weights)
 
-    def _gather(self, table: LayerTable, slots: Any, first: Any, down: Any,
-                stream: tuple[int, int] | None = None) -> None:
-        """One launch on torch's stream (``stream``: as ``raw_stream`` gave it): each
-        slot's weights copied from the cache (or the mapping), or, quantized, dequantized
-        from there."""
-        table.fill(self.device, slots, first, down, stream)
+    def _gather(self, table: LayerTable, slots: Any, first: Any, down: Any) -> None:
+        """One launch on torch's stream: each slot's weights copied from the cache (or the
+        mapping), or, quantized, dequantized from there."""
+        table.fill(self.device, slots, first, down)
 
     def _stream(self) -> Any:
         """torch's current stream on the device (None on the host, where the session's

@@ -73,14 +73,12 @@ class LayerTable:
         self.first_shape, self.down_shape, self.dtype = first_shape, down_shape, dtype
         return True
 
-    def fill(self, device: Any, slots: Any, first: Any, down: Any,
-             raw: tuple[int, int] | None = None) -> None:
-        """One launch on torch's stream of ``device`` (``raw``: it as ``raw_stream`` gave
-        it, where the caller asked already): slot ``j`` of ``first`` and ``down`` gets
-        the weights of expert ``slots[j]`` (-1: left as it is), copied or dequantized."""
+    def fill(self, device: Any, slots: Any, first: Any, down: Any) -> None:
+        """One launch on torch's stream of ``device``: slot ``j`` of ``first`` and ``down``
+        gets the weights of expert ``slots[j]`` (-1: left as it is), copied or dequantized."""
         if self.scales is not None:
             layer_slots_cuda(self.scales, self.addresses.data_ptr(), slots, first, down)
             return
-        index, stream = raw or raw_stream(device)
+        index, stream = raw_stream(device)
         launch(index, (self.blocks, slots.shape[0]), stream, self.addresses.data_ptr(),
                slots.data_ptr(), first.data_ptr(), down.data_ptr(), self.sizes)

@@ -1,0 +1,126 @@
+"""A held-whole decode step's experts call as one CUDA graph replay.
+
+A model held whole computes a decode step's experts call with the gather launch and then
+transformers' own ``batched_mm_experts_forward``: a dozen launches a layer, each some
+microseconds of the host's time, and on the transformers path the host's time a token is
+what bounds the speed (the GPU's work is queued ahead and waits for it). The call launches
+the same kernels on the same shapes every decode step (one layer, the same pairs and dtypes;
+the table's addresses fixed while the model is held whole), so its second call of a kind is
+captured in a CUDA graph, and each call after copies its inputs into the graph's, replays
+it and copies its output out: four launches and a replay. The replay runs the captured
+kernels on the same shapes: the same bits as the calls it stands for.
+
+What stays outside the graph: the routing kept for the token's end (the caller's), and
+every call autograd records (a replay records nothing). A capture that fails turns the
+graphs off for the model (one warning event); its calls run as before.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable
+from typing import Any, NamedTuple
+
+import structlog
+import torch  # type: ignore[import-not-found, unused-ignore]
+
+from moestream.transformers._launch import current_stream
+
+__all__ = ["DecodeGraphs"]
+
+_log = structlog.get_logger("moestream.transformers")
+
+Step = Callable[[Any, Any, Any], Any]
+"""A call's launches from ``(hidden, top_k_index, top_k_weights)`` to its output: no host
+read, no synchronization, nothing kept past the call."""
+
+
+class _Captured(NamedTuple):
+    graph: Any
+    hidden: Any
+    index: Any
+    weights: Any
+    out: Any
+
+
+class DecodeGraphs:
+    """One CUDA graph per kind of call (the caller's key: its layer, shapes and dtypes, and
+    torch's stream), captured at the kind's second call (the first runs as it is: lazy
+    initializations, which a capture must not meet, happen then); one memory pool a stream.
+    A pool is shared: its graphs replay one at a time on their stream, and what lives
+    between two replays (each graph's inputs and output) is held by tensors, never reused.
+
+    Args:
+        device: the torch device (off on any but a CUDA device).
+    """
+
+    def __init__(self, device: Any) -> None:
+        self.device = torch.device(device)
+        self.on = self.device.type == "cuda"
+        """Whether calls are captured and replayed (off for good once a capture failed;
+        set False to launch each call as it is)."""
+        self.replays = 0
+        self._graphs: dict[Hashable, _Captured] = {}
+        self._seen: set[Hashable] = set()  # kinds called once, uncaptured
+        self._pools: dict[int, Any] = {}  # by stream
+        self._side: Any = None  # the stream captures run on
+
+    def call(self, key: Hashable, stream: int, step: Step, hidden: Any, top_k_index: Any,
+             top_k_weights: Any) -> Any:
+        """``step``'s output for these inputs: replayed where the graph of ``key`` (which
+        names ``stream``, torch's current one, raw) is captured (captured now at its second
+        call), run as it is otherwise."""
+        if not self.on:
+            return step(hidden, top_k_index, top_k_weights)
+        captured = self._graphs.get(key)
+        if captured is None:
+            if key not in self._seen:
+                self._seen.add(key)
+                return step(hidden, top_k_index, top_k_weights)
+            captured = self._capture(stream, step, hidden, top_k_index, top_k_weights)
+            if captured is None:
+                return step(hidden, top_k_index, top_k_weights)
+            self._graphs[key] = captured
+        captured.hidden.copy_(hidden)
+        captured.index.copy_(top_k_index)
+        captured.weights.copy_(top_k_weights)
+        captured.graph.replay()
+        self.replays += 1
+        return captured.out.clone()  # the caller's own: the next replay rewrites ``out``
+
+    def _capture(self, stream: int, step: Step, hidden: Any, top_k_index: Any,
+                 top_k_weights: Any) -> _Captured | None:
+        """``step`` captured on a side stream over inputs of these shapes (their values are
+        copied in before each replay); None, and the graphs off, where the capture fails.
+        Nothing runs on the device meanwhile: no synchronization."""
+        current = current_stream(self.device)
+        inputs = (torch.empty_like(hidden), torch.empty_like(top_k_index),
+                  torch.empty_like(top_k_weights))
+        if self._side is None:
+            self._side = torch.cuda.Stream(self.device)
+        self._side.wait_stream(current)  # the inputs' allocations, in stream order
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.stream(self._side):
+                # thread_local: the session's loop thread may query events meanwhile
+                graph.capture_begin(pool=self._pools.get(stream),
+                                    capture_error_mode="thread_local")
+                try:
+                    out = step(*inputs)
+                finally:
+                    graph.capture_end()
+        except RuntimeError as exc:
+            self.on = False
+            self.clear()
+            _log.warning("decode_graphs_off", reason=str(exc).splitlines()[0] if str(exc)
+                         else type(exc).__name__)
+            return None
+        current.wait_stream(self._side)
+        self._pools.setdefault(stream, graph.pool())
+        return _Captured(graph, *inputs, out)
+
+    def clear(self) -> None:
+        """Drop every graph (the tables they read by are dropped): the kinds are captured
+        again at their second call after."""
+        self._graphs.clear()
+        self._seen.clear()
+        self._pools.clear()

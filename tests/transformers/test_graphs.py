@@ -1,0 +1,132 @@
+"""``DecodeGraphs``' bookkeeping, on the host: a stand-in for CUDA's graphs that keeps a
+capture's work as replayable steps over the tensors it saw (what a real capture keeps: the
+kernels and their addresses), so that inputs copied in before a replay and the output
+copied out of it are checked, with the kind of call captured at its second call, the memory
+pool shared by a stream's graphs, and a failed capture turning the graphs off. The real
+graphs run in the GPU tests of the whole-layer path (``test_transformers_nosync.py``)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any, ClassVar
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from moestream.transformers import _graphs  # noqa: E402
+
+_capturing: list[FakeGraph] = []
+
+
+class FakeGraph:
+    """A graph whose capture keeps each step's work to run again at ``replay``."""
+
+    made: ClassVar[list[FakeGraph]] = []
+
+    def __init__(self) -> None:
+        self.work: list[Callable[[], None]] = []
+        self.pool_given: Any = "unset"
+        self.replays = 0
+        FakeGraph.made.append(self)
+
+    def capture_begin(self, pool: Any = None, capture_error_mode: str = "global") -> None:
+        assert capture_error_mode == "thread_local"
+        self.pool_given = pool
+        _capturing.append(self)
+
+    def capture_end(self) -> None:
+        _capturing.remove(self)
+
+    def pool(self) -> tuple[str, int]:
+        return ("pool", id(self))
+
+    def replay(self) -> None:
+        self.replays += 1
+        for work in self.work:
+            work()
+
+
+class FakeStream:
+    def wait_stream(self, other: Any) -> None:
+        pass
+
+
+def step(hidden: Any, index: Any, weights: Any) -> Any:
+    """A call's work: each token's row scaled by its weights over its chosen ids. Under a
+    capture, the work is kept to run again over the same tensors."""
+
+    def compute(out: Any) -> None:
+        out.copy_(hidden * (weights * index.to(weights.dtype)).sum(dim=1, keepdim=True))
+
+    out = torch.empty_like(hidden)
+    if _capturing:
+        _capturing[-1].work.append(lambda: compute(out))
+    else:
+        compute(out)
+    return out
+
+
+@pytest.fixture
+def graphs(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    FakeGraph.made.clear()
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", FakeGraph)
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device: FakeStream())
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(_graphs, "current_stream", lambda device: FakeStream())
+    made = _graphs.DecodeGraphs("cpu")
+    assert not made.on  # off on any but a CUDA device
+    made.on = True
+    yield made
+
+
+def _inputs(seed: int, tokens: int = 3) -> tuple[Any, Any, Any]:
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(tokens, 8, generator=g), torch.randint(0, 4, (tokens, 2), generator=g),
+            torch.rand(tokens, 2, generator=g))
+
+
+def test_captured_at_the_second_call_then_replayed(graphs: Any) -> None:
+    outs = []
+    for seed in range(4):
+        inputs = _inputs(seed)
+        out = graphs.call("layer 0", 7, step, *inputs)
+        assert torch.equal(out, step(*inputs))  # each call's own inputs, not the capture's
+        outs.append(out)
+    assert len(FakeGraph.made) == 1 and FakeGraph.made[0].replays == 3 == graphs.replays
+    assert outs[2] is not outs[3]  # the caller's own copy: the next replay rewrites it
+
+
+def test_a_streams_graphs_share_one_pool(graphs: Any) -> None:
+    for key, stream in (("layer 0", 7), ("layer 1", 7), ("layer 0 on 9", 9)):
+        for seed in range(2):
+            graphs.call(key, stream, step, *_inputs(seed))
+    first, second, other = FakeGraph.made
+    assert first.pool_given is None and second.pool_given == first.pool()
+    assert other.pool_given is None  # another stream: a pool of its own
+
+
+def test_a_failed_capture_turns_the_graphs_off(graphs: Any) -> None:
+    def failing(hidden: Any, index: Any, weights: Any) -> Any:
+        if _capturing:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        return step(hidden, index, weights)
+
+    inputs = _inputs(0)
+    graphs.call("layer 0", 7, failing, *inputs)
+    out = graphs.call("layer 0", 7, failing, *inputs)  # the capture fails: run as it is
+    assert torch.equal(out, step(*inputs)) and not graphs.on and not _capturing
+    graphs.call("layer 0", 7, failing, *inputs)
+    assert len(FakeGraph.made) == 1 and graphs.replays == 0
+
+
+def test_cleared_graphs_are_captured_again(graphs: Any) -> None:
+    for seed in range(2):
+        graphs.call("layer 0", 7, step, *_inputs(seed))
+    graphs.clear()
+    inputs = _inputs(5)
+    assert torch.equal(graphs.call("layer 0", 7, step, *inputs), step(*inputs))
+    assert len(FakeGraph.made) == 1  # uncaptured again: its first call after runs as it is
+    graphs.call("layer 0", 7, step, *inputs)
+    assert len(FakeGraph.made) == 2 and FakeGraph.made[1].pool_given is None
