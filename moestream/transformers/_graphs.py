@@ -44,8 +44,9 @@ class _Captured(NamedTuple):
 
 class DecodeGraphs:
     """One CUDA graph per kind of call (the caller's key: its layer, shapes and dtypes, and
-    torch's stream), captured at the kind's second call (the first runs as it is: lazy
-    initializations, which a capture must not meet, happen then); one memory pool a stream.
+    torch's stream), captured at the kind's second call (the first runs as it is, on the
+    stream captures use: lazy initializations, which a capture must not meet, happen then);
+    one memory pool a stream.
     A pool is shared: its graphs replay one at a time on their stream, and what lives
     between two replays (each graph's inputs and output) is held by tensors, never reused.
 
@@ -75,7 +76,7 @@ class DecodeGraphs:
         if captured is None:
             if key not in self._seen:
                 self._seen.add(key)
-                return step(hidden, top_k_index, top_k_weights)
+                return self._warm(step, hidden, top_k_index, top_k_weights)
             captured = self._capture(stream, step, hidden, top_k_index, top_k_weights)
             if captured is None:
                 return step(hidden, top_k_index, top_k_weights)
@@ -87,6 +88,26 @@ class DecodeGraphs:
         self.replays += 1
         return captured.out.clone()  # the caller's own: the next replay rewrites ``out``
 
+    def _warm(self, step: Step, hidden: Any, top_k_index: Any, top_k_weights: Any) -> Any:
+        """A kind's first call, run on the side stream the captures run on (torch's recipe
+        for graphs: lazy initializations for that stream, cuBLAS's workspace among them,
+        happen outside a capture), ordered with torch's stream both ways; each tensor kept
+        from reuse until the stream that did not allocate it is done with it."""
+        current, side = current_stream(self.device), self._side_stream()
+        side.wait_stream(current)
+        with torch.cuda.stream(side):
+            out = step(hidden, top_k_index, top_k_weights)
+        current.wait_stream(side)
+        for tensor in (hidden, top_k_index, top_k_weights):
+            tensor.record_stream(side)
+        out.record_stream(current)
+        return out
+
+    def _side_stream(self) -> Any:
+        if self._side is None:
+            self._side = torch.cuda.Stream(self.device)
+        return self._side
+
     def _capture(self, stream: int, step: Step, hidden: Any, top_k_index: Any,
                  top_k_weights: Any) -> _Captured | None:
         """``step`` captured on a side stream over inputs of these shapes (their values are
@@ -95,12 +116,11 @@ class DecodeGraphs:
         current = current_stream(self.device)
         inputs = (torch.empty_like(hidden), torch.empty_like(top_k_index),
                   torch.empty_like(top_k_weights))
-        if self._side is None:
-            self._side = torch.cuda.Stream(self.device)
-        self._side.wait_stream(current)  # the inputs' allocations, in stream order
+        side = self._side_stream()
+        side.wait_stream(current)  # the inputs' allocations, in stream order
         graph = torch.cuda.CUDAGraph()
         try:
-            with torch.cuda.stream(self._side):
+            with torch.cuda.stream(side):
                 # thread_local: the session's loop thread may query events meanwhile
                 graph.capture_begin(pool=self._pools.get(stream),
                                     capture_error_mode="thread_local")
@@ -114,7 +134,7 @@ class DecodeGraphs:
             _log.warning("decode_graphs_off", reason=str(exc).splitlines()[0] if str(exc)
                          else type(exc).__name__)
             return None
-        current.wait_stream(self._side)
+        current.wait_stream(side)
         self._pools.setdefault(stream, graph.pool())
         return _Captured(graph, *inputs, out)
 

@@ -75,6 +75,7 @@ def graphs(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
     monkeypatch.setattr(torch.cuda, "Stream", lambda device: FakeStream())
     monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
     monkeypatch.setattr(_graphs, "current_stream", lambda device: FakeStream())
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, stream: None)
     made = _graphs.DecodeGraphs("cpu")
     assert not made.on  # off on any but a CUDA device
     made.on = True
