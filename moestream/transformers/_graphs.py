@@ -29,6 +29,9 @@ __all__ = ["DecodeGraphs"]
 
 _log = structlog.get_logger("moestream.transformers")
 
+_MOST = 256
+"""Graphs kept at most; past them all are dropped and captured again as calls come."""
+
 Step = Callable[[Any, Any, Any], Any]
 """A call's launches from ``(hidden, top_k_index, top_k_weights)`` to its output: no host
 read, no synchronization, nothing kept past the call."""
@@ -74,9 +77,13 @@ class DecodeGraphs:
             return step(hidden, top_k_index, top_k_weights)
         captured = self._graphs.get(key)
         if captured is None:
+            if torch.cuda.is_current_stream_capturing():  # inside the caller's own graph
+                return step(hidden, top_k_index, top_k_weights)
             if key not in self._seen:
                 self._seen.add(key)
                 return self._warm(step, hidden, top_k_index, top_k_weights)
+            if len(self._graphs) >= _MOST:  # shapes without end (a server's batches)
+                self.clear()
             captured = self._capture(stream, step, hidden, top_k_index, top_k_weights)
             if captured is None:
                 return step(hidden, top_k_index, top_k_weights)

@@ -76,6 +76,7 @@ def graphs(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
     monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
     monkeypatch.setattr(_graphs, "current_stream", lambda device: FakeStream())
     monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, stream: None)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: bool(_capturing))
     made = _graphs.DecodeGraphs("cpu")
     assert not made.on  # off on any but a CUDA device
     made.on = True
@@ -131,3 +132,25 @@ def test_cleared_graphs_are_captured_again(graphs: Any) -> None:
     assert len(FakeGraph.made) == 1  # uncaptured again: its first call after runs as it is
     graphs.call("layer 0", 7, step, *inputs)
     assert len(FakeGraph.made) == 2 and FakeGraph.made[1].pool_given is None
+
+
+def test_within_the_callers_own_capture_nothing_is_captured(graphs: Any) -> None:
+    """A call inside a graph the caller captures runs as it is, into the caller's."""
+    outer = FakeGraph()
+    outer.capture_begin(capture_error_mode="thread_local")
+    try:
+        for seed in range(3):
+            graphs.call("layer 0", 7, step, *_inputs(seed))
+    finally:
+        outer.capture_end()
+    assert FakeGraph.made == [outer] and len(outer.work) == 3
+
+
+def test_past_the_most_graphs_all_are_dropped(graphs: Any,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_graphs, "_MOST", 2)
+    for tokens in (1, 2, 3):
+        for seed in range(2):
+            graphs.call(("layer 0", tokens), 7, step, *_inputs(seed, tokens))
+    assert len(FakeGraph.made) == 3 and len(graphs._graphs) == 1
+    assert FakeGraph.made[2].pool_given is None  # a pool of its own after the drop
