@@ -9,8 +9,8 @@
 #          time, unprofiled, beside the resident model's (5 rounds); the experts calls split
 #          into the whole-layer path and its gather launch (--split-calls); a third arm
 #          ends each held token at the next one's end, not several together (held_0); a
-#          fourth launches the decode steps' experts calls as they are, not as CUDA graph
-#          replays (held_eager)
+#          fourth replays the decode steps' experts calls as CUDA graphs, off as shipped
+#          (held_graphs_on)
 #   launch bench.launch_cost: the gather launch's host time and its parts beside torch's own
 #          index launch, in a tight loop
 #   dispatch  bench.dispatch on that model (auto, then direct mode): the resident model's
@@ -56,7 +56,7 @@ if [[ $steps == *cost* ]]; then
   made
   mkdir -p $R/cost
   tarred cost 150 python3 -m bench.held_cost -m $M --device cuda --tokens 32 --rounds 5 --split-calls \
-    --eager-decode --held-tokens 0 --out $R/cost/held_cost.json
+    --other-graphs --held-tokens 0 --out $R/cost/held_cost.json
 fi
 if [[ $steps == *launch* ]]; then
   mkdir -p $R/launch

@@ -149,9 +149,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="the held run again with a decode holding N tokens before it ends "
                    "them together (the model's held_tokens, 8 as shipped; 0: each at the "
                    "next one's end), an arm of each N (held_N) in every round")
-    p.add_argument("--eager-decode", action="store_true",
-                   help="the held run again with its decode steps' experts calls launched as "
-                   "they are, not replayed as CUDA graphs (held_eager), in every round")
+    p.add_argument("--other-graphs", action="store_true",
+                   help="the held run again with its decode steps' experts calls replayed as "
+                   "CUDA graphs where shipped without (held_graphs_on), or the reverse "
+                   "(held_graphs_off), in every round")
     p.add_argument("--out", type=Path)
     return p
 
@@ -165,12 +166,12 @@ def _counts(text: str) -> list[int]:
 
 
 @contextmanager
-def _held_tokens(stream: Any, n: int | None, graphs: bool = True) -> Iterator[None]:
-    """The model's decode holding ``n`` tokens before it ends them meanwhile (None: as
-    shipped), its decode steps replayed as CUDA graphs or not."""
+def _held_tokens(stream: Any, n: int | None, graphs: bool | None = None) -> Iterator[None]:
+    """The model's decode holding ``n`` tokens before it ends them meanwhile, its decode
+    steps replayed as CUDA graphs or not (None: as shipped)."""
     shipped, shipped_graphs = stream.held_tokens, stream.graphs.on
     stream.held_tokens = shipped if n is None else n
-    stream.graphs.on = shipped_graphs and graphs
+    stream.graphs.on = shipped_graphs if graphs is None else graphs
     try:
         yield
     finally:
@@ -212,18 +213,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         if _generate(held, prompt, args.tokens, device)[0] != reference:
             raise SystemExit("held model's tokens differ from the resident model's")
         clock = Clock()
-        arms: dict[str, int | None] = {"held": None} | {
-            f"held_{n}": n for n in args.held_tokens}
-        if args.eager_decode:
-            arms["held_eager"] = None
+        arms: dict[str, tuple[int | None, bool | None]] = {"held": (None, None)} | {
+            f"held_{n}": (n, None) for n in args.held_tokens}
+        if args.other_graphs:
+            other = not held.moestream.graphs.on
+            arms[f"held_graphs_{'on' if other else 'off'}"] = (None, other)
         runs: dict[str, list[dict[str, float]]] = {a: [] for a in ("resident", *arms)}
         whole0, tokens0 = held.moestream.whole_tokens, held.moestream.tokens
         timed = _TIMED | (_CALL_PARTS if args.split_calls else {})
         with _patched(clock, _experts_classes(held), timed):
             for _ in range(args.rounds):
                 runs["resident"].append(_run(resident, prompt, args, device, clock, timed))
-                for arm, n in arms.items():
-                    with _held_tokens(held.moestream, n, graphs=arm != "held_eager"):
+                for arm, (n, graphs) in arms.items():
+                    with _held_tokens(held.moestream, n, graphs):
                         runs[arm].append(_run(held, prompt, args, device, clock, timed))
         result = _ratios(runs)
         result["x_resident"] = result["held"]["x_resident"]
@@ -232,7 +234,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         result["setup"] = {"model": str(model_dir), "device": str(device),
                            "tokens": args.tokens, "rounds": args.rounds,
                            "split_calls": args.split_calls, "held_tokens": args.held_tokens,
-                           "eager_decode": args.eager_decode,
+                           "other_graphs": args.other_graphs,
                            "graph_replays": held.moestream.graphs.replays,
                            "torch": torch.__version__, "transformers": transformers.__version__}
     finally:

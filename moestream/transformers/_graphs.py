@@ -54,14 +54,14 @@ class DecodeGraphs:
     between two replays (each graph's inputs and output) is held by tensors, never reused.
 
     Args:
-        device: the torch device (off on any but a CUDA device).
+        device: the torch CUDA device.
     """
 
     def __init__(self, device: Any) -> None:
         self.device = torch.device(device)
-        self.on = self.device.type == "cuda"
-        """Whether calls are captured and replayed (off for good once a capture failed;
-        set False to launch each call as it is)."""
+        self.on = False
+        """Whether calls are captured and replayed (set False again, for good, by a capture
+        that failed). Off as shipped: not yet run on a GPU."""
         self.replays = 0
         self._graphs: dict[Hashable, _Captured] = {}
         self._seen: set[Hashable] = set()  # kinds called once, uncaptured

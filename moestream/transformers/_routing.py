@@ -12,9 +12,9 @@ cache into the grouped product's stacked weights by the table, then transformers
 grouped product (``grouped_mm_experts_forward``'s arithmetic, the same groups of the same
 rows: the same bits). A decode step, which ``generate`` computes in ``batched_mm`` on a GPU,
 has each (token, slot) pair's weights copied by the same table, then transformers' own
-``batched_mm_experts_forward`` (:meth:`WholeLayers.batched`), replayed as a CUDA graph
-once captured (``_graphs``: a decode step launches the same kernels on the same shapes each
-token). A token's routing stays on
+``batched_mm_experts_forward`` (:meth:`WholeLayers.batched`), or, with ``graphs.on``, the
+same launches replayed as a CUDA graph once captured (``_graphs``: a decode step launches the
+same kernels on the same shapes each token). A token's routing stays on
 the device (:meth:`WholeLayers.take`) until it ends; it crosses to pinned host memory then,
 with the routing of the tokens that end with it, in one transfer (:meth:`WholeLayers.land`),
 to count its layers' hits in the session (:meth:`WholeLayers.account`). The per-token host
@@ -139,7 +139,7 @@ class WholeLayers:
         self._landing = Landing(self.device)
         self.graphs = DecodeGraphs(self.device)
         """A held-whole decode step's experts call replayed as a CUDA graph (plain float
-        layers; ``graphs.on = False``: never)."""
+        layers on a GPU, ``graphs.on``: off as shipped)."""
 
     def forward(self, layer: int, module: Any, hidden: Any, top_k_index: Any,
                 top_k_weights: Any, *, batched: bool = False) -> Any | None:
@@ -378,9 +378,9 @@ class WholeLayers:
         pair's expert weights copied from the cache by the table in one launch, then
         transformers' own arithmetic; queued on torch's stream with no host read. A plain
         float layer held whole replays it as a CUDA graph from its second call of a kind
-        (``graphs``: the same launches, the host's cost of one)."""
-        if self.graphs.on and table.scales is None and not self._budget and (
-                not torch.is_grad_enabled()):
+        where ``graphs.on`` (the same launches, the host's cost of one)."""
+        if self.graphs.on and self.device.type == "cuda" and table.scales is None and (
+                not self._budget and not torch.is_grad_enabled()):
             raw = raw_stream(self.device)
             key = (layer, raw, hidden.shape, top_k_index.shape, hidden.dtype,
                    top_k_index.dtype, top_k_weights.dtype, table.dtype)

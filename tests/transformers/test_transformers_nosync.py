@@ -492,15 +492,18 @@ def _held_whole(path: Path, device: str = "cuda", **words: Any) -> Any:
 class TestGpuWholeLayers:
     """Every expert cached on the GPU: the whole-layer path, exact, with no host sync."""
 
+    @pytest.mark.parametrize("graphs", [False, True])
     @pytest.mark.parametrize("kind", list(ARCHS))
     def test_logits_tokens_and_hits(self, checkpoints: dict[str, Path], kind: str,
-                                    monkeypatch: pytest.MonkeyPatch) -> None:
+                                    graphs: bool, monkeypatch: pytest.MonkeyPatch) -> None:
         """The prompt in grouped_mm's arithmetic, the decode steps in batched_mm's (as
-        generate switches the resident model on a GPU): logits and tokens equal."""
+        generate switches the resident model on a GPU), launched as they are or replayed
+        as CUDA graphs: logits and tokens equal."""
         whole = transformers.AutoModelForCausalLM.from_pretrained(
             checkpoints[kind], experts_implementation="grouped_mm").to("cuda")
         served = _spied(monkeypatch)
         model = _held_whole(checkpoints[kind])
+        model.moestream.graphs.on = graphs
         try:
             ids = torch.tensor(PROMPT, device="cuda")
             before = model.moestream.session.counters()
@@ -516,7 +519,8 @@ class TestGpuWholeLayers:
             assert len(served["grouped"]) >= 2 * layers  # the forward and the prompt's
             assert len(served["batched"]) >= 7 * layers  # the decode steps
             # each layer's first decode step as it is, the next captured, all replayed
-            assert model.moestream.graphs.replays >= 6 * layers
+            assert model.moestream.graphs.replays >= graphs * 6 * layers
+            assert model.moestream.graphs.on == graphs  # no capture failed
             calls = len(served["grouped"]) + len(served["batched"])
             assert after.misses == before.misses and after.hits - before.hits >= calls
             stream = model.moestream  # no token leased
@@ -590,6 +594,7 @@ class TestGpuWholeLayers:
                                                monkeypatch: pytest.MonkeyPatch) -> None:
         served = _spied(monkeypatch)
         model = _held_whole(checkpoints["qwen3_moe"])
+        model.moestream.graphs.on = True
         try:
             experts = _experts(model)
             index, weights = _routing_of(4, experts[0].num_experts, 2, seed=1)
