@@ -9,9 +9,9 @@ layout (gpt-oss's transposed one included). What they compute is in ``_dequant_s
 FP8 by its arithmetic (an exact decode, one float32 product, the output type's rounding),
 the FP4 formats by a table of the torch path's own values for every code and scale byte.
 
-A batch's table of addresses, expert ids and kind parameters goes to the device from a
-ring of pinned slots (:class:`_TableRing`): no allocation, no wait, a copy queued on torch's
-stream. Launched on torch's current stream: ordered with the model's kernels.
+A batch's table of addresses, expert ids and kind parameters goes to the device through
+pinned memory (``_kernel_tables``: a ring, or a captured launch's kept slot), a copy queued
+on torch's stream. Launched on torch's current stream: ordered with the model's kernels.
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ from moestream.transformers._dequant_source import (
     gguf_source,
 )
 from moestream.transformers._gguf_experts import GgufExperts
+from moestream.transformers._kernel_tables import table_on_device
 from moestream.transformers._launch import current_stream, on_stream
 from moestream.transformers._quantized import LayerScales
 
@@ -71,12 +72,8 @@ _MAX_BLOCKS = 4096
 _FP4_BLOCKS = 1024
 """Blocks of an FP4 kernel a kind: each block first copies the 8-16 KB value table into
 its shared memory, so fewer blocks, each taking more chunks, copy it fewer times."""
-_SLOT = 4096
-"""int64 values a table slot holds: the kinds' parameters and 4 a matrix (a batch of up to
-~1000 experts; larger ones are launched in parts)."""
-_SLOTS = 64
 _PART = 1000
-"""Experts one launch takes (its table within a slot)."""
+"""Experts one launch takes (its table within a table slot, ``_kernel_tables.SLOT``)."""
 _NO_SLOTS = np.uint64(0)
 """The slots and layer table of a launch whose batch table names its experts."""
 
@@ -127,60 +124,13 @@ def _function(name: str, device: int) -> Any:
         return _module(device, name.startswith("gguf_")).get_function(name)
 
 
-class _TableRing:
-    """Pinned host slots and their device twins, used in turn for the batches' tables.
-
-    A table is written into the next host slot and copied to its device slot on torch's
-    stream, not waited for. Reuse is safe by two events a lap: entering one half of the
-    ring waits (on the host) for the event recorded when the other half was last entered,
-    after every copy and kernel that used this half was queued; a change of stream makes
-    the new stream wait for the old one first.
-    """
-
-    def __init__(self, device: Any) -> None:
-        self.host = torch.empty((_SLOTS, _SLOT), dtype=torch.int64, pin_memory=True)
-        self.values = self.host.numpy()
-        self.device = torch.empty((_SLOTS, _SLOT), dtype=torch.int64, device=device)
-        self.next = 0
-        self.marks: list[Any] = [None, None]
-        self.stream: Any = None
-
-    def put(self, values: Sequence[int], stream: Any) -> int:
-        """The device address of ``values`` (int64), queued on ``stream``."""
-        import cupy
-
-        if self.stream is not None and stream != self.stream:
-            stream.wait_stream(self.stream)
-        self.stream = stream
-        slot, half = self.next, _SLOTS // 2
-        self.next = (slot + 1) % _SLOTS
-        if slot % half == 0:
-            other = self.marks[1 - slot // half]
-            if other is not None:
-                other.synchronize()
-            mark = torch.cuda.Event()
-            mark.record(stream)
-            self.marks[slot // half] = mark
-        m = len(values)
-        self.values[slot, :m] = values
-        target = self.device[slot].data_ptr()
-        cupy.cuda.runtime.memcpyAsync(target, self.host[slot].data_ptr(), m * 8,
-                                      cupy.cuda.runtime.memcpyHostToDevice, stream.cuda_stream)
-        return int(target)
-
-
-@functools.cache
-def _ring(device: int) -> _TableRing:
-    return _TableRing(torch.device("cuda", device))
-
-
 def _launch(name: str, out: Any, table: Sequence[int], kinds: int, chunks: int,
             *tail: Any) -> None:
     """One kernel over ``kinds`` kinds of ``chunks`` chunks at most, its table ``table``."""
 
     stream = current_stream(out.device)
     device = stream.device_index
-    address = _ring(device).put(table, stream)
+    address = table_on_device(table, stream)
     most = _FP4_BLOCKS if name.startswith("fp4_") else _MAX_BLOCKS
     grid = (max(1, min(-(-chunks // _THREADS), most)), kinds)
     on_stream(_function(name, device), device, stream.cuda_stream, grid, (_THREADS,),

@@ -10,6 +10,11 @@ captured in a CUDA graph, and each call after copies its inputs into the graph's
 it and copies its output out: four launches and a replay. The replay runs the captured
 kernels on the same shapes: the same bits as the calls it stands for.
 
+A quantized layer's call dequantizes its slots by a kernel whose table of parameters is
+copied to the device before it: captured, that table is one of the graphs' own kept tables
+(``_kernel_tables.KeptTables``), which a replay copies again and nothing rewrites while the
+graph lives.
+
 What stays outside the graph: the routing kept for the token's end (the caller's), and
 every call autograd records (a replay records nothing). A capture that fails turns the
 graphs off for the model (one warning event); its calls run as before.
@@ -23,6 +28,7 @@ from typing import Any, NamedTuple
 import structlog
 import torch  # type: ignore[import-not-found, unused-ignore]
 
+from moestream.transformers._kernel_tables import KeptTables, keeping
 from moestream.transformers._launch import current_stream
 
 __all__ = ["DecodeGraphs"]
@@ -67,6 +73,7 @@ class DecodeGraphs:
         self._seen: set[Hashable] = set()  # kinds called once, uncaptured
         self._pools: dict[int, Any] = {}  # by stream
         self._side: Any = None  # the stream captures run on
+        self._tables = KeptTables(self.device)  # the captured kernels' tables
 
     def call(self, key: Hashable, stream: int, step: Step, hidden: Any, top_k_index: Any,
              top_k_weights: Any) -> Any:
@@ -127,7 +134,7 @@ class DecodeGraphs:
         side.wait_stream(current)  # the inputs' allocations, in stream order
         graph = torch.cuda.CUDAGraph()
         try:
-            with torch.cuda.stream(side):
+            with torch.cuda.stream(side), keeping(self._tables):
                 # thread_local: the session's loop thread may query events meanwhile
                 graph.capture_begin(pool=self._pools.get(stream),
                                     capture_error_mode="thread_local")
@@ -147,7 +154,8 @@ class DecodeGraphs:
 
     def clear(self) -> None:
         """Drop every graph (the tables they read by are dropped): the kinds are captured
-        again at their second call after."""
+        again at their second call after, their kept tables reused."""
         self._graphs.clear()
         self._seen.clear()
         self._pools.clear()
+        self._tables.reset()

@@ -138,8 +138,8 @@ class WholeLayers:
         self._complete: Any = None
         self._landing = Landing(self.device)
         self.graphs = DecodeGraphs(self.device)
-        """A held-whole decode step's experts call replayed as a CUDA graph (plain float
-        layers on a GPU, ``graphs.on``: off as shipped)."""
+        """A held-whole decode step's experts call replayed as a CUDA graph (on a GPU,
+        ``graphs.on``: off as shipped)."""
 
     def forward(self, layer: int, module: Any, hidden: Any, top_k_index: Any,
                 top_k_weights: Any, *, batched: bool = False) -> Any | None:
@@ -376,10 +376,10 @@ class WholeLayers:
                 top_k_weights: Any) -> Any:
         """``batched_mm_experts_forward``'s output for a whole layer: each (token, slot)
         pair's expert weights copied from the cache by the table in one launch, then
-        transformers' own arithmetic; queued on torch's stream with no host read. A plain
-        float layer held whole replays it as a CUDA graph from its second call of a kind
-        where ``graphs.on`` (the same launches, the host's cost of one)."""
-        if self.graphs.on and self.device.type == "cuda" and table.scales is None and (
+        transformers' own arithmetic; queued on torch's stream with no host read. A layer
+        held whole replays it as a CUDA graph from its second call of a kind where
+        ``graphs.on`` (the same launches, the host's cost of one)."""
+        if self.graphs.on and self.device.type == "cuda" and (
                 not self._budget and not torch.is_grad_enabled()):
             raw = raw_stream(self.device)
             key = (layer, raw, hidden.shape, top_k_index.shape, hidden.dtype,

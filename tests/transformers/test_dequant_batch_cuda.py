@@ -2,7 +2,7 @@
 ``torch.equal`` to torch's path for every E2M1 code under every E8M0 scale byte, gpt-oss's
 transposed layout, strided scales and targets, unaligned bytes; the three matrix kinds of
 a batch in one launch (FP8 and FP4); the pinned table ring reused past a lap and across
-streams."""
+streams; a slot launch captured in a CUDA graph keeping its table past the ring's laps."""
 
 from __future__ import annotations
 
@@ -25,7 +25,9 @@ from moestream.transformers._dequant_cuda import (  # noqa: E402
     fp4_experts_cuda,
     fp8_kinds_cuda,
     layer_experts_cuda,
+    layer_slots_cuda,
 )
+from moestream.transformers._kernel_tables import KEPT_SLOT, KeptTables, keeping  # noqa: E402
 from moestream.transformers._quantized import LayerScales  # noqa: E402
 
 pytestmark = [pytest.mark.gpu,
@@ -157,3 +159,48 @@ def test_the_table_ring_wraps_and_follows_streams() -> None:
     torch.cuda.synchronize()
     for out, order in zip(outs, orders, strict=True):
         assert _same(out, _torch_path("fp4", raw[order], scales[order], torch.bfloat16))
+
+
+def test_a_captured_slot_launch_keeps_its_table() -> None:
+    """A layer's slot launch captured in a CUDA graph takes its table from a kept slot, not
+    the ring: replayed after laps of the ring (whose slots the eager launches rewrite), with
+    other experts' ids copied into its slots, each replay gives the torch path's experts."""
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    experts, hidden, ffn = 4, 64, 64
+    shapes = [(ffn, hidden // 2), (ffn, hidden // 2), (hidden, ffn // 2)]
+    raws = [[torch.randint(0, 256, s, dtype=torch.uint8, device="cuda", generator=gen)
+             for s in shapes] for _ in range(experts)]
+    stacks = [torch.randint(110, 140, (experts, r, 2 * c // 32), dtype=torch.uint8,
+                            device="cuda", generator=gen) for r, c in shapes]
+    scales = LayerScales("fp4", (1, 32), *stacks, pairs=e2m1_pairs("cuda"))
+    table = torch.tensor([[m.data_ptr() for m in row] for row in raws], dtype=torch.int64,
+                         device="cuda")
+    slots = torch.tensor([0, 1], dtype=torch.int64, device="cuda")
+    gate_up = torch.empty((2, 2 * ffn, hidden), dtype=torch.bfloat16, device="cuda")
+    down = torch.empty((2, hidden, ffn), dtype=torch.bfloat16, device="cuda")
+    side, tables, graph = torch.cuda.Stream(), KeptTables("cuda"), torch.cuda.CUDAGraph()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # compiled and its lookup table made outside the capture
+        layer_slots_cuda(scales, table.data_ptr(), slots, gate_up, down)
+    with torch.cuda.stream(side), keeping(tables):
+        graph.capture_begin(capture_error_mode="thread_local")
+        layer_slots_cuda(scales, table.data_ptr(), slots, gate_up, down)
+        graph.capture_end()
+    torch.cuda.current_stream().wait_stream(side)
+    assert tables.used == 1
+    scratch = torch.empty((2, ffn, hidden), dtype=torch.bfloat16, device="cuda")
+    for lap in range(3):
+        for call in range(70):  # more than the ring's 64 slots
+            order = [call % experts, (call + lap) % experts]
+            fp4_experts_cuda([Kind([raws[e][0].data_ptr() for e in order], stacks[0], scratch)],
+                             order, "fp4", False)
+        picked = [lap % experts, (lap + 2) % experts]
+        slots.copy_(torch.tensor(picked))
+        graph.replay()
+        for j, expert in enumerate(picked):
+            gate, up, want_down = scales.expert(expert, tuple(raws[expert]), torch.bfloat16)
+            assert _same(gate_up[j], torch.cat((gate, up))) and _same(down[j], want_down)
+    with pytest.raises(RuntimeError, match="no kept table slot"):
+        tables.put(list(range(KEPT_SLOT + 1)), torch.cuda.current_stream())
+    tables.reset()
+    assert tables.used == 0

@@ -179,22 +179,26 @@ class TestOnTheHost:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _CUDA, reason="torch sees no CUDA device")
-@pytest.mark.parametrize("in_place", [False, True])
+@pytest.mark.parametrize("in_place, graphs", [(False, False), (False, True), (True, False)])
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_gpu_generate_gives_the_dequantized_tokens(checkpoints: dict[str, Path], kind: str,
-                                                   in_place: bool) -> None:
-    """Decode steps served by the slot kernels, held whole or in place: transformers'
+                                                   in_place: bool, graphs: bool) -> None:
+    """Decode steps served by the slot kernels, held whole (launched as they are or
+    replayed as CUDA graphs, their kernels' tables kept) or in place: transformers'
     dequantized model's greedy tokens."""
     theirs = _reference(checkpoints[kind], kind, "cuda")
     prompt = torch.tensor([[3, 17, 42, 5, 9, 11]], device="cuda")
     expected = theirs.generate(prompt, max_new_tokens=12, do_sample=False)
     model = _loaded(checkpoints[kind], KINDS[kind] if in_place else None, "cuda",
                     in_place=in_place)
+    model.moestream.graphs.on = graphs
     try:
         torch.cuda.synchronize()  # every upload done: the next token finds the cache full
         with batched_calls() as served:
             got = model.generate(prompt, max_new_tokens=12, do_sample=False)
         assert torch.equal(got, expected)
         assert served  # the decode steps took the slot kernels
+        assert model.moestream.graphs.on == graphs  # no capture failed
+        assert bool(model.moestream.graphs.replays) == graphs
     finally:
         model.moestream.close()
