@@ -3,7 +3,8 @@
 # priority order (STEPS picks which), each step's files tarred into $OUT as it ends (a cut
 # call keeps them):
 #   tests  the GPU tests (-m gpu) of the streaming session, the kernels, the stages, the API
-#          on CuPy (wait_uploads, DLPack) and the transformers path without a sync
+#          on CuPy (wait_uploads, DLPack), the transformers path without a sync, quantized
+#          layers held whole and the dequantization kernels' batches (the graphs' tests)
 #   cost   bench.held_cost on a --spread BF16 model of Qwen3-30B-A3B's layer shape, 8 layers,
 #          3 GiB: a held token's experts calls, its start and end and the rest of its wall
 #          time, unprofiled, beside the resident model's (5 rounds); the experts calls split
@@ -24,8 +25,8 @@
 #          prefetch, and with the misses read in place
 #   forwards  bench.forwards on that model at 3 GiB: a 2048-token prefill, a 4-token
 #          verification forward against a 1-token one, prompt lookup and a 1-layer draft
-#   tf     the other transformers GPU tests (dequantizers, every model kind on CUDA): 130 of
-#          the 248 GPU tests (tests has 115), more than one step can hold
+#   tf     the other transformers GPU tests (dequantizers, every model kind on CUDA), more
+#          than one step can hold
 #   profile  bench.experts_profile on that model held whole, the resident model first in the
 #          same process, other threads sampled, one generate on the torch profiler's timeline:
 #          where a held token's host time goes beside the resident model's
@@ -48,8 +49,9 @@ made() {  # the model every step after tests shares, made once a lease
 }
 steps=${STEPS:-tests,held}
 if [[ $steps == *tests* ]]; then
-  tarred tests 240 python3 -m pytest -m gpu -q -rs -p no:cacheprovider tests/streaming tests/gpu \
-    tests/stages tests/api tests/transformers/test_transformers_nosync.py
+  tarred tests 300 python3 -m pytest -m gpu -q -rs -p no:cacheprovider tests/streaming tests/gpu \
+    tests/stages tests/api tests/transformers/test_transformers_nosync.py \
+    tests/transformers/test_whole_quantized.py tests/transformers/test_dequant_batch_cuda.py
   tail -3 $R/tests.log
 fi
 if [[ $steps == *cost* ]]; then
@@ -102,7 +104,9 @@ if [[ $steps == *forwards* ]]; then
 fi
 if [[ $steps == *tf* ]]; then
   tarred tf 300 python3 -m pytest -m gpu -q -rs -p no:cacheprovider tests/transformers \
-    --ignore=tests/transformers/test_transformers_nosync.py
+    --ignore=tests/transformers/test_transformers_nosync.py \
+    --ignore=tests/transformers/test_whole_quantized.py \
+    --ignore=tests/transformers/test_dequant_batch_cuda.py
   tail -3 $R/tf.log
 fi
 if [[ $steps == *profile* ]]; then
