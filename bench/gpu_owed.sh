@@ -33,6 +33,8 @@
 #   newer  with transformers as on this dev machine (its wheels carried in .whl/newer by
 #          bench/gpu_newer_wheels.sh, installed apart in /tmp/site-newer), bench.archs
 #          --device cuda on the model types the GPU machine's transformers lacks (NEWER_KINDS)
+# GRAPHS=on or off sets the held and warm runs' CUDA graphs (bench.transformers --graphs;
+# default: as shipped).
 # Usage (GPU machine, repo root, .whl carried): STEPS=tests,held bash bench/gpu_owed.sh
 set -u
 DEADLINE=${DEADLINE:-560} R=/tmp/r-owed
@@ -48,6 +50,7 @@ made() {  # the model every step after tests shares, made once a lease
     --shape qwen3-30b-a3b --layers 8 --spread --total 3GiB --tokens 8 --repeat 1 --runs resident
 }
 steps=${STEPS:-tests,held}
+graphs=${GRAPHS:+--graphs $GRAPHS}  # GRAPHS=on|off: the held and warm runs' decode graphs
 if [[ $steps == *tests* ]]; then
   tarred tests 300 python3 -m pytest -m gpu -q -rs -p no:cacheprovider tests/streaming tests/gpu \
     tests/stages tests/api tests/transformers/test_transformers_nosync.py \
@@ -77,14 +80,15 @@ if [[ $steps == *held* ]]; then
   for i in $(seq ${HELD:-3}); do
     tarred held 200 python3 -m bench.transformers --make $M \
       --shape qwen3-30b-a3b --layers 8 --spread --total 3GiB --tokens 32 --repeat 1 \
-      --rounds ${HELD_ROUNDS:-5} --runs resident,held --out $R/held/process$i.json
+      --rounds ${HELD_ROUNDS:-5} --runs resident,held $graphs --out $R/held/process$i.json
     python3 - $R/held/process$i.json <<'PY' | tee -a $R/steps.txt
 import json, sys
 d = json.load(open(sys.argv[1]))
 for name, run in d.get("runs", {}).items():
     each = run.get("rounds", [run])
     print(" ", sys.argv[1].rsplit("/", 1)[-1], name, run.get("x_resident"),
-          [(r.get("tokens_per_s"), r.get("x_resident"), r.get("whole_share")) for r in each],
+          [(r.get("tokens_per_s"), r.get("x_resident"), r.get("whole_share"),
+            r.get("graph_replays")) for r in each],
           "same_tokens", run.get("same_tokens"))
 PY
   done
@@ -94,7 +98,7 @@ if [[ $steps == *warm* ]]; then
   made
   mkdir -p $R/warm
   tarred warm 300 python3 -m bench.transformers -m $M --total 3GiB --tokens 32 --repeat 1 \
-    --rounds 3 --runs resident,warm,predict,in_place,cold --out $R/warm/warm.json
+    --rounds 3 --runs resident,warm,predict,in_place,cold $graphs --out $R/warm/warm.json
 fi
 if [[ $steps == *forwards* ]]; then
   made

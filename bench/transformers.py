@@ -268,8 +268,9 @@ def run_moestream(args: argparse.Namespace, prompt: Any, device: Any, reference:
     loads, per_load = (1, args.repeat) if budget is None else (args.repeat, 1)
     timings: list[tuple[list[int], float]] = []
     parts: dict[str, float] = {}
-    hits = misses = file_bytes = storage_bytes = prefetched = tokens = whole = 0
+    hits = misses = file_bytes = storage_bytes = prefetched = tokens = whole = replays = 0
     last: Any = None
+    graphs = False
     for _ in range(loads):
         done, last = _moestream_load(args, prompt, device, budget=budget, cold=cold,
                                      repeat=per_load, parts=parts, log=log, prefetch=prefetch,
@@ -280,6 +281,7 @@ def run_moestream(args: argparse.Namespace, prompt: Any, device: Any, reference:
         storage_bytes += done["storage_bytes"]
         prefetched += done["prefetched"]
         tokens, whole = tokens + done["tokens"], whole + done["whole_tokens"]
+        replays, graphs = replays + done["graph_replays"], done["graphs"]
     result = summary(timings, reference)
     result.update({
         "budget_bytes": last.budget_bytes,
@@ -294,6 +296,8 @@ def run_moestream(args: argparse.Namespace, prompt: Any, device: Any, reference:
         # the timed tokens the GPU's whole-layer path served alone (no lease): a held
         # model's run slower than its kind says whether it left that path
         "whole_share": round(whole / tokens, 3) if tokens else None,
+        "graphs": graphs,
+        "graph_replays": replays,
         "mode": last.mode,
         "time_ms": {k: round(v, 3) for k, v in parts.items()},
         "bound": max(parts, key=parts.__getitem__) if parts else None,
@@ -314,6 +318,7 @@ def run_alternate(args: argparse.Namespace, prompt: Any, device: Any, reference:
         args.model, experts_implementation="grouped_mm").to(device)
     with from_pretrained(args.model, device=device, mode=args.mode,
                          tuning=tuning_of(args)) as model:
+        _graphs_as_asked(model.moestream, args)
         _fill_cache(model.moestream)
         for warm in (resident, model):
             _generate(warm, prompt, max(args.warmup, 1), device, args.sample)
@@ -330,6 +335,12 @@ def run_alternate(args: argparse.Namespace, prompt: Any, device: Any, reference:
                    "x_resident": round(statistics.median(ratios), 3)})
     result["same_tokens"] = bool(result.get("same_tokens") and theirs.get("same_tokens"))
     return result
+
+
+def _graphs_as_asked(stream: Any, args: argparse.Namespace) -> None:
+    """``--graphs``: the session's decode steps replayed as CUDA graphs, or not."""
+    if getattr(args, "graphs", None) is not None:
+        stream.graphs.on = args.graphs == "on"
 
 
 def _moestream_load(args: argparse.Namespace, prompt: Any, device: Any, *,
@@ -352,6 +363,7 @@ def _moestream_load(args: argparse.Namespace, prompt: Any, device: Any, *,
     model = from_pretrained(args.model, budget=budget, device=device, mode=args.mode, log=log,
                             prefetch=prefetch, in_place=in_place, tuning=tuning_of(args))
     stream = model.moestream
+    _graphs_as_asked(stream, args)
     try:
         if budget is None and prefill:  # every expert on the device before timing
             _fill_cache(stream)
@@ -376,7 +388,8 @@ def _moestream_load(args: argparse.Namespace, prompt: Any, device: Any, *,
             "misses": after.misses - before.misses,
             "file_bytes": after.file_bytes - before.file_bytes,
             "storage_bytes": after.storage_bytes - before.storage_bytes,
-            "prefetched": after.prefetched - before.prefetched}, after
+            "prefetched": after.prefetched - before.prefetched,
+            "graphs": stream.graphs.on, "graph_replays": stream.graphs.replays}, after
 
 
 def _fill_cache(stream: Any) -> None:
@@ -476,6 +489,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rounds", type=int, default=1, help="the runs measured in turns this "
                    "many times, each x_resident taken within a round, their median reported "
                    "(a machine whose speed drifts over a process drifts under every run alike)")
+    p.add_argument("--graphs", choices=["on", "off"], help="moestream's held-whole decode "
+                   "steps replayed as CUDA graphs or not (default: as shipped)")
     add_run_arguments(p)
     return p
 
