@@ -10,8 +10,8 @@
 #          time, unprofiled, beside the resident model's (5 rounds); the experts calls split
 #          into the whole-layer path and its gather launch (--split-calls); a third arm
 #          ends each held token at the next one's end, not several together (held_0); a
-#          fourth replays the decode steps' experts calls as CUDA graphs, off as shipped
-#          (held_graphs_on)
+#          fourth launches the decode steps' experts calls as they are, not replayed as
+#          CUDA graphs as shipped (held_graphs_off)
 #   launch bench.launch_cost: the gather launch's host time and its parts beside torch's own
 #          index launch, in a tight loop
 #   dispatch  bench.dispatch on that model (auto, then direct mode): the resident model's

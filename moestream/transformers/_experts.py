@@ -320,9 +320,8 @@ class ExpertStream:
     @property
     def graphs(self) -> DecodeGraphs:
         """The CUDA graphs a held-whole decode step's experts calls replay on a GPU where
-        ``graphs.on`` (off as shipped: not yet run on a GPU; a capture that fails turns it
-        off), each call's kernels launched as they are otherwise; ``graphs.replays``: the
-        calls replayed."""
+        ``graphs.on`` (on by default; a capture that fails turns it off), each call's
+        kernels launched as they are otherwise; ``graphs.replays``: the calls replayed."""
         return self._whole.graphs
 
     # -- one experts call ------------------------------------------------------------------

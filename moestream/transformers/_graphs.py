@@ -65,9 +65,9 @@ class DecodeGraphs:
 
     def __init__(self, device: Any) -> None:
         self.device = torch.device(device)
-        self.on = False
-        """Whether calls are captured and replayed (set False again, for good, by a capture
-        that failed). Off as shipped: not yet run on a GPU."""
+        self.on = self.device.type == "cuda"
+        """Whether calls are captured and replayed: on a CUDA device unless set False (and
+        set False, for good, by a capture that failed)."""
         self.replays = 0
         self._graphs: dict[Hashable, _Captured] = {}
         self._seen: set[Hashable] = set()  # kinds called once, uncaptured

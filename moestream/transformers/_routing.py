@@ -139,7 +139,7 @@ class WholeLayers:
         self._landing = Landing(self.device)
         self.graphs = DecodeGraphs(self.device)
         """A held-whole decode step's experts call replayed as a CUDA graph (on a GPU,
-        ``graphs.on``: off as shipped)."""
+        ``graphs.on``)."""
 
     def forward(self, layer: int, module: Any, hidden: Any, top_k_index: Any,
                 top_k_weights: Any, *, batched: bool = False) -> Any | None:

@@ -78,7 +78,7 @@ def graphs(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
     monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, stream: None)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: bool(_capturing))
     made = _graphs.DecodeGraphs("cpu")
-    assert not made.on  # off as shipped
+    assert not made.on  # on a CUDA device only
     made.on = True
     yield made
 
