@@ -58,6 +58,7 @@ from bench.transformers import (
     SHAPES,
     _timed,
     _versions,
+    add_graphs_argument,
     add_run_arguments,
     add_sample_argument,
     add_spread_argument,
@@ -255,6 +256,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "a round and the median reported: a machine whose speed drifts over a "
                    "process (a third within a minute, seen on an H100) drifts under every "
                    "run alike")
+    add_graphs_argument(p)
     add_run_arguments(p)
     return p
 

@@ -339,7 +339,7 @@ def run_alternate(args: argparse.Namespace, prompt: Any, device: Any, reference:
 
 def _graphs_as_asked(stream: Any, args: argparse.Namespace) -> None:
     """``--graphs``: the session's decode steps replayed as CUDA graphs, or not."""
-    if getattr(args, "graphs", None) is not None:
+    if args.graphs is not None:
         stream.graphs.on = args.graphs == "on"
 
 
@@ -431,6 +431,11 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", type=Path, help="also write the JSON here")
 
 
+def add_graphs_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--graphs", choices=["on", "off"], help="moestream's held-whole decode "
+                   "steps replayed as CUDA graphs or not (default: as shipped, on a GPU)")
+
+
 def add_warmup_argument(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=int, help="tokens of the untimed generate before a run's "
                    "timed ones (default: as many as --tokens; a shorter one left the first "
@@ -489,8 +494,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rounds", type=int, default=1, help="the runs measured in turns this "
                    "many times, each x_resident taken within a round, their median reported "
                    "(a machine whose speed drifts over a process drifts under every run alike)")
-    p.add_argument("--graphs", choices=["on", "off"], help="moestream's held-whole decode "
-                   "steps replayed as CUDA graphs or not (default: as shipped)")
+    add_graphs_argument(p)
     add_run_arguments(p)
     return p
 
