@@ -27,6 +27,9 @@
 #          verification forward against a 1-token one, prompt lookup and a 1-layer draft
 #   tf     the other transformers GPU tests (dequantizers, every model kind on CUDA), more
 #          than one step can hold
+#   qgraphs  bench.quantized on the --spread FP8 model of that shape held whole against
+#          transformers' dequantized resident one, three rounds, graphs off then on
+#          (two processes)
 #   profile  bench.experts_profile on that model held whole, the resident model first in the
 #          same process, other threads sampled, one generate on the torch profiler's timeline:
 #          where a held token's host time goes beside the resident model's
@@ -112,6 +115,14 @@ if [[ $steps == *tf* ]]; then
     --ignore=tests/transformers/test_whole_quantized.py \
     --ignore=tests/transformers/test_dequant_batch_cuda.py
   tail -3 $R/tf.log
+fi
+if [[ $steps == *qgraphs* ]]; then
+  mkdir -p $R/qgraphs
+  for g in off on; do
+    tarred qgraphs 240 python3 -m bench.quantized --make /tmp/q/quantized --format fp8 \
+      --shape qwen3-30b-a3b --layers 8 --spread --tokens 32 --repeat 1 --rounds 3 \
+      --runs reference,fp8_all --graphs $g --out $R/qgraphs/graphs-$g.json
+  done
 fi
 if [[ $steps == *profile* ]]; then
   made
