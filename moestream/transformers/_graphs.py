@@ -35,8 +35,11 @@ __all__ = ["DecodeGraphs"]
 
 _log = structlog.get_logger("moestream.transformers")
 
-_MOST = 256
-"""Graphs kept at most; past them all are dropped and captured again as calls come."""
+_MOST = 1024
+"""Graphs kept at most; past them a new kind of call runs as it is. Assisted generation's
+verification forwards are decode steps of as many lengths as its drafts have (up to ~20),
+each a kind in every layer; dropping every graph at the limit instead would capture the
+same kinds again and again, each capture costing more than the launches it saves."""
 
 Step = Callable[[Any, Any, Any], Any]
 """A call's launches from ``(hidden, top_k_index, top_k_weights)`` to its output: no host
@@ -84,13 +87,14 @@ class DecodeGraphs:
             return step(hidden, top_k_index, top_k_weights)
         captured = self._graphs.get(key)
         if captured is None:
-            if torch.cuda.is_current_stream_capturing():  # inside the caller's own graph
+            # inside the caller's own graph, or past the most graphs kept: as it is
+            if torch.cuda.is_current_stream_capturing() or len(self._graphs) >= _MOST:
                 return step(hidden, top_k_index, top_k_weights)
             if key not in self._seen:
+                if len(self._seen) >= 4 * _MOST:  # kinds never called twice
+                    self._seen.clear()
                 self._seen.add(key)
                 return self._warm(step, hidden, top_k_index, top_k_weights)
-            if len(self._graphs) >= _MOST:  # shapes without end (a server's batches)
-                self.clear()
             captured = self._capture(stream, step, hidden, top_k_index, top_k_weights)
             if captured is None:
                 return step(hidden, top_k_index, top_k_weights)

@@ -25,8 +25,9 @@ SLOT = 4096
 SLOTS = 64
 KEPT_SLOT = 64
 """int64 values a kept table holds: a slot launch's kind parameters (no addresses)."""
-KEPT_SLOTS = 1024
-"""Kept tables at most: two launches (a GGUF layer of two types) of each graph kept."""
+KEPT_SLOTS = 2048
+"""Kept tables at most: two launches (a GGUF layer of two types) of each graph kept
+(``_graphs._MOST``)."""
 
 
 class _Ring:

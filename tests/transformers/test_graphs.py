@@ -146,11 +146,15 @@ def test_within_the_callers_own_capture_nothing_is_captured(graphs: Any) -> None
     assert FakeGraph.made == [outer] and len(outer.work) == 3
 
 
-def test_past_the_most_graphs_all_are_dropped(graphs: Any,
-                                              monkeypatch: pytest.MonkeyPatch) -> None:
+def test_past_the_most_graphs_new_kinds_run_as_they_are(graphs: Any,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Kinds past the limit (draft lengths without end) run as they are, three rounds of
+    them never captured again, while the graphs kept replay."""
     monkeypatch.setattr(_graphs, "_MOST", 2)
-    for tokens in (1, 2, 3):
-        for seed in range(2):
-            graphs.call(("layer 0", tokens), 7, step, *_inputs(seed, tokens))
-    assert len(FakeGraph.made) == 3 and len(graphs._graphs) == 1
-    assert FakeGraph.made[2].pool_given is None  # a pool of its own after the drop
+    for _ in range(3):
+        for tokens in (1, 2, 3, 4):
+            inputs = _inputs(tokens, tokens)
+            assert torch.equal(graphs.call(("layer 0", tokens), 7, step, *inputs),
+                               step(*inputs))
+    assert len(FakeGraph.made) == 2 and len(graphs._graphs) == 2
+    assert graphs.replays == 2 * 2  # the kept kinds' calls after their first
