@@ -132,8 +132,9 @@ class DecodeGraphs:
         copied in before each replay); None, and the graphs off, where the capture fails.
         Nothing runs on the device meanwhile: no synchronization."""
         current = current_stream(self.device)
-        inputs = (torch.empty_like(hidden), torch.empty_like(top_k_index),
-                  torch.empty_like(top_k_weights))
+        with torch.inference_mode(False):  # written by later calls, in inference mode or not
+            inputs = (torch.empty_like(hidden), torch.empty_like(top_k_index),
+                      torch.empty_like(top_k_weights))
         side = self._side_stream()
         side.wait_stream(current)  # the inputs' allocations, in stream order
         graph = torch.cuda.CUDAGraph()

@@ -44,8 +44,9 @@ class FakeGraph:
 
     def replay(self) -> None:
         self.replays += 1
-        for work in self.work:
-            work()
+        with torch.inference_mode():  # a replay writes memory, past autograd's checks
+            for work in self.work:
+                work()
 
 
 class FakeStream:
@@ -158,3 +159,16 @@ def test_past_the_most_graphs_new_kinds_run_as_they_are(graphs: Any,
                                step(*inputs))
     assert len(FakeGraph.made) == 2 and len(graphs._graphs) == 2
     assert graphs.replays == 2 * 2  # the kept kinds' calls after their first
+
+
+def test_captured_in_inference_mode_replayed_outside_it(graphs: Any) -> None:
+    """A kind captured under ``torch.inference_mode`` (a caller's decode) replays for a call
+    under ``no_grad`` (``generate``'s): the graph's inputs are not inference tensors, which
+    only inference mode may write."""
+    with torch.inference_mode():
+        for seed in range(2):
+            graphs.call("layer 0", 7, step, *_inputs(seed))
+    inputs = _inputs(3)
+    with torch.no_grad():
+        assert torch.equal(graphs.call("layer 0", 7, step, *inputs), step(*inputs))
+    assert graphs.replays == 2

@@ -621,6 +621,24 @@ class TestGpuWholeLayers:
         finally:
             model.moestream.close()
 
+    def test_graphs_captured_in_inference_mode_serve_generate(
+            self, checkpoints: dict[str, Path]) -> None:
+        """A decode captured under ``torch.inference_mode`` replays for ``generate`` under
+        its own ``no_grad``: the same tokens, the graphs still on."""
+        model = _held_whole(checkpoints["qwen3_moe"])
+        try:
+            ids = torch.tensor(PROMPT, device="cuda")
+            args = dict(attention_mask=torch.ones_like(ids), max_new_tokens=6,
+                        min_new_tokens=6, do_sample=False)
+            with torch.inference_mode():
+                first = model.generate(ids, **args)
+            replays = model.moestream.graphs.replays
+            assert torch.equal(model.generate(ids, **args), first)
+            graphs = model.moestream.graphs
+            assert graphs.on and graphs.replays > replays > 0
+        finally:
+            model.moestream.close()
+
     def test_a_forward_synchronizes_as_the_resident_one(self,
                                                         checkpoints: dict[str, Path]) -> None:
         """The decoder's forward (the model's token hooks left out: their end reads the
