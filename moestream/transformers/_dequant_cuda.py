@@ -239,11 +239,12 @@ def fp8_experts_cuda(addresses: Sequence[int], experts: Sequence[int], scales: A
     fp8_kinds_cuda([Kind(addresses, scales, out)], experts, block)
 
 
-@functools.lru_cache(maxsize=32)
+@functools.cache
 def lookup_table(method: str, dtype: Any, device: Any) -> Any:
     """``(256 * 16,)`` of ``dtype``: the torch path's value of each E2M1 code under each E8M0
     scale byte (``method``: ``fp4`` or ``mxfp4``), scale-major. Both paths' values are
-    elementwise functions of (code, scale), so a lookup is bitwise the torch path."""
+    elementwise functions of (code, scale), so a lookup is bitwise the torch path. Kept for
+    the process (a few 16 KB tables): a captured graph's kernels read it by address."""
     pairs = e2m1_pairs(device)
     codes = torch.arange(16, dtype=torch.uint8, device=device)
     group = torch.zeros(16, dtype=torch.uint8, device=device)  # one group: 32 values
