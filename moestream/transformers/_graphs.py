@@ -39,7 +39,8 @@ _MOST = 1024
 """Graphs kept at most; past them a new kind of call runs as it is. Assisted generation's
 verification forwards are decode steps of as many lengths as its drafts have (up to ~20),
 each a kind in every layer; dropping every graph at the limit instead would capture the
-same kinds again and again, each capture costing more than the launches it saves."""
+same kinds again and again, each capture (and its instantiation) costing more than the
+call run as it is."""
 
 Step = Callable[[Any, Any, Any], Any]
 """A call's launches from ``(hidden, top_k_index, top_k_weights)`` to its output: no host
