@@ -41,6 +41,10 @@ verification forwards are decode steps of as many lengths as its drafts have (up
 each a kind in every layer; dropping every graph at the limit instead would capture the
 same kinds again and again, each capture (and its instantiation) costing more than the
 call run as it is."""
+_MOST_BYTES = 256 << 20
+"""The graphs' inputs and outputs kept at most (device memory outside the budget: a
+server's large batches would otherwise keep their hidden states); past them a new kind of
+call runs as it is."""
 
 Step = Callable[[Any, Any, Any], Any]
 """A call's launches from ``(hidden, top_k_index, top_k_weights)`` to its output: no host
@@ -73,6 +77,8 @@ class DecodeGraphs:
         """Whether calls are captured and replayed: on a CUDA device unless set False (and
         set False, for good, by a capture that failed)."""
         self.replays = 0
+        self.kept_bytes = 0
+        """Device bytes the graphs' inputs and outputs hold (``_MOST_BYTES`` at most)."""
         self._graphs: dict[Hashable, _Captured] = {}
         self._seen: set[Hashable] = set()  # kinds called once, uncaptured
         self._pools: dict[int, Any] = {}  # by stream
@@ -89,7 +95,8 @@ class DecodeGraphs:
         captured = self._graphs.get(key)
         if captured is None:
             # inside the caller's own graph, or past the most graphs kept: as it is
-            if torch.cuda.is_current_stream_capturing() or len(self._graphs) >= _MOST:
+            if (torch.cuda.is_current_stream_capturing() or len(self._graphs) >= _MOST
+                    or self.kept_bytes >= _MOST_BYTES):
                 return step(hidden, top_k_index, top_k_weights)
             if key not in self._seen:
                 if len(self._seen) >= 4 * _MOST:  # kinds never called twice
@@ -100,6 +107,7 @@ class DecodeGraphs:
             if captured is None:
                 return step(hidden, top_k_index, top_k_weights)
             self._graphs[key] = captured
+            self.kept_bytes += sum(t.numel() * t.element_size() for t in captured[1:])
         captured.hidden.copy_(hidden)
         captured.index.copy_(top_k_index)
         captured.weights.copy_(top_k_weights)
@@ -162,6 +170,7 @@ class DecodeGraphs:
         """Drop every graph (the tables they read by are dropped): the kinds are captured
         again at their second call after, their kept tables reused."""
         self._graphs.clear()
+        self.kept_bytes = 0
         self._seen.clear()
         self._pools.clear()
         self._tables.reset()

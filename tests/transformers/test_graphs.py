@@ -172,3 +172,17 @@ def test_captured_in_inference_mode_replayed_outside_it(graphs: Any) -> None:
     with torch.no_grad():
         assert torch.equal(graphs.call("layer 0", 7, step, *inputs), step(*inputs))
     assert graphs.replays == 2
+
+
+def test_past_the_most_bytes_new_kinds_run_as_they_are(graphs: Any,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """The graphs' inputs and outputs are device memory outside the budget: past
+    ``_MOST_BYTES`` of them a new kind runs as it is; a clear frees them."""
+    one = sum(t.numel() * t.element_size() for t in _inputs(0)) + _inputs(0)[0].numel() * 4
+    monkeypatch.setattr(_graphs, "_MOST_BYTES", one + 1)
+    for key in ("layer 0", "layer 1", "layer 2"):
+        for seed in range(2):
+            graphs.call(key, 7, step, *_inputs(seed))
+    assert len(FakeGraph.made) == 2 and graphs.kept_bytes == 2 * one
+    graphs.clear()
+    assert graphs.kept_bytes == 0
