@@ -94,7 +94,7 @@ class DecodeGraphs:
             return step(hidden, top_k_index, top_k_weights)
         captured = self._graphs.get(key)
         if captured is None:
-            # inside the caller's own graph, or past the most graphs kept: as it is
+            # inside the caller's own graph, or past the most graphs or bytes kept: as it is
             if (torch.cuda.is_current_stream_capturing() or len(self._graphs) >= _MOST
                     or self.kept_bytes >= _MOST_BYTES):
                 return step(hidden, top_k_index, top_k_weights)
@@ -107,7 +107,8 @@ class DecodeGraphs:
             if captured is None:
                 return step(hidden, top_k_index, top_k_weights)
             self._graphs[key] = captured
-            self.kept_bytes += sum(t.numel() * t.element_size() for t in captured[1:])
+            kept = (captured.hidden, captured.index, captured.weights, captured.out)
+            self.kept_bytes += sum(t.numel() * t.element_size() for t in kept)
         captured.hidden.copy_(hidden)
         captured.index.copy_(top_k_index)
         captured.weights.copy_(top_k_weights)
