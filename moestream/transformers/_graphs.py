@@ -28,15 +28,16 @@ from typing import Any, NamedTuple
 import structlog
 import torch  # type: ignore[import-not-found, unused-ignore]
 
-from moestream.transformers._kernel_tables import KeptTables, keeping
+from moestream.transformers._kernel_tables import KEPT_SLOTS, KeptTables, keeping
 from moestream.transformers._launch import current_stream
 
 __all__ = ["DecodeGraphs"]
 
 _log = structlog.get_logger("moestream.transformers")
 
-_MOST = 1024
-"""Graphs kept at most; past them a new kind of call runs as it is. Assisted generation's
+_MOST = KEPT_SLOTS // 2
+"""Graphs kept at most (1024: each holds two kept tables at most, a GGUF layer of two types'
+launches); past them a new kind of call runs as it is. Assisted generation's
 verification forwards are decode steps of as many lengths as its drafts have (up to ~20),
 each a kind in every layer; dropping every graph at the limit instead would capture the
 same kinds again and again, each capture (and its instantiation) costing more than the

@@ -26,8 +26,7 @@ SLOTS = 64
 KEPT_SLOT = 64
 """int64 values a kept table holds: a slot launch's kind parameters (no addresses)."""
 KEPT_SLOTS = 2048
-"""Kept tables at most: two launches (a GGUF layer of two types) of each graph kept
-(``_graphs._MOST``)."""
+"""Kept tables at most; ``_graphs`` keeps half as many graphs (two launches each at most)."""
 
 
 class _Ring:
