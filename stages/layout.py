@@ -3,7 +3,8 @@
 O_DIRECT needs offset, length and buffer 4096-aligned, and expert slices are not: each of
 an expert's gate, up and down ranges is read as its aligned cover, the covers laid back to
 back in a staging slot, and the ranges' own bytes copied 256-aligned into the device
-buffer. Pure arithmetic, no I/O.
+buffer. Pure arithmetic, no I/O: a streamer plans every expert once, at open
+(``plan_table``), and a miss only looks its plan up.
 """
 
 from __future__ import annotations
@@ -20,8 +21,8 @@ __all__ = [
     "StagedRange",
     "aligned_cover",
     "iter_chunks",
-    "largest_slot_bytes",
     "plan_expert",
+    "plan_table",
 ]
 
 DEVICE_ALIGN = 256  # each matrix starts 256-aligned in the device buffer (kernels read words)
@@ -58,16 +59,24 @@ class StagedRange:
 
 @dataclass(frozen=True, slots=True)
 class ExpertLayout:
-    """An expert's three ranges laid out in a staging slot and in a device buffer."""
+    """An expert's three ranges laid out in a staging slot and in a device buffer.
+
+    ``copies``: each range's own bytes in the slot as (device offset, slot start, slot
+    end). ``reads``: the covers cut into reads of at most a chunk, as (file offset, slot
+    offset, bytes); empty when planned without a chunk size.
+    """
 
     ranges: tuple[StagedRange, ...]
     slot_bytes: int
     device_bytes: int
+    copies: tuple[tuple[int, int, int], ...]
+    reads: tuple[tuple[int, int, int], ...] = ()
 
 
-def plan_expert(slices: ExpertSlices, align: int = PAGE) -> ExpertLayout:
+def plan_expert(slices: ExpertSlices, align: int = PAGE,
+                chunk_bytes: int | None = None) -> ExpertLayout:
     """Lay out ``slices`` (gate, up, down): aligned covers back to back in the slot,
-    ranges 256-aligned in the device buffer."""
+    ranges 256-aligned in the device buffer; with ``chunk_bytes``, the covers' reads."""
     staged: list[StagedRange] = []
     slot_at = 0
     device_at = 0
@@ -76,23 +85,22 @@ def plan_expert(slices: ExpertSlices, align: int = PAGE) -> ExpertLayout:
         staged.append(StagedRange(r.offset, r.nbytes, start, length, slot_at, device_at))
         slot_at += length
         device_at += r.nbytes + (-r.nbytes) % DEVICE_ALIGN
-    return ExpertLayout(tuple(staged), slot_at, device_at)
+    copies = tuple((s.device_offset, s.slot_offset + s.skip, s.slot_offset + s.skip + s.nbytes)
+                   for s in staged)
+    reads = () if chunk_bytes is None else tuple(
+        (off, s.slot_offset + off - s.cover_start, n)
+        for s in staged for off, n in iter_chunks(s.cover_start, s.cover_bytes, chunk_bytes))
+    return ExpertLayout(tuple(staged), slot_at, device_at, copies, reads)
 
 
-def largest_slot_bytes(table: ExpertTable, align: int = PAGE) -> int:
-    """The largest staging slot any expert of ``table`` needs (exact, not estimated).
-
-    An expert's cover depends only on where its three slices start within a page, and
-    expert ``e``'s slices start at ``base + e * stride``: the page offsets repeat with a
-    period that divides ``align``, so the first ``align`` experts of a layer hold its
-    largest cover. Expert 0 alone is not enough: an expert whose slices each straddle one
-    more page needs up to three pages more (real files put slices at any offset).
-    """
-    return max(
-        plan_expert(moe.slices(expert), align).slot_bytes
-        for moe in table.layers.values()
-        for expert in range(min(moe.n_experts, align))
-    )
+def plan_table(table: ExpertTable, chunk_bytes: int,
+               align: int = PAGE) -> dict[tuple[int, int], ExpertLayout]:
+    """Every expert's layout and reads, by (layer, expert): planned once at open, so a miss
+    only looks its own up. The staging slot must hold the largest ``slot_bytes`` of them all,
+    not expert 0's: an expert whose slices each straddle one more page needs up to three
+    pages more (real files put slices at any offset)."""
+    return {(n, e): plan_expert(moe.slices(e), align, chunk_bytes)
+            for n, moe in table.layers.items() for e in range(moe.n_experts)}
 
 
 def iter_chunks(start: int, length: int, chunk_bytes: int) -> Iterator[tuple[int, int]]:

@@ -10,6 +10,12 @@ device, the host never blocks) for the last compute that read it.
 A failed upload leaves no copy running: the stream is synchronized before the error is
 raised, so the entry's buffer (dropped, never installed) can be reused safely.
 
+Install: an uploaded expert becomes a ready cache entry once its upload event has completed
+(``Installer``). Compute never needs to wait for this (it waits on the upload event on the
+device); install is the cache's own bookkeeping, so that a later lookup can skip the
+device-side event wait. A lookup that finds a load still in flight waits on ``entry.loaded``
+(set once the upload is queued) and then on the upload event, never reading the expert again.
+
 The ``corrupt`` fault (``pipeline.foundation.faults``) flips one byte of an expert's device copy
 right here: after its copies, before its install digest and its event, in stream order, in either
 I/O mode and on either backend.
@@ -28,12 +34,12 @@ import numpy.typing as npt
 import structlog
 
 from moestream.gpu.backend import Backend, Event, Kernels, Stream
-from moestream.gpu.cache.store import Entry
+from moestream.gpu.cache.store import DeviceCache, Entry
 from moestream.gpu.kernels import COPY_FIELDS, NO_FLIP, copy_rows
 from moestream.pipeline.foundation.errors import MoestreamError, UploadError
 from moestream.pipeline.foundation.faults import FaultPlan
 
-__all__ = ["Uploader", "gather_rows"]
+__all__ = ["Installer", "Uploader", "gather_rows"]
 
 _Item = TypeVar("_Item", bound=tuple[Any, ...])
 """A layer's expert for ``Uploader._admitted``: (entry, its copies, then what its path
@@ -301,3 +307,63 @@ def gather_rows(copies: Sequence[tuple[int, int, int]]) -> list[int]:
     offset, source address, bytes): made once per expert and mapping; ``Uploader.gather``
     adds the buffer's address and the digest rows."""
     return [f for offset, src, nbytes in copies for f in (src, offset, nbytes, 0, NO_FLIP)]
+
+
+class Installer:
+    """Tracks uploaded entries until their events complete, then marks them ready."""
+
+    def __init__(self, cache: DeviceCache) -> None:
+        self._cache = cache
+        self.pending: list[Sequence[Entry]] = []
+        """Uploads still to be looked at (an expert's, or a layer's under one event)."""
+        self.installed = 0
+
+    def submit(self, entries: Sequence[Entry]) -> None:
+        """``entries`` were uploaded (their ``upload`` events are recorded): one expert's,
+        or a layer's queued under one event, looked at together.
+
+        Raises:
+            ValueError: an entry has no upload event (it would hold up every later one).
+        """
+        if any(entry.upload is None for entry in entries):
+            raise ValueError("submitted an entry with no upload event")
+        if entries:
+            self.pending.append(entries)
+
+    def poll(self) -> int:
+        """Mark ready every pending entry whose upload has completed; returns how many."""
+        done = 0
+        landed = 0
+        # in the order submitted, up to the first still in flight: a device query a poll
+        # for what is pending (uploads finish about in order; a later one that finished
+        # first is installed a poll later, which only delays its ``ready``)
+        for group in self.pending:
+            if not _landed(group):
+                break
+            done += self._cache.mark_ready(group)
+            landed += 1
+        del self.pending[:landed]
+        self.installed += done
+        return done
+
+    def drain(self) -> None:
+        """Wait for every pending upload and install it (end of run)."""
+        for group in self.pending:
+            for entry in group:
+                if entry.upload is not None:
+                    entry.upload.synchronize()
+        self.poll()
+
+
+def _landed(group: Sequence[Entry]) -> bool:
+    """Whether every entry's upload has completed (each distinct event asked once: a
+    layer's entries share one)."""
+    asked = None
+    for entry in group:
+        upload = entry.upload
+        assert upload is not None  # ``submit`` takes none without
+        if upload is not asked:
+            if not upload.done():
+                return False
+            asked = upload
+    return True

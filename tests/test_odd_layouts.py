@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 from moestream.pipeline.foundation.table import open_table
 from moestream.pipeline.run import main
-from moestream.stages.layout import PAGE, largest_slot_bytes, plan_expert
+from moestream.stages.layout import PAGE, plan_expert, plan_table
 from tests.conftest import BACKENDS
 from tests.gguf_files import finish_gguf
 
@@ -54,7 +54,8 @@ def _write_model(path: Path, *, hidden: int, ffn: int, experts: int, pad_elems: 
 
 
 class TestLargestSlot:
-    """The staging slot fits the largest aligned cover of any expert, not expert 0's."""
+    """Every expert is planned, its reads covering its covers: the staging slot fits the
+    largest aligned cover of any expert, not expert 0's."""
 
     @settings(max_examples=40, deadline=None,
               suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -65,9 +66,17 @@ class TestLargestSlot:
         path = _write_model(tmp_path / "m.gguf", hidden=hidden, ffn=ffn, experts=experts,
                             pad_elems=pad, alignment=alignment, seed=pad)
         table = open_table(path)
-        every = max(plan_expert(table.slices((layer, e))).slot_bytes
-                    for layer, moe in table.layers.items() for e in range(moe.n_experts))
-        assert largest_slot_bytes(table) == every
+        chunk = PAGE * (1 + pad % 3)
+        plans = plan_table(table, chunk)
+        assert len(plans) == sum(moe.n_experts for moe in table.layers.values())
+        for (layer, e), plan in plans.items():
+            alone = plan_expert(table.slices((layer, e)))
+            assert (plan.ranges, plan.slot_bytes, plan.copies) == (
+                alone.ranges, alone.slot_bytes, alone.copies)
+            reads = [(s.cover_start + at - s.slot_offset, at, n) for s in plan.ranges
+                     for at in range(s.slot_offset, s.slot_offset + s.cover_bytes, chunk)
+                     for n in [min(chunk, s.slot_offset + s.cover_bytes - at)]]
+            assert list(plan.reads) == reads  # the covers, each slot byte read once
 
     def test_expert_zero_is_not_the_largest(self, tmp_path: Path) -> None:
         """The reported shape: 2 KiB matrices; odd experts straddle three more pages.
@@ -78,7 +87,8 @@ class TestLargestSlot:
                             pad_elems=REPORTED_PAD, alignment=32, seed=1)
         table = open_table(path)
         first = max(plan_expert(table.slices((layer, 0))).slot_bytes for layer in table.layers)
-        assert largest_slot_bytes(table) == first + 3 * PAGE
+        largest = max(plan.slot_bytes for plan in plan_table(table, PAGE).values())
+        assert largest == first + 3 * PAGE
 
 
 class TestModesDeliverTheFileBytes:

@@ -208,25 +208,17 @@ class CacheIndex:
         policy: the eviction order.
     """
 
-    __slots__ = ("_capacity", "_live", "_policy", "_sizes")
+    __slots__ = ("_policy", "_sizes", "capacity_bytes", "live_bytes")
 
     def __init__(self, capacity_bytes: int, policy: EvictionPolicy) -> None:
         if capacity_bytes < 0:
             raise ValueError(f"capacity must be >= 0, got {capacity_bytes}")
-        self._capacity = capacity_bytes
+        self.capacity_bytes = capacity_bytes
+        """As given, or as ``resize`` set it."""
         self._policy = policy
         self._sizes: dict[ExpertKey, int] = {}
-        self._live = 0
-
-    @property
-    def capacity_bytes(self) -> int:
-        """As given, or as ``resize`` set it."""
-        return self._capacity
-
-    @property
-    def live_bytes(self) -> int:
-        """The bytes of the keys held (``admit`` and ``remove`` keep it)."""
-        return self._live
+        self.live_bytes = 0
+        """The bytes of the keys held (``admit`` and ``remove`` keep it; read only)."""
 
     def __len__(self) -> int:
         return len(self._sizes)
@@ -261,11 +253,11 @@ class CacheIndex:
         """
         if key in self._sizes:
             raise ValueError(f"{key} is already held")
-        if nbytes > self._capacity:
+        if nbytes > self.capacity_bytes:
             return False, []
         victims: list[ExpertKey] = []
         freed = 0
-        while self._live - freed + nbytes > self._capacity:
+        while self.live_bytes - freed + nbytes > self.capacity_bytes:
             # past the first victim (rare: one usually frees room for one expert) those
             # chosen are skipped too, without copying ``protected``
             victim = self._policy.victim(_Either(protected, set(victims)) if victims
@@ -277,20 +269,20 @@ class CacheIndex:
         for victim in victims:
             self.remove(victim)
         self._sizes[key] = nbytes
-        self._live += nbytes
+        self.live_bytes += nbytes
         self._policy.insert(key)
         return True, victims
 
     def remove(self, key: ExpertKey) -> None:
         """Drop ``key`` (it must be held)."""
-        self._live -= self._sizes.pop(key)
+        self.live_bytes -= self._sizes.pop(key)
         self._policy.remove(key)
 
     def resize(self, capacity_bytes: int, protected: Collection[ExpertKey]) -> list[ExpertKey]:
         """Change the capacity; evicts unprotected keys until the live bytes fit."""
-        self._capacity = capacity_bytes
+        self.capacity_bytes = capacity_bytes
         evicted: list[ExpertKey] = []
-        while self._live > self._capacity:
+        while self.live_bytes > self.capacity_bytes:
             victim = self._policy.victim(set(protected) | set(evicted))
             if victim is None:
                 break
@@ -332,18 +324,18 @@ class CacheIndex:
             # the two common cases inline, as ``admit`` decides them (a miss a layer cost
             # five calls through it): room left (a cache still filling), or a full cache
             # where one victim frees room; anything else goes through ``admit``
-            capacity = self._capacity
-            if self._live + size <= capacity and key not in held:
+            capacity = self.capacity_bytes
+            if self.live_bytes + size <= capacity and key not in held:
                 held[key] = size
-                self._live += size
+                self.live_bytes += size
                 policy.insert(key)
                 continue
             if protected is None:
                 protected = _Either(pinned, set(keys))
-            victim = policy.victim(protected) if self._live + size > capacity else None
+            victim = policy.victim(protected) if self.live_bytes + size > capacity else None
             if (victim is not None and key not in held
-                    and self._live - held[victim] + size <= capacity):
-                self._live += size - held.pop(victim)
+                    and self.live_bytes - held[victim] + size <= capacity):
+                self.live_bytes += size - held.pop(victim)
                 policy.remove(victim)
                 held[key] = size
                 policy.insert(key)

@@ -38,28 +38,28 @@ class BufferPool:
         self.allocations = 0
         self.frees = 0
 
-    def allocate(self, nbytes: int) -> DeviceBuffer:
-        """A fresh buffer from the device (the caller has made room in the budget).
+    def take(self, nbytes: int, max_parked_bytes: int) -> tuple[DeviceBuffer, Event | None]:
+        """A parked buffer of exactly ``nbytes`` and its reuse-after event; else a fresh one
+        from the device (no event), the pool first trimmed to ``max_parked_bytes`` (the
+        caller has made room in the budget for the new one).
 
         Raises:
             DeviceMemoryError: the device refused (nothing was allocated or counted).
         """
+        bucket = self._parked.get(nbytes)
+        if bucket:
+            buf, event = bucket.pop()
+            if not bucket:
+                del self._parked[nbytes]
+            self.parked_bytes -= nbytes
+            return buf, event
+        if self.parked_bytes > max_parked_bytes:
+            self.trim(max_parked_bytes)
         if self._faults is not None and self._faults.hit("device_oom") is not None:
             raise DeviceMemoryError(f"device allocation of {nbytes} bytes failed (injected)")
         buf = self._backend.alloc_device(nbytes)
         self.allocations += 1
-        return buf
-
-    def pop(self, nbytes: int) -> tuple[DeviceBuffer, Event | None] | None:
-        """A parked buffer of exactly ``nbytes`` and its reuse-after event, if any."""
-        bucket = self._parked.get(nbytes)
-        if not bucket:
-            return None
-        buf, event = bucket.pop()
-        if not bucket:
-            del self._parked[nbytes]
-        self.parked_bytes -= nbytes
-        return buf, event
+        return buf, None
 
     def park(self, buf: DeviceBuffer, reuse_after: Event | None) -> None:
         """Keep ``buf`` for reuse; it must not be overwritten before ``reuse_after``."""

@@ -213,7 +213,8 @@ class DeviceCache:
                 if spare:
                     buffer, reuse_after = spare.pop()
                 else:
-                    self._park(freed)
+                    if freed:
+                        self._park(freed)
                     buffer, reuse_after = self._buffer_for(size)
                 entry = Entry(key, buffer, size, reuse_after)
                 entry.pins = 1
@@ -229,7 +230,8 @@ class DeviceCache:
                 elif key in self._index:  # admitted, but no buffer was reserved for it
                     self._index.remove(key)
             raise
-        self._park(freed)
+        if freed:
+            self._park(freed)
         hits = plan.hits
         cache_bytes = 0
         for key in outcome.hits:
@@ -316,20 +318,13 @@ class DeviceCache:
 
     def _buffer_for(self, nbytes: int) -> tuple[DeviceBuffer, Event | None]:
         """A parked buffer of this size, or a new one after trimming the pool to fit."""
-        parked = self.pool.pop(nbytes)
-        if parked is not None:
-            return parked
         # live already includes this entry (the index admitted it): parked must fit the rest
         index = self._index
-        self.pool.trim(index.capacity_bytes - index.live_bytes)
         try:
-            buffer = self.pool.allocate(nbytes)
-        except DeviceMemoryError:
+            return self.pool.take(nbytes, index.capacity_bytes - index.live_bytes)
+        finally:  # a refusal may have freed parked buffers first
             self.counters.allocations = self.pool.allocations
-            raise
-        self.counters.allocations = self.pool.allocations
-        self.counters.frees = self.pool.frees
-        return buffer, None
+            self.counters.frees = self.pool.frees
 
     def release(self, entries: Sequence[Entry], last_use: Event | None) -> None:
         """Unpin a layer's entries after its compute was queued; ``last_use`` ends it.

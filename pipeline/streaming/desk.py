@@ -122,8 +122,8 @@ class LeaseDesk(TokenLedger):
         streamers, caches, joiners = self.streamers, self.caches, self._joiners
         if len(streamers) == 1:  # one device holds them all: no placement to ask
             streamer = streamers[0]
-            start = streamer.start_prefetch if prefetch else streamer.start_layer
-            return [LeasePart(0, caches[0], joiners[0], start(layer, experts))]
+            load = streamer.start_layer(layer, experts, prefetch=prefetch)
+            return [LeasePart(0, caches[0], joiners[0], load)]
         split: dict[int, list[int]] = {}
         for e in experts:
             split.setdefault(self._place((layer, e)), []).append(e)
@@ -132,8 +132,8 @@ class LeaseDesk(TokenLedger):
         try:
             for device in sorted(split):
                 streamer = streamers[device]
-                load = (streamer.start_prefetch(layer, split[device]) if prefetch
-                        else streamer.start_layer(layer, split[device], arrived))
+                load = streamer.start_layer(layer, split[device],
+                                            None if prefetch else arrived, prefetch=prefetch)
                 parts.append(LeasePart(device, caches[device], joiners[device], load))
         except BaseException:
             # a later device refused (budget, memory): the earlier ones keep no pins

@@ -36,14 +36,12 @@ from moestream.pipeline.streaming.loads import (
 )
 from moestream.pipeline.streaming.verify import DigestRows, Digests
 from moestream.stages.host_tier import HostTier
-from moestream.stages.install import Installer
-from moestream.stages.layout import ExpertLayout, iter_chunks, largest_slot_bytes, plan_expert
+from moestream.stages.layout import ExpertLayout, plan_table
 from moestream.stages.mapping import ModelMapping
 from moestream.stages.reader import ModelReader
 from moestream.stages.registration import MappingRegistrar
-from moestream.stages.staging import StagingRing
-from moestream.stages.upload import Uploader
-from moestream.stages.workers import WorkerPool
+from moestream.stages.staging import StagingRing, WorkerPool
+from moestream.stages.upload import Installer, Uploader
 
 __all__ = ["ExpertJobs"]
 
@@ -70,8 +68,11 @@ class ExpertJobs:
         self._backend = backend
         self._cache = cache
         self._kernels = kernels
-        self._layouts: dict[tuple[int, int], ExpertLayout] = {}
-        slot_bytes = largest_slot_bytes(table)
+        self.layouts: dict[tuple[int, int], ExpertLayout] = (
+            primary.layouts if primary is not None else plan_table(table, config.chunk_bytes))
+        """Every expert's staging and device layout and its reads (planned at open; read
+        only): a miss looks its own up."""
+        slot_bytes = max(layout.slot_bytes for layout in self.layouts.values())
         self.faults = faults
         self.reader = ModelReader(table.files, direct=True, faults=faults)
         try:
@@ -98,14 +99,6 @@ class ExpertJobs:
         # the digests one take finds: a token's layers and those loaded ahead of it
         capacity = (len(table.layers) + layers_ahead) * table.top_k
         self.digests = DigestRows(kernels, capacity) if config.verify else None
-
-    def layout(self, key: tuple[int, int]) -> ExpertLayout:
-        """The staging/device layout of an expert (cached: offsets never change)."""
-        layout = self._layouts.get(key)
-        if layout is None:
-            layout = plan_expert(self._table.layers[key[0]].slices(key[1]))
-            self._layouts[key] = layout
-        return layout
 
     @property
     def pinned_bytes(self) -> int:
@@ -135,70 +128,65 @@ class ExpertJobs:
         miss not yet started, so the decoder waiting on the layer never waits forever.
         """
         try:
-            await self._launch_misses(load)
+            for entry in load.plan.misses:
+                # read per miss: a switch to direct during this launch (it awaits slots) must
+                # not send later misses to a mapping that is being released
+                mode = self.mode
+                layout = self.layouts[entry.key]
+                self.host_tier.missed((entry.key,))
+                # host tier (partial residency): a hot expert is read through the page cache
+                # and its pages kept, the rest stays O_DIRECT
+                job_mode: JobMode = ("tier" if mode == "direct"
+                                     and entry.key in self.host_tier.keys else mode)
+                job = LoadJob(entry, layout, self.uploader.next_stream(), load, job_mode,
+                              load.phases[entry.key])
+                if self.digests is not None:
+                    job.digest_results, job.digest_row = self.digests.reserve(entry.key)
+                if mode == "resident" and self._start_resident(job):
+                    continue
+                # direct, or not registered yet (cold or still being registered): a read
+                # into staging (buffered through the page cache when resident); it never
+                # waits on a whole window. Every slot holds the largest expert's covers.
+                t0 = time.perf_counter()
+                job.slot = await self.ring.acquire()
+                t1 = time.perf_counter()
+                assert load.launch is not None
+                load.launch.slot_waits.append((t0, t1))  # later misses of the layer wait too
+                job.phases.begin(t1)
+                self._staged_jobs.add(job)
+                self._add_time("stage_ms", t0)
+                job.remaining = len(layout.reads)
+                load.launched += 1
+                for file_offset, slot_offset, nbytes in layout.reads:
+                    self._pool.submit(self._read_chunk, job, file_offset, slot_offset, nbytes)
         except BaseException as exc:
             for entry in load.plan.misses[load.launched :]:
                 self._deliver(load, entry, exc)
             if not isinstance(exc, Exception):
                 raise
 
-    async def _launch_misses(self, load: LayerLoad) -> None:
-        for entry in load.plan.misses:
-            # read per miss: a switch to direct during this launch (it awaits slots) must
-            # not send later misses to a mapping that is being released
-            mode = self.mode
-            layout = self.layout(entry.key)
-            self.host_tier.missed((entry.key,))
-            # host tier (partial residency): a hot expert is read through the page cache and
-            # its pages kept, the rest stays O_DIRECT
-            job_mode: JobMode = ("tier" if mode == "direct" and entry.key in self.host_tier.keys
-                                 else mode)
-            job = LoadJob(entry, layout, self.uploader.next_stream(), load, job_mode,
-                          load.phases[entry.key])
-            if self.digests is not None:
-                job.digest_results, job.digest_row = self.digests.reserve(entry.key)
-            mapping = self.mapping if mode == "resident" else None
-            if mapping is not None:
-                if not self._backend.registers_host:
-                    # host backend: the mapping is read directly, on a worker
-                    self._resident_inflight += 1
-                    load.launched += 1
-                    job.phases.begin()
-                    self._pool.submit(self._resident_job, job)
-                    continue
-                if all(mapping.is_registered(s.file_offset, s.nbytes) for s in layout.ranges):
-                    # registered: queuing the copies costs microseconds, no thread hop
-                    load.launched += 1
-                    job.phases.begin()
-                    event = self._resident_upload(job, mapping)
-                    job.phases.mark("upload")  # queued; the device copy shows where decode waits
-                    self._job_done(job, event, counted=False)
-                    continue
-                # not registered yet (cold or still being registered): a buffered read
-                # through the page cache into staging; it never waits on a whole window
-            if layout.slot_bytes > self.ring.slot_bytes:  # never cut a copy short
-                raise StageError(f"layer {entry.key[0]} expert {entry.key[1]}: its cover needs "
-                                 f"{layout.slot_bytes} bytes, staging slots hold "
-                                 f"{self.ring.slot_bytes}")
-            t0 = time.perf_counter()
-            job.slot = await self.ring.acquire()
-            t1 = time.perf_counter()
-            assert load.launch is not None
-            load.launch.slot_waits.append((t0, t1))  # later misses of the layer wait too
-            job.phases.begin(t1)
-            self._staged_jobs.add(job)
-            self._add_time("stage_ms", t0)
-            chunks = [
-                (staged, off, n)
-                for staged in layout.ranges
-                for off, n in iter_chunks(staged.cover_start, staged.cover_bytes,
-                                          self._cfg.chunk_bytes)
-            ]
-            job.remaining = len(chunks)
+    def _start_resident(self, job: LoadJob) -> bool:
+        """A resident miss read from the mapping without staging, if it can be: on the host
+        backend on a worker; on a GPU, once its pages are registered, queued as copies (no
+        thread hop). False: it goes through staging."""
+        mapping = self.mapping
+        if mapping is None:
+            return False
+        load = job.load
+        if not self._backend.registers_host:
+            self._resident_inflight += 1
             load.launched += 1
-            for staged, off, n in chunks:
-                dst_at = staged.slot_offset + (off - staged.cover_start)
-                self._pool.submit(self._read_chunk, job, off, dst_at, n)
+            job.phases.begin()
+            self._pool.submit(self._resident_job, job)
+            return True
+        if not all(mapping.is_registered(s.file_offset, s.nbytes) for s in job.layout.ranges):
+            return False
+        load.launched += 1
+        job.phases.begin()
+        event = self._resident_upload(job, mapping)
+        job.phases.mark("upload")  # queued; the device copy shows where decode waits
+        self._job_done(job, event, counted=False)
+        return True
 
     def _read_chunk(self, job: LoadJob, file_offset: int, slot_offset: int, nbytes: int) -> None:
         """Worker: one chunk into the job's slot; the worker that read a job's last chunk
@@ -234,11 +222,7 @@ class ExpertJobs:
         if job.error is None:
             try:
                 staged = slot.buffer.array
-                pieces = [
-                    (s.device_offset,
-                     staged[s.slot_offset + s.skip : s.slot_offset + s.skip + s.nbytes])
-                    for s in job.layout.ranges
-                ]
+                pieces = [(at, staged[start:end]) for at, start, end in job.layout.copies]
                 event = self._upload(job, pieces)
             except BaseException as exc:
                 job.error = exc

@@ -132,7 +132,7 @@ class RegisteredLayers(ExpertJobs):
         for entry in misses:
             copies = self._copies.get(entry.key)
             if copies is None:
-                ranges = self.layout(entry.key).ranges
+                ranges = self.layouts[entry.key].ranges
                 if not all(mapping.is_registered(s.file_offset, s.nbytes) for s in ranges):
                     return None
                 # only what this streamer's path reads (both while the trial lasts): the
@@ -166,7 +166,7 @@ class RegisteredLayers(ExpertJobs):
         rows: list[tuple[int, ...]] = []
         sizes: list[tuple[int, ...]] = []
         for key in keys:
-            ranges = self.layout(key).ranges
+            ranges = self.layouts[key].ranges
             if not all(mapping.is_registered(r.file_offset, r.nbytes) for r in ranges):
                 return None
             rows.append(tuple(mapping.address(r.file_offset) for r in ranges))

@@ -34,7 +34,7 @@ import functools
 import time
 from collections.abc import Sequence
 
-from moestream.gpu.cache.store import Entry, LayerPlan
+from moestream.gpu.cache.store import Entry
 from moestream.pipeline.foundation.timesplit import LaunchTimes, LoadPhases
 from moestream.pipeline.streaming.arrivals import Arrivals
 from moestream.pipeline.streaming.loads import IOMode, LayerLoad, StageTimes, WarmGate
@@ -140,34 +140,21 @@ class ExpertStreamer(RegisteredLayers):
     # -- loading ---------------------------------------------------------------------------
 
     def start_layer(self, layer: int, experts: Sequence[int],
-                    arrived: Arrivals[tuple[Entry, BaseException | None]] | None = None
-                    ) -> LayerLoad:
+                    arrived: Arrivals[tuple[Entry, BaseException | None]] | None = None,
+                    *, prefetch: bool = False) -> LayerLoad:
         """Plan a layer in the cache and start loading its misses (returns at once); they
         are delivered into ``arrived`` (None: a queue of the load's own), once this has
-        returned."""
+        returned. ``prefetch``: guessed experts of a later layer, only those absent and
+        fitting, admitted without a lookup (``DeviceCache.prefetch``)."""
         keys = [(layer, int(e)) for e in experts]
-        # every expert of a layer takes the same device bytes
-        plan = self._cache.plan_layer(keys, [self.layout((layer, 0)).device_bytes] * len(keys))
+        sizes = [self.layouts[(layer, 0)].device_bytes] * len(keys)  # a layer's experts alike
+        plan = (self._cache.prefetch(keys, sizes) if prefetch
+                else self._cache.plan_layer(keys, sizes))
+        load = LayerLoad(plan, pending=len(plan.misses), prefetch=prefetch)
         if not plan.misses:  # all cached (the common case when warm): nothing to start
-            return LayerLoad(plan)
-        return self._start(plan, arrived)
-
-    def start_prefetch(self, layer: int, experts: Sequence[int]) -> LayerLoad:
-        """Start loading guessed experts of a later layer (those absent and fitting)."""
-        keys = [(layer, int(e)) for e in experts]
-        size = self.layout((layer, 0)).device_bytes
-        load = self._start(self._cache.prefetch(keys, [size] * len(keys)))
-        load.prefetch = True
-        return load
-
-    def _start(self, plan: LayerPlan,
-               arrived: Arrivals[tuple[Entry, BaseException | None]] | None = None
-               ) -> LayerLoad:
+            return load
         loop = asyncio.get_running_loop()
         self._loop = loop
-        load = LayerLoad(plan, pending=len(plan.misses))
-        if not plan.misses:  # all-hit layers (the common case when warm) create nothing more
-            return load
         load.launch = LaunchTimes(time.perf_counter())
         load.arrived = arrived if arrived is not None else Arrivals()
         for entry in plan.misses:

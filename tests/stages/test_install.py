@@ -1,4 +1,4 @@
-"""``stages.install.Installer``: uploaded entries become ready once their events complete."""
+"""``stages.upload.Installer``: uploaded entries become ready once their events complete."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 
 from moestream.gpu.cache.store import DeviceCache, Entry
 from moestream.gpu.host import HostBackend
-from moestream.stages.install import Installer
+from moestream.stages.upload import Installer
 
 
 class _Event:
@@ -40,10 +40,10 @@ def test_groups_install_in_order_one_query_an_event() -> None:
     installer.submit(a)
     installer.submit(b)
     second.complete = True  # finished out of order: waits behind the first
-    assert installer.poll() == 0 and installer.pending == 2
+    assert installer.poll() == 0 and len(installer.pending) == 2
     assert first.queries == 1 and second.queries == 0
     first.complete = True
-    assert installer.poll() == 6 and installer.pending == 0
+    assert installer.poll() == 6 and len(installer.pending) == 0
     assert all(e.ready for e in (*a, *b))
     assert first.queries == 2 and second.queries == 1  # a layer's shared event: once
 

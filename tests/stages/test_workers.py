@@ -1,4 +1,4 @@
-"""moestream.stages.workers.WorkerPool: the readers' threads."""
+"""moestream.stages.staging.WorkerPool: the readers' threads."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import structlog
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from moestream.stages.workers import WorkerPool
+from moestream.stages.staging import WorkerPool
 
 
 def _threads(name: str) -> int:

@@ -115,7 +115,7 @@ async def _stream(table: ExpertTable, routes: list[Route], *, budget_experts: in
                         compute.wait(entry.upload)
                     rows, row = used.reserve(entry.key)
                     ranges = [(s.device_offset, s.nbytes)
-                              for s in streamer.layout(entry.key).ranges]
+                              for s in streamer.layouts[entry.key].ranges]
                     kernels.digest3(entry.buffer, ranges, rows, row, compute)
                     used.complete(rows, row, compute.record())
                 done = compute.record()
