@@ -19,11 +19,10 @@ from moestream.gpu.backend import Event
 from moestream.gpu.cache.store import DeviceCache, Entry
 from moestream.pipeline.foundation.errors import UsageError
 from moestream.pipeline.foundation.table import ExpertTable
-from moestream.pipeline.streaming.arrivals import Arrivals
 from moestream.pipeline.streaming.lease import LayerLease
 from moestream.pipeline.streaming.lease_parts import EventJoiner, LeasePart, unpin_when_landed
 from moestream.pipeline.streaming.ledger import TokenLedger
-from moestream.pipeline.streaming.loads import LayerLoad
+from moestream.pipeline.streaming.loads import Arrivals, LayerLoad
 from moestream.pipeline.streaming.streamer import ExpertStreamer
 
 __all__ = ["LastUse", "LeaseDesk"]

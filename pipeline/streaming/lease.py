@@ -28,9 +28,8 @@ from typing import Any
 from moestream.gpu.backend import Event
 from moestream.gpu.cache.store import Entry
 from moestream.pipeline.foundation.errors import MoestreamError, StageError, UsageError
-from moestream.pipeline.streaming.arrivals import Arrivals
 from moestream.pipeline.streaming.lease_parts import LeasePart, unpin
-from moestream.pipeline.streaming.loads import LayerLoad
+from moestream.pipeline.streaming.loads import Arrivals, LayerLoad
 
 __all__ = ["NOT_YET", "Arrival", "LayerLease", "WaitTold"]
 

@@ -36,8 +36,7 @@ from collections.abc import Sequence
 
 from moestream.gpu.cache.store import Entry
 from moestream.pipeline.foundation.timesplit import LaunchTimes, LoadPhases
-from moestream.pipeline.streaming.arrivals import Arrivals
-from moestream.pipeline.streaming.loads import IOMode, LayerLoad, StageTimes, WarmGate
+from moestream.pipeline.streaming.loads import Arrivals, IOMode, LayerLoad, StageTimes, WarmGate
 from moestream.pipeline.streaming.registered import GATHER_BELOW_BYTES, RegisteredLayers
 
 __all__ = ["GATHER_BELOW_BYTES", "ExpertStreamer", "IOMode", "LayerLoad", "StageTimes",

@@ -25,9 +25,9 @@ from moestream.pipeline.foundation.errors import StageError
 from moestream.pipeline.foundation.faults import parse_faults
 from moestream.pipeline.foundation.table import ExpertTable, open_table
 from moestream.pipeline.proxy.config import RunConfig
-from moestream.pipeline.streaming.arrivals import Arrivals
 from moestream.pipeline.streaming.lease import LayerLease
 from moestream.pipeline.streaming.lease_parts import EventJoiner, LeasePart
+from moestream.pipeline.streaming.loads import Arrivals
 from moestream.pipeline.streaming.streamer import ExpertStreamer
 from moestream.pipeline.streaming.verify import DigestRows, Verifier
 from moestream.stages.layout import plan_expert

@@ -1,4 +1,4 @@
-"""``streaming.arrivals.Arrivals``: the FIFO a layer's landed loads reach their lease by."""
+"""``streaming.loads.Arrivals``: the FIFO a layer's landed loads reach their lease by."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from moestream.pipeline.streaming.arrivals import Arrivals
+from moestream.pipeline.streaming.loads import Arrivals
 
 
 @given(st.lists(st.one_of(st.integers(), st.none()), max_size=60))
