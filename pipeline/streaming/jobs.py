@@ -69,9 +69,9 @@ class ExpertJobs:
         self._cache = cache
         self._kernels = kernels
         self.layouts: dict[tuple[int, int], ExpertLayout] = (
-            primary.layouts if primary is not None else plan_table(table, config.chunk_bytes))
-        """Every expert's staging and device layout and its reads (planned at open; read
-        only): a miss looks its own up."""
+            primary.layouts if primary is not None else plan_table(table))
+        """Every expert's staging and device layout (planned at open; read only): a miss
+        looks its own up."""
         slot_bytes = max(layout.slot_bytes for layout in self.layouts.values())
         self.faults = faults
         self.reader = ModelReader(table.files, direct=True, faults=faults)
@@ -155,9 +155,10 @@ class ExpertJobs:
                 job.phases.begin(t1)
                 self._staged_jobs.add(job)
                 self._add_time("stage_ms", t0)
-                job.remaining = len(layout.reads)
+                reads = layout.reads(self._cfg.chunk_bytes)
+                job.remaining = len(reads)
                 load.launched += 1
-                for file_offset, slot_offset, nbytes in layout.reads:
+                for file_offset, slot_offset, nbytes in reads:
                     self._pool.submit(self._read_chunk, job, file_offset, slot_offset, nbytes)
         except BaseException as exc:
             for entry in load.plan.misses[load.launched :]:

@@ -220,3 +220,16 @@ def test_cpus_times_every_cpu_and_gives_the_mask_back(tmp_path: Path) -> None:
     assert sorted(map(int, result["ms"])) == sorted(before)
     assert all(len(times) == 2 and min(times) > 0 for times in result["ms"].values())
     assert result["spread"] >= 1.0
+
+
+def test_plan_table_bench_plans_every_expert(tmp_path: Path) -> None:
+    """``bench.plan_table`` on one shape: every expert planned, its memory and time given."""
+    from bench import plan_table
+
+    out = tmp_path / "plan.json"
+    assert plan_table.main(["--shapes", "qwen3-235b-a22b", "--repeats", "1",
+                            "--out", str(out)]) == 0
+    figures = json.loads(out.read_text())["qwen3-235b-a22b"]
+    assert figures["experts"] == 94 * 128
+    assert 100 < figures["kept_bytes_per_expert"] < 10_000
+    assert figures["open_ms"] > 0 and figures["one_plan_us"] > 0
