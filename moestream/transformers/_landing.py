@@ -85,7 +85,10 @@ class Landing:
             n = flat.numel()
             buffer = self._buffer
             if buffer is None or buffer.numel() < n or buffer.dtype != flat.dtype:
-                buffer = self._buffer = torch.empty(n, dtype=flat.dtype, pin_memory=True)
+                # kept for later calls, in inference mode or not: made under it, it could
+                # never be written outside it ("Inplace update to inference tensor")
+                with torch.inference_mode(False):
+                    buffer = self._buffer = torch.empty(n, dtype=flat.dtype, pin_memory=True)
             host = buffer[:n]
             host.copy_(flat, non_blocking=True)
         stream.synchronize()
