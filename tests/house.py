@@ -266,7 +266,7 @@ class MissPath:
 
 
 _ANONYMOUS = ("<listcomp>", "<dictcomp>", "<setcomp>", "<genexpr>", "<lambda>")
-MISS_RUNS = 3
+MISS_RUNS = 5
 
 
 def _product_function(frame: FrameType, product: tuple[str, ...]) -> tuple[str, str] | None:
