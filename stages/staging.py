@@ -41,7 +41,6 @@ from moestream.pipeline.foundation.faults import FaultPlan
 __all__ = ["RAM_SHARE", "StagingRing", "StagingSlot", "WorkerPool", "check_ring_fits"]
 
 _log = structlog.get_logger("moestream.staging")
-_workers_log = structlog.get_logger("moestream.workers")
 
 RAM_SHARE = 0.5
 """The most of the RAM available (``psutil``'s ``available``) one staging ring may take:
@@ -253,7 +252,7 @@ class WorkerPool:
             try:
                 fn(*args)
             except BaseException as exc:  # the caller's to report; the worker goes on
-                _workers_log.error("worker_call_failed", pool=self._name, call=getattr(
+                _log.error("worker_call_failed", pool=self._name, call=getattr(
                     fn, "__qualname__", repr(fn)), error=f"{type(exc).__name__}: {exc}")
 
     def shutdown(self, *, cancel: bool) -> int:
