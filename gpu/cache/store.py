@@ -213,8 +213,7 @@ class DeviceCache:
                 if spare:
                     buffer, reuse_after = spare.pop()
                 else:
-                    if freed:
-                        self._park(freed)
+                    self._park(freed)
                     buffer, reuse_after = self._buffer_for(size)
                 entry = Entry(key, buffer, size, reuse_after)
                 entry.pins = 1
@@ -230,8 +229,7 @@ class DeviceCache:
                 elif key in self._index:  # admitted, but no buffer was reserved for it
                     self._index.remove(key)
             raise
-        if freed:
-            self._park(freed)
+        self._park(freed)
         hits = plan.hits
         cache_bytes = 0
         for key in outcome.hits:
