@@ -2,24 +2,25 @@
 
 ``open_sync`` starts an event loop on a daemon thread and opens a ``Session`` there. The
 loop's thread holds the session's lock whenever it runs (every callback and task step),
-and lets go of it only while it waits for events. A call that never waits (``fetch``,
-``prefetch``, ``ready``, ``used``, ``available``, ``release``, ``counters``, and iterating
-a lease whose next expert has landed) takes the lock and runs on the caller's own thread, with
-the session's loop set as that thread's running loop meanwhile: no hop to the loop, so it
-costs about what the same call costs on the asynchronous face. A call that waits
-(iterating a lease whose next expert is loading, ``gather`` of one not yet landed,
-``close``) runs on the loop and the caller blocks without the lock. ``end_token`` runs on
-the caller's thread up to its first wait, which most tokens never reach, and goes on on
-the loop from there (``LoopThread.run_eager``).
+and lets go of it only while it waits for events. Every call but ``close`` takes the lock
+and runs on the caller's own thread, with the session's loop set as that thread's running
+loop meanwhile: no hop to the loop, so it costs about what the same call costs on the
+asynchronous face. Iterating a lease whose next expert is still loading (and ``gather``
+of one) waits on the caller's thread without the lock, on a ``ThreadWaiter`` in the lease's
+arrival queue: the loop's thread wakes it as it delivers the expert, and the caller takes
+the lock back to hand it out. ``end_token`` runs on the caller's thread up to its first
+wait, which most tokens never reach, and goes on on the loop from there
+(``LoopThread.run_eager``); ``close`` runs on the loop, the caller blocked without the lock.
 
 Calls may come from any of the engine's threads, one at a time or concurrently: they are
-serialized by the lock. A call interrupted while it waits (``KeyboardInterrupt``) cancels
-its work on the loop; a fetch interrupted part way releases what it pinned.
+serialized by the lock. A call interrupted while it waits (``KeyboardInterrupt``) stops
+waiting (its work on the loop cancelled, for ``close``); a fetch interrupted part way
+releases what it pinned.
 
-A wait is a stall on this face as on the asynchronous one: a call blocked on the loop for
-a lease's experts is charged, from the moment the caller blocked to the moment it is back
-(the hops to the loop and back included), to what the awaited load was doing meanwhile
-(``CallerWait``), not left to the token's ``host`` time.
+A wait is a stall on this face as on the asynchronous one: a caller blocked for a lease's
+expert is charged, from the moment it found the expert loading to the moment it has it,
+to what the awaited load was doing meanwhile (``LayerLease.on_wait``), not left to the
+token's ``host`` time.
 """
 
 from __future__ import annotations
@@ -29,9 +30,9 @@ import contextlib
 import functools
 import os
 import time
-from collections.abc import Callable, Coroutine, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import Any
 
 import structlog
 
@@ -48,57 +49,21 @@ from moestream._tuning import Tuning
 from moestream.gpu.interop import stream_pointer
 from moestream.pipeline.foundation.config import Budget
 from moestream.pipeline.foundation.errors import UsageError
-from moestream.pipeline.streaming.lease import NOT_YET, Arrival, LayerLease, WaitTold
+from moestream.pipeline.streaming.lease import NOT_YET, LayerLease
+from moestream.pipeline.streaming.loads import ThreadWaiter
 from moestream.pipeline.streaming.session import StreamSession
 
 __all__ = ["SyncLease", "SyncSession", "open_sync"]
 
-T = TypeVar("T")
 _log = structlog.get_logger("moestream.session")
-
-
-class CallerWait:
-    """One call of an engine's thread blocked on the loop for a lease's experts (iterating
-    one still loading, ``gather``).
-
-    The lease measures its waits on the loop, from when the call's work started there to
-    when the expert was delivered there; the caller was blocked longer, by the hop to the
-    loop (while the load went on) and the hop back. The waits seen on the loop are kept
-    here (``saw``, on the loop's thread) and charged once the caller is back (``settle``,
-    on the caller's thread), the first from when the caller blocked, the last to when it
-    was back: the session splits each by what the load was doing, as for an async engine
-    whose wait is its own. Both run under the session's lock.
-    """
-
-    __slots__ = ("charge", "settled", "started", "waits")
-
-    def __init__(self, charge: WaitTold) -> None:
-        self.charge = charge  # the layer lease's ``on_wait``
-        self.started = time.perf_counter()
-        self.waits: list[tuple[Any, Any, float, float]] = []
-        self.settled = False
-
-    def saw(self, entry: Any, load: Any, start: float, end: float) -> None:
-        if self.settled:  # the caller left (interrupted): nothing more to stretch
-            self.charge(entry, load, start, end)
-        else:
-            self.waits.append((entry, load, start, end))
-
-    def settle(self, ended: float) -> None:
-        self.settled = True
-        charge, last = self.charge, len(self.waits) - 1
-        for i, (entry, load, start, end) in enumerate(self.waits):
-            charge(entry, load, min(start, self.started) if i == 0 else start,
-                   max(end, ended) if i == last else end)
-        self.waits.clear()
 
 
 class SyncLease(LeaseBase):
     """A ``Lease`` for synchronous code: iterate it, or ``gather()``; leave its ``with``
     block (or ``release``) once the compute on its experts is queued.
 
-    Made by ``SyncSession.fetch`` on the caller's thread; what waits runs on the session's
-    loop (``LoopThread``), the rest on the caller's thread under the session's lock.
+    Made by ``SyncSession.fetch``; used on the caller's thread, under the session's lock
+    except while it waits for an expert to land.
     """
 
     __slots__ = ("_cupy_devices", "_thread")
@@ -114,78 +79,55 @@ class SyncLease(LeaseBase):
         return self
 
     def __next__(self) -> ExpertHandle:
-        """As ``Lease.__anext__``: on the caller's thread if the expert has landed, else
-        waiting on the loop."""
-        handle = self._thread.call(self._next_nowait)
-        if handle is NOT_YET:
-            handle = self._blocked(self._next_blocked)
+        """As ``Lease.__anext__``, on the caller's thread; an expert still loading is waited
+        for there, without the session's lock (``ThreadWaiter``): the loop's thread wakes
+        the caller as it delivers it, and the whole wait, to the hand-out under the lock, is
+        the lease's stall (``LayerLease.on_wait``)."""
+        waiter = ThreadWaiter()
+        since: float | None = None
+        try:
+            handle = self._thread.call(self._next_or_wait, waiter, since)
+            while handle is NOT_YET:
+                if since is None:
+                    since = time.perf_counter()
+                waiter.wait()
+                handle = self._thread.call(self._next_or_wait, waiter, since)
+        except BaseException:
+            if waiter.queued:  # interrupted: the lease's queue forgets it, or passes its wake on
+                with contextlib.suppress(UsageError):  # closed meanwhile: nothing to count
+                    self._thread.call(self._layer_lease.stop_waiting, waiter,
+                                      time.perf_counter() if since is None else since)
+            raise
         if handle is None:
             raise StopIteration
         assert isinstance(handle, ExpertHandle)
         return handle
 
-    def _next_nowait(self) -> ExpertHandle | Any | None:
-        """The next expert if available now, None when all were handed out, ``NOT_YET``
-        when iterating would wait (``__next__``'s path without a hop)."""
-        arrival = self._layer_lease.next_nowait()
-        if arrival is None or arrival is NOT_YET:
+    def _next_or_wait(self, waiter: ThreadWaiter, since: float | None
+                      ) -> ExpertHandle | Any | None:
+        """The next expert if available now (``since``: after a wait since then, which it
+        ended), None when all were handed out, ``NOT_YET`` with ``waiter`` queued."""
+        layer_lease = self._layer_lease
+        waiter.queued = False
+        arrival = (layer_lease.next_or_wait(waiter) if since is None
+                   else layer_lease.next_waited(since, waiter))
+        if arrival is NOT_YET:
+            waiter.queued = True
             return arrival
-        return self._handle(arrival)
+        return None if arrival is None else self._handle(arrival)
 
     def gather(self) -> list[ExpertHandle]:
-        """As ``Lease.gather``: on the caller's thread if every expert has landed."""
+        """As ``Lease.gather``: on the caller's thread, waiting as iterating does."""
         done = self._thread.call(self._gathered_now)
-        return done if done is not None else self._blocked(self._gather_blocked)
+        if done is None:
+            for _ in self:
+                pass
+            done = self._thread.call(self._in_order)
+        return done
 
     def _gathered_now(self) -> list[ExpertHandle] | None:
         LeaseBase.available(self)
         return self._in_order() if self._layer_lease.pending == 0 else None
-
-    def _blocked(self, work: Callable[[CallerWait], Coroutine[Any, Any, T]]) -> T:
-        """Run ``work`` on the loop, the caller blocked: its whole wait is a stall
-        (``CallerWait``)."""
-        wait = CallerWait(self._layer_lease.on_wait)
-        try:
-            return self._thread.run(work(wait))
-        finally:
-            ended = time.perf_counter()
-            with contextlib.suppress(UsageError):  # closed meanwhile: nothing to count
-                self._thread.call(wait.settle, ended)
-
-    # -- on the loop, for a blocked caller ------------------------------------------------
-
-    async def _next_blocked(self, wait: CallerWait) -> ExpertHandle | None:
-        """The next expert, waited for on the loop (``__next__``'s), the wait told to
-        ``wait``; None when all were handed out."""
-        layer_lease = self._layer_lease
-        arrival = None
-        try:
-            arrival = await layer_lease.next(wait.saw)
-            return None if arrival is None else self._handle(arrival)
-        finally:
-            if not wait.waits and arrival is not None:
-                self._landed_meanwhile(wait, arrival)
-
-    async def _gather_blocked(self, wait: CallerWait) -> list[ExpertHandle]:
-        """Every expert, waited for on the loop (``gather``'s), the waits told to ``wait``."""
-        layer_lease = self._layer_lease
-        first = None
-        try:
-            while (arrival := await layer_lease.next(wait.saw)) is not None:
-                if first is None:
-                    first = arrival
-                self._handle(arrival)
-            return self._in_order()
-        finally:
-            if not wait.waits and first is not None:
-                self._landed_meanwhile(wait, first)
-
-    def _landed_meanwhile(self, wait: CallerWait, arrival: Arrival) -> None:
-        """The expert the caller blocked for (``arrival``, the first this call got) landed
-        during its hop to the loop (the layer lease waited for nothing): the caller's wait
-        is still one for that expert's load."""
-        now = time.perf_counter()
-        wait.saw(arrival.entry, arrival.part.load, now, now)
 
     # -- on the caller's thread -----------------------------------------------------------
 

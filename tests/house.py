@@ -34,8 +34,9 @@ thread while a second, cold expert is fetched and used: the product files and fu
 ran, to follow a miss by. Comprehensions and lambdas are not counted; a dataclass's generated
 ``__init__`` is (an object the miss makes), under its class's file. Whether the caller
 blocks depends on when the read lands, so the profile is the union of ``MISS_RUNS`` misses,
-each in a session of its own: every path a cold miss may take. Printed, not yet a finding:
-the aim is 8 files and 40 functions.
+each in a session of its own: every path a cold miss may take. Printed, not a finding: the
+aim was 8 files and 40 functions. :func:`least_files` prints how far moving code can go
+toward it: the fewest modules that hold the classes the miss ran in, kept whole.
 """
 
 from __future__ import annotations
@@ -265,6 +266,25 @@ class MissPath:
         return sum(len(f) for f in self.functions.values())
 
 
+def least_files(miss: MissPath) -> tuple[int, dict[str, int]]:
+    """The fewest modules that could hold what ``miss`` ran without changing the code: each
+    class or top-level function it ran in kept whole, in its own layer's folder, no module
+    over ``MODULE_LINES_MAX`` lines. Returns (at least that many files, the lines of those
+    definitions by folder): a lower bound (each folder's lines over the cap, rounded up),
+    for the distance between the aim and what moving code alone can reach."""
+    lines: dict[str, int] = {}
+    for path, names in miss.functions.items():
+        outer = {name.split(".")[0] for name in names}
+        tree = ast.parse((ROOT / path).read_text())
+        for node in tree.body:
+            if isinstance(node, ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef) \
+                    and node.name in outer:
+                first = min([node.lineno, *(d.lineno for d in node.decorator_list)])
+                folder = str(Path(path).parent)
+                lines[folder] = lines.get(folder, 0) + (node.end_lineno or first) - first + 1
+    return sum(-(-n // MODULE_LINES_MAX) for n in lines.values()), lines
+
+
 _ANONYMOUS = ("<listcomp>", "<dictcomp>", "<setcomp>", "<genexpr>", "<lambda>")
 MISS_RUNS = 5
 
@@ -401,6 +421,12 @@ def main() -> int:
           f"{miss.n_functions} functions, {miss.threads} threads (aim: 8 files, 40 functions)")
     for path, names in miss.functions.items():
         print(f"    {path}: {len(names)}  {', '.join(names)}")
+    floor, lines = least_files(miss)
+    print(f"  the classes and functions it ran in: {sum(lines.values())} lines; kept whole, "
+          f"at most {MODULE_LINES_MAX} lines a module, they need at least {floor} files")
+    for folder, n in sorted(lines.items(), key=lambda item: folder_rank(item[0])):
+        files = -(-n // MODULE_LINES_MAX)
+        print(f"    {folder}: {n} lines, at least {files} file{'s' * (files > 1)}")
     print(f"findings: {found.findings}")
     return 1 if found.findings else 0
 

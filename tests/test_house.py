@@ -4,6 +4,7 @@ that fit in a head, and a wheel that ships only ``moestream``."""
 from __future__ import annotations
 
 import tomllib
+from pathlib import Path
 
 import pytest
 
@@ -60,6 +61,24 @@ class TestOneMiss:
         assert "Uploader.upload" in miss.functions["stages/upload.py"]
         assert any(path.startswith("moestream/_") for path in miss.functions)
         assert miss.threads >= 2  # the caller's and the session's loop at least
+
+    def test_least_files_counts_whole_definitions_by_folder(
+            self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        """A decorated class counts from its decorator to its end, once however many of its
+        methods ran; a folder's lines are rounded up to whole modules, folders apart."""
+        (tmp_path / "a").mkdir()
+        (tmp_path / "b").mkdir()
+        body = "\n".join(f"    def m{i}(self) -> None:\n        pass" for i in range(300))
+        (tmp_path / "a/one.py").write_text(f"import x\n\n@dataclass\nclass Big:\n{body}\n")
+        (tmp_path / "a/two.py").write_text("def f() -> None:\n    pass\n\n\ndef g() -> None:"
+                                           "\n    pass\n")
+        (tmp_path / "b/three.py").write_text("def h() -> None:\n    pass\n")
+        monkeypatch.setattr(house, "ROOT", tmp_path)
+        miss = house.MissPath({"a/one.py": ["Big.m0", "Big.m7", "Big.__init__"],
+                               "a/two.py": ["f"], "b/three.py": ["h"]}, threads=1)
+        floor, lines = house.least_files(miss)
+        assert lines == {"a": 2 + 600 + 2, "b": 2}  # g never ran
+        assert floor == 2 + 1
 
 
 def _folders(*names: str) -> dict[str, str]:

@@ -12,8 +12,8 @@ buffer from being read after it was reused live here, whatever the caller does:
 - a released entry's buffer is not overwritten before the event given at release (the
   engine's compute): the cache keeps one ``last_use`` event per entry, so when several
   leases used an entry their events are joined on a device stream (no host wait);
-- a lease released, or aborted by the session's close, never waits again: a task waiting
-  for an arrival is woken with ``UsageError``.
+- a lease released, or aborted by the session's close, never waits again: a task or a
+  thread waiting for an arrival is woken with ``UsageError``.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from moestream.gpu.backend import Event
 from moestream.gpu.cache.store import Entry
 from moestream.pipeline.foundation.errors import MoestreamError, StageError, UsageError
 from moestream.pipeline.streaming.lease_parts import LeasePart, unpin
-from moestream.pipeline.streaming.loads import Arrivals, LayerLoad
+from moestream.pipeline.streaming.loads import Arrivals, LayerLoad, Waiter
 
 __all__ = ["NOT_YET", "Arrival", "LayerLease", "WaitTold"]
 
@@ -252,13 +252,9 @@ class LayerLease:
         self._pending -= len(out)
         return out
 
-    async def next(self, on_wait: WaitTold | None = None) -> Arrival | None:
+    async def next(self) -> Arrival | None:
         """The next expert available, hits first, then misses as they land; None when all
         were handed out.
-
-        Args:
-            on_wait: told of this call's wait instead of the lease's ``on_wait`` (a caller
-                of the sync face blocked on another thread: ``moestream._sync``).
 
         Raises:
             StageError: this expert's load failed (it is dropped from the cache; iterating
@@ -269,23 +265,55 @@ class LayerLease:
         arrival = self.next_nowait()
         if arrival is not NOT_YET:
             return arrival
-        queue = self._queue
-        if queue is None:  # only hits loading for others are to come: none landed yet
-            queue = self._queue = Arrivals()
         t0 = time.perf_counter()
         item: Any = _ABORT
         try:
-            item = await queue.get()
+            item = await self._arrivals().get()
         finally:
-            t1 = time.perf_counter()
-            told = self.on_wait if on_wait is None else on_wait
-            if item is _ABORT:
-                told(None, None, t0, t1)
-            else:
-                part = self._part_of[item[0]]
-                own = item[0] in part.load.plan.misses
-                told(item[0], part.load if own else None, t0, t1)
+            self._tell_wait(item, t0)
         return self._hand_out(item)
+
+    def next_or_wait(self, waiter: Waiter) -> Arrival | Any | None:
+        """As ``next_nowait``, for a thread that waits without the loop (the sync face):
+        where it is ``NOT_YET``, ``waiter`` is woken by the next arrival, a release's
+        included; then ``next_waited``."""
+        arrival = self.next_nowait()
+        if arrival is NOT_YET:
+            self._arrivals().add_waiter(waiter)
+        return arrival
+
+    def next_waited(self, since: float, waiter: Waiter) -> Arrival | Any | None:
+        """What ``next`` gives after its wait, for a thread woken from ``next_or_wait``
+        that had waited since ``since``: the arrival, its wait told as ``next`` tells its
+        own; or, when another caller of this lease took it, ``next_or_wait(waiter)``."""
+        queue = self._queue
+        if queue is None or queue.empty() or self._stashed is not None:
+            return self.next_or_wait(waiter)
+        item = queue.get_nowait()
+        self._tell_wait(item, since)
+        return self._hand_out(item)
+
+    def stop_waiting(self, waiter: Waiter, since: float) -> None:
+        """A thread's wait from ``next_or_wait`` ended without an arrival (interrupted):
+        told as an interrupted ``next`` tells its wait."""
+        self._arrivals().drop_waiter(waiter)
+        self._tell_wait(_ABORT, since)
+
+    def _arrivals(self) -> Arrivals[Any]:
+        queue = self._queue
+        if queue is None:  # only hits loading for others are to come: none landed yet
+            queue = self._queue = Arrivals()
+        return queue
+
+    def _tell_wait(self, item: Any, start: float) -> None:
+        """Tell ``on_wait`` of a wait since ``start`` that ``item`` ended."""
+        end = time.perf_counter()
+        if item is _ABORT:
+            self.on_wait(None, None, start, end)
+            return
+        entry = item[0]
+        load = self._part_of[entry].load
+        self.on_wait(entry, load if entry in load.plan.misses else None, start, end)
 
     def next_nowait(self) -> Arrival | Any | None:
         """As ``next`` without waiting: the next expert if it is available now, None when

@@ -7,7 +7,8 @@ Why ``Arrivals`` and not ``asyncio.Queue``: a queue also counts tasks for ``join
 putters for a bound no arrival queue has; on a fine-grained shape (200 misses a token) its
 ``put_nowait`` and ``get_nowait`` were a visible share of a warm miss's host time. ``Arrivals``
 keeps what a lease uses: ``put_nowait`` (and ``put_many``), ``get_nowait`` (and ``take_all``),
-``empty`` and ``get``, for the event loop's thread only.
+``empty`` and ``get``, on the event loop's thread (or under the sync face's lock, which a
+thread blocked in ``ThreadWaiter.wait`` does not hold).
 """
 
 from __future__ import annotations
@@ -27,21 +28,53 @@ from moestream.stages.staging import StagingSlot
 
 __all__ = [
     "Arrivals", "IOMode", "JobMode", "LayerLoad", "LoadJob", "MappedCopies", "StageTimes",
-    "WarmGate",
+    "ThreadWaiter", "Waiter", "WarmGate",
 ]
 
 T = TypeVar("T")
 
 
+class Waiter(Protocol):
+    """What ``Arrivals`` wakes: a task's future, or a blocked thread's ``ThreadWaiter``."""
+
+    def done(self) -> bool: ...
+
+    def set_result(self, result: None, /) -> None: ...
+
+
+class ThreadWaiter:
+    """A thread blocked for an arrival without the loop's lock (the sync face): the loop's
+    thread wakes it as it wakes a task, by ``set_result``. The wait is a plain lock's
+    acquire, which a signal interrupts cleanly; woken and waited, it may wait again.
+    ``queued``: its owner's note that it is in a queue (or woken and its item not taken)."""
+
+    __slots__ = ("_lock", "queued")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._lock.acquire()
+        self.queued = False
+
+    def done(self) -> bool:
+        return not self._lock.locked()
+
+    def set_result(self, result: None, /) -> None:
+        self._lock.release()
+
+    def wait(self) -> None:
+        self._lock.acquire()
+
+
 class Arrivals(Generic[T]):
-    """An unbounded FIFO for one event loop; ``get`` waits for an item (several waiters
-    are served in the order they came, as ``asyncio.Queue`` serves them)."""
+    """An unbounded FIFO for one event loop; ``get`` waits for an item, and a thread
+    without the loop waits through ``add_waiter`` (several waiters are served in the order
+    they came, as ``asyncio.Queue`` serves them)."""
 
     __slots__ = ("_getters", "_items")
 
     def __init__(self) -> None:
         self._items: collections.deque[T] = collections.deque()
-        self._getters: collections.deque[asyncio.Future[None]] = collections.deque()
+        self._getters: collections.deque[Waiter] = collections.deque()
 
     def empty(self) -> bool:
         return not self._items
@@ -88,12 +121,21 @@ class Arrivals(Generic[T]):
                 await getter
             except BaseException:
                 getter.cancel()  # a no-op if it was woken already
-                if getter in self._getters:
-                    self._getters.remove(getter)
-                elif self._items:  # woken, then cancelled: the item goes to the next one
-                    self._wake_next()
+                self.drop_waiter(getter)
                 raise
         return self._items.popleft()
+
+    def add_waiter(self, waiter: Waiter) -> None:
+        """Wake ``waiter`` when an item comes, after those waiting already."""
+        self._getters.append(waiter)
+
+    def drop_waiter(self, waiter: Waiter) -> None:
+        """``waiter`` stopped waiting (cancelled, interrupted): it is forgotten, or, woken
+        already, its item goes to the next one."""
+        if waiter in self._getters:
+            self._getters.remove(waiter)
+        elif self._items:
+            self._wake_next()
 
     def _wake_next(self) -> None:
         while self._getters:

@@ -654,11 +654,91 @@ class TestSync:
             with pytest.raises(moestream.UsageError, match="twice"):
                 ms.fetch(ms.model.moe_layers[0], [3, 3])
 
+    def test_release_and_close_wake_a_blocked_caller(self, tiny_model: Path) -> None:
+        """A thread blocked for a loading expert (without the session's lock) is woken by a
+        release from another thread, and by the session's close."""
+        tuning = moestream.Tuning(faults="slow_ms=50@1+", queue_depth=1)
+        ms = moestream.open_sync(tiny_model, backend="host", mode="direct", tuning=tuning)
+        for end in ("release", "close"):
+            lease = ms.fetch(ms.model.moe_layers[0], [0, 1, 2])
+            raised: list[BaseException] = []
+            thread = threading.Thread(target=_gather_into, args=(lease, raised))
+            thread.start()
+            time.sleep(0.02)
+            lease.release() if end == "release" else ms.close()
+            thread.join(10.0)
+            assert not thread.is_alive()
+            assert isinstance(raised[0], moestream.UsageError), raised
+            assert ("released" if end == "release" else "closed") in str(raised[0])
+
+    @pytest.mark.parametrize("when", ["waiting", "woken"])
+    def test_an_interrupted_wait_leaves_the_lease_whole(
+            self, tiny_model: Path, tiny_table: ExpertTable, monkeypatch: pytest.MonkeyPatch,
+            when: str) -> None:
+        """Interrupted while it waits, or once woken and before it took the expert: the
+        next iteration still hands every expert out, once, and nothing stays pinned."""
+        from moestream.pipeline.streaming.loads import ThreadWaiter
+
+        real, armed = ThreadWaiter.wait, [True]
+
+        def interrupted(waiter: ThreadWaiter) -> None:
+            if armed[0] and when == "woken":
+                real(waiter)
+            if armed[0]:
+                armed[0] = False
+                raise KeyboardInterrupt
+            real(waiter)
+
+        monkeypatch.setattr(ThreadWaiter, "wait", interrupted)
+        tuning = moestream.Tuning(faults="slow_ms=30@1+", queue_depth=1)
+        with moestream.open_sync(tiny_model, backend="host", mode="direct",
+                                 tuning=tuning) as ms:
+            layer = ms.model.moe_layers[1]
+            with ms.fetch(layer, [4, 5]) as lease:
+                with pytest.raises(KeyboardInterrupt):
+                    next(lease)
+                got = list(lease)
+                assert sorted(h.expert for h in got) == [4, 5]
+                for h in got:
+                    assert _device_bytes(h) == _file_bytes(tiny_table, h.key)
+            stats = ms.end_token()
+            assert stats.misses == 2 and stats.stall_ms > 0
+            assert ms.counters().open_leases == 0 and _pins(ms._session) == {}
+
+    def test_threads_waiting_on_one_lease_share_its_experts(self, tiny_model: Path) -> None:
+        """Threads blocked on one lease at once are woken in turn: each expert is handed
+        out once."""
+        tuning = moestream.Tuning(faults="slow_ms=10@1+", queue_depth=1)
+        with moestream.open_sync(tiny_model, backend="host", mode="direct",
+                                 tuning=tuning) as ms:
+            experts = [0, 1, 2, 3]
+            with ms.fetch(ms.model.moe_layers[0], experts) as lease:
+                got: list[int] = []
+
+                def take() -> None:
+                    got.append(next(lease).expert)
+
+                threads = [threading.Thread(target=take) for _ in experts]
+                for thread in threads:
+                    thread.start()
+                for thread in threads:
+                    thread.join(20.0)
+                assert sorted(got) == experts
+                assert next(lease, None) is None
+            assert ms.counters().open_leases == 0 and _pins(ms._session) == {}
+
     def test_open_failure_stops_the_thread(self, tmp_path: Path) -> None:
         before = threading.active_count()
         with pytest.raises(moestream.ModelFileError):
             moestream.open_sync(tmp_path / "missing.gguf", backend="host")
         assert threading.active_count() == before
+
+
+def _gather_into(lease: moestream.SyncLease, raised: list[BaseException]) -> None:
+    try:
+        lease.gather()
+    except BaseException as error:  # the test reads it
+        raised.append(error)
 
 
 @pytest.fixture(scope="module")

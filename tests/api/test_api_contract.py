@@ -118,21 +118,17 @@ class TestTokenAccounting:
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
         """Bug 3, the sync face: the whole time an engine's thread is blocked for a load is
         stall, split by what the load did (here its read), not ``host``; also when the
-        loop is slow to take the call (simulated: 20 ms to get there, 5 ms back)."""
-        from moestream._loop_thread import LoopThread as _LoopThread
+        blocked thread is slow to wake (simulated: 20 ms before it waits, 5 ms after)."""
+        from moestream.pipeline.streaming.loads import ThreadWaiter
 
-        real = _LoopThread.run
+        real = ThreadWaiter.wait
 
-        def slow_hop(loop: Any, work: Any) -> Any:
-            if getattr(work, "__name__", "") not in ("_next_blocked", "_gather_blocked"):
-                return real(loop, work)
+        def slow_wake(waiter: ThreadWaiter) -> None:
             time.sleep(0.020)
-            try:
-                return real(loop, work)
-            finally:
-                time.sleep(0.005)
+            real(waiter)
+            time.sleep(0.005)
 
-        monkeypatch.setattr(_LoopThread, "run", slow_hop)
+        monkeypatch.setattr(ThreadWaiter, "wait", slow_wake)
         tuning = moestream.Tuning(faults="slow_ms=30@1+")  # every read takes 30 ms
         with _sync(tiny_model, budget="16", verify=False, tuning=tuning) as ms:
             for token in range(2):

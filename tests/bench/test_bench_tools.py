@@ -233,3 +233,14 @@ def test_plan_table_bench_plans_every_expert(tmp_path: Path) -> None:
     assert figures["experts"] == 94 * 128
     assert 100 < figures["kept_bytes_per_expert"] < 10_000
     assert figures["open_ms"] > 0 and figures["one_plan_us"] > 0
+
+
+def test_sync_wake_bench_times_blocked_misses(tmp_path: Path) -> None:
+    """``bench.sync_wake`` in this tree: every miss blocked the engine, each wake timed."""
+    from bench import sync_wake
+
+    out = tmp_path / "wake.json"
+    assert sync_wake.main(["--rounds", "12", "--runs", "1", "--out", str(out)]) == 0
+    (run,) = json.loads(out.read_text())["runs"].values()
+    assert run[0]["blocked"] == 12
+    assert 0 < run[0]["median_us"] <= run[0]["p90_us"]

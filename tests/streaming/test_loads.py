@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from moestream.pipeline.streaming.loads import Arrivals
+from moestream.pipeline.streaming.loads import Arrivals, ThreadWaiter
 
 
 @given(st.lists(st.one_of(st.integers(), st.none()), max_size=60))
@@ -64,6 +65,51 @@ async def test_a_cancelled_waiter_leaves_no_trace() -> None:
         await waiting
     q.put_nowait(1)
     assert await q.get() == 1
+
+
+async def test_a_thread_waiter_is_served_in_turn_with_tasks() -> None:
+    """A thread blocked without the loop is woken by the put that is its turn, from the
+    loop's thread, and may wait again once woken."""
+    q: Arrivals[str] = Arrivals()
+    first = asyncio.create_task(q.get())
+    await asyncio.sleep(0)
+    waiter = ThreadWaiter()
+    q.add_waiter(waiter)
+    woken = threading.Event()
+
+    def block() -> None:
+        waiter.wait()
+        woken.set()
+
+    thread = threading.Thread(target=block)
+    thread.start()
+    q.put_nowait("a")  # the task's
+    assert await first == "a"
+    assert not woken.wait(0.05) and not waiter.done()
+    q.put_nowait("b")  # the thread's
+    assert woken.wait(5.0)
+    thread.join()
+    assert q.get_nowait() == "b" and not waiter.done()  # woken and waited: armed again
+    q.add_waiter(waiter)
+    q.put_nowait("c")
+    assert waiter.done()
+
+
+async def test_a_thread_waiter_that_stops_hands_its_item_on() -> None:
+    """Woken, then interrupted before it took its item: ``drop_waiter`` wakes the next."""
+    q: Arrivals[str] = Arrivals()
+    gone, second = ThreadWaiter(), ThreadWaiter()
+    q.add_waiter(gone)
+    q.add_waiter(second)
+    q.put_nowait("x")  # wakes ``gone``
+    assert gone.done() and not second.done()
+    q.drop_waiter(gone)
+    assert second.done()
+    never = ThreadWaiter()
+    q.add_waiter(never)
+    q.drop_waiter(never)  # never woken: forgotten
+    q.put_nowait("y")
+    assert not never.done()
 
 
 @given(st.lists(st.integers(), max_size=20), st.lists(st.integers(), max_size=20),
