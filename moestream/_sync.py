@@ -117,12 +117,10 @@ class SyncLease(LeaseBase):
         return None if arrival is None else self._handle(arrival)
 
     def gather(self) -> list[ExpertHandle]:
-        """As ``Lease.gather``: on the caller's thread, waiting as iterating does."""
-        done = self._thread.call(self._gathered_now)
-        if done is None:
-            for _ in self:
-                pass
-            done = self._thread.call(self._in_order)
+        """As ``Lease.gather``: on the caller's thread, waiting as iterating does; what
+        landed together is taken together."""
+        while (done := self._thread.call(self._gathered_now)) is None:
+            next(self, None)
         return done
 
     def _gathered_now(self) -> list[ExpertHandle] | None:
