@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.one:  # a child of ``_in_tree``: one line of JSON
         print(json.dumps(measure(args.rounds)))
         return 0
-    from bench.record import provenance
+    from bench.record import provenance, write_result
 
     here = _HERE.parent.parent
     trees = [here] if args.against is None else [here, args.against.resolve()]
@@ -102,11 +102,9 @@ def main(argv: list[str] | None = None) -> int:
                               "runs": runs, "median_us": medians}
     if args.against is not None:
         result["ratio"] = round(medians[str(here)] / medians[str(trees[1])], 3)
-    text = json.dumps(result, indent=2)
-    print(text)
+    print(json.dumps(result, indent=2))
     if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text + "\n")
+        write_result(args.out, result)
     return 0
 
 
