@@ -59,6 +59,9 @@ def _load_error(entry: Entry, error: BaseException) -> MoestreamError:
 
 _ABORT = object()
 """Put in a lease's queue to wake a waiter when the lease is released or aborted."""
+_END = object()
+"""Put in a lease's queue once every expert was handed out: a waiter still there (another
+task or thread iterating the same lease) is woken to stop, and leaves it for the next."""
 
 WaitTold = Callable[[Entry | None, LayerLoad | None, float, float], None]
 """What is told of a wait for an arrival (``LayerLease.on_wait``)."""
@@ -242,6 +245,9 @@ class LayerLease:
         items = queue.take_all()
         part_of, handed = self._part_of, self._handed
         for i, item in enumerate(items):  # ``_hand_out``'s work for the landed ones, inline
+            if item is _END:
+                queue.put_back(items[i:])
+                break
             if item is _ABORT or item[1] is not None:
                 self._stashed = item
                 queue.put_back(items[i + 1 :])
@@ -249,7 +255,8 @@ class LayerLease:
             entry = item[0]
             handed.add(entry)
             out.append(Arrival(entry, part_of[entry]))
-        self._pending -= len(out)
+        if out:
+            self._handed_out(len(out))
         return out
 
     async def next(self) -> Arrival | None:
@@ -308,7 +315,7 @@ class LayerLease:
     def _tell_wait(self, item: Any, start: float) -> None:
         """Tell ``on_wait`` of a wait since ``start`` that ``item`` ended."""
         end = time.perf_counter()
-        if item is _ABORT:
+        if item is _ABORT or item is _END:
             self.on_wait(None, None, start, end)
             return
         entry = item[0]
@@ -337,13 +344,16 @@ class LayerLease:
             return self._hand_out(queue.get_nowait())
         return NOT_YET
 
-    def _hand_out(self, item: Any) -> Arrival:
-        """Hand out one queued arrival (raising its load's error)."""
+    def _hand_out(self, item: Any) -> Arrival | None:
+        """Hand out one queued arrival (raising its load's error); None for ``_END``."""
         if item is _ABORT:
             self._check()  # raises: only ``release`` queues it
+        if item is _END:
+            self._arrivals().put_nowait(_END)  # for the next waiter
+            return None
         entry: Entry = item[0]
         error: BaseException | None = item[1]
-        self._pending -= 1
+        self._handed_out(1)
         if error is not None:
             part = self._part_of[entry]
             if entry in part.load.plan.misses:  # ours: dropped now, not when told later
@@ -351,6 +361,13 @@ class LayerLease:
             raise _load_error(entry, error) from error
         self._handed.add(entry)
         return Arrival(entry, self._part_of[entry])
+
+    def _handed_out(self, n: int) -> None:
+        """``n`` more arrivals were taken from the queue; after the last, ``_END`` wakes
+        whoever still waits in it."""
+        self._pending -= n
+        if self._pending == 0:
+            self._arrivals().put_nowait(_END)
 
     # -- release ---------------------------------------------------------------------------
 

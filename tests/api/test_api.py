@@ -568,6 +568,23 @@ class TestLifetimes:
             with pytest.raises(moestream.UsageError, match="released"):
                 await waiter
 
+    async def test_tasks_iterating_one_lease_all_end(self, tiny_model: Path) -> None:
+        """Two tasks gathering one lease at once: each expert is handed out once, and the
+        task left waiting when the last was handed out ends too (before the release)."""
+        tuning = moestream.Tuning(faults="slow_ms=10@1+", queue_depth=1)
+        async with _open(tiny_model, tuning=tuning) as ms:
+            async with ms.fetch(ms.model.moe_layers[0], [0, 1, 2, 3, 4]) as lease:
+                got: list[list[int]] = [[], []]
+
+                async def take(mine: list[int]) -> None:
+                    async for h in lease:
+                        mine.append(h.expert)
+
+                await asyncio.wait_for(asyncio.gather(take(got[0]), take(got[1])), 20.0)
+                assert sorted(got[0] + got[1]) == [0, 1, 2, 3, 4]
+                assert [h.expert for h in await lease.gather()] == [0, 1, 2, 3, 4]
+            assert _pins(ms) == {}
+
     async def test_close_wakes_a_waiter(self, tiny_model: Path) -> None:
         tuning = moestream.Tuning(faults="slow_ms=50@1+", queue_depth=1)
         ms = await _open(tiny_model, tuning=tuning)
@@ -705,26 +722,26 @@ class TestSync:
             assert stats.misses == 2 and stats.stall_ms > 0
             assert ms.counters().open_leases == 0 and _pins(ms._session) == {}
 
-    def test_threads_waiting_on_one_lease_share_its_experts(self, tiny_model: Path) -> None:
+    def test_threads_iterating_one_lease_share_its_experts(self, tiny_model: Path) -> None:
         """Threads blocked on one lease at once are woken in turn: each expert is handed
-        out once."""
+        out once, and once all were, every thread's iteration ends (none waits on)."""
         tuning = moestream.Tuning(faults="slow_ms=10@1+", queue_depth=1)
         with moestream.open_sync(tiny_model, backend="host", mode="direct",
                                  tuning=tuning) as ms:
-            experts = [0, 1, 2, 3]
+            experts = list(range(6))
             with ms.fetch(ms.model.moe_layers[0], experts) as lease:
-                got: list[int] = []
+                got: list[list[int]] = [[], [], []]
 
-                def take() -> None:
-                    got.append(next(lease).expert)
+                def take(mine: list[int]) -> None:
+                    mine.extend(h.expert for h in lease)
 
-                threads = [threading.Thread(target=take) for _ in experts]
+                threads = [threading.Thread(target=take, args=(g,)) for g in got]
                 for thread in threads:
                     thread.start()
                 for thread in threads:
                     thread.join(20.0)
-                assert sorted(got) == experts
-                assert next(lease, None) is None
+                    assert not thread.is_alive()
+                assert sorted(e for g in got for e in g) == experts
             assert ms.counters().open_leases == 0 and _pins(ms._session) == {}
 
     def test_open_failure_stops_the_thread(self, tmp_path: Path) -> None:
