@@ -4,9 +4,11 @@ the signals deferred while a caller holds that lock.
 The loop's thread holds the lock whenever it runs (every callback and task step) and lets
 go of it only while it waits for events in ``select``. A call that never waits runs on the
 caller's own thread under that lock (``LoopThread.call``, ``LoopThread.query``); a call that
-waits runs on the loop while the caller blocks without it (``LoopThread.run``); a call that
-may wait but mostly does not runs on the caller's thread up to its first wait and on the
-loop from there (``LoopThread.run_eager``).
+is the loop's work (opening and closing the session) runs on the loop while the caller
+blocks without it (``LoopThread.run``); a call that may wait but mostly does not runs on the
+caller's thread up to its first wait and on the loop from there (``LoopThread.run_eager``).
+A wait for an expert is neither: the caller blocks on its own ``ThreadWaiter``, between two
+``call``s.
 ``moestream._sync``'s docstring says which calls take which path.
 
 Signals (``Deferral``): Python runs signal handlers on the main thread, between any two
