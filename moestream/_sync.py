@@ -80,39 +80,48 @@ class SyncLease(LeaseBase):
 
     def __next__(self) -> ExpertHandle:
         """As ``Lease.__anext__``, on the caller's thread; an expert still loading is waited
-        for there, without the session's lock (``ThreadWaiter``): the loop's thread wakes
-        the caller as it delivers it, and the whole wait, to the hand-out under the lock, is
-        the lease's stall (``LayerLease.on_wait``)."""
-        waiter = ThreadWaiter()
-        since: float | None = None
-        try:
-            handle = self._thread.call(self._next_or_wait, waiter, since)
-            while handle is NOT_YET:
-                if since is None:
-                    since = time.perf_counter()
-                waiter.wait()
-                handle = self._thread.call(self._next_or_wait, waiter, since)
-        except BaseException:
-            if waiter.queued:  # interrupted: the lease's queue forgets it, or passes its wake on
-                with contextlib.suppress(UsageError):  # closed meanwhile: nothing to count
-                    self._thread.call(self._layer_lease.stop_waiting, waiter,
-                                      time.perf_counter() if since is None else since)
-            raise
+        for there, without the session's lock (``_waited``)."""
+        handle = self._thread.call(self._next_or_wait, None, None)
+        if handle is NOT_YET:
+            handle = self._waited()
         if handle is None:
             raise StopIteration
         assert isinstance(handle, ExpertHandle)
         return handle
 
-    def _next_or_wait(self, waiter: ThreadWaiter, since: float | None
+    def _waited(self) -> ExpertHandle | None:
+        """Block on a ``ThreadWaiter`` in the lease's arrival queue until the next expert
+        lands (the loop's thread wakes it as it delivers it): the whole wait, to the
+        hand-out under the lock, is the lease's stall (``LayerLease.on_wait``)."""
+        waiter = ThreadWaiter()
+        since = time.perf_counter()
+        try:
+            handle = self._thread.call(self._next_or_wait, waiter, None)
+            while handle is NOT_YET:
+                waiter.wait()
+                handle = self._thread.call(self._next_or_wait, waiter, since)
+        except BaseException:
+            if waiter.queued:  # interrupted: the lease's queue forgets it, or passes its wake on
+                with contextlib.suppress(UsageError):  # closed meanwhile: nothing to count
+                    self._thread.call(self._layer_lease.stop_waiting, waiter, since)
+            raise
+        return handle
+
+    def _next_or_wait(self, waiter: ThreadWaiter | None, since: float | None
                       ) -> ExpertHandle | Any | None:
         """The next expert if available now (``since``: after a wait since then, which it
-        ended), None when all were handed out, ``NOT_YET`` with ``waiter`` queued."""
+        ended), None when all were handed out, ``NOT_YET`` (with ``waiter``, if any,
+        queued)."""
         layer_lease = self._layer_lease
-        waiter.queued = False
-        arrival = (layer_lease.next_or_wait(waiter) if since is None
-                   else layer_lease.next_waited(since, waiter))
+        if waiter is None:
+            arrival = layer_lease.next_nowait()
+        else:
+            waiter.queued = False
+            arrival = (layer_lease.next_or_wait(waiter) if since is None
+                       else layer_lease.next_waited(since, waiter))
         if arrival is NOT_YET:
-            waiter.queued = True
+            if waiter is not None:
+                waiter.queued = True
             return arrival
         return None if arrival is None else self._handle(arrival)
 
