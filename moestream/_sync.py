@@ -112,13 +112,11 @@ class SyncLease(LeaseBase):
         """The next expert if available now (``since``: after a wait since then, which it
         ended), None when all were handed out, ``NOT_YET`` (with ``waiter``, if any,
         queued)."""
-        layer_lease = self._layer_lease
         if waiter is None:
-            arrival = layer_lease.next_nowait()
+            arrival = self._layer_lease.next_nowait()
         else:
             waiter.queued = False
-            arrival = (layer_lease.next_or_wait(waiter) if since is None
-                       else layer_lease.next_waited(since, waiter))
+            arrival = self._layer_lease.next_or_wait(waiter, since)
         if arrival is NOT_YET:
             if waiter is not None:
                 waiter.queued = True

@@ -280,25 +280,23 @@ class LayerLease:
             self._tell_wait(item, t0)
         return self._hand_out(item)
 
-    def next_or_wait(self, waiter: Waiter) -> Arrival | Any | None:
+    def next_or_wait(self, waiter: Waiter, since: float | None = None
+                     ) -> Arrival | Any | None:
         """As ``next_nowait``, for a thread that waits without the loop (the sync face):
         where it is ``NOT_YET``, ``waiter`` is woken by the next arrival, a release's
-        included; then ``next_waited``."""
+        included. Called again once woken, with ``since`` (when it began to wait): the
+        arrival that woke it is handed out, its wait told as ``next`` tells its own (or,
+        taken meanwhile by another caller of this lease, ``waiter`` waits again)."""
+        queue = self._queue
+        if since is not None and queue is not None and not queue.empty() \
+                and self._stashed is None:
+            item = queue.get_nowait()
+            self._tell_wait(item, since)
+            return self._hand_out(item)
         arrival = self.next_nowait()
         if arrival is NOT_YET:
             self._arrivals().add_waiter(waiter)
         return arrival
-
-    def next_waited(self, since: float, waiter: Waiter) -> Arrival | Any | None:
-        """What ``next`` gives after its wait, for a thread woken from ``next_or_wait``
-        that had waited since ``since``: the arrival, its wait told as ``next`` tells its
-        own; or, when another caller of this lease took it, ``next_or_wait(waiter)``."""
-        queue = self._queue
-        if queue is None or queue.empty() or self._stashed is not None:
-            return self.next_or_wait(waiter)
-        item = queue.get_nowait()
-        self._tell_wait(item, since)
-        return self._hand_out(item)
 
     def stop_waiting(self, waiter: Waiter, since: float) -> None:
         """A thread's wait from ``next_or_wait`` ended without an arrival (interrupted):
